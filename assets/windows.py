@@ -1,0 +1,219 @@
+"""Canonical export windows: one business date in one IANA zone mapped to a half-open UTC interval.
+
+Plain Python on top of :mod:`zoneinfo`; nothing here knows about Dagster.
+
+Window policy
+-------------
+The window of business date ``d`` in zone ``Z`` is ``[S(d), S(d + 1))`` where ``S(d)`` is the earliest UTC instant
+whose wall-clock date in ``Z`` is ``d`` or later. Read as rules:
+
+* a local midnight that does not exist (the clock jumps over it) starts the day at the first instant after the gap;
+* a local midnight that occurs twice starts the day at its first occurrence;
+* a calendar day the zone skipped entirely (Pacific/Apia, 2011-12-30) has an empty window: it exports nothing, and
+  no event can belong to two windows.
+
+Because ``S`` never decreases, consecutive windows tile the UTC timeline: contiguous, non-overlapping, one per date.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from zoneinfo import TZPATH, ZoneInfo, ZoneInfoNotFoundError
+
+UTC = dt.timezone.utc
+_ONE_DAY = dt.timedelta(days=1)
+_TICK = dt.timedelta(microseconds=1)
+_DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+
+
+class CalendarError(ValueError):
+    """A business date, zone or schedule time that the export calendar cannot accept."""
+
+
+@dataclass(frozen=True)
+class ExportWindow:
+    """The canonical UTC window of one business date in one zone.
+
+    Attributes:
+        business_date: The local calendar date the window stands for.
+        timezone: IANA zone name, e.g. ``America/New_York``.
+        start_utc: Inclusive start, timezone-aware UTC.
+        end_utc: Exclusive end, timezone-aware UTC. Equal to ``start_utc`` on a day the zone skipped.
+    """
+
+    business_date: dt.date
+    timezone: str
+    start_utc: dt.datetime
+    end_utc: dt.datetime
+
+    def __post_init__(self) -> None:
+        for name in ("start_utc", "end_utc"):
+            value = getattr(self, name)
+            if value.tzinfo is None or value.utcoffset() != dt.timedelta(0):
+                raise CalendarError(f"{name} must be a UTC-aware datetime, got {value!r}")
+        if self.end_utc < self.start_utc:
+            raise CalendarError(f"window for {self.business_date} ends before it starts")
+
+    @property
+    def duration(self) -> dt.timedelta:
+        return self.end_utc - self.start_utc
+
+    @property
+    def is_empty(self) -> bool:
+        """True on a calendar day that the zone skipped: the window holds no instant."""
+        return self.start_utc == self.end_utc
+
+    def contains(self, instant: dt.datetime) -> bool:
+        return self.start_utc <= require_aware(instant, "instant") < self.end_utc
+
+
+def require_aware(value: dt.datetime, name: str) -> dt.datetime:
+    """Returns ``value`` in UTC, or raises when it is naive: every boundary of this project is timezone-aware."""
+    if not isinstance(value, dt.datetime):
+        raise TypeError(f"{name} must be a datetime, got {type(value).__name__}")
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise ValueError(f"{name} must be timezone-aware, got naive {value.isoformat()}")
+    return value.astimezone(UTC)
+
+
+def utc_iso(value: dt.datetime) -> str:
+    """ISO 8601 in UTC with a ``Z`` suffix, e.g. ``2026-03-08T05:00:00Z``."""
+    value = require_aware(value, "value")
+    text = value.replace(tzinfo=None).isoformat()
+    return f"{text}Z"
+
+
+def parse_business_date(text: str) -> dt.date:
+    """Parses a ``YYYY-MM-DD`` partition key, naming the key in the error."""
+    if not isinstance(text, str) or not _DATE_RE.match(text):
+        raise CalendarError(f"invalid partition key {text!r}: expected a date as YYYY-MM-DD")
+    try:
+        return dt.date.fromisoformat(text)
+    except ValueError as exc:
+        raise CalendarError(f"invalid partition key {text!r}: {exc}") from None
+
+
+def load_zone(name: str) -> ZoneInfo:
+    """Loads an IANA zone, refusing anything that is not a known zone name."""
+    if not isinstance(name, str) or not name or name != name.strip():
+        raise CalendarError(f"unknown timezone {name!r}: expected an IANA zone name such as 'America/New_York'")
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError) as exc:
+        raise CalendarError(
+            f"unknown timezone {name!r}: expected an IANA zone name such as 'America/New_York'"
+        ) from exc
+
+
+def _local_date(instant: dt.datetime, zone: ZoneInfo) -> dt.date:
+    return instant.astimezone(zone).date()
+
+
+def _start_of_day(day: dt.date, zone: ZoneInfo) -> dt.datetime:
+    """Earliest UTC instant whose local date in ``zone`` is ``day`` or later."""
+    midnight = dt.datetime(day.year, day.month, day.day)
+    # fold=0 maps a repeated midnight to its first occurrence, and a skipped midnight to the instant the clock jumped
+    # (the offset before the gap applies), which is the first instant after it.
+    candidate = midnight.replace(tzinfo=zone, fold=0).astimezone(UTC)
+    if _local_date(candidate, zone) >= day and _local_date(candidate - _TICK, zone) < day:
+        return candidate
+    return _search_start_of_day(day, zone, midnight)
+
+
+def _search_start_of_day(day: dt.date, zone: ZoneInfo, midnight: dt.datetime) -> dt.datetime:
+    """Exact fallback for transitions that straddle midnight without landing on it.
+
+    Within a stretch of constant UTC offset ``o`` the local date reaches ``day`` at ``midnight - o``, so the answer is
+    the earliest such point that lies inside its own stretch. Offset changes are found by bisection to the microsecond.
+    """
+    lo = (midnight - dt.timedelta(hours=30)).replace(tzinfo=UTC)
+    hi = (midnight + dt.timedelta(hours=30)).replace(tzinfo=UTC)
+    step = dt.timedelta(minutes=15)
+    boundaries = [lo]
+    t = lo
+    while t < hi:
+        nxt = min(t + step, hi)
+        if t.astimezone(zone).utcoffset() != nxt.astimezone(zone).utcoffset():
+            a, b = t, nxt
+            while b - a > _TICK:
+                mid = a + (b - a) / 2
+                if mid.astimezone(zone).utcoffset() == a.astimezone(zone).utcoffset():
+                    a = mid
+                else:
+                    b = mid
+            boundaries.append(b)
+        t = nxt
+    boundaries.append(hi)
+    for seg_start, seg_end in zip(boundaries, boundaries[1:]):
+        offset = seg_start.astimezone(zone).utcoffset()
+        reach = (midnight - offset).replace(tzinfo=UTC)
+        first = max(seg_start, reach)
+        if first < seg_end:
+            return first
+    raise CalendarError(f"could not place the start of {day} in {zone.key}")  # pragma: no cover - no zone does this
+
+
+def window_for(business_date: dt.date, timezone: str) -> ExportWindow:
+    """Computes the canonical window of ``business_date`` in ``timezone``.
+
+    Example:
+        >>> w = window_for(dt.date(2026, 3, 8), "America/New_York")
+        >>> (utc_iso(w.start_utc), utc_iso(w.end_utc), w.duration)
+        ('2026-03-08T05:00:00Z', '2026-03-09T04:00:00Z', datetime.timedelta(seconds=82800))
+    """
+    zone = load_zone(timezone)
+    start = _start_of_day(business_date, zone)
+    end = _start_of_day(business_date + _ONE_DAY, zone)
+    return ExportWindow(business_date=business_date, timezone=timezone, start_utc=start, end_utc=end)
+
+
+def windows_between(first: dt.date, last: dt.date, timezone: str) -> list[ExportWindow]:
+    """All windows from ``first`` to ``last`` inclusive, sharing each boundary between neighbours."""
+    zone = load_zone(timezone)
+    days = (last - first).days + 1
+    starts = [_start_of_day(first + dt.timedelta(days=i), zone) for i in range(days + 1)]
+    return [
+        ExportWindow(first + dt.timedelta(days=i), timezone, starts[i], starts[i + 1]) for i in range(days)
+    ]
+
+
+@functools.cache
+def tz_database_version(timezone: str) -> str:
+    """Names the tz database that :mod:`zoneinfo` reads ``timezone`` from, e.g. ``system 2025b`` or ``tzdata 2026f``.
+
+    zoneinfo searches the system database before the ``tzdata`` wheel, so two machines can disagree about a zone's
+    rules; the ledger records this string next to every window it computes.
+    """
+    relative = Path(*timezone.split("/"))
+    for root in TZPATH:
+        if (Path(root) / relative).is_file():
+            version = "unknown"
+            zi = Path(root) / "tzdata.zi"
+            if zi.is_file():
+                with zi.open(encoding="utf-8") as handle:
+                    first = handle.readline().strip()
+                if first.startswith("# version "):
+                    version = first.removeprefix("# version ")
+            return f"system {version}"
+    try:
+        import tzdata
+
+        return f"tzdata {tzdata.IANA_VERSION}"
+    except ImportError:  # pragma: no cover - tzdata is a declared dependency
+        return "unknown"
+
+
+def local_time_exists_once(day: dt.date, at: dt.time, timezone: str) -> bool:
+    """True when wall time ``at`` occurs exactly once on ``day`` in ``timezone`` (neither skipped nor repeated)."""
+    zone = load_zone(timezone)
+    naive = dt.datetime.combine(day, at)
+    first = naive.replace(tzinfo=zone, fold=0)
+    second = naive.replace(tzinfo=zone, fold=1)
+    if first.utcoffset() != second.utcoffset():
+        return False  # skipped (gap) or repeated (fold)
+    roundtrip = first.astimezone(UTC).astimezone(zone).replace(tzinfo=None)
+    return roundtrip == naive

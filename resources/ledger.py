@@ -1,0 +1,602 @@
+"""The export ledger: logical runs, their attempts, leases and fencing tokens.
+
+Plain Python on SQLAlchemy Core; nothing here knows about Dagster. One code path serves SQLite and PostgreSQL.
+
+Every state change is one guarded ``UPDATE ... WHERE state IN (...) AND fencing_token = ...`` inside one transaction;
+when no row matches, the change is refused with a domain error and nothing is written except, where useful, an
+attempt row saying why. Attempt rows are append-only: each attempt on a key gets exactly one row, written when its
+outcome is known (or, for a crashed attempt, when a later attempt takes over its expired lease), and never changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.engine import Connection, Engine, make_url
+
+from assets.keys import LogicalKey
+from assets.windows import ExportWindow, require_aware, tz_database_version
+from resources.schema import AttemptOutcome, ExportState, export_attempts, export_runs, metadata
+
+UTC = dt.timezone.utc
+DEFAULT_LEASE_TTL = dt.timedelta(minutes=15)
+_MESSAGE_LIMIT = 500
+
+
+def utc_now() -> dt.datetime:
+    return dt.datetime.now(UTC)
+
+
+class LedgerError(Exception):
+    """Base class of the ledger's domain errors."""
+
+
+class LedgerUnavailable(LedgerError):
+    """The ledger database cannot be reached or opened."""
+
+
+class LeaseHeld(LedgerError):
+    """Another attempt holds a live lease on the key."""
+
+
+class NeedsReconciliation(LedgerError):
+    """The key's last write has an unknown outcome; retrying blindly could export it twice."""
+
+
+class FencedOut(LedgerError):
+    """The attempt lost its lease (expired and taken over); it must not commit."""
+
+
+class InvalidTransition(LedgerError):
+    """A transition was asked from a state that does not allow it."""
+
+
+@dataclass(frozen=True)
+class ExportRecord:
+    """One row of ``export_runs``."""
+
+    logical_key: str
+    export: str
+    tenant: str
+    business_date: dt.date
+    timezone: str
+    window_start_utc: dt.datetime
+    window_end_utc: dt.datetime
+    tz_database: str
+    state: ExportState
+    location: str | None
+    sha256: str | None
+    row_count: int | None
+    committed_attempt: str | None
+    lease_owner: str | None
+    lease_expires_at: dt.datetime | None
+    attempt_started_at: dt.datetime | None
+    fencing_token: int
+    created_at: dt.datetime
+    updated_at: dt.datetime
+
+    @classmethod
+    def from_row(cls, row: sa.Row) -> ExportRecord:
+        values = dict(row._mapping)
+        values["state"] = ExportState(values["state"])
+        return cls(**values)
+
+    @property
+    def window(self) -> ExportWindow:
+        return ExportWindow(self.business_date, self.timezone, self.window_start_utc, self.window_end_utc)
+
+
+@dataclass(frozen=True)
+class AttemptRecord:
+    """One row of ``export_attempts``."""
+
+    id: int
+    attempt_id: str
+    logical_key: str
+    fencing_token: int | None
+    started_at: dt.datetime
+    finished_at: dt.datetime
+    outcome: AttemptOutcome
+    error_class: str | None
+    error_message: str | None
+
+    @classmethod
+    def from_row(cls, row: sa.Row) -> AttemptRecord:
+        values = dict(row._mapping)
+        values["outcome"] = AttemptOutcome(values["outcome"])
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A live lease on one logical key, proved by its fencing token.
+
+    ``window`` is the window recorded at the key's first claim: retries export that window, whatever the calendar
+    computes today.
+    """
+
+    logical_key: str
+    attempt_id: str
+    fencing_token: int
+    window: ExportWindow
+    started_at: dt.datetime
+    lease_expires_at: dt.datetime
+    previous_state: ExportState | None
+
+
+@dataclass(frozen=True)
+class AlreadyCompleted:
+    """The key was completed before this attempt: nothing to do."""
+
+    record: ExportRecord
+
+
+@dataclass(frozen=True)
+class CompletionEvidence:
+    """What a destination says it holds for a key: enough to record completion."""
+
+    location: str
+    sha256: str
+    row_count: int
+    attempt_id: str
+    fencing_token: int
+
+
+def short_error(exc: BaseException) -> tuple[str, str]:
+    """Error class and a bounded message for the attempts table."""
+    message = str(exc) or exc.__class__.__name__
+    if len(message) > _MESSAGE_LIMIT:
+        message = message[: _MESSAGE_LIMIT - 3] + "..."
+    return exc.__class__.__name__, message
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced, for error messages."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # an unparsable URL is reported by its scheme only
+        return url.split(":", 1)[0] + ":..."
+
+
+_engines: dict[str, Engine] = {}
+_engines_lock = threading.Lock()
+
+
+def _configure_sqlite(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection, _record):  # pragma: no cover - exercised through every SQLite test
+        # Take over transaction control from pysqlite so that BEGIN IMMEDIATE below is the only BEGIN.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=FULL")
+        cursor.execute("PRAGMA busy_timeout=30000")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection):  # pragma: no cover - exercised through every SQLite test
+        # Take the write lock up front: two claimers never both read a state and then race to update it.
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def ledger_engine(url: str) -> Engine:
+    """One engine per URL per process, with the schema created on first use."""
+    with _engines_lock:
+        engine = _engines.get(url)
+        if engine is not None:
+            return engine
+        try:
+            parsed = make_url(url)
+        except Exception as exc:
+            raise LedgerUnavailable(f"invalid ledger URL {redact_url(url)!r}: {exc}") from None
+        if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+            folder = Path(parsed.database).expanduser().resolve().parent
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise LedgerUnavailable(f"cannot create the ledger folder {folder}: {exc.strerror}") from None
+        try:
+            engine = sa.create_engine(parsed, pool_pre_ping=True)
+        except Exception as exc:
+            raise LedgerUnavailable(f"cannot open ledger {redact_url(url)!r}: {exc}") from None
+        if engine.dialect.name == "sqlite":
+            _configure_sqlite(engine)
+        _create_schema(engine, url)
+        _engines[url] = engine
+        return engine
+
+
+def _create_schema(engine: Engine, url: str) -> None:
+    for attempt in range(3):
+        try:
+            metadata.create_all(engine)
+            return
+        except sa.exc.OperationalError as exc:
+            raise LedgerUnavailable(
+                f"cannot reach the ledger at {redact_url(url)!r}: {exc.orig.__class__.__name__}: "
+                f"{str(exc.orig).strip().splitlines()[0] if str(exc.orig).strip() else ''}"
+            ) from None
+        except (sa.exc.IntegrityError, sa.exc.ProgrammingError):
+            # Another process created the same tables between our check and our CREATE; look again.
+            if attempt == 2:
+                raise
+
+
+def dispose_engines() -> None:
+    """Closes every pooled connection (tests, CLI exit)."""
+    with _engines_lock:
+        for engine in _engines.values():
+            engine.dispose()
+        _engines.clear()
+
+
+class ExportLedger:
+    """Records logical exports and their attempts.
+
+    Args:
+        url: Any SQLAlchemy URL; ``sqlite:///path`` or ``postgresql+psycopg2://user@host/db``.
+        lease_ttl: How long a claim stays exclusive without a result.
+        clock: Returns the current time, timezone-aware; tests pass a controllable one.
+
+    Example:
+        >>> ledger = ExportLedger("sqlite:///var/ledger.sqlite3")  # doctest: +SKIP
+        >>> outcome = ledger.claim(key, attempt_id="run-1/invoice_export")  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        lease_ttl: dt.timedelta = DEFAULT_LEASE_TTL,
+        clock: Callable[[], dt.datetime] = utc_now,
+    ) -> None:
+        if lease_ttl <= dt.timedelta(0):
+            raise ValueError(f"lease_ttl must be positive, got {lease_ttl}")
+        self.url = url
+        self.lease_ttl = lease_ttl
+        self._clock = clock
+        self._engine = ledger_engine(url)
+
+    @property
+    def dialect(self) -> str:
+        return self._engine.dialect.name
+
+    def now(self) -> dt.datetime:
+        return require_aware(self._clock(), "ledger clock")
+
+    @contextlib.contextmanager
+    def atomic(self) -> Iterator[Connection]:
+        """The one transaction entry point. Everything inside commits together or not at all.
+
+        Rolling back is always safe here: the ledger records decisions, and a decision that did not commit was
+        never acted upon (destinations act only after ``claim`` has committed, and record after they acted).
+        """
+        try:
+            with self._engine.begin() as connection:
+                yield connection
+        except sa.exc.OperationalError as exc:
+            raise LedgerUnavailable(
+                f"ledger at {redact_url(self.url)!r} failed: {exc.orig.__class__.__name__}: {str(exc.orig).strip()}"
+            ) from exc
+
+    # -- reads -------------------------------------------------------------------------------------------------
+
+    def get(self, logical_key: str) -> ExportRecord | None:
+        with self.atomic() as conn:
+            row = conn.execute(sa.select(export_runs).where(export_runs.c.logical_key == logical_key)).first()
+        return ExportRecord.from_row(row) if row else None
+
+    def find(self, key: LogicalKey) -> ExportRecord | None:
+        """The record for the key's business day, whatever window start it was first claimed with."""
+        with self.atomic() as conn:
+            row = self._find(conn, key, lock=False)
+        return ExportRecord.from_row(row) if row else None
+
+    def records(
+        self,
+        *,
+        export: str | None = None,
+        tenant: str | None = None,
+        date_from: dt.date | None = None,
+        date_to: dt.date | None = None,
+        states: Sequence[ExportState] = (),
+        limit: int | None = None,
+    ) -> list[ExportRecord]:
+        query = sa.select(export_runs)
+        if export is not None:
+            query = query.where(export_runs.c.export == export)
+        if tenant is not None:
+            query = query.where(export_runs.c.tenant == tenant)
+        if date_from is not None:
+            query = query.where(export_runs.c.business_date >= date_from)
+        if date_to is not None:
+            query = query.where(export_runs.c.business_date <= date_to)
+        if states:
+            query = query.where(export_runs.c.state.in_([s.value for s in states]))
+        query = query.order_by(export_runs.c.export, export_runs.c.business_date, export_runs.c.tenant)
+        if limit is not None:
+            query = query.limit(limit)
+        with self.atomic() as conn:
+            return [ExportRecord.from_row(row) for row in conn.execute(query)]
+
+    def attempts(self, logical_key: str) -> list[AttemptRecord]:
+        query = (
+            sa.select(export_attempts)
+            .where(export_attempts.c.logical_key == logical_key)
+            .order_by(export_attempts.c.id)
+        )
+        with self.atomic() as conn:
+            return [AttemptRecord.from_row(row) for row in conn.execute(query)]
+
+    def all_attempts(self) -> list[AttemptRecord]:
+        with self.atomic() as conn:
+            rows = conn.execute(sa.select(export_attempts).order_by(export_attempts.c.id))
+            return [AttemptRecord.from_row(row) for row in rows]
+
+    # -- transitions -------------------------------------------------------------------------------------------
+
+    def claim(self, key: LogicalKey, attempt_id: str) -> Claim | AlreadyCompleted:
+        """Takes the lease on ``key`` for ``attempt_id`` and increments its fencing token.
+
+        Returns :class:`AlreadyCompleted` (and records that attempt) when the key is done.
+
+        Raises:
+            LeaseHeld: another attempt holds a live lease; the message names it.
+            NeedsReconciliation: the key is ``remote_unknown``.
+        """
+        for _ in range(5):
+            try:
+                return self._claim_once(key, attempt_id)
+            except sa.exc.IntegrityError:
+                # Two first claims inserted the same key at once; the loser looks again and finds the winner's row.
+                continue
+        raise LedgerError(f"could not claim {key}: the row kept changing under concurrent claims")
+
+    def _claim_once(self, key: LogicalKey, attempt_id: str) -> Claim | AlreadyCompleted:
+        now = self.now()
+        expires = now + self.lease_ttl
+        refusal: LedgerError | None = None
+        with self.atomic() as conn:
+            row = self._find(conn, key, lock=True)
+            if row is None:
+                conn.execute(
+                    export_runs.insert().values(
+                        logical_key=str(key),
+                        export=key.export,
+                        tenant=key.tenant,
+                        business_date=key.window.business_date,
+                        timezone=key.window.timezone,
+                        window_start_utc=key.window.start_utc,
+                        window_end_utc=key.window.end_utc,
+                        tz_database=tz_database_version(key.window.timezone),
+                        state=ExportState.IN_PROGRESS.value,
+                        lease_owner=attempt_id,
+                        lease_expires_at=expires,
+                        attempt_started_at=now,
+                        fencing_token=1,
+                        created_at=now,
+                        updated_at=now,
+                    )
+                )
+                return Claim(str(key), attempt_id, 1, key.window, now, expires, None)
+
+            record = ExportRecord.from_row(row)
+            if record.state is ExportState.COMPLETED:
+                self._append_attempt(conn, record.logical_key, attempt_id, None, now, AttemptOutcome.ALREADY_COMPLETED)
+                return AlreadyCompleted(record)
+            if record.state is ExportState.REMOTE_UNKNOWN:
+                refusal = NeedsReconciliation(
+                    f"{record.logical_key} has an unknown outcome at the destination (attempt {record.lease_owner}); "
+                    "retrying could export it twice, so it is refused until reconciliation resolves it"
+                )
+            elif record.state is ExportState.IN_PROGRESS and record.lease_expires_at > now:
+                refusal = LeaseHeld(
+                    f"{record.logical_key} is being exported by attempt {record.lease_owner} "
+                    f"(lease held until {record.lease_expires_at.isoformat()})"
+                )
+            if refusal is not None:
+                error_class, message = short_error(refusal)
+                self._append_attempt(
+                    conn, record.logical_key, attempt_id, None, now, AttemptOutcome.REFUSED, error_class, message
+                )
+            else:
+                if record.state is ExportState.IN_PROGRESS:
+                    # The holder's lease ran out without a result: record its attempt before taking over.
+                    self._append_attempt(
+                        conn,
+                        record.logical_key,
+                        record.lease_owner,
+                        record.fencing_token,
+                        now,
+                        AttemptOutcome.ABANDONED,
+                        "LeaseExpired",
+                        f"lease expired at {record.lease_expires_at.isoformat()} without a result",
+                        started_at=record.attempt_started_at,
+                    )
+                token = record.fencing_token + 1
+                self._guarded_update(
+                    conn,
+                    record.logical_key,
+                    from_states=(ExportState.FAILED, ExportState.IN_PROGRESS),
+                    token=record.fencing_token,
+                    values=dict(
+                        state=ExportState.IN_PROGRESS.value,
+                        lease_owner=attempt_id,
+                        lease_expires_at=expires,
+                        attempt_started_at=now,
+                        fencing_token=token,
+                        updated_at=now,
+                    ),
+                )
+                return Claim(record.logical_key, attempt_id, token, record.window, now, expires, record.state)
+        raise refusal
+
+    def complete(self, claim: Claim, evidence: CompletionEvidence) -> ExportRecord:
+        """Records the key as completed from the destination's evidence.
+
+        ``evidence.attempt_id`` other than the claim's means an earlier attempt published and crashed before
+        recording: the row points at that attempt's export and this attempt is recorded as ``repaired``.
+        """
+        outcome = AttemptOutcome.COMPLETED if evidence.attempt_id == claim.attempt_id else AttemptOutcome.REPAIRED
+        return self._finish(
+            claim,
+            ExportState.COMPLETED,
+            outcome,
+            values=dict(
+                location=evidence.location,
+                sha256=evidence.sha256,
+                row_count=evidence.row_count,
+                committed_attempt=evidence.attempt_id,
+            ),
+        )
+
+    def fail(self, claim: Claim, error: BaseException) -> ExportRecord:
+        """Records that the attempt failed before publishing anything: the key is safe to retry."""
+        return self._finish(claim, ExportState.FAILED, AttemptOutcome.FAILED, error=error)
+
+    def mark_remote_unknown(self, claim: Claim, error: BaseException) -> ExportRecord:
+        """Records that the destination may or may not hold the export: no retry until reconciled."""
+        return self._finish(claim, ExportState.REMOTE_UNKNOWN, AttemptOutcome.REMOTE_UNKNOWN, error=error)
+
+    def _finish(
+        self,
+        claim: Claim,
+        state: ExportState,
+        outcome: AttemptOutcome,
+        *,
+        values: dict | None = None,
+        error: BaseException | None = None,
+    ) -> ExportRecord:
+        now = self.now()
+        error_class, message = short_error(error) if error is not None else (None, None)
+        fenced: FencedOut | None = None
+        with self.atomic() as conn:
+            matched = self._guarded_update(
+                conn,
+                claim.logical_key,
+                from_states=(ExportState.IN_PROGRESS,),
+                token=claim.fencing_token,
+                owner=claim.attempt_id,
+                values=dict(
+                    state=state.value,
+                    lease_owner=None,
+                    lease_expires_at=None,
+                    updated_at=now,
+                    **(values or {}),
+                ),
+                required=False,
+            )
+            if matched:
+                self._append_attempt(
+                    conn,
+                    claim.logical_key,
+                    claim.attempt_id,
+                    claim.fencing_token,
+                    now,
+                    outcome,
+                    error_class,
+                    message,
+                    started_at=claim.started_at,
+                )
+                row = conn.execute(
+                    sa.select(export_runs).where(export_runs.c.logical_key == claim.logical_key)
+                ).one()
+                return ExportRecord.from_row(row)
+            current = conn.execute(
+                sa.select(export_runs).where(export_runs.c.logical_key == claim.logical_key)
+            ).first()
+            holder = "nobody"
+            if current is not None:
+                holder = f"{current.lease_owner or 'nobody'} (state {current.state}, token {current.fencing_token})"
+            fenced = FencedOut(
+                f"attempt {claim.attempt_id} lost its lease on {claim.logical_key} (token {claim.fencing_token}); "
+                f"now held by {holder}: its result is not recorded"
+            )
+            fenced_class, fenced_message = short_error(fenced)
+            self._append_attempt(
+                conn,
+                claim.logical_key,
+                claim.attempt_id,
+                claim.fencing_token,
+                now,
+                AttemptOutcome.FENCED,
+                fenced_class,
+                fenced_message,
+                started_at=claim.started_at,
+            )
+        raise fenced
+
+    # -- helpers -----------------------------------------------------------------------------------------------
+
+    def _find(self, conn: Connection, key: LogicalKey, *, lock: bool) -> sa.Row | None:
+        query = sa.select(export_runs).where(
+            export_runs.c.export == key.export,
+            export_runs.c.tenant == key.tenant,
+            export_runs.c.timezone == key.window.timezone,
+            export_runs.c.business_date == key.window.business_date,
+        )
+        if lock:
+            query = query.with_for_update()
+        return conn.execute(query).first()
+
+    def _guarded_update(
+        self,
+        conn: Connection,
+        logical_key: str,
+        *,
+        from_states: Sequence[ExportState],
+        token: int,
+        values: dict,
+        owner: str | None = None,
+        required: bool = True,
+    ) -> bool:
+        conditions = [
+            export_runs.c.logical_key == logical_key,
+            export_runs.c.state.in_([s.value for s in from_states]),
+            export_runs.c.fencing_token == token,
+        ]
+        if owner is not None:
+            conditions.append(export_runs.c.lease_owner == owner)
+        result = conn.execute(export_runs.update().where(*conditions).values(**values))
+        if result.rowcount == 1:
+            return True
+        if required:
+            raise InvalidTransition(
+                f"{logical_key} is no longer in {[s.value for s in from_states]} with token {token}; "
+                "another attempt changed it"
+            )
+        return False
+
+    def _append_attempt(
+        self,
+        conn: Connection,
+        logical_key: str,
+        attempt_id: str,
+        fencing_token: int | None,
+        now: dt.datetime,
+        outcome: AttemptOutcome,
+        error_class: str | None = None,
+        error_message: str | None = None,
+        *,
+        started_at: dt.datetime | None = None,
+    ) -> None:
+        conn.execute(
+            export_attempts.insert().values(
+                attempt_id=attempt_id,
+                logical_key=logical_key,
+                fencing_token=fencing_token,
+                started_at=started_at or now,
+                finished_at=now,
+                outcome=outcome.value,
+                error_class=error_class,
+                error_message=error_message,
+            )
+        )

@@ -1,0 +1,124 @@
+"""The ledger's tables, written once with SQLAlchemy Core for SQLite and PostgreSQL.
+
+Invariants live in the schema where a database can hold them: one row per logical key, one row per
+(export, tenant, zone, business date), states from a closed list, and the fields a state needs are present.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+
+import sqlalchemy as sa
+
+UTC = dt.timezone.utc
+
+
+class ExportState(str, enum.Enum):
+    """Where one logical export stands. No row at all means it was never attempted."""
+
+    IN_PROGRESS = "in_progress"  # an attempt holds the lease; it may be writing right now
+    FAILED = "failed"  # the last attempt failed before anything was published: safe to retry
+    COMPLETED = "completed"  # published and recorded; never exported again
+    REMOTE_UNKNOWN = "remote_unknown"  # the destination may or may not hold the export: reconcile before retrying
+
+
+class AttemptOutcome(str, enum.Enum):
+    """How one attempt on one logical key ended. Attempt rows are written once and never changed."""
+
+    COMPLETED = "completed"  # this attempt published and committed the export
+    REPAIRED = "repaired"  # this attempt found an earlier attempt's published export and recorded it
+    FAILED = "failed"  # failed before publishing; the key went to `failed`
+    REMOTE_UNKNOWN = "remote_unknown"  # the write's outcome at the destination is unknown
+    REFUSED = "refused"  # another attempt held a live lease, or the key needs reconciliation first
+    ALREADY_COMPLETED = "already_completed"  # the key was already completed; nothing was done
+    ABANDONED = "abandoned"  # the attempt's lease expired without a result (crashed or stalled worker)
+    FENCED = "fenced"  # the attempt lost its lease to a newer one and was not allowed to commit
+
+
+class UtcDateTime(sa.types.TypeDecorator):
+    """Accepts only timezone-aware datetimes, stores them in UTC, and returns them UTC-aware on every backend."""
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value, dialect):
+        if value is None:
+            return None
+        if not isinstance(value, dt.datetime) or value.tzinfo is None or value.utcoffset() is None:
+            raise ValueError(f"the ledger stores timezone-aware datetimes only, got {value!r}")
+        value = value.astimezone(UTC)
+        # SQLite has no time zone type: store naive UTC text, which also sorts correctly.
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value, dialect):
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+
+def _in(column: str, values) -> sa.CheckConstraint:
+    allowed = ", ".join(f"'{v.value}'" for v in values)  # constants from the enums above, never user input
+    return sa.CheckConstraint(f"{column} IN ({allowed})", name=f"ck_{column}_known")
+
+
+metadata = sa.MetaData()
+
+export_runs = sa.Table(
+    "export_runs",
+    metadata,
+    sa.Column("logical_key", sa.String(300), primary_key=True),
+    sa.Column("export", sa.String(63), nullable=False),
+    sa.Column("tenant", sa.String(63), nullable=False),
+    sa.Column("business_date", sa.Date, nullable=False),
+    sa.Column("timezone", sa.String(64), nullable=False),
+    sa.Column("window_start_utc", UtcDateTime, nullable=False),
+    sa.Column("window_end_utc", UtcDateTime, nullable=False),
+    sa.Column("tz_database", sa.String(64), nullable=False),
+    sa.Column("state", sa.String(20), nullable=False),
+    sa.Column("location", sa.String(1024)),
+    sa.Column("sha256", sa.String(64)),
+    sa.Column("row_count", sa.BigInteger),
+    sa.Column("committed_attempt", sa.String(300)),
+    sa.Column("lease_owner", sa.String(300)),
+    sa.Column("lease_expires_at", UtcDateTime),
+    sa.Column("attempt_started_at", UtcDateTime),
+    sa.Column("fencing_token", sa.BigInteger, nullable=False),
+    sa.Column("created_at", UtcDateTime, nullable=False),
+    sa.Column("updated_at", UtcDateTime, nullable=False),
+    sa.UniqueConstraint("export", "tenant", "timezone", "business_date", name="uq_export_runs_business_day"),
+    _in("state", ExportState),
+    sa.CheckConstraint("window_end_utc >= window_start_utc", name="ck_window_ordered"),
+    sa.CheckConstraint(
+        "state <> 'completed' OR (location IS NOT NULL AND sha256 IS NOT NULL AND row_count IS NOT NULL"
+        " AND committed_attempt IS NOT NULL)",
+        name="ck_completed_has_evidence",
+    ),
+    sa.CheckConstraint(
+        "state <> 'in_progress' OR (lease_owner IS NOT NULL AND lease_expires_at IS NOT NULL)",
+        name="ck_in_progress_has_lease",
+    ),
+    sa.Index("ix_export_runs_state", "state", "lease_expires_at"),
+    sa.Index("ix_export_runs_export_date", "export", "business_date"),
+)
+
+export_attempts = sa.Table(
+    "export_attempts",
+    metadata,
+    sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=True),
+    sa.Column("attempt_id", sa.String(300), nullable=False),
+    sa.Column(
+        "logical_key", sa.String(300), sa.ForeignKey("export_runs.logical_key", ondelete="RESTRICT"), nullable=False
+    ),
+    sa.Column("fencing_token", sa.BigInteger),
+    sa.Column("started_at", UtcDateTime, nullable=False),
+    sa.Column("finished_at", UtcDateTime, nullable=False),
+    sa.Column("outcome", sa.String(20), nullable=False),
+    sa.Column("error_class", sa.String(200)),
+    sa.Column("error_message", sa.String(500)),
+    _in("outcome", AttemptOutcome),
+    sa.CheckConstraint("finished_at >= started_at", name="ck_attempt_ordered"),
+    sa.Index("ix_export_attempts_key", "logical_key", "id"),
+)

@@ -1,0 +1,239 @@
+"""What one export is made of: a validated frame, a data file hashed while it is written, and a manifest.
+
+Plain Python (pandas and pyarrow); nothing here knows about Dagster.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import io
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import BinaryIO
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.csv as pa_csv
+import pyarrow.parquet as pq
+
+from assets.windows import ExportWindow, utc_iso
+
+FILE_FORMATS = {"csv": "data.csv", "parquet": "data.parquet"}
+MANIFEST_NAME = "_manifest.json"
+MANIFEST_VERSION = 1
+
+
+class FrameError(ValueError):
+    """Source data that cannot be exported as it is. Messages name columns and ids, never customer values."""
+
+
+class ManifestError(ValueError):
+    """A manifest that is missing fields or does not describe the expected export."""
+
+
+def data_file_name(file_format: str) -> str:
+    try:
+        return FILE_FORMATS[file_format]
+    except KeyError:
+        raise ValueError(f"unknown file format {file_format!r}: expected one of {sorted(FILE_FORMATS)}") from None
+
+
+@dataclass(frozen=True)
+class ExportSchema:
+    """The columns an export must carry, in file order.
+
+    Attributes:
+        columns: column name -> kind, one of ``string``, ``float``, ``int``, ``timestamp``.
+        time_column: timestamp column that must fall inside the window.
+        id_column: column whose values must be unique within one export.
+    """
+
+    columns: Mapping[str, str]
+    time_column: str
+    id_column: str
+
+    def __post_init__(self) -> None:
+        for name in (self.time_column, self.id_column):
+            if name not in self.columns:
+                raise ValueError(f"schema column {name!r} is not among {list(self.columns)}")
+
+    def arrow_schema(self) -> pa.Schema:
+        kinds = {
+            "string": pa.string(),
+            "float": pa.float64(),
+            "int": pa.int64(),
+            "timestamp": pa.timestamp("us", tz="UTC"),
+        }
+        return pa.schema([(name, kinds[kind]) for name, kind in self.columns.items()])
+
+
+def validate_frame(frame: object, schema: ExportSchema, window: ExportWindow, what: str) -> pa.Table:
+    """Checks a source frame against the schema and window; returns it as an Arrow table in file order.
+
+    Raises:
+        FrameError: missing columns, nulls in required fields, wrong types, events outside the window, duplicate ids.
+    """
+    if not isinstance(frame, pd.DataFrame):
+        raise FrameError(f"{what}: expected a pandas DataFrame, got {type(frame).__name__}")
+    missing = [name for name in schema.columns if name not in frame.columns]
+    if missing:
+        raise FrameError(f"{what}: source frame is missing required columns {missing}")
+    for name, kind in schema.columns.items():
+        nulls = int(frame[name].isna().sum())
+        if nulls:
+            raise FrameError(f"{what}: column {name!r} has {nulls} null value(s); every field is required")
+        series = frame[name]
+        if kind == "timestamp":
+            if not isinstance(series.dtype, pd.DatetimeTZDtype):
+                raise FrameError(
+                    f"{what}: column {name!r} must hold timezone-aware timestamps, found dtype {series.dtype}"
+                )
+        elif kind == "float" and not pd.api.types.is_numeric_dtype(series.dtype):
+            raise FrameError(f"{what}: column {name!r} must be numeric, found dtype {series.dtype}")
+        elif kind == "int" and not pd.api.types.is_integer_dtype(series.dtype):
+            raise FrameError(f"{what}: column {name!r} must hold integers, found dtype {series.dtype}")
+        elif kind == "string" and not pd.api.types.is_string_dtype(series.dtype):
+            # Mixed object columns pass this check and are refused value by value by Arrow below.
+            raise FrameError(f"{what}: column {name!r} must hold strings, found dtype {series.dtype}")
+
+    times = frame[schema.time_column]
+    outside = frame[(times < window.start_utc) | (times >= window.end_utc)]
+    if len(outside):
+        sample = ", ".join(map(str, outside[schema.id_column].head(3)))
+        raise FrameError(
+            f"{what}: {len(outside)} event(s) fall outside the window [{utc_iso(window.start_utc)}, "
+            f"{utc_iso(window.end_utc)}) (ids {sample}); nothing was exported"
+        )
+    duplicated = frame[schema.id_column].duplicated(keep=False)
+    if duplicated.any():
+        sample = ", ".join(map(str, frame.loc[duplicated, schema.id_column].unique()[:3]))
+        raise FrameError(f"{what}: duplicate {schema.id_column} values ({sample}); each event must appear once")
+
+    ordered = frame[list(schema.columns)].sort_values([schema.time_column, schema.id_column], kind="stable")
+    try:
+        return pa.Table.from_pandas(ordered, schema=schema.arrow_schema(), preserve_index=False)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise FrameError(f"{what}: source frame does not fit the export schema: {exc}") from None
+
+
+class HashingWriter(io.RawIOBase):
+    """A write-only file object that feeds every byte to SHA-256 on its way to ``sink``."""
+
+    def __init__(self, sink: BinaryIO) -> None:
+        super().__init__()
+        self._sink = sink
+        self._hash = hashlib.sha256()
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        self._hash.update(view)
+        self._sink.write(view)
+        self.size += view.nbytes
+        return view.nbytes
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+
+def write_table(table: pa.Table, file_format: str, sink: BinaryIO) -> str:
+    """Writes ``table`` in ``file_format`` to ``sink`` and returns the SHA-256 of the bytes written."""
+    data_file_name(file_format)
+    writer = HashingWriter(sink)
+    if file_format == "csv":
+        pa_csv.write_csv(table, writer)
+    else:
+        pq.write_table(table, writer)
+    return writer.hexdigest()
+
+
+def read_table(payload: bytes, file_format: str, schema: ExportSchema | None = None) -> pd.DataFrame:
+    """Parses an export's data file back into a frame."""
+    data_file_name(file_format)
+    if file_format == "parquet":
+        table = pq.read_table(io.BytesIO(payload))
+    else:
+        convert = pa_csv.ConvertOptions(column_types=schema.arrow_schema() if schema else None)
+        table = pa_csv.read_csv(io.BytesIO(payload), convert_options=convert)
+    return table.to_pandas()
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The completion marker published beside the data file.
+
+    A reader trusts a data file only through its manifest: same directory, same sha256.
+    """
+
+    logical_key: str
+    export: str
+    tenant: str
+    business_date: str
+    timezone: str
+    window_start_utc: str
+    window_end_utc: str
+    row_count: int
+    sha256: str
+    attempt_id: str
+    fencing_token: int
+    data_file: str
+    tz_database: str = ""
+    manifest_version: int = field(default=MANIFEST_VERSION)
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        logical_key: str,
+        export: str,
+        tenant: str,
+        window: ExportWindow,
+        row_count: int,
+        sha256: str,
+        attempt_id: str,
+        fencing_token: int,
+        data_file: str,
+        tz_database: str,
+    ) -> Manifest:
+        return cls(
+            logical_key=logical_key,
+            export=export,
+            tenant=tenant,
+            business_date=window.business_date.isoformat(),
+            timezone=window.timezone,
+            window_start_utc=utc_iso(window.start_utc),
+            window_end_utc=utc_iso(window.end_utc),
+            row_count=row_count,
+            sha256=sha256,
+            attempt_id=attempt_id,
+            fencing_token=fencing_token,
+            data_file=data_file,
+            tz_database=tz_database,
+        )
+
+    def to_json(self) -> bytes:
+        return (json.dumps(asdict(self), indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+    @classmethod
+    def from_json(cls, payload: bytes, where: str) -> Manifest:
+        try:
+            values = json.loads(payload)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ManifestError(f"manifest at {where} is not valid JSON: {exc}") from None
+        if not isinstance(values, dict):
+            raise ManifestError(f"manifest at {where} is not a JSON object")
+        required = [name for name in cls.__dataclass_fields__ if name not in ("tz_database", "manifest_version")]
+        missing = [name for name in required if name not in values]
+        if missing:
+            raise ManifestError(f"manifest at {where} is missing fields {missing}")
+        known = {name: values[name] for name in cls.__dataclass_fields__ if name in values}
+        return cls(**known)
+
+    @property
+    def business_day(self) -> dt.date:
+        return dt.date.fromisoformat(self.business_date)

@@ -1,0 +1,53 @@
+"""Named points of the write protocol where a test can make an attempt fail or die.
+
+Activated by the environment variable ``EXPORTS_FAILPOINTS`` (read at each point, never at import), a
+comma-separated list of ``point=action`` with action ``raise`` (an ordinary exception), ``crash`` (a
+:class:`SimulatedCrash`, which ordinary handlers do not catch, so the attempt stops like a dead process) or ``kill``
+(SIGKILL to this process). Unset in production; the points cost one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+ENV_VAR = "EXPORTS_FAILPOINTS"
+POINTS = ("after_claim", "after_stage", "after_publish", "before_commit", "after_commit")
+ACTIONS = ("raise", "crash", "kill")
+
+
+class InjectedFailure(RuntimeError):
+    """An ordinary failure injected at a named point."""
+
+
+class SimulatedCrash(BaseException):
+    """Stands for a process dying at a named point: nothing after it runs, no handler records anything."""
+
+
+def active() -> dict[str, str]:
+    spec = os.environ.get(ENV_VAR, "").strip()
+    if not spec:
+        return {}
+    actions: dict[str, str] = {}
+    for item in spec.split(","):
+        point, _, action = item.strip().partition("=")
+        if point not in POINTS or action not in ACTIONS:
+            raise ValueError(
+                f"{ENV_VAR} entry {item.strip()!r} is not point=action with point in {POINTS} and action in {ACTIONS}"
+            )
+        actions[point] = action
+    return actions
+
+
+def reach(point: str) -> None:
+    """Marks that the protocol reached ``point``; fails there if a test asked for it."""
+    if point not in POINTS:
+        raise ValueError(f"unknown failpoint {point!r}")
+    action = active().get(point)
+    if action is None:
+        return
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if action == "crash":
+        raise SimulatedCrash(f"simulated crash at {point}")
+    raise InjectedFailure(f"injected failure at {point}")

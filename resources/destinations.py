@@ -19,10 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import dagster as dg
-import pandas as pd
 import pyarrow as pa
 
-from resources.exportfile import MANIFEST_NAME, ExportSchema, Manifest, read_table, write_table
+from resources.exportfile import MANIFEST_NAME, Manifest, write_table
 
 
 class DestinationError(RuntimeError):
@@ -103,10 +102,6 @@ class Destination(dg.ConfigurableResource, ABC):
     def discard_abandoned(self, target: ExportTarget, below_token: int) -> int:
         """Removes what attempts with a lower fencing token staged and never published; returns how many."""
         return 0
-
-    def read_frame(self, target: ExportTarget, manifest: Manifest, schema: ExportSchema | None) -> pd.DataFrame:
-        file_format = "parquet" if manifest.data_file.endswith(".parquet") else "csv"
-        return read_table(self.read_data(target, manifest), file_format, schema)
 
 
 def _fsync_path(path: Path) -> None:

@@ -129,6 +129,7 @@ class Claim:
     started_at: dt.datetime
     lease_expires_at: dt.datetime
     previous_state: ExportState | None
+    tz_database: str
 
 
 @dataclass(frozen=True)
@@ -367,6 +368,7 @@ class ExportLedger:
         with self.atomic() as conn:
             row = self._find(conn, key, lock=True)
             if row is None:
+                tz_database = tz_database_version(key.window.timezone)
                 conn.execute(
                     export_runs.insert().values(
                         logical_key=str(key),
@@ -376,7 +378,7 @@ class ExportLedger:
                         timezone=key.window.timezone,
                         window_start_utc=key.window.start_utc,
                         window_end_utc=key.window.end_utc,
-                        tz_database=tz_database_version(key.window.timezone),
+                        tz_database=tz_database,
                         state=ExportState.IN_PROGRESS.value,
                         lease_owner=attempt_id,
                         lease_expires_at=expires,
@@ -386,7 +388,7 @@ class ExportLedger:
                         updated_at=now,
                     )
                 )
-                return Claim(str(key), attempt_id, 1, key.window, now, expires, None)
+                return Claim(str(key), attempt_id, 1, key.window, now, expires, None, tz_database)
 
             record = ExportRecord.from_row(row)
             if record.state is ExportState.COMPLETED:
@@ -436,7 +438,9 @@ class ExportLedger:
                         updated_at=now,
                     ),
                 )
-                return Claim(record.logical_key, attempt_id, token, record.window, now, expires, record.state)
+                return Claim(
+                    record.logical_key, attempt_id, token, record.window, now, expires, record.state, record.tz_database
+                )
         raise refusal
 
     def complete(self, claim: Claim, evidence: CompletionEvidence) -> ExportRecord:

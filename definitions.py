@@ -1,0 +1,158 @@
+"""The composition root: the one place that reads the environment and assembles Dagster definitions.
+
+``dagster dev -w workspace.yaml`` loads ``defs`` below; tests and other deployments call ``build_definitions``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import dagster as dg
+
+from assets.calendar import DEFAULT_START_DATE, DEFAULT_TIMEZONE, ExportCalendar
+from assets.invoices import EXPORT_NAME, build_invoice_export
+from assets.keys import parse_tenants, validate_slug
+from resources.destinations import Destination, LocalDestination
+from resources.exportfile import data_file_name
+from resources.io_manager import LedgeredExportIOManager
+from resources.ledger_resource import LedgerResource
+from resources.sources import InvoiceSource, SampleInvoiceSource, SqlInvoiceSource
+from sensors.schedules import build_nightly_schedule
+
+PROJECT_ROOT = Path(__file__).resolve().parent
+DEFAULT_TENANTS = ("acme", "globex", "initech")
+DEFAULT_LEDGER_URL = f"sqlite:///{PROJECT_ROOT / 'var' / 'ledger.sqlite3'}"
+DEFAULT_DESTINATION = str(PROJECT_ROOT / "var" / "exports")
+DEFAULT_SCHEDULE_TIME = "04:30"
+DEFAULT_MAX_PARTITIONS_PER_RUN = 31
+
+
+class ConfigurationError(ValueError):
+    """A setting (argument or environment variable) that cannot be used; the message names it."""
+
+
+def _positive_int(name: str, text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigurationError(f"{name} must be a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise ConfigurationError(f"{name} must be a positive integer, got {text!r}")
+    return value
+
+
+def _destination_from(spec: str) -> Destination:
+    if "://" in spec:
+        scheme = spec.split("://", 1)[0]
+        raise ConfigurationError(
+            f"EXPORTS_DESTINATION scheme {scheme!r} is not supported; use a local folder path"
+        )
+    return LocalDestination(root=spec)
+
+
+def build_definitions(
+    timezone: str = DEFAULT_TIMEZONE,
+    start_date: str = DEFAULT_START_DATE,
+    tenants: Sequence[str] | None = None,
+    *,
+    ledger_url: str | None = None,
+    destination: Destination | str | None = None,
+    source: InvoiceSource | None = None,
+    file_format: str | None = None,
+    schedule_time: str = DEFAULT_SCHEDULE_TIME,
+    lease_ttl_seconds: int | None = None,
+    max_partitions_per_run: int | None = DEFAULT_MAX_PARTITIONS_PER_RUN,
+    ledger: LedgerResource | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> dg.Definitions:
+    """Assembles the export code location.
+
+    Arguments left as None come from the environment (see the README's configuration table), then from defaults.
+
+    Args:
+        timezone: IANA zone of the business day, e.g. ``America/New_York``. Never implicit UTC.
+        start_date: First partition, ``YYYY-MM-DD``.
+        tenants: Tenant ids (slugs); default ``EXPORTS_TENANTS`` or three sample tenants.
+        ledger_url: SQLAlchemy URL of the ledger; default ``EXPORTS_LEDGER_URL`` or a project-local SQLite file.
+        destination: A destination resource or a folder path; default ``EXPORTS_DESTINATION`` or ``var/exports``.
+        source: Invoice source; default ``EXPORTS_SOURCE_URL`` (SQL) or the sample source.
+        file_format: ``csv`` or ``parquet``; default ``EXPORTS_FILE_FORMAT`` or ``csv``.
+        schedule_time: Local ``HH:MM`` of the nightly run; must exist exactly once on every day of the zone.
+        lease_ttl_seconds: Lease length of a claim; default ``EXPORTS_LEASE_TTL_SECONDS`` or 900.
+        max_partitions_per_run: Backfills run in chunks of at most this many partitions; None for one single run.
+        ledger: A ready ledger resource (tests pass one with a controlled clock); overrides ``ledger_url``.
+        environ: The environment to read; default ``os.environ``.
+
+    Example:
+        >>> defs = build_definitions("Europe/Dublin", "2026-01-01", ["acme"])  # doctest: +SKIP
+    """
+    env = os.environ if environ is None else environ
+    calendar = ExportCalendar(timezone=timezone, start_date=start_date)
+
+    if tenants is None:
+        tenants = parse_tenants(env["EXPORTS_TENANTS"]) if env.get("EXPORTS_TENANTS") else DEFAULT_TENANTS
+    tenants = [validate_slug(t, "tenant id") for t in tenants]
+    if len(set(tenants)) != len(tenants):
+        raise ConfigurationError(f"duplicate tenant ids in {tenants}")
+
+    file_format = file_format or env.get("EXPORTS_FILE_FORMAT") or "csv"
+    try:
+        data_file_name(file_format)
+    except ValueError as exc:
+        raise ConfigurationError(f"EXPORTS_FILE_FORMAT: {exc}") from None
+
+    if ledger is None:
+        ttl = lease_ttl_seconds or _positive_int(
+            "EXPORTS_LEASE_TTL_SECONDS", env.get("EXPORTS_LEASE_TTL_SECONDS", "900")
+        )
+        ledger = LedgerResource(url=ledger_url or env.get("EXPORTS_LEDGER_URL") or DEFAULT_LEDGER_URL, lease_ttl_seconds=ttl)
+
+    if destination is None:
+        destination = env.get("EXPORTS_DESTINATION") or DEFAULT_DESTINATION
+    if isinstance(destination, str):
+        destination = _destination_from(destination)
+
+    if source is None:
+        if env.get("EXPORTS_SOURCE_URL"):
+            source = SqlInvoiceSource(url=env["EXPORTS_SOURCE_URL"], table=env.get("EXPORTS_SOURCE_TABLE", "invoices"))
+        else:
+            cadence = _positive_int("EXPORTS_SAMPLE_CADENCE_MINUTES", env.get("EXPORTS_SAMPLE_CADENCE_MINUTES", "15"))
+            source = SampleInvoiceSource(cadence_minutes=cadence)
+
+    try:
+        at = dt.time.fromisoformat(schedule_time)
+    except ValueError:
+        raise ConfigurationError(f"schedule_time must be HH:MM, got {schedule_time!r}") from None
+
+    policy = (
+        dg.BackfillPolicy.single_run()
+        if max_partitions_per_run is None
+        else dg.BackfillPolicy.multi_run(max_partitions_per_run=max_partitions_per_run)
+    )
+    export_asset = build_invoice_export(calendar, tenants, backfill_policy=policy)
+    job = dg.define_asset_job(
+        "invoice_export_job",
+        selection=dg.AssetSelection.assets(EXPORT_NAME),
+        partitions_def=calendar.partitions_def(),
+    )
+    schedule = build_nightly_schedule(job, calendar, at)
+
+    return dg.Definitions(
+        assets=[export_asset],
+        jobs=[job],
+        schedules=[schedule],
+        resources={
+            "ledger": ledger,
+            "source": source,
+            "destination": destination,
+            "export_io_manager": LedgeredExportIOManager(
+                ledger=ledger, destination=destination, file_format=file_format, tenants=list(tenants)
+            ),
+        },
+    )
+
+
+defs = build_definitions()

@@ -1,0 +1,162 @@
+"""Invoice sources: a deterministic sample that needs no setup, and a SQL table read by UTC bounds.
+
+Events carry a customer email and an amount: personal and business data that is exported but never logged.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import math
+from abc import ABC, abstractmethod
+
+import dagster as dg
+import numpy as np
+import pandas as pd
+import sqlalchemy as sa
+
+from assets.windows import require_aware
+from resources.exportfile import ExportSchema
+from resources.ledger import redact_url
+from resources.schema import UtcDateTime
+
+INVOICE_SCHEMA = ExportSchema(
+    columns={
+        "invoice_id": "string",
+        "tenant": "string",
+        "occurred_at": "timestamp",
+        "amount": "float",
+        "currency": "string",
+        "customer_email": "string",
+    },
+    time_column="occurred_at",
+    id_column="invoice_id",
+)
+
+_CURRENCIES = np.array(["USD", "EUR", "GBP", "CAD"], dtype=object)
+
+
+class SourceError(RuntimeError):
+    """The source could not be read."""
+
+
+class InvoiceSource(dg.ConfigurableResource, ABC):
+    """Where invoice events come from, read by tenant and half-open UTC bounds ``[start, end)``."""
+
+    @abstractmethod
+    def events(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> pd.DataFrame:
+        """Every event of ``tenant`` with ``start_utc <= occurred_at < end_utc``."""
+
+    @abstractmethod
+    def count(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> int:
+        """How many events ``events`` returns for the same arguments (for the export's asset check)."""
+
+
+def _bounds(start_utc: dt.datetime, end_utc: dt.datetime) -> tuple[dt.datetime, dt.datetime]:
+    start = require_aware(start_utc, "start_utc")
+    end = require_aware(end_utc, "end_utc")
+    if end < start:
+        raise ValueError(f"end_utc {end.isoformat()} is before start_utc {start.isoformat()}")
+    return start, end
+
+
+class SampleInvoiceSource(InvoiceSource):
+    """One invoice per tenant every ``cadence_minutes``, on a UTC grid anchored at the Unix epoch.
+
+    Deterministic: the same window always yields the same events, so reruns and retries are comparable.
+    """
+
+    cadence_minutes: int = 15
+
+    def _indices(self, start_utc: dt.datetime, end_utc: dt.datetime) -> range:
+        if self.cadence_minutes <= 0:
+            raise ValueError(f"cadence_minutes must be positive, got {self.cadence_minutes}")
+        start, end = _bounds(start_utc, end_utc)
+        step = self.cadence_minutes * 60
+        first = math.ceil(start.timestamp() / step)
+        stop = math.ceil(end.timestamp() / step)
+        return range(first, stop)
+
+    def count(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> int:
+        return len(self._indices(start_utc, end_utc))
+
+    def events(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> pd.DataFrame:
+        indices = self._indices(start_utc, end_utc)
+        k = np.arange(indices.start, indices.stop, dtype=np.int64)
+        seed = int.from_bytes(hashlib.sha256(tenant.encode()).digest()[:4], "big")
+        mixed = (k * 2654435761 + seed) % 1_000_003
+        seconds = k * (self.cadence_minutes * 60)
+        ids = pd.Series(k, dtype="int64").astype(str).str.zfill(12)
+        return pd.DataFrame(
+            {
+                "invoice_id": (tenant + "-" + ids).astype(object),
+                "tenant": np.full(len(k), tenant, dtype=object),
+                "occurred_at": pd.to_datetime(seconds, unit="s", utc=True).as_unit("us"),
+                "amount": np.round(5 + (mixed % 250_000) / 100.0, 2),
+                "currency": _CURRENCIES[mixed % len(_CURRENCIES)],
+                "customer_email": ("customer" + pd.Series(mixed % 5000).astype(str) + "@example.com").astype(object),
+            }
+        )
+
+
+def invoices_table(name: str = "invoices") -> sa.Table:
+    """The ``invoices`` table the SQL source reads (and tests create)."""
+    return sa.Table(
+        name,
+        sa.MetaData(),
+        sa.Column("invoice_id", sa.String(100), primary_key=True),
+        sa.Column("tenant", sa.String(63), nullable=False),
+        sa.Column("occurred_at", UtcDateTime, nullable=False),
+        sa.Column("amount", sa.Float, nullable=False),
+        sa.Column("currency", sa.String(3), nullable=False),
+        sa.Column("customer_email", sa.String(320), nullable=False),
+        sa.Index(f"ix_{name}_tenant_time", "tenant", "occurred_at"),
+    )
+
+
+class SqlInvoiceSource(InvoiceSource):
+    """Reads a real ``invoices`` table (SQLite or PostgreSQL) by tenant and UTC bounds, with bound parameters."""
+
+    url: str
+    table: str = "invoices"
+
+    def _engine(self) -> sa.Engine:
+        return sa.create_engine(self.url)
+
+    def _run(self, query):
+        engine = self._engine()
+        try:
+            with engine.connect() as conn:
+                return conn.execute(query).all()
+        except sa.exc.SQLAlchemyError as exc:
+            orig = getattr(exc, "orig", None) or exc
+            raise SourceError(
+                f"cannot read {self.table} from {redact_url(self.url)!r}: {orig.__class__.__name__}: "
+                f"{str(orig).strip().splitlines()[0]}"
+            ) from None
+        finally:
+            engine.dispose()
+
+    def events(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> pd.DataFrame:
+        start, end = _bounds(start_utc, end_utc)
+        table = invoices_table(self.table)
+        query = (
+            sa.select(*table.c)
+            .where(table.c.tenant == tenant, table.c.occurred_at >= start, table.c.occurred_at < end)
+            .order_by(table.c.occurred_at, table.c.invoice_id)
+        )
+        rows = self._run(query)
+        frame = pd.DataFrame(rows, columns=[c.name for c in table.c])
+        frame["occurred_at"] = pd.to_datetime(frame["occurred_at"], utc=True).dt.as_unit("us")
+        frame["amount"] = frame["amount"].astype("float64")
+        for name in ("invoice_id", "tenant", "currency", "customer_email"):
+            frame[name] = frame[name].astype(object)
+        return frame
+
+    def count(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> int:
+        start, end = _bounds(start_utc, end_utc)
+        table = invoices_table(self.table)
+        query = sa.select(sa.func.count()).where(
+            table.c.tenant == tenant, table.c.occurred_at >= start, table.c.occurred_at < end
+        )
+        return int(self._run(query)[0][0])

@@ -1,0 +1,117 @@
+"""Shared fixtures: ledger backends (SQLite always, PostgreSQL when reachable), a controllable clock, project defs.
+
+PostgreSQL: tests marked ``postgres`` run against 127.0.0.1:5432 (override with ``EXPORTS_TEST_POSTGRES_URL``), each
+in a schema of its own that is dropped afterwards. Without a server they skip with the reason; with ``CI=true`` a
+missing server is an error, never a silent skip.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import uuid
+from collections.abc import Iterator
+from urllib.parse import quote
+
+import pytest
+import sqlalchemy as sa
+
+from resources.ledger import dispose_engines
+from resources.ledger_resource import LedgerResource
+
+UTC = dt.timezone.utc
+POSTGRES_ADMIN_URL = os.environ.get(
+    "EXPORTS_TEST_POSTGRES_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
+)
+
+
+def postgres_unavailable_reason() -> str | None:
+    engine = sa.create_engine(POSTGRES_ADMIN_URL, connect_args={"connect_timeout": 3})
+    try:
+        with engine.connect() as conn:
+            conn.execute(sa.text("SELECT 1"))
+        return None
+    except Exception as exc:  # any failure to connect is a reason to skip (or, in CI, to fail)
+        return f"PostgreSQL not reachable at {engine.url.render_as_string(hide_password=True)}: {type(exc).__name__}"
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def postgres_admin_url() -> str:
+    reason = postgres_unavailable_reason()
+    if reason is not None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI=true but {reason}; start it with: pg_ctlcluster <version> main start")
+        pytest.skip(reason)
+    return POSTGRES_ADMIN_URL
+
+
+@pytest.fixture
+def postgres_url(postgres_admin_url: str) -> Iterator[str]:
+    """A URL whose connections live in a fresh schema (``search_path``), dropped after the test."""
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(postgres_admin_url)
+    with admin.begin() as conn:
+        conn.execute(sa.schema.CreateSchema(schema))
+    separator = "&" if "?" in postgres_admin_url else "?"
+    url = f"{postgres_admin_url}{separator}options={quote(f'-csearch_path={schema}')}"
+    try:
+        yield url
+    finally:
+        dispose_engines()
+        with admin.begin() as conn:
+            conn.execute(sa.schema.DropSchema(schema, cascade=True))
+        admin.dispose()
+
+
+@pytest.fixture
+def sqlite_url(tmp_path) -> Iterator[str]:
+    yield f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+    dispose_engines()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def ledger_url(request) -> str:
+    """The ledger URL of each backend in turn: the contract suites run once per backend."""
+    return request.getfixturevalue(f"{request.param}_url")
+
+
+class Clock:
+    """A controllable clock for ledgers and resources: starts at ``start`` and moves only when told."""
+
+    def __init__(self, start: dt.datetime) -> None:
+        self.now = start
+
+    def __call__(self) -> dt.datetime:
+        return self.now
+
+    def advance(self, **delta) -> dt.datetime:
+        self.now += dt.timedelta(**delta)
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock(dt.datetime(2026, 3, 9, 9, 30, tzinfo=UTC))
+
+
+class ClockedLedgerResource(LedgerResource):
+    """The project's ledger resource with its clock read from a shared :class:`Clock` (set by the test)."""
+
+    clock_id: str
+
+    def clock(self) -> dt.datetime:
+        return _CLOCKS[self.clock_id]()
+
+
+_CLOCKS: dict[str, Clock] = {}
+
+
+@pytest.fixture
+def clocked_ledger(clock: Clock, sqlite_url: str):
+    """A ledger resource on SQLite driven by the ``clock`` fixture."""
+    clock_id = uuid.uuid4().hex
+    _CLOCKS[clock_id] = clock
+    yield ClockedLedgerResource(url=sqlite_url, clock_id=clock_id)
+    _CLOCKS.pop(clock_id, None)

@@ -2,18 +2,20 @@
 
 Activated by the environment variable ``EXPORTS_FAILPOINTS`` (read at each point, never at import), a
 comma-separated list of ``point=action`` with action ``raise`` (an ordinary exception), ``crash`` (a
-:class:`SimulatedCrash`, which ordinary handlers do not catch, so the attempt stops like a dead process) or ``kill``
-(SIGKILL to this process). Unset in production; the points cost one dictionary lookup.
+:class:`SimulatedCrash`, which ordinary handlers do not catch, so the attempt stops like a dead process), ``kill``
+(SIGKILL to this process) or ``pause:SECONDS`` (sleep there, to widen a race). Unset in production; the points cost
+one environment lookup.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 ENV_VAR = "EXPORTS_FAILPOINTS"
 POINTS = ("after_claim", "after_stage", "after_publish", "before_commit", "after_commit")
-ACTIONS = ("raise", "crash", "kill")
+ACTIONS = ("raise", "crash", "kill", "pause:SECONDS")
 
 
 class InjectedFailure(RuntimeError):
@@ -31,12 +33,22 @@ def active() -> dict[str, str]:
     actions: dict[str, str] = {}
     for item in spec.split(","):
         point, _, action = item.strip().partition("=")
-        if point not in POINTS or action not in ACTIONS:
+        if point not in POINTS or not _valid_action(action):
             raise ValueError(
                 f"{ENV_VAR} entry {item.strip()!r} is not point=action with point in {POINTS} and action in {ACTIONS}"
             )
         actions[point] = action
     return actions
+
+
+def _valid_action(action: str) -> bool:
+    if action in ("raise", "crash", "kill"):
+        return True
+    kind, _, seconds = action.partition(":")
+    try:
+        return kind == "pause" and float(seconds) >= 0
+    except ValueError:
+        return False
 
 
 def reach(point: str) -> None:
@@ -45,6 +57,9 @@ def reach(point: str) -> None:
         raise ValueError(f"unknown failpoint {point!r}")
     action = active().get(point)
     if action is None:
+        return
+    if action.startswith("pause:"):
+        time.sleep(float(action.removeprefix("pause:")))
         return
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,262 @@
+"""The export pipeline through Dagster's public testing APIs: materialize partitions and ranges, inject failures."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import dagster as dg
+import pandas as pd
+import pytest
+from pipeline_helpers import (
+    completed_without_export,
+    failure_message,
+    ledger_at,
+    make_defs,
+    published_dirs,
+    read_export,
+    run_partition,
+    run_range,
+)
+
+from assets.keys import LogicalKey
+from assets.windows import ExportWindow, window_for
+from resources.failpoints import ENV_VAR as FAILPOINTS
+from resources.ledger import ExportLedger
+from resources.schema import AttemptOutcome, ExportState
+from resources.sources import SampleInvoiceSource
+
+UTC = dt.timezone.utc
+
+
+@pytest.fixture
+def instance():
+    with dg.instance_for_test() as instance:
+        yield instance
+
+
+def test_materializing_a_partition_twice_publishes_one_export_and_records_two_attempts(tmp_path, instance):
+    defs = make_defs(tmp_path)
+
+    first = run_partition(defs, instance, "2026-03-08")
+    second = run_partition(defs, instance, "2026-03-08")
+
+    assert first.success and second.success
+    folders = published_dirs(tmp_path / "exports")
+    assert [f.name for f in folders] == ["date=2026-03-08"], "one published export for one logical key"
+    ledger = ledger_at(tmp_path)
+    key = "invoice_export/acme/2026-03-08T05:00:00Z"
+    assert ledger.get(key).state is ExportState.COMPLETED
+    outcomes = [a.outcome for a in ledger.attempts(key)]
+    assert outcomes == [AttemptOutcome.COMPLETED, AttemptOutcome.ALREADY_COMPLETED]
+    second_meta = second.get_asset_materialization_events()[0].materialization.metadata
+    assert second_meta["skipped_already_completed"].value == [key]
+    assert second_meta["tenants_skipped_already_completed"].value == ["acme"]
+
+
+def test_a_second_window_is_a_distinct_export(tmp_path, instance):
+    defs = make_defs(tmp_path)
+    assert run_partition(defs, instance, "2026-03-08").success
+    assert run_partition(defs, instance, "2026-03-09").success
+
+    folders = published_dirs(tmp_path / "exports")
+    assert [f.name for f in folders] == ["date=2026-03-08", "date=2026-03-09"]
+    (m1, f1), (m2, f2) = (read_export(f) for f in folders)
+    assert m1.logical_key != m2.logical_key
+    assert m1.window_end_utc == m2.window_start_utc, "neighbouring windows touch"
+    assert set(f1["invoice_id"]).isdisjoint(f2["invoice_id"])
+
+
+def test_export_holds_exactly_the_window_events_with_manifest_and_metadata(tmp_path, instance):
+    defs = make_defs(tmp_path, tenants=["acme", "globex"])
+    result = run_partition(defs, instance, "2026-03-08")
+    assert result.success
+
+    window = window_for(dt.date(2026, 3, 8), "America/New_York")
+    source = SampleInvoiceSource()
+    for folder in published_dirs(tmp_path / "exports"):
+        manifest, frame = read_export(folder)
+        tenant = manifest.tenant
+        expected = source.events(tenant, window.start_utc, window.end_utc)
+        assert list(frame["invoice_id"]) == list(expected["invoice_id"])
+        assert manifest.row_count == len(expected) == 92, "a 23-hour day at one event per 15 minutes"
+        assert (manifest.window_start_utc, manifest.window_end_utc) == ("2026-03-08T05:00:00Z", "2026-03-09T04:00:00Z")
+        assert manifest.timezone == "America/New_York" and manifest.business_date == "2026-03-08"
+        assert manifest.fencing_token == 1 and manifest.attempt_id.startswith(result.run_id)
+        assert manifest.tz_database
+
+    (materialization,) = [e.materialization for e in result.get_asset_materialization_events()]
+    meta = materialization.metadata
+    assert materialization.partition == "2026-03-08"
+    assert meta["window_start_utc"].value == "2026-03-08T05:00:00Z"
+    assert meta["timezone"].value == "America/New_York"
+    assert meta["source_rows"].value == {"acme": 92, "globex": 92}
+    assert sorted(meta["sha256"].value) == sorted(meta["paths"].value)
+    assert meta["attempt_id"].value.startswith(result.run_id)
+    (check,) = result.get_asset_check_evaluations()
+    assert check.passed, check.metadata
+
+
+def test_parquet_exports_round_trip(tmp_path, instance):
+    defs = make_defs(tmp_path, file_format="parquet")
+    assert run_partition(defs, instance, "2026-03-08").success
+    (folder,) = published_dirs(tmp_path / "exports")
+    manifest, frame = read_export(folder)
+    assert manifest.data_file == "data.parquet" and len(frame) == manifest.row_count == 92
+
+
+@pytest.mark.parametrize("point", ["after_claim", "after_stage"])
+def test_failure_before_publish_leaves_nothing_and_the_retry_exports_once(tmp_path, instance, monkeypatch, point):
+    defs = make_defs(tmp_path)
+    monkeypatch.setenv(FAILPOINTS, f"{point}=raise")
+    failed = run_partition(defs, instance, "2026-03-08")
+    assert not failed.success and f"injected failure at {point}" in failure_message(failed)
+    assert published_dirs(tmp_path / "exports") == []
+    assert not [p for p in (tmp_path / "exports").rglob(".staging-*")], "a failed attempt leaves no staging folder"
+    ledger = ledger_at(tmp_path)
+    (record,) = ledger.records()
+    assert record.state is ExportState.FAILED
+
+    monkeypatch.delenv(FAILPOINTS)
+    assert run_partition(defs, instance, "2026-03-08").success
+    assert len(published_dirs(tmp_path / "exports")) == 1
+    assert ledger.get(record.logical_key).state is ExportState.COMPLETED
+    assert completed_without_export(ledger) == []
+
+
+def test_failure_after_publish_is_repaired_from_the_manifest_without_a_second_copy(tmp_path, instance, monkeypatch):
+    defs = make_defs(tmp_path)
+    monkeypatch.setenv(FAILPOINTS, "after_publish=raise")
+    failed = run_partition(defs, instance, "2026-03-08")
+    assert not failed.success
+    (folder,) = published_dirs(tmp_path / "exports")
+    first_manifest, _ = read_export(folder)
+    ledger = ledger_at(tmp_path)
+    (record,) = ledger.records()
+    assert record.state is ExportState.FAILED, "not completed: the ledger never recorded the publish"
+    assert completed_without_export(ledger) == []
+
+    monkeypatch.delenv(FAILPOINTS)
+    retry = run_partition(defs, instance, "2026-03-08")
+    assert retry.success
+    (folder_after,) = published_dirs(tmp_path / "exports")
+    manifest_after, _ = read_export(folder_after)
+    assert manifest_after == first_manifest, "the retry recorded the first publish instead of writing another"
+    record = ledger.get(record.logical_key)
+    assert record.state is ExportState.COMPLETED
+    assert record.committed_attempt == first_manifest.attempt_id
+    assert [a.outcome for a in ledger.attempts(record.logical_key)] == [AttemptOutcome.FAILED, AttemptOutcome.REPAIRED]
+
+
+def test_crash_before_the_ledger_commit_keeps_the_lease_until_it_expires_then_repairs(
+    tmp_path, instance, monkeypatch, clocked_ledger, clock
+):
+    defs = make_defs(tmp_path, ledger=clocked_ledger)
+    monkeypatch.setenv(FAILPOINTS, "before_commit=raise")
+    assert not run_partition(defs, instance, "2026-03-08").success
+    monkeypatch.delenv(FAILPOINTS)
+    ledger = clocked_ledger.get_ledger()
+    (record,) = ledger.records()
+    assert record.state is ExportState.IN_PROGRESS, "a dead attempt is not known to be dead until its lease expires"
+    assert len(published_dirs(tmp_path / "exports")) == 1
+
+    refused = run_partition(defs, instance, "2026-03-08")
+    assert not refused.success
+    assert f"is being exported by attempt {record.lease_owner}" in failure_message(refused)
+
+    clock.advance(seconds=clocked_ledger.lease_ttl_seconds + 1)
+    assert run_partition(defs, instance, "2026-03-08").success
+    assert len(published_dirs(tmp_path / "exports")) == 1, "never a second published copy"
+    outcomes = [a.outcome for a in ledger.attempts(record.logical_key)]
+    assert outcomes == [AttemptOutcome.REFUSED, AttemptOutcome.ABANDONED, AttemptOutcome.REPAIRED]
+    assert completed_without_export(ledger) == []
+
+
+def test_retry_the_next_morning_exports_the_originally_scheduled_window(
+    tmp_path, instance, monkeypatch, clocked_ledger, clock
+):
+    defs = make_defs(tmp_path, ledger=clocked_ledger)
+    monkeypatch.setenv(FAILPOINTS, "after_stage=raise")
+    assert not run_partition(defs, instance, "2026-03-08").success
+    monkeypatch.delenv(FAILPOINTS)
+
+    clock.advance(days=1)
+    assert run_partition(defs, instance, "2026-03-08").success
+
+    (folder,) = published_dirs(tmp_path / "exports")
+    manifest, frame = read_export(folder)
+    assert manifest.business_date == "2026-03-08"
+    assert (manifest.window_start_utc, manifest.window_end_utc) == ("2026-03-08T05:00:00Z", "2026-03-09T04:00:00Z")
+    assert frame["occurred_at"].min() >= pd.Timestamp("2026-03-08T05:00:00Z")
+    assert frame["occurred_at"].max() < pd.Timestamp("2026-03-09T04:00:00Z")
+
+
+def test_the_window_recorded_at_the_first_claim_wins_over_todays_calculation(tmp_path, instance):
+    # Stands for a tz database update between two attempts: the first claim recorded a window an hour later.
+    defs = make_defs(tmp_path)
+    computed = window_for(dt.date(2026, 3, 8), "America/New_York")
+    recorded = ExportWindow(
+        computed.business_date,
+        computed.timezone,
+        computed.start_utc + dt.timedelta(hours=1),
+        computed.end_utc + dt.timedelta(hours=1),
+    )
+    ledger = ledger_at(tmp_path)
+    claim = ledger.claim(LogicalKey("invoice_export", "acme", recorded), "earlier-run/invoice_export")
+    ledger.fail(claim, RuntimeError("worker lost"))
+
+    assert run_partition(defs, instance, "2026-03-08").success
+    (folder,) = published_dirs(tmp_path / "exports")
+    manifest, frame = read_export(folder)
+    assert manifest.window_start_utc == "2026-03-08T06:00:00Z"
+    assert frame["occurred_at"].min() == pd.Timestamp("2026-03-08T06:00:00Z")
+
+
+def test_single_run_backfill_of_31_partitions_and_3_tenants_commits_93_keys(tmp_path, instance):
+    defs = make_defs(tmp_path, tenants=["acme", "globex", "initech"], max_partitions_per_run=None)
+    result = run_range(defs, instance, "2026-01-01", "2026-01-31")
+    assert result.success, failure_message(result)
+    ledger = ledger_at(tmp_path)
+    records = ledger.records(states=[ExportState.COMPLETED])
+    assert len(records) == 93
+    assert len({r.logical_key for r in records}) == 93
+    assert len(published_dirs(tmp_path / "exports")) == 93
+    partitions = {e.materialization.partition for e in result.get_asset_materialization_events()}
+    assert len(partitions) == 31
+    (check,) = result.get_asset_check_evaluations()
+    assert check.passed and check.metadata["keys_checked"].value == 93
+
+
+@pytest.mark.parametrize(
+    ("zone", "first", "last"),
+    [
+        ("America/New_York", "2026-03-06", "2026-03-10"),
+        ("America/New_York", "2026-10-30", "2026-11-03"),
+        ("Europe/Dublin", "2026-03-27", "2026-03-31"),
+        ("Europe/Dublin", "2026-10-23", "2026-10-27"),
+        ("Australia/Lord_Howe", "2026-04-03", "2026-04-07"),
+        ("Australia/Lord_Howe", "2026-10-02", "2026-10-06"),
+        ("America/Havana", "2026-03-06", "2026-03-10"),
+        ("America/Havana", "2026-10-30", "2026-11-03"),
+        ("America/Santiago", "2026-04-03", "2026-04-07"),
+        ("America/Santiago", "2026-09-04", "2026-09-08"),
+    ],
+)
+def test_dst_partitions_export_each_event_exactly_once(tmp_path, instance, zone, first, last):
+    defs = make_defs(tmp_path, timezone=zone, max_partitions_per_run=None)
+    result = run_range(defs, instance, first, last)
+    assert result.success, failure_message(result)
+
+    windows = {}
+    exported = []
+    for folder in published_dirs(tmp_path / "exports"):
+        manifest, frame = read_export(folder)
+        window = window_for(dt.date.fromisoformat(manifest.business_date), zone)
+        windows[manifest.business_date] = window
+        assert frame["occurred_at"].between(window.start_utc, window.end_utc, inclusive="left").all()
+        exported.extend(frame["invoice_id"])
+    assert len(windows) == 5
+    span = sorted(windows.values(), key=lambda w: w.start_utc)
+    expected = SampleInvoiceSource().events("acme", span[0].start_utc, span[-1].end_utc)
+    assert len(exported) == len(set(exported)), "no event exported twice"
+    assert set(exported) == set(expected["invoice_id"]), "every event in the span exported"
+    assert any(w.duration != dt.timedelta(hours=24) for w in windows.values()), "the span crosses a transition"

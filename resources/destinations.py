@@ -140,8 +140,8 @@ class LocalDestination(Destination):
         manifest_path = self._target_dir(target) / MANIFEST_NAME
         try:
             payload = manifest_path.read_bytes()
-        except FileNotFoundError:
-            return None
+        except (FileNotFoundError, NotADirectoryError):
+            return None  # nothing was ever published there
         except OSError as exc:
             raise DestinationError(f"cannot read {manifest_path}: {exc.strerror}") from None
         return Manifest.from_json(payload, str(manifest_path))

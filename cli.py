@@ -1,0 +1,372 @@
+"""``export-ledger``: the operator's read-only view of the export ledger.
+
+Two subcommands, each with a readable table or ``--json``::
+
+    export-ledger status [--export E] [--tenant T] [--from YYYY-MM-DD] [--to YYYY-MM-DD] [--state S ...] [--limit N]
+    export-ledger attempts <logical key>
+
+The ledger is found from ``--ledger-url``, else ``EXPORTS_LEDGER_URL``, else ``definitions.DEFAULT_LEDGER_URL``.
+
+Exit codes: 0 success (an empty result included), 1 the ledger could not be read or the key is unknown, 2 bad
+usage. Every error is one line on stderr starting ``export-ledger: error:``; no traceback, no password.
+
+The ledger holds no customer data, and the CLI prints only ledger fields chosen one by one below, so a column
+added to the ledger later is not shown until someone decides it should be.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import os
+import re
+import sqlite3
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import sqlalchemy as sa
+from sqlalchemy.engine import URL, make_url
+
+from assets.keys import InvalidIdentifier, validate_slug
+from assets.windows import utc_iso
+from resources.ledger import (
+    AttemptRecord,
+    ExportLedger,
+    ExportRecord,
+    LedgerError,
+    dispose_engines,
+    redact_url,
+)
+from resources.schema import ExportState
+
+PROG = "export-ledger"
+LEDGER_URL_ENV = "EXPORTS_LEDGER_URL"
+USAGE_ERROR = 2
+RUNTIME_ERROR = 1
+
+_DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+# user:password@ inside any URL that a lower layer might quote in a message.
+_URL_PASSWORD_RE = re.compile(r"(://[^/\s:@]*:)[^/\s@]+@")
+
+
+class UsageError(Exception):
+    """The command line itself is wrong (exit 2, as argparse does)."""
+
+
+class CliError(Exception):
+    """The command is well formed but cannot be carried out (exit 1)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        # argparse would print the usage block and "export-ledger status: error: ..."; operators and scripts get
+        # one line with a fixed prefix instead, and main() returns the exit code rather than exiting.
+        raise UsageError(message)
+
+
+# -- argument types ------------------------------------------------------------------------------------------------
+
+
+def _date_arg(text: str) -> dt.date:
+    # date.fromisoformat alone would also accept 20260308 on Python 3.11; partitions are written YYYY-MM-DD.
+    if _DATE_RE.match(text):
+        with contextlib.suppress(ValueError):
+            return dt.date.fromisoformat(text)
+    raise argparse.ArgumentTypeError(f"invalid date {text!r}: expected a calendar date as YYYY-MM-DD")
+
+
+def _slug_arg(what: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        try:
+            return validate_slug(text, what)
+        except InvalidIdentifier as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
+def _positive_int_arg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"invalid limit {text!r}: expected a positive integer")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``export-ledger`` argument parser; ``--ledger-url`` is accepted before or after the subcommand."""
+    ledger_url_help = (
+        f"SQLAlchemy URL of the ledger (default: ${LEDGER_URL_ENV}, else the project's var/ledger.sqlite3)"
+    )
+    parser = _Parser(prog=PROG, description="Read the export ledger: logical exports and their attempts.")
+    parser.add_argument("--ledger-url", metavar="URL", help=ledger_url_help)
+    # The same option on each subcommand, defaulting to "not given" so it never overwrites the global one.
+    common = _Parser(add_help=False)
+    common.add_argument("--ledger-url", metavar="URL", default=argparse.SUPPRESS, help=ledger_url_help)
+    common.add_argument("--json", action="store_true", help="print a JSON array instead of a table")
+
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    status = commands.add_parser("status", parents=[common], help="one line per logical export")
+    status.add_argument("--export", type=_slug_arg("export name"), help="only this export, e.g. invoice_export")
+    status.add_argument("--tenant", type=_slug_arg("tenant id"), help="only this tenant")
+    status.add_argument("--from", dest="date_from", metavar="YYYY-MM-DD", type=_date_arg,
+                        help="business dates from this day (inclusive)")
+    status.add_argument("--to", dest="date_to", metavar="YYYY-MM-DD", type=_date_arg,
+                        help="business dates up to this day (inclusive)")
+    status.add_argument("--state", dest="states", action="append", default=[],
+                        choices=[state.value for state in ExportState],
+                        help="only exports in this state; repeat for several")
+    status.add_argument("--limit", type=_positive_int_arg, metavar="N", help="at most N exports")
+    status.set_defaults(handler=_status)
+
+    attempts = commands.add_parser("attempts", parents=[common], help="the attempts of one logical export, in order")
+    attempts.add_argument("logical_key", metavar="LOGICAL_KEY",
+                          help="as shown by status, e.g. invoice_export/acme/2026-03-08T05:00:00Z")
+    attempts.set_defaults(handler=_attempts)
+    return parser
+
+
+# -- finding and opening the ledger ------------------------------------------------------------------------------
+
+
+def _ledger_url(args: argparse.Namespace) -> str:
+    if args.ledger_url is not None:
+        return args.ledger_url
+    if os.environ.get(LEDGER_URL_ENV):
+        return os.environ[LEDGER_URL_ENV]
+    return _default_ledger_url()
+
+
+def _default_ledger_url() -> str:
+    # definitions.py owns the default. Importing it also builds the code location (Dagster, environment reads,
+    # beta warnings), so it happens only here, when nothing else names a ledger, and its warnings are silenced to
+    # keep stderr to the CLI's own lines.
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import definitions
+    except Exception as exc:  # any failure to build the code location leaves the CLI without a default
+        raise CliError(
+            f"no ledger given and definitions.py could not be loaded for its default "
+            f"({type(exc).__name__}: {exc}); pass --ledger-url or set {LEDGER_URL_ENV}"
+        ) from None
+    return definitions.DEFAULT_LEDGER_URL
+
+
+def _open_ledger(url: str) -> ExportLedger:
+    try:
+        parsed = make_url(url)
+    except Exception:  # SQLAlchemy's own message quotes the URL, password included
+        raise CliError(
+            f"invalid ledger URL {redact_url(url)!r}: expected a SQLAlchemy URL such as sqlite:///var/ledger.sqlite3"
+        ) from None
+    if parsed.get_backend_name() == "sqlite":
+        _require_sqlite_ledger(parsed)
+    return ExportLedger(url)
+
+
+def _require_sqlite_ledger(parsed: URL) -> None:
+    """Refuses a SQLite URL that does not name an existing ledger file.
+
+    Opening the ledger creates its folder and tables; a read must never leave an empty ledger behind on a mistyped
+    path, nor add tables to an unrelated database.
+    """
+    if parsed.database in (None, "", ":memory:"):
+        raise CliError("an in-memory SQLite URL holds no ledger; point --ledger-url at the ledger file")
+    path = Path(parsed.database).expanduser()
+    if not path.is_file():
+        raise CliError(
+            f"no ledger at {path}: the SQLite file does not exist (the CLI reads ledgers, never creates one)"
+        )
+    try:
+        # mode=ro: this look must not create or change anything either.
+        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as conn:
+            found = conn.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", ("export_runs",)
+            ).fetchone()
+    except sqlite3.Error as exc:
+        raise CliError(f"cannot read the SQLite ledger {path}: {exc}") from None
+    if found is None:
+        raise CliError(f"{path} is not an export ledger: it has no export_runs table")
+
+
+# -- subcommands -------------------------------------------------------------------------------------------------
+
+
+def _status(ledger: ExportLedger, args: argparse.Namespace) -> str:
+    records = ledger.records(
+        export=args.export,
+        tenant=args.tenant,
+        date_from=args.date_from,
+        date_to=args.date_to,
+        states=[ExportState(value) for value in args.states],
+        limit=args.limit,
+    )
+    if args.json:
+        return _dump([_record_json(record) for record in records])
+    if not records:
+        return "no exports match"
+    headers = ("LOGICAL KEY", "STATE", "BUSINESS DATE", "ZONE", "ROWS", "COMMITTED ATTEMPT", "LEASE OWNER",
+               "LEASE EXPIRES", "UPDATED")
+    rows = []
+    for record in records:
+        owner, expires = _lease(record)
+        rows.append((record.logical_key, record.state.value, record.business_date.isoformat(), record.timezone,
+                     record.row_count, record.committed_attempt, owner, _short_time(expires),
+                     _short_time(record.updated_at)))
+    return _table(headers, rows)
+
+
+def _attempts(ledger: ExportLedger, args: argparse.Namespace) -> str:
+    record = ledger.get(args.logical_key)
+    if record is None:
+        raise CliError(f"unknown logical key {args.logical_key!r}: the ledger has no export with it")
+    attempts = ledger.attempts(record.logical_key)
+    if args.json:
+        return _dump([_attempt_json(attempt) for attempt in attempts])
+    if not attempts:
+        # Attempt rows are written when an outcome is known: a first attempt still running has none yet.
+        return f"no finished attempts for {record.logical_key} yet (state {record.state.value})"
+    headers = ("ATTEMPT", "TOKEN", "STARTED", "FINISHED", "OUTCOME", "ERROR", "MESSAGE")
+    rows = [
+        (attempt.attempt_id, attempt.fencing_token, _short_time(attempt.started_at), _short_time(attempt.finished_at),
+         attempt.outcome.value, attempt.error_class, attempt.error_message)
+        for attempt in attempts
+    ]
+    return _table(headers, rows)
+
+
+# -- rendering ---------------------------------------------------------------------------------------------------
+
+
+def _lease(record: ExportRecord) -> tuple[str | None, dt.datetime | None]:
+    if record.state is ExportState.IN_PROGRESS:
+        return record.lease_owner, record.lease_expires_at
+    return None, None
+
+
+def _record_json(record: ExportRecord) -> dict:
+    owner, expires = _lease(record)
+    return {
+        "logical_key": record.logical_key,
+        "export": record.export,
+        "tenant": record.tenant,
+        "business_date": record.business_date.isoformat(),
+        "timezone": record.timezone,
+        "window_start_utc": _iso(record.window_start_utc),
+        "window_end_utc": _iso(record.window_end_utc),
+        "state": record.state.value,
+        "row_count": record.row_count,
+        "committed_attempt": record.committed_attempt,
+        "location": record.location,
+        "sha256": record.sha256,
+        "fencing_token": record.fencing_token,
+        "lease_owner": owner,
+        "lease_expires_at": _iso(expires),
+        "created_at": _iso(record.created_at),
+        "updated_at": _iso(record.updated_at),
+    }
+
+
+def _attempt_json(attempt: AttemptRecord) -> dict:
+    return {
+        "attempt_id": attempt.attempt_id,
+        "fencing_token": attempt.fencing_token,
+        "started_at": _iso(attempt.started_at),
+        "finished_at": _iso(attempt.finished_at),
+        "outcome": attempt.outcome.value,
+        "error_class": attempt.error_class,
+        "error_message": attempt.error_message,
+    }
+
+
+def _dump(items: list[dict]) -> str:
+    return json.dumps(items, indent=2)
+
+
+def _iso(value: dt.datetime | None) -> str | None:
+    return None if value is None else utc_iso(value)
+
+
+def _short_time(value: dt.datetime | None) -> str | None:
+    # Whole seconds in tables; --json keeps full precision.
+    return None if value is None else utc_iso(value.replace(microsecond=0))
+
+
+def _printable(text: str) -> str:
+    # Stored error messages come from exceptions; escape newlines and terminal control sequences before printing.
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [list(headers)] + [["-" if value is None else _printable(str(value)) for value in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in cells)
+
+
+# -- entry point -------------------------------------------------------------------------------------------------
+
+
+def _redact_message(message: str, url: str | None) -> str:
+    if url:
+        message = message.replace(url, redact_url(url))
+    return _URL_PASSWORD_RE.sub(r"\1***@", _printable(message))
+
+
+def _error(message: str, code: int) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs ``export-ledger`` with ``argv`` (default ``sys.argv[1:]``) and returns the exit code.
+
+    Example:
+        >>> main(["status", "--state", "failed", "--json"])  # doctest: +SKIP
+        0
+    """
+    try:
+        args = build_parser().parse_args(argv)
+        if args.command == "status" and args.date_from and args.date_to and args.date_from > args.date_to:
+            raise UsageError(f"--from {args.date_from} is after --to {args.date_to}")
+    except UsageError as exc:
+        return _error(_redact_message(str(exc), None), USAGE_ERROR)
+    except SystemExit as exc:  # --help, after argparse printed it
+        return exc.code if isinstance(exc.code, int) else 0
+
+    url: str | None = None
+    try:
+        url = _ledger_url(args)
+        output = args.handler(_open_ledger(url), args)
+    except (CliError, LedgerError) as exc:
+        return _error(_redact_message(str(exc), url), RUNTIME_ERROR)
+    except sa.exc.SQLAlchemyError as exc:
+        cause = getattr(exc, "orig", None) or exc
+        return _error(
+            _redact_message(f"ledger at {redact_url(url or '')!r} failed: {type(cause).__name__}: {cause}", url),
+            RUNTIME_ERROR,
+        )
+    except Exception as exc:  # never a traceback: the operator gets the class and message, redacted
+        return _error(_redact_message(f"unexpected {type(exc).__name__}: {exc}", url), RUNTIME_ERROR)
+    finally:
+        dispose_engines()
+
+    try:
+        print(output)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader left (``| head``): point stdout at devnull so the interpreter's final flush stays quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return RUNTIME_ERROR
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""Bad input fails with a message naming the problem, publishes nothing and writes no `completed` record."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import dagster as dg
+import pandas as pd
+import pytest
+from pipeline_helpers import failure_message, make_defs, published_dirs, run_partition
+
+from assets.calendar import ExportCalendar
+from assets.keys import InvalidIdentifier, parse_tenants
+from assets.windows import CalendarError
+from definitions import ConfigurationError, build_definitions
+from resources.ledger import ExportLedger
+from resources.schema import ExportState
+from resources.sources import InvoiceSource, SampleInvoiceSource
+
+
+@pytest.fixture
+def instance():
+    with dg.instance_for_test() as instance:
+        yield instance
+
+
+class DoctoredSource(InvoiceSource):
+    """The sample source with one defect applied to its frame."""
+
+    defect: str
+
+    def count(self, tenant, start_utc, end_utc) -> int:
+        return SampleInvoiceSource().count(tenant, start_utc, end_utc)
+
+    def events(self, tenant, start_utc, end_utc) -> pd.DataFrame:
+        frame = SampleInvoiceSource().events(tenant, start_utc, end_utc)
+        if self.defect == "missing_column":
+            return frame.drop(columns=["customer_email"])
+        if self.defect == "null_amount":
+            frame.loc[3, "amount"] = None
+            return frame
+        if self.defect == "outside_window":
+            frame.loc[0, "occurred_at"] = pd.Timestamp(start_utc) - pd.Timedelta(minutes=1)
+            return frame
+        if self.defect == "duplicate_id":
+            frame.loc[1, "invoice_id"] = frame.loc[0, "invoice_id"]
+            return frame
+        if self.defect == "naive_timestamps":
+            frame["occurred_at"] = frame["occurred_at"].dt.tz_localize(None)
+            return frame
+        if self.defect == "text_amounts":
+            frame["amount"] = frame["amount"].astype(str)
+            return frame
+        if self.defect == "not_a_frame":
+            return frame.to_dict()
+        raise AssertionError(self.defect)
+
+
+def _assert_nothing_committed(tmp_path):
+    assert published_dirs(tmp_path / "exports") == [], "nothing may be published"
+    assert not list((tmp_path / "exports").rglob(".staging-*")), "no staging left behind"
+    ledger = ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    records = ledger.records()
+    assert all(r.state is not ExportState.COMPLETED for r in records), "no completed record"
+    return records
+
+
+@pytest.mark.parametrize(
+    ("defect", "message"),
+    [
+        ("missing_column", "missing required columns ['customer_email']"),
+        ("null_amount", "column 'amount' has 1 null value(s)"),
+        ("outside_window", "1 event(s) fall outside the window [2026-03-08T05:00:00Z, 2026-03-09T04:00:00Z)"),
+        ("duplicate_id", "duplicate invoice_id values"),
+        ("naive_timestamps", "column 'occurred_at' must hold timezone-aware timestamps"),
+        ("text_amounts", "column 'amount' must be numeric"),
+        ("not_a_frame", "expected a pandas DataFrame, got dict"),
+    ],
+)
+def test_bad_source_frames_are_refused_with_the_problem_named(tmp_path, instance, defect, message):
+    defs = make_defs(tmp_path, source=DoctoredSource(defect=defect))
+    result = run_partition(defs, instance, "2026-03-08")
+    assert not result.success
+    text = failure_message(result)
+    assert message in text and "invoice_export/acme/2026-03-08T05:00:00Z" in text
+    assert "@example.com" not in text, "customer emails never appear in errors"
+    (record,) = _assert_nothing_committed(tmp_path)
+    assert record.state is ExportState.FAILED, "the attempt is recorded as failed before commit: safe to retry"
+
+
+def test_unwritable_destination_root_fails_clearly_and_records_failure(tmp_path, instance):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the destination root should be")
+    defs = make_defs(tmp_path, destination=str(blocker / "exports"))
+    result = run_partition(defs, instance, "2026-03-08")
+    assert not result.success
+    assert f"cannot write to export destination {blocker / 'exports'}" in failure_message(result)
+    (record,) = _assert_nothing_committed(tmp_path)
+    assert record.state is ExportState.FAILED
+
+
+def test_unreachable_ledger_fails_the_run_naming_the_ledger_without_its_password(tmp_path, instance):
+    defs = make_defs(tmp_path, ledger_url="postgresql+psycopg2://exporter:hunter2-secret@127.0.0.1:1/ledger")
+    result = run_partition(defs, instance, "2026-03-08")
+    assert not result.success
+    text = failure_message(result)
+    assert "cannot reach the ledger at 'postgresql+psycopg2://exporter:***@127.0.0.1:1/ledger'" in text
+    assert "hunter2-secret" not in text
+    assert published_dirs(tmp_path / "exports") == []
+
+
+def test_invalid_partition_key_is_refused_by_name(tmp_path, instance):
+    defs = make_defs(tmp_path)
+    with pytest.raises(Exception, match="2026-13-01"):
+        run_partition(defs, instance, "2026-13-01")
+    with pytest.raises(CalendarError, match=r"invalid partition key '2026-13-01'"):
+        ExportCalendar().window("2026-13-01")
+    with pytest.raises(CalendarError, match=r"before the calendar start 2026-01-01"):
+        ExportCalendar().window("2025-12-31")
+    assert published_dirs(tmp_path / "exports") == []
+
+
+@pytest.mark.parametrize("zone", ["Mars/Olympus_Mons", "", "america/new_york "])
+def test_unknown_timezone_is_refused_when_definitions_are_built(tmp_path, zone):
+    with pytest.raises(CalendarError, match="unknown timezone"):
+        make_defs(tmp_path, timezone=zone)
+
+
+@pytest.mark.parametrize("tenant", ["../x", "", "two words", "UPPER", "a/b", "é"])
+def test_bad_tenant_ids_are_refused(tmp_path, tenant):
+    with pytest.raises(InvalidIdentifier, match="invalid tenant id"):
+        make_defs(tmp_path, tenants=[tenant])
+
+
+def test_bad_tenant_list_in_the_environment_is_refused(tmp_path):
+    with pytest.raises(InvalidIdentifier, match=r"invalid tenant id '\.\./etc'"):
+        build_definitions(environ={"EXPORTS_TENANTS": "acme,../etc"}, destination=str(tmp_path))
+    with pytest.raises(InvalidIdentifier, match="duplicate tenant id"):
+        parse_tenants("acme,acme")
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"EXPORTS_FILE_FORMAT": "xlsx"}, "unknown file format 'xlsx'"),
+        ({"EXPORTS_LEASE_TTL_SECONDS": "soon"}, "EXPORTS_LEASE_TTL_SECONDS must be a positive integer"),
+        ({"EXPORTS_SAMPLE_CADENCE_MINUTES": "0"}, "EXPORTS_SAMPLE_CADENCE_MINUTES must be a positive integer"),
+        ({"EXPORTS_DESTINATION": "ftp://host/x"}, "EXPORTS_DESTINATION scheme 'ftp' is not supported"),
+    ],
+)
+def test_bad_settings_are_refused_naming_the_setting(tmp_path, environ, message):
+    environ = {"EXPORTS_LEDGER_URL": f"sqlite:///{tmp_path / 'l.sqlite3'}", **environ}
+    with pytest.raises(ConfigurationError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        build_definitions(environ=environ)
+
+
+def test_bad_schedule_time_is_refused(tmp_path):
+    with pytest.raises(ConfigurationError, match="schedule_time must be HH:MM"):
+        make_defs(tmp_path, schedule_time="half past four")
+    with pytest.raises(CalendarError, match="does not occur exactly once on 2026-03-08"):
+        make_defs(tmp_path, schedule_time="02:30")
+
+
+def test_naive_bounds_are_refused_by_sources():
+    with pytest.raises(ValueError, match="must be timezone-aware"):
+        SampleInvoiceSource().events("acme", dt.datetime(2026, 3, 8), dt.datetime(2026, 3, 9))

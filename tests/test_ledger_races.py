@@ -1,0 +1,141 @@
+"""Real OS processes racing to claim and complete the same keys, on SQLite (a file) and PostgreSQL.
+
+Each racer is a process started with ``spawn`` (a fresh interpreter, nothing inherited but its arguments). All racers
+wait on one barrier per round, then claim the round's key and complete it when they win. Whatever the interleaving,
+every key must end with exactly one completion, and every other racer must have been told why it lost.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import multiprocessing
+import queue
+from collections import Counter
+
+import pytest
+
+from assets.keys import LogicalKey
+from assets.windows import window_for
+from resources.ledger import AlreadyCompleted, Claim, CompletionEvidence, ExportLedger, LeaseHeld
+from resources.schema import AttemptOutcome, ExportState
+
+ROUNDS = 5
+ZONE = "America/New_York"
+FIRST_DATE = dt.date(2026, 3, 6)  # the rounds cross the spring-forward day (2026-03-08)
+LEASE_TTL = dt.timedelta(minutes=10)  # far longer than a race: no lease may expire and be taken over
+BARRIER_TIMEOUT_S = 60.0  # a safety net for a racer that never arrives, not a measurement
+COLLECT_TIMEOUT_S = 90.0
+
+WON = "won"
+LEASE_HELD = "lease_held"
+ALREADY_COMPLETED = "already_completed"
+ERROR = "error"
+
+
+def round_key(round_index: int) -> LogicalKey:
+    return LogicalKey("invoice_export", "acme", window_for(FIRST_DATE + dt.timedelta(days=round_index), ZONE))
+
+
+def racer_attempt_id(racer: int, round_index: int) -> str:
+    return f"racer-{racer}/round-{round_index}"
+
+
+def race(url: str, racer: int, barrier, results) -> None:
+    """One racer: for every round, wait for the others, claim the round's key and complete it if it won."""
+    ledger = ExportLedger(url, lease_ttl=LEASE_TTL)
+    for round_index in range(ROUNDS):
+        key = round_key(round_index)
+        attempt = racer_attempt_id(racer, round_index)
+        try:
+            barrier.wait(BARRIER_TIMEOUT_S)
+            outcome = ledger.claim(key, attempt)
+            if isinstance(outcome, Claim):
+                ledger.complete(
+                    outcome,
+                    CompletionEvidence(
+                        location=f"file:///exports/{attempt}.parquet",
+                        sha256=f"{racer:064x}",
+                        row_count=racer,
+                        attempt_id=attempt,
+                        fencing_token=outcome.fencing_token,
+                    ),
+                )
+                result = (WON, "")
+            elif isinstance(outcome, AlreadyCompleted):
+                result = (ALREADY_COMPLETED, "")
+            else:
+                result = (ERROR, f"claim returned {outcome!r}")
+        except LeaseHeld:
+            result = (LEASE_HELD, "")
+        except BaseException as exc:  # anything else is a failure of the contract: report it, keep racing
+            result = (ERROR, f"{type(exc).__name__}: {exc}")
+        results.put((racer, round_index, *result))
+
+
+def run_racers(url: str, racers: int) -> list[tuple[int, int, str, str]]:
+    """Starts ``racers`` spawned processes on ``url`` and returns one result per racer per round."""
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(racers)
+    results = context.Queue()
+    processes = [
+        context.Process(target=race, args=(url, racer, barrier, results), name=f"racer-{racer}", daemon=True)
+        for racer in range(racers)
+    ]
+    collected: list[tuple[int, int, str, str]] = []
+    try:
+        for process in processes:
+            process.start()
+        for _ in range(racers * ROUNDS):
+            try:
+                collected.append(results.get(timeout=COLLECT_TIMEOUT_S))
+            except queue.Empty:
+                exits = {p.name: p.exitcode for p in processes}
+                pytest.fail(f"racers stopped reporting after {len(collected)} results; exit codes {exits}")
+        for process in processes:
+            process.join(timeout=30)
+        assert [p.exitcode for p in processes] == [0] * racers, "every racer exits cleanly"
+    finally:
+        barrier.abort()  # frees any racer still waiting for a round that will not start
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+            process.join(timeout=10)
+        results.close()
+        results.join_thread()
+    return collected
+
+
+@pytest.mark.parametrize("racers", [2, 8])
+def test_racing_processes_complete_each_key_exactly_once(ledger_url, racers):
+    ledger = ExportLedger(ledger_url, lease_ttl=LEASE_TTL)  # the schema exists before the race starts
+
+    results = run_racers(ledger_url, racers)
+
+    errors = [r for r in results if r[2] == ERROR]
+    assert errors == [], "losing a race is LeaseHeld or AlreadyCompleted, never another error"
+    for round_index in range(ROUNDS):
+        key = str(round_key(round_index))
+        reported = {racer: kind for racer, r, kind, _ in results if r == round_index}
+        assert sorted(reported) == list(range(racers)), f"every racer reports once for {key}"
+        winners = [racer for racer, kind in reported.items() if kind == WON]
+        assert len(winners) == 1, f"exactly one racer exports {key}, got {winners}"
+        winner = racer_attempt_id(winners[0], round_index)
+
+        record = ledger.get(key)
+        assert record.state is ExportState.COMPLETED, f"{key} ends completed"
+        assert record.committed_attempt == winner, f"{key} records the winner's export"
+        assert record.fencing_token == 1, f"nobody took over {key}: no lease expired during the race"
+
+        attempts = ledger.attempts(key)
+        assert len(attempts) == racers, f"every racer on {key} leaves exactly one attempt row"
+        by_attempt = {a.attempt_id: a.outcome for a in attempts}
+        assert len(by_attempt) == racers, f"one attempt row per racer on {key}"
+        assert Counter(by_attempt.values())[AttemptOutcome.COMPLETED] == 1, f"one completed attempt on {key}"
+        assert by_attempt[winner] is AttemptOutcome.COMPLETED
+        expected_row = {LEASE_HELD: AttemptOutcome.REFUSED, ALREADY_COMPLETED: AttemptOutcome.ALREADY_COMPLETED}
+        for racer, kind in reported.items():
+            if kind != WON:
+                attempt = racer_attempt_id(racer, round_index)
+                assert by_attempt[attempt] is expected_row[kind], (
+                    f"{attempt} was told {kind}: its attempt row must say the same"
+                )

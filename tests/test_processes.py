@@ -1,0 +1,112 @@
+"""Real processes: the code location validates, racing materializations export once, a SIGKILL is repaired."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from pipeline_helpers import completed_without_export, published_dirs, read_export
+
+from resources.ledger import ExportLedger
+from resources.schema import AttemptOutcome, ExportState
+
+PROJECT = Path(__file__).resolve().parent.parent
+DAGSTER = str(Path(sys.executable).parent / "dagster")
+KEY = "invoice_export/acme/2026-03-08T05:00:00Z"
+
+
+def _env(tmp_path: Path, home: str = "dagster_home", **extra: str) -> dict[str, str]:
+    # Separate DAGSTER_HOMEs for racing processes: two fresh SQLite instances created at once race on their own
+    # schema migration, which is Dagster's business, not the ledger's.
+    home = tmp_path / home
+    home.mkdir(exist_ok=True)
+    env = {
+        **os.environ,
+        "DAGSTER_HOME": str(home),
+        "EXPORTS_LEDGER_URL": f"sqlite:///{tmp_path / 'ledger.sqlite3'}",
+        "EXPORTS_DESTINATION": str(tmp_path / "exports"),
+        "EXPORTS_TENANTS": "acme",
+        "PYTHONPATH": str(PROJECT),
+    }
+    env.pop("EXPORTS_FAILPOINTS", None)
+    env.update(extra)
+    return env
+
+
+def _materialize(env: dict[str, str], partition: str = "2026-03-08") -> subprocess.Popen:
+    return subprocess.Popen(
+        [DAGSTER, "asset", "materialize", "-f", "definitions.py", "--select", "invoice_export", "--partition", partition],
+        cwd=PROJECT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _finish(process: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"materialization did not finish in {timeout}s:\n{output[-3000:]}")
+    return process.returncode, output
+
+
+def test_code_location_validates(tmp_path):
+    result = subprocess.run(
+        [DAGSTER, "definitions", "validate", "-w", "workspace.yaml"],
+        cwd=PROJECT,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "All code locations passed validation" in result.stdout + result.stderr
+
+
+def test_two_processes_materializing_one_partition_export_it_once(tmp_path):
+    # Each attempt pauses after its claim, so the second process arrives while the first holds the lease.
+    env = _env(tmp_path, EXPORTS_FAILPOINTS="after_claim=pause:4")
+    first, second = _materialize(env), _materialize(_env(tmp_path, "dagster_home_2", **{"EXPORTS_FAILPOINTS": env["EXPORTS_FAILPOINTS"]}))
+    (code_a, out_a), (code_b, out_b) = _finish(first), _finish(second)
+
+    assert sorted([code_a, code_b]) in ([0, 0], [0, 1]), out_a[-2000:] + out_b[-2000:]
+    loser = out_b if code_b else out_a
+    if sorted([code_a, code_b]) == [0, 1]:
+        assert f"{KEY} is being exported by attempt" in loser, "the loser is refused, naming the holder"
+    assert len(published_dirs(tmp_path / "exports")) == 1
+    ledger = ExportLedger(env["EXPORTS_LEDGER_URL"])
+    assert ledger.get(KEY).state is ExportState.COMPLETED
+    outcomes = sorted(a.outcome.value for a in ledger.attempts(KEY))
+    assert outcomes in (["completed", "refused"], ["already_completed", "completed"]), outcomes
+
+
+def test_sigkill_after_publish_is_repaired_by_the_next_attempt_once_the_lease_expires(tmp_path):
+    env = _env(tmp_path, EXPORTS_LEASE_TTL_SECONDS="2", EXPORTS_FAILPOINTS="after_publish=kill")
+    code, output = _finish(_materialize(env))
+    assert code != 0, "the process was killed"
+    (folder,) = published_dirs(tmp_path / "exports")
+    killed_manifest, _ = read_export(folder)
+    ledger = ExportLedger(env["EXPORTS_LEDGER_URL"])
+    assert ledger.get(KEY).state is ExportState.IN_PROGRESS
+    assert completed_without_export(ledger) == []
+
+    time.sleep(2.5)  # let the dead attempt's 2-second lease run out (not a timing assertion)
+    env.pop("EXPORTS_FAILPOINTS")
+    code, output = _finish(_materialize(env))
+    assert code == 0, output[-3000:]
+    (folder_after,) = published_dirs(tmp_path / "exports")
+    assert read_export(folder_after)[0] == killed_manifest, "the published copy is recorded, not rewritten"
+    record = ledger.get(KEY)
+    assert record.state is ExportState.COMPLETED and record.committed_attempt == killed_manifest.attempt_id
+    assert [a.outcome for a in ledger.attempts(KEY)] == [AttemptOutcome.ABANDONED, AttemptOutcome.REPAIRED]
+    assert "customer" not in output and "@example.com" not in output, "no customer data in CLI output"

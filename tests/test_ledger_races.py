@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import multiprocessing
 import queue
+import time
 from collections import Counter
 
 import pytest
@@ -24,7 +25,7 @@ ZONE = "America/New_York"
 FIRST_DATE = dt.date(2026, 3, 6)  # the rounds cross the spring-forward day (2026-03-08)
 LEASE_TTL = dt.timedelta(minutes=10)  # far longer than a race: no lease may expire and be taken over
 BARRIER_TIMEOUT_S = 60.0  # a safety net for a racer that never arrives, not a measurement
-COLLECT_TIMEOUT_S = 90.0
+COLLECT_TIMEOUT_S = 90.0  # likewise: a hung racer fails the test instead of hanging it
 
 WON = "won"
 LEASE_HELD = "lease_held"
@@ -42,7 +43,13 @@ def racer_attempt_id(racer: int, round_index: int) -> str:
 
 def race(url: str, racer: int, barrier, results) -> None:
     """One racer: for every round, wait for the others, claim the round's key and complete it if it won."""
-    ledger = ExportLedger(url, lease_ttl=LEASE_TTL)
+    try:
+        ledger = ExportLedger(url, lease_ttl=LEASE_TTL)
+    except BaseException as exc:  # report it for every round, and release the others instead of leaving them waiting
+        barrier.abort()
+        for round_index in range(ROUNDS):
+            results.put((racer, round_index, ERROR, f"opening the ledger: {type(exc).__name__}: {exc}"))
+        return
     for round_index in range(ROUNDS):
         key = round_key(round_index)
         attempt = racer_attempt_id(racer, round_index)
@@ -85,10 +92,15 @@ def run_racers(url: str, racers: int) -> list[tuple[int, int, str, str]]:
     try:
         for process in processes:
             process.start()
-        for _ in range(racers * ROUNDS):
+        deadline = time.monotonic() + COLLECT_TIMEOUT_S
+        while len(collected) < racers * ROUNDS:
             try:
-                collected.append(results.get(timeout=COLLECT_TIMEOUT_S))
+                collected.append(results.get(timeout=0.5))
+                continue
             except queue.Empty:
+                pass
+            crashed = {p.name: p.exitcode for p in processes if p.exitcode not in (None, 0)}
+            if crashed or time.monotonic() > deadline:
                 exits = {p.name: p.exitcode for p in processes}
                 pytest.fail(f"racers stopped reporting after {len(collected)} results; exit codes {exits}")
         for process in processes:

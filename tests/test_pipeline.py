@@ -260,3 +260,43 @@ def test_dst_partitions_export_each_event_exactly_once(tmp_path, instance, zone,
     assert len(exported) == len(set(exported)), "no event exported twice"
     assert set(exported) == set(expected["invoice_id"]), "every event in the span exported"
     assert any(w.duration != dt.timedelta(hours=24) for w in windows.values()), "the span crosses a transition"
+
+
+def _with_downstream(defs: dg.Definitions) -> tuple[dg.Definitions, list]:
+    seen = []
+    (export_asset,) = defs.assets
+
+    @dg.asset(partitions_def=export_asset.partitions_def, ins={"invoice_export": dg.AssetIn()})
+    def invoice_rows(invoice_export: pd.DataFrame) -> None:
+        seen.append(invoice_export)
+
+    return dg.Definitions(assets=[export_asset, invoice_rows], resources=defs.resources), seen
+
+
+def test_load_input_returns_committed_exports(tmp_path, instance):
+    defs, seen = _with_downstream(make_defs(tmp_path, tenants=["acme", "globex"]))
+    result = dg.materialize(
+        defs.assets, partition_key="2026-03-08", instance=instance, resources=defs.resources, raise_on_error=False
+    )
+    assert result.success, failure_message(result)
+    (frame,) = seen
+    assert len(frame) == 2 * 92 and set(frame["tenant"]) == {"acme", "globex"}
+    assert frame["invoice_id"].is_unique
+
+
+def test_load_input_refuses_an_export_that_is_not_committed(tmp_path, instance, monkeypatch):
+    defs, seen = _with_downstream(make_defs(tmp_path))
+    monkeypatch.setenv(FAILPOINTS, "after_stage=raise")
+    assert not run_partition(make_defs(tmp_path), instance, "2026-03-08").success
+    monkeypatch.delenv(FAILPOINTS)
+    result = dg.materialize(
+        defs.assets,
+        partition_key="2026-03-08",
+        instance=instance,
+        resources=defs.resources,
+        selection=[dg.AssetKey("invoice_rows")],
+        raise_on_error=False,
+    )
+    assert not result.success
+    assert "invoice_export for tenant acme on 2026-03-08 is not committed (failed)" in failure_message(result)
+    assert seen == []

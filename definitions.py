@@ -133,11 +133,7 @@ def build_definitions(
         else dg.BackfillPolicy.multi_run(max_partitions_per_run=max_partitions_per_run)
     )
     export_asset = build_invoice_export(calendar, tenants, backfill_policy=policy)
-    job = dg.define_asset_job(
-        "invoice_export_job",
-        selection=dg.AssetSelection.assets(EXPORT_NAME),
-        partitions_def=calendar.partitions_def(),
-    )
+    job = dg.define_asset_job("invoice_export_job", selection=dg.AssetSelection.assets(EXPORT_NAME))
     schedule = build_nightly_schedule(job, calendar, at)
 
     return dg.Definitions(

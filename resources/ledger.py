@@ -184,8 +184,12 @@ def _configure_sqlite(engine: Engine) -> None:
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection):  # pragma: no cover - exercised through every SQLite test
-        # Take the write lock up front: two claimers never both read a state and then race to update it.
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
+        # Writers take the write lock up front: two claimers never both read a state and then race to update it.
+        # Readers begin deferred, so `status` never waits behind a running export.
+        if connection.get_execution_options().get("ledger_read_only"):
+            connection.exec_driver_sql("BEGIN")
+        else:
+            connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 def ledger_engine(url: str) -> Engine:
@@ -274,15 +278,16 @@ class ExportLedger:
         return require_aware(self._clock(), "ledger clock")
 
     @contextlib.contextmanager
-    def atomic(self) -> Iterator[Connection]:
+    def atomic(self, *, read_only: bool = False) -> Iterator[Connection]:
         """The one transaction entry point. Everything inside commits together or not at all.
 
         Rolling back is always safe here: the ledger records decisions, and a decision that did not commit was
         never acted upon (destinations act only after ``claim`` has committed, and record after they acted).
         """
         try:
-            with self._engine.begin() as connection:
-                yield connection
+            with self._engine.connect().execution_options(ledger_read_only=read_only) as connection:
+                with connection.begin():
+                    yield connection
         except sa.exc.OperationalError as exc:
             raise LedgerUnavailable(
                 f"ledger at {redact_url(self.url)!r} failed: {exc.orig.__class__.__name__}: {str(exc.orig).strip()}"
@@ -291,13 +296,13 @@ class ExportLedger:
     # -- reads -------------------------------------------------------------------------------------------------
 
     def get(self, logical_key: str) -> ExportRecord | None:
-        with self.atomic() as conn:
+        with self.atomic(read_only=True) as conn:
             row = conn.execute(sa.select(export_runs).where(export_runs.c.logical_key == logical_key)).first()
         return ExportRecord.from_row(row) if row else None
 
     def find(self, key: LogicalKey) -> ExportRecord | None:
         """The record for the key's business day, whatever window start it was first claimed with."""
-        with self.atomic() as conn:
+        with self.atomic(read_only=True) as conn:
             row = self._find(conn, key, lock=False)
         return ExportRecord.from_row(row) if row else None
 
@@ -325,7 +330,7 @@ class ExportLedger:
         query = query.order_by(export_runs.c.export, export_runs.c.business_date, export_runs.c.tenant)
         if limit is not None:
             query = query.limit(limit)
-        with self.atomic() as conn:
+        with self.atomic(read_only=True) as conn:
             return [ExportRecord.from_row(row) for row in conn.execute(query)]
 
     def attempts(self, logical_key: str) -> list[AttemptRecord]:
@@ -334,11 +339,11 @@ class ExportLedger:
             .where(export_attempts.c.logical_key == logical_key)
             .order_by(export_attempts.c.id)
         )
-        with self.atomic() as conn:
+        with self.atomic(read_only=True) as conn:
             return [AttemptRecord.from_row(row) for row in conn.execute(query)]
 
     def all_attempts(self) -> list[AttemptRecord]:
-        with self.atomic() as conn:
+        with self.atomic(read_only=True) as conn:
             rows = conn.execute(sa.select(export_attempts).order_by(export_attempts.c.id))
             return [AttemptRecord.from_row(row) for row in rows]
 
@@ -491,7 +496,8 @@ class ExportLedger:
                 owner=claim.attempt_id,
                 values=dict(
                     state=state.value,
-                    lease_owner=None,
+                    # remote_unknown keeps the attempt whose write is in doubt: reconciliation looks for its evidence.
+                    lease_owner=claim.attempt_id if state is ExportState.REMOTE_UNKNOWN else None,
                     lease_expires_at=None,
                     updated_at=now,
                     **(values or {}),

@@ -1,8 +1,10 @@
 """Real OS processes racing to claim and complete the same keys, on SQLite (a file) and PostgreSQL.
 
 Each racer is a process started with ``spawn`` (a fresh interpreter, nothing inherited but its arguments). All racers
-wait on one barrier per round, then claim the round's key and complete it when they win. Whatever the interleaving,
-every key must end with exactly one completion, and every other racer must have been told why it lost.
+wait on one barrier per round, then claim the round's key and complete it when they win. Rounds start from each state
+a claim can win from: a key never attempted, a key whose last attempt failed, and a key whose holder crashed (its
+lease expired). Whatever the interleaving, every key must end with exactly one completion, and every other racer must
+have been told why it lost.
 """
 
 from __future__ import annotations
@@ -20,10 +22,15 @@ from assets.windows import window_for
 from resources.ledger import AlreadyCompleted, Claim, CompletionEvidence, ExportLedger, LeaseHeld
 from resources.schema import AttemptOutcome, ExportState
 
-ROUNDS = 5
+FRESH = "fresh"  # nobody ever claimed the key
+FAILED = "failed"  # an earlier attempt failed: safe to retry
+CRASHED = "crashed"  # an earlier attempt holds a lease that has expired
+ROUND_STARTS = (FRESH, FRESH, FRESH, FAILED, FAILED, CRASHED, CRASHED)
+ROUNDS = len(ROUND_STARTS)
 ZONE = "America/New_York"
 FIRST_DATE = dt.date(2026, 3, 6)  # the rounds cross the spring-forward day (2026-03-08)
-LEASE_TTL = dt.timedelta(minutes=10)  # far longer than a race: no lease may expire and be taken over
+UTC = dt.timezone.utc
+LEASE_TTL = dt.timedelta(minutes=10)  # far longer than a race: no racer's lease expires during it
 BARRIER_TIMEOUT_S = 60.0  # a safety net for a racer that never arrives, not a measurement
 COLLECT_TIMEOUT_S = 90.0  # likewise: a hung racer fails the test instead of hanging it
 
@@ -39,6 +46,23 @@ def round_key(round_index: int) -> LogicalKey:
 
 def racer_attempt_id(racer: int, round_index: int) -> str:
     return f"racer-{racer}/round-{round_index}"
+
+
+def seed_attempt_id(round_index: int) -> str:
+    return f"seed/round-{round_index}"
+
+
+def seed_round_starts(url: str) -> None:
+    """Puts every round's key in its starting state, from the test process, before any racer starts."""
+    ExportLedger(url, lease_ttl=LEASE_TTL)  # creates the schema
+    long_ago = dt.datetime.now(UTC) - dt.timedelta(days=1)
+    crashed_holder = ExportLedger(url, lease_ttl=LEASE_TTL, clock=lambda: long_ago)
+    for round_index, start in enumerate(ROUND_STARTS):
+        if start == FRESH:
+            continue
+        claim = crashed_holder.claim(round_key(round_index), seed_attempt_id(round_index))
+        if start == FAILED:
+            crashed_holder.fail(claim, RuntimeError("seeded failure"))
 
 
 def race(url: str, racer: int, barrier, results) -> None:
@@ -119,30 +143,33 @@ def run_racers(url: str, racers: int) -> list[tuple[int, int, str, str]]:
 
 @pytest.mark.parametrize("racers", [2, 8])
 def test_racing_processes_complete_each_key_exactly_once(ledger_url, racers):
-    ledger = ExportLedger(ledger_url, lease_ttl=LEASE_TTL)  # the schema exists before the race starts
+    seed_round_starts(ledger_url)
+    ledger = ExportLedger(ledger_url, lease_ttl=LEASE_TTL)
 
     results = run_racers(ledger_url, racers)
 
     errors = [r for r in results if r[2] == ERROR]
     assert errors == [], "losing a race is LeaseHeld or AlreadyCompleted, never another error"
-    for round_index in range(ROUNDS):
+    for round_index, start in enumerate(ROUND_STARTS):
         key = str(round_key(round_index))
         reported = {racer: kind for racer, r, kind, _ in results if r == round_index}
         assert sorted(reported) == list(range(racers)), f"every racer reports once for {key}"
         winners = [racer for racer, kind in reported.items() if kind == WON]
-        assert len(winners) == 1, f"exactly one racer exports {key}, got {winners}"
+        assert len(winners) == 1, f"exactly one racer exports the {start} key {key}, got {winners}"
         winner = racer_attempt_id(winners[0], round_index)
 
         record = ledger.get(key)
         assert record.state is ExportState.COMPLETED, f"{key} ends completed"
         assert record.committed_attempt == winner, f"{key} records the winner's export"
-        assert record.fencing_token == 1, f"nobody took over {key}: no lease expired during the race"
+        expected_token = 1 if start == FRESH else 2
+        assert record.fencing_token == expected_token, f"exactly one racer's claim on the {start} key {key} won"
 
         attempts = ledger.attempts(key)
-        assert len(attempts) == racers, f"every racer on {key} leaves exactly one attempt row"
-        by_attempt = {a.attempt_id: a.outcome for a in attempts}
+        racer_rows = [a for a in attempts if a.attempt_id != seed_attempt_id(round_index)]
+        assert len(racer_rows) == racers, f"every racer on {key} leaves exactly one attempt row"
+        by_attempt = {a.attempt_id: a.outcome for a in racer_rows}
         assert len(by_attempt) == racers, f"one attempt row per racer on {key}"
-        assert Counter(by_attempt.values())[AttemptOutcome.COMPLETED] == 1, f"one completed attempt on {key}"
+        assert Counter(a.outcome for a in attempts)[AttemptOutcome.COMPLETED] == 1, f"one completed attempt on {key}"
         assert by_attempt[winner] is AttemptOutcome.COMPLETED
         expected_row = {LEASE_HELD: AttemptOutcome.REFUSED, ALREADY_COMPLETED: AttemptOutcome.ALREADY_COMPLETED}
         for racer, kind in reported.items():
@@ -151,3 +178,11 @@ def test_racing_processes_complete_each_key_exactly_once(ledger_url, racers):
                 assert by_attempt[attempt] is expected_row[kind], (
                     f"{attempt} was told {kind}: its attempt row must say the same"
                 )
+
+        seed_rows = [a.outcome for a in attempts if a.attempt_id == seed_attempt_id(round_index)]
+        expected_seed_rows = {
+            FRESH: [],
+            FAILED: [AttemptOutcome.FAILED],
+            CRASHED: [AttemptOutcome.ABANDONED],  # recorded once, by the one takeover
+        }[start]
+        assert seed_rows == expected_seed_rows, f"the earlier attempt on the {start} key {key} is recorded once"

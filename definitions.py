@@ -44,6 +44,14 @@ def _positive_int(name: str, text: str) -> int:
     return value
 
 
+def _secret_setting(env: Mapping[str, str], environ: Mapping[str, str] | None, name: str, default: str):
+    """A setting that may hold a password: taken from the process environment as a Dagster ``EnvVar``, so the UI
+    and run config show the variable's name, never its value."""
+    if not env.get(name):
+        return default
+    return dg.EnvVar(name) if environ is None else env[name]
+
+
 def _destination_from(spec: str) -> Destination:
     if "://" in spec:
         scheme = spec.split("://", 1)[0]
@@ -108,7 +116,7 @@ def build_definitions(
         ttl = lease_ttl_seconds or _positive_int(
             "EXPORTS_LEASE_TTL_SECONDS", env.get("EXPORTS_LEASE_TTL_SECONDS", "900")
         )
-        ledger = LedgerResource(url=ledger_url or env.get("EXPORTS_LEDGER_URL") or DEFAULT_LEDGER_URL, lease_ttl_seconds=ttl)
+        ledger = LedgerResource(url=ledger_url or _secret_setting(env, environ, "EXPORTS_LEDGER_URL", DEFAULT_LEDGER_URL), lease_ttl_seconds=ttl)
 
     if destination is None:
         destination = env.get("EXPORTS_DESTINATION") or DEFAULT_DESTINATION
@@ -117,7 +125,10 @@ def build_definitions(
 
     if source is None:
         if env.get("EXPORTS_SOURCE_URL"):
-            source = SqlInvoiceSource(url=env["EXPORTS_SOURCE_URL"], table=env.get("EXPORTS_SOURCE_TABLE", "invoices"))
+            source = SqlInvoiceSource(
+                url=_secret_setting(env, environ, "EXPORTS_SOURCE_URL", ""),
+                table=env.get("EXPORTS_SOURCE_TABLE", "invoices"),
+            )
         else:
             cadence = _positive_int("EXPORTS_SAMPLE_CADENCE_MINUTES", env.get("EXPORTS_SAMPLE_CADENCE_MINUTES", "15"))
             source = SampleInvoiceSource(cadence_minutes=cadence)

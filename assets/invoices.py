@@ -68,7 +68,13 @@ def build_invoice_export(
             if disagreement:
                 context.log.warning(disagreement)
             planned_skips = []
-            for tenant in tenants:
+            if window.is_empty:
+                # The zone skipped this calendar day; its empty window has no logical key of its own (it would share
+                # the next day's window start), and no event belongs to it.
+                context.log.warning(
+                    f"{partition_key} does not exist in {calendar.timezone}: empty window, nothing to export"
+                )
+            for tenant in tenants if not window.is_empty else ():
                 key = LogicalKey(EXPORT_NAME, tenant, window)
                 record = book.find(key)
                 if record is not None:

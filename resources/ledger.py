@@ -58,6 +58,13 @@ class InvalidTransition(LedgerError):
     """A transition was asked from a state that does not allow it."""
 
 
+class EmptyWindow(LedgerError):
+    """The business date does not exist in its zone (a skipped calendar day): there is nothing to export.
+
+    Its empty window starts where the next day's starts, so it cannot have a logical key of its own.
+    """
+
+
 @dataclass(frozen=True)
 class ExportRecord:
     """One row of ``export_runs``."""
@@ -358,12 +365,24 @@ class ExportLedger:
             LeaseHeld: another attempt holds a live lease; the message names it.
             NeedsReconciliation: the key is ``remote_unknown``.
         """
+        if key.window.is_empty:
+            raise EmptyWindow(
+                f"{key.window.business_date} does not exist in {key.window.timezone} (the zone skipped that calendar "
+                f"day): its window is empty and {key.export} for {key.tenant} has nothing to export"
+            )
         for _ in range(5):
             try:
                 return self._claim_once(key, attempt_id)
-            except sa.exc.IntegrityError:
-                # Two first claims inserted the same key at once; the loser looks again and finds the winner's row.
-                continue
+            except sa.exc.IntegrityError as exc:
+                if self.find(key) is not None:
+                    continue  # two first claims inserted the same key at once; the loser now finds the winner's row
+                holder = self.get(str(key))
+                if holder is not None:
+                    raise LedgerError(
+                        f"logical key {key} already belongs to {holder.export}/{holder.tenant} on "
+                        f"{holder.business_date} ({holder.timezone}); refusing to claim it for {key.window.business_date}"
+                    ) from None
+                raise LedgerError(f"could not record a claim on {key}: {exc.orig}") from None
         raise LedgerError(f"could not claim {key}: the row kept changing under concurrent claims")
 
     def _claim_once(self, key: LogicalKey, attempt_id: str) -> Claim | AlreadyCompleted:
@@ -598,13 +617,15 @@ class ExportLedger:
         *,
         started_at: dt.datetime | None = None,
     ) -> None:
+        started_at = started_at or now
         conn.execute(
             export_attempts.insert().values(
                 attempt_id=attempt_id,
                 logical_key=logical_key,
                 fencing_token=fencing_token,
-                started_at=started_at or now,
-                finished_at=now,
+                started_at=started_at,
+                # A wall clock stepped back (NTP) since the claim must not lose the outcome: never finish before start.
+                finished_at=max(now, started_at),
                 outcome=outcome.value,
                 error_class=error_class,
                 error_message=error_message,

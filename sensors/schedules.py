@@ -7,7 +7,7 @@ import datetime as dt
 import dagster as dg
 
 from assets.calendar import ExportCalendar
-from assets.windows import CalendarError, local_time_exists_once
+from assets.windows import CalendarError, local_time_exists_once, windows_between
 
 LAST_CHECKED_YEAR = 2037
 
@@ -18,15 +18,17 @@ def check_schedule_time(calendar: ExportCalendar, at: dt.time, until_year: int =
     Dagster shifts a skipped or doubled time only for hours 1-3 and not at all around midnight transitions, so the
     schedule is kept to a time where there is nothing to shift.
     """
-    day = calendar.first_date
+    first = calendar.first_date
     last = dt.date(until_year, 12, 31)
-    while day <= last:
-        if not local_time_exists_once(day, at, calendar.timezone):
+    if first > last:
+        return
+    for window in windows_between(first, last, calendar.timezone):
+        # A calendar day the zone skipped entirely has no wall times at all; there is nothing to run on it.
+        if not window.is_empty and not local_time_exists_once(window.business_date, at, calendar.timezone):
             raise CalendarError(
-                f"schedule time {at.isoformat('minutes')} does not occur exactly once on {day} in "
-                f"{calendar.timezone}; choose a time that every day has once (for example 04:30)"
+                f"schedule time {at.isoformat('minutes')} does not occur exactly once on {window.business_date} in "
+                f"{calendar.timezone} (a clock change skips or repeats it); choose a time that occurs once every day"
             )
-        day += dt.timedelta(days=1)
 
 
 def build_nightly_schedule(

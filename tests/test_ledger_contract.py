@@ -17,6 +17,7 @@ from resources.ledger import (
     AttemptRecord,
     Claim,
     CompletionEvidence,
+    EmptyWindow,
     ExportLedger,
     FencedOut,
     LeaseHeld,
@@ -317,26 +318,12 @@ def test_a_recomputed_window_cannot_bypass_a_live_lease_or_a_completion(ledger):
     assert len(ledger.records()) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "A calendar day the zone skipped has an empty window that starts where the next day's starts (windows.py), "
-        "so both days get the same logical key string (keys.py: export/tenant/window start). export_runs' primary "
-        "key is that string, so after one of the two days is claimed, claiming the other hits the primary key, "
-        "claim() takes the IntegrityError for a concurrent first claim, retries 5 times and raises "
-        "LedgerError('... the row kept changing under concurrent claims'): the next day can never be exported"
-    ),
-)
 def test_the_day_after_a_skipped_calendar_day_is_its_own_export(ledger):
     skipped = key_for(dt.date(2011, 12, 30), timezone="Pacific/Apia")  # Samoa jumped over this date
     next_day = key_for(dt.date(2011, 12, 31), timezone="Pacific/Apia")
     assert skipped.window.is_empty and skipped.window.start_utc == next_day.window.start_utc
-    try:
-        skipped_claim = ledger.claim(skipped, "run-1/export")
-    except LedgerError:
-        skipped_claim = None  # refusing to export an empty window is an acceptable policy; losing the next day is not
-    if isinstance(skipped_claim, Claim):
-        ledger.complete(skipped_claim, evidence_for(skipped_claim, row_count=0))
+    with pytest.raises(EmptyWindow, match=r"2011-12-30 does not exist in Pacific/Apia"):
+        ledger.claim(skipped, "run-1/export")
 
     claim = ledger.claim(next_day, "run-2/export")
 
@@ -470,14 +457,6 @@ def test_ledger_times_are_utc_aware_whatever_zone_the_clock_reports(ledger_url):
     assert record.window_start_utc.utcoffset() == dt.timedelta(0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "ExportLedger._finish writes the attempt row with started_at=claim.started_at and finished_at=now; when the "
-        "wall clock steps back between claim and complete (an NTP correction), ck_attempt_ordered rejects the insert, "
-        "complete() raises a raw sqlalchemy IntegrityError and the published export stays in_progress"
-    ),
-)
 def test_completion_is_recorded_when_the_wall_clock_steps_back_after_the_claim(ledger, clock):
     key = key_for()
     claim = claim_live(ledger, key, "run-1/export")

@@ -300,3 +300,18 @@ def test_load_input_refuses_an_export_that_is_not_committed(tmp_path, instance, 
     assert not result.success
     assert "invoice_export for tenant acme on 2026-03-08 is not committed (failed)" in failure_message(result)
     assert seen == []
+
+
+def test_a_skipped_calendar_day_exports_nothing_and_its_neighbours_cover_every_event(tmp_path, instance):
+    defs = make_defs(tmp_path, timezone="Pacific/Apia", start_date="2011-12-01", max_partitions_per_run=None)
+    result = run_range(defs, instance, "2011-12-29", "2011-12-31")
+    assert result.success, failure_message(result)
+
+    folders = published_dirs(tmp_path / "exports")
+    assert [f.name for f in folders] == ["date=2011-12-29", "date=2011-12-31"], "2011-12-30 never happened in Samoa"
+    exported = [i for f in folders for i in read_export(f)[1]["invoice_id"]]
+    first, last = window_for(dt.date(2011, 12, 29), "Pacific/Apia"), window_for(dt.date(2011, 12, 31), "Pacific/Apia")
+    expected = SampleInvoiceSource().events("acme", first.start_utc, last.end_utc)
+    assert sorted(exported) == sorted(expected["invoice_id"]), "every event exported once, none under two keys"
+    skipped = [e for e in result.get_asset_materialization_events() if e.materialization.partition == "2011-12-30"]
+    assert skipped[0].materialization.metadata["partition_logical_keys"].value == []

@@ -22,7 +22,7 @@ import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from zoneinfo import TZPATH, ZoneInfo, ZoneInfoNotFoundError
+from zoneinfo import TZPATH, ZoneInfo, ZoneInfoNotFoundError, available_timezones
 
 UTC = dt.timezone.utc
 _ONE_DAY = dt.timedelta(days=1)
@@ -55,6 +55,8 @@ class ExportWindow:
             value = getattr(self, name)
             if value.tzinfo is None or value.utcoffset() != dt.timedelta(0):
                 raise CalendarError(f"{name} must be a UTC-aware datetime, got {value!r}")
+            # A zero offset is not UTC (Europe/London in winter): store real UTC so arithmetic stays in UTC.
+            object.__setattr__(self, name, value.astimezone(UTC))
         if self.end_utc < self.start_utc:
             raise CalendarError(f"window for {self.business_date} ends before it starts")
 
@@ -97,9 +99,19 @@ def parse_business_date(text: str) -> dt.date:
         raise CalendarError(f"invalid partition key {text!r}: {exc}") from None
 
 
+@functools.cache
+def _known_zones() -> frozenset[str]:
+    # Debian ships `localtime` (this machine's own zone) and `posixrules` beside the real zones.
+    return frozenset(z for z in available_timezones() if z not in ("localtime", "posixrules", "Factory"))
+
+
 def load_zone(name: str) -> ZoneInfo:
-    """Loads an IANA zone, refusing anything that is not a known zone name."""
-    if not isinstance(name, str) or not name or name != name.strip():
+    """Loads an IANA zone, refusing anything that is not a known zone name.
+
+    Names that zoneinfo can open but that are not zones of the tz database (``localtime``, ``posixrules``,
+    ``right/...``) are refused: they mean different things on different machines.
+    """
+    if not isinstance(name, str) or name not in _known_zones():
         raise CalendarError(f"unknown timezone {name!r}: expected an IANA zone name such as 'America/New_York'")
     try:
         return ZoneInfo(name)

@@ -187,14 +187,6 @@ def test_export_window_refuses_a_naive_or_offset_bound() -> None:
         )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "ExportWindow.__post_init__ checks utcoffset() == 0 instead of tzinfo being UTC, so a Europe/London (or "
-        "Africa/Abidjan, localtime...) datetime in winter is stored as start_utc; timedelta arithmetic on it is then "
-        "wall-clock arithmetic in London, an hour off across BST"
-    ),
-)
 def test_export_window_stores_bounds_in_utc_even_when_given_a_zero_offset_zone() -> None:
     london = ZoneInfo("Europe/London")
     window = ExportWindow(
@@ -349,3 +341,9 @@ def test_dagster_disagreement_reports_a_shifted_window() -> None:
     assert message is not None and "2026-03-08" in message and "America/New_York" in message, (
         "any difference of an hour is reported, naming the day and zone"
     )
+
+
+@pytest.mark.parametrize("name", ["localtime", "posixrules", "Factory", "right/UTC", "posix/America/New_York"])
+def test_names_that_are_not_iana_zones_are_refused(name):
+    with pytest.raises(CalendarError, match=f"unknown timezone '{name}'"):
+        load_zone(name)

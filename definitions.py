@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -28,6 +29,10 @@ DEFAULT_LEDGER_URL = f"sqlite:///{PROJECT_ROOT / 'var' / 'ledger.sqlite3'}"
 DEFAULT_DESTINATION = str(PROJECT_ROOT / "var" / "exports")
 DEFAULT_SCHEDULE_TIME = "04:30"
 DEFAULT_MAX_PARTITIONS_PER_RUN = 31
+
+
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_TABLE_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
 
 class ConfigurationError(ValueError):
@@ -52,11 +57,38 @@ def _secret_setting(env: Mapping[str, str], environ: Mapping[str, str] | None, n
     return dg.EnvVar(name) if environ is None else env[name]
 
 
-def _destination_from(spec: str) -> Destination:
-    if "://" in spec:
-        scheme = spec.split("://", 1)[0]
+def _destination_from(
+    spec: str, env: Mapping[str, str], environ: Mapping[str, str] | None, ledger: LedgerResource
+) -> Destination:
+    """``EXPORTS_DESTINATION``: a folder, ``s3://bucket/prefix``, or ``ledger-table:<table>``."""
+    if spec.startswith("s3://"):
+        bucket, _, prefix = spec.removeprefix("s3://").partition("/")
+        if not _BUCKET_RE.match(bucket):
+            raise ConfigurationError(f"EXPORTS_DESTINATION {spec!r}: {bucket!r} is not a valid S3 bucket name")
+        from resources.s3_destination import S3Destination  # boto3 is the optional [s3] extra
+
+        region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1"
+        return S3Destination(
+            bucket=bucket,
+            prefix=prefix.strip("/"),
+            endpoint_url=_secret_setting(env, environ, "AWS_ENDPOINT_URL", None),
+            region_name=region,
+            access_key_id=_secret_setting(env, environ, "AWS_ACCESS_KEY_ID", None),
+            secret_access_key=_secret_setting(env, environ, "AWS_SECRET_ACCESS_KEY", None),
+            session_token=_secret_setting(env, environ, "AWS_SESSION_TOKEN", None),
+        )
+    if spec.startswith("ledger-table:"):
+        table = spec.removeprefix("ledger-table:")
+        if not _TABLE_RE.match(table):
+            raise ConfigurationError(f"EXPORTS_DESTINATION {spec!r}: {table!r} is not a valid table name")
+        from resources.sql_destination import SqlTableDestination
+
+        return SqlTableDestination(url=ledger.url, table=table)
+    if "://" in spec or spec.split(":", 1)[0] in ("s3", "gs", "ftp", "http", "https"):
+        scheme = spec.split(":", 1)[0]
         raise ConfigurationError(
-            f"EXPORTS_DESTINATION scheme {scheme!r} is not supported; use a local folder path"
+            f"EXPORTS_DESTINATION scheme {scheme!r} is not supported; use a folder path, s3://bucket/prefix or "
+            "ledger-table:<table>"
         )
     return LocalDestination(root=spec)
 
@@ -121,7 +153,7 @@ def build_definitions(
     if destination is None:
         destination = env.get("EXPORTS_DESTINATION") or DEFAULT_DESTINATION
     if isinstance(destination, str):
-        destination = _destination_from(destination)
+        destination = _destination_from(destination, env, environ, ledger)
 
     if source is None:
         if env.get("EXPORTS_SOURCE_URL"):

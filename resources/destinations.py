@@ -32,6 +32,14 @@ class PublishOutcomeUnknown(DestinationError):
     """The publish step may or may not have taken effect; only the destination's evidence can tell."""
 
 
+class DestinationUnreachable(DestinationError):
+    """The destination could not be reached at all; nothing was read or written."""
+
+
+class DestinationConflict(DestinationError):
+    """The destination holds something else where this export belongs; it is never overwritten."""
+
+
 class PublishedElsewhere(DestinationError):
     """Another attempt's export already sits at the target; it is never replaced."""
 
@@ -63,7 +71,19 @@ class StagedExport:
 
 
 class Destination(dg.ConfigurableResource, ABC):
-    """A place exports are published to. Implementations fill in four small hooks."""
+    """A place exports are published to. Implementations fill in a few small hooks.
+
+    A *transactional* destination (``write_in_transaction``) lives in the ledger's own database: its rows and the
+    completion record commit in one transaction, so there is no publish step and no unknown outcome.
+    """
+
+    @property
+    def transactional(self) -> bool:
+        return False
+
+    def write_in_transaction(self, connection, target: ExportTarget, table: pa.Table, manifest: Manifest) -> Manifest:
+        """Writes the export with the ledger's connection, inside the completion transaction (transactional only)."""
+        raise NotImplementedError(f"{type(self).__name__} is not transactional")
 
     @abstractmethod
     def location(self, target: ExportTarget) -> str:

@@ -28,6 +28,8 @@ from resources.ledger import (
     Claim,
     CompletionEvidence,
     ExportLedger,
+    ExportRecord,
+    FencedOut,
     LedgerError,
 )
 from resources.ledger_resource import LedgerResource
@@ -36,6 +38,10 @@ from resources.schema import ExportState
 
 class ExportConflict(DestinationError):
     """The destination holds a different export at this key's location; an operator must look."""
+
+
+class ExportOutcomeUnknown(DestinationError):
+    """The destination may or may not hold the export; the key is ``remote_unknown`` until reconciled."""
 
 
 @dataclass(frozen=True)
@@ -136,7 +142,16 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
                     f"[{utc_iso(item.key.window.start_utc)}, {utc_iso(item.key.window.end_utc)}); nothing exported"
                 )
             existing = self.destination.probe(target)
-            if existing is not None:
+            record = None
+            if self.destination.transactional:
+                if existing is not None:
+                    raise ExportConflict(
+                        f"{self.destination.location(target)} already holds {existing.logical_key} although the "
+                        f"ledger has no completion for {claim.logical_key}"
+                    )
+                record = self._write_in_transaction(ledger, claim, schema, item, target)
+                status = "exported"
+            elif existing is not None:
                 evidence = self._evidence_from(existing, claim, target)
                 status = "repaired"
                 context.log.warning(
@@ -147,13 +162,23 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
                 evidence = self._publish(claim, schema, item, target)
                 status = "exported"
         except PublishOutcomeUnknown as exc:
-            ledger.mark_remote_unknown(claim, exc)
-            raise
+            ledger.mark_remote_unknown(
+                claim, exc, sha256=getattr(exc, "intended_sha256", None), location=self.destination.location(target)
+            )
+            raise ExportOutcomeUnknown(
+                f"{claim.logical_key}: the outcome at the destination is unknown ({exc}). The key is now "
+                "remote_unknown; reconciliation (the reconciliation sensor, or `export-ledger reconcile`) will resolve "
+                "it from the destination's evidence. Retrying before then is refused, because a blind retry could "
+                "export it twice."
+            ) from exc
+        except FencedOut:
+            raise  # this attempt no longer owns the key: it records nothing more
         except Exception as exc:
             ledger.fail(claim, exc)
             raise
-        failpoints.reach("before_commit")
-        record = ledger.complete(claim, evidence)
+        if record is None:
+            failpoints.reach("before_commit")
+            record = ledger.complete(claim, evidence)
         failpoints.reach("after_commit")
         context.log.info(
             f"{record.logical_key} {status}: {record.row_count} rows at {record.location} (attempt {attempt})"
@@ -177,18 +202,7 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
             )
         table = validate_frame(item.frame, schema, claim.window, what=claim.logical_key)
         self.destination.discard_abandoned(target, claim.fencing_token)
-        template = Manifest.build(
-            logical_key=claim.logical_key,
-            export=item.key.export,
-            tenant=item.key.tenant,
-            window=claim.window,
-            row_count=table.num_rows,
-            sha256="",
-            attempt_id=claim.attempt_id,
-            fencing_token=claim.fencing_token,
-            data_file=data_file_name(self.file_format),
-            tz_database=claim.tz_database,
-        )
+        template = self._manifest_template(claim, item)
         staged = self.destination.stage(target, table, self.file_format, template)
         try:
             failpoints.reach("after_stage")
@@ -196,6 +210,10 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
         except PublishedElsewhere as exc:
             self.destination.discard(staged)
             return self._evidence_from(exc.manifest, claim, target)
+        except PublishOutcomeUnknown as exc:
+            exc.intended_sha256 = staged.manifest.sha256
+            self.destination.discard(staged)
+            raise
         except Exception:
             self.destination.discard(staged)
             raise
@@ -206,6 +224,37 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
             row_count=published.row_count,
             attempt_id=published.attempt_id,
             fencing_token=published.fencing_token,
+        )
+
+    def _write_in_transaction(
+        self, ledger: ExportLedger, claim: Claim, schema: ExportSchema, item: ExportItem, target: ExportTarget
+    ) -> ExportRecord:
+        """Rows and completion record in one ledger transaction: both commit or neither."""
+        if item.frame is None:
+            raise LedgerError(f"{claim.logical_key} was planned as completed but is claimable now; rerun it")
+        table = validate_frame(item.frame, schema, claim.window, what=claim.logical_key)
+        template = self._manifest_template(claim, item)
+
+        def effect(connection) -> CompletionEvidence:
+            written = self.destination.write_in_transaction(connection, target, table, template)
+            failpoints.reach("before_commit")  # inside the transaction: a failure here rolls the rows back too
+            location = self.destination.location(target)
+            return CompletionEvidence(location, written.sha256, written.row_count, claim.attempt_id, claim.fencing_token)
+
+        return ledger.complete_within(claim, effect)
+
+    def _manifest_template(self, claim: Claim, item: ExportItem) -> Manifest:
+        return Manifest.build(
+            logical_key=claim.logical_key,
+            export=item.key.export,
+            tenant=item.key.tenant,
+            window=claim.window,
+            row_count=0,
+            sha256="",
+            attempt_id=claim.attempt_id,
+            fencing_token=claim.fencing_token,
+            data_file=data_file_name(self.file_format),
+            tz_database=claim.tz_database,
         )
 
     def _evidence_from(self, manifest: Manifest, claim: Claim, target: ExportTarget) -> CompletionEvidence:

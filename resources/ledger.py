@@ -58,6 +58,10 @@ class InvalidTransition(LedgerError):
     """A transition was asked from a state that does not allow it."""
 
 
+class ConflictRecorded(LedgerError):
+    """The destination holds a different export at the key's place; an operator must resolve it."""
+
+
 class EmptyWindow(LedgerError):
     """The business date does not exist in its zone (a skipped calendar day): there is nothing to export.
 
@@ -418,7 +422,12 @@ class ExportLedger:
             if record.state is ExportState.COMPLETED:
                 self._append_attempt(conn, record.logical_key, attempt_id, None, now, AttemptOutcome.ALREADY_COMPLETED)
                 return AlreadyCompleted(record)
-            if record.state is ExportState.REMOTE_UNKNOWN:
+            if record.state is ExportState.CONFLICT:
+                refusal = ConflictRecorded(
+                    f"{record.logical_key} is in conflict: the destination holds a different export at "
+                    f"{record.location or 'its place'}; nothing is overwritten until an operator resolves it"
+                )
+            elif record.state is ExportState.REMOTE_UNKNOWN:
                 refusal = NeedsReconciliation(
                     f"{record.logical_key} has an unknown outcome at the destination (attempt {record.lease_owner}); "
                     "retrying could export it twice, so it is refused until reconciliation resolves it"
@@ -490,9 +499,119 @@ class ExportLedger:
         """Records that the attempt failed before publishing anything: the key is safe to retry."""
         return self._finish(claim, ExportState.FAILED, AttemptOutcome.FAILED, error=error)
 
-    def mark_remote_unknown(self, claim: Claim, error: BaseException) -> ExportRecord:
-        """Records that the destination may or may not hold the export: no retry until reconciled."""
-        return self._finish(claim, ExportState.REMOTE_UNKNOWN, AttemptOutcome.REMOTE_UNKNOWN, error=error)
+    def mark_remote_unknown(
+        self, claim: Claim, error: BaseException, *, sha256: str | None = None, location: str | None = None
+    ) -> ExportRecord:
+        """Records that the destination may or may not hold the export: no retry until reconciled.
+
+        ``sha256`` and ``location`` describe what the attempt tried to write; reconciliation compares the
+        destination's evidence with them.
+        """
+        return self._finish(
+            claim,
+            ExportState.REMOTE_UNKNOWN,
+            AttemptOutcome.REMOTE_UNKNOWN,
+            error=error,
+            values=dict(sha256=sha256, location=location),
+        )
+
+    # -- reconciliation ----------------------------------------------------------------------------------------
+
+    def stuck(self, *, limit: int, after: str | None = None) -> list[ExportRecord]:
+        """Keys that need reconciling, in key order after ``after``: ``remote_unknown``, and ``in_progress`` whose
+        lease has expired (a crashed or stalled attempt). Each of the two reads walks an index on state."""
+        if limit <= 0:
+            raise ValueError(f"limit must be positive, got {limit}")
+        now = self.now()
+        unknown = sa.select(export_runs).where(export_runs.c.state == ExportState.REMOTE_UNKNOWN.value)
+        expired = sa.select(export_runs).where(
+            export_runs.c.state == ExportState.IN_PROGRESS.value, export_runs.c.lease_expires_at < now
+        )
+        rows = []
+        with self.atomic(read_only=True) as conn:
+            for query in (unknown, expired):
+                if after is not None:
+                    query = query.where(export_runs.c.logical_key > after)
+                rows.extend(conn.execute(query.order_by(export_runs.c.logical_key).limit(limit)))
+        records = sorted((ExportRecord.from_row(r) for r in rows), key=lambda r: r.logical_key)
+        return records[:limit]
+
+    def stuck_longer_than(self, age: dt.timedelta) -> list[ExportRecord]:
+        """Keys unresolved for longer than ``age``: ``remote_unknown``, ``conflict`` and expired ``in_progress``."""
+        now = self.now()
+        horizon = now - age
+        query = sa.select(export_runs).where(
+            export_runs.c.updated_at < horizon,
+            sa.or_(
+                export_runs.c.state.in_([ExportState.REMOTE_UNKNOWN.value, ExportState.CONFLICT.value]),
+                sa.and_(export_runs.c.state == ExportState.IN_PROGRESS.value, export_runs.c.lease_expires_at < now),
+            ),
+        )
+        with self.atomic(read_only=True) as conn:
+            return [ExportRecord.from_row(r) for r in conn.execute(query.order_by(export_runs.c.logical_key))]
+
+    def resolve(
+        self,
+        record: ExportRecord,
+        state: ExportState,
+        *,
+        reconciler: str,
+        detail: str,
+        evidence: CompletionEvidence | None = None,
+    ) -> ExportRecord | None:
+        """Moves a stuck key to ``completed`` (with evidence), ``failed`` or ``conflict`` from reconciliation.
+
+        Guarded by the state and fencing token that were read: if an attempt changed the key meanwhile, nothing is
+        written and None is returned. Appends the reconciler's attempt row (and, for an expired lease, the dead
+        holder's ``abandoned`` row).
+        """
+        outcomes = {
+            ExportState.COMPLETED: AttemptOutcome.REPAIRED,
+            ExportState.FAILED: AttemptOutcome.FAILED,
+            ExportState.CONFLICT: AttemptOutcome.CONFLICT,
+        }
+        if state not in outcomes:
+            raise InvalidTransition(f"reconciliation cannot move {record.logical_key} to {state.value}")
+        if state is ExportState.COMPLETED and evidence is None:
+            raise InvalidTransition(f"completing {record.logical_key} needs the destination's evidence")
+        if record.state not in (ExportState.REMOTE_UNKNOWN, ExportState.IN_PROGRESS):
+            raise InvalidTransition(f"{record.logical_key} is {record.state.value}, not stuck")
+        now = self.now()
+        values: dict = dict(state=state.value, lease_owner=None, lease_expires_at=None, updated_at=now)
+        if evidence is not None:
+            values.update(
+                location=evidence.location,
+                sha256=evidence.sha256,
+                row_count=evidence.row_count,
+                committed_attempt=evidence.attempt_id,
+            )
+        conditions = [
+            export_runs.c.logical_key == record.logical_key,
+            export_runs.c.state == record.state.value,
+            export_runs.c.fencing_token == record.fencing_token,
+        ]
+        if record.state is ExportState.IN_PROGRESS:
+            conditions.append(export_runs.c.lease_expires_at < now)  # never take a key from a live lease
+        with self.atomic() as conn:
+            if conn.execute(export_runs.update().where(*conditions).values(**values)).rowcount != 1:
+                return None
+            if record.state is ExportState.IN_PROGRESS:
+                self._append_attempt(
+                    conn,
+                    record.logical_key,
+                    record.lease_owner,
+                    record.fencing_token,
+                    now,
+                    AttemptOutcome.ABANDONED,
+                    "LeaseExpired",
+                    f"lease expired at {record.lease_expires_at.isoformat()} without a result",
+                    started_at=record.attempt_started_at,
+                )
+            self._append_attempt(
+                conn, record.logical_key, reconciler, record.fencing_token, now, outcomes[state], "Reconciliation", detail
+            )
+            row = conn.execute(sa.select(export_runs).where(export_runs.c.logical_key == record.logical_key)).one()
+        return ExportRecord.from_row(row)
 
     def _finish(
         self,
@@ -505,7 +624,6 @@ class ExportLedger:
     ) -> ExportRecord:
         now = self.now()
         error_class, message = short_error(error) if error is not None else (None, None)
-        fenced: FencedOut | None = None
         with self.atomic() as conn:
             matched = self._guarded_update(
                 conn,
@@ -539,29 +657,83 @@ class ExportLedger:
                     sa.select(export_runs).where(export_runs.c.logical_key == claim.logical_key)
                 ).one()
                 return ExportRecord.from_row(row)
+            fenced = self._record_fenced(conn, claim, now)
+        raise fenced  # after the commit: the fenced attempt's row must survive
+
+    def complete_within(self, claim: Claim, effect: Callable[[Connection], CompletionEvidence]) -> ExportRecord:
+        """Runs ``effect`` (a transactional destination's write, on the ledger's connection) and records completion
+        in the same transaction: the rows and the completion record commit together or not at all.
+
+        The key is locked and the claim's fencing token checked before ``effect`` runs, so a fenced attempt writes
+        nothing. Any exception from ``effect`` rolls both back.
+        """
+        now = self.now()
+        with self.atomic() as conn:
             current = conn.execute(
-                sa.select(export_runs).where(export_runs.c.logical_key == claim.logical_key)
+                sa.select(export_runs).where(export_runs.c.logical_key == claim.logical_key).with_for_update()
             ).first()
-            holder = "nobody"
-            if current is not None:
-                holder = f"{current.lease_owner or 'nobody'} (state {current.state}, token {current.fencing_token})"
-            fenced = FencedOut(
-                f"attempt {claim.attempt_id} lost its lease on {claim.logical_key} (token {claim.fencing_token}); "
-                f"now held by {holder}: its result is not recorded"
+            live = (
+                current is not None
+                and current.state == ExportState.IN_PROGRESS.value
+                and current.fencing_token == claim.fencing_token
+                and current.lease_owner == claim.attempt_id
             )
-            fenced_class, fenced_message = short_error(fenced)
-            self._append_attempt(
-                conn,
-                claim.logical_key,
-                claim.attempt_id,
-                claim.fencing_token,
-                now,
-                AttemptOutcome.FENCED,
-                fenced_class,
-                fenced_message,
-                started_at=claim.started_at,
-            )
+            if live:
+                evidence = effect(conn)
+                self._guarded_update(
+                    conn,
+                    claim.logical_key,
+                    from_states=(ExportState.IN_PROGRESS,),
+                    token=claim.fencing_token,
+                    owner=claim.attempt_id,
+                    values=dict(
+                        state=ExportState.COMPLETED.value,
+                        lease_owner=None,
+                        lease_expires_at=None,
+                        updated_at=now,
+                        location=evidence.location,
+                        sha256=evidence.sha256,
+                        row_count=evidence.row_count,
+                        committed_attempt=evidence.attempt_id,
+                    ),
+                )
+                self._append_attempt(
+                    conn,
+                    claim.logical_key,
+                    claim.attempt_id,
+                    claim.fencing_token,
+                    now,
+                    AttemptOutcome.COMPLETED,
+                    started_at=claim.started_at,
+                )
+                row = conn.execute(sa.select(export_runs).where(export_runs.c.logical_key == claim.logical_key)).one()
+                return ExportRecord.from_row(row)
+            fenced = self._record_fenced(conn, claim, now)
         raise fenced
+
+    def _record_fenced(self, conn: Connection, claim: Claim, now: dt.datetime) -> FencedOut:
+        """Appends the ``fenced`` attempt row and returns the error to raise (after the transaction commits)."""
+        current = conn.execute(sa.select(export_runs).where(export_runs.c.logical_key == claim.logical_key)).first()
+        holder = "nobody"
+        if current is not None:
+            holder = f"{current.lease_owner or 'nobody'} (state {current.state}, token {current.fencing_token})"
+        fenced = FencedOut(
+            f"attempt {claim.attempt_id} lost its lease on {claim.logical_key} (token {claim.fencing_token}); "
+            f"now held by {holder}: its result is not recorded"
+        )
+        fenced_class, fenced_message = short_error(fenced)
+        self._append_attempt(
+            conn,
+            claim.logical_key,
+            claim.attempt_id,
+            claim.fencing_token,
+            now,
+            AttemptOutcome.FENCED,
+            fenced_class,
+            fenced_message,
+            started_at=claim.started_at,
+        )
+        return fenced
 
     # -- helpers -----------------------------------------------------------------------------------------------
 
@@ -628,6 +800,6 @@ class ExportLedger:
                 finished_at=max(now, started_at),
                 outcome=outcome.value,
                 error_class=error_class,
-                error_message=error_message,
+                error_message=error_message[:_MESSAGE_LIMIT] if error_message else error_message,
             )
         )

@@ -21,6 +21,7 @@ class ExportState(str, enum.Enum):
     FAILED = "failed"  # the last attempt failed before anything was published: safe to retry
     COMPLETED = "completed"  # published and recorded; never exported again
     REMOTE_UNKNOWN = "remote_unknown"  # the destination may or may not hold the export: reconcile before retrying
+    CONFLICT = "conflict"  # the destination holds something else at this key's place: an operator must decide
 
 
 class AttemptOutcome(str, enum.Enum):
@@ -34,6 +35,7 @@ class AttemptOutcome(str, enum.Enum):
     ALREADY_COMPLETED = "already_completed"  # the key was already completed; nothing was done
     ABANDONED = "abandoned"  # the attempt's lease expired without a result (crashed or stalled worker)
     FENCED = "fenced"  # the attempt lost its lease to a newer one and was not allowed to commit
+    CONFLICT = "conflict"  # reconciliation found a different export at the destination; nothing was overwritten
 
 
 class UtcDateTime(sa.types.TypeDecorator):
@@ -100,7 +102,9 @@ export_runs = sa.Table(
         "state <> 'in_progress' OR (lease_owner IS NOT NULL AND lease_expires_at IS NOT NULL)",
         name="ck_in_progress_has_lease",
     ),
+    # Reconciliation reads stuck keys by state in key order, so a tick costs what is stuck, not what is stored.
     sa.Index("ix_export_runs_state", "state", "lease_expires_at"),
+    sa.Index("ix_export_runs_state_key", "state", "logical_key"),
     sa.Index("ix_export_runs_export_date", "export", "business_date"),
 )
 

@@ -1,0 +1,168 @@
+"""A transactional destination: exported rows go into a table of the ledger's own database.
+
+This is the one destination where effect and record truly share a transaction: the rows, a manifest row and the
+ledger's ``completed`` record commit together or not at all (SQLite and PostgreSQL). There is no publish step and
+no unknown outcome. The manifest row plays the role of ``_manifest.json``; the data's sha256 is that of the CSV
+serialization of the rows, so a reader can verify what it reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+
+import pyarrow as pa
+import sqlalchemy as sa
+
+from resources.destinations import Destination, DestinationError, DestinationUnreachable, ExportTarget, StagedExport
+from resources.exportfile import Manifest, write_table
+from resources.ledger import ledger_engine, redact_url
+from resources.schema import UtcDateTime
+
+_KINDS = {
+    pa.string(): ("string", sa.Text),
+    pa.float64(): ("float", sa.Float(precision=53)),
+    pa.int64(): ("int", sa.BigInteger),
+    pa.timestamp("us", tz="UTC"): ("timestamp", UtcDateTime),
+}
+_ARROW = {"string": pa.string(), "float": pa.float64(), "int": pa.int64(), "timestamp": pa.timestamp("us", tz="UTC")}
+
+
+def _manifest_table(name: str, metadata: sa.MetaData) -> sa.Table:
+    return sa.Table(
+        f"{name}_manifests",
+        metadata,
+        sa.Column("export", sa.String(63), primary_key=True),
+        sa.Column("tenant", sa.String(63), primary_key=True),
+        sa.Column("business_date", sa.String(10), primary_key=True),
+        sa.Column("logical_key", sa.String(300), nullable=False, unique=True),
+        sa.Column("manifest", sa.Text, nullable=False),
+        sa.Column("columns", sa.Text, nullable=False),
+    )
+
+
+def _rows_table(name: str, metadata: sa.MetaData, columns: dict[str, str]) -> sa.Table:
+    kinds = {kind: sql for kind, sql in _KINDS.values()}
+    return sa.Table(
+        name,
+        metadata,
+        sa.Column("logical_key", sa.String(300), primary_key=True),
+        sa.Column("row_number", sa.BigInteger, primary_key=True),
+        *(sa.Column(column, kinds[kind], nullable=False) for column, kind in columns.items()),
+    )
+
+
+def _serialize(table: pa.Table) -> bytes:
+    buffer = io.BytesIO()
+    write_table(table, "csv", buffer)
+    return buffer.getvalue()
+
+
+class SqlTableDestination(Destination):
+    """Exports as rows of ``table`` (plus ``<table>_manifests``) in the ledger's database.
+
+    Attributes:
+        url: The ledger's SQLAlchemy URL: this destination only makes sense inside the ledger's database.
+        table: Name of the rows table.
+    """
+
+    url: str
+    table: str = "exported_invoices"
+
+    @property
+    def transactional(self) -> bool:
+        return True
+
+    def location(self, target: ExportTarget) -> str:
+        return f"sql:{self.table}/{'/'.join(target.parts)}"
+
+    def describe(self) -> str:
+        return f"sql:{self.table} in {redact_url(self.url)}"
+
+    def _engine(self) -> sa.Engine:
+        return ledger_engine(self.url)
+
+    def write_in_transaction(self, connection, target: ExportTarget, table: pa.Table, manifest: Manifest) -> Manifest:
+        columns = {}
+        for field in table.schema:
+            if field.type not in _KINDS:
+                raise DestinationError(f"column {field.name!r} of type {field.type} cannot be stored in {self.table}")
+            columns[field.name] = _KINDS[field.type][0]
+        metadata = sa.MetaData()
+        rows_table = _rows_table(self.table, metadata, columns)
+        manifests = _manifest_table(self.table, metadata)
+        metadata.create_all(connection, checkfirst=True)
+        existing = connection.execute(
+            sa.select(manifests.c.logical_key).where(
+                manifests.c.export == target.export,
+                manifests.c.tenant == target.tenant,
+                manifests.c.business_date == target.business_date,
+            )
+        ).first()
+        if existing is not None:
+            raise DestinationError(f"{self.location(target)} already holds {existing.logical_key}")
+        sha256 = hashlib.sha256(_serialize(table)).hexdigest()
+        complete = Manifest(**{**manifest.__dict__, "sha256": sha256, "row_count": table.num_rows})
+        records = table.to_pylist()
+        if records:
+            connection.execute(
+                rows_table.insert(),
+                [{"logical_key": manifest.logical_key, "row_number": i, **row} for i, row in enumerate(records)],
+            )
+        connection.execute(
+            manifests.insert().values(
+                export=target.export,
+                tenant=target.tenant,
+                business_date=target.business_date,
+                logical_key=manifest.logical_key,
+                manifest=complete.to_json().decode("utf-8"),
+                columns=json.dumps(columns),
+            )
+        )
+        return complete
+
+    def _manifest_row(self, target: ExportTarget):
+        manifests = _manifest_table(self.table, sa.MetaData())
+        query = sa.select(manifests).where(
+            manifests.c.export == target.export,
+            manifests.c.tenant == target.tenant,
+            manifests.c.business_date == target.business_date,
+        )
+        try:
+            with self._engine().connect().execution_options(ledger_read_only=True) as conn:
+                if not sa.inspect(conn).has_table(manifests.name):
+                    return None
+                return conn.execute(query).first()
+        except sa.exc.OperationalError as exc:
+            raise DestinationUnreachable(f"cannot read {self.describe()}: {type(exc.orig).__name__}") from None
+
+    def probe(self, target: ExportTarget) -> Manifest | None:
+        row = self._manifest_row(target)
+        return None if row is None else Manifest.from_json(row.manifest.encode("utf-8"), self.location(target))
+
+    def read_data(self, target: ExportTarget, manifest: Manifest) -> bytes:
+        row = self._manifest_row(target)
+        if row is None:
+            raise DestinationError(f"{self.location(target)} holds no export")
+        columns = json.loads(row.columns)
+        rows_table = _rows_table(self.table, sa.MetaData(), columns)
+        query = (
+            sa.select(*(rows_table.c[name] for name in columns))
+            .where(rows_table.c.logical_key == manifest.logical_key)
+            .order_by(rows_table.c.row_number)
+        )
+        with self._engine().connect().execution_options(ledger_read_only=True) as conn:
+            records = [dict(r._mapping) for r in conn.execute(query)]
+        schema = pa.schema([(name, _ARROW[kind]) for name, kind in columns.items()])
+        return _serialize(pa.Table.from_pylist(records, schema=schema))
+
+    # The write happens inside the ledger's completion transaction; there is nothing to stage or publish.
+    def stage(self, target, table, file_format, manifest) -> StagedExport:
+        raise DestinationError("a transactional destination is written with write_in_transaction")
+
+    def publish(self, staged: StagedExport) -> Manifest:
+        raise DestinationError("a transactional destination is written with write_in_transaction")
+
+    def discard(self, staged: StagedExport) -> None:
+        return None

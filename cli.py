@@ -1,14 +1,18 @@
-"""``export-ledger``: the operator's read-only view of the export ledger.
+"""``export-ledger``: the operator's view of the export ledger, and reconciliation without a daemon.
 
-Two subcommands, each with a readable table or ``--json``::
+Subcommands, each with a readable table or ``--json``::
 
     export-ledger status [--export E] [--tenant T] [--from YYYY-MM-DD] [--to YYYY-MM-DD] [--state S ...] [--limit N]
     export-ledger attempts <logical key>
+    export-ledger reconcile [--limit N]
+
+``status`` and ``attempts`` only read. ``reconcile`` does once what the reconciliation sensor does each tick:
+it probes the configured destination for stuck keys and records what it finds.
 
 The ledger is found from ``--ledger-url``, else ``EXPORTS_LEDGER_URL``, else ``definitions.DEFAULT_LEDGER_URL``.
 
-Exit codes: 0 success (an empty result included), 1 the ledger could not be read or the key is unknown, 2 bad
-usage. Every error is one line on stderr starting ``export-ledger: error:``; no traceback, no password.
+Exit codes: 0 success (an empty result included), 1 the ledger could not be read, the key is unknown, or
+``reconcile`` left keys unresolved because the destination was unreachable; 2 bad usage. Every error is one line on stderr starting ``export-ledger: error:``; no traceback, no password.
 
 The ledger holds no customer data, and the CLI prints only ledger fields chosen one by one below, so a column
 added to the ledger later is not shown until someone decides it should be.
@@ -130,6 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
     attempts.add_argument("logical_key", metavar="LOGICAL_KEY",
                           help="as shown by status, e.g. invoice_export/acme/2026-03-08T05:00:00Z")
     attempts.set_defaults(handler=_attempts)
+
+    reconcile = commands.add_parser(
+        "reconcile",
+        parents=[common],
+        help="resolve stuck keys once from the destination's evidence (what the reconciliation sensor does)",
+    )
+    reconcile.add_argument("--limit", type=_positive_int_arg, metavar="N", default=1000,
+                           help="examine at most N stuck keys (default 1000)")
+    reconcile.set_defaults(handler=_reconcile)
     return parser
 
 
@@ -241,6 +254,61 @@ def _attempts(ledger: ExportLedger, args: argparse.Namespace) -> str:
         for attempt in attempts
     ]
     return _table(headers, rows)
+
+
+def _configured_destination():
+    """The destination the code location is configured with (``EXPORTS_DESTINATION`` and friends), resolved."""
+    import dagster as dg
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            import definitions
+        except Exception as exc:  # a code location that cannot load names no destination
+            raise CliError(f"cannot load definitions.py to find the destination ({type(exc).__name__}: {exc})") from None
+        with dg.build_resources({"destination": definitions.defs.resources["destination"]}) as resources:
+            return resources.destination
+
+
+def _reconcile(ledger: ExportLedger, args: argparse.Namespace) -> str:
+    from resources.reconcile import reconcile_batch
+
+    destination = _configured_destination()
+    report = reconcile_batch(
+        ledger, destination, limit=args.limit, after=None, reconciler=f"export-ledger reconcile@{utc_iso(ledger.now())}"
+    )
+    args.unresolved = bool(report.unreachable)
+    resolved = {finding.record.logical_key: record for finding, record in report.resolved}
+    if args.json:
+        return _dump(
+            [
+                {
+                    "logical_key": f.record.logical_key,
+                    "was": f.record.state.value,
+                    "verdict": f.verdict.value,
+                    "now": resolved[f.record.logical_key].state.value if f.record.logical_key in resolved else f.record.state.value,
+                    "detail": f.detail,
+                }
+                for f in report.findings
+            ]
+        )
+    if not report.findings:
+        return "no stuck export keys"
+    rows = []
+    for f in report.findings:
+        now = resolved.get(f.record.logical_key)
+        rows.append((f.record.logical_key, f.record.state.value, now.state.value if now else "unchanged", f.detail))
+    lines = [_table(("LOGICAL KEY", "WAS", "NOW", "EVIDENCE"), rows)]
+    reruns = sorted({r.business_date.isoformat() for r in resolved.values() if r.state is ExportState.FAILED})
+    for partition in reruns:
+        lines.append(
+            f"rerun: dagster asset materialize -f definitions.py --select invoice_export --partition {partition}"
+        )
+    if report.unreachable:
+        lines.append(f"{len(report.unreachable)} key(s) left unchanged: the destination could not be reached")
+    if report.next_after is not None:
+        lines.append(f"more stuck keys remain beyond --limit {args.limit}; run again")
+    return "\n".join(lines)
 
 
 # -- rendering ---------------------------------------------------------------------------------------------------
@@ -365,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
         # The reader left (``| head``): point stdout at devnull so the interpreter's final flush stays quiet.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return RUNTIME_ERROR
-    return 0
+    # reconcile: keys the destination could not answer for are still stuck; scripts must see that.
+    return RUNTIME_ERROR if getattr(args, "unresolved", False) else 0
 
 
 if __name__ == "__main__":

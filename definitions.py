@@ -14,13 +14,14 @@ from pathlib import Path
 import dagster as dg
 
 from assets.calendar import DEFAULT_START_DATE, DEFAULT_TIMEZONE, ExportCalendar
-from assets.invoices import EXPORT_NAME, build_invoice_export
+from assets.invoices import EXPORT_NAME, build_invoice_export, build_stuck_check
 from assets.keys import parse_tenants, validate_slug
 from resources.destinations import Destination, LocalDestination
 from resources.exportfile import data_file_name
 from resources.io_manager import LedgeredExportIOManager
 from resources.ledger_resource import LedgerResource
 from resources.sources import InvoiceSource, SampleInvoiceSource, SqlInvoiceSource
+from sensors.reconciliation import build_reconciliation_sensor
 from sensors.schedules import build_nightly_schedule
 
 PROJECT_ROOT = Path(__file__).resolve().parent
@@ -106,6 +107,8 @@ def build_definitions(
     lease_ttl_seconds: int | None = None,
     max_partitions_per_run: int | None = DEFAULT_MAX_PARTITIONS_PER_RUN,
     ledger: LedgerResource | None = None,
+    reconcile_batch_size: int = 100,
+    stuck_after: dt.timedelta = dt.timedelta(hours=6),
     environ: Mapping[str, str] | None = None,
 ) -> dg.Definitions:
     """Assembles the export code location.
@@ -124,6 +127,8 @@ def build_definitions(
         lease_ttl_seconds: Lease length of a claim; default ``EXPORTS_LEASE_TTL_SECONDS`` or 900.
         max_partitions_per_run: Backfills run in chunks of at most this many partitions; None for one single run.
         ledger: A ready ledger resource (tests pass one with a controlled clock); overrides ``ledger_url``.
+        reconcile_batch_size: Stuck keys the reconciliation sensor examines per tick.
+        stuck_after: Keys unresolved for longer fail the ``no_stuck_exports`` check and are logged as errors.
         environ: The environment to read; default ``os.environ``.
 
     Example:
@@ -178,11 +183,16 @@ def build_definitions(
     export_asset = build_invoice_export(calendar, tenants, backfill_policy=policy)
     job = dg.define_asset_job("invoice_export_job", selection=dg.AssetSelection.assets(EXPORT_NAME))
     schedule = build_nightly_schedule(job, calendar, at)
+    sensor = build_reconciliation_sensor(
+        job, calendar, export_asset.key, batch_size=reconcile_batch_size, stuck_after=stuck_after
+    )
 
     return dg.Definitions(
         assets=[export_asset],
+        asset_checks=[build_stuck_check(stuck_after)],
         jobs=[job],
         schedules=[schedule],
+        sensors=[sensor],
         resources={
             "ledger": ledger,
             "source": source,

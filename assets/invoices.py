@@ -1,6 +1,7 @@
 """The invoice export asset and its per-materialization check."""
 
 
+import datetime as dt
 import hashlib
 import warnings
 from collections.abc import Iterator, Sequence
@@ -12,13 +13,14 @@ from assets.keys import LogicalKey, validate_slug
 from assets.windows import utc_iso
 from resources.destinations import Destination
 from resources.io_manager import ExportBatch, ExportItem, ExportResult, target_for
-from resources.ledger import ExportLedger
+from resources.ledger import ExportLedger, ExportRecord
 from resources.ledger_resource import LedgerResource
 from resources.schema import ExportState
 from resources.sources import INVOICE_SCHEMA, InvoiceSource
 
 EXPORT_NAME = "invoice_export"
 CHECK_NAME = "export_matches_source_and_ledger"
+STUCK_CHECK_NAME = "no_stuck_exports"
 EXPORT_POOL = "exports"
 
 
@@ -142,3 +144,41 @@ def _check(
         },
         description="exported row counts equal the source's for each window; each file's sha256 equals the ledger's",
     )
+
+
+def stuck_check_evaluation(
+    asset_key: dg.AssetKey, stuck: list[ExportRecord], stuck_after: dt.timedelta
+) -> dg.AssetCheckEvaluation:
+    """The ``no_stuck_exports`` verdict: fails while any key stays unresolved longer than ``stuck_after``."""
+    return dg.AssetCheckEvaluation(
+        asset_key=asset_key,
+        check_name=STUCK_CHECK_NAME,
+        passed=not stuck,
+        severity=dg.AssetCheckSeverity.ERROR,
+        metadata={
+            "stuck_keys": len(stuck),
+            "threshold_hours": stuck_after.total_seconds() / 3600,
+            "first_keys": dg.MetadataValue.json(
+                [{"logical_key": r.logical_key, "state": r.state.value, "since": utc_iso(r.updated_at)} for r in stuck[:20]]
+            ),
+        },
+        description=f"no key stays remote_unknown, conflict or abandoned in_progress longer than {stuck_after}",
+    )
+
+
+def build_stuck_check(stuck_after: dt.timedelta) -> dg.AssetChecksDefinition:
+    """``no_stuck_exports`` on demand from the UI; the reconciliation sensor reports the same verdict each time the
+    set of stuck keys changes."""
+
+    @dg.asset_check(asset=EXPORT_NAME, name=STUCK_CHECK_NAME, description="no export key stuck too long")
+    def no_stuck_exports(ledger: LedgerResource) -> dg.AssetCheckResult:
+        stuck = ledger.get_ledger().stuck_longer_than(stuck_after)
+        evaluation = stuck_check_evaluation(dg.AssetKey(EXPORT_NAME), stuck, stuck_after)
+        return dg.AssetCheckResult(
+            passed=evaluation.passed,
+            severity=evaluation.severity,
+            metadata=evaluation.metadata,
+            description=evaluation.description,
+        )
+
+    return no_stuck_exports

@@ -18,6 +18,7 @@ import sqlalchemy as sa
 
 from resources.ledger import dispose_engines
 from resources.ledger_resource import LedgerResource
+from s3_fixtures import *  # noqa: F403  (s3_server, s3_credentials, s3_bucket, fault_proxy)
 
 UTC = dt.timezone.utc
 POSTGRES_ADMIN_URL = os.environ.get(

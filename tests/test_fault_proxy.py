@@ -15,7 +15,6 @@ import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError, ConnectionClosedError, EndpointConnectionError, ReadTimeoutError
 
-from s3_fixtures import fault_proxy, s3_bucket, s3_credentials, s3_server  # noqa: F401  (fixtures)
 from s3_support import Fault, FaultProxy
 
 ONE_ATTEMPT = Config(retries={"total_max_attempts": 1}, connect_timeout=2, read_timeout=2)

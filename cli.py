@@ -5,9 +5,12 @@ Subcommands, each with a readable table or ``--json``::
     export-ledger status [--export E] [--tenant T] [--from YYYY-MM-DD] [--to YYYY-MM-DD] [--state S ...] [--limit N]
     export-ledger attempts <logical key>
     export-ledger reconcile [--limit N]
+    export-ledger prune --older-than DAYS [--export E]
+    export-ledger accept-contract --reason "..." [--export E]
 
 ``status`` and ``attempts`` only read. ``reconcile`` does once what the reconciliation sensor does each tick:
-it probes the configured destination for stuck keys and records what it finds.
+it probes the configured destination for stuck keys and records what it finds. ``prune`` deletes old completion
+records and keeps a low-water mark; ``accept-contract`` records an operator's acceptance of a changed calendar.
 
 The ledger is found from ``--ledger-url``, else ``EXPORTS_LEDGER_URL``, else ``definitions.DEFAULT_LEDGER_URL``.
 
@@ -143,7 +146,34 @@ def build_parser() -> argparse.ArgumentParser:
     reconcile.add_argument("--limit", type=_positive_int_arg, metavar="N", default=1000,
                            help="examine at most N stuck keys (default 1000)")
     reconcile.set_defaults(handler=_reconcile)
+
+    prune = commands.add_parser(
+        "prune", parents=[common], help="delete completed records older than a horizon, keeping a low-water mark"
+    )
+    prune.add_argument("--older-than", dest="older_than", metavar="DAYS", type=_days_arg, required=True,
+                       help="prune completed keys whose business date is more than DAYS days ago (UTC)")
+    prune.add_argument("--export", type=_slug_arg("export name"), help="only this export")
+    prune.set_defaults(handler=_prune)
+
+    accept = commands.add_parser(
+        "accept-contract", parents=[common],
+        help="accept the code's calendar contract (zone, start date) for an export after a deliberate change",
+    )
+    accept.add_argument("--export", type=_slug_arg("export name"), default="invoice_export",
+                        help="the export whose contract changed (default invoice_export)")
+    accept.add_argument("--reason", required=True, help="why the contract changed; recorded in the ledger")
+    accept.set_defaults(handler=_accept_contract)
     return parser
+
+
+def _days_arg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"invalid number of days {text!r}: expected a whole number, 0 or more")
+    return value
 
 
 # -- finding and opening the ledger ------------------------------------------------------------------------------
@@ -311,6 +341,50 @@ def _reconcile(ledger: ExportLedger, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def _prune(ledger: ExportLedger, args: argparse.Namespace) -> str:
+    deleted = ledger.prune(args.older_than, export=args.export)
+    if args.json:
+        return _dump(
+            [{"export": name, "deleted": count, "low_water_date": _date(ledger.low_water(name))} for name, count in deleted.items()]
+        )
+    if not deleted:
+        return "nothing to prune"
+    rows = [(name, count, _date(ledger.low_water(name))) for name, count in deleted.items()]
+    return _table(("EXPORT", "COMPLETED RECORDS PRUNED", "LOW-WATER MARK"), rows)
+
+
+def _date(value: dt.date | None) -> str | None:
+    return None if value is None else value.isoformat()
+
+
+def _code_contract(export: str) -> dict:
+    """The calendar contract the code location would materialize ``export`` under."""
+    from assets.calendar import ExportCalendar
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            import definitions
+        except Exception as exc:  # a code location that cannot load has no contract to accept
+            raise CliError(f"cannot load definitions.py to read the calendar ({type(exc).__name__}: {exc})") from None
+        try:
+            asset = definitions.defs.get_assets_def(export)
+        except Exception:
+            raise CliError(f"the code location has no export named {export!r}") from None
+    return ExportCalendar.of(asset.partitions_def).contract()
+
+
+def _accept_contract(ledger: ExportLedger, args: argparse.Namespace) -> str:
+    if not args.reason.strip():
+        raise UsageError("--reason must say why the contract changed")
+    contract = _code_contract(args.export)
+    before = ledger.recorded_contract(args.export)
+    ledger.accept_contract(args.export, contract, args.reason)
+    if args.json:
+        return _dump([{"export": args.export, "previous": before, "accepted": contract, "reason": args.reason.strip()}])
+    return f"accepted for {args.export}: {json.dumps(contract, sort_keys=True)} (was {json.dumps(before, sort_keys=True)})"
+
+
 # -- rendering ---------------------------------------------------------------------------------------------------
 
 
@@ -413,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         url = _ledger_url(args)
         output = args.handler(_open_ledger(url), args)
+    except UsageError as exc:
+        return _error(_redact_message(str(exc), url), USAGE_ERROR)
     except (CliError, LedgerError) as exc:
         return _error(_redact_message(str(exc), url), RUNTIME_ERROR)
     except sa.exc.SQLAlchemyError as exc:

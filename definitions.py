@@ -14,7 +14,7 @@ from pathlib import Path
 import dagster as dg
 
 from assets.calendar import DEFAULT_START_DATE, DEFAULT_TIMEZONE, ExportCalendar
-from assets.invoices import EXPORT_NAME, build_invoice_export, build_stuck_check
+from assets.invoices import EXPORT_NAME, STUCK_CHECK_NAME, build_invoice_export, build_stuck_check
 from assets.keys import parse_tenants, validate_slug
 from resources.destinations import Destination, LocalDestination
 from resources.exportfile import data_file_name
@@ -153,7 +153,14 @@ def build_definitions(
         ttl = lease_ttl_seconds or _positive_int(
             "EXPORTS_LEASE_TTL_SECONDS", env.get("EXPORTS_LEASE_TTL_SECONDS", "900")
         )
-        ledger = LedgerResource(url=ledger_url or _secret_setting(env, environ, "EXPORTS_LEDGER_URL", DEFAULT_LEDGER_URL), lease_ttl_seconds=ttl)
+        allow_below = env.get("EXPORTS_ALLOW_BELOW_LOW_WATER", "")
+        if allow_below not in ("", "0", "1"):
+            raise ConfigurationError(f"EXPORTS_ALLOW_BELOW_LOW_WATER must be 0 or 1, got {allow_below!r}")
+        ledger = LedgerResource(
+            url=ledger_url or _secret_setting(env, environ, "EXPORTS_LEDGER_URL", DEFAULT_LEDGER_URL),
+            lease_ttl_seconds=ttl,
+            allow_below_low_water=allow_below == "1",
+        )
 
     if destination is None:
         destination = env.get("EXPORTS_DESTINATION") or DEFAULT_DESTINATION
@@ -181,7 +188,12 @@ def build_definitions(
         else dg.BackfillPolicy.multi_run(max_partitions_per_run=max_partitions_per_run)
     )
     export_asset = build_invoice_export(calendar, tenants, backfill_policy=policy)
-    job = dg.define_asset_job("invoice_export_job", selection=dg.AssetSelection.assets(EXPORT_NAME))
+    # The export and its per-run check; no_stuck_exports is reported by the reconciliation sensor, not every run.
+    job = dg.define_asset_job(
+        "invoice_export_job",
+        selection=dg.AssetSelection.assets(EXPORT_NAME)
+        - dg.AssetSelection.checks(dg.AssetCheckKey(dg.AssetKey(EXPORT_NAME), STUCK_CHECK_NAME)),
+    )
     schedule = build_nightly_schedule(job, calendar, at)
     sensor = build_reconciliation_sensor(
         job, calendar, export_asset.key, batch_size=reconcile_batch_size, stuck_after=stuck_after

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import dagster as dg
 
-from assets.windows import CalendarError, ExportWindow, load_zone, parse_business_date, window_for
+from assets.windows import WINDOW_POLICY, CalendarError, ExportWindow, load_zone, parse_business_date, window_for
 
 DEFAULT_TIMEZONE = "America/New_York"
 DEFAULT_START_DATE = "2026-01-01"
@@ -30,6 +30,20 @@ class ExportCalendar:
     @property
     def first_date(self) -> dt.date:
         return parse_business_date(self.start_date)
+
+    def contract(self) -> dict[str, str]:
+        """What an export's history depends on: the ledger refuses to run under a different one unaccepted."""
+        return {
+            "timezone": self.timezone,
+            "start_date": self.start_date,
+            "cadence": "daily",
+            "window_policy": WINDOW_POLICY,
+        }
+
+    @classmethod
+    def of(cls, partitions_def: dg.TimeWindowPartitionsDefinition) -> ExportCalendar:
+        """The calendar behind a daily partitions definition built by :meth:`partitions_def`."""
+        return cls(timezone=partitions_def.timezone, start_date=partitions_def.start.strftime("%Y-%m-%d"))
 
     def partitions_def(self) -> dg.DailyPartitionsDefinition:
         return dg.DailyPartitionsDefinition(start_date=self.start_date, timezone=self.timezone)

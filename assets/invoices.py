@@ -61,6 +61,7 @@ def build_invoice_export(
         destination: Destination,
     ) -> Iterator:
         book = ledger.get_ledger()
+        book.check_contract(EXPORT_NAME, calendar.contract())  # a changed zone or start date is refused unaccepted
         items: list[ExportItem] = []
         for partition_key in sorted(context.partition_keys):
             window = calendar.window(partition_key)

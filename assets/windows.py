@@ -25,6 +25,8 @@ from pathlib import Path
 from zoneinfo import TZPATH, ZoneInfo, ZoneInfoNotFoundError, available_timezones
 
 UTC = dt.timezone.utc
+# Names the policy above; recorded in each export's calendar contract so a change of policy is a visible change.
+WINDOW_POLICY = "earliest-instant-of-local-date/v1"
 _ONE_DAY = dt.timedelta(days=1)
 _TICK = dt.timedelta(microseconds=1)
 _DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")

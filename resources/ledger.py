@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import json
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -23,7 +24,15 @@ from sqlalchemy.engine import Connection, Engine, make_url
 
 from assets.keys import LogicalKey
 from assets.windows import ExportWindow, require_aware, tz_database_version
-from resources.schema import AttemptOutcome, ExportState, export_attempts, export_runs, metadata
+from resources.schema import (
+    AttemptOutcome,
+    ExportState,
+    export_attempts,
+    export_contracts,
+    export_low_water,
+    export_runs,
+    metadata,
+)
 
 UTC = dt.timezone.utc
 DEFAULT_LEASE_TTL = dt.timedelta(minutes=15)
@@ -60,6 +69,14 @@ class InvalidTransition(LedgerError):
 
 class ConflictRecorded(LedgerError):
     """The destination holds a different export at the key's place; an operator must resolve it."""
+
+
+class BelowLowWater(LedgerError):
+    """The key's business date is below the export's retention low-water mark: its record may have been pruned."""
+
+
+class ContractChanged(LedgerError):
+    """The code's calendar contract differs from the one the ledger recorded for the export."""
 
 
 class EmptyWindow(LedgerError):
@@ -261,6 +278,8 @@ class ExportLedger:
         url: Any SQLAlchemy URL; ``sqlite:///path`` or ``postgresql+psycopg2://user@host/db``.
         lease_ttl: How long a claim stays exclusive without a result.
         clock: Returns the current time, timezone-aware; tests pass a controllable one.
+        allow_below_low_water: Let first claims below the retention low-water mark through (an operator's explicit
+            override after pruning; see :meth:`prune`).
 
     Example:
         >>> ledger = ExportLedger("sqlite:///var/ledger.sqlite3")  # doctest: +SKIP
@@ -273,11 +292,13 @@ class ExportLedger:
         *,
         lease_ttl: dt.timedelta = DEFAULT_LEASE_TTL,
         clock: Callable[[], dt.datetime] = utc_now,
+        allow_below_low_water: bool = False,
     ) -> None:
         if lease_ttl <= dt.timedelta(0):
             raise ValueError(f"lease_ttl must be positive, got {lease_ttl}")
         self.url = url
         self.lease_ttl = lease_ttl
+        self.allow_below_low_water = allow_below_low_water
         self._clock = clock
         self._engine = ledger_engine(url)
 
@@ -396,6 +417,14 @@ class ExportLedger:
         with self.atomic() as conn:
             row = self._find(conn, key, lock=True)
             if row is None:
+                mark = self._low_water(conn, key.export)
+                if mark is not None and key.window.business_date < mark and not self.allow_below_low_water:
+                    raise BelowLowWater(
+                        f"{key} is below the retention low-water mark of {key.export} ({mark.isoformat()}): its "
+                        "completion record may have been pruned, so exporting it again could duplicate an export. "
+                        "Refused; an operator who knows it was never exported can allow it explicitly "
+                        "(EXPORTS_ALLOW_BELOW_LOW_WATER=1 for that run)"
+                    )
                 tz_database = tz_database_version(key.window.timezone)
                 conn.execute(
                     export_runs.insert().values(
@@ -514,6 +543,128 @@ class ExportLedger:
             error=error,
             values=dict(sha256=sha256, location=location),
         )
+
+    # -- retention ---------------------------------------------------------------------------------------------
+
+    def low_water(self, export: str) -> dt.date | None:
+        with self.atomic(read_only=True) as conn:
+            return self._low_water(conn, export)
+
+    def _low_water(self, conn: Connection, export: str) -> dt.date | None:
+        return conn.execute(
+            sa.select(export_low_water.c.low_water_date).where(export_low_water.c.export == export)
+        ).scalar()
+
+    def prune(self, older_than_days: int, *, export: str | None = None) -> dict[str, int]:
+        """Deletes ``completed`` records (and their attempts) whose business date is more than ``older_than_days``
+        days before today (UTC), and raises each export's durable low-water mark to that horizon.
+
+        Other states are never pruned: a failed or stuck key keeps its history until it is resolved. After pruning,
+        first claims below the mark are refused (see ``allow_below_low_water``). Returns rows deleted per export.
+        """
+        if older_than_days < 0:
+            raise ValueError(f"older_than_days must be zero or more, got {older_than_days}")
+        now = self.now()
+        horizon = now.date() - dt.timedelta(days=older_than_days)
+        deleted: dict[str, int] = {}
+        with self.atomic() as conn:
+            exports_query = sa.select(export_runs.c.export).distinct()
+            if export is not None:
+                exports_query = exports_query.where(export_runs.c.export == export)
+            names = sorted(set(conn.execute(exports_query).scalars()) | ({export} if export else set()))
+            for name in names:
+                doomed = sa.select(export_runs.c.logical_key).where(
+                    export_runs.c.export == name,
+                    export_runs.c.state == ExportState.COMPLETED.value,
+                    export_runs.c.business_date < horizon,
+                )
+                conn.execute(export_attempts.delete().where(export_attempts.c.logical_key.in_(doomed)))
+                count = conn.execute(
+                    export_runs.delete().where(
+                        export_runs.c.export == name,
+                        export_runs.c.state == ExportState.COMPLETED.value,
+                        export_runs.c.business_date < horizon,
+                    )
+                ).rowcount
+                deleted[name] = count
+                mark = self._low_water(conn, name)
+                if mark is None:
+                    conn.execute(
+                        export_low_water.insert().values(
+                            export=name, low_water_date=horizon, pruned_total=count, updated_at=now
+                        )
+                    )
+                else:
+                    conn.execute(
+                        export_low_water.update()
+                        .where(export_low_water.c.export == name)
+                        .values(
+                            low_water_date=max(mark, horizon),
+                            pruned_total=export_low_water.c.pruned_total + count,
+                            updated_at=now,
+                        )
+                    )
+        return deleted
+
+    # -- calendar contract -------------------------------------------------------------------------------------
+
+    def recorded_contract(self, export: str) -> dict | None:
+        with self.atomic(read_only=True) as conn:
+            text = self._latest_contract(conn, export)
+        return None if text is None else json.loads(text)
+
+    def _latest_contract(self, conn: Connection, export: str) -> str | None:
+        return conn.execute(
+            sa.select(export_contracts.c.contract)
+            .where(export_contracts.c.export == export)
+            .order_by(export_contracts.c.id.desc())
+            .limit(1)
+        ).scalar()
+
+    def check_contract(self, export: str, contract: dict) -> None:
+        """Records the contract at an export's first materialization; afterwards refuses any other one.
+
+        Raises:
+            ContractChanged: naming the recorded and the new contract, until an operator accepts the new one.
+        """
+        wanted = json.dumps(contract, sort_keys=True)
+        with self.atomic() as conn:
+            recorded = self._latest_contract(conn, export)
+            if recorded is None:
+                conn.execute(
+                    export_contracts.insert().values(
+                        export=export, contract=wanted, recorded_at=self.now(), reason="first materialization"
+                    )
+                )
+                return
+        if recorded != wanted:
+            raise ContractChanged(
+                f"the calendar contract of {export} changed: the ledger recorded {recorded}, the code now says "
+                f"{wanted}. Changing the zone or start date is a business change: every materialization is refused "
+                f'until an operator runs: export-ledger accept-contract --export {export} --reason "..."'
+            )
+
+    def accept_contract(self, export: str, contract: dict, reason: str) -> None:
+        """Records ``contract`` as the one in force for ``export``, with the operator's reason."""
+        if not reason or not reason.strip():
+            raise ValueError("accepting a contract change needs a reason")
+        with self.atomic() as conn:
+            conn.execute(
+                export_contracts.insert().values(
+                    export=export,
+                    contract=json.dumps(contract, sort_keys=True),
+                    recorded_at=self.now(),
+                    reason=reason.strip()[:_MESSAGE_LIMIT],
+                )
+            )
+
+    def contract_history(self, export: str) -> list[dict]:
+        query = sa.select(export_contracts).where(export_contracts.c.export == export).order_by(export_contracts.c.id)
+        with self.atomic(read_only=True) as conn:
+            return [
+                {"contract": json.loads(r.contract), "recorded_at": r.recorded_at, "reason": r.reason}
+                for r in conn.execute(query)
+            ]
 
     # -- reconciliation ----------------------------------------------------------------------------------------
 

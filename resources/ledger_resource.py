@@ -16,10 +16,12 @@ class LedgerResource(dg.ConfigurableResource):
         url: SQLAlchemy URL. SQLite (the default, a project-local file) or ``postgresql+psycopg2://...``.
         lease_ttl_seconds: How long one attempt keeps a key to itself without a result. Longer than the slowest
             single export, shorter than the time an operator will wait before retrying a crashed run.
+        allow_below_low_water: Allow first claims below the retention low-water mark (an explicit override).
     """
 
     url: str
     lease_ttl_seconds: int = 900
+    allow_below_low_water: bool = False
 
     def clock(self) -> dt.datetime:
         """The ledger's notion of now. Tests subclass this resource to control it."""
@@ -28,4 +30,9 @@ class LedgerResource(dg.ConfigurableResource):
     def get_ledger(self) -> ExportLedger:
         if self.lease_ttl_seconds <= 0:
             raise ValueError(f"lease_ttl_seconds must be positive, got {self.lease_ttl_seconds}")
-        return ExportLedger(self.url, lease_ttl=dt.timedelta(seconds=self.lease_ttl_seconds), clock=self.clock)
+        return ExportLedger(
+            self.url,
+            lease_ttl=dt.timedelta(seconds=self.lease_ttl_seconds),
+            clock=self.clock,
+            allow_below_low_water=self.allow_below_low_water,
+        )

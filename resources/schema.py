@@ -126,3 +126,27 @@ export_attempts = sa.Table(
     sa.CheckConstraint("finished_at >= started_at", name="ck_attempt_ordered"),
     sa.Index("ix_export_attempts_key", "logical_key", "id"),
 )
+
+# Retention: completed rows older than a horizon may be pruned; the horizon is kept here for good, so an old retry
+# cannot mistake a pruned key for one never attempted and export it again.
+export_low_water = sa.Table(
+    "export_low_water",
+    metadata,
+    sa.Column("export", sa.String(63), primary_key=True),
+    sa.Column("low_water_date", sa.Date, nullable=False),  # business dates before it are closed to new claims
+    sa.Column("pruned_total", sa.BigInteger, nullable=False),
+    sa.Column("updated_at", UtcDateTime, nullable=False),
+)
+
+# The calendar contract each export was produced under (zone, start date, cadence, window policy). Append-only: the
+# latest row is in force; a new row is written only by the first materialization or by an operator's acceptance.
+export_contracts = sa.Table(
+    "export_contracts",
+    metadata,
+    sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=True),
+    sa.Column("export", sa.String(63), nullable=False),
+    sa.Column("contract", sa.Text, nullable=False),  # canonical JSON
+    sa.Column("recorded_at", UtcDateTime, nullable=False),
+    sa.Column("reason", sa.String(500), nullable=False),
+    sa.Index("ix_export_contracts_export", "export", "id"),
+)

@@ -15,7 +15,8 @@ records and keeps a low-water mark; ``accept-contract`` records an operator's ac
 The ledger is found from ``--ledger-url``, else ``EXPORTS_LEDGER_URL``, else ``definitions.DEFAULT_LEDGER_URL``.
 
 Exit codes: 0 success (an empty result included), 1 the ledger could not be read, the key is unknown, or
-``reconcile`` left keys unresolved because the destination was unreachable; 2 bad usage. Every error is one line on stderr starting ``export-ledger: error:``; no traceback, no password.
+``reconcile`` left keys unresolved because the destination was unreachable; 2 bad usage. Every error is one line
+on stderr starting ``export-ledger: error:``; no traceback, no password.
 
 The ledger holds no customer data, and the CLI prints only ledger fields chosen one by one below, so a column
 added to the ledger later is not shown until someone decides it should be.
@@ -123,19 +124,31 @@ def build_parser() -> argparse.ArgumentParser:
     status = commands.add_parser("status", parents=[common], help="one line per logical export")
     status.add_argument("--export", type=_slug_arg("export name"), help="only this export, e.g. invoice_export")
     status.add_argument("--tenant", type=_slug_arg("tenant id"), help="only this tenant")
-    status.add_argument("--from", dest="date_from", metavar="YYYY-MM-DD", type=_date_arg,
-                        help="business dates from this day (inclusive)")
-    status.add_argument("--to", dest="date_to", metavar="YYYY-MM-DD", type=_date_arg,
-                        help="business dates up to this day (inclusive)")
-    status.add_argument("--state", dest="states", action="append", default=[],
-                        choices=[state.value for state in ExportState],
-                        help="only exports in this state; repeat for several")
+    status.add_argument(
+        "--from",
+        dest="date_from",
+        metavar="YYYY-MM-DD",
+        type=_date_arg,
+        help="business dates from this day (inclusive)",
+    )
+    status.add_argument(
+        "--to", dest="date_to", metavar="YYYY-MM-DD", type=_date_arg, help="business dates up to this day (inclusive)"
+    )
+    status.add_argument(
+        "--state",
+        dest="states",
+        action="append",
+        default=[],
+        choices=[state.value for state in ExportState],
+        help="only exports in this state; repeat for several",
+    )
     status.add_argument("--limit", type=_positive_int_arg, metavar="N", help="at most N exports")
     status.set_defaults(handler=_status)
 
     attempts = commands.add_parser("attempts", parents=[common], help="the attempts of one logical export, in order")
-    attempts.add_argument("logical_key", metavar="LOGICAL_KEY",
-                          help="as shown by status, e.g. invoice_export/acme/2026-03-08T05:00:00Z")
+    attempts.add_argument(
+        "logical_key", metavar="LOGICAL_KEY", help="as shown by status, e.g. invoice_export/acme/2026-03-08T05:00:00Z"
+    )
     attempts.set_defaults(handler=_attempts)
 
     reconcile = commands.add_parser(
@@ -143,24 +156,36 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
         help="resolve stuck keys once from the destination's evidence (what the reconciliation sensor does)",
     )
-    reconcile.add_argument("--limit", type=_positive_int_arg, metavar="N", default=1000,
-                           help="examine at most N stuck keys (default 1000)")
+    reconcile.add_argument(
+        "--limit", type=_positive_int_arg, metavar="N", default=1000, help="examine at most N stuck keys (default 1000)"
+    )
     reconcile.set_defaults(handler=_reconcile)
 
     prune = commands.add_parser(
         "prune", parents=[common], help="delete completed records older than a horizon, keeping a low-water mark"
     )
-    prune.add_argument("--older-than", dest="older_than", metavar="DAYS", type=_days_arg, required=True,
-                       help="prune completed keys whose business date is more than DAYS days ago (UTC)")
+    prune.add_argument(
+        "--older-than",
+        dest="older_than",
+        metavar="DAYS",
+        type=_days_arg,
+        required=True,
+        help="prune completed keys whose business date is more than DAYS days ago (UTC)",
+    )
     prune.add_argument("--export", type=_slug_arg("export name"), help="only this export")
     prune.set_defaults(handler=_prune)
 
     accept = commands.add_parser(
-        "accept-contract", parents=[common],
+        "accept-contract",
+        parents=[common],
         help="accept the code's calendar contract (zone, start date) for an export after a deliberate change",
     )
-    accept.add_argument("--export", type=_slug_arg("export name"), default="invoice_export",
-                        help="the export whose contract changed (default invoice_export)")
+    accept.add_argument(
+        "--export",
+        type=_slug_arg("export name"),
+        default="invoice_export",
+        help="the export whose contract changed (default invoice_export)",
+    )
     accept.add_argument("--reason", required=True, help="why the contract changed; recorded in the ledger")
     accept.set_defaults(handler=_accept_contract)
     return parser
@@ -256,14 +281,33 @@ def _status(ledger: ExportLedger, args: argparse.Namespace) -> str:
         return _dump([_record_json(record) for record in records])
     if not records:
         return "no exports match"
-    headers = ("LOGICAL KEY", "STATE", "BUSINESS DATE", "ZONE", "ROWS", "COMMITTED ATTEMPT", "LEASE OWNER",
-               "LEASE EXPIRES", "UPDATED")
+    headers = (
+        "LOGICAL KEY",
+        "STATE",
+        "BUSINESS DATE",
+        "ZONE",
+        "ROWS",
+        "COMMITTED ATTEMPT",
+        "LEASE OWNER",
+        "LEASE EXPIRES",
+        "UPDATED",
+    )
     rows = []
     for record in records:
         owner, expires = _lease(record)
-        rows.append((record.logical_key, record.state.value, record.business_date.isoformat(), record.timezone,
-                     record.row_count, record.committed_attempt, owner, _short_time(expires),
-                     _short_time(record.updated_at)))
+        rows.append(
+            (
+                record.logical_key,
+                record.state.value,
+                record.business_date.isoformat(),
+                record.timezone,
+                record.row_count,
+                record.committed_attempt,
+                owner,
+                _short_time(expires),
+                _short_time(record.updated_at),
+            )
+        )
     return _table(headers, rows)
 
 
@@ -279,8 +323,15 @@ def _attempts(ledger: ExportLedger, args: argparse.Namespace) -> str:
         return f"no finished attempts for {record.logical_key} yet (state {record.state.value})"
     headers = ("ATTEMPT", "TOKEN", "STARTED", "FINISHED", "OUTCOME", "ERROR", "MESSAGE")
     rows = [
-        (attempt.attempt_id, attempt.fencing_token, _short_time(attempt.started_at), _short_time(attempt.finished_at),
-         attempt.outcome.value, attempt.error_class, attempt.error_message)
+        (
+            attempt.attempt_id,
+            attempt.fencing_token,
+            _short_time(attempt.started_at),
+            _short_time(attempt.finished_at),
+            attempt.outcome.value,
+            attempt.error_class,
+            attempt.error_message,
+        )
         for attempt in attempts
     ]
     return _table(headers, rows)
@@ -295,7 +346,9 @@ def _configured_destination():
         try:
             import definitions
         except Exception as exc:  # a code location that cannot load names no destination
-            raise CliError(f"cannot load definitions.py to find the destination ({type(exc).__name__}: {exc})") from None
+            raise CliError(
+                f"cannot load definitions.py to find the destination ({type(exc).__name__}: {exc})"
+            ) from None
         with dg.build_resources({"destination": definitions.defs.resources["destination"]}) as resources:
             return resources.destination
 
@@ -316,7 +369,9 @@ def _reconcile(ledger: ExportLedger, args: argparse.Namespace) -> str:
                     "logical_key": f.record.logical_key,
                     "was": f.record.state.value,
                     "verdict": f.verdict.value,
-                    "now": resolved[f.record.logical_key].state.value if f.record.logical_key in resolved else f.record.state.value,
+                    "now": resolved[f.record.logical_key].state.value
+                    if f.record.logical_key in resolved
+                    else f.record.state.value,
                     "detail": f.detail,
                 }
                 for f in report.findings
@@ -345,7 +400,10 @@ def _prune(ledger: ExportLedger, args: argparse.Namespace) -> str:
     deleted = ledger.prune(args.older_than, export=args.export)
     if args.json:
         return _dump(
-            [{"export": name, "deleted": count, "low_water_date": _date(ledger.low_water(name))} for name, count in deleted.items()]
+            [
+                {"export": name, "deleted": count, "low_water_date": _date(ledger.low_water(name))}
+                for name, count in deleted.items()
+            ]
         )
     if not deleted:
         return "nothing to prune"
@@ -382,7 +440,9 @@ def _accept_contract(ledger: ExportLedger, args: argparse.Namespace) -> str:
     ledger.accept_contract(args.export, contract, args.reason)
     if args.json:
         return _dump([{"export": args.export, "previous": before, "accepted": contract, "reason": args.reason.strip()}])
-    return f"accepted for {args.export}: {json.dumps(contract, sort_keys=True)} (was {json.dumps(before, sort_keys=True)})"
+    return (
+        f"accepted for {args.export}: {json.dumps(contract, sort_keys=True)} (was {json.dumps(before, sort_keys=True)})"
+    )
 
 
 # -- rendering ---------------------------------------------------------------------------------------------------
@@ -450,7 +510,7 @@ def _printable(text: str) -> str:
 def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     cells = [list(headers)] + [["-" if value is None else _printable(str(value)) for value in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in cells)
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in cells)
 
 
 # -- entry point -------------------------------------------------------------------------------------------------

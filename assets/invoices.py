@@ -1,6 +1,5 @@
 """The invoice export asset and its per-materialization check."""
 
-
 import datetime as dt
 import hashlib
 import warnings
@@ -99,7 +98,11 @@ def build_invoice_export(
                         [str(i.key) for i in items if i.partition_key == partition_key]
                     ),
                     "source_rows": dg.MetadataValue.json(
-                        {i.key.tenant: len(i.frame) for i in items if i.partition_key == partition_key and i.frame is not None}
+                        {
+                            i.key.tenant: len(i.frame)
+                            for i in items
+                            if i.partition_key == partition_key and i.frame is not None
+                        }
                     ),
                     "tenants_skipped_already_completed": dg.MetadataValue.json(planned_skips),
                 },
@@ -160,7 +163,10 @@ def stuck_check_evaluation(
             "stuck_keys": len(stuck),
             "threshold_hours": stuck_after.total_seconds() / 3600,
             "first_keys": dg.MetadataValue.json(
-                [{"logical_key": r.logical_key, "state": r.state.value, "since": utc_iso(r.updated_at)} for r in stuck[:20]]
+                [
+                    {"logical_key": r.logical_key, "state": r.state.value, "since": utc_iso(r.updated_at)}
+                    for r in stuck[:20]
+                ]
             ),
         },
         description=f"no key stays remote_unknown, conflict or abandoned in_progress longer than {stuck_after}",

@@ -162,7 +162,7 @@ def _search_start_of_day(day: dt.date, zone: ZoneInfo, midnight: dt.datetime) ->
             boundaries.append(b)
         t = nxt
     boundaries.append(hi)
-    for seg_start, seg_end in zip(boundaries, boundaries[1:]):
+    for seg_start, seg_end in zip(boundaries, boundaries[1:], strict=False):
         offset = seg_start.astimezone(zone).utcoffset()
         reach = (midnight - offset).replace(tzinfo=UTC)
         first = max(seg_start, reach)
@@ -190,9 +190,7 @@ def windows_between(first: dt.date, last: dt.date, timezone: str) -> list[Export
     zone = load_zone(timezone)
     days = (last - first).days + 1
     starts = [_start_of_day(first + dt.timedelta(days=i), zone) for i in range(days + 1)]
-    return [
-        ExportWindow(first + dt.timedelta(days=i), timezone, starts[i], starts[i + 1]) for i in range(days)
-    ]
+    return [ExportWindow(first + dt.timedelta(days=i), timezone, starts[i], starts[i + 1]) for i in range(days)]
 
 
 @functools.cache

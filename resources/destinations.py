@@ -171,9 +171,7 @@ class LocalDestination(Destination):
         parent = final.parent
         try:
             parent.mkdir(parents=True, exist_ok=True)
-            staging = Path(
-                tempfile.mkdtemp(prefix=f".staging-{final.name}-t{manifest.fencing_token}-", dir=parent)
-            )
+            staging = Path(tempfile.mkdtemp(prefix=f".staging-{final.name}-t{manifest.fencing_token}-", dir=parent))
         except OSError as exc:
             raise DestinationError(
                 f"cannot write to export destination {self._root()}: {exc.strerror or exc} ({exc.filename or parent})"

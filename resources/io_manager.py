@@ -194,7 +194,9 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
             record.committed_attempt,
         )
 
-    def _publish(self, claim: Claim, schema: ExportSchema, item: ExportItem, target: ExportTarget) -> CompletionEvidence:
+    def _publish(
+        self, claim: Claim, schema: ExportSchema, item: ExportItem, target: ExportTarget
+    ) -> CompletionEvidence:
         if item.frame is None:
             raise LedgerError(
                 f"{claim.logical_key} was completed when the asset planned this run but is claimable now; "
@@ -239,7 +241,9 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
             written = self.destination.write_in_transaction(connection, target, table, template)
             failpoints.reach("before_commit")  # inside the transaction: a failure here rolls the rows back too
             location = self.destination.location(target)
-            return CompletionEvidence(location, written.sha256, written.row_count, claim.attempt_id, claim.fencing_token)
+            return CompletionEvidence(
+                location, written.sha256, written.row_count, claim.attempt_id, claim.fencing_token
+            )
 
         return ledger.complete_within(claim, effect)
 
@@ -270,7 +274,9 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
             raise ExportConflict(
                 f"{location}: data file sha256 {actual} does not match its manifest ({manifest.sha256})"
             )
-        return CompletionEvidence(location, manifest.sha256, manifest.row_count, manifest.attempt_id, manifest.fencing_token)
+        return CompletionEvidence(
+            location, manifest.sha256, manifest.row_count, manifest.attempt_id, manifest.fencing_token
+        )
 
     @staticmethod
     def _metadata(results: list[ExportResult], attempt: str) -> dict:
@@ -302,7 +308,11 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
             for tenant in self.tenants:
                 records = ledger.records(export=export, tenant=tenant, date_from=day, date_to=day)
                 if len(records) != 1 or records[0].state is not ExportState.COMPLETED:
-                    state = records[0].state.value if len(records) == 1 else ("never attempted" if not records else "ambiguous")
+                    state = (
+                        records[0].state.value
+                        if len(records) == 1
+                        else ("never attempted" if not records else "ambiguous")
+                    )
                     raise DestinationError(
                         f"{export} for tenant {tenant} on {partition_key} is not committed ({state}); "
                         "load_input returns committed exports only"
@@ -321,4 +331,3 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
                 file_format = "parquet" if manifest.data_file.endswith(".parquet") else "csv"
                 frames.append(read_table(payload, file_format))
         return pd.concat(frames, ignore_index=True)
-

@@ -405,7 +405,8 @@ class ExportLedger:
                 if holder is not None:
                     raise LedgerError(
                         f"logical key {key} already belongs to {holder.export}/{holder.tenant} on "
-                        f"{holder.business_date} ({holder.timezone}); refusing to claim it for {key.window.business_date}"
+                        f"{holder.business_date} ({holder.timezone}); "
+                        f"refusing to claim it for {key.window.business_date}"
                     ) from None
                 raise LedgerError(f"could not record a claim on {key}: {exc.orig}") from None
         raise LedgerError(f"could not claim {key}: the row kept changing under concurrent claims")
@@ -759,7 +760,14 @@ class ExportLedger:
                     started_at=record.attempt_started_at,
                 )
             self._append_attempt(
-                conn, record.logical_key, reconciler, record.fencing_token, now, outcomes[state], "Reconciliation", detail
+                conn,
+                record.logical_key,
+                reconciler,
+                record.fencing_token,
+                now,
+                outcomes[state],
+                "Reconciliation",
+                detail,
             )
             row = conn.execute(sa.select(export_runs).where(export_runs.c.logical_key == record.logical_key)).one()
         return ExportRecord.from_row(row)
@@ -804,9 +812,7 @@ class ExportLedger:
                     message,
                     started_at=claim.started_at,
                 )
-                row = conn.execute(
-                    sa.select(export_runs).where(export_runs.c.logical_key == claim.logical_key)
-                ).one()
+                row = conn.execute(sa.select(export_runs).where(export_runs.c.logical_key == claim.logical_key)).one()
                 return ExportRecord.from_row(row)
             fenced = self._record_fenced(conn, claim, now)
         raise fenced  # after the commit: the fenced attempt's row must survive

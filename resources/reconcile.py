@@ -33,7 +33,11 @@ class Verdict(str, enum.Enum):
     UNREACHABLE = "unreachable"  # the destination could not be asked
 
 
-_NEXT_STATE = {Verdict.COMPLETED: ExportState.COMPLETED, Verdict.ABSENT: ExportState.FAILED, Verdict.CONFLICT: ExportState.CONFLICT}
+_NEXT_STATE = {
+    Verdict.COMPLETED: ExportState.COMPLETED,
+    Verdict.ABSENT: ExportState.FAILED,
+    Verdict.CONFLICT: ExportState.CONFLICT,
+}
 
 
 @dataclass(frozen=True)
@@ -51,9 +55,7 @@ def judge(record: ExportRecord, manifest: Manifest | None, data_sha256: str | No
     if manifest.logical_key != record.logical_key:
         return Finding(record, Verdict.CONFLICT, f"{location} holds the export of {manifest.logical_key}")
     if data_sha256 != manifest.sha256:
-        return Finding(
-            record, Verdict.CONFLICT, f"{location}: data sha256 {data_sha256} does not match its manifest"
-        )
+        return Finding(record, Verdict.CONFLICT, f"{location}: data sha256 {data_sha256} does not match its manifest")
     if record.sha256 is not None and manifest.sha256 != record.sha256:
         return Finding(
             record,
@@ -61,7 +63,9 @@ def judge(record: ExportRecord, manifest: Manifest | None, data_sha256: str | No
             f"{location} holds data with sha256 {manifest.sha256}, but attempt {record.lease_owner} wrote "
             f"{record.sha256}",
         )
-    evidence = CompletionEvidence(location, manifest.sha256, manifest.row_count, manifest.attempt_id, manifest.fencing_token)
+    evidence = CompletionEvidence(
+        location, manifest.sha256, manifest.row_count, manifest.attempt_id, manifest.fencing_token
+    )
     return Finding(record, Verdict.COMPLETED, f"published by attempt {manifest.attempt_id} at {location}", evidence)
 
 

@@ -41,9 +41,7 @@ def _boto():
         import botocore.config
         import botocore.exceptions
     except ImportError as exc:  # pragma: no cover - depends on the installed extras
-        raise DestinationError(
-            "the S3 destination needs boto3: pip install -e '.[s3]'"
-        ) from exc
+        raise DestinationError("the S3 destination needs boto3: pip install -e '.[s3]'") from exc
     return boto3, botocore.config, botocore.exceptions
 
 
@@ -147,9 +145,7 @@ class S3Destination(Destination):
         except errors.ClientError as exc:
             if self._status(exc) == 404 or exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
                 return None
-            raise DestinationUnreachable(
-                f"cannot read s3://{self.bucket}/{key}: {self._describe_error(exc)}"
-            ) from None
+            raise DestinationUnreachable(f"cannot read s3://{self.bucket}/{key}: {self._describe_error(exc)}") from None
         except errors.BotoCoreError as exc:
             raise DestinationUnreachable(f"cannot read s3://{self.bucket}/{key}: {self._describe_error(exc)}") from None
 

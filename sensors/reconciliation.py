@@ -18,7 +18,7 @@ from assets.calendar import ExportCalendar
 from assets.invoices import stuck_check_evaluation
 from assets.windows import CalendarError, utc_iso
 from resources.destinations import Destination
-from resources.ledger import ExportLedger, ExportRecord
+from resources.ledger import ExportLedger
 from resources.ledger_resource import LedgerResource
 from resources.reconcile import ReconcileReport, reconcile_batch
 from resources.schema import ExportState

@@ -510,7 +510,8 @@ def _printable(text: str) -> str:
 def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     cells = [list(headers)] + [["-" if value is None else _printable(str(value)) for value in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in cells)
+    lines = ("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in cells)
+    return "\n".join(line.rstrip() for line in lines)
 
 
 # -- entry point -------------------------------------------------------------------------------------------------

@@ -475,17 +475,7 @@ class ExportLedger:
             else:
                 if record.state is ExportState.IN_PROGRESS:
                     # The holder's lease ran out without a result: record its attempt before taking over.
-                    self._append_attempt(
-                        conn,
-                        record.logical_key,
-                        record.lease_owner,
-                        record.fencing_token,
-                        now,
-                        AttemptOutcome.ABANDONED,
-                        "LeaseExpired",
-                        f"lease expired at {record.lease_expires_at.isoformat()} without a result",
-                        started_at=record.attempt_started_at,
-                    )
+                    self._append_abandoned(conn, record, now)
                 token = record.fencing_token + 1
                 self._guarded_update(
                     conn,
@@ -748,17 +738,7 @@ class ExportLedger:
             if conn.execute(export_runs.update().where(*conditions).values(**values)).rowcount != 1:
                 return None
             if record.state is ExportState.IN_PROGRESS:
-                self._append_attempt(
-                    conn,
-                    record.logical_key,
-                    record.lease_owner,
-                    record.fencing_token,
-                    now,
-                    AttemptOutcome.ABANDONED,
-                    "LeaseExpired",
-                    f"lease expired at {record.lease_expires_at.isoformat()} without a result",
-                    started_at=record.attempt_started_at,
-                )
+                self._append_abandoned(conn, record, now)
             self._append_attempt(
                 conn,
                 record.logical_key,
@@ -932,6 +912,20 @@ class ExportLedger:
                 "another attempt changed it"
             )
         return False
+
+    def _append_abandoned(self, conn: Connection, record: ExportRecord, now: dt.datetime) -> None:
+        """Records the attempt whose lease ran out without a result (it crashed or stalled)."""
+        self._append_attempt(
+            conn,
+            record.logical_key,
+            record.lease_owner,
+            record.fencing_token,
+            now,
+            AttemptOutcome.ABANDONED,
+            "LeaseExpired",
+            f"lease expired at {record.lease_expires_at.isoformat()} without a result",
+            started_at=record.attempt_started_at,
+        )
 
     def _append_attempt(
         self,

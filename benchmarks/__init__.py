@@ -1,0 +1,1 @@
+"""Benchmarks of export-ledger against plain baselines measured in the same run. Entry point: ``benchmarks.run``."""

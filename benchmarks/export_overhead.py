@@ -1,0 +1,313 @@
+"""Benchmark 1: one partition exported through the ledgered path against plain writes of the same frame.
+
+Variants, interleaved on the same frame and the same disk:
+
+* ``ledgered``: the I/O manager's ``handle_output`` for one logical key: claim, validate, staging write with
+  streaming SHA-256, fsync of data, manifest and folder, atomic rename, fsync of the parent, ledger commit.
+* ``pandas`` (baseline a): what a plain cron script does, ``DataFrame.to_csv`` / ``to_parquet`` and one fsync.
+* ``arrow`` (baseline b): the fastest plain write of the format found here: ``pa.Table.from_pandas`` and
+  pyarrow's CSV or Parquet writer, to a Python file or to pyarrow's native file, and one fsync. Baseline (b) is
+  the fastest median of every plain variant (for Parquet, pandas' ``to_parquet`` is pyarrow too and can win).
+
+Beside them, the raw disk floor: bytes written divided by the sequential write bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import time
+from pathlib import Path
+
+import dagster as dg
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.csv as pa_csv
+import pyarrow.parquet as pq
+
+from assets.keys import LogicalKey
+from assets.windows import ExportWindow, window_for
+from benchmarks.common import Settings, fsync_file, interleaved, median, scratch_dir, target
+from resources.destinations import LocalDestination
+from resources.exportfile import Manifest, data_file_name, validate_frame
+from resources.io_manager import ExportBatch, ExportItem, LedgeredExportIOManager, target_for
+from resources.ledger import CompletionEvidence, ExportLedger, dispose_engines
+from resources.ledger_resource import LedgerResource
+from resources.sources import INVOICE_SCHEMA
+
+NAME = "export_overhead"
+FORMATS = ("csv", "parquet")
+BUSINESS_DATE = dt.date(2026, 3, 10)
+TIMEZONE = "America/New_York"
+_CURRENCIES = np.array(["USD", "EUR", "GBP", "CAD"], dtype=object)
+
+
+def invoice_frame(rows: int, window: ExportWindow, tenant: str = "acme") -> pd.DataFrame:
+    """``rows`` invoices spread evenly over ``window``, built like the sample source's frames (same dtypes)."""
+    k = np.arange(rows, dtype=np.int64)
+    start_us = int(window.start_utc.timestamp() * 1_000_000)
+    span_us = int(window.duration.total_seconds() * 1_000_000)
+    mixed = (k * 2654435761 + 12345) % 1_000_003
+    return pd.DataFrame(
+        {
+            "invoice_id": (tenant + "-" + pd.Series(k, dtype="int64").astype(str).str.zfill(12)).astype(object),
+            "tenant": np.full(rows, tenant, dtype=object),
+            "occurred_at": pd.to_datetime(start_us + (k * span_us) // max(rows, 1), unit="us", utc=True),
+            "amount": np.round(5 + (mixed % 250_000) / 100.0, 2),
+            "currency": _CURRENCIES[mixed % len(_CURRENCIES)],
+            "customer_email": ("customer" + pd.Series(mixed % 5000).astype(str) + "@example.com").astype(object),
+        }
+    )
+
+
+def disk_bandwidth(folder: Path, size_bytes: int, block: int = 8 << 20) -> float:
+    """Sequential write bandwidth in bytes/s: ``size_bytes`` of incompressible data in large blocks, one fsync."""
+    payload = os.urandom(min(block, size_bytes))
+    path = folder / "bandwidth.bin"
+    start = time.perf_counter()
+    with open(path, "wb") as handle:
+        written = 0
+        while written < size_bytes:
+            handle.write(payload)
+            written += len(payload)
+        fsync_file(handle)
+    elapsed = time.perf_counter() - start
+    path.unlink()
+    return written / elapsed
+
+
+class _Plain:
+    """The baselines: plain writes of one frame into ``folder``, one fsync each."""
+
+    def __init__(self, frame: pd.DataFrame, file_format: str, folder: Path) -> None:
+        self.frame = frame
+        self.file_format = file_format
+        self.folder = folder
+        self.bytes: dict[str, int] = {}
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def path(self, name: str) -> Path:
+        return self.folder / f"{name}.{self.file_format}"
+
+    def pandas(self, _rep: int) -> None:
+        path = self.path("pandas")
+        if self.file_format == "csv":
+            with open(path, "w", encoding="utf-8", newline="") as handle:
+                self.frame.to_csv(handle, index=False)
+                fsync_file(handle)
+        else:
+            with open(path, "wb") as handle:
+                self.frame.to_parquet(handle, index=False)
+                fsync_file(handle)
+
+    def arrow_pyfile(self, _rep: int) -> None:
+        table = pa.Table.from_pandas(self.frame, preserve_index=False)
+        with open(self.path("arrow_pyfile"), "wb") as handle:
+            if self.file_format == "csv":
+                pa_csv.write_csv(table, handle)
+            else:
+                pq.write_table(table, handle)
+            fsync_file(handle)
+
+    def arrow_native(self, _rep: int) -> None:
+        table = pa.Table.from_pandas(self.frame, preserve_index=False)
+        path = self.path("arrow_native")
+        with pa.OSFile(str(path), "wb") as sink:
+            if self.file_format == "csv":
+                pa_csv.write_csv(table, sink)
+            else:
+                pq.write_table(table, sink)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def clean(self, name: str | None = None) -> None:
+        """Removes one variant's file (or all), remembering its size: the disk stays small between repetitions."""
+        for entry in self.folder.iterdir():
+            if name is None or entry.stem == name:
+                self.bytes[entry.stem] = entry.stat().st_size
+                entry.unlink()
+
+
+class _Ledgered:
+    """One logical key per repetition through the project's I/O manager (a new tenant each time)."""
+
+    def __init__(
+        self, frame: pd.DataFrame, file_format: str, folder: Path, window: ExportWindow, instance: dg.DagsterInstance
+    ) -> None:
+        self.frame = frame
+        self.window = window
+        self.file_format = file_format
+        self.root = folder / "exports"
+        self.ledger_url = f"sqlite:///{folder / 'ledger.sqlite3'}"
+        self.io_manager = LedgeredExportIOManager(
+            ledger=LedgerResource(url=self.ledger_url),
+            destination=LocalDestination(root=str(self.root)),
+            file_format=file_format,
+            tenants=["acme"],
+        )
+        self.last_bytes = 0
+        self.instance = instance
+
+    def key(self, rep: int) -> LogicalKey:
+        tenant = "warmup" if rep < 0 else f"rep{rep:03d}"
+        return LogicalKey("invoice_export", f"{tenant}-{self.file_format}", self.window)
+
+    def prepare(self, rep: int) -> None:
+        """Outside the timing: the output context and the batch the asset hands over, as a real run has them."""
+        key = self.key(rep)
+        self.batch = ExportBatch(INVOICE_SCHEMA, [ExportItem(key, BUSINESS_DATE.isoformat(), self.frame)])
+        self.context = dg.build_output_context(
+            run_id=f"bench-{key.tenant}", step_key="invoice_export", instance=self.instance
+        )
+
+    def export(self, rep: int) -> None:
+        batch = self.batch
+        self.io_manager.handle_output(self.context, batch)
+        (result,) = batch.results
+        if result.status != "exported":
+            raise RuntimeError(f"{result.logical_key} was {result.status}, expected a fresh export")
+        self.last_path = Path(result.location)
+
+    def clean(self) -> None:
+        path = getattr(self, "last_path", None)
+        if path is not None and path.exists():
+            self.last_bytes = sum(p.stat().st_size for p in path.iterdir())
+            for entry in path.iterdir():
+                entry.unlink()
+            path.rmdir()
+
+    def phases(self) -> dict[str, float]:
+        """The I/O manager's steps for one more key, called one by one with a timer on each: where the time goes."""
+        ledger = ExportLedger(self.ledger_url)
+        destination = self.io_manager.destination
+        key = LogicalKey("invoice_export", f"phases-{self.file_format}", self.window)
+        spent: dict[str, float] = {}
+
+        def timed(name, call):
+            start = time.perf_counter()
+            value = call()
+            spent[name] = time.perf_counter() - start
+            return value
+
+        claim = timed("claim", lambda: ledger.claim(key, "bench-phases/invoice_export"))
+        table = timed("validate_frame", lambda: validate_frame(self.frame, INVOICE_SCHEMA, claim.window, str(key)))
+        template = Manifest.build(
+            logical_key=claim.logical_key,
+            export=key.export,
+            tenant=key.tenant,
+            window=claim.window,
+            row_count=0,
+            sha256="",
+            attempt_id=claim.attempt_id,
+            fencing_token=claim.fencing_token,
+            data_file=data_file_name(self.file_format),
+            tz_database=claim.tz_database,
+        )
+        target = target_for(key)
+        timed("probe", lambda: destination.probe(target))
+        staged = timed("stage_write_hash_fsync", lambda: destination.stage(target, table, self.file_format, template))
+        published = timed("publish_rename_fsync", lambda: destination.publish(staged))
+        evidence = CompletionEvidence(
+            destination.location(target), published.sha256, published.row_count, claim.attempt_id, claim.fencing_token
+        )
+        timed("complete", lambda: ledger.complete(claim, evidence))
+        self.last_path = Path(destination.location(target))
+        self.clean()
+        return spent
+
+
+def run(settings: Settings) -> dict:
+    sizes = (1_000, 5_000) if settings.smoke else (10_000, 100_000, 1_000_000)
+    repeats = {size: settings.reps(full=9 if size < 1_000_000 else 5) for size in sizes}
+    window = window_for(BUSINESS_DATE, TIMEZONE)
+    rows_out = []
+    with scratch_dir(settings.scratch, NAME) as folder, dg.instance_for_test() as instance:
+        bandwidth_samples = [disk_bandwidth(folder, (8 if settings.smoke else 256) << 20) for _ in range(2)]
+        for size in sizes:
+            frame = invoice_frame(size, window)
+            for file_format in FORMATS:
+                plain = _Plain(frame, file_format, folder / f"plain-{size}-{file_format}")
+                ledgered = _Ledgered(frame, file_format, folder / f"ledgered-{size}-{file_format}", window, instance)
+                variants = {
+                    "ledgered": ledgered.export,
+                    "pandas": plain.pandas,
+                    "arrow_pyfile": plain.arrow_pyfile,
+                    "arrow_native": plain.arrow_native,
+                }
+
+                def setup(name, rep, plain=plain, ledgered=ledgered):
+                    if name == "ledgered":
+                        ledgered.clean()
+                        ledgered.prepare(rep)
+                    else:
+                        plain.clean(name)
+
+                times = interleaved(variants, repeats[size], setup=setup, warmup=not settings.smoke)
+                ledgered.clean()
+                plain.clean()
+                sizes_on_disk = {name: plain.bytes[name] for name in ("pandas", "arrow_pyfile")}
+                phases = ledgered.phases() if size == sizes[-1] else None
+                medians = {name: median(values) for name, values in times.items()}
+                arrow_best = min(("arrow_pyfile", "arrow_native", "pandas"), key=lambda n: medians[n])
+                rows_out.append(
+                    {
+                        "rows": size,
+                        "format": file_format,
+                        "repeats": repeats[size],
+                        "median_s": {name: round(v, 5) for name, v in medians.items()},
+                        "all_s": {name: [round(v, 5) for v in values] for name, values in times.items()},
+                        "baseline_b": arrow_best,
+                        "bytes": {"ledgered_data_and_manifest": ledgered.last_bytes, **sizes_on_disk},
+                        "ratio_vs_arrow": round(medians["ledgered"] / medians[arrow_best], 4),
+                        "ratio_vs_pandas": round(medians["ledgered"] / medians["pandas"], 4),
+                        "phases_s": {k: round(v, 5) for k, v in phases.items()} if phases else None,
+                    }
+                )
+            del frame
+        bandwidth_samples += [disk_bandwidth(folder, (8 if settings.smoke else 256) << 20) for _ in range(2)]
+    dispose_engines()
+    bandwidth = median(bandwidth_samples)
+    for row in rows_out:
+        row["disk_floor_s"] = round(row["bytes"]["arrow_pyfile"] / bandwidth, 5)
+    largest = [r for r in rows_out if r["rows"] == sizes[-1]]
+    targets = []
+    for row in largest:
+        targets.append(
+            target(
+                f"{row['format']} {row['rows']:,} rows: ledgered / plain arrow (b)",
+                row["ratio_vs_arrow"],
+                1.10,
+                at_most=True,
+            )
+        )
+        if row["format"] == "csv":
+            targets.append(
+                target(
+                    f"csv {row['rows']:,} rows: ledgered / pandas to_csv (a)", row["ratio_vs_pandas"], 0.5, at_most=True
+                )
+            )
+    table = [
+        {
+            "rows": f"{r['rows']:,}",
+            "format": r["format"],
+            "ledgered s": r["median_s"]["ledgered"],
+            "pandas (a) s": r["median_s"]["pandas"],
+            "arrow (b) s": r["median_s"][r["baseline_b"]],
+            "disk floor s": r["disk_floor_s"],
+            "ledgered/(b)": r["ratio_vs_arrow"],
+            "ledgered/(a)": r["ratio_vs_pandas"],
+        }
+        for r in rows_out
+    ]
+    return {
+        "description": "one partition, ledgered export vs plain writes of the same frame on the same disk",
+        "disk_bandwidth_mb_s": round(bandwidth / 1e6, 1),
+        "disk_bandwidth_samples_mb_s": [round(b / 1e6, 1) for b in bandwidth_samples],
+        "results": rows_out,
+        "table": table,
+        "targets": targets,
+    }

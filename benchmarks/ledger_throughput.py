@@ -1,0 +1,284 @@
+"""Benchmark 2: claim + complete per second through ``ExportLedger`` against the same two durable transactions
+written by hand in raw SQL on the database driver (sqlite3, psycopg2), on the same schema.
+
+Each key costs two transactions on both sides:
+
+1. claim: lock, look the key up by (export, tenant, zone, business date), insert the ``in_progress`` row; commit.
+2. complete: the guarded ``UPDATE ... WHERE logical_key AND state AND fencing_token AND lease_owner``, append the
+   attempt row, read the row back; commit.
+
+SQLite runs in WAL mode with ``synchronous=FULL`` and ``BEGIN IMMEDIATE`` on both sides; PostgreSQL uses
+``SELECT ... FOR UPDATE`` and the server's default durable commit. Ledger and baseline use separate databases
+(files, or schemas) of the same schema, created by the ledger.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import sqlite3
+from collections.abc import Callable
+
+import sqlalchemy as sa
+
+from assets.keys import LogicalKey
+from assets.windows import tz_database_version, window_for
+from benchmarks.common import (
+    Settings,
+    interleaved,
+    median,
+    postgres_schema,
+    postgres_unavailable_reason,
+    scratch_dir,
+    target,
+)
+from resources.ledger import CompletionEvidence, ExportLedger, dispose_engines, ledger_engine
+
+NAME = "ledger_throughput"
+TIMEZONE = "America/New_York"
+UTC = dt.timezone.utc
+LEASE = dt.timedelta(minutes=15)
+
+_COLUMNS = (
+    "logical_key, export, tenant, business_date, timezone, window_start_utc, window_end_utc, tz_database, state, "
+    "lease_owner, lease_expires_at, attempt_started_at, fencing_token, created_at, updated_at"
+)
+SQL = {
+    "sqlite": {
+        "begin": "BEGIN IMMEDIATE",
+        "find": "SELECT * FROM export_runs WHERE export = ? AND tenant = ? AND timezone = ? AND business_date = ?",
+        "insert_run": (
+            f"INSERT INTO export_runs ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'in_progress', ?, ?, ?, 1, ?, ?)"
+        ),
+        "complete": (
+            "UPDATE export_runs SET state = 'completed', lease_owner = NULL, lease_expires_at = NULL, updated_at = ?, "
+            "location = ?, sha256 = ?, row_count = ?, committed_attempt = ? "
+            "WHERE logical_key = ? AND state IN ('in_progress') AND fencing_token = ? AND lease_owner = ?"
+        ),
+        "insert_attempt": (
+            "INSERT INTO export_attempts (attempt_id, logical_key, fencing_token, started_at, finished_at, outcome) "
+            "VALUES (?, ?, ?, ?, ?, 'completed')"
+        ),
+        "get": "SELECT * FROM export_runs WHERE logical_key = ?",
+    },
+    "postgresql": {
+        "begin": None,  # psycopg2 opens the transaction with the first statement
+        "find": (
+            "SELECT * FROM export_runs WHERE export = %s AND tenant = %s AND timezone = %s AND business_date = %s "
+            "FOR UPDATE"
+        ),
+        "insert_run": (
+            f"INSERT INTO export_runs ({_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, 'in_progress', %s, %s, %s, "
+            "1, %s, %s)"
+        ),
+        "complete": (
+            "UPDATE export_runs SET state = 'completed', lease_owner = NULL, lease_expires_at = NULL, updated_at = %s, "
+            "location = %s, sha256 = %s, row_count = %s, committed_attempt = %s "
+            "WHERE logical_key = %s AND state IN ('in_progress') AND fencing_token = %s AND lease_owner = %s"
+        ),
+        "insert_attempt": (
+            "INSERT INTO export_attempts (attempt_id, logical_key, fencing_token, started_at, finished_at, outcome) "
+            "VALUES (%s, %s, %s, %s, %s, 'completed')"
+        ),
+        "get": "SELECT * FROM export_runs WHERE logical_key = %s",
+    },
+}
+
+
+class RawSqlLedger:
+    """The hand-written baseline: the same two transactions per key, straight on the driver."""
+
+    def __init__(self, dialect: str, connection) -> None:
+        self.dialect = dialect
+        self.conn = connection
+        self.sql = SQL[dialect]
+
+    def _stamp(self, value: dt.datetime):
+        # SQLite holds naive UTC text (as the ledger's UtcDateTime type writes it); PostgreSQL takes timestamptz.
+        return value.replace(tzinfo=None).isoformat(" ") if self.dialect == "sqlite" else value
+
+    def _transaction(self, body: Callable[[object], object]):
+        cursor = self.conn.cursor()
+        try:
+            if self.sql["begin"]:
+                cursor.execute(self.sql["begin"])
+            value = body(cursor)
+            self.conn.commit() if self.dialect == "postgresql" else cursor.execute("COMMIT")
+            return value
+        except BaseException:
+            self.conn.rollback()
+            raise
+        finally:
+            cursor.close()
+
+    def claim_and_complete(self, key: LogicalKey, attempt_id: str, tz_database: str) -> None:
+        now = dt.datetime.now(UTC)
+        window = key.window
+        logical_key = str(key)
+
+        def claim(cursor):
+            cursor.execute(
+                self.sql["find"], (key.export, key.tenant, window.timezone, window.business_date.isoformat())
+            )
+            if cursor.fetchone() is not None:
+                raise RuntimeError(f"{logical_key} exists already")
+            cursor.execute(
+                self.sql["insert_run"],
+                (
+                    logical_key,
+                    key.export,
+                    key.tenant,
+                    window.business_date.isoformat(),
+                    window.timezone,
+                    self._stamp(window.start_utc),
+                    self._stamp(window.end_utc),
+                    tz_database,
+                    attempt_id,
+                    self._stamp(now + LEASE),
+                    self._stamp(now),
+                    self._stamp(now),
+                    self._stamp(now),
+                ),
+            )
+
+        self._transaction(claim)
+        done = dt.datetime.now(UTC)
+
+        def complete(cursor):
+            cursor.execute(
+                self.sql["complete"],
+                (self._stamp(done), f"/exports/{logical_key}", "0" * 64, 96, attempt_id, logical_key, 1, attempt_id),
+            )
+            if cursor.rowcount != 1:
+                raise RuntimeError(f"{logical_key}: guarded update matched {cursor.rowcount} rows")
+            cursor.execute(
+                self.sql["insert_attempt"], (attempt_id, logical_key, 1, self._stamp(now), self._stamp(done))
+            )
+            cursor.execute(self.sql["get"], (logical_key,))
+            return cursor.fetchone()
+
+        self._transaction(complete)
+
+
+def _sqlite_connection(path: str) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, isolation_level=None)
+    for pragma in (
+        "PRAGMA journal_mode=WAL",
+        "PRAGMA synchronous=FULL",
+        "PRAGMA busy_timeout=30000",
+        "PRAGMA foreign_keys=ON",
+    ):
+        conn.execute(pragma)
+    return conn
+
+
+def _keys(prefix: str, count: int, windows: list) -> list[LogicalKey]:
+    return [
+        LogicalKey("invoice_export", f"{prefix}{i // len(windows):05d}", windows[i % len(windows)])
+        for i in range(count)
+    ]
+
+
+def _measure(backend: str, ledger_url: str, baseline: RawSqlLedger, per_trial: int, repeats: int, warmup: bool) -> dict:
+    ledger = ExportLedger(ledger_url)
+    windows = [window_for(dt.date(2026, 1, 1) + dt.timedelta(days=d), TIMEZONE) for d in range(365)]
+    tz_database = tz_database_version(TIMEZONE)
+    batches: dict[str, list[LogicalKey]] = {}
+
+    def setup(name: str, rep: int) -> None:
+        batches[name] = _keys(f"{name[0]}{rep + 1:03d}t", per_trial, windows)
+
+    def run_ledger(_rep: int) -> None:
+        for key in batches["ledger"]:
+            claim = ledger.claim(key, "bench/attempt")
+            ledger.complete(
+                claim, CompletionEvidence(f"/exports/{key}", "0" * 64, 96, claim.attempt_id, claim.fencing_token)
+            )
+
+    def run_baseline(_rep: int) -> None:
+        for key in batches["baseline"]:
+            baseline.claim_and_complete(key, "bench/attempt", tz_database)
+
+    times = interleaved({"ledger": run_ledger, "baseline": run_baseline}, repeats, setup=setup, warmup=warmup)
+    rates = {name: [per_trial / t for t in values] for name, values in times.items()}
+    ledger_rate, baseline_rate = median(rates["ledger"]), median(rates["baseline"])
+    return {
+        "backend": backend,
+        "keys_per_trial": per_trial,
+        "repeats": repeats,
+        "ledger_keys_per_s": round(ledger_rate, 1),
+        "baseline_keys_per_s": round(baseline_rate, 1),
+        "ratio": round(ledger_rate / baseline_rate, 4),
+        "all_keys_per_s": {name: [round(r, 1) for r in values] for name, values in rates.items()},
+        "ledger_ms_per_key": round(1000 / ledger_rate, 3),
+        "baseline_ms_per_key": round(1000 / baseline_rate, 3),
+    }
+
+
+def run(settings: Settings) -> dict:
+    per_trial = 20 if settings.smoke else 200
+    repeats = settings.reps(full=7)
+    results, notes = [], []
+    with scratch_dir(settings.scratch, NAME) as folder:
+        ledger_url = f"sqlite:///{folder / 'ledger.sqlite3'}"
+        baseline_path = folder / "baseline.sqlite3"
+        ledger_engine(f"sqlite:///{baseline_path}")  # the ledger's schema, for the hand-written side too
+        conn = _sqlite_connection(str(baseline_path))
+        try:
+            results.append(
+                _measure("sqlite", ledger_url, RawSqlLedger("sqlite", conn), per_trial, repeats, not settings.smoke)
+            )
+        finally:
+            conn.close()
+            dispose_engines()
+
+    reason = postgres_unavailable_reason()
+    if reason is not None:
+        notes.append(f"postgresql skipped: {reason}")
+    else:
+        import psycopg2
+
+        with postgres_schema("bench_ledger") as (ledger_url, _), postgres_schema("bench_raw") as (raw_url, raw_schema):
+            ledger_engine(raw_url)
+            parsed = sa.engine.make_url(raw_url)
+            conn = psycopg2.connect(
+                host=parsed.host,
+                port=parsed.port,
+                user=parsed.username,
+                password=parsed.password,
+                dbname=parsed.database,
+                options=f"-csearch_path={raw_schema}",
+            )
+            try:
+                results.append(
+                    _measure(
+                        "postgresql",
+                        ledger_url,
+                        RawSqlLedger("postgresql", conn),
+                        per_trial,
+                        repeats,
+                        not settings.smoke,
+                    )
+                )
+            finally:
+                conn.close()
+                dispose_engines()
+
+    return {
+        "description": "claim + complete per second: ExportLedger vs the same two transactions in raw SQL",
+        "results": results,
+        "table": [
+            {
+                "backend": r["backend"],
+                "ledger keys/s": r["ledger_keys_per_s"],
+                "raw SQL keys/s": r["baseline_keys_per_s"],
+                "ledger ms/key": r["ledger_ms_per_key"],
+                "raw ms/key": r["baseline_ms_per_key"],
+                "ratio": r["ratio"],
+            }
+            for r in results
+        ],
+        "targets": [
+            target(f"{r['backend']}: ledger / raw SQL throughput", r["ratio"], 0.8, at_most=False) for r in results
+        ],
+        "notes": notes,
+    }

@@ -1,0 +1,295 @@
+"""Benchmark 3: one reconciliation tick against ledgers of 10k, 100k and 1M rows, each with 100 stuck keys.
+
+Rows are bulk-inserted with SQLAlchemy Core ``executemany`` into the ledger's own tables (not through ``claim``):
+completed keys, plus 100 stuck ones spread evenly through the key order, half ``remote_unknown`` and half
+``in_progress`` with an expired lease. Half of the stuck keys have an intact export at the destination (they
+resolve to ``completed``), the other half have nothing (``failed``, and a run request).
+
+Two variants are timed, interleaved across the ledger sizes, with the stuck keys put back (untimed) before each:
+
+* ``reconcile_batch``: :func:`resources.reconcile.reconcile_batch` with the sensor's batch size (100);
+* ``sensor``: the project's ``reconciliation_sensor`` evaluated with ``build_sensor_context``: the batch above,
+  ``stuck_longer_than`` for the ``no_stuck_exports`` check, and the Dagster result.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import warnings
+from pathlib import Path
+
+import dagster as dg
+import sqlalchemy as sa
+
+from assets.windows import ExportWindow, tz_database_version, utc_iso, window_for
+from benchmarks.common import (
+    Settings,
+    interleaved,
+    median,
+    postgres_schema,
+    postgres_unavailable_reason,
+    scratch_dir,
+    target,
+)
+from resources.destinations import ExportTarget, LocalDestination
+from resources.exportfile import MANIFEST_NAME, Manifest
+from resources.ledger import ExportLedger, dispose_engines, ledger_engine
+from resources.ledger_resource import LedgerResource
+from resources.reconcile import reconcile_batch
+from resources.schema import ExportState, export_runs
+
+NAME = "sensor_tick"
+TIMEZONE = "America/New_York"
+START = dt.date(2026, 1, 1)
+STUCK = 100
+DAYS = 1000  # tenants = rows / DAYS
+UTC = dt.timezone.utc
+INSERT_CHUNK = 20_000
+
+
+def _layout(rows: int) -> tuple[int, int]:
+    days = min(DAYS, rows)
+    return days, max(1, rows // days)
+
+
+def _row(index: int, days: int, windows: list[ExportWindow], tz_db: str, now: dt.datetime) -> dict:
+    tenant, day = divmod(index, days)
+    window = windows[day]
+    key = f"invoice_export/t{tenant:05d}/{utc_iso(window.start_utc)}"
+    return {
+        "logical_key": key,
+        "export": "invoice_export",
+        "tenant": f"t{tenant:05d}",
+        "business_date": window.business_date,
+        "timezone": TIMEZONE,
+        "window_start_utc": window.start_utc,
+        "window_end_utc": window.end_utc,
+        "tz_database": tz_db,
+        "state": ExportState.COMPLETED.value,
+        "location": f"/exports/invoice_export/tenant=t{tenant:05d}/date={window.business_date}",
+        "sha256": hashlib.sha256(key.encode()).hexdigest(),
+        "row_count": 96,
+        "committed_attempt": "bulk/invoice_export",
+        "lease_owner": None,
+        "lease_expires_at": None,
+        "attempt_started_at": now - dt.timedelta(days=2),
+        "fencing_token": 1,
+        "created_at": now - dt.timedelta(days=2),
+        "updated_at": now - dt.timedelta(days=2),
+    }
+
+
+class StuckLedger:
+    """A ledger database of ``rows`` keys, 100 of them stuck, and a destination holding half of their exports."""
+
+    def __init__(self, url: str, rows: int, folder: Path, stuck: int = STUCK) -> None:
+        self.url = url
+        self.rows = rows
+        self.root = folder / f"exports-{rows}"
+        self.destination = LocalDestination(root=str(self.root))
+        self.ledger = ExportLedger(url)
+        self.now = dt.datetime.now(UTC)
+        days, tenants = _layout(rows)
+        self.days = days
+        self.windows = [window_for(START + dt.timedelta(days=d), TIMEZONE) for d in range(days)]
+        tz_db = tz_database_version(TIMEZONE)
+        step = max(1, rows // stuck)
+        self.stuck_index = [i * step + step // 2 for i in range(min(stuck, rows))]
+        engine = ledger_engine(url)
+        with engine.begin() as conn:
+            for first in range(0, days * tenants, INSERT_CHUNK):
+                chunk = [
+                    _row(i, days, self.windows, tz_db, self.now)
+                    for i in range(first, min(first + INSERT_CHUNK, days * tenants))
+                ]
+                conn.execute(export_runs.insert(), chunk)  # executemany
+        self.stuck_rows = [self._stuck_values(n, i, tz_db) for n, i in enumerate(self.stuck_index)]
+        for values in self.stuck_rows[::2]:
+            self._publish(values)
+        self.reset()
+
+    def _stuck_values(self, n: int, index: int, tz_db: str) -> dict:
+        row = _row(index, self.days, self.windows, tz_db, self.now)
+        attempt = f"crashed-{n}/invoice_export"
+        payload = f"invoice_id\n{row['logical_key']}\n".encode()
+        row.update(
+            state=ExportState.REMOTE_UNKNOWN.value if n % 4 < 2 else ExportState.IN_PROGRESS.value,
+            location=None,
+            sha256=hashlib.sha256(payload).hexdigest(),
+            row_count=None,
+            committed_attempt=None,
+            lease_owner=attempt,
+            lease_expires_at=self.now - dt.timedelta(hours=8),
+            fencing_token=2,
+            updated_at=self.now - dt.timedelta(hours=9),
+            _payload=payload,
+        )
+        if row["state"] == ExportState.IN_PROGRESS.value:
+            row["sha256"] = None  # an in_progress attempt has not said what it wrote
+        return row
+
+    def _publish(self, values: dict) -> None:
+        target = ExportTarget("invoice_export", values["tenant"], values["business_date"].isoformat())
+        folder = self.root.joinpath(*target.parts)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "data.csv").write_bytes(values["_payload"])
+        window = self.windows[(values["business_date"] - START).days]
+        manifest = Manifest.build(
+            logical_key=values["logical_key"],
+            export="invoice_export",
+            tenant=values["tenant"],
+            window=window,
+            row_count=1,
+            sha256=hashlib.sha256(values["_payload"]).hexdigest(),
+            attempt_id=values["lease_owner"],
+            fencing_token=2,
+            data_file="data.csv",
+            tz_database=values["tz_database"],
+        )
+        (folder / MANIFEST_NAME).write_bytes(manifest.to_json())
+
+    def reset(self) -> None:
+        """Puts the stuck keys back as they were (untimed)."""
+        columns = (
+            "state",
+            "location",
+            "sha256",
+            "row_count",
+            "committed_attempt",
+            "lease_owner",
+            "lease_expires_at",
+            "fencing_token",
+            "updated_at",
+        )
+        statement = (
+            export_runs.update()
+            .where(export_runs.c.logical_key == sa.bindparam("key"))
+            .values({c: sa.bindparam(f"v_{c}") for c in columns})
+        )
+        params = [{"key": r["logical_key"], **{f"v_{c}": r[c] for c in columns}} for r in self.stuck_rows]
+        with self.ledger.atomic() as conn:
+            conn.execute(statement, params)
+
+    def check(self, report) -> None:
+        resolved = len(report.resolved)
+        if resolved != len(self.stuck_rows):
+            raise RuntimeError(f"{self.rows} rows: a tick resolved {resolved} of {len(self.stuck_rows)} stuck keys")
+
+
+def _sensor(url: str, root: str):
+    from definitions import build_definitions
+
+    defs = build_definitions(TIMEZONE, START.isoformat(), ["acme"], ledger_url=url, destination=root, environ={})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # get_sensor_def's note about resource resolution: we pass them below
+        return defs.get_sensor_def("reconciliation_sensor")
+
+
+def _measure(backend: str, ledgers: dict[int, StuckLedger], repeats: int, warmup: bool) -> list[dict]:
+    sensors = {rows: _sensor(sl.url, str(sl.root)) for rows, sl in ledgers.items()}
+    variants = {}
+    for rows, sl in ledgers.items():
+
+        def batch(_rep, sl=sl):
+            sl.check(reconcile_batch(sl.ledger, sl.destination, limit=STUCK, after=None, reconciler="bench"))
+
+        def sensor(_rep, sl=sl, rows=rows):
+            context = dg.build_sensor_context(
+                resources={"ledger": LedgerResource(url=sl.url), "destination": sl.destination}
+            )
+            result = sensors[rows](context)
+            if not result.run_requests and not result.asset_events:
+                raise RuntimeError(f"{rows} rows: the sensor found nothing to do")
+
+        variants[f"reconcile_batch/{rows}"] = batch
+        variants[f"sensor/{rows}"] = sensor
+
+    def setup(name: str, _rep: int) -> None:
+        ledgers[int(name.split("/")[1])].reset()
+
+    times = interleaved(variants, repeats, setup=setup, warmup=warmup)
+    out = []
+    for rows in ledgers:
+        out.append(
+            {
+                "backend": backend,
+                "rows": rows,
+                "stuck": len(ledgers[rows].stuck_rows),
+                "repeats": repeats,
+                "reconcile_batch_ms": round(1000 * median(times[f"reconcile_batch/{rows}"]), 2),
+                "sensor_ms": round(1000 * median(times[f"sensor/{rows}"]), 2),
+                "all_ms": {k: [round(1000 * v, 2) for v in vs] for k, vs in times.items() if k.endswith(f"/{rows}")},
+            }
+        )
+    return out
+
+
+def run(settings: Settings) -> dict:
+    sizes = (1_000, 5_000) if settings.smoke else (10_000, 100_000, 1_000_000)
+    stuck = 10 if settings.smoke else STUCK
+    repeats = settings.reps(full=7)
+    results, notes = [], []
+    with scratch_dir(settings.scratch, NAME) as folder:
+        ledgers = {
+            rows: StuckLedger(f"sqlite:///{folder / f'ledger-{rows}.sqlite3'}", rows, folder, stuck) for rows in sizes
+        }
+        try:
+            results += _measure("sqlite", ledgers, repeats, not settings.smoke)
+        finally:
+            dispose_engines()
+        reason = postgres_unavailable_reason()
+        if reason is not None:
+            notes.append(f"postgresql skipped: {reason}")
+        else:
+            import contextlib
+
+            with contextlib.ExitStack() as stack:
+                pg = {}
+                for rows in sizes:
+                    url, _ = stack.enter_context(postgres_schema(f"bench_tick_{rows}"))
+                    pg[rows] = StuckLedger(url, rows, folder / "pg", stuck)
+                for sl in pg.values():
+                    with sl.ledger.atomic() as conn:
+                        conn.exec_driver_sql("ANALYZE export_runs")  # as autovacuum would have done by now
+                results += _measure("postgresql", pg, repeats, not settings.smoke)
+    targets = []
+    for backend in ("sqlite", "postgresql"):
+        by_rows = {r["rows"]: r for r in results if r["backend"] == backend}
+        if not by_rows:
+            continue
+        small, large = by_rows[sizes[0]], by_rows[sizes[-1]]
+        for variant in ("sensor", "reconcile_batch"):
+            targets.append(
+                target(
+                    f"{backend} {variant} tick at {sizes[-1]:,} rows",
+                    large[f"{variant}_ms"],
+                    200,
+                    at_most=True,
+                    unit=" ms",
+                )
+            )
+            targets.append(
+                target(
+                    f"{backend} {variant} tick({sizes[-1]:,}) / tick({sizes[0]:,})",
+                    large[f"{variant}_ms"] / small[f"{variant}_ms"],
+                    2.0,
+                    at_most=True,
+                )
+            )
+    return {
+        "description": f"reconciliation tick with {stuck} stuck keys against ledgers of growing size",
+        "results": results,
+        "table": [
+            {
+                "backend": r["backend"],
+                "rows": f"{r['rows']:,}",
+                "stuck": r["stuck"],
+                "reconcile_batch ms": r["reconcile_batch_ms"],
+                "sensor tick ms": r["sensor_ms"],
+            }
+            for r in results
+        ],
+        "targets": targets,
+        "notes": notes,
+    }

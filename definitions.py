@@ -196,7 +196,7 @@ def build_definitions(
     )
     schedule = build_nightly_schedule(job, calendar, at)
     sensor = build_reconciliation_sensor(
-        job, calendar, export_asset.key, batch_size=reconcile_batch_size, stuck_after=stuck_after
+        job, calendar, export_asset.key, tenants, batch_size=reconcile_batch_size, stuck_after=stuck_after
     )
 
     return dg.Definitions(

@@ -17,6 +17,7 @@ from assets.windows import utc_iso
 from resources import failpoints
 from resources.destinations import (
     Destination,
+    DestinationConflict,
     DestinationError,
     ExportTarget,
     PublishedElsewhere,
@@ -31,13 +32,18 @@ from resources.ledger import (
     ExportRecord,
     FencedOut,
     LedgerError,
+    LedgerUnavailable,
 )
 from resources.ledger_resource import LedgerResource
 from resources.schema import ExportState
 
 
-class ExportConflict(DestinationError):
+class ExportConflict(DestinationConflict):
     """The destination holds a different export at this key's location; an operator must look."""
+
+
+class ExportBatchFailed(RuntimeError):
+    """Several keys of one run failed; each is named with its error, and every other key was still exported."""
 
 
 class ExportOutcomeUnknown(DestinationError):
@@ -108,8 +114,23 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
         data_file_name(self.file_format)
         ledger = self.ledger.get_ledger()
         attempt = attempt_id(context.run_id, context.step_key)
+        failures: list[tuple[str, Exception]] = []
         for item in obj.items:
-            obj.results.append(self._export_one(context, ledger, obj.schema, item, attempt))
+            try:
+                obj.results.append(self._export_one(context, ledger, obj.schema, item, attempt))
+            except LedgerUnavailable:
+                raise  # nothing else can be recorded either
+            except Exception as exc:
+                # One key's failure is that key's: the other tenants and partitions of the run still get exported.
+                context.log.error(f"{item.key}: {type(exc).__name__}: {exc}")
+                failures.append((str(item.key), exc))
+        if failures:
+            if len(failures) == 1:
+                raise failures[0][1]
+            summary = "; ".join(f"{key}: {type(exc).__name__}: {exc}" for key, exc in failures)
+            raise ExportBatchFailed(
+                f"{len(failures)} of {len(obj.items)} export keys failed ({summary})"
+            ) from failures[0][1]
         context.add_output_metadata(self._metadata(obj.results, attempt))
 
     def _export_one(
@@ -173,6 +194,10 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
             ) from exc
         except FencedOut:
             raise  # this attempt no longer owns the key: it records nothing more
+        except DestinationConflict as exc:
+            # Never retried blindly: an operator must look at the destination.
+            ledger.mark_conflict(claim, exc, location=self.destination.location(target))
+            raise
         except Exception as exc:
             ledger.fail(claim, exc)
             raise

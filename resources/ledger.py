@@ -455,7 +455,7 @@ class ExportLedger:
             if record.state is ExportState.CONFLICT:
                 refusal = ConflictRecorded(
                     f"{record.logical_key} is in conflict: the destination holds a different export at "
-                    f"{record.location or 'its place'}; nothing is overwritten until an operator resolves it"
+                    f"{record.location or 'its place'}; refusing to overwrite it until an operator resolves it"
                 )
             elif record.state is ExportState.REMOTE_UNKNOWN:
                 refusal = NeedsReconciliation(
@@ -489,6 +489,9 @@ class ExportLedger:
                         attempt_started_at=now,
                         fencing_token=token,
                         updated_at=now,
+                        # What an earlier attempt meant to write is not this attempt's: judge it by its own export.
+                        sha256=None,
+                        location=None,
                     ),
                 )
                 return Claim(
@@ -513,6 +516,12 @@ class ExportLedger:
                 row_count=evidence.row_count,
                 committed_attempt=evidence.attempt_id,
             ),
+        )
+
+    def mark_conflict(self, claim: Claim, error: BaseException, *, location: str | None = None) -> ExportRecord:
+        """Records that the destination holds something else at this key's place: refused until an operator acts."""
+        return self._finish(
+            claim, ExportState.CONFLICT, AttemptOutcome.CONFLICT, error=error, values=dict(location=location)
         )
 
     def fail(self, claim: Claim, error: BaseException) -> ExportRecord:
@@ -658,6 +667,12 @@ class ExportLedger:
             ]
 
     # -- reconciliation ----------------------------------------------------------------------------------------
+
+    def committed_by(self, attempt: str) -> list[ExportRecord]:
+        """Keys an attempt completed (its other keys, when one of them is being reconciled)."""
+        query = sa.select(export_runs).where(export_runs.c.committed_attempt == attempt)
+        with self.atomic(read_only=True) as conn:
+            return [ExportRecord.from_row(r) for r in conn.execute(query.order_by(export_runs.c.logical_key))]
 
     def stuck(self, *, limit: int, after: str | None = None) -> list[ExportRecord]:
         """Keys that need reconciling, in key order after ``after``: ``remote_unknown``, and ``in_progress`` whose

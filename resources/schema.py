@@ -106,6 +106,7 @@ export_runs = sa.Table(
     sa.Index("ix_export_runs_state", "state", "lease_expires_at"),
     sa.Index("ix_export_runs_state_key", "state", "logical_key"),
     sa.Index("ix_export_runs_export_date", "export", "business_date"),
+    sa.Index("ix_export_runs_committed_attempt", "committed_attempt"),
 )
 
 export_attempts = sa.Table(

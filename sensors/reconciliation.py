@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
-from collections import defaultdict
+from collections.abc import Callable, Sequence
 
 import dagster as dg
 
@@ -28,50 +28,72 @@ _NOTHING_STUCK = hashlib.sha256(b"").hexdigest()[:16]
 
 def sensor_result(
     report: ReconcileReport,
+    *,
+    ledger: ExportLedger,
     calendar: ExportCalendar,
     asset_key: dg.AssetKey,
+    tenants: Sequence[str],
+    ever_materialized: Callable[[str], bool],
     log,
 ) -> tuple[list[dg.RunRequest], list[dg.AssetMaterialization], list[str]]:
-    """Run requests, materialization events and notes from one reconciliation pass. Pure apart from logging."""
-    events = []
+    """Run requests, materialization events and notes from one reconciliation pass.
+
+    Decided per partition, since a partition is what Dagster materializes: once every tenant's key of a partition is
+    completed and Dagster never saw it materialized (its run failed on some key), one event records it; when a key
+    was found never written, the partition is rerun (completed tenants are skipped by the run itself).
+    """
+    export = asset_key.path[-1]
+    touched: set[str] = set()
     for finding, record in report.resolved:
-        if record.state is ExportState.COMPLETED:
-            events.append(
-                dg.AssetMaterialization(
-                    asset_key=asset_key,
-                    partition=record.business_date.isoformat(),
-                    metadata={
-                        "logical_key": record.logical_key,
-                        "location": record.location,
-                        "sha256": record.sha256,
-                        "rows": record.row_count,
-                        "committed_attempt": record.committed_attempt,
-                        "reconciled": finding.detail,
-                    },
-                    description="recorded by reconciliation from the destination's evidence",
-                )
-            )
+        touched.add(record.business_date.isoformat())
+        if record.state is ExportState.COMPLETED and finding.record.lease_owner:
+            # The attempt that left this key unknown may have completed other keys before its run failed: those
+            # partitions were never recorded as materialized either.
+            touched.update(r.business_date.isoformat() for r in ledger.committed_by(finding.record.lease_owner))
         elif record.state is ExportState.CONFLICT:
             log.error(f"{record.logical_key}: conflict at the destination, nothing overwritten: {finding.detail}")
 
-    generations: dict[str, int] = defaultdict(int)
-    for record in report.resolved_to(ExportState.FAILED):
-        partition = record.business_date.isoformat()
+    requests, events = [], []
+    for partition in sorted(touched):
         try:
-            calendar.window(partition)  # Dagster does not validate partition keys in run requests: we do
+            window = calendar.window(partition)  # Dagster does not validate partition keys in run requests: we do
         except CalendarError as exc:
-            log.error(f"{record.logical_key}: not rerun: {exc}")
+            log.error(f"partition {partition!r} not rerun or recorded: {exc}")
             continue
-        generations[partition] = max(generations[partition], record.fencing_token)
-    requests = [
-        dg.RunRequest(
-            partition_key=partition,
-            # Dagster never relaunches a run key it has seen: the fencing token makes each retry's key new.
-            run_key=f"reconcile/{asset_key.to_user_string()}/{partition}/{generation}",
-            tags={"export-ledger/reconciled": "true"},
-        )
-        for partition, generation in sorted(generations.items())
-    ]
+        day = window.business_date
+        records = {r.tenant: r for r in ledger.records(export=export, date_from=day, date_to=day)}
+        states = {tenant: records[tenant].state if tenant in records else None for tenant in tenants}
+        if all(state is ExportState.COMPLETED for state in states.values()):
+            if not ever_materialized(partition):
+                done = [records[t] for t in tenants]
+                events.append(
+                    dg.AssetMaterialization(
+                        asset_key=asset_key,
+                        partition=partition,
+                        metadata={
+                            "logical_keys": dg.MetadataValue.json([r.logical_key for r in done]),
+                            "rows": sum(r.row_count for r in done),
+                            "sha256": dg.MetadataValue.json({r.logical_key: r.sha256 for r in done}),
+                            "paths": dg.MetadataValue.json({r.logical_key: r.location for r in done}),
+                            "committed_attempts": dg.MetadataValue.json(sorted({r.committed_attempt for r in done})),
+                        },
+                        description="recorded by reconciliation from the destination's evidence",
+                    )
+                )
+        elif any(state in _WAIT_STATES for state in states.values()):
+            continue  # a run is in flight, an outcome is still unknown, or an operator must resolve a conflict
+        else:
+            # Dagster never relaunches a run key it has seen. Every claim raises a key's fencing token, so the sum over
+            # the partition's keys grows with each attempt: a later failure of the same partition gets a new run key.
+            generation = sum(r.fencing_token for r in records.values())
+            requests.append(
+                dg.RunRequest(
+                    partition_key=partition,
+                    run_key=f"reconcile/{asset_key.to_user_string()}/{partition}/{generation}",
+                    tags={"export-ledger/reconciled": "true"},
+                )
+            )
+
     notes = []
     if report.unreachable:
         notes.append(
@@ -86,10 +108,21 @@ def sensor_result(
     return requests, events, notes
 
 
+_WAIT_STATES = (ExportState.IN_PROGRESS, ExportState.REMOTE_UNKNOWN, ExportState.CONFLICT)
+
+
+def _ever_materialized(instance: dg.DagsterInstance, asset_key: dg.AssetKey, partition: str) -> bool:
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=asset_key, asset_partitions=[partition]), limit=1
+    )
+    return bool(records.records)
+
+
 def build_reconciliation_sensor(
     job: dg.UnresolvedAssetJobDefinition,
     calendar: ExportCalendar,
     asset_key: dg.AssetKey,
+    tenants: Sequence[str],
     *,
     batch_size: int = 100,
     stuck_after: dt.timedelta = dt.timedelta(hours=6),
@@ -118,7 +151,15 @@ def build_reconciliation_sensor(
             after=state.get("after"),
             reconciler=f"reconciliation_sensor@{utc_iso(book.now())}",
         )
-        requests, events, notes = sensor_result(report, calendar, asset_key, context.log)
+        requests, events, notes = sensor_result(
+            report,
+            ledger=book,
+            calendar=calendar,
+            asset_key=asset_key,
+            tenants=tenants,
+            ever_materialized=lambda partition: _ever_materialized(context.instance, asset_key, partition),
+            log=context.log,
+        )
 
         stuck = book.stuck_longer_than(stuck_after)
         stuck_keys = sorted(r.logical_key for r in stuck)

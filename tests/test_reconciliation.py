@@ -166,8 +166,8 @@ def test_an_unknown_outcome_whose_manifest_landed_is_completed_and_materialized_
     assert record.state is ExportState.COMPLETED, "the manifest and data at the destination are this key's export"
     assert not first.result.run_requests, "nothing to rerun"
     (event,) = first.materializations
-    assert event.partition == PARTITION and event.metadata["logical_key"].value == KEY
-    assert event.metadata["sha256"].value == record.sha256
+    assert event.partition == PARTITION and event.metadata["logical_keys"].value == [KEY]
+    assert event.metadata["sha256"].value == {KEY: record.sha256}
     assert [a.outcome for a in ledger.attempts(KEY)] == [AttemptOutcome.REMOTE_UNKNOWN, AttemptOutcome.REPAIRED]
     assert partition_status(defs, instance, PARTITION) == dg.AssetPartitionStatus.MATERIALIZED
 
@@ -210,15 +210,7 @@ def test_an_unknown_outcome_with_nothing_published_is_failed_and_rerun_with_a_ne
     assert materialized(instance, PARTITION) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: sensors/reconciliation.py sensor_result builds run keys as reconcile/<asset>/<partition>/<max "
-    "fencing token of the keys failed in this tick>; a partition's second failure on another tenant with the same "
-    "token repeats the run key of its first failure, so Dagster never launches that rerun",
-)
-def test_a_second_failure_of_a_partition_on_another_tenant_gets_a_new_run_key(
-    tmp_path, instance, s3_bucket, fault_proxy
-):
+def test_a_second_failure_of_a_partition_gets_a_new_run_key(tmp_path, instance, s3_bucket, fault_proxy):
     defs = make_defs(
         tmp_path, tenants=["acme", "globex"], destination=s3_destination(s3_bucket, fault_proxy.endpoint_url)
     )
@@ -231,18 +223,20 @@ def test_a_second_failure_of_a_partition_on_another_tenant_gets_a_new_run_key(
             when=lambda _method, path: f"tenant={tenant}/" in path,
         )
 
-    drop_data_of("acme")  # acme's write is lost; the run stops there, before globex
+    drop_data_of("acme")  # acme's write is lost; globex, the next key of the run, is still exported
     assert not run_partition(defs, instance, PARTITION).success
-    (first,) = tick(defs, instance).result.run_requests
-    drop_data_of("globex")  # the requested rerun completes acme, then loses globex's write
-    assert not run_partition(defs, instance, first.partition_key).success
     ledger = ledger_at(tmp_path)
-    assert ledger.get("invoice_export/acme/2026-03-08T05:00:00Z").state is ExportState.COMPLETED
-    assert ledger.get("invoice_export/globex/2026-03-08T05:00:00Z").state is ExportState.REMOTE_UNKNOWN
+    assert ledger.get("invoice_export/globex/2026-03-08T05:00:00Z").state is ExportState.COMPLETED
+    (first,) = tick(defs, instance).result.run_requests
+    drop_data_of("acme")  # the requested rerun loses acme's write again
+    assert not run_partition(defs, instance, first.partition_key).success
+    assert ledger.get("invoice_export/acme/2026-03-08T05:00:00Z").state is ExportState.REMOTE_UNKNOWN
 
     (second,) = tick(defs, instance).result.run_requests
     assert second.partition_key == PARTITION
     assert second.run_key != first.run_key, "the partition's second failure must be rerun too"
+    assert run_partition(defs, instance, second.partition_key).success
+    assert {r.state for r in ledger.records()} == {ExportState.COMPLETED}
 
 
 def test_a_different_export_at_the_destination_is_a_conflict_logged_and_never_rerun(
@@ -271,13 +265,7 @@ def test_a_different_export_at_the_destination_is_a_conflict_logged_and_never_re
     assert materialized(instance, PARTITION) == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a run stops at the first key whose outcome is unknown (resources/io_manager.py handle_output), so "
-    "later tenants of the partition are never claimed; sensors/reconciliation.py sensor_result then records the "
-    "partition as materialized from that one key and requests no run, so the other tenants are never exported",
-)
-def test_a_partition_reconciled_for_one_tenant_still_exports_the_tenants_its_run_never_reached(
+def test_one_tenants_unknown_outcome_does_not_stop_the_others_and_reconciliation_records_the_partition(
     tmp_path, instance, s3_bucket, fault_proxy
 ):
     defs = make_defs(
@@ -292,24 +280,18 @@ def test_a_partition_reconciled_for_one_tenant_still_exports_the_tenants_its_run
     assert not run_partition(defs, instance, PARTITION).success
     ledger = ledger_at(tmp_path)
     globex = "invoice_export/globex/2026-03-08T05:00:00Z"
-    assert ledger.get(globex) is None, "the run stopped at acme's unknown outcome, before globex"
+    assert ledger.get(KEY).state is ExportState.REMOTE_UNKNOWN
+    assert ledger.get(globex).state is ExportState.COMPLETED, "acme's unknown outcome does not stop globex's export"
+    assert partition_status(defs, instance, PARTITION) is not dg.AssetPartitionStatus.MATERIALIZED
 
     result = tick(defs, instance)
     assert ledger.get(KEY).state is ExportState.COMPLETED
-    for request in result.result.run_requests:
-        run_partition(defs, instance, request.partition_key)
-
-    record = ledger.get(globex)
-    assert record is not None and record.state is ExportState.COMPLETED, (
-        f"{PARTITION} is shown as materialized, so globex's export for it must exist too"
-    )
+    assert result.result.run_requests == [], "every tenant is completed: nothing to rerun"
+    assert [e.partition for e in result.result.asset_events] == [PARTITION]
+    assert partition_status(defs, instance, PARTITION) is dg.AssetPartitionStatus.MATERIALIZED
+    assert tick(defs, instance).result.asset_events == [], "recorded once, not again on the next tick"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: same root cause in a range run: the keys after the unknown one are never claimed, the ones before "
-    "it are completed in the ledger without a materialization, and reconciliation requests no run for either",
-)
 def test_a_range_run_reconciled_for_its_unknown_key_still_exports_the_partitions_it_never_reached(
     tmp_path, instance, s3_bucket, fault_proxy
 ):
@@ -338,12 +320,6 @@ def test_a_range_run_reconciled_for_its_unknown_key_still_exports_the_partitions
     assert statuses == [dg.AssetPartitionStatus.MATERIALIZED] * 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: resources/ledger.py _claim_once keeps the sha256 an earlier remote_unknown attempt meant to write "
-    "when the key is claimed again, and resources/reconcile.py judge compares an abandoned in_progress attempt's "
-    "published export with that stale sha256: a valid export is declared a conflict",
-)
 def test_an_abandoned_attempt_is_judged_by_its_own_export_not_by_an_earlier_attempts_checksum(
     tmp_path, instance, monkeypatch, clocked_ledger, clock, s3_bucket, fault_proxy
 ):

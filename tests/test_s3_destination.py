@@ -254,11 +254,6 @@ def test_a_different_object_at_the_key_is_never_overwritten_and_the_error_tells_
     assert ledger_at(tmp_path).get(KEY).state is not ExportState.COMPLETED
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: resources/io_manager.py _export_one (the `except Exception: ledger.fail(claim, exc)` branch) records "
-    "DestinationConflict/ExportConflict as `failed`, not `conflict`; only reconciliation ever sets `conflict`",
-)
 @pytest.mark.parametrize("kind", CONFLICTS)
 def test_a_different_object_at_the_key_puts_the_key_in_conflict(tmp_path, instance, s3, s3_bucket, fault_proxy, kind):
     _plant_conflict(kind, s3, s3_bucket, tmp_path, instance, fault_proxy.endpoint_url)

@@ -13,6 +13,7 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import tempfile
 import time
 import uuid
@@ -100,6 +101,16 @@ def versions() -> dict[str, str]:
     found["python"] = platform.python_version()
     found["sqlite"] = __import__("sqlite3").sqlite_version
     return found
+
+
+def code_version() -> dict[str, object]:
+    """The commit measured, and whether tracked files differed from it (numbers belong to code, not to a date)."""
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=30)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    return {"commit": git("rev-parse", "--short=12", "HEAD") or "unknown", "modified": bool(git("status", "-suno"))}
 
 
 def machine() -> dict[str, object]:

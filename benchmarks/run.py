@@ -24,7 +24,7 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks.common import PROJECT_ROOT, Settings, machine, versions
+from benchmarks.common import PROJECT_ROOT, Settings, code_version, machine, versions
 
 BENCHMARKS = ("export_overhead", "ledger_throughput", "sensor_tick", "backfill", "code_location")
 DEFAULT_PLOT = PROJECT_ROOT / "docs" / "benchmark-overhead.png"
@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         "mode": "smoke" if args.smoke else "full",
         "started_utc": started.isoformat(timespec="seconds"),
         "command": " ".join(["python -m benchmarks.run", *(argv if argv is not None else sys.argv[1:])]),
+        "code": code_version(),
         "machine": machine(),
         "versions": versions(),
         "benchmarks": {},

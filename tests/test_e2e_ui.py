@@ -430,8 +430,11 @@ def test_backfill_runs_in_chunks_and_never_exceeds_the_pool_or_the_backfill_run_
     assert run_overlap <= _backfill_run_limit()
 
 
-def _selenium():
-    """selenium's Chrome driver on Debian's chromium and chromedriver, or a skip (a failure with CI=true)."""
+@pytest.fixture
+def selenium_webdriver():
+    """selenium's webdriver module for Debian's chromium and chromedriver, or a skip (a failure with CI=true).
+
+    Requested before ``stack``, so a machine without a browser skips before starting one."""
     reasons = [
         f"{path} is missing (apt-get install -y chromium chromium-driver)"
         for path in (CHROMIUM, CHROMEDRIVER)
@@ -441,7 +444,6 @@ def _selenium():
         from selenium import webdriver
     except ImportError:
         reasons.append("selenium is not installed (pip install selenium)")
-        webdriver = None
     if reasons:
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail("CI=true but the browser test cannot run: " + "; ".join(reasons))
@@ -450,8 +452,9 @@ def _selenium():
 
 
 @pytest.mark.postgres
-def test_partitions_page_in_headless_chromium_shows_what_storage_holds(stack: Stack, tmp_path: Path):
-    webdriver = _selenium()
+def test_partitions_page_in_headless_chromium_shows_what_storage_holds(
+    selenium_webdriver, stack: Stack, tmp_path: Path
+):
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
 
@@ -466,7 +469,7 @@ def test_partitions_page_in_headless_chromium_shows_what_storage_holds(stack: St
     )["assetNodeOrError"]["partitionStats"]["numMaterialized"]
     assert count == len(materialized)
 
-    options = webdriver.ChromeOptions()
+    options = selenium_webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for flag in (
         "--headless",
@@ -481,7 +484,7 @@ def test_partitions_page_in_headless_chromium_shows_what_storage_holds(stack: St
     ):
         options.add_argument(flag)
     service = Service(executable_path=CHROMEDRIVER, log_output=str(tmp_path / "chromedriver.log"))
-    driver = webdriver.Chrome(service=service, options=options)
+    driver = selenium_webdriver.Chrome(service=service, options=options)
     screenshot = tmp_path / "invoice-export-partitions.png"
     try:
         driver.get(f"{stack.url}/assets/{ASSET}?view=partitions&partition={shown}")

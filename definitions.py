@@ -30,6 +30,7 @@ DEFAULT_LEDGER_URL = f"sqlite:///{PROJECT_ROOT / 'var' / 'ledger.sqlite3'}"
 DEFAULT_DESTINATION = str(PROJECT_ROOT / "var" / "exports")
 DEFAULT_SCHEDULE_TIME = "04:30"
 DEFAULT_MAX_PARTITIONS_PER_RUN = 31
+_FROM_ENVIRONMENT = object()  # an argument left to the environment (where None has a meaning of its own)
 
 
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
@@ -105,7 +106,7 @@ def build_definitions(
     file_format: str | None = None,
     schedule_time: str = DEFAULT_SCHEDULE_TIME,
     lease_ttl_seconds: int | None = None,
-    max_partitions_per_run: int | None = DEFAULT_MAX_PARTITIONS_PER_RUN,
+    max_partitions_per_run: int | None | object = _FROM_ENVIRONMENT,
     ledger: LedgerResource | None = None,
     reconcile_batch_size: int = 100,
     stuck_after: dt.timedelta = dt.timedelta(hours=6),
@@ -125,7 +126,8 @@ def build_definitions(
         file_format: ``csv`` or ``parquet``; default ``EXPORTS_FILE_FORMAT`` or ``csv``.
         schedule_time: Local ``HH:MM`` of the nightly run; must exist exactly once on every day of the zone.
         lease_ttl_seconds: Lease length of a claim; default ``EXPORTS_LEASE_TTL_SECONDS`` or 900.
-        max_partitions_per_run: Backfills run in chunks of at most this many partitions; None for one single run.
+        max_partitions_per_run: Backfills run in chunks of at most this many partitions; None for one single run;
+            default ``EXPORTS_MAX_PARTITIONS_PER_RUN`` or 31.
         ledger: A ready ledger resource (tests pass one with a controlled clock); overrides ``ledger_url``.
         reconcile_batch_size: Stuck keys the reconciliation sensor examines per tick.
         stuck_after: Keys unresolved for longer fail the ``no_stuck_exports`` check and are logged as errors.
@@ -182,12 +184,19 @@ def build_definitions(
     except ValueError:
         raise ConfigurationError(f"schedule_time must be HH:MM, got {schedule_time!r}") from None
 
+    if max_partitions_per_run is _FROM_ENVIRONMENT:
+        max_partitions_per_run = _positive_int(
+            "EXPORTS_MAX_PARTITIONS_PER_RUN",
+            env.get("EXPORTS_MAX_PARTITIONS_PER_RUN", str(DEFAULT_MAX_PARTITIONS_PER_RUN)),
+        )
     policy = (
         dg.BackfillPolicy.single_run()
         if max_partitions_per_run is None
         else dg.BackfillPolicy.multi_run(max_partitions_per_run=max_partitions_per_run)
     )
-    export_asset = build_invoice_export(calendar, tenants, backfill_policy=policy)
+    # One concurrency pool per destination kind (exports-local, exports-s3, exports-ledger-table): its limit bounds how
+    # many export steps write to that destination at once (`dagster instance concurrency set exports-s3 2`).
+    export_asset = build_invoice_export(calendar, tenants, pool=destination.pool, backfill_policy=policy)
     # The export and its per-run check; no_stuck_exports is reported by the reconciliation sensor, not every run.
     job = dg.define_asset_job(
         "invoice_export_job",

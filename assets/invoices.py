@@ -20,13 +20,13 @@ from resources.sources import INVOICE_SCHEMA, InvoiceSource
 EXPORT_NAME = "invoice_export"
 CHECK_NAME = "export_matches_source_and_ledger"
 STUCK_CHECK_NAME = "no_stuck_exports"
-EXPORT_POOL = "exports"
 
 
 def build_invoice_export(
     calendar: ExportCalendar,
     tenants: Sequence[str],
     *,
+    pool: str,
     backfill_policy: dg.BackfillPolicy | None = None,
 ) -> dg.AssetsDefinition:
     """The ``invoice_export`` asset: for each partition in the run and each tenant, exactly the window's events.
@@ -47,7 +47,7 @@ def build_invoice_export(
             partitions_def=partitions_def,
             io_manager_key="export_io_manager",
             backfill_policy=backfill_policy,
-            pool=EXPORT_POOL,
+            pool=pool,
             check_specs=[dg.AssetCheckSpec(CHECK_NAME, asset=EXPORT_NAME)],
             description="Invoice events of each tenant inside the partition's business-day window, exported once.",
         )

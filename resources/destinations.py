@@ -81,6 +81,11 @@ class Destination(dg.ConfigurableResource, ABC):
     def transactional(self) -> bool:
         return False
 
+    @property
+    def pool(self) -> str:
+        """The Dagster concurrency pool exports to this destination run in (each destination kind has its own)."""
+        raise NotImplementedError
+
     def write_in_transaction(self, connection, target: ExportTarget, table: pa.Table, manifest: Manifest) -> Manifest:
         """Writes the export with the ledger's connection, inside the completion transaction (transactional only)."""
         raise NotImplementedError(f"{type(self).__name__} is not transactional")
@@ -143,6 +148,10 @@ class LocalDestination(Destination):
     """
 
     root: str
+
+    @property
+    def pool(self) -> str:
+        return "exports-local"
 
     def _root(self) -> Path:
         return Path(self.root).expanduser().resolve()

@@ -89,6 +89,10 @@ class S3Destination(Destination):
     connect_timeout_seconds: float = 5.0
     read_timeout_seconds: float = 30.0
 
+    @property
+    def pool(self) -> str:
+        return "exports-s3"
+
     # -- plumbing ----------------------------------------------------------------------------------------------
 
     def _s3(self):

@@ -74,6 +74,10 @@ class SqlTableDestination(Destination):
     def transactional(self) -> bool:
         return True
 
+    @property
+    def pool(self) -> str:
+        return "exports-ledger-table"
+
     def location(self, target: ExportTarget) -> str:
         return f"sql:{self.table}/{'/'.join(target.parts)}"
 

@@ -146,6 +146,10 @@ def test_bad_tenant_list_in_the_environment_is_refused(tmp_path):
         ({"EXPORTS_LEASE_TTL_SECONDS": "soon"}, "EXPORTS_LEASE_TTL_SECONDS must be a positive integer"),
         ({"EXPORTS_SAMPLE_CADENCE_MINUTES": "0"}, "EXPORTS_SAMPLE_CADENCE_MINUTES must be a positive integer"),
         ({"EXPORTS_DESTINATION": "ftp://host/x"}, "EXPORTS_DESTINATION scheme 'ftp' is not supported"),
+        ({"EXPORTS_MAX_PARTITIONS_PER_RUN": "0"}, "EXPORTS_MAX_PARTITIONS_PER_RUN must be a positive integer"),
+        ({"EXPORTS_DESTINATION": "s3://Bad_Bucket/x"}, "'Bad_Bucket' is not a valid S3 bucket name"),
+        ({"EXPORTS_DESTINATION": "ledger-table:drop table"}, "'drop table' is not a valid table name"),
+        ({"EXPORTS_ALLOW_BELOW_LOW_WATER": "yes"}, "EXPORTS_ALLOW_BELOW_LOW_WATER must be 0 or 1"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_setting(tmp_path, environ, message):
@@ -164,3 +168,22 @@ def test_bad_schedule_time_is_refused(tmp_path):
 def test_naive_bounds_are_refused_by_sources():
     with pytest.raises(ValueError, match="must be timezone-aware"):
         SampleInvoiceSource().events("acme", dt.datetime(2026, 3, 8), dt.datetime(2026, 3, 9))
+
+
+@pytest.mark.parametrize(
+    ("destination", "pool"),
+    [
+        ("{tmp}/exports", "exports-local"),
+        ("s3://exports-bucket/p", "exports-s3"),
+        ("ledger-table:rows", "exports-ledger-table"),
+    ],
+)
+def test_each_destination_kind_exports_in_its_own_concurrency_pool(tmp_path, destination, pool):
+    environ = {
+        "EXPORTS_LEDGER_URL": f"sqlite:///{tmp_path / 'l.sqlite3'}",
+        "EXPORTS_DESTINATION": destination.format(tmp=tmp_path),
+        "EXPORTS_MAX_PARTITIONS_PER_RUN": "7",
+    }
+    asset = build_definitions(environ=environ).get_assets_def("invoice_export")
+    assert asset.op.pool == pool
+    assert asset.backfill_policy == dg.BackfillPolicy.multi_run(max_partitions_per_run=7)

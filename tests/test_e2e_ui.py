@@ -311,7 +311,7 @@ def stack(postgres_admin_url: str, tmp_path_factory: pytest.TempPathFactory) -> 
         # The documented command sets the pool's limit; it also creates Dagster's tables before two processes race
         # to create them.
         result = subprocess.run(
-            [str(BIN / "dagster"), "instance", "concurrency", "set", "exports", str(_pool_limit())],
+            [str(BIN / "dagster"), "instance", "concurrency", "set", "exports-local", str(_pool_limit())],
             cwd=root,
             env=env,
             capture_output=True,

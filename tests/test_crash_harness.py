@@ -1,0 +1,469 @@
+"""Crash anywhere: SIGKILL an export attempt at a random moment or at each named point of the write protocol, then
+reconcile and retry, on every destination (local folder, ``ledger-table:`` in the ledger's SQLite database, S3 on the
+moto test server).
+
+Each trial is one logical key (tenant ``acme``, its own business date) in one ledger per destination:
+
+1. a fresh child process (forked by :mod:`harness.forkserver`, so it starts in ~20 ms instead of ~2.5 s) runs one
+   attempt and is SIGKILLed, after a random delay drawn over the attempt's measured duration, or by the failpoint
+   ``<point>=kill``;
+2. what the kill left is classified (no claim / claimed / staged / published / completed) and checked;
+3. ``reconcile_batch`` runs with the same destination, on a ledger whose clock stands past the dead attempt's lease;
+4. a fresh attempt runs to completion in this process;
+5. the invariants are checked against the ledger and the destination itself (folder tree, bucket listing on the
+   server, tables): no duplicate export, no visible partial export, no ``completed`` record without its published
+   export, and finally every key ``completed`` with exactly one recorded effect (one ``completed`` or ``repaired``
+   attempt row).
+
+The slow test runs 300 random-moment trials per destination plus 4 named-point kills at each of the 5 points (one of
+them through the whole Dagster job, ``execute_in_process`` in the child) and prints its trial count and tallies; the
+ledger-table destination runs once more in PostgreSQL (100 random trials). The default run keeps a smoke version:
+each named point once per destination.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import random
+import signal
+import statistics
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import boto3
+import pytest
+from harness.forkserver import CHILD_ERROR, ForkServer
+from harness.protocol import AttemptSpec, build_destination, logical_key, run_attempt, survey, violations
+from s3_support import Fault
+
+from assets.invoices import EXPORT_NAME
+from resources.destinations import ExportTarget
+from resources.failpoints import POINTS
+from resources.ledger import ExportLedger, dispose_engines, utc_now
+from resources.reconcile import reconcile_batch
+from resources.schema import ExportState
+
+pytest_plugins = ["harness.fixtures"]  # the shared fork server (fixture fork_server)
+
+CHILD_LEASE_SECONDS = 30
+PAST_THE_LEASE = CHILD_LEASE_SECONDS + 5  # where the reconciler's and the retry's clock stand
+RANDOM_TRIALS = 300
+NAMED_REPEATS = 4
+FIRST_DATE = dt.date(2026, 1, 1)
+SEED = 20261129
+
+# What a kill at each named point leaves, per destination. The ledger-table destination writes inside the ledger's
+# completion transaction: it never reaches after_stage or after_publish (the attempt completes), and its
+# before_commit fires inside that transaction, so the kill rolls the rows back with it.
+EXPECTED_LANDING = {
+    "local": {
+        "after_claim": "claimed",
+        "after_stage": "staged",
+        "after_publish": "published",
+        "before_commit": "published",
+        "after_commit": "completed",
+    },
+    "s3": {
+        "after_claim": "claimed",
+        "after_stage": "claimed",
+        "after_publish": "published",
+        "before_commit": "published",
+        "after_commit": "completed",
+    },
+    "sql": {
+        "after_claim": "claimed",
+        "after_stage": "completed",
+        "after_publish": "completed",
+        "before_commit": "claimed",
+        "after_commit": "completed",
+    },
+}
+INVARIANTS = ("duplicate_exports", "visible_partial", "completed_without_export", "not_completed", "effects_not_one")
+
+
+@dataclass
+class Tally:
+    """What the trials did and found; printed at the end of each run."""
+
+    destination: str
+    trials: Counter = field(default_factory=Counter)  # random / named:<point> / calibration
+    landed: Counter = field(default_factory=Counter)  # what the kill left, random trials
+    landed_named: Counter = field(default_factory=Counter)
+    verdicts: Counter = field(default_factory=Counter)  # reconciliation verdicts
+    retries: Counter = field(default_factory=Counter)  # the fresh attempt's status
+    violations: Counter = field(default_factory=Counter)  # invariant -> count, at every check
+    checks: int = 0
+    anomalies: list[str] = field(default_factory=list)
+    child_seconds: list[float] = field(default_factory=list)
+    s3_temp_files_left: int = 0
+    hidden_left: int = 0
+    seconds: Counter = field(default_factory=Counter)  # wall time per phase
+
+    def lap(self, phase: str, since: float) -> float:
+        now = time.monotonic()
+        self.seconds[phase] += now - since
+        return now
+
+    def report(self, wall: float) -> str:
+        lines = [
+            f"crash harness [{self.destination}]: {sum(self.trials.values())} trials in {wall:.1f}s "
+            f"({dict(sorted(self.trials.items()))})",
+            f"  kills landed (random): {dict(sorted(self.landed.items()))}",
+            f"  kills landed (named):  {dict(sorted(self.landed_named.items()))}",
+            f"  reconcile verdicts:    {dict(sorted(self.verdicts.items()))}",
+            f"  retry statuses:        {dict(sorted(self.retries.items()))}",
+            f"  invariant checks: {self.checks}; violations: "
+            + ", ".join(f"{name}={self.violations[name]}" for name in INVARIANTS),
+            f"  hidden leftovers at the end: {self.hidden_left}; S3 staging temp files left by killed children: "
+            f"{self.s3_temp_files_left}; anomalies: {len(self.anomalies)}",
+        ]
+        if self.child_seconds:
+            lines.append(
+                f"  child attempt seconds: median {statistics.median(self.child_seconds):.3f}; wall seconds per phase: "
+                + ", ".join(f"{phase} {seconds:.1f}" for phase, seconds in sorted(self.seconds.items()))
+            )
+        return "\n".join(lines)
+
+
+class CrashHarness:
+    """One destination, one ledger, one logical key per trial."""
+
+    def __init__(
+        self, server: ForkServer, kind: str, workdir: Path, s3: dict | None = None, *, ledger_url: str | None = None
+    ) -> None:
+        self.server = server
+        self.kind = kind
+        self.workdir = workdir
+        self.ledger_url = ledger_url or f"sqlite:///{workdir / 'ledger.sqlite3'}"
+        self.s3_client = None
+        if kind == "local":
+            self.destination_spec = {"kind": "local", "root": str(workdir / "exports")}
+        elif kind == "sql":
+            self.destination_spec = {"kind": "sql", "table": "exported_invoices"}
+        else:
+            self.destination_spec = {"kind": "s3", "prefix": "exports", **s3}
+            self.s3_client = boto3.client(
+                "s3",
+                endpoint_url=s3["endpoint_url"],
+                aws_access_key_id="testing",
+                aws_secret_access_key="testing",
+                region_name="us-east-1",
+            )
+        (workdir / "logs").mkdir()
+        (workdir / "results").mkdir()
+        (workdir / "tmp").mkdir()
+        # The reconciler and every retry stand past the dead attempt's lease: a clock shifted forward.
+        self.ledger = ExportLedger(self.ledger_url, clock=lambda: utc_now() + dt.timedelta(seconds=PAST_THE_LEASE))
+        self.destination = build_destination(self.destination_spec, self.ledger_url)
+        server.prepare(self.destination_spec, self.ledger_url)
+        self.tally = Tally(f"{kind}, ledger on {self.ledger.dialect}")
+        self.keys: list[str] = []
+        self.durations: deque[float] = deque(maxlen=15)
+
+    def spec(self, name: str, business_date: str, **changes) -> AttemptSpec:
+        return AttemptSpec(
+            ledger_url=self.ledger_url,
+            destination=self.destination_spec,
+            business_date=business_date,
+            run_id=f"crash-{self.kind}-{name}",
+            lease_ttl_seconds=CHILD_LEASE_SECONDS,
+            result_path=str(self.workdir / "results" / f"{name}.json"),
+            log_path=str(self.workdir / "logs" / f"{name}.log"),
+            tmpdir=str(self.workdir / "tmp"),
+            **changes,
+        )
+
+    def survey(self, business_date: str | None = None):
+        only = ExportTarget(EXPORT_NAME, "acme", business_date) if business_date else None
+        return survey(self.destination_spec, self.ledger_url, s3_client=self.s3_client, only=only)
+
+    def check(self, stage: str, key: str, business_date: str, *, final: bool) -> None:
+        problems = violations(self.ledger, self.survey(business_date), [key], final=final)
+        self.tally.checks += 1
+        for name, found in problems.items():
+            self.tally.violations[name] += len(found)
+            if found:
+                self.tally.anomalies.append(f"{key} {stage}: {name} {found}")
+
+    def calibrate(self, runs: int = 1) -> None:
+        """Times whole, uncrashed attempts (fork to exit): random kills are drawn over their recent median, which
+        follows the load of the shared machine (the same attempt takes 0.1 s or 0.5 s)."""
+        for _ in range(runs):
+            number = self.tally.trials["calibration"]
+            day = (dt.date(2027, 6, 1) + dt.timedelta(days=number)).isoformat()
+            outcome = self.server.run(self.spec(f"calibration-{number}", day))
+            assert outcome.exit_code == 0, f"calibration attempt failed: {outcome}"
+            self.durations.append(outcome.elapsed)
+            self.keys.append(str(logical_key("acme", day)))
+            self.tally.trials["calibration"] += 1
+
+    def random_delay(self, rng: random.Random) -> float:
+        """A random moment of the child's life. A quarter of the kills fall anywhere in it (and a little beyond, so
+        some come too late to matter); the rest fall in its second half, where the protocol runs: the first ~55% of
+        an attempt (fork, opening the ledger, reading the source) holds nothing of the protocol."""
+        typical = statistics.median(self.durations)
+        if rng.random() < 0.25:
+            return rng.uniform(0.0, 1.3 * typical)
+        return rng.uniform(0.45 * typical, 1.05 * typical)
+
+    def landing(self, key: str, business_date: str) -> str:
+        """What a kill left for one key, read from the ledger and the destination."""
+        record = self.ledger.get(key)
+        found = self.survey(business_date)
+        if record is None:
+            return "no_claim"
+        if record.state is ExportState.COMPLETED:
+            return "completed"
+        if record.state is not ExportState.IN_PROGRESS:
+            return f"unexpected_{record.state.value}"
+        if found.exports.get(key):
+            return "published"
+        staged = found.hidden_for(business_date)
+        return "staged" if staged else "claimed"
+
+    def trial(self, index: int, *, kill_after: float | None = None, point: str | None = None, mode: str = "io_manager"):
+        business_date = (FIRST_DATE + dt.timedelta(days=index)).isoformat()
+        key = str(logical_key("acme", business_date))
+        self.keys.append(key)
+        name = f"{index:04d}"
+        spec = self.spec(name, business_date, mode=mode, failpoints=f"{point}=kill" if point else "")
+
+        clock = time.monotonic()
+        outcome = self.server.run(spec, kill_after=kill_after, timeout=60)
+        self.tally.child_seconds.append(outcome.elapsed)
+        if kill_after is not None and outcome.exit_code == 0:
+            self.durations.append(outcome.elapsed)  # it finished before its kill: a whole attempt, timed
+        clock = self.tally.lap("child", clock)
+        if outcome.exit_code == CHILD_ERROR or outcome.timed_out:
+            self.tally.anomalies.append(f"{key}: the child itself broke ({outcome}); see {spec.log_path}")
+        elif outcome.exit_code not in (None, 0):
+            self.tally.anomalies.append(f"{key}: the attempt failed instead of dying: {outcome.result}")
+        landed = self.landing(key, business_date)
+        if point is None:
+            self.tally.trials["random"] += 1
+            self.tally.landed[landed] += 1
+        else:
+            self.tally.trials[f"named:{point}"] += 1
+            self.tally.landed_named[f"{point}->{landed}"] += 1
+            expected = EXPECTED_LANDING[self.kind][point]
+            if landed != expected:
+                self.tally.anomalies.append(f"{key}: a kill at {point} left {landed}, expected {expected}")
+            if expected != "completed" and not (outcome.killed and not outcome.killed_by_harness):
+                self.tally.anomalies.append(f"{key}: the failpoint {point}=kill did not kill the child: {outcome}")
+        self.check("after the kill", key, business_date, final=False)
+        clock = self.tally.lap("checks", clock)
+
+        report = reconcile_batch(
+            self.ledger, self.destination, limit=10, after=None, reconciler=f"crash-harness/{name}"
+        )
+        for finding in report.findings:
+            self.tally.verdicts[finding.verdict.value] += 1
+            if finding.record.logical_key != key:
+                self.tally.anomalies.append(f"reconciling {key} found another stuck key {finding.record.logical_key}")
+        if not report.findings:
+            self.tally.verdicts["nothing stuck"] += 1
+        record = self.ledger.get(key)
+        if record is not None and record.state is ExportState.IN_PROGRESS:
+            self.tally.anomalies.append(f"{key}: still in_progress after reconciling past its lease")
+        clock = self.tally.lap("reconcile", clock)
+        self.check("after reconciliation", key, business_date, final=False)
+        clock = self.tally.lap("checks", clock)
+
+        retry = run_attempt(
+            replace(
+                spec,
+                run_id=f"{spec.run_id}-retry",
+                mode="io_manager",
+                failpoints="",
+                clock_offset_seconds=PAST_THE_LEASE,
+                result_path=None,
+            )
+        )
+        self.tally.retries[retry["status"]] += 1
+        clock = self.tally.lap("retry", clock)
+        if retry["status"] == "failed":
+            self.tally.anomalies.append(f"{key}: the fresh attempt failed: {retry['error_class']}: {retry['error']}")
+        self.check("after the fresh attempt", key, business_date, final=True)
+        self.tally.lap("checks", clock)
+
+    def finish(self) -> None:
+        """The whole destination at the end: every trial's key completed once, nothing else visible."""
+        found = self.survey()
+        problems = violations(self.ledger, found, final=True)
+        self.tally.checks += 1
+        for name, items in problems.items():
+            self.tally.violations[name] += len(items)
+            if items:
+                self.tally.anomalies.append(f"at the end: {name} {items[:5]}")
+        if sorted(found.exports) != sorted(self.keys):
+            self.tally.anomalies.append(f"at the end: {len(found.exports)} published exports for {len(self.keys)} keys")
+        self.tally.hidden_left = len(found.hidden)
+        self.tally.s3_temp_files_left = len(s3_staging_files(self.workdir / "tmp"))
+
+    def close(self) -> None:
+        if self.s3_client is not None:
+            self.s3_client.close()
+        dispose_engines()
+
+
+def s3_staging_files(folder: Path) -> list[Path]:
+    """The S3 destination's local staging files (``tempfile.mkstemp(prefix="export-ledger-")``) left in ``folder``."""
+    return sorted(folder.glob("export-ledger-*"))
+
+
+@pytest.fixture
+def harness(request, fork_server, tmp_path):
+    """``local``, ``sql`` (the ledger-table destination) and ``s3`` on a SQLite ledger; ``sql-postgres`` is the
+    ledger-table destination in PostgreSQL, where a killed client's transaction is aborted by the server."""
+    name = request.param
+    if name == "s3":
+        s3 = {"bucket": request.getfixturevalue("s3_bucket"), "endpoint_url": request.getfixturevalue("s3_server")}
+        crash = CrashHarness(fork_server, "s3", tmp_path, s3)
+    elif name == "sql-postgres":
+        crash = CrashHarness(fork_server, "sql", tmp_path, ledger_url=request.getfixturevalue("postgres_url"))
+    else:
+        crash = CrashHarness(fork_server, name, tmp_path)
+    yield crash
+    crash.close()
+
+
+def assert_clean(tally: Tally) -> None:
+    assert tally.anomalies == [], "\n".join(tally.anomalies[:20])
+    for name in INVARIANTS:
+        assert tally.violations[name] == 0, f"invariant {name} violated {tally.violations[name]} times"
+
+
+@pytest.mark.parametrize("harness", ["local", "sql", "s3"], indirect=True)
+def test_a_kill_at_each_named_point_is_reconciled_and_retried_to_one_export(harness):
+    started = time.monotonic()
+    for index, point in enumerate(POINTS):
+        harness.trial(index, point=point)
+    harness.finish()
+    print(harness.tally.report(time.monotonic() - started))
+    assert_clean(harness.tally)
+    assert sum(harness.tally.landed_named.values()) == len(POINTS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("harness", "random_trials"),
+    [
+        ("local", RANDOM_TRIALS),
+        ("sql", RANDOM_TRIALS),
+        ("s3", RANDOM_TRIALS),
+        pytest.param("sql-postgres", 100, marks=pytest.mark.postgres),  # beyond the 300 on SQLite, within the budget
+    ],
+    indirect=["harness"],
+)
+def test_sigkill_anywhere_300_times_per_destination_never_duplicates_tears_or_loses_an_export(harness, random_trials):
+    started = time.monotonic()
+    rng = random.Random(f"{SEED}-{harness.tally.destination}")
+    # One kill per point through the whole Dagster job (about 1 s a child under load), the rest through the I/O manager.
+    named = [(point, "job" if repeat == 0 else "io_manager") for point in POINTS for repeat in range(NAMED_REPEATS)]
+    index = 0
+    for point, mode in named:  # the named points first: their dates are early partitions the job accepts
+        harness.trial(index, point=point, mode=mode)
+        index += 1
+    harness.calibrate(runs=3)
+    for number in range(random_trials):
+        if number % 20 == 19:
+            harness.calibrate()  # follow the machine's load
+        harness.trial(index, kill_after=harness.random_delay(rng))
+        index += 1
+    harness.finish()
+    print(harness.tally.report(time.monotonic() - started))
+
+    assert harness.tally.trials["random"] >= random_trials
+    assert_clean(harness.tally)
+    reachable = set(EXPECTED_LANDING[harness.kind].values())
+    assert reachable <= set(harness.tally.landed), (
+        f"random kills should land in every state the protocol passes through ({sorted(reachable)}): "
+        f"{dict(harness.tally.landed)}"
+    )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: resources/s3_destination.py S3Destination.stage writes the export (customer emails and amounts) to a "
+    "tempfile.mkstemp('export-ledger-*') file in the system temp folder, and only the live attempt removes it "
+    "(publish/discard); an attempt killed between stage and the end of publish leaves it there for good, and "
+    "neither a later attempt nor reconciliation knows it exists. Reproduce: EXPORTS_DESTINATION=s3://<bucket>/x "
+    "EXPORTS_FAILPOINTS=after_stage=kill dagster asset materialize -f definitions.py --select invoice_export "
+    "--partition 2026-03-08; then rerun without the failpoint after the lease: $TMPDIR/export-ledger-*.csv stays",
+)
+def test_a_killed_s3_attempt_leaves_no_staged_customer_data_behind(fork_server, tmp_path, s3_bucket, s3_server):
+    crash = CrashHarness(fork_server, "s3", tmp_path, {"bucket": s3_bucket, "endpoint_url": s3_server})
+    try:
+        crash.trial(0, point="after_stage")
+        crash.finish()
+        assert_clean(crash.tally)  # the export itself is fine: one export, completed
+
+        leftovers = s3_staging_files(tmp_path / "tmp")
+        assert [p for p in leftovers if b"@example.com" in p.read_bytes()] == [], (
+            f"{len(leftovers)} staged file(s) holding customer emails outlive the attempt that wrote them"
+        )
+    finally:
+        crash.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: a key whose S3 attempt died between its data PUT and its manifest PUT cannot be completed by a retry "
+    "once the source has changed: reconciliation finds no manifest and judges the place empty (resources/reconcile.py "
+    "judge: ABSENT -> `failed`, safe to retry), but the dead attempt's data object stays; the retry's conditional "
+    "create of data.csv gets 412 with another sha256 and no manifest, which resources/s3_destination.py "
+    "_already_there raises as DestinationConflict, and the I/O manager records `conflict`: an operator is needed for "
+    "a crash the protocol calls recoverable. Reproduce: kill an attempt after its data.csv PUT landed and before its "
+    "_manifest.json PUT (here: the proxy holds that PUT until the kill), reconcile past the lease, retry with a "
+    "changed source (a late event)",
+)
+def test_a_retry_completes_a_key_whose_killed_s3_attempt_left_its_data_object_without_a_manifest(
+    fork_server, tmp_path, s3_bucket, s3_server, fault_proxy
+):
+    crash = CrashHarness(fork_server, "s3", tmp_path, {"bucket": s3_bucket, "endpoint_url": s3_server})
+    arrived, release = threading.Event(), threading.Event()
+
+    def hold_the_manifest_put(_method, _path):
+        arrived.set()
+        release.wait(30)  # the dying attempt waits here for its manifest PUT's answer; the PUT is never forwarded
+        return True
+
+    fault_proxy.inject(
+        Fault.DROP_BEFORE_FORWARD, method="PUT", path_suffix="_manifest.json", when=hold_the_manifest_put
+    )
+    through_proxy = {**crash.destination_spec, "endpoint_url": fault_proxy.endpoint_url}
+    dying = replace(crash.spec("dying", "2026-03-08"), destination=through_proxy, cadence_minutes=30)
+    try:
+        (pid,), _ = fork_server.spawn([dying])
+        assert arrived.wait(60), "the attempt reached its manifest PUT"
+        fork_server.signal(pid, signal.SIGKILL)
+        assert fork_server.wait([pid])[pid].killed
+        release.set()
+        fault_proxy.clear()
+        key = dying.logical_key
+        found = crash.survey("2026-03-08")
+        assert found.exports == {} and len(found.hidden) == 1, "its data object landed, its manifest did not"
+        report = reconcile_batch(crash.ledger, crash.destination, limit=10, after=None, reconciler="test")
+        assert [f.verdict.value for f in report.findings] == ["absent"]
+        assert crash.ledger.get(key).state is ExportState.FAILED, "nothing published: failed, safe to retry"
+
+        # The retry reads the source again, which has changed since (a 15-minute cadence instead of 30).
+        retry = run_attempt(
+            replace(
+                dying,
+                run_id="retry",
+                destination=crash.destination_spec,
+                cadence_minutes=15,
+                clock_offset_seconds=PAST_THE_LEASE,
+                result_path=None,
+            )
+        )
+
+        assert (retry["status"], retry["error_class"]) == ("exported", None), retry
+        assert crash.ledger.get(key).state is ExportState.COMPLETED
+    finally:
+        release.set()
+        crash.close()

@@ -81,7 +81,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _date_arg(text: str) -> dt.date:
     # date.fromisoformat alone would also accept 20260308 on Python 3.11; partitions are written YYYY-MM-DD.
-    if _DATE_RE.match(text):
+    if _DATE_RE.fullmatch(text):
         with contextlib.suppress(ValueError):
             return dt.date.fromisoformat(text)
     raise argparse.ArgumentTypeError(f"invalid date {text!r}: expected a calendar date as YYYY-MM-DD")

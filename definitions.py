@@ -20,6 +20,7 @@ from resources.destinations import Destination, LocalDestination
 from resources.exportfile import data_file_name
 from resources.io_manager import LedgeredExportIOManager
 from resources.ledger_resource import LedgerResource
+from resources.schema import metadata as ledger_metadata
 from resources.sources import InvoiceSource, SampleInvoiceSource, SqlInvoiceSource
 from sensors.reconciliation import build_reconciliation_sensor
 from sensors.schedules import build_nightly_schedule
@@ -33,8 +34,10 @@ DEFAULT_MAX_PARTITIONS_PER_RUN = 31
 _FROM_ENVIRONMENT = object()  # an argument left to the environment (where None has a meaning of its own)
 
 
-_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-_TABLE_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_TABLE_RE = re.compile(r"[a-z_][a-z0-9_]{0,52}")
+# The ledger's own tables, and the manifest tables a ledger-table destination would add beside them.
+_LEDGER_TABLES = {*ledger_metadata.tables, *(f"{name}_manifests" for name in ledger_metadata.tables)}
 
 
 class ConfigurationError(ValueError):
@@ -65,7 +68,7 @@ def _destination_from(
     """``EXPORTS_DESTINATION``: a folder, ``s3://bucket/prefix``, or ``ledger-table:<table>``."""
     if spec.startswith("s3://"):
         bucket, _, prefix = spec.removeprefix("s3://").partition("/")
-        if not _BUCKET_RE.match(bucket):
+        if not _BUCKET_RE.fullmatch(bucket):
             raise ConfigurationError(f"EXPORTS_DESTINATION {spec!r}: {bucket!r} is not a valid S3 bucket name")
         from resources.s3_destination import S3Destination  # boto3 is the optional [s3] extra
 
@@ -81,8 +84,11 @@ def _destination_from(
         )
     if spec.startswith("ledger-table:"):
         table = spec.removeprefix("ledger-table:")
-        if not _TABLE_RE.match(table):
-            raise ConfigurationError(f"EXPORTS_DESTINATION {spec!r}: {table!r} is not a valid table name")
+        if not _TABLE_RE.fullmatch(table) or table in _LEDGER_TABLES:
+            raise ConfigurationError(
+                f"EXPORTS_DESTINATION {spec!r}: {table!r} is not a valid table name, or is one of the ledger's own "
+                f"tables ({', '.join(sorted(ledger_metadata.tables))})"
+            )
         from resources.sql_destination import SqlTableDestination
 
         return SqlTableDestination(url=ledger.url, table=table)

@@ -19,7 +19,7 @@ def validate_slug(value: object, what: str) -> str:
 
     Slugs become path segments and object keys, so anything else (``../x``, spaces, empty) is refused.
     """
-    if not isinstance(value, str) or not _SLUG_RE.match(value):
+    if not isinstance(value, str) or not _SLUG_RE.fullmatch(value):
         raise InvalidIdentifier(
             f"invalid {what} {value!r}: use 1-63 lowercase letters, digits, '-' or '_', starting with a letter or digit"
         )

@@ -93,7 +93,7 @@ def utc_iso(value: dt.datetime) -> str:
 
 def parse_business_date(text: str) -> dt.date:
     """Parses a ``YYYY-MM-DD`` partition key, naming the key in the error."""
-    if not isinstance(text, str) or not _DATE_RE.match(text):
+    if not isinstance(text, str) or not _DATE_RE.fullmatch(text):
         raise CalendarError(f"invalid partition key {text!r}: expected a date as YYYY-MM-DD")
     try:
         return dt.date.fromisoformat(text)

@@ -48,11 +48,13 @@ class ExportSchema:
         columns: column name -> kind, one of ``string``, ``float``, ``int``, ``timestamp``.
         time_column: timestamp column that must fall inside the window.
         id_column: column whose values must be unique within one export.
+        tenant_column: column that must hold the export's own tenant on every row (None: no such column).
     """
 
     columns: Mapping[str, str]
     time_column: str
     id_column: str
+    tenant_column: str | None = None
 
     def __post_init__(self) -> None:
         for name in (self.time_column, self.id_column):
@@ -69,7 +71,9 @@ class ExportSchema:
         return pa.schema([(name, kinds[kind]) for name, kind in self.columns.items()])
 
 
-def validate_frame(frame: object, schema: ExportSchema, window: ExportWindow, what: str) -> pa.Table:
+def validate_frame(
+    frame: object, schema: ExportSchema, window: ExportWindow, what: str, tenant: str | None = None
+) -> pa.Table:
     """Checks a source frame against the schema and window; returns it as an Arrow table in file order.
 
     Raises:
@@ -106,6 +110,14 @@ def validate_frame(frame: object, schema: ExportSchema, window: ExportWindow, wh
             f"{what}: {len(outside)} event(s) fall outside the window [{utc_iso(window.start_utc)}, "
             f"{utc_iso(window.end_utc)}) (ids {sample}); nothing was exported"
         )
+    if schema.tenant_column is not None and tenant is not None:
+        foreign = frame[frame[schema.tenant_column] != tenant]
+        if len(foreign):
+            sample = ", ".join(map(str, foreign[schema.id_column].head(3)))
+            raise FrameError(
+                f"{what}: {len(foreign)} row(s) belong to another tenant than {tenant!r} (ids {sample}); "
+                "nothing was exported"
+            )
     duplicated = frame[schema.id_column].duplicated(keep=False)
     if duplicated.any():
         sample = ", ".join(map(str, frame.loc[duplicated, schema.id_column].unique()[:3]))

@@ -181,7 +181,8 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
                 )
             else:
                 evidence = self._publish(claim, schema, item, target)
-                status = "exported"
+                # Publishing can meet another attempt's export (a fenced owner's late upload): that is a repair.
+                status = "exported" if evidence.attempt_id == claim.attempt_id else "repaired"
         except PublishOutcomeUnknown as exc:
             ledger.mark_remote_unknown(
                 claim, exc, sha256=getattr(exc, "intended_sha256", None), location=self.destination.location(target)
@@ -227,7 +228,7 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
                 f"{claim.logical_key} was completed when the asset planned this run but is claimable now; "
                 "rerun to read its source"
             )
-        table = validate_frame(item.frame, schema, claim.window, what=claim.logical_key)
+        table = validate_frame(item.frame, schema, claim.window, what=claim.logical_key, tenant=item.key.tenant)
         self.destination.discard_abandoned(target, claim.fencing_token)
         template = self._manifest_template(claim, item)
         staged = self.destination.stage(target, table, self.file_format, template)
@@ -259,7 +260,7 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
         """Rows and completion record in one ledger transaction: both commit or neither."""
         if item.frame is None:
             raise LedgerError(f"{claim.logical_key} was planned as completed but is claimable now; rerun it")
-        table = validate_frame(item.frame, schema, claim.window, what=claim.logical_key)
+        table = validate_frame(item.frame, schema, claim.window, what=claim.logical_key, tenant=item.key.tenant)
         template = self._manifest_template(claim, item)
 
         def effect(connection) -> CompletionEvidence:

@@ -237,7 +237,9 @@ def ledger_engine(url: str) -> Engine:
             except OSError as exc:
                 raise LedgerUnavailable(f"cannot create the ledger folder {folder}: {exc.strerror}") from None
         try:
-            engine = sa.create_engine(parsed, pool_pre_ping=True)
+            # hide_parameters: a failed statement's error must not carry its values (exported rows hold customer
+            # data) into logs or Dagster's event log.
+            engine = sa.create_engine(parsed, pool_pre_ping=True, hide_parameters=True)
         except Exception as exc:
             raise LedgerUnavailable(f"cannot open ledger {redact_url(url)!r}: {exc}") from None
         if engine.dialect.name == "sqlite":

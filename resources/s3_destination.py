@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import os
 import tempfile
+from pathlib import Path
 
 from pydantic import Field
 
@@ -43,6 +44,26 @@ def _boto():
     except ImportError as exc:  # pragma: no cover - depends on the installed extras
         raise DestinationError("the S3 destination needs boto3: pip install -e '.[s3]'") from exc
     return boto3, botocore.config, botocore.exceptions
+
+
+def _staging_folder() -> Path:
+    folder = Path(tempfile.gettempdir()) / "export-ledger-s3-staging"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    return folder
+
+
+def _sweep_dead_staging(folder: Path) -> None:
+    """Removes staging files whose writing process no longer exists (it was killed mid-export)."""
+    for entry in folder.iterdir():
+        pid_text = entry.name.split("-", 1)[0]
+        if not pid_text.isdigit() or int(pid_text) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            entry.unlink(missing_ok=True)
+        except PermissionError:
+            pass  # alive, owned by someone else
 
 
 @functools.lru_cache(maxsize=16)
@@ -163,8 +184,11 @@ class S3Destination(Destination):
         return Manifest.from_json(found[0], f"s3://{self.bucket}/{key}")
 
     def stage(self, target: ExportTarget, table, file_format: str, manifest: Manifest) -> StagedExport:
-        # Staging is a local temporary file: the checksum is known before anything is sent.
-        handle, path = tempfile.mkstemp(prefix="export-ledger-", suffix=f".{file_format}")
+        # Staging is a local file, so the checksum is known before anything is sent. It holds customer data: it lives
+        # in a private folder, and files of processes that died before cleaning up are removed here.
+        folder = _staging_folder()
+        _sweep_dead_staging(folder)
+        handle, path = tempfile.mkstemp(prefix=f"{os.getpid()}-", suffix=f".{file_format}", dir=folder)
         try:
             with os.fdopen(handle, "wb") as sink:
                 sha256 = write_table(table, file_format, sink)

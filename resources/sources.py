@@ -31,6 +31,7 @@ INVOICE_SCHEMA = ExportSchema(
     },
     time_column="occurred_at",
     id_column="invoice_id",
+    tenant_column="tenant",
 )
 
 _CURRENCIES = np.array(["USD", "EUR", "GBP", "CAD"], dtype=object)
@@ -121,7 +122,7 @@ class SqlInvoiceSource(InvoiceSource):
     table: str = "invoices"
 
     def _engine(self) -> sa.Engine:
-        return sa.create_engine(self.url)
+        return sa.create_engine(self.url, hide_parameters=True)  # errors never carry customer values
 
     def _run(self, query):
         engine = self._engine()

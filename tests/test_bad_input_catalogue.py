@@ -360,12 +360,6 @@ def _ledger_own_table(ws: Workspace) -> str | None:
     return raises(lambda ws: ws.defs(destination="ledger-table:export_runs"))(ws)
 
 
-NEWLINE_REASON = (
-    "bug: identifiers are checked with re.match and a pattern ending in '$', which also matches before a trailing "
-    "newline: assets/keys.py validate_slug accepts 'acme\\n' (it becomes the path segment 'tenant=acme\\n' and part "
-    "of the logical key) and definitions.py _TABLE_RE/_BUCKET_RE accept 'ledger-table:exported_invoices\\n' and "
-    "'s3://bucket\\n/prefix'. Reproduce: build_definitions(tenants=['acme\\n'], environ={}) does not raise"
-)
 
 CASES = [
     # CLI arguments
@@ -383,25 +377,11 @@ CASES = [
     config_case("ledger-table-name", {"EXPORTS_DESTINATION": "ledger-table:exports;drop"}, "not a valid table name"),
     config_case("below-low-water-flag", {"EXPORTS_ALLOW_BELOW_LOW_WATER": "yes"}, "must be 0 or 1, got 'yes'"),
     config_case("tenant-list-gap", {"EXPORTS_TENANTS": "acme,,globex"}, "invalid tenant id ''"),
-    pytest.param(
-        BadInput("config-ledger-table-is-the-ledger", _ledger_own_table, ("export_runs",)),
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="bug: definitions.py accepts EXPORTS_DESTINATION=ledger-table:export_runs (or export_attempts, "
-            "export_contracts, export_low_water), the ledger's own tables; a run then inserts the rows into the "
-            "ledger's export_runs, fails as LedgerUnavailable 'ledger at ... failed: OperationalError: table "
-            "export_runs has no column named row_number', and the cause chain in the run's event log carries the "
-            "rows, customer emails included. Reproduce: EXPORTS_DESTINATION=ledger-table:export_runs dagster asset "
-            "materialize -f definitions.py --select invoice_export --partition 2026-03-08",
-        ),
-    ),
-    pytest.param(
-        config_case(
-            "ledger-table-trailing-newline",
-            {"EXPORTS_DESTINATION": "ledger-table:exported_invoices\n"},
-            "not a valid table name",
-        ),
-        marks=pytest.mark.xfail(strict=True, reason=NEWLINE_REASON),
+    BadInput("config-ledger-table-is-the-ledger", _ledger_own_table, ("export_runs",)),
+    config_case(
+        "ledger-table-trailing-newline",
+        {"EXPORTS_DESTINATION": "ledger-table:exported_invoices\n"},
+        "not a valid table name",
     ),
     # partition keys
     partition_case("not-zero-padded", "2026-3-8", "2026-3-8"),
@@ -411,10 +391,7 @@ CASES = [
     tenant_case("leading-dash", "-acme", "invalid tenant id '-acme'"),
     tenant_case("too-long", "a" * 64, "invalid tenant id", "1-63"),
     tenant_case("dotted", "acme.corp", "invalid tenant id 'acme.corp'"),
-    pytest.param(
-        tenant_case("trailing-newline", "acme\n", "invalid tenant id"),
-        marks=pytest.mark.xfail(strict=True, reason=NEWLINE_REASON),
-    ),
+    tenant_case("trailing-newline", "acme\n", "invalid tenant id"),
     # source data
     source_case("null_invoice_id", "column 'invoice_id' has 1 null value(s)"),
     source_case("nat_occurred_at", "column 'occurred_at' has 1 null value(s)"),
@@ -430,15 +407,7 @@ CASES = [
     source_case("email_number_among_text", "does not fit the export schema", "customer_email"),
     source_case("nanosecond_timestamps", "does not fit the export schema", "would lose data"),
     source_case("no_rows_missing_column", "missing required columns ['amount']"),
-    pytest.param(
-        source_case("foreign_tenant_row", "tenant"),
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="bug (beyond the README's list of frame checks): resources/exportfile.py validate_frame never "
-            "compares the tenant column with the key's tenant, so a source frame for acme holding a globex row is "
-            "exported into acme's file: another tenant's invoice (customer email, amount) delivered to acme",
-        ),
-    ),
+    source_case("foreign_tenant_row", "tenant"),
     # destinations
     BadInput(
         "destination-read-only-root",

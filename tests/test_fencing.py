@@ -129,7 +129,7 @@ class FencingHarness:
             return True
         if point == "after_stage":
             if self.kind == "s3":
-                return any((self.workdir / "tmp").glob("export-ledger-*"))
+                return any((self.workdir / "tmp" / "export-ledger-s3-staging").glob("*"))
             return bool(self.survey(a).hidden_for(a.business_date))
         return bool(self.survey(a).exports.get(a.logical_key))  # after_publish, before_commit
 
@@ -258,7 +258,7 @@ def fenced_owner_publishes_before_the_new_owner(harness: FencingHarness) -> tupl
     harness.wait_until(
         lambda: (
             harness.ledger.get(b.logical_key).lease_owner == b.attempt_id
-            and len(list((harness.workdir / "tmp").glob("export-ledger-*"))) == 2
+            and len(list((harness.workdir / "tmp" / "export-ledger-s3-staging").glob("*"))) == 2
         ),
         "B took over and staged",
     )
@@ -288,14 +288,6 @@ def test_a_fenced_s3_owner_that_publishes_before_the_new_owner_is_still_refused_
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: resources/io_manager.py _export_one reports status 'exported' (log line '... exported: N rows ... "
-    "(attempt B)', materialization metadata exported_keys/rows_exported) when _publish met PublishedElsewhere and "
-    "recorded another attempt's export, which the ledger rightly records as 'repaired' with that attempt as "
-    "committed_attempt. Reproduce on S3: attempt A (lease 1 s) pauses after_stage; B takes over and pauses "
-    "after_stage; A wakes, uploads, is fenced; B wakes: its run says exported, its attempt row says repaired",
-)
 def test_a_takeover_that_finds_the_fenced_owners_late_export_reports_it_as_repaired(make_harness):
     harness = make_harness("s3")
     a, b, a_told, b_result = fenced_owner_publishes_before_the_new_owner(harness)

@@ -218,15 +218,6 @@ def misfit_ledger_table(url: str) -> None:
     engine.dispose()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a failed ledger-table write puts customer rows in the Dagster event log. resources/ledger.py "
-    "ledger_engine creates the engine without hide_parameters=True, so the SQLAlchemy error of the rows' INSERT "
-    "quotes its bound parameters (invoice ids, emails, amounts); atomic() wraps it as LedgerUnavailable `from exc`, "
-    "and Dagster records the whole cause chain in the step failure. Reproduce: an existing table "
-    "exported_invoices(logical_key, row_number), EXPORTS_DESTINATION=ledger-table:exported_invoices, materialize "
-    "a partition: the STEP_FAILURE event's cause holds '[parameters: [(... customer emails ...)]]'",
-)
 def test_a_failed_ledger_table_write_keeps_customer_rows_out_of_the_event_log(tmp_path):
     url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
     ExportLedger(url)

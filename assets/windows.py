@@ -102,8 +102,9 @@ def parse_business_date(text: str) -> dt.date:
 
 
 @functools.cache
-def _known_zones() -> frozenset[str]:
-    # Debian ships `localtime` (this machine's own zone) and `posixrules` beside the real zones.
+def known_zones() -> frozenset[str]:
+    """The IANA zones the export calendar accepts: ``zoneinfo.available_timezones()`` without the entries that are
+    not places (Debian ships ``localtime``, this machine's own zone, and ``posixrules``; ``Factory`` has no time)."""
     return frozenset(z for z in available_timezones() if z not in ("localtime", "posixrules", "Factory"))
 
 
@@ -113,7 +114,7 @@ def load_zone(name: str) -> ZoneInfo:
     Names that zoneinfo can open but that are not zones of the tz database (``localtime``, ``posixrules``,
     ``right/...``) are refused: they mean different things on different machines.
     """
-    if not isinstance(name, str) or name not in _known_zones():
+    if not isinstance(name, str) or name not in known_zones():
         raise CalendarError(f"unknown timezone {name!r}: expected an IANA zone name such as 'America/New_York'")
     try:
         return ZoneInfo(name)

@@ -153,8 +153,10 @@ class _Ledgered:
         self.instance = instance
 
     def key(self, rep: int) -> LogicalKey:
-        tenant = "warmup" if rep < 0 else f"rep{rep:03d}"
-        return LogicalKey("invoice_export", f"{tenant}-{self.file_format}", self.window)
+        # A new export name per repetition: a fresh logical key for the same frame, tenant and window (every row
+        # must belong to the key's tenant, so the tenant cannot change without changing the bytes written).
+        label = "warmup" if rep < 0 else f"rep{rep:03d}"
+        return LogicalKey(f"invoice_export_{label}_{self.file_format}", "acme", self.window)
 
     def prepare(self, rep: int) -> None:
         """Outside the timing: the output context and the batch the asset hands over, as a real run has them."""
@@ -184,7 +186,7 @@ class _Ledgered:
         """The I/O manager's steps for one more key, called one by one with a timer on each: where the time goes."""
         ledger = ExportLedger(self.ledger_url)
         destination = self.io_manager.destination
-        key = LogicalKey("invoice_export", f"phases-{self.file_format}", self.window)
+        key = LogicalKey(f"invoice_export_phases_{self.file_format}", "acme", self.window)
         spent: dict[str, float] = {}
 
         def timed(name, call):

@@ -5,8 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def plot_overhead(document: dict, path: Path) -> dict:
-    """Writes the PNG; returns where it went, or why it was skipped (matplotlib is the optional ``bench`` extra)."""
+def plot_overhead(document: dict, path: Path, compare: dict | None = None, compare_label: str = "after") -> dict:
+    """Writes the PNG; returns where it went, or why it was skipped (matplotlib is the optional ``bench`` extra).
+
+    ``compare``, a second results document (for example the same run with a proposed change), is drawn in grey.
+    """
     try:
         import matplotlib
 
@@ -40,6 +43,21 @@ def plot_overhead(document: dict, path: Path) -> dict:
             color="tab:orange",
             label=f"{file_format}: ledgered / pandas to_{file_format} (a)",
         )
+    if compare is not None:
+        for file_format in ("csv", "parquet"):
+            rows = sorted(
+                (r for r in compare["benchmarks"]["export_overhead"]["results"] if r["format"] == file_format),
+                key=lambda r: r["rows"],
+            )
+            ax.plot(
+                [r["rows"] for r in rows],
+                [r["ratio_vs_arrow"] for r in rows],
+                styles[file_format],
+                marker="o",
+                color="tab:grey",
+                alpha=0.8,
+                label=f"{file_format}: ledgered / (b), {compare_label}",
+            )
     ax.axhline(1.10, color="tab:blue", linewidth=0.8, linestyle=":", label="target vs (b): 1.10 at 1M rows")
     ax.axhline(0.5, color="tab:orange", linewidth=0.8, linestyle=":", label="target vs (a), csv: 0.5 at 1M rows")
     ax.axhline(1.0, color="grey", linewidth=0.5)
@@ -61,10 +79,13 @@ def plot_overhead(document: dict, path: Path) -> dict:
     return {"path": str(path)}
 
 
-if (
-    __name__ == "__main__"
-):  # redraw from a results file: python -m benchmarks.plot results.json docs/benchmark-overhead.png
+if __name__ == "__main__":
+    # Redraw from results files: python -m benchmarks.plot RESULTS.json OUT.png [COMPARE.json [LABEL]]
     import json
     import sys
 
-    print(plot_overhead(json.loads(Path(sys.argv[1]).read_text(encoding="utf-8")), Path(sys.argv[2])))
+    def _load(name: str) -> dict:
+        return json.loads(Path(name).read_text(encoding="utf-8"))
+
+    other = _load(sys.argv[3]) if len(sys.argv) > 3 else None
+    print(plot_overhead(_load(sys.argv[1]), Path(sys.argv[2]), other, *sys.argv[4:5]))

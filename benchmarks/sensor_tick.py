@@ -3,7 +3,8 @@
 Keys are laid out as 1,000 business days x (rows / 1,000) tenants: the 1M-row ledger is 1,000 tenants over about
 three years, and the sensor is built for those tenants. Rows are bulk-inserted with SQLAlchemy Core ``executemany``
 into the ledger's own tables (not through ``claim``):
-completed keys, plus 100 stuck ones spread evenly through the key order, half ``remote_unknown`` and half
+completed keys, plus 100 stuck ones on 100 distinct business dates (so each touches a partition of its own, the
+costliest case for the sensor's per-partition decisions) and spread over the tenants, half ``remote_unknown`` and half
 ``in_progress`` with an expired lease. Half of the stuck keys have an intact export at the destination (they
 resolve to ``completed``), the other half have nothing (``failed``, and a run request).
 
@@ -97,8 +98,10 @@ class StuckLedger:
         self.tenants = [f"t{t:05d}" for t in range(tenants)]
         self.windows = [window_for(START + dt.timedelta(days=d), TIMEZONE) for d in range(days)]
         tz_db = tz_database_version(TIMEZONE)
-        step = max(1, rows // stuck)
-        self.stuck_index = [i * step + step // 2 for i in range(min(stuck, rows))]
+        # Stuck keys on distinct business dates (7919 is prime, so i -> day is one-to-one over 1,000 days) and spread
+        # over the tenants: every stuck key touches a partition of its own, the sensor's costliest case.
+        count = min(stuck, days)
+        self.stuck_index = [((i * tenants) // count) * days + (i * 7919 + 13) % days for i in range(count)]
         engine = ledger_engine(url)
         with engine.begin() as conn:
             for first in range(0, days * tenants, INSERT_CHUNK):

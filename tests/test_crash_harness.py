@@ -27,6 +27,7 @@ import datetime as dt
 import random
 import signal
 import statistics
+import tempfile
 import threading
 import time
 from collections import Counter, deque
@@ -272,16 +273,21 @@ class CrashHarness:
         self.check("after reconciliation", key, business_date, final=False)
         clock = self.tally.lap("checks", clock)
 
-        retry = run_attempt(
-            replace(
-                spec,
-                run_id=f"{spec.run_id}-retry",
-                mode="io_manager",
-                failpoints="",
-                clock_offset_seconds=PAST_THE_LEASE,
-                result_path=None,
+        # The retry shares the dead attempt's temp folder, as every process on one machine does.
+        saved_tempdir, tempfile.tempdir = tempfile.tempdir, spec.tmpdir or tempfile.tempdir
+        try:
+            retry = run_attempt(
+                replace(
+                    spec,
+                    run_id=f"{spec.run_id}-retry",
+                    mode="io_manager",
+                    failpoints="",
+                    clock_offset_seconds=PAST_THE_LEASE,
+                    result_path=None,
+                )
             )
-        )
+        finally:
+            tempfile.tempdir = saved_tempdir
         self.tally.retries[retry["status"]] += 1
         clock = self.tally.lap("retry", clock)
         if retry["status"] == "failed":

@@ -34,8 +34,8 @@ KEY = "invoice_export/acme/2026-03-08T05:00:00Z"
 FOLDER = "invoice_export/tenant=acme/date=2026-03-08"
 PREFIX = "exports"
 # A held response must outlast the client's read timeout; everything else on loopback answers far sooner.
-READ_TIMEOUT_SECONDS = 1.0
-DELAY_SECONDS = 3.0
+READ_TIMEOUT_SECONDS = 3.0  # generous: a loaded CI machine must not time out an ordinary request
+DELAY_SECONDS = 6.0
 UNKNOWN_OUTCOME = "the outcome at the destination is unknown"
 
 

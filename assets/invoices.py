@@ -9,7 +9,7 @@ import dagster as dg
 
 from assets.calendar import ExportCalendar
 from assets.keys import LogicalKey, validate_slug
-from assets.windows import utc_iso
+from assets.windows import parse_business_date, utc_iso
 from resources.destinations import Destination
 from resources.io_manager import ExportBatch, ExportItem, ExportResult, target_for
 from resources.ledger import ExportLedger, ExportRecord
@@ -62,7 +62,17 @@ def build_invoice_export(
         book = ledger.get_ledger()
         book.check_contract(EXPORT_NAME, calendar.contract())  # a changed zone or start date is refused unaccepted
         items: list[ExportItem] = []
-        for partition_key in sorted(context.partition_keys):
+        partition_keys = sorted(context.partition_keys)
+        # One read for the whole run instead of one per key: a 31-day chunk of 10 tenants is 1 query, not 310.
+        known = {
+            (r.tenant, r.timezone, r.business_date): r
+            for r in book.records(
+                export=EXPORT_NAME,
+                date_from=parse_business_date(partition_keys[0]),
+                date_to=parse_business_date(partition_keys[-1]),
+            )
+        }
+        for partition_key in partition_keys:
             window = calendar.window(partition_key)
             disagreement = calendar.dagster_disagreement(
                 window, partitions_def.time_window_for_partition_key(partition_key)
@@ -78,7 +88,7 @@ def build_invoice_export(
                 )
             for tenant in tenants if not window.is_empty else ():
                 key = LogicalKey(EXPORT_NAME, tenant, window)
-                record = book.find(key)
+                record = known.get((tenant, window.timezone, window.business_date))
                 if record is not None:
                     key = LogicalKey(EXPORT_NAME, tenant, record.window)  # the first claim's window is authoritative
                 if record is not None and record.state is ExportState.COMPLETED:

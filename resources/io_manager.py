@@ -131,6 +131,14 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
             raise ExportBatchFailed(
                 f"{len(failures)} of {len(obj.items)} export keys failed ({summary})"
             ) from failures[0][1]
+        exported = [r for r in obj.results if r.status == "exported"]
+        if exported:
+            # One line for the routine outcome, not one per key: each log line is an event-log write in the run, and
+            # the materialization metadata already lists every key's path and checksum.
+            context.log.info(
+                f"{len(exported)} key(s) exported, {sum(r.row_count for r in exported)} rows (attempt {attempt}): "
+                f"{', '.join(r.logical_key for r in exported[:5])}{', ...' if len(exported) > 5 else ''}"
+            )
         context.add_output_metadata(self._metadata(obj.results, attempt))
 
     def _export_one(
@@ -206,9 +214,10 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
             failpoints.reach("before_commit")
             record = ledger.complete(claim, evidence)
         failpoints.reach("after_commit")
-        context.log.info(
-            f"{record.logical_key} {status}: {record.row_count} rows at {record.location} (attempt {attempt})"
-        )
+        if status != "exported":
+            context.log.info(
+                f"{record.logical_key} {status}: {record.row_count} rows at {record.location} (attempt {attempt})"
+            )
         return ExportResult(
             record.logical_key,
             item.partition_key,

@@ -168,6 +168,27 @@ class AlreadyCompleted:
 
 
 @dataclass(frozen=True)
+class DaySummary:
+    """How the keys of one business day stand over a set of tenants, counted by the database in one grouped read."""
+
+    business_date: dt.date
+    keys: int  # tenants with a row that day
+    completed: int
+    waiting: int  # keys in one of the states asked about
+    tokens: int  # sum of the keys' fencing tokens: grows with every claim on any of them
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """Reconciliation's verdict on one stuck key, to be applied by :meth:`ExportLedger.resolve_many`."""
+
+    record: ExportRecord
+    state: ExportState
+    detail: str
+    evidence: CompletionEvidence | None = None
+
+
+@dataclass(frozen=True)
 class CompletionEvidence:
     """What a destination says it holds for a key: enough to record completion."""
 
@@ -176,6 +197,13 @@ class CompletionEvidence:
     row_count: int
     attempt_id: str
     fencing_token: int
+
+
+_RESOLUTION_OUTCOMES = {
+    ExportState.COMPLETED: AttemptOutcome.REPAIRED,
+    ExportState.FAILED: AttemptOutcome.FAILED,
+    ExportState.CONFLICT: AttemptOutcome.CONFLICT,
+}
 
 
 def short_error(exc: BaseException) -> tuple[str, str]:
@@ -196,6 +224,35 @@ def redact_url(url: str) -> str:
 
 _engines: dict[str, Engine] = {}
 _engines_lock = threading.Lock()
+
+
+# Statements built once, executed with parameters: building a Core statement and its cache key on every call cost
+# more than executing it (benchmarks/RESULTS.md, ledger throughput).
+_RUN_BY_KEY = sa.select(export_runs).where(export_runs.c.logical_key == sa.bindparam("k_key"))
+_RUN_BY_DAY = sa.select(export_runs).where(
+    export_runs.c.export == sa.bindparam("k_export"),
+    export_runs.c.tenant == sa.bindparam("k_tenant"),
+    export_runs.c.timezone == sa.bindparam("k_timezone"),
+    export_runs.c.business_date == sa.bindparam("k_business_date"),
+)
+_RUN_BY_DAY_LOCKED = _RUN_BY_DAY.with_for_update()
+_INSERT_RUN = export_runs.insert()
+_INSERT_ATTEMPT = export_attempts.insert()
+
+
+def _guarded_update_statement(with_owner: bool) -> sa.Update:
+    """``UPDATE export_runs SET <the parameters named like columns> WHERE key, state, token (and owner) match``."""
+    conditions = [
+        export_runs.c.logical_key == sa.bindparam("g_key"),
+        export_runs.c.state.in_(sa.bindparam("g_states", expanding=True)),
+        export_runs.c.fencing_token == sa.bindparam("g_token"),
+    ]
+    if with_owner:
+        conditions.append(export_runs.c.lease_owner == sa.bindparam("g_owner"))
+    return export_runs.update().where(*conditions)
+
+
+_GUARDED_UPDATE = {False: _guarded_update_statement(False), True: _guarded_update_statement(True)}
 
 
 def _configure_sqlite(engine: Engine) -> None:
@@ -239,7 +296,8 @@ def ledger_engine(url: str) -> Engine:
         try:
             # hide_parameters: a failed statement's error must not carry its values (exported rows hold customer
             # data) into logs or Dagster's event log.
-            engine = sa.create_engine(parsed, pool_pre_ping=True, hide_parameters=True)
+            # A file has no connection to lose: pinging it before every transaction only costs time.
+            engine = sa.create_engine(parsed, pool_pre_ping=parsed.get_backend_name() != "sqlite", hide_parameters=True)
         except Exception as exc:
             raise LedgerUnavailable(f"cannot open ledger {redact_url(url)!r}: {exc}") from None
         if engine.dialect.name == "sqlite":
@@ -331,7 +389,7 @@ class ExportLedger:
 
     def get(self, logical_key: str) -> ExportRecord | None:
         with self.atomic(read_only=True) as conn:
-            row = conn.execute(sa.select(export_runs).where(export_runs.c.logical_key == logical_key)).first()
+            row = conn.execute(_RUN_BY_KEY, {"k_key": logical_key}).first()
         return ExportRecord.from_row(row) if row else None
 
     def find(self, key: LogicalKey) -> ExportRecord | None:
@@ -349,12 +407,21 @@ class ExportLedger:
         date_to: dt.date | None = None,
         states: Sequence[ExportState] = (),
         limit: int | None = None,
+        tenants: Sequence[str] = (),
+        business_dates: Sequence[dt.date] = (),
+        timezone: str | None = None,
     ) -> list[ExportRecord]:
         query = sa.select(export_runs)
         if export is not None:
             query = query.where(export_runs.c.export == export)
         if tenant is not None:
             query = query.where(export_runs.c.tenant == tenant)
+        if tenants:
+            query = query.where(export_runs.c.tenant.in_(list(tenants)))
+        if business_dates:
+            query = query.where(export_runs.c.business_date.in_(list(business_dates)))
+        if timezone is not None:
+            query = query.where(export_runs.c.timezone == timezone)
         if date_from is not None:
             query = query.where(export_runs.c.business_date >= date_from)
         if date_to is not None:
@@ -366,6 +433,44 @@ class ExportLedger:
             query = query.limit(limit)
         with self.atomic(read_only=True) as conn:
             return [ExportRecord.from_row(row) for row in conn.execute(query)]
+
+    def day_summaries(
+        self,
+        *,
+        export: str,
+        timezone: str,
+        days: Sequence[dt.date],
+        tenants: Sequence[str],
+        waiting: Sequence[ExportState],
+    ) -> dict[dt.date, DaySummary]:
+        """Per business day, how ``tenants``' keys stand: counted in the database, so a tick that looks at a hundred
+        days of a thousand tenants reads a hundred rows, not a hundred thousand. Days with no key are absent."""
+        if not days or not tenants:
+            return {}
+        state = export_runs.c.state
+        query = (
+            sa.select(
+                export_runs.c.business_date,
+                sa.func.count().label("keys"),
+                sa.func.sum(sa.case((state == ExportState.COMPLETED.value, 1), else_=0)).label("completed"),
+                sa.func.sum(sa.case((state.in_([s.value for s in waiting]), 1), else_=0)).label("waiting"),
+                sa.func.sum(export_runs.c.fencing_token).label("tokens"),
+            )
+            .where(
+                export_runs.c.export == export,
+                export_runs.c.timezone == timezone,
+                export_runs.c.business_date.in_(list(days)),
+                export_runs.c.tenant.in_(list(tenants)),
+            )
+            .group_by(export_runs.c.business_date)
+        )
+        with self.atomic(read_only=True) as conn:
+            return {
+                row.business_date: DaySummary(
+                    row.business_date, int(row.keys), int(row.completed), int(row.waiting), int(row.tokens)
+                )
+                for row in conn.execute(query)
+            }
 
     def attempts(self, logical_key: str) -> list[AttemptRecord]:
         query = (
@@ -430,7 +535,8 @@ class ExportLedger:
                     )
                 tz_database = tz_database_version(key.window.timezone)
                 conn.execute(
-                    export_runs.insert().values(
+                    _INSERT_RUN,
+                    dict(
                         logical_key=str(key),
                         export=key.export,
                         tenant=key.tenant,
@@ -446,7 +552,7 @@ class ExportLedger:
                         fencing_token=1,
                         created_at=now,
                         updated_at=now,
-                    )
+                    ),
                 )
                 return Claim(str(key), attempt_id, 1, key.window, now, expires, None, tz_database)
 
@@ -724,18 +830,43 @@ class ExportLedger:
         written and None is returned. Appends the reconciler's attempt row (and, for an expired lease, the dead
         holder's ``abandoned`` row).
         """
-        outcomes = {
-            ExportState.COMPLETED: AttemptOutcome.REPAIRED,
-            ExportState.FAILED: AttemptOutcome.FAILED,
-            ExportState.CONFLICT: AttemptOutcome.CONFLICT,
-        }
-        if state not in outcomes:
+        (updated,) = self.resolve_many([Resolution(record, state, detail, evidence)], reconciler=reconciler)
+        return updated
+
+    def resolve_many(self, resolutions: Sequence[Resolution], *, reconciler: str) -> list[ExportRecord | None]:
+        """:meth:`resolve` for a batch of keys in one transaction: one durable commit per reconciliation tick.
+
+        Each key keeps its own guard; a key an attempt changed meanwhile gets None and the others still commit.
+        Rolling the whole batch back on an error is safe: each verdict comes from the destination's evidence and is
+        found again by the next tick.
+        """
+        for item in resolutions:
+            self._check_resolution(item)
+        if not resolutions:
+            return []
+        now = self.now()
+        attempts: list[dict] = []
+        with self.atomic() as conn:
+            updated = [self._resolve_in(conn, item, reconciler, now, attempts) for item in resolutions]
+            if attempts:
+                conn.execute(_INSERT_ATTEMPT, attempts)  # one executemany for the batch's attempt rows, in order
+        return updated
+
+    @staticmethod
+    def _check_resolution(item: Resolution) -> None:
+        record, state = item.record, item.state
+        if state not in _RESOLUTION_OUTCOMES:
             raise InvalidTransition(f"reconciliation cannot move {record.logical_key} to {state.value}")
-        if state is ExportState.COMPLETED and evidence is None:
+        if state is ExportState.COMPLETED and item.evidence is None:
             raise InvalidTransition(f"completing {record.logical_key} needs the destination's evidence")
         if record.state not in (ExportState.REMOTE_UNKNOWN, ExportState.IN_PROGRESS):
             raise InvalidTransition(f"{record.logical_key} is {record.state.value}, not stuck")
-        now = self.now()
+
+    def _resolve_in(
+        self, conn: Connection, item: Resolution, reconciler: str, now: dt.datetime, attempts: list[dict]
+    ) -> ExportRecord | None:
+        """Applies one guarded transition; appends its attempt rows to ``attempts`` for the caller to insert."""
+        record, state, evidence = item.record, item.state, item.evidence
         values: dict = dict(state=state.value, lease_owner=None, lease_expires_at=None, updated_at=now)
         if evidence is not None:
             values.update(
@@ -751,22 +882,23 @@ class ExportLedger:
         ]
         if record.state is ExportState.IN_PROGRESS:
             conditions.append(export_runs.c.lease_expires_at < now)  # never take a key from a live lease
-        with self.atomic() as conn:
-            if conn.execute(export_runs.update().where(*conditions).values(**values)).rowcount != 1:
-                return None
-            if record.state is ExportState.IN_PROGRESS:
-                self._append_abandoned(conn, record, now)
-            self._append_attempt(
-                conn,
+        statement = export_runs.update().where(*conditions).values(**values).returning(*export_runs.c)
+        row = conn.execute(statement).first()  # the row as updated, or None when the guard did not match
+        if row is None:
+            return None
+        if record.state is ExportState.IN_PROGRESS:
+            attempts.append(self._abandoned_values(record, now))
+        attempts.append(
+            self._attempt_values(
                 record.logical_key,
                 reconciler,
                 record.fencing_token,
                 now,
-                outcomes[state],
+                _RESOLUTION_OUTCOMES[state],
                 "Reconciliation",
-                detail,
+                item.detail,
             )
-            row = conn.execute(sa.select(export_runs).where(export_runs.c.logical_key == record.logical_key)).one()
+        )
         return ExportRecord.from_row(row)
 
     def _finish(
@@ -809,7 +941,7 @@ class ExportLedger:
                     message,
                     started_at=claim.started_at,
                 )
-                row = conn.execute(sa.select(export_runs).where(export_runs.c.logical_key == claim.logical_key)).one()
+                row = conn.execute(_RUN_BY_KEY, {"k_key": claim.logical_key}).one()
                 return ExportRecord.from_row(row)
             fenced = self._record_fenced(conn, claim, now)
         raise fenced  # after the commit: the fenced attempt's row must survive
@@ -860,14 +992,14 @@ class ExportLedger:
                     AttemptOutcome.COMPLETED,
                     started_at=claim.started_at,
                 )
-                row = conn.execute(sa.select(export_runs).where(export_runs.c.logical_key == claim.logical_key)).one()
+                row = conn.execute(_RUN_BY_KEY, {"k_key": claim.logical_key}).one()
                 return ExportRecord.from_row(row)
             fenced = self._record_fenced(conn, claim, now)
         raise fenced
 
     def _record_fenced(self, conn: Connection, claim: Claim, now: dt.datetime) -> FencedOut:
         """Appends the ``fenced`` attempt row and returns the error to raise (after the transaction commits)."""
-        current = conn.execute(sa.select(export_runs).where(export_runs.c.logical_key == claim.logical_key)).first()
+        current = conn.execute(_RUN_BY_KEY, {"k_key": claim.logical_key}).first()
         holder = "nobody"
         if current is not None:
             holder = f"{current.lease_owner or 'nobody'} (state {current.state}, token {current.fencing_token})"
@@ -892,15 +1024,13 @@ class ExportLedger:
     # -- helpers -----------------------------------------------------------------------------------------------
 
     def _find(self, conn: Connection, key: LogicalKey, *, lock: bool) -> sa.Row | None:
-        query = sa.select(export_runs).where(
-            export_runs.c.export == key.export,
-            export_runs.c.tenant == key.tenant,
-            export_runs.c.timezone == key.window.timezone,
-            export_runs.c.business_date == key.window.business_date,
-        )
-        if lock:
-            query = query.with_for_update()
-        return conn.execute(query).first()
+        parameters = {
+            "k_export": key.export,
+            "k_tenant": key.tenant,
+            "k_timezone": key.window.timezone,
+            "k_business_date": key.window.business_date,
+        }
+        return conn.execute(_RUN_BY_DAY_LOCKED if lock else _RUN_BY_DAY, parameters).first()
 
     def _guarded_update(
         self,
@@ -913,14 +1043,10 @@ class ExportLedger:
         owner: str | None = None,
         required: bool = True,
     ) -> bool:
-        conditions = [
-            export_runs.c.logical_key == logical_key,
-            export_runs.c.state.in_([s.value for s in from_states]),
-            export_runs.c.fencing_token == token,
-        ]
+        parameters = {"g_key": logical_key, "g_states": [s.value for s in from_states], "g_token": token, **values}
         if owner is not None:
-            conditions.append(export_runs.c.lease_owner == owner)
-        result = conn.execute(export_runs.update().where(*conditions).values(**values))
+            parameters["g_owner"] = owner
+        result = conn.execute(_GUARDED_UPDATE[owner is not None], parameters)
         if result.rowcount == 1:
             return True
         if required:
@@ -932,8 +1058,10 @@ class ExportLedger:
 
     def _append_abandoned(self, conn: Connection, record: ExportRecord, now: dt.datetime) -> None:
         """Records the attempt whose lease ran out without a result (it crashed or stalled)."""
-        self._append_attempt(
-            conn,
+        conn.execute(_INSERT_ATTEMPT, self._abandoned_values(record, now))
+
+    def _abandoned_values(self, record: ExportRecord, now: dt.datetime) -> dict:
+        return self._attempt_values(
             record.logical_key,
             record.lease_owner,
             record.fencing_token,
@@ -944,9 +1072,11 @@ class ExportLedger:
             started_at=record.attempt_started_at,
         )
 
-    def _append_attempt(
+    def _append_attempt(self, conn: Connection, *args, **kwargs) -> None:
+        conn.execute(_INSERT_ATTEMPT, self._attempt_values(*args, **kwargs))
+
+    def _attempt_values(
         self,
-        conn: Connection,
         logical_key: str,
         attempt_id: str,
         fencing_token: int | None,
@@ -956,18 +1086,16 @@ class ExportLedger:
         error_message: str | None = None,
         *,
         started_at: dt.datetime | None = None,
-    ) -> None:
+    ) -> dict:
         started_at = started_at or now
-        conn.execute(
-            export_attempts.insert().values(
-                attempt_id=attempt_id,
-                logical_key=logical_key,
-                fencing_token=fencing_token,
-                started_at=started_at,
-                # A wall clock stepped back (NTP) since the claim must not lose the outcome: never finish before start.
-                finished_at=max(now, started_at),
-                outcome=outcome.value,
-                error_class=error_class,
-                error_message=error_message[:_MESSAGE_LIMIT] if error_message else error_message,
-            )
+        return dict(
+            attempt_id=attempt_id,
+            logical_key=logical_key,
+            fencing_token=fencing_token,
+            started_at=started_at,
+            # A wall clock stepped back (NTP) since the claim must not lose the outcome: never finish before start.
+            finished_at=max(now, started_at),
+            outcome=outcome.value,
+            error_class=error_class,
+            error_message=error_message[:_MESSAGE_LIMIT] if error_message else error_message,
         )

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from resources.destinations import Destination, DestinationError, DestinationUnreachable, ExportTarget
 from resources.exportfile import Manifest, ManifestError
-from resources.ledger import CompletionEvidence, ExportLedger, ExportRecord
+from resources.ledger import CompletionEvidence, ExportLedger, ExportRecord, Resolution
 from resources.schema import ExportState
 
 
@@ -118,18 +118,14 @@ def reconcile_batch(
     """
     records = ledger.stuck(limit=limit, after=after)
     report = ReconcileReport(next_after=records[-1].logical_key if len(records) == limit else None)
+    decided = []
     for record in records:
-        finding = examine(destination, record)
+        finding = examine(destination, record)  # destination I/O first, outside the ledger's write transaction
         report.findings.append(finding)
-        if finding.verdict is Verdict.UNREACHABLE:
-            continue
-        updated = ledger.resolve(
-            record,
-            _NEXT_STATE[finding.verdict],
-            reconciler=reconciler,
-            detail=finding.detail,
-            evidence=finding.evidence,
-        )
+        if finding.verdict is not Verdict.UNREACHABLE:
+            decided.append(finding)
+    resolutions = [Resolution(f.record, _NEXT_STATE[f.verdict], f.detail, f.evidence) for f in decided]
+    for finding, updated in zip(decided, ledger.resolve_many(resolutions, reconciler=reconciler), strict=True):
         if updated is None:
             report.changed_meanwhile.append(finding)
         else:

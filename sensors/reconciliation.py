@@ -33,7 +33,7 @@ def sensor_result(
     calendar: ExportCalendar,
     asset_key: dg.AssetKey,
     tenants: Sequence[str],
-    ever_materialized: Callable[[str], bool],
+    materialized: Callable[[Sequence[str]], set[str]],
     log,
 ) -> tuple[list[dg.RunRequest], list[dg.AssetMaterialization], list[str]]:
     """Run requests, materialization events and notes from one reconciliation pass.
@@ -53,44 +53,59 @@ def sensor_result(
         elif record.state is ExportState.CONFLICT:
             log.error(f"{record.logical_key}: conflict at the destination, nothing overwritten: {finding.detail}")
 
-    requests, events = [], []
+    days: dict[str, dt.date] = {}
     for partition in sorted(touched):
         try:
-            window = calendar.window(partition)  # Dagster does not validate partition keys in run requests: we do
+            days[partition] = calendar.window(partition).business_date  # Dagster does not validate partition keys
         except CalendarError as exc:
             log.error(f"partition {partition!r} not rerun or recorded: {exc}")
-            continue
-        day = window.business_date
-        records = {r.tenant: r for r in ledger.records(export=export, date_from=day, date_to=day)}
-        states = {tenant: records[tenant].state if tenant in records else None for tenant in tenants}
-        if all(state is ExportState.COMPLETED for state in states.values()):
-            if not ever_materialized(partition):
-                done = [records[t] for t in tenants]
-                events.append(
-                    dg.AssetMaterialization(
-                        asset_key=asset_key,
-                        partition=partition,
-                        metadata={
-                            "logical_keys": dg.MetadataValue.json([r.logical_key for r in done]),
-                            "rows": sum(r.row_count for r in done),
-                            "sha256": dg.MetadataValue.json({r.logical_key: r.sha256 for r in done}),
-                            "paths": dg.MetadataValue.json({r.logical_key: r.location for r in done}),
-                            "committed_attempts": dg.MetadataValue.json(sorted({r.committed_attempt for r in done})),
-                        },
-                        description="recorded by reconciliation from the destination's evidence",
-                    )
-                )
-        elif any(state in _WAIT_STATES for state in states.values()):
+    # One grouped read for every touched day, over the configured tenants only: a tick costs what it touched.
+    summaries = ledger.day_summaries(
+        export=export, timezone=calendar.timezone, days=list(days.values()), tenants=tenants, waiting=_WAIT_STATES
+    )
+    requests, complete = [], []
+    for partition, day in days.items():
+        summary = summaries.get(day)
+        if summary is not None and summary.completed == len(tenants):
+            complete.append(partition)
+        elif summary is not None and summary.waiting:
             continue  # a run is in flight, an outcome is still unknown, or an operator must resolve a conflict
         else:
             # Dagster never relaunches a run key it has seen. Every claim raises a key's fencing token, so the sum over
             # the partition's keys grows with each attempt: a later failure of the same partition gets a new run key.
-            generation = sum(r.fencing_token for r in records.values())
+            generation = summary.tokens if summary is not None else 0
             requests.append(
                 dg.RunRequest(
                     partition_key=partition,
                     run_key=f"reconcile/{asset_key.to_user_string()}/{partition}/{generation}",
                     tags={"export-ledger/reconciled": "true"},
+                )
+            )
+
+    events = []
+    seen = materialized(complete)
+    unrecorded = [p for p in complete if p not in seen]  # their run failed on some key: Dagster never recorded them
+    if unrecorded:
+        order = {tenant: i for i, tenant in enumerate(tenants)}
+        by_day: dict[dt.date, list] = {days[p]: [] for p in unrecorded}
+        for record in ledger.records(
+            export=export, timezone=calendar.timezone, business_dates=list(by_day), tenants=tenants
+        ):
+            by_day[record.business_date].append(record)
+        for partition in unrecorded:
+            done = sorted(by_day[days[partition]], key=lambda r: order[r.tenant])
+            events.append(
+                dg.AssetMaterialization(
+                    asset_key=asset_key,
+                    partition=partition,
+                    metadata={
+                        "logical_keys": dg.MetadataValue.json([r.logical_key for r in done]),
+                        "rows": sum(r.row_count for r in done),
+                        "sha256": dg.MetadataValue.json({r.logical_key: r.sha256 for r in done}),
+                        "paths": dg.MetadataValue.json({r.logical_key: r.location for r in done}),
+                        "committed_attempts": dg.MetadataValue.json(sorted({r.committed_attempt for r in done})),
+                    },
+                    description="recorded by reconciliation from the destination's evidence",
                 )
             )
 
@@ -111,11 +126,19 @@ def sensor_result(
 _WAIT_STATES = (ExportState.IN_PROGRESS, ExportState.REMOTE_UNKNOWN, ExportState.CONFLICT)
 
 
-def _ever_materialized(instance: dg.DagsterInstance, asset_key: dg.AssetKey, partition: str) -> bool:
-    records = instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=asset_key, asset_partitions=[partition]), limit=1
-    )
-    return bool(records.records)
+def _materialized(instance: dg.DagsterInstance, asset_key: dg.AssetKey, partitions: Sequence[str]) -> set[str]:
+    """Which of ``partitions`` Dagster has a materialization of: one paged read, not one query per partition."""
+    found: set[str] = set()
+    cursor = None
+    while partitions:
+        page = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=asset_key, asset_partitions=list(partitions)), limit=1000, cursor=cursor
+        )
+        found.update(record.partition_key for record in page.records)
+        if not page.has_more:
+            break
+        cursor = page.cursor
+    return found
 
 
 def build_reconciliation_sensor(
@@ -157,7 +180,7 @@ def build_reconciliation_sensor(
             calendar=calendar,
             asset_key=asset_key,
             tenants=tenants,
-            ever_materialized=lambda partition: _ever_materialized(context.instance, asset_key, partition),
+            materialized=lambda partitions: _materialized(context.instance, asset_key, partitions),
             log=context.log,
         )
 

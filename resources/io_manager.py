@@ -72,6 +72,19 @@ class ExportResult:
     row_count: int
     committed_attempt: str
 
+    @classmethod
+    def of(cls, record: ExportRecord, partition_key: str, status: str) -> "ExportResult":
+        return cls(
+            record.logical_key,
+            partition_key,
+            record.tenant,
+            status,
+            record.location,
+            record.sha256,
+            record.row_count,
+            record.committed_attempt,
+        )
+
 
 @dataclass
 class ExportBatch:
@@ -150,16 +163,7 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
             context.log.info(
                 f"{record.logical_key} already completed by attempt {record.committed_attempt}; skipped, no new effect"
             )
-            return ExportResult(
-                record.logical_key,
-                item.partition_key,
-                record.tenant,
-                "already_completed",
-                record.location,
-                record.sha256,
-                record.row_count,
-                record.committed_attempt,
-            )
+            return ExportResult.of(record, item.partition_key, "already_completed")
         claim = outcome
         target = target_for(item.key)
         try:
@@ -218,16 +222,7 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
             context.log.info(
                 f"{record.logical_key} {status}: {record.row_count} rows at {record.location} (attempt {attempt})"
             )
-        return ExportResult(
-            record.logical_key,
-            item.partition_key,
-            record.tenant,
-            status,
-            record.location,
-            record.sha256,
-            record.row_count,
-            record.committed_attempt,
-        )
+        return ExportResult.of(record, item.partition_key, status)
 
     def _publish(
         self, claim: Claim, schema: ExportSchema, item: ExportItem, target: ExportTarget

@@ -1,0 +1,1 @@
+"""The reference code location's exports (declarations only; export_ledger builds their assets)."""

@@ -29,15 +29,15 @@ import dagster as dg
 import pyarrow as pa
 import pyarrow.csv as pa_csv
 
-from assets.keys import LogicalKey
-from assets.windows import window_for
+from assets.invoices import INVOICE_SCHEMA
 from benchmarks.common import Settings, interleaved, median, scratch_dir, target
 from definitions import build_definitions
-from resources.destinations import LocalDestination
-from resources.io_manager import ExportBatch, ExportItem, LedgeredExportIOManager
-from resources.ledger import dispose_engines
-from resources.ledger_resource import LedgerResource
-from resources.sources import INVOICE_SCHEMA, SampleInvoiceSource
+from export_ledger.calendar import window_for
+from export_ledger.destinations import LocalDestination
+from export_ledger.keys import LogicalKey
+from export_ledger.ledger import ExportLedger, dispose_engines
+from export_ledger.protocol import ExportBatch, ExportItem, export_batch
+from resources.invoices import SampleInvoiceSource
 
 NAME = "backfill"
 JOB = "invoice_export_job"
@@ -123,7 +123,7 @@ class _Backfill:
         for partition in self.partitions:
             window = self.windows[partition]
             for tenant in self.tenants:
-                frame = self.source.events(tenant, window.start_utc, window.end_utc)
+                frame = self.source.rows(tenant, window.start_utc, window.end_utc)
                 table = pa.Table.from_pandas(frame, preserve_index=False)
                 with open(out / f"{tenant}-{partition}.csv", "wb") as handle:
                     pa_csv.write_csv(table, handle)
@@ -131,18 +131,18 @@ class _Backfill:
                     os.fsync(handle.fileno())
 
     def ledgered_no_dagster(self, _rep: int) -> None:
-        io_manager = LedgeredExportIOManager(
-            ledger=LedgerResource(url=self.ledger_url),
-            destination=LocalDestination(root=str(self.work / "exports")),
-            tenants=self.tenants,
-        )
         items = []
         for partition in self.partitions:
             window = self.windows[partition]
             for tenant in self.tenants:
-                frame = self.source.events(tenant, window.start_utc, window.end_utc)
+                frame = self.source.rows(tenant, window.start_utc, window.end_utc)
                 items.append(ExportItem(LogicalKey("invoice_export", tenant, window), partition, frame))
-        io_manager.handle_output(self.context, ExportBatch(INVOICE_SCHEMA, items))
+        export_batch(
+            ExportLedger(self.ledger_url),
+            LocalDestination(root=str(self.work / "exports")),
+            ExportBatch(INVOICE_SCHEMA, items),
+            "bench-backfill/invoice_export",
+        )
 
 
 def run(settings: Settings) -> dict:
@@ -156,10 +156,6 @@ def run(settings: Settings) -> dict:
 
         def setup(name: str, _rep: int) -> None:
             bench.fresh(name)
-            if name == "ledgered_no_dagster":
-                bench.context = dg.build_output_context(
-                    run_id="bench-backfill", step_key="invoice_export", instance=bench.instance
-                )
 
         variants = {
             "per_partition": bench.per_partition,

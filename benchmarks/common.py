@@ -164,7 +164,7 @@ def postgres_schema(prefix: str) -> Iterator[tuple[str, str]]:
     """A fresh schema; yields (SQLAlchemy URL whose connections use it, schema name). Dropped afterwards."""
     import sqlalchemy as sa
 
-    from resources.ledger import dispose_engines
+    from export_ledger.ledger import dispose_engines
 
     schema = f"{prefix}_{uuid.uuid4().hex[:10]}"
     admin = sa.create_engine(POSTGRES_ADMIN_URL)

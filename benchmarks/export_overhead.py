@@ -26,15 +26,14 @@ import pyarrow as pa
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
-from assets.keys import LogicalKey
-from assets.windows import ExportWindow, window_for
+from assets.invoices import INVOICE_SCHEMA
 from benchmarks.common import Settings, fsync_file, interleaved, median, scratch_dir, target
-from resources.destinations import LocalDestination
-from resources.exportfile import Manifest, data_file_name, validate_frame
-from resources.io_manager import ExportBatch, ExportItem, LedgeredExportIOManager, target_for
-from resources.ledger import CompletionEvidence, ExportLedger, dispose_engines
-from resources.ledger_resource import LedgerResource
-from resources.sources import INVOICE_SCHEMA
+from export_ledger.calendar import ExportWindow, window_for
+from export_ledger.dagster import DestinationResource, LedgeredExportIOManager, LedgerResource
+from export_ledger.frames import Manifest, data_file_name, validate_frame
+from export_ledger.keys import LogicalKey
+from export_ledger.ledger import CompletionEvidence, ExportLedger, dispose_engines
+from export_ledger.protocol import ExportBatch, ExportItem, target_for
 
 NAME = "export_overhead"
 FORMATS = ("csv", "parquet")
@@ -145,7 +144,7 @@ class _Ledgered:
         self.ledger_url = f"sqlite:///{folder / 'ledger.sqlite3'}"
         self.io_manager = LedgeredExportIOManager(
             ledger=LedgerResource(url=self.ledger_url),
-            destination=LocalDestination(root=str(self.root)),
+            destination=DestinationResource(spec=str(self.root)),
             file_format=file_format,
             tenants=["acme"],
         )
@@ -185,7 +184,7 @@ class _Ledgered:
     def phases(self) -> dict[str, float]:
         """The I/O manager's steps for one more key, called one by one with a timer on each: where the time goes."""
         ledger = ExportLedger(self.ledger_url)
-        destination = self.io_manager.destination
+        destination = self.io_manager.destination.get_destination()
         key = LogicalKey(f"invoice_export_phases_{self.file_format}", "acme", self.window)
         spent: dict[str, float] = {}
 

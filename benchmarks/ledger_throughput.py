@@ -20,8 +20,6 @@ from collections.abc import Callable
 
 import sqlalchemy as sa
 
-from assets.keys import LogicalKey
-from assets.windows import tz_database_version, window_for
 from benchmarks.common import (
     Settings,
     interleaved,
@@ -31,7 +29,9 @@ from benchmarks.common import (
     scratch_dir,
     target,
 )
-from resources.ledger import CompletionEvidence, ExportLedger, dispose_engines, ledger_engine
+from export_ledger.calendar import tz_database_version, window_for
+from export_ledger.keys import LogicalKey
+from export_ledger.ledger import CompletionEvidence, ExportLedger, dispose_engines, ledger_engine
 
 NAME = "ledger_throughput"
 TIMEZONE = "America/New_York"

@@ -25,7 +25,6 @@ from pathlib import Path
 import dagster as dg
 import sqlalchemy as sa
 
-from assets.windows import ExportWindow, tz_database_version, utc_iso, window_for
 from benchmarks.common import (
     Settings,
     interleaved,
@@ -35,12 +34,13 @@ from benchmarks.common import (
     scratch_dir,
     target,
 )
-from resources.destinations import ExportTarget, LocalDestination
-from resources.exportfile import MANIFEST_NAME, Manifest
-from resources.ledger import ExportLedger, dispose_engines, ledger_engine
-from resources.ledger_resource import LedgerResource
-from resources.reconcile import reconcile_batch
-from resources.schema import ExportState, export_runs
+from export_ledger.calendar import ExportWindow, tz_database_version, utc_iso, window_for
+from export_ledger.dagster import DestinationResource, LedgerResource
+from export_ledger.destinations import ExportTarget, LocalDestination
+from export_ledger.frames import MANIFEST_NAME, Manifest
+from export_ledger.ledger import ExportLedger, dispose_engines, ledger_engine
+from export_ledger.ledger.schema import ExportState, export_runs
+from export_ledger.reconcile import reconcile_batch
 
 NAME = "sensor_tick"
 TIMEZONE = "America/New_York"
@@ -219,7 +219,10 @@ def _measure(backend: str, ledgers: dict[int, StuckLedger], repeats: int, warmup
             # The daemon hands the sensor a context; building it is not the sensor's work.
             contexts[rows] = dg.build_sensor_context(
                 instance=instance,
-                resources={"ledger": LedgerResource(url=ledgers[rows].url), "destination": ledgers[rows].destination},
+                resources={
+                    "ledger": LedgerResource(url=ledgers[rows].url),
+                    "invoice_export__destination": DestinationResource.of(ledgers[rows].destination),
+                },
             )
 
         times = interleaved(variants, repeats, setup=setup, warmup=warmup)

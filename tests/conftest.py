@@ -13,12 +13,13 @@ import uuid
 from collections.abc import Iterator
 from urllib.parse import quote
 
+import dagster as dg
 import pytest
 import sqlalchemy as sa
-
-from resources.ledger import dispose_engines
-from resources.ledger_resource import LedgerResource
 from s3_fixtures import *  # noqa: F403  (s3_server, s3_credentials, s3_bucket, fault_proxy)
+
+from export_ledger.dagster import LedgerResource
+from export_ledger.ledger import dispose_engines
 
 UTC = dt.timezone.utc
 POSTGRES_ADMIN_URL = os.environ.get(
@@ -64,6 +65,13 @@ def postgres_url(postgres_admin_url: str) -> Iterator[str]:
         with admin.begin() as conn:
             conn.execute(sa.schema.DropSchema(schema, cascade=True))
         admin.dispose()
+
+
+@pytest.fixture
+def instance():
+    """A Dagster instance in memory: runs and asset events are recorded and read back like any instance's, and it
+    starts in milliseconds."""
+    return dg.DagsterInstance.ephemeral()
 
 
 @pytest.fixture

@@ -10,8 +10,8 @@ import dagster as dg
 import pandas as pd
 
 from definitions import build_definitions
-from resources.exportfile import MANIFEST_NAME, Manifest
-from resources.ledger import ExportLedger
+from export_ledger.frames import MANIFEST_NAME, Manifest
+from export_ledger.ledger import ExportLedger
 
 JOB = "invoice_export_job"
 

@@ -10,7 +10,6 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-
 from s3_support import FaultProxy, start_s3_server, stop_s3_server
 
 __all__ = ["fault_proxy", "s3_bucket", "s3_credentials", "s3_server"]

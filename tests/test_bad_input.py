@@ -9,19 +9,13 @@ import pandas as pd
 import pytest
 from pipeline_helpers import failure_message, make_defs, published_dirs, run_partition
 
-from assets.calendar import ExportCalendar
-from assets.keys import InvalidIdentifier, parse_tenants
-from assets.windows import CalendarError
-from definitions import ConfigurationError, build_definitions
-from resources.ledger import ExportLedger
-from resources.schema import ExportState
-from resources.sources import InvoiceSource, SampleInvoiceSource
-
-
-@pytest.fixture
-def instance():
-    with dg.instance_for_test() as instance:
-        yield instance
+from definitions import build_definitions
+from export_ledger import ConfigurationError
+from export_ledger.calendar import CalendarError, ExportCalendar
+from export_ledger.keys import InvalidIdentifier, parse_tenants
+from export_ledger.ledger import ExportLedger
+from export_ledger.ledger.schema import ExportState
+from resources.invoices import InvoiceSource, SampleInvoiceSource
 
 
 class DoctoredSource(InvoiceSource):
@@ -32,8 +26,8 @@ class DoctoredSource(InvoiceSource):
     def count(self, tenant, start_utc, end_utc) -> int:
         return SampleInvoiceSource().count(tenant, start_utc, end_utc)
 
-    def events(self, tenant, start_utc, end_utc) -> pd.DataFrame:
-        frame = SampleInvoiceSource().events(tenant, start_utc, end_utc)
+    def rows(self, tenant, start_utc, end_utc) -> pd.DataFrame:
+        frame = SampleInvoiceSource().rows(tenant, start_utc, end_utc)
         if self.defect == "missing_column":
             return frame.drop(columns=["customer_email"])
         if self.defect == "null_amount":
@@ -167,18 +161,18 @@ def test_bad_schedule_time_is_refused(tmp_path):
 
 def test_naive_bounds_are_refused_by_sources():
     with pytest.raises(ValueError, match="must be timezone-aware"):
-        SampleInvoiceSource().events("acme", dt.datetime(2026, 3, 8), dt.datetime(2026, 3, 9))
+        SampleInvoiceSource().rows("acme", dt.datetime(2026, 3, 8), dt.datetime(2026, 3, 9))
 
 
 @pytest.mark.parametrize(
     ("destination", "pool"),
     [
-        ("{tmp}/exports", "exports-local"),
-        ("s3://exports-bucket/p", "exports-s3"),
-        ("ledger-table:rows", "exports-ledger-table"),
+        ("{tmp}/exports", "exports-local-invoice_export"),
+        ("s3://exports-bucket/p", "exports-s3-invoice_export"),
+        ("ledger-table:rows", "exports-ledger-table-invoice_export"),
     ],
 )
-def test_each_destination_kind_exports_in_its_own_concurrency_pool(tmp_path, destination, pool):
+def test_each_export_and_destination_kind_exports_in_its_own_concurrency_pool(tmp_path, destination, pool):
     environ = {
         "EXPORTS_LEDGER_URL": f"sqlite:///{tmp_path / 'l.sqlite3'}",
         "EXPORTS_DESTINATION": destination.format(tmp=tmp_path),

@@ -37,14 +37,14 @@ import sqlalchemy as sa
 from harness.protocol import Survey, survey, violations
 from pipeline_helpers import failure_message, published_dirs
 
-import cli
 from definitions import build_definitions
-from resources.destinations import LocalDestination
-from resources.ledger import ExportLedger, dispose_engines
-from resources.s3_destination import S3Destination
-from resources.schema import AttemptOutcome, ExportState
-from resources.sources import InvoiceSource, SampleInvoiceSource
-from resources.sql_destination import SqlTableDestination
+from export_ledger import cli
+from export_ledger.destinations import LocalDestination
+from export_ledger.destinations.s3 import S3Destination
+from export_ledger.destinations.table import SqlTableDestination
+from export_ledger.ledger import ExportLedger, dispose_engines
+from export_ledger.ledger.schema import AttemptOutcome, ExportState
+from resources.invoices import InvoiceSource, SampleInvoiceSource
 
 JOB = "invoice_export_job"
 BASELINE_DATE = "2026-03-07"
@@ -124,8 +124,8 @@ class DefectiveSource(InvoiceSource):
     def count(self, tenant, start_utc, end_utc) -> int:
         return SampleInvoiceSource().count(tenant, start_utc, end_utc)
 
-    def events(self, tenant, start_utc, end_utc) -> pd.DataFrame:
-        frame = SampleInvoiceSource().events(tenant, start_utc, end_utc)
+    def rows(self, tenant, start_utc, end_utc) -> pd.DataFrame:
+        frame = SampleInvoiceSource().rows(tenant, start_utc, end_utc)
         return DEFECTS[self.defect](frame, pd.Timestamp(start_utc), pd.Timestamp(end_utc))
 
 
@@ -366,7 +366,13 @@ CASES = [
     cli_case("reconcile-limit-negative", ["reconcile", "--limit", "-5"], 2, "--limit", "'-5'"),
     cli_case("prune-negative-days", ["prune", "--older-than", "-3"], 2, "invalid number of days '-3'"),
     cli_case("prune-days-in-words", ["prune", "--older-than", "ten"], 2, "invalid number of days 'ten'"),
-    cli_case("accept-contract-blank-reason", ["accept-contract", "--reason", "   "], 2, "--reason must say why"),
+    cli_case(
+        "accept-contract-blank-reason",
+        ["accept-contract", "--export", "invoice_export", "--timezone", "UTC", "--start-date", "2026-01-01"]
+        + ["--reason", "   "],
+        2,
+        "--reason must say why",
+    ),
     cli_case("attempts-path-as-key", ["attempts", "../../etc/passwd"], 1, "unknown logical key '../../etc/passwd'"),
     # configuration
     config_case("lease-zero", {"EXPORTS_LEASE_TTL_SECONDS": "0"}, "EXPORTS_LEASE_TTL_SECONDS", "'0'"),

@@ -17,6 +17,8 @@ import pytest
 
 from benchmarks.run import BENCHMARKS
 
+pytestmark = pytest.mark.process
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 

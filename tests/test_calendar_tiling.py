@@ -20,7 +20,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from assets.windows import known_zones, tz_database_version, window_for, windows_between
+from export_ledger.calendar import known_zones, tz_database_version, window_for, windows_between
 
 FIRST_DAY = dt.date(1970, 1, 1)
 LAST_DAY = dt.date(2037, 12, 31)

@@ -5,16 +5,17 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from builders import evidence_for, key_for
 
-import cli
-from assets.keys import LogicalKey
-from assets.windows import window_for
-from resources.ledger import CompletionEvidence, ExportLedger, LeaseHeld
+from export_ledger import cli
+from export_ledger.keys import LogicalKey
+from export_ledger.ledger import CompletionEvidence, ExportLedger, LeaseHeld, dispose_engines
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 ZONE = "America/New_York"
@@ -23,14 +24,11 @@ UNREACHABLE_WITH_PASSWORD = "postgresql+psycopg2://u:topsecret@127.0.0.1:1/x"
 
 
 def key(tenant: str, day: int, export: str = "invoice_export") -> LogicalKey:
-    return LogicalKey(export, tenant, window_for(dt.date(2026, 3, day), ZONE))
+    return key_for(dt.date(2026, 3, day), export=export, tenant=tenant)
 
 
 def evidence(claim, rows: int) -> CompletionEvidence:
-    return CompletionEvidence(
-        location=f"/exports/{claim.logical_key}", sha256="0" * 64, row_count=rows,
-        attempt_id=claim.attempt_id, fencing_token=claim.fencing_token,
-    )
+    return evidence_for(claim, row_count=rows)
 
 
 # The ledger every test reads: one logical key per state, two exports, three tenants, three business dates.
@@ -265,11 +263,12 @@ def test_ledger_url_option_overrides_the_environment_before_or_after_the_subcomm
     assert run(capsys, "attempts", ACME_7, "--ledger-url", ledger_url)[0] == 0
 
 
-def test_ledger_url_defaults_to_the_composition_roots_default(capsys, ledger_url, monkeypatch):
-    import definitions
-
+def test_ledger_url_defaults_to_var_ledger_in_the_working_directory(capsys, ledger_url, monkeypatch, tmp_path):
     monkeypatch.delenv(cli.LEDGER_URL_ENV, raising=False)
-    monkeypatch.setattr(definitions, "DEFAULT_LEDGER_URL", ledger_url)
+    dispose_engines()  # the last connection's close checkpoints the WAL into the file copied below
+    (tmp_path / "cwd" / "var").mkdir(parents=True)
+    shutil.copy(ledger_url.removeprefix("sqlite:///"), tmp_path / "cwd" / "var" / "ledger.sqlite3")
+    monkeypatch.chdir(tmp_path / "cwd")
 
     code, out, _ = run(capsys, "status", "--state", "remote_unknown")
 
@@ -379,7 +378,7 @@ def run_console(*argv: str, env: dict[str, str] | None = None) -> subprocess.Com
     environ = {k: v for k, v in os.environ.items() if k != cli.LEDGER_URL_ENV}
     environ.update(env or {}, PYTHONPATH=str(PROJECT_ROOT))
     return subprocess.run(
-        [sys.executable, "-c", "import cli, sys; sys.exit(cli.main())", *argv],
+        [str(Path(sys.executable).parent / "export-ledger"), *argv],
         cwd=PROJECT_ROOT, env=environ, capture_output=True, text=True, timeout=60,
     )
 
@@ -412,9 +411,9 @@ def test_console_entry_reads_the_ledger_url_from_the_environment(ledger_url):
 
 
 def test_importing_the_cli_or_naming_a_ledger_does_not_load_dagster_or_the_code_location(ledger_url):
-    # definitions.py builds the whole code location on import; the CLI loads it only to find the default URL.
+    # The CLI reads the settings module, never a code location (definitions.py builds one on import).
     check = (
-        "import sys, cli; code = cli.main(sys.argv[1:]); "
+        "import sys; from export_ledger import cli; code = cli.main(sys.argv[1:]); "
         "loaded = sorted(m for m in ('dagster', 'definitions') if m in sys.modules); "
         "print(loaded, file=sys.stderr); sys.exit(code)"
     )
@@ -428,8 +427,15 @@ def test_importing_the_cli_or_naming_a_ledger_does_not_load_dagster_or_the_code_
     assert result.stderr.strip() == "[]", "neither Dagster nor definitions.py should be imported"
 
 
-def test_a_code_location_that_cannot_load_leaves_no_default_ledger_and_says_how_to_name_one():
-    result = run_console("status", env={"EXPORTS_TENANTS": "Not A Slug"})
+def test_a_bad_setting_is_one_error_line_naming_it_and_no_code_location_is_loaded():
+    result = run_console("status", env={"EXPORTS_LEASE_TTL_SECONDS": "soon"})
 
     assert result.returncode == 1
-    assert_one_error_line(result.stderr, "definitions.py", "--ledger-url", cli.LEDGER_URL_ENV)
+    assert_one_error_line(result.stderr, "EXPORTS_LEASE_TTL_SECONDS", "'soon'")
+
+
+def test_status_of_an_export_the_ledger_does_not_know_names_the_known_ones(capsys, ledger_url):
+    code, out, err = run(capsys, "--ledger-url", ledger_url, "status", "--export", "orders")
+
+    assert code == 1 and out == ""
+    assert "no export named 'orders'" in err and "invoice_export" in err

@@ -41,11 +41,11 @@ from harness.protocol import AttemptSpec, build_destination, logical_key, run_at
 from s3_support import Fault
 
 from assets.invoices import EXPORT_NAME
-from resources.destinations import ExportTarget
-from resources.failpoints import POINTS
-from resources.ledger import ExportLedger, dispose_engines, utc_now
-from resources.reconcile import reconcile_batch
-from resources.schema import ExportState
+from export_ledger.destinations import ExportTarget
+from export_ledger.failpoints import POINTS
+from export_ledger.ledger import ExportLedger, dispose_engines, utc_now
+from export_ledger.ledger.schema import ExportState
+from export_ledger.reconcile import reconcile_batch
 
 pytest_plugins = ["harness.fixtures"]  # the shared fork server (fixture fork_server)
 

@@ -38,8 +38,8 @@ import sqlalchemy as sa
 import yaml
 from sqlalchemy.engine import make_url
 
-from resources.ledger import ExportLedger, ExportRecord, dispose_engines
-from resources.schema import AttemptOutcome, ExportState
+from export_ledger.ledger import ExportLedger, ExportRecord, dispose_engines
+from export_ledger.ledger.schema import AttemptOutcome, ExportState
 
 PROJECT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -47,6 +47,9 @@ PRODUCTION_INSTANCE = PROJECT / "deploy" / "dagster.yaml"
 LOCATION = "export-ledger"
 ASSET = "invoice_export"
 TENANTS = ("acme", "globex")
+pytestmark = pytest.mark.e2e
+POOL = "exports-local-invoice_export"  # the invoice export's pool on a local-folder destination
+
 PARTITIONS_PER_RUN = 3  # the backfill chunk for this stack (production: 31); see _LOCATION_SOURCE
 LEASE_TTL_SECONDS = 10
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
@@ -311,7 +314,7 @@ def stack(postgres_admin_url: str, tmp_path_factory: pytest.TempPathFactory) -> 
         # The documented command sets the pool's limit; it also creates Dagster's tables before two processes race
         # to create them.
         result = subprocess.run(
-            [str(BIN / "dagster"), "instance", "concurrency", "set", "exports-local", str(_pool_limit())],
+            [str(BIN / "dagster"), "instance", "concurrency", "set", POOL, str(_pool_limit())],
             cwd=root,
             env=env,
             capture_output=True,

@@ -32,9 +32,9 @@ from harness.forkserver import ForkServer
 from harness.protocol import AttemptSpec, survey, violations
 
 from assets.invoices import EXPORT_NAME
-from resources.destinations import ExportTarget
-from resources.ledger import ExportLedger, dispose_engines
-from resources.schema import AttemptOutcome, ExportState
+from export_ledger.destinations import ExportTarget
+from export_ledger.ledger import ExportLedger, dispose_engines
+from export_ledger.ledger.schema import AttemptOutcome, ExportState
 
 pytest_plugins = ["harness.fixtures"]  # the shared fork server (fixture fork_server)
 

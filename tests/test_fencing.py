@@ -43,9 +43,9 @@ from pipeline_helpers import make_defs, published_dirs, read_export, run_partiti
 
 from assets.invoices import EXPORT_NAME
 from definitions import build_definitions
-from resources.destinations import ExportTarget
-from resources.ledger import ExportLedger, dispose_engines
-from resources.schema import AttemptOutcome, ExportState
+from export_ledger.destinations import ExportTarget
+from export_ledger.ledger import ExportLedger, dispose_engines
+from export_ledger.ledger.schema import AttemptOutcome, ExportState
 
 pytest_plugins = ["harness.fixtures"]  # the shared fork server (fixture fork_server)
 

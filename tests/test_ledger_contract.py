@@ -9,14 +9,14 @@ import datetime as dt
 
 import pytest
 import sqlalchemy as sa
+from builders import ZONE, evidence_for, key_for
 
-from assets.keys import LogicalKey
-from assets.windows import ExportWindow, window_for
-from resources.ledger import (
+from export_ledger.calendar import ExportWindow, window_for
+from export_ledger.keys import LogicalKey
+from export_ledger.ledger import (
     AlreadyCompleted,
     AttemptRecord,
     Claim,
-    CompletionEvidence,
     EmptyWindow,
     ExportLedger,
     FencedOut,
@@ -26,33 +26,10 @@ from resources.ledger import (
     NeedsReconciliation,
     ledger_engine,
 )
-from resources.schema import AttemptOutcome, ExportState, export_runs
+from export_ledger.ledger.schema import AttemptOutcome, ExportState, export_runs
 
 UTC = dt.timezone.utc
 TTL = dt.timedelta(minutes=15)
-BUSINESS_DATE = dt.date(2026, 3, 8)  # the spring-forward day in New York: a 23-hour window
-ZONE = "America/New_York"
-
-
-def key_for(
-    business_date: dt.date = BUSINESS_DATE,
-    *,
-    export: str = "invoice_export",
-    tenant: str = "acme",
-    timezone: str = ZONE,
-) -> LogicalKey:
-    return LogicalKey(export, tenant, window_for(business_date, timezone))
-
-
-def evidence_for(claim: Claim, *, attempt_id: str | None = None, row_count: int = 42) -> CompletionEvidence:
-    producer = attempt_id or claim.attempt_id
-    return CompletionEvidence(
-        location=f"file:///exports/{claim.logical_key}/{producer.replace('/', '_')}.parquet",
-        sha256="ab" * 32,
-        row_count=row_count,
-        attempt_id=producer,
-        fencing_token=claim.fencing_token,
-    )
 
 
 def claim_live(ledger: ExportLedger, key: LogicalKey, attempt_id: str) -> Claim:

@@ -17,10 +17,10 @@ from collections import Counter
 
 import pytest
 
-from assets.keys import LogicalKey
-from assets.windows import window_for
-from resources.ledger import AlreadyCompleted, Claim, CompletionEvidence, ExportLedger, LeaseHeld
-from resources.schema import AttemptOutcome, ExportState
+from export_ledger.calendar import window_for
+from export_ledger.keys import LogicalKey
+from export_ledger.ledger import AlreadyCompleted, Claim, CompletionEvidence, ExportLedger, LeaseHeld
+from export_ledger.ledger.schema import AttemptOutcome, ExportState
 
 FRESH = "fresh"  # nobody ever claimed the key
 FAILED = "failed"  # an earlier attempt failed: safe to retry
@@ -141,6 +141,7 @@ def run_racers(url: str, racers: int) -> list[tuple[int, int, str, str]]:
     return collected
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("racers", [2, 8])
 def test_racing_processes_complete_each_key_exactly_once(ledger_url, racers):
     seed_round_starts(ledger_url)

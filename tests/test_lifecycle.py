@@ -4,24 +4,17 @@ from __future__ import annotations
 
 import datetime as dt
 
-import dagster as dg
 import pytest
 from pipeline_helpers import failure_message, make_defs, published_dirs, run_partition
 
-import cli
-from assets.calendar import ExportCalendar
-from assets.keys import LogicalKey
-from assets.windows import window_for
-from resources.ledger import BelowLowWater, CompletionEvidence, ContractChanged, ExportLedger
-from resources.schema import ExportState
+from export_ledger import cli
+from export_ledger.calendar import ExportCalendar, window_for
+from export_ledger.keys import LogicalKey
+from export_ledger.ledger import BelowLowWater, CompletionEvidence, ContractChanged, ExportLedger
+from export_ledger.ledger.schema import ExportState
 
 UTC = dt.timezone.utc
 
-
-@pytest.fixture
-def instance():
-    with dg.instance_for_test() as instance:
-        yield instance
 
 
 def _complete(ledger: ExportLedger, day: dt.date, tenant: str = "acme") -> None:
@@ -123,9 +116,11 @@ def test_accept_contract_from_the_cli_records_the_code_contract_and_reason(sqlit
     with pytest.raises(ContractChanged, match="Europe/Dublin"):
         ledger.check_contract("invoice_export", code_contract)
 
-    assert cli.main(["--ledger-url", sqlite_url, "accept-contract", "--reason", "zone fixed in code"]) == 0
+    accept = ["--ledger-url", sqlite_url, "accept-contract", "--export", "invoice_export"]
+    accept += ["--timezone", "America/New_York", "--start-date", "2026-01-01"]
+    assert cli.main([*accept, "--reason", "zone fixed in code"]) == 0
     assert "accepted for invoice_export" in capsys.readouterr().out
     assert ledger.recorded_contract("invoice_export") == code_contract
     ledger.check_contract("invoice_export", code_contract)  # no longer refused
     assert ledger.contract_history("invoice_export")[-1]["reason"] == "zone fixed in code"
-    assert cli.main(["--ledger-url", sqlite_url, "accept-contract", "--reason", "  "]) == 2
+    assert cli.main([*accept, "--reason", "  "]) == 2

@@ -18,20 +18,14 @@ from pipeline_helpers import (
     run_range,
 )
 
-from assets.keys import LogicalKey
-from assets.windows import ExportWindow, window_for
-from resources.failpoints import ENV_VAR as FAILPOINTS
-from resources.ledger import ExportLedger
-from resources.schema import AttemptOutcome, ExportState
-from resources.sources import SampleInvoiceSource
+from export_ledger.calendar import ExportWindow, window_for
+from export_ledger.failpoints import ENV_VAR as FAILPOINTS
+from export_ledger.keys import LogicalKey
+from export_ledger.ledger.schema import AttemptOutcome, ExportState
+from resources.invoices import SampleInvoiceSource
 
 UTC = dt.timezone.utc
 
-
-@pytest.fixture
-def instance():
-    with dg.instance_for_test() as instance:
-        yield instance
 
 
 def test_materializing_a_partition_twice_publishes_one_export_and_records_two_attempts(tmp_path, instance):
@@ -76,7 +70,7 @@ def test_export_holds_exactly_the_window_events_with_manifest_and_metadata(tmp_p
     for folder in published_dirs(tmp_path / "exports"):
         manifest, frame = read_export(folder)
         tenant = manifest.tenant
-        expected = source.events(tenant, window.start_utc, window.end_utc)
+        expected = source.rows(tenant, window.start_utc, window.end_utc)
         assert list(frame["invoice_id"]) == list(expected["invoice_id"])
         assert manifest.row_count == len(expected) == 92, "a 23-hour day at one event per 15 minutes"
         assert (manifest.window_start_utc, manifest.window_end_utc) == ("2026-03-08T05:00:00Z", "2026-03-09T04:00:00Z")
@@ -256,7 +250,7 @@ def test_dst_partitions_export_each_event_exactly_once(tmp_path, instance, zone,
         exported.extend(frame["invoice_id"])
     assert len(windows) == 5
     span = sorted(windows.values(), key=lambda w: w.start_utc)
-    expected = SampleInvoiceSource().events("acme", span[0].start_utc, span[-1].end_utc)
+    expected = SampleInvoiceSource().rows("acme", span[0].start_utc, span[-1].end_utc)
     assert len(exported) == len(set(exported)), "no event exported twice"
     assert set(exported) == set(expected["invoice_id"]), "every event in the span exported"
     assert any(w.duration != dt.timedelta(hours=24) for w in windows.values()), "the span crosses a transition"
@@ -311,7 +305,7 @@ def test_a_skipped_calendar_day_exports_nothing_and_its_neighbours_cover_every_e
     assert [f.name for f in folders] == ["date=2011-12-29", "date=2011-12-31"], "2011-12-30 never happened in Samoa"
     exported = [i for f in folders for i in read_export(f)[1]["invoice_id"]]
     first, last = window_for(dt.date(2011, 12, 29), "Pacific/Apia"), window_for(dt.date(2011, 12, 31), "Pacific/Apia")
-    expected = SampleInvoiceSource().events("acme", first.start_utc, last.end_utc)
+    expected = SampleInvoiceSource().rows("acme", first.start_utc, last.end_utc)
     assert sorted(exported) == sorted(expected["invoice_id"]), "every event exported once, none under two keys"
     skipped = [e for e in result.get_asset_materialization_events() if e.materialization.partition == "2011-12-30"]
     assert skipped[0].materialization.metadata["partition_logical_keys"].value == []

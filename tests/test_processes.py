@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 from pipeline_helpers import completed_without_export, published_dirs, read_export
 
-from resources.ledger import ExportLedger
-from resources.schema import AttemptOutcome, ExportState
+from export_ledger.ledger import ExportLedger
+from export_ledger.ledger.schema import AttemptOutcome, ExportState
+
+pytestmark = pytest.mark.process
 
 PROJECT = Path(__file__).resolve().parent.parent
 DAGSTER = str(Path(sys.executable).parent / "dagster")

@@ -24,14 +24,14 @@ import pytest
 from pipeline_helpers import failure_message, ledger_at, make_defs, published_dirs, run_partition, run_range
 from s3_support import Fault
 
-import cli
-from assets.keys import LogicalKey
-from assets.windows import window_for
-from resources.exportfile import MANIFEST_NAME
-from resources.failpoints import ENV_VAR as FAILPOINTS
-from resources.s3_destination import S3Destination
-from resources.schema import AttemptOutcome, ExportState
-from resources.sources import SampleInvoiceSource
+from export_ledger import cli
+from export_ledger.calendar import window_for
+from export_ledger.destinations.s3 import S3Destination
+from export_ledger.failpoints import ENV_VAR as FAILPOINTS
+from export_ledger.frames import MANIFEST_NAME
+from export_ledger.keys import LogicalKey
+from export_ledger.ledger.schema import AttemptOutcome, ExportState
+from resources.invoices import SampleInvoiceSource
 
 UTC = dt.timezone.utc
 PROJECT = Path(__file__).resolve().parent.parent
@@ -42,11 +42,6 @@ KEY = "invoice_export/acme/2026-03-08T05:00:00Z"
 PREFIX = "exports"
 SECRET = "sekrit-reconcile-cli-5f0c"
 
-
-@pytest.fixture
-def instance():
-    # In memory: runs and asset events are recorded and read back like any instance's, and it starts in milliseconds.
-    return dg.DagsterInstance.ephemeral()
 
 
 @pytest.fixture

@@ -23,10 +23,10 @@ from pipeline_helpers import failure_message, ledger_at, make_defs, published_di
 from s3_support import Fault
 
 from definitions import build_definitions
-from resources.exportfile import MANIFEST_NAME, Manifest
-from resources.failpoints import ENV_VAR as FAILPOINTS
-from resources.s3_destination import S3Destination
-from resources.schema import AttemptOutcome, ExportState
+from export_ledger.destinations.s3 import S3Destination
+from export_ledger.failpoints import ENV_VAR as FAILPOINTS
+from export_ledger.frames import MANIFEST_NAME, Manifest
+from export_ledger.ledger.schema import AttemptOutcome, ExportState
 
 ASSET = dg.AssetKey("invoice_export")
 PARTITION = "2026-03-08"
@@ -38,11 +38,6 @@ READ_TIMEOUT_SECONDS = 3.0  # generous: a loaded CI machine must not time out an
 DELAY_SECONDS = 6.0
 UNKNOWN_OUTCOME = "the outcome at the destination is unknown"
 
-
-@pytest.fixture
-def instance():
-    # In memory: what these tests read back (runs, materializations) needs no files, and it starts in milliseconds.
-    return dg.DagsterInstance.ephemeral()
 
 
 @pytest.fixture
@@ -357,7 +352,7 @@ def test_credentials_never_appear_in_events_logs_or_output(
     monkeypatch.setenv("EXPORTS_LEDGER_URL", f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
     monkeypatch.setenv("EXPORTS_TENANTS", "acme")
     defs = build_definitions(environ=None)
-    destination = defs.resources["destination"]
+    destination = defs.resources["invoice_export__destination"]
     assert isinstance(destination.secret_access_key, dg.EnvVar), "the secret stays a variable name in the definitions"
 
     texts = []

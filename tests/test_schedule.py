@@ -13,10 +13,8 @@ from zoneinfo import ZoneInfo
 import dagster as dg
 import pytest
 
-from assets.calendar import ExportCalendar
-from assets.windows import CalendarError
 from definitions import build_definitions
-from sensors.schedules import check_schedule_time
+from export_ledger.calendar import CalendarError, ExportCalendar, check_schedule_time
 
 UTC = dt.timezone.utc
 SCHEDULE_NAME = "nightly_invoice_export"

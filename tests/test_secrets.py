@@ -28,13 +28,13 @@ import pytest
 import sqlalchemy as sa
 from harness.protocol import logical_key
 
-import cli
 from definitions import build_definitions
-from resources.failpoints import ENV_VAR as FAILPOINTS
-from resources.ledger import ExportLedger, dispose_engines
-from resources.schema import ExportState, UtcDateTime
-from resources.sources import InvoiceSource
-from resources.sql_destination import SqlTableDestination
+from export_ledger import cli
+from export_ledger.destinations.table import SqlTableDestination
+from export_ledger.failpoints import ENV_VAR as FAILPOINTS
+from export_ledger.ledger import ExportLedger, dispose_engines
+from export_ledger.ledger.schema import ExportState, UtcDateTime
+from resources.invoices import InvoiceSource
 
 PROJECT = Path(__file__).resolve().parent.parent
 DAGSTER = str(Path(sys.executable).parent / "dagster")
@@ -70,7 +70,7 @@ class CanarySource(InvoiceSource):
     def count(self, tenant, start_utc, end_utc) -> int:
         return len(self._frame(tenant, start_utc, end_utc))
 
-    def events(self, tenant, start_utc, end_utc) -> pd.DataFrame:
+    def rows(self, tenant, start_utc, end_utc) -> pd.DataFrame:
         frame = self._frame(tenant, start_utc, end_utc)
         defect = self.defects.get(pd.Timestamp(start_utc).tz_convert("America/New_York").date().isoformat())
         if defect == "outside_window":
@@ -134,7 +134,7 @@ def test_no_secret_or_customer_data_in_event_logs_run_records_instance_files_led
 ):
     source = CanarySource(defects={OUTSIDE: "outside_window", TEXT_AMOUNTS: "text_amounts"})
     defs = build_definitions(source=source, environ=None)
-    destination = defs.resources["destination"]
+    destination = defs.resources["invoice_export__destination"]
     assert isinstance(destination.secret_access_key, dg.EnvVar), "the secret reaches the resource as an EnvVar"
 
     home = tmp_path / "dagster_home"

@@ -15,26 +15,21 @@ import pytest
 import sqlalchemy as sa
 from pipeline_helpers import failure_message, make_defs, run_partition
 
-from assets.windows import window_for
 from definitions import build_definitions
-from resources.destinations import ExportTarget
-from resources.exportfile import Manifest
-from resources.failpoints import ENV_VAR as FAILPOINTS
-from resources.ledger import ExportLedger
-from resources.schema import AttemptOutcome, ExportState
-from resources.sources import SampleInvoiceSource
-from resources.sql_destination import SqlTableDestination
+from export_ledger.calendar import window_for
+from export_ledger.destinations import ExportTarget
+from export_ledger.destinations.table import SqlTableDestination
+from export_ledger.failpoints import ENV_VAR as FAILPOINTS
+from export_ledger.frames import Manifest
+from export_ledger.ledger import ExportLedger
+from export_ledger.ledger.schema import AttemptOutcome, ExportState
+from resources.invoices import SampleInvoiceSource
 
 PARTITION = "2026-03-08"
 KEY = "invoice_export/acme/2026-03-08T05:00:00Z"
 TARGET = ExportTarget("invoice_export", "acme", PARTITION)
 TABLE = "exported_invoices"
 
-
-@pytest.fixture
-def instance():
-    # In memory: runs and materializations are recorded and read back like any instance's, in milliseconds.
-    return dg.DagsterInstance.ephemeral()
 
 
 @pytest.fixture(params=["environment", "resource"])
@@ -71,7 +66,7 @@ def stored_rows(ledger_url: str) -> dict[str, int]:
 
 def _expected_frame() -> pd.DataFrame:
     window = window_for(pd.Timestamp(PARTITION).date(), "America/New_York")
-    return SampleInvoiceSource().events("acme", window.start_utc, window.end_utc)
+    return SampleInvoiceSource().rows("acme", window.start_utc, window.end_utc)
 
 
 def test_rows_land_in_the_ledger_database_together_with_their_completion_record(sql_defs, instance, ledger_url):

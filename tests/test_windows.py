@@ -15,9 +15,9 @@ from zoneinfo import ZoneInfo
 import dagster as dg
 import pytest
 
-from assets.calendar import ExportCalendar
-from assets.windows import (
+from export_ledger.calendar import (
     CalendarError,
+    ExportCalendar,
     ExportWindow,
     load_zone,
     parse_business_date,
@@ -27,6 +27,7 @@ from assets.windows import (
     window_for,
     windows_between,
 )
+from export_ledger.dagster import dagster_disagreement, partitions_def
 
 UTC = dt.timezone.utc
 HOUR = dt.timedelta(hours=1)
@@ -280,7 +281,7 @@ def _days(first: dt.date, last: dt.date) -> list[dt.date]:
 @pytest.mark.parametrize("zone", DST_ZONES)
 def test_calendar_agrees_with_dagster_on_every_day_2024_to_2027(zone: str) -> None:
     calendar = ExportCalendar(timezone=zone, start_date="2024-01-01")
-    partitions = calendar.partitions_def()
+    partitions = partitions_def(calendar)
     disagreements = []
 
     for day in _days(dt.date(2024, 1, 1), dt.date(2027, 12, 31)):
@@ -293,15 +294,15 @@ def test_calendar_agrees_with_dagster_on_every_day_2024_to_2027(zone: str) -> No
             disagreements.append(
                 f"{key}: ours [{ours.start_utc}, {ours.end_utc}), Dagster's [{theirs.start}, {theirs.end})"
             )
-        if calendar.dagster_disagreement(ours, theirs) is not None:
-            disagreements.append(f"{key}: dagster_disagreement reports {calendar.dagster_disagreement(ours, theirs)}")
+        if dagster_disagreement(ours, theirs) is not None:
+            disagreements.append(f"{key}: dagster_disagreement reports {dagster_disagreement(ours, theirs)}")
 
     assert disagreements == [], f"Dagster and the export calendar must agree as instants on every day in {zone}"
 
 
 def test_dagster_gives_apia_skipped_day_the_next_days_window_and_the_disagreement_names_both() -> None:
     calendar = ExportCalendar(timezone="Pacific/Apia", start_date="2011-12-01")
-    partitions = calendar.partitions_def()
+    partitions = partitions_def(calendar)
     theirs = partitions.time_window_for_partition_key("2011-12-30")
     ours = calendar.window("2011-12-30")
 
@@ -312,7 +313,7 @@ def test_dagster_gives_apia_skipped_day_the_next_days_window_and_the_disagreemen
         partitions.time_window_for_partition_key("2011-12-31").end.timestamp(),
     ), "Dagster's 2011-12-30 window is 2011-12-31's: the same events would belong to two partitions"
 
-    message = calendar.dagster_disagreement(ours, theirs)
+    message = dagster_disagreement(ours, theirs)
 
     assert message is not None, "a real disagreement is reported"
     for part in ("2011-12-30", "Pacific/Apia", theirs.start.isoformat(), theirs.end.isoformat(),
@@ -322,13 +323,13 @@ def test_dagster_gives_apia_skipped_day_the_next_days_window_and_the_disagreemen
 
 def test_dagster_disagreement_is_none_for_a_non_existent_midnight_compared_as_instants() -> None:
     calendar = ExportCalendar(timezone="America/Havana", start_date="2026-01-01")
-    theirs = calendar.partitions_def().time_window_for_partition_key("2026-03-08")
+    theirs = partitions_def(calendar).time_window_for_partition_key("2026-03-08")
     ours = calendar.window("2026-03-08")
 
     assert theirs.start != ours.start_utc.astimezone(ZoneInfo("America/Havana")), (
         "Dagster's start is the non-existent wall time 00:00-05:00, which == compares by wall clock"
     )
-    assert calendar.dagster_disagreement(ours, theirs) is None, "as instants, the two windows are the same"
+    assert dagster_disagreement(ours, theirs) is None, "as instants, the two windows are the same"
 
 
 def test_dagster_disagreement_reports_a_shifted_window() -> None:
@@ -336,7 +337,7 @@ def test_dagster_disagreement_reports_a_shifted_window() -> None:
     ours = calendar.window("2026-03-08")
     shifted = dg.TimeWindow(ours.start_utc + HOUR, ours.end_utc)
 
-    message = calendar.dagster_disagreement(ours, shifted)
+    message = dagster_disagreement(ours, shifted)
 
     assert message is not None and "2026-03-08" in message and "America/New_York" in message, (
         "any difference of an hour is reported, naming the day and zone"

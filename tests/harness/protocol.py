@@ -4,9 +4,9 @@ Pytest-free: the fork server's children run :func:`child_main`, and the harness 
 process (with a ledger clock shifted past dead attempts' leases) and check destinations with :func:`survey` and
 :func:`violations`.
 
-An attempt goes through the project's own write path: ``LedgeredExportIOManager.handle_output`` called directly
-(mode ``io_manager``, about 0.1 s), or the whole ``invoice_export_job`` with ``execute_in_process`` on an ephemeral
-instance (mode ``job``, about 0.3 s).
+An attempt goes through the project's own write path: ``export_ledger.export_batch`` (the one write protocol) called
+directly (mode ``io_manager``, about 0.1 s), or the whole ``invoice_export_job`` with ``execute_in_process`` on an
+ephemeral instance (mode ``job``, about 0.3 s).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
-import logging
 import os
 import tempfile
 from collections import Counter
@@ -24,19 +23,19 @@ from pathlib import Path
 import dagster as dg
 import sqlalchemy as sa
 
-from assets.invoices import EXPORT_NAME
-from assets.keys import LogicalKey
-from assets.windows import window_for
+from assets.invoices import EXPORT_NAME, INVOICE_SCHEMA
 from definitions import build_definitions
-from resources.destinations import Destination, ExportTarget, LocalDestination
-from resources.exportfile import MANIFEST_NAME, Manifest, ManifestError, validate_frame, write_table
-from resources.failpoints import ENV_VAR as FAILPOINTS
-from resources.io_manager import ExportBatch, ExportItem, LedgeredExportIOManager
-from resources.ledger import ExportLedger, ledger_engine, utc_now
-from resources.ledger_resource import LedgerResource
-from resources.schema import AttemptOutcome, ExportState
-from resources.sources import INVOICE_SCHEMA, SampleInvoiceSource
-from resources.sql_destination import SqlTableDestination
+from export_ledger.calendar import window_for
+from export_ledger.dagster import LedgerResource
+from export_ledger.destinations import Destination, ExportTarget, LocalDestination
+from export_ledger.destinations.table import SqlTableDestination
+from export_ledger.failpoints import ENV_VAR as FAILPOINTS
+from export_ledger.frames import MANIFEST_NAME, Manifest, ManifestError, validate_frame, write_table
+from export_ledger.keys import LogicalKey
+from export_ledger.ledger import ExportLedger, ledger_engine, utc_now
+from export_ledger.ledger.schema import AttemptOutcome, ExportState
+from export_ledger.protocol import ExportBatch, ExportItem, export_batch
+from resources.invoices import SampleInvoiceSource
 
 JOB = "invoice_export_job"
 ZONE = "America/New_York"
@@ -111,7 +110,7 @@ def build_destination(spec: dict, ledger_url: str) -> Destination:
     if kind == "sql":
         return SqlTableDestination(url=ledger_url, table=spec["table"])
     if kind == "s3":
-        from resources.s3_destination import S3Destination
+        from export_ledger.destinations.s3 import S3Destination
 
         return S3Destination(
             bucket=spec["bucket"],
@@ -129,24 +128,6 @@ def ledger_resource(spec: AttemptSpec) -> OffsetClockLedgerResource:
     return OffsetClockLedgerResource(
         url=spec.ledger_url, lease_ttl_seconds=spec.lease_ttl_seconds, clock_offset_seconds=spec.clock_offset_seconds
     )
-
-
-class AttemptContext:
-    """What ``handle_output`` reads from its Dagster ``OutputContext``: run id, step key, a log, output metadata.
-
-    Dagster's ``build_output_context`` creates a new ephemeral instance on every call (0.1-0.2 s here, most of it
-    Alembic stamping its in-memory storage), which would be most of a crash trial's cost; the ``job`` mode goes
-    through Dagster for real.
-    """
-
-    def __init__(self, run_id: str, step_key: str) -> None:
-        self.run_id = run_id
-        self.step_key = step_key
-        self.log = logging.getLogger("export-harness")
-        self.metadata: dict = {}
-
-    def add_output_metadata(self, metadata: dict) -> None:
-        self.metadata.update(metadata)
 
 
 def run_attempt(spec: AttemptSpec) -> dict:
@@ -171,14 +152,12 @@ def run_attempt(spec: AttemptSpec) -> dict:
         error_class, error = _step_failure(result)
         return {**report, "status": "failed", "error_class": error_class, "error": error}
 
-    manager = LedgeredExportIOManager(ledger=ledger, destination=destination, tenants=[spec.tenant])
     key = logical_key(spec.tenant, spec.business_date, spec.timezone)
-    frame = source.events(spec.tenant, key.window.start_utc, key.window.end_utc)
+    frame = source.rows(spec.tenant, key.window.start_utc, key.window.end_utc)
     batch = ExportBatch(INVOICE_SCHEMA, [ExportItem(key, spec.business_date, frame)])
-    context = AttemptContext(spec.run_id, EXPORT_NAME)
     report = {"run_id": spec.run_id, "attempt_id": spec.attempt_id}
     try:
-        manager.handle_output(context, batch)
+        export_batch(ledger.get_ledger(), destination, batch, spec.attempt_id)
     except Exception as exc:  # the attempt's own failure is its report, not the harness's
         return {**report, "status": "failed", "error_class": type(exc).__name__, "error": str(exc)[:4000]}
     (result,) = batch.results
@@ -226,13 +205,12 @@ def warm_up() -> None:
     import io
 
     window = window_for(dt.date(2026, 3, 8), ZONE)
-    frame = SampleInvoiceSource().events("acme", window.start_utc, window.end_utc)
+    frame = SampleInvoiceSource().rows("acme", window.start_utc, window.end_utc)
     table = validate_frame(frame, INVOICE_SCHEMA, window, what="warm-up")
     write_table(table, "csv", io.BytesIO())
     try:  # the [s3] extra: importing it here saves each S3 child the import
         import boto3  # noqa: F401
         import botocore.config  # noqa: F401
-
         import resources.s3_destination  # noqa: F401
     except ImportError:
         pass

@@ -4,15 +4,19 @@ Subcommands, each with a readable table or ``--json``::
 
     export-ledger status [--export E] [--tenant T] [--from YYYY-MM-DD] [--to YYYY-MM-DD] [--state S ...] [--limit N]
     export-ledger attempts <logical key>
-    export-ledger reconcile [--limit N]
+    export-ledger reconcile [--export E] [--destination SPEC] [--limit N]
     export-ledger prune --older-than DAYS [--export E]
-    export-ledger accept-contract --reason "..." [--export E]
+    export-ledger accept-contract --export E --timezone Z --start-date YYYY-MM-DD --reason "..."
+    export-ledger upgrade
 
 ``status`` and ``attempts`` only read. ``reconcile`` does once what the reconciliation sensor does each tick:
 it probes the configured destination for stuck keys and records what it finds. ``prune`` deletes old completion
 records and keeps a low-water mark; ``accept-contract`` records an operator's acceptance of a changed calendar.
 
-The ledger is found from ``--ledger-url``, else ``EXPORTS_LEDGER_URL``, else ``definitions.DEFAULT_LEDGER_URL``.
+The ledger is found from ``--ledger-url``, else ``EXPORTS_LEDGER_URL``, else ``./var/ledger.sqlite3``; the destination
+``reconcile`` probes from ``--destination``, else ``EXPORTS_DESTINATION``, else ``./var/exports`` (the same settings
+the code location reads, from :mod:`export_ledger.settings`; the CLI never imports a code location). Export names
+come from the ledger: ``--export`` names one it knows.
 
 Exit codes: 0 success (an empty result included), 1 the ledger could not be read, the key is unknown, or
 ``reconcile`` left keys unresolved because the destination was unreachable; 2 bad usage. Every error is one line
@@ -32,27 +36,29 @@ import os
 import re
 import sqlite3
 import sys
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, make_url
 
-from assets.keys import InvalidIdentifier, validate_slug
-from assets.windows import utc_iso
-from resources.ledger import (
+from export_ledger.calendar import ExportCalendar, utc_iso
+from export_ledger.destinations import destination_from
+from export_ledger.errors import ExportLedgerError, InvalidIdentifier
+from export_ledger.keys import validate_slug
+from export_ledger.ledger import (
     AttemptRecord,
     ExportLedger,
     ExportRecord,
-    LedgerError,
+    ExportState,
     dispose_engines,
+    ledger_engine,
     redact_url,
+    upgrade,
 )
-from resources.schema import ExportState
+from export_ledger.settings import LEDGER_URL_ENV, Settings
 
 PROG = "export-ledger"
-LEDGER_URL_ENV = "EXPORTS_LEDGER_URL"
 USAGE_ERROR = 2
 RUNTIME_ERROR = 1
 
@@ -109,9 +115,7 @@ def _positive_int_arg(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``export-ledger`` argument parser; ``--ledger-url`` is accepted before or after the subcommand."""
-    ledger_url_help = (
-        f"SQLAlchemy URL of the ledger (default: ${LEDGER_URL_ENV}, else the project's var/ledger.sqlite3)"
-    )
+    ledger_url_help = f"SQLAlchemy URL of the ledger (default: ${LEDGER_URL_ENV}, else ./var/ledger.sqlite3)"
     parser = _Parser(prog=PROG, description="Read the export ledger: logical exports and their attempts.")
     parser.add_argument("--ledger-url", metavar="URL", help=ledger_url_help)
     # The same option on each subcommand, defaulting to "not given" so it never overwrites the global one.
@@ -159,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     reconcile.add_argument(
         "--limit", type=_positive_int_arg, metavar="N", default=1000, help="examine at most N stuck keys (default 1000)"
     )
+    reconcile.add_argument("--export", type=_slug_arg("export name"), help="only this export's stuck keys")
+    reconcile.add_argument(
+        "--destination",
+        metavar="SPEC",
+        help="the destination to probe: a folder, s3://bucket/prefix or ledger-table:<table> "
+        "(default: $EXPORTS_DESTINATION, else ./var/exports)",
+    )
     reconcile.set_defaults(handler=_reconcile)
 
     prune = commands.add_parser(
@@ -181,13 +192,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="accept the code's calendar contract (zone, start date) for an export after a deliberate change",
     )
     accept.add_argument(
-        "--export",
-        type=_slug_arg("export name"),
-        default="invoice_export",
-        help="the export whose contract changed (default invoice_export)",
+        "--export", type=_slug_arg("export name"), required=True, help="the export whose contract changed"
     )
+    accept.add_argument("--timezone", required=True, help="the zone the code now declares, e.g. America/Chicago")
+    accept.add_argument(
+        "--start-date", dest="start_date", type=_date_arg, required=True, metavar="YYYY-MM-DD",
+        help="the start date the code now declares",
+    )  # fmt: skip
     accept.add_argument("--reason", required=True, help="why the contract changed; recorded in the ledger")
     accept.set_defaults(handler=_accept_contract)
+
+    upgrade_command = commands.add_parser(
+        "upgrade", parents=[common], help="bring the ledger's schema to this release's version (writes)"
+    )
+    upgrade_command.set_defaults(handler=_upgrade, writes_schema=True)
     return parser
 
 
@@ -207,28 +225,10 @@ def _days_arg(text: str) -> int:
 def _ledger_url(args: argparse.Namespace) -> str:
     if args.ledger_url is not None:
         return args.ledger_url
-    if os.environ.get(LEDGER_URL_ENV):
-        return os.environ[LEDGER_URL_ENV]
-    return _default_ledger_url()
+    return Settings.from_environment().ledger_url
 
 
-def _default_ledger_url() -> str:
-    # definitions.py owns the default. Importing it also builds the code location (Dagster, environment reads,
-    # beta warnings), so it happens only here, when nothing else names a ledger, and its warnings are silenced to
-    # keep stderr to the CLI's own lines.
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import definitions
-    except Exception as exc:  # any failure to build the code location leaves the CLI without a default
-        raise CliError(
-            f"no ledger given and definitions.py could not be loaded for its default "
-            f"({type(exc).__name__}: {exc}); pass --ledger-url or set {LEDGER_URL_ENV}"
-        ) from None
-    return definitions.DEFAULT_LEDGER_URL
-
-
-def _open_ledger(url: str) -> ExportLedger:
+def _open_ledger(url: str, *, read_only: bool) -> ExportLedger:
     try:
         parsed = make_url(url)
     except Exception:  # SQLAlchemy's own message quotes the URL, password included
@@ -237,7 +237,8 @@ def _open_ledger(url: str) -> ExportLedger:
         ) from None
     if parsed.get_backend_name() == "sqlite":
         _require_sqlite_ledger(parsed)
-    return ExportLedger(url)
+    # Reads never create or alter a table, on any backend; commands that change keys open it to write.
+    return ExportLedger(url, read_only=read_only)
 
 
 def _require_sqlite_ledger(parsed: URL) -> None:
@@ -269,6 +270,7 @@ def _require_sqlite_ledger(parsed: URL) -> None:
 
 
 def _status(ledger: ExportLedger, args: argparse.Namespace) -> str:
+    _known_export(ledger, args.export)
     records = ledger.records(
         export=args.export,
         tenant=args.tenant,
@@ -337,26 +339,31 @@ def _attempts(ledger: ExportLedger, args: argparse.Namespace) -> str:
     return _table(headers, rows)
 
 
-def _configured_destination():
-    """The destination the code location is configured with (``EXPORTS_DESTINATION`` and friends), resolved."""
-    import dagster as dg
+def _configured_destination(args: argparse.Namespace, ledger: ExportLedger):
+    """``--destination``, else the settings' (``EXPORTS_DESTINATION`` and the S3 variables), resolved."""
+    settings = Settings.from_environment()
+    spec = args.destination or settings.destination
+    what = "--destination" if args.destination else "EXPORTS_DESTINATION"
+    return destination_from(spec, ledger_url=ledger.url, credentials=settings.s3_credentials(), what=what)
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            import definitions
-        except Exception as exc:  # a code location that cannot load names no destination
-            raise CliError(
-                f"cannot load definitions.py to find the destination ({type(exc).__name__}: {exc})"
-            ) from None
-        with dg.build_resources({"destination": definitions.defs.resources["destination"]}) as resources:
-            return resources.destination
+
+def _known_export(ledger: ExportLedger, export: str | None) -> None:
+    """Refuses an export name the ledger has never seen, listing those it knows (a typo is not an empty result)."""
+    if export is None:
+        return
+    known = ledger.exports()
+    if export not in known:
+        listed = ", ".join(known) if known else "none yet"
+        raise CliError(f"the ledger knows no export named {export!r} (known: {listed})")
 
 
 def _reconcile(ledger: ExportLedger, args: argparse.Namespace) -> str:
-    from resources.reconcile import reconcile_batch
+    from export_ledger.reconcile import reconcile_batch
 
-    destination = _configured_destination()
+    _known_export(ledger, args.export)
+    destination = _configured_destination(args, ledger)
+    if args.export is not None:
+        destination = {args.export: destination}  # other exports' stuck keys are left alone
     report = reconcile_batch(
         ledger, destination, limit=args.limit, after=None, reconciler=f"export-ledger reconcile@{utc_iso(ledger.now())}"
     )
@@ -384,11 +391,11 @@ def _reconcile(ledger: ExportLedger, args: argparse.Namespace) -> str:
         now = resolved.get(f.record.logical_key)
         rows.append((f.record.logical_key, f.record.state.value, now.state.value if now else "unchanged", f.detail))
     lines = [_table(("LOGICAL KEY", "WAS", "NOW", "EVIDENCE"), rows)]
-    reruns = sorted({r.business_date.isoformat() for r in resolved.values() if r.state is ExportState.FAILED})
-    for partition in reruns:
-        lines.append(
-            f"rerun: dagster asset materialize -f definitions.py --select invoice_export --partition {partition}"
-        )
+    reruns = sorted(
+        {(r.export, r.business_date.isoformat()) for r in resolved.values() if r.state is ExportState.FAILED}
+    )
+    for export, partition in reruns:
+        lines.append(f"rerun: dagster asset materialize -f definitions.py --select {export} --partition {partition}")
     if report.unreachable:
         lines.append(f"{len(report.unreachable)} key(s) left unchanged: the destination could not be reached")
     if report.next_after is not None:
@@ -415,27 +422,13 @@ def _date(value: dt.date | None) -> str | None:
     return None if value is None else value.isoformat()
 
 
-def _code_contract(export: str) -> dict:
-    """The calendar contract the code location would materialize ``export`` under."""
-    from assets.calendar import ExportCalendar
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            import definitions
-        except Exception as exc:  # a code location that cannot load has no contract to accept
-            raise CliError(f"cannot load definitions.py to read the calendar ({type(exc).__name__}: {exc})") from None
-        try:
-            asset = definitions.defs.get_assets_def(export)
-        except Exception:
-            raise CliError(f"the code location has no export named {export!r}") from None
-    return ExportCalendar.of(asset.partitions_def).contract()
-
-
 def _accept_contract(ledger: ExportLedger, args: argparse.Namespace) -> str:
     if not args.reason.strip():
         raise UsageError("--reason must say why the contract changed")
-    contract = _code_contract(args.export)
+    try:
+        contract = ExportCalendar(timezone=args.timezone, start_date=args.start_date.isoformat()).contract()
+    except ExportLedgerError as exc:
+        raise UsageError(str(exc)) from None
     before = ledger.recorded_contract(args.export)
     ledger.accept_contract(args.export, contract, args.reason)
     if args.json:
@@ -443,6 +436,13 @@ def _accept_contract(ledger: ExportLedger, args: argparse.Namespace) -> str:
     return (
         f"accepted for {args.export}: {json.dumps(contract, sort_keys=True)} (was {json.dumps(before, sort_keys=True)})"
     )
+
+
+def _upgrade(ledger: ExportLedger, args: argparse.Namespace) -> str:
+    done = upgrade(ledger_engine(ledger.url, read_only=True))
+    if args.json:
+        return _dump([{"upgraded_to": version} for version in done])
+    return "the ledger's schema is current" if not done else f"upgraded the ledger's schema to version {done[-1]}"
 
 
 # -- rendering ---------------------------------------------------------------------------------------------------
@@ -547,10 +547,12 @@ def main(argv: list[str] | None = None) -> int:
     url: str | None = None
     try:
         url = _ledger_url(args)
-        output = args.handler(_open_ledger(url), args)
+        # status, attempts and upgrade open the ledger without touching its schema (upgrade then does so itself).
+        read_only = args.command in ("status", "attempts", "upgrade")
+        output = args.handler(_open_ledger(url, read_only=read_only), args)
     except UsageError as exc:
         return _error(_redact_message(str(exc), url), USAGE_ERROR)
-    except (CliError, LedgerError) as exc:
+    except (CliError, ExportLedgerError) as exc:
         return _error(_redact_message(str(exc), url), RUNTIME_ERROR)
     except sa.exc.SQLAlchemyError as exc:
         cause = getattr(exc, "orig", None) or exc

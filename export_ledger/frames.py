@@ -19,19 +19,12 @@ import pyarrow as pa
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
-from assets.windows import ExportWindow, utc_iso
+from export_ledger.calendar import ExportWindow, utc_iso
+from export_ledger.errors import FrameError, ManifestError
 
 FILE_FORMATS = {"csv": "data.csv", "parquet": "data.parquet"}
 MANIFEST_NAME = "_manifest.json"
 MANIFEST_VERSION = 1
-
-
-class FrameError(ValueError):
-    """Source data that cannot be exported as it is. Messages name columns and ids, never customer values."""
-
-
-class ManifestError(ValueError):
-    """A manifest that is missing fields or does not describe the expected export."""
 
 
 def data_file_name(file_format: str) -> str:
@@ -41,26 +34,62 @@ def data_file_name(file_format: str) -> str:
         raise ValueError(f"unknown file format {file_format!r}: expected one of {sorted(FILE_FORMATS)}") from None
 
 
+COLUMN_KINDS = ("string", "float", "int", "timestamp", "bool")
+
+
 @dataclass(frozen=True)
 class ExportSchema:
-    """The columns an export must carry, in file order.
+    """The columns an export must carry, in file order, and the rules its rows obey.
 
     Attributes:
-        columns: column name -> kind, one of ``string``, ``float``, ``int``, ``timestamp``.
+        columns: column name -> kind, one of ``string``, ``float``, ``int``, ``timestamp``, ``bool``.
         time_column: timestamp column that must fall inside the window.
-        id_column: column whose values must be unique within one export.
+        id_columns: columns whose values together must be unique within one export (one column or several).
         tenant_column: column that must hold the export's own tenant on every row (None: no such column).
+        order_by: the order of rows in the file; default ``(time_column, *id_columns)``.
+        nullable: columns that may hold nulls; every other column is required on every row.
+
+    Example:
+        >>> ExportSchema({"order_id": "string", "placed_at": "timestamp"}, "placed_at", ("order_id",)).order_by
+        ('placed_at', 'order_id')
     """
 
     columns: Mapping[str, str]
     time_column: str
-    id_column: str
+    id_columns: tuple[str, ...] | str
     tenant_column: str | None = None
+    order_by: tuple[str, ...] = ()
+    nullable: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
-        for name in (self.time_column, self.id_column):
+        ids = (self.id_columns,) if isinstance(self.id_columns, str) else tuple(self.id_columns)
+        object.__setattr__(self, "id_columns", ids)
+        object.__setattr__(self, "order_by", tuple(self.order_by) or (self.time_column, *ids))
+        object.__setattr__(self, "nullable", frozenset(self.nullable))
+        object.__setattr__(self, "columns", dict(self.columns))
+        if not self.columns:
+            raise ValueError("an export schema needs at least one column")
+        for name, kind in self.columns.items():
+            if kind not in COLUMN_KINDS:
+                raise ValueError(f"column {name!r} has kind {kind!r}; expected one of {list(COLUMN_KINDS)}")
+        if not ids:
+            raise ValueError("an export schema needs at least one id column")
+        named = [self.time_column, *ids, *self.order_by, *self.nullable]
+        if self.tenant_column is not None:
+            named.append(self.tenant_column)
+        for name in named:
             if name not in self.columns:
                 raise ValueError(f"schema column {name!r} is not among {list(self.columns)}")
+        if self.columns[self.time_column] != "timestamp":
+            raise ValueError(f"time column {self.time_column!r} must be of kind 'timestamp'")
+        required = {self.time_column, *ids} | ({self.tenant_column} if self.tenant_column else set())
+        if required & self.nullable:
+            raise ValueError(f"time, id and tenant columns cannot be nullable: {sorted(required & self.nullable)}")
+
+    @property
+    def id_column(self) -> str:
+        """The first id column (what messages name)."""
+        return self.id_columns[0]
 
     def arrow_schema(self) -> pa.Schema:
         kinds = {
@@ -68,8 +97,11 @@ class ExportSchema:
             "float": pa.float64(),
             "int": pa.int64(),
             "timestamp": pa.timestamp("us", tz="UTC"),
+            "bool": pa.bool_(),
         }
-        return pa.schema([(name, kinds[kind]) for name, kind in self.columns.items()])
+        return pa.schema(
+            [pa.field(name, kinds[kind], nullable=name in self.nullable) for name, kind in self.columns.items()]
+        )
 
 
 def validate_frame(
@@ -86,10 +118,11 @@ def validate_frame(
     if missing:
         raise FrameError(f"{what}: source frame is missing required columns {missing}")
     for name, kind in schema.columns.items():
-        nulls = int(frame[name].isna().sum())
-        if nulls:
-            raise FrameError(f"{what}: column {name!r} has {nulls} null value(s); every field is required")
         series = frame[name]
+        if name not in schema.nullable:
+            nulls = int(series.isna().sum())
+            if nulls:
+                raise FrameError(f"{what}: column {name!r} has {nulls} null value(s); the column is required")
         if kind == "timestamp":
             if not isinstance(series.dtype, pd.DatetimeTZDtype):
                 raise FrameError(
@@ -99,6 +132,8 @@ def validate_frame(
             raise FrameError(f"{what}: column {name!r} must be numeric, found dtype {series.dtype}")
         elif kind == "int" and not pd.api.types.is_integer_dtype(series.dtype):
             raise FrameError(f"{what}: column {name!r} must hold integers, found dtype {series.dtype}")
+        elif kind == "bool" and not pd.api.types.is_bool_dtype(series.dtype) and series.dtype != object:
+            raise FrameError(f"{what}: column {name!r} must hold booleans, found dtype {series.dtype}")
         elif kind == "string" and not pd.api.types.is_string_dtype(series.dtype):
             # Mixed object columns pass this check and are refused value by value by Arrow below.
             raise FrameError(f"{what}: column {name!r} must hold strings, found dtype {series.dtype}")
@@ -121,16 +156,20 @@ def validate_frame(
                 f"{what}: {len(foreign)} row(s) belong to another tenant than {tenant!r} (ids {sample}); "
                 "nothing was exported"
             )
-    duplicated = frame[schema.id_column].duplicated(keep=False)
+    ids = list(schema.id_columns)
+    if len(ids) == 1:
+        duplicated = frame[schema.id_column].duplicated(keep=False)
+    else:
+        duplicated = frame.duplicated(subset=ids, keep=False)
     if duplicated.any():
         sample = ", ".join(map(str, frame.loc[duplicated, schema.id_column].unique()[:3]))
-        raise FrameError(f"{what}: duplicate {schema.id_column} values ({sample}); each event must appear once")
+        raise FrameError(f"{what}: duplicate {'/'.join(ids)} values ({sample}); each event must appear once")
 
     columns = frame[list(schema.columns)]
-    if _in_file_order(times, frame[schema.id_column]):
+    if schema.order_by == (schema.time_column, schema.id_column) and _in_file_order(times, frame[schema.id_column]):
         ordered = columns  # sources usually hand rows over in file order already: checking is O(n), sorting is not
     else:
-        ordered = columns.sort_values([schema.time_column, schema.id_column], kind="stable")
+        ordered = columns.sort_values(list(schema.order_by), kind="stable")
     try:
         return pa.Table.from_pandas(ordered, schema=schema.arrow_schema(), preserve_index=False)
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:

@@ -1,4 +1,4 @@
-"""Canonical export windows: one business date in one IANA zone mapped to a half-open UTC interval.
+"""The export calendar. Canonical export windows: one business date in one IANA zone mapped to a half-open UTC interval.
 
 Plain Python on top of :mod:`zoneinfo`; nothing here knows about Dagster.
 
@@ -24,16 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from zoneinfo import TZPATH, ZoneInfo, ZoneInfoNotFoundError, available_timezones
 
+from export_ledger.errors import CalendarError
+
 UTC = dt.timezone.utc
 # Names the policy above; recorded in each export's calendar contract so a change of policy is a visible change.
 WINDOW_POLICY = "earliest-instant-of-local-date/v1"
 _ONE_DAY = dt.timedelta(days=1)
 _TICK = dt.timedelta(microseconds=1)
 _DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
-
-
-class CalendarError(ValueError):
-    """A business date, zone or schedule time that the export calendar cannot accept."""
 
 
 @dataclass(frozen=True)
@@ -230,3 +228,67 @@ def local_time_exists_once(day: dt.date, at: dt.time, timezone: str) -> bool:
         return False  # skipped (gap) or repeated (fold)
     roundtrip = first.astimezone(UTC).astimezone(zone).replace(tzinfo=None)
     return roundtrip == naive
+
+
+DEFAULT_TIMEZONE = "America/New_York"
+DEFAULT_START_DATE = "2026-01-01"
+LAST_CHECKED_YEAR = 2037
+
+
+@dataclass(frozen=True)
+class ExportCalendar:
+    """Daily business dates in ``timezone`` starting at ``start_date`` (``YYYY-MM-DD``).
+
+    Example:
+        >>> cal = ExportCalendar("America/New_York", "2026-01-01")
+        >>> utc_iso(cal.window("2026-03-08").end_utc)
+        '2026-03-09T04:00:00Z'
+    """
+
+    timezone: str = DEFAULT_TIMEZONE
+    start_date: str = DEFAULT_START_DATE
+
+    def __post_init__(self) -> None:
+        load_zone(self.timezone)
+        parse_business_date(self.start_date)
+
+    @property
+    def first_date(self) -> dt.date:
+        return parse_business_date(self.start_date)
+
+    def contract(self) -> dict[str, str]:
+        """What an export's history depends on: the ledger refuses to run under a different one unaccepted."""
+        return calendar_contract(self.timezone, self.start_date)
+
+    def window(self, partition_key: str) -> ExportWindow:
+        """The canonical window for a partition key; refuses keys before the calendar starts."""
+        day = parse_business_date(partition_key)
+        if day < self.first_date:
+            raise CalendarError(
+                f"partition key {partition_key!r} is before the calendar start {self.start_date} ({self.timezone})"
+            )
+        return window_for(day, self.timezone)
+
+
+def calendar_contract(timezone: str, start_date: str) -> dict[str, str]:
+    """The calendar contract of a daily export: zone, start date, cadence and the window policy."""
+    return {"timezone": timezone, "start_date": start_date, "cadence": "daily", "window_policy": WINDOW_POLICY}
+
+
+def check_schedule_time(calendar: ExportCalendar, at: dt.time, until_year: int = LAST_CHECKED_YEAR) -> None:
+    """Refuses a wall time that is skipped or repeated on any day from the calendar start to ``until_year``.
+
+    Dagster shifts a skipped or doubled time only for hours 1-3 and not at all around midnight transitions, so the
+    schedule is kept to a time where there is nothing to shift.
+    """
+    first = calendar.first_date
+    last = dt.date(until_year, 12, 31)
+    if first > last:
+        return
+    for window in windows_between(first, last, calendar.timezone):
+        # A calendar day the zone skipped entirely has no wall times at all; there is nothing to run on it.
+        if not window.is_empty and not local_time_exists_once(window.business_date, at, calendar.timezone):
+            raise CalendarError(
+                f"schedule time {at.isoformat('minutes')} does not occur exactly once on {window.business_date} in "
+                f"{calendar.timezone} (a clock change skips or repeats it); choose a time that occurs once every day"
+            )

@@ -11,22 +11,29 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+from dataclasses import dataclass
 
 import pyarrow as pa
 import sqlalchemy as sa
 
-from resources.destinations import Destination, DestinationError, DestinationUnreachable, ExportTarget, StagedExport
-from resources.exportfile import Manifest, write_table
-from resources.ledger import ledger_engine, redact_url
-from resources.schema import UtcDateTime
+from export_ledger.destinations.base import (
+    DestinationError,
+    DestinationUnreachable,
+    ExportTarget,
+    TransactionalDestination,
+)
+from export_ledger.frames import Manifest, write_table
+from export_ledger.ledger.schema import UtcDateTime
+from export_ledger.ledger.store import ledger_engine, redact_url
 
 _KINDS = {
     pa.string(): ("string", sa.Text),
     pa.float64(): ("float", sa.Float(precision=53)),
     pa.int64(): ("int", sa.BigInteger),
     pa.timestamp("us", tz="UTC"): ("timestamp", UtcDateTime),
+    pa.bool_(): ("bool", sa.Boolean),
 }
-_ARROW = {"string": pa.string(), "float": pa.float64(), "int": pa.int64(), "timestamp": pa.timestamp("us", tz="UTC")}
+_ARROW = {sql_kind: arrow for arrow, (sql_kind, _) in _KINDS.items()}
 
 
 def _manifest_table(name: str, metadata: sa.MetaData) -> sa.Table:
@@ -42,14 +49,16 @@ def _manifest_table(name: str, metadata: sa.MetaData) -> sa.Table:
     )
 
 
-def _rows_table(name: str, metadata: sa.MetaData, columns: dict[str, str]) -> sa.Table:
+def _rows_table(
+    name: str, metadata: sa.MetaData, columns: dict[str, str], nullable: set[str] = frozenset()
+) -> sa.Table:
     kinds = {kind: sql for kind, sql in _KINDS.values()}
     return sa.Table(
         name,
         metadata,
         sa.Column("logical_key", sa.String(300), primary_key=True),
         sa.Column("row_number", sa.BigInteger, primary_key=True),
-        *(sa.Column(column, kinds[kind], nullable=False) for column, kind in columns.items()),
+        *(sa.Column(column, kinds[kind], nullable=column in nullable) for column, kind in columns.items()),
     )
 
 
@@ -59,7 +68,8 @@ def _serialize(table: pa.Table) -> bytes:
     return buffer.getvalue()
 
 
-class SqlTableDestination(Destination):
+@dataclass(frozen=True)
+class SqlTableDestination(TransactionalDestination):
     """Exports as rows of ``table`` (plus ``<table>_manifests``) in the ledger's database.
 
     Attributes:
@@ -70,19 +80,17 @@ class SqlTableDestination(Destination):
     url: str
     table: str = "exported_invoices"
 
-    @property
-    def transactional(self) -> bool:
-        return True
-
-    @property
-    def pool(self) -> str:
-        return "exports-ledger-table"
+    pool = "exports-ledger-table"
 
     def location(self, target: ExportTarget) -> str:
-        return f"sql:{self.table}/{'/'.join(target.parts)}"
+        return f"sql:{self.table_for(target.export)}/{'/'.join(target.parts)}"
 
     def describe(self) -> str:
         return f"sql:{self.table} in {redact_url(self.url)}"
+
+    def table_for(self, export: str) -> str:
+        """The rows table of ``export``: ``table`` itself, or with ``{export}`` replaced by the export's name."""
+        return self.table.replace("{export}", export)
 
     def _engine(self) -> sa.Engine:
         return ledger_engine(self.url)
@@ -91,11 +99,14 @@ class SqlTableDestination(Destination):
         columns = {}
         for field in table.schema:
             if field.type not in _KINDS:
-                raise DestinationError(f"column {field.name!r} of type {field.type} cannot be stored in {self.table}")
+                where = self.table_for(target.export)
+                raise DestinationError(f"column {field.name!r} of type {field.type} cannot be stored in {where}")
             columns[field.name] = _KINDS[field.type][0]
         metadata = sa.MetaData()
-        rows_table = _rows_table(self.table, metadata, columns)
-        manifests = _manifest_table(self.table, metadata)
+        name = self.table_for(target.export)
+        nullable = {field.name for field in table.schema if field.nullable}
+        rows_table = _rows_table(name, metadata, columns, nullable)
+        manifests = _manifest_table(name, metadata)
         metadata.create_all(connection, checkfirst=True)
         existing = connection.execute(
             sa.select(manifests.c.logical_key).where(
@@ -127,7 +138,7 @@ class SqlTableDestination(Destination):
         return complete
 
     def _manifest_row(self, target: ExportTarget):
-        manifests = _manifest_table(self.table, sa.MetaData())
+        manifests = _manifest_table(self.table_for(target.export), sa.MetaData())
         query = sa.select(manifests).where(
             manifests.c.export == target.export,
             manifests.c.tenant == target.tenant,
@@ -150,7 +161,7 @@ class SqlTableDestination(Destination):
         if row is None:
             raise DestinationError(f"{self.location(target)} holds no export")
         columns = json.loads(row.columns)
-        rows_table = _rows_table(self.table, sa.MetaData(), columns)
+        rows_table = _rows_table(self.table_for(target.export), sa.MetaData(), columns)
         query = (
             sa.select(*(rows_table.c[name] for name in columns))
             .where(rows_table.c.logical_key == manifest.logical_key)
@@ -160,13 +171,3 @@ class SqlTableDestination(Destination):
             records = [dict(r._mapping) for r in conn.execute(query)]
         schema = pa.schema([(name, _ARROW[kind]) for name, kind in columns.items()])
         return _serialize(pa.Table.from_pylist(records, schema=schema))
-
-    # The write happens inside the ledger's completion transaction; there is nothing to stage or publish.
-    def stage(self, target, table, file_format, manifest) -> StagedExport:
-        raise DestinationError("a transactional destination is written with write_in_transaction")
-
-    def publish(self, staged: StagedExport) -> Manifest:
-        raise DestinationError("a transactional destination is written with write_in_transaction")
-
-    def discard(self, staged: StagedExport) -> None:
-        return None

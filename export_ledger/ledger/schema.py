@@ -151,3 +151,13 @@ export_contracts = sa.Table(
     sa.Column("reason", sa.String(500), nullable=False),
     sa.Index("ix_export_contracts_export", "export", "id"),
 )
+
+# The schema's version history (see export_ledger.ledger.store): one row per version reached, never changed.
+SCHEMA_VERSION = 2
+export_ledger_schema = sa.Table(
+    "export_ledger_schema",
+    metadata,
+    sa.Column("version", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("applied_at", UtcDateTime, nullable=False),
+    sa.Column("note", sa.String(200), nullable=False),
+)

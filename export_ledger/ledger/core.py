@@ -2,228 +2,58 @@
 
 Plain Python on SQLAlchemy Core; nothing here knows about Dagster. One code path serves SQLite and PostgreSQL.
 
-Every state change is one guarded ``UPDATE ... WHERE state IN (...) AND fencing_token = ...`` inside one transaction;
-when no row matches, the change is refused with a domain error and nothing is written except, where useful, an
-attempt row saying why. Attempt rows are append-only: each attempt on a key gets exactly one row, written when its
-outcome is known (or, for a crashed attempt, when a later attempt takes over its expired lease), and never changed.
+Every state change is one of the transitions declared in :mod:`export_ledger.ledger.transitions`, applied as one
+guarded ``UPDATE ... WHERE state IN (...) AND fencing_token = ...`` inside one transaction; when no row matches, the
+change is refused with a domain error and nothing is written except, where useful, an attempt row saying why.
+Attempt rows are append-only: each attempt on a key gets exactly one row, written when its outcome is known (or, for
+a crashed attempt, when a later attempt takes over its expired lease), and never changed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import json
-import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 
 import sqlalchemy as sa
-from sqlalchemy import event
-from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.engine import Connection
 
-from assets.keys import LogicalKey
-from assets.windows import ExportWindow, require_aware, tz_database_version
-from resources.schema import (
-    AttemptOutcome,
-    ExportState,
-    export_attempts,
-    export_contracts,
-    export_low_water,
-    export_runs,
-    metadata,
+from export_ledger.calendar import require_aware, tz_database_version
+from export_ledger.keys import LogicalKey
+from export_ledger.ledger import transitions as T
+from export_ledger.ledger.contracts import ContractsMixin
+from export_ledger.ledger.errors import (
+    MESSAGE_LIMIT,
+    BelowLowWater,
+    ConflictRecorded,
+    EmptyWindow,
+    FencedOut,
+    InvalidTransition,
+    LeaseHeld,
+    LedgerError,
+    LedgerUnavailable,
+    NeedsReconciliation,
+    short_error,
 )
+from export_ledger.ledger.records import (
+    AlreadyCompleted,
+    AttemptRecord,
+    Claim,
+    CompletionEvidence,
+    DaySummary,
+    ExportRecord,
+    Resolution,
+)
+from export_ledger.ledger.retention import RetentionMixin
+from export_ledger.ledger.schema import AttemptOutcome, ExportState, export_attempts, export_runs
+from export_ledger.ledger.store import ledger_engine, redact_url
 
 UTC = dt.timezone.utc
 DEFAULT_LEASE_TTL = dt.timedelta(minutes=15)
-_MESSAGE_LIMIT = 500
 
 
 def utc_now() -> dt.datetime:
     return dt.datetime.now(UTC)
-
-
-class LedgerError(Exception):
-    """Base class of the ledger's domain errors."""
-
-
-class LedgerUnavailable(LedgerError):
-    """The ledger database cannot be reached or opened."""
-
-
-class LeaseHeld(LedgerError):
-    """Another attempt holds a live lease on the key."""
-
-
-class NeedsReconciliation(LedgerError):
-    """The key's last write has an unknown outcome; retrying blindly could export it twice."""
-
-
-class FencedOut(LedgerError):
-    """The attempt lost its lease (expired and taken over); it must not commit."""
-
-
-class InvalidTransition(LedgerError):
-    """A transition was asked from a state that does not allow it."""
-
-
-class ConflictRecorded(LedgerError):
-    """The destination holds a different export at the key's place; an operator must resolve it."""
-
-
-class BelowLowWater(LedgerError):
-    """The key's business date is below the export's retention low-water mark: its record may have been pruned."""
-
-
-class ContractChanged(LedgerError):
-    """The code's calendar contract differs from the one the ledger recorded for the export."""
-
-
-class EmptyWindow(LedgerError):
-    """The business date does not exist in its zone (a skipped calendar day): there is nothing to export.
-
-    Its empty window starts where the next day's starts, so it cannot have a logical key of its own.
-    """
-
-
-@dataclass(frozen=True)
-class ExportRecord:
-    """One row of ``export_runs``."""
-
-    logical_key: str
-    export: str
-    tenant: str
-    business_date: dt.date
-    timezone: str
-    window_start_utc: dt.datetime
-    window_end_utc: dt.datetime
-    tz_database: str
-    state: ExportState
-    location: str | None
-    sha256: str | None
-    row_count: int | None
-    committed_attempt: str | None
-    lease_owner: str | None
-    lease_expires_at: dt.datetime | None
-    attempt_started_at: dt.datetime | None
-    fencing_token: int
-    created_at: dt.datetime
-    updated_at: dt.datetime
-
-    @classmethod
-    def from_row(cls, row: sa.Row) -> ExportRecord:
-        values = dict(row._mapping)
-        values["state"] = ExportState(values["state"])
-        return cls(**values)
-
-    @property
-    def window(self) -> ExportWindow:
-        return ExportWindow(self.business_date, self.timezone, self.window_start_utc, self.window_end_utc)
-
-
-@dataclass(frozen=True)
-class AttemptRecord:
-    """One row of ``export_attempts``."""
-
-    id: int
-    attempt_id: str
-    logical_key: str
-    fencing_token: int | None
-    started_at: dt.datetime
-    finished_at: dt.datetime
-    outcome: AttemptOutcome
-    error_class: str | None
-    error_message: str | None
-
-    @classmethod
-    def from_row(cls, row: sa.Row) -> AttemptRecord:
-        values = dict(row._mapping)
-        values["outcome"] = AttemptOutcome(values["outcome"])
-        return cls(**values)
-
-
-@dataclass(frozen=True)
-class Claim:
-    """A live lease on one logical key, proved by its fencing token.
-
-    ``window`` is the window recorded at the key's first claim: retries export that window, whatever the calendar
-    computes today.
-    """
-
-    logical_key: str
-    attempt_id: str
-    fencing_token: int
-    window: ExportWindow
-    started_at: dt.datetime
-    lease_expires_at: dt.datetime
-    previous_state: ExportState | None
-    tz_database: str
-
-
-@dataclass(frozen=True)
-class AlreadyCompleted:
-    """The key was completed before this attempt: nothing to do."""
-
-    record: ExportRecord
-
-
-@dataclass(frozen=True)
-class DaySummary:
-    """How the keys of one business day stand over a set of tenants, counted by the database in one grouped read."""
-
-    business_date: dt.date
-    keys: int  # tenants with a row that day
-    completed: int
-    waiting: int  # keys in one of the states asked about
-    tokens: int  # sum of the keys' fencing tokens: grows with every claim on any of them
-
-
-@dataclass(frozen=True)
-class Resolution:
-    """Reconciliation's verdict on one stuck key, to be applied by :meth:`ExportLedger.resolve_many`."""
-
-    record: ExportRecord
-    state: ExportState
-    detail: str
-    evidence: CompletionEvidence | None = None
-
-
-@dataclass(frozen=True)
-class CompletionEvidence:
-    """What a destination says it holds for a key: enough to record completion."""
-
-    location: str
-    sha256: str
-    row_count: int
-    attempt_id: str
-    fencing_token: int
-
-
-_RESOLUTION_OUTCOMES = {
-    ExportState.COMPLETED: AttemptOutcome.REPAIRED,
-    ExportState.FAILED: AttemptOutcome.FAILED,
-    ExportState.CONFLICT: AttemptOutcome.CONFLICT,
-}
-
-
-def short_error(exc: BaseException) -> tuple[str, str]:
-    """Error class and a bounded message for the attempts table."""
-    message = str(exc) or exc.__class__.__name__
-    if len(message) > _MESSAGE_LIMIT:
-        message = message[: _MESSAGE_LIMIT - 3] + "..."
-    return exc.__class__.__name__, message
-
-
-def redact_url(url: str) -> str:
-    """The URL with any password replaced, for error messages."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # an unparsable URL is reported by its scheme only
-        return url.split(":", 1)[0] + ":..."
-
-
-_engines: dict[str, Engine] = {}
-_engines_lock = threading.Lock()
 
 
 # Statements built once, executed with parameters: building a Core statement and its cache key on every call cost
@@ -240,98 +70,7 @@ _INSERT_RUN = export_runs.insert()
 _INSERT_ATTEMPT = export_attempts.insert()
 
 
-def _guarded_update_statement(with_owner: bool) -> sa.Update:
-    """``UPDATE export_runs SET <the parameters named like columns> WHERE key, state, token (and owner) match``."""
-    conditions = [
-        export_runs.c.logical_key == sa.bindparam("g_key"),
-        export_runs.c.state.in_(sa.bindparam("g_states", expanding=True)),
-        export_runs.c.fencing_token == sa.bindparam("g_token"),
-    ]
-    if with_owner:
-        conditions.append(export_runs.c.lease_owner == sa.bindparam("g_owner"))
-    return export_runs.update().where(*conditions)
-
-
-_GUARDED_UPDATE = {False: _guarded_update_statement(False), True: _guarded_update_statement(True)}
-
-
-def _configure_sqlite(engine: Engine) -> None:
-    @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_connection, _record):  # pragma: no cover - exercised through every SQLite test
-        # Take over transaction control from pysqlite so that BEGIN IMMEDIATE below is the only BEGIN.
-        dbapi_connection.isolation_level = None
-        cursor = dbapi_connection.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute("PRAGMA synchronous=FULL")
-        cursor.execute("PRAGMA busy_timeout=30000")
-        cursor.execute("PRAGMA foreign_keys=ON")
-        cursor.close()
-
-    @event.listens_for(engine, "begin")
-    def _on_begin(connection):  # pragma: no cover - exercised through every SQLite test
-        # Writers take the write lock up front: two claimers never both read a state and then race to update it.
-        # Readers begin deferred, so `status` never waits behind a running export.
-        if connection.get_execution_options().get("ledger_read_only"):
-            connection.exec_driver_sql("BEGIN")
-        else:
-            connection.exec_driver_sql("BEGIN IMMEDIATE")
-
-
-def ledger_engine(url: str) -> Engine:
-    """One engine per URL per process, with the schema created on first use."""
-    with _engines_lock:
-        engine = _engines.get(url)
-        if engine is not None:
-            return engine
-        try:
-            parsed = make_url(url)
-        except Exception as exc:
-            raise LedgerUnavailable(f"invalid ledger URL {redact_url(url)!r}: {exc}") from None
-        if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
-            folder = Path(parsed.database).expanduser().resolve().parent
-            try:
-                folder.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise LedgerUnavailable(f"cannot create the ledger folder {folder}: {exc.strerror}") from None
-        try:
-            # hide_parameters: a failed statement's error must not carry its values (exported rows hold customer
-            # data) into logs or Dagster's event log.
-            # A file has no connection to lose: pinging it before every transaction only costs time.
-            engine = sa.create_engine(parsed, pool_pre_ping=parsed.get_backend_name() != "sqlite", hide_parameters=True)
-        except Exception as exc:
-            raise LedgerUnavailable(f"cannot open ledger {redact_url(url)!r}: {exc}") from None
-        if engine.dialect.name == "sqlite":
-            _configure_sqlite(engine)
-        _create_schema(engine, url)
-        _engines[url] = engine
-        return engine
-
-
-def _create_schema(engine: Engine, url: str) -> None:
-    for attempt in range(3):
-        try:
-            metadata.create_all(engine)
-            return
-        except sa.exc.OperationalError as exc:
-            raise LedgerUnavailable(
-                f"cannot reach the ledger at {redact_url(url)!r}: {exc.orig.__class__.__name__}: "
-                f"{str(exc.orig).strip().splitlines()[0] if str(exc.orig).strip() else ''}"
-            ) from None
-        except (sa.exc.IntegrityError, sa.exc.ProgrammingError):
-            # Another process created the same tables between our check and our CREATE; look again.
-            if attempt == 2:
-                raise
-
-
-def dispose_engines() -> None:
-    """Closes every pooled connection (tests, CLI exit)."""
-    with _engines_lock:
-        for engine in _engines.values():
-            engine.dispose()
-        _engines.clear()
-
-
-class ExportLedger:
+class ExportLedger(RetentionMixin, ContractsMixin):
     """Records logical exports and their attempts.
 
     Args:
@@ -353,14 +92,16 @@ class ExportLedger:
         lease_ttl: dt.timedelta = DEFAULT_LEASE_TTL,
         clock: Callable[[], dt.datetime] = utc_now,
         allow_below_low_water: bool = False,
+        read_only: bool = False,
     ) -> None:
         if lease_ttl <= dt.timedelta(0):
             raise ValueError(f"lease_ttl must be positive, got {lease_ttl}")
         self.url = url
         self.lease_ttl = lease_ttl
         self.allow_below_low_water = allow_below_low_water
+        self.read_only = read_only
         self._clock = clock
-        self._engine = ledger_engine(url)
+        self._engine = ledger_engine(url, read_only=read_only)
 
     @property
     def dialect(self) -> str:
@@ -376,6 +117,8 @@ class ExportLedger:
         Rolling back is always safe here: the ledger records decisions, and a decision that did not commit was
         never acted upon (destinations act only after ``claim`` has committed, and record after they acted).
         """
+        if self.read_only and not read_only:
+            raise LedgerError(f"the ledger at {redact_url(self.url)!r} was opened for reading; it cannot be changed")
         try:
             with self._engine.connect().execution_options(ledger_read_only=read_only) as connection:
                 with connection.begin():
@@ -433,6 +176,15 @@ class ExportLedger:
             query = query.limit(limit)
         with self.atomic(read_only=True) as conn:
             return [ExportRecord.from_row(row) for row in conn.execute(query)]
+
+    def exports(self) -> list[str]:
+        """Every export name the ledger has a key or a calendar contract of, sorted."""
+        from export_ledger.ledger.schema import export_contracts
+
+        with self.atomic(read_only=True) as conn:
+            names = set(conn.execute(sa.select(export_runs.c.export).distinct()).scalars())
+            names |= set(conn.execute(sa.select(export_contracts.c.export).distinct()).scalars())
+        return sorted(names)
 
     def day_summaries(
         self,
@@ -581,17 +333,18 @@ class ExportLedger:
                     conn, record.logical_key, attempt_id, None, now, AttemptOutcome.REFUSED, error_class, message
                 )
             else:
-                if record.state is ExportState.IN_PROGRESS:
+                transition = T.TAKE_OVER if record.state is ExportState.IN_PROGRESS else T.CLAIM_RETRY
+                if transition is T.TAKE_OVER:
                     # The holder's lease ran out without a result: record its attempt before taking over.
-                    self._append_abandoned(conn, record, now)
+                    conn.execute(_INSERT_ATTEMPT, self._abandoned_values(record, now))
                 token = record.fencing_token + 1
-                self._guarded_update(
+                moved = T.apply(
                     conn,
+                    transition,
                     record.logical_key,
-                    from_states=(ExportState.FAILED, ExportState.IN_PROGRESS),
                     token=record.fencing_token,
+                    now=now,
                     values=dict(
-                        state=ExportState.IN_PROGRESS.value,
                         lease_owner=attempt_id,
                         lease_expires_at=expires,
                         attempt_started_at=now,
@@ -602,6 +355,8 @@ class ExportLedger:
                         location=None,
                     ),
                 )
+                if not moved:
+                    raise InvalidTransition(f"{record.logical_key} changed while it was being claimed")
                 return Claim(
                     record.logical_key, attempt_id, token, record.window, now, expires, record.state, record.tz_database
                 )
@@ -613,11 +368,10 @@ class ExportLedger:
         ``evidence.attempt_id`` other than the claim's means an earlier attempt published and crashed before
         recording: the row points at that attempt's export and this attempt is recorded as ``repaired``.
         """
-        outcome = AttemptOutcome.COMPLETED if evidence.attempt_id == claim.attempt_id else AttemptOutcome.REPAIRED
+        transition = T.COMPLETE if evidence.attempt_id == claim.attempt_id else T.REPAIR
         return self._finish(
             claim,
-            ExportState.COMPLETED,
-            outcome,
+            transition,
             values=dict(
                 location=evidence.location,
                 sha256=evidence.sha256,
@@ -628,13 +382,11 @@ class ExportLedger:
 
     def mark_conflict(self, claim: Claim, error: BaseException, *, location: str | None = None) -> ExportRecord:
         """Records that the destination holds something else at this key's place: refused until an operator acts."""
-        return self._finish(
-            claim, ExportState.CONFLICT, AttemptOutcome.CONFLICT, error=error, values=dict(location=location)
-        )
+        return self._finish(claim, T.MARK_CONFLICT, error=error, values=dict(location=location))
 
     def fail(self, claim: Claim, error: BaseException) -> ExportRecord:
         """Records that the attempt failed before publishing anything: the key is safe to retry."""
-        return self._finish(claim, ExportState.FAILED, AttemptOutcome.FAILED, error=error)
+        return self._finish(claim, T.FAIL, error=error)
 
     def mark_remote_unknown(
         self, claim: Claim, error: BaseException, *, sha256: str | None = None, location: str | None = None
@@ -646,133 +398,10 @@ class ExportLedger:
         """
         return self._finish(
             claim,
-            ExportState.REMOTE_UNKNOWN,
-            AttemptOutcome.REMOTE_UNKNOWN,
+            T.MARK_REMOTE_UNKNOWN,
             error=error,
             values=dict(sha256=sha256, location=location),
         )
-
-    # -- retention ---------------------------------------------------------------------------------------------
-
-    def low_water(self, export: str) -> dt.date | None:
-        with self.atomic(read_only=True) as conn:
-            return self._low_water(conn, export)
-
-    def _low_water(self, conn: Connection, export: str) -> dt.date | None:
-        return conn.execute(
-            sa.select(export_low_water.c.low_water_date).where(export_low_water.c.export == export)
-        ).scalar()
-
-    def prune(self, older_than_days: int, *, export: str | None = None) -> dict[str, int]:
-        """Deletes ``completed`` records (and their attempts) whose business date is more than ``older_than_days``
-        days before today (UTC), and raises each export's durable low-water mark to that horizon.
-
-        Other states are never pruned: a failed or stuck key keeps its history until it is resolved. After pruning,
-        first claims below the mark are refused (see ``allow_below_low_water``). Returns rows deleted per export.
-        """
-        if older_than_days < 0:
-            raise ValueError(f"older_than_days must be zero or more, got {older_than_days}")
-        now = self.now()
-        horizon = now.date() - dt.timedelta(days=older_than_days)
-        deleted: dict[str, int] = {}
-        with self.atomic() as conn:
-            exports_query = sa.select(export_runs.c.export).distinct()
-            if export is not None:
-                exports_query = exports_query.where(export_runs.c.export == export)
-            names = sorted(set(conn.execute(exports_query).scalars()) | ({export} if export else set()))
-            for name in names:
-                doomed = sa.select(export_runs.c.logical_key).where(
-                    export_runs.c.export == name,
-                    export_runs.c.state == ExportState.COMPLETED.value,
-                    export_runs.c.business_date < horizon,
-                )
-                conn.execute(export_attempts.delete().where(export_attempts.c.logical_key.in_(doomed)))
-                count = conn.execute(
-                    export_runs.delete().where(
-                        export_runs.c.export == name,
-                        export_runs.c.state == ExportState.COMPLETED.value,
-                        export_runs.c.business_date < horizon,
-                    )
-                ).rowcount
-                deleted[name] = count
-                mark = self._low_water(conn, name)
-                if mark is None:
-                    conn.execute(
-                        export_low_water.insert().values(
-                            export=name, low_water_date=horizon, pruned_total=count, updated_at=now
-                        )
-                    )
-                else:
-                    conn.execute(
-                        export_low_water.update()
-                        .where(export_low_water.c.export == name)
-                        .values(
-                            low_water_date=max(mark, horizon),
-                            pruned_total=export_low_water.c.pruned_total + count,
-                            updated_at=now,
-                        )
-                    )
-        return deleted
-
-    # -- calendar contract -------------------------------------------------------------------------------------
-
-    def recorded_contract(self, export: str) -> dict | None:
-        with self.atomic(read_only=True) as conn:
-            text = self._latest_contract(conn, export)
-        return None if text is None else json.loads(text)
-
-    def _latest_contract(self, conn: Connection, export: str) -> str | None:
-        return conn.execute(
-            sa.select(export_contracts.c.contract)
-            .where(export_contracts.c.export == export)
-            .order_by(export_contracts.c.id.desc())
-            .limit(1)
-        ).scalar()
-
-    def check_contract(self, export: str, contract: dict) -> None:
-        """Records the contract at an export's first materialization; afterwards refuses any other one.
-
-        Raises:
-            ContractChanged: naming the recorded and the new contract, until an operator accepts the new one.
-        """
-        wanted = json.dumps(contract, sort_keys=True)
-        with self.atomic() as conn:
-            recorded = self._latest_contract(conn, export)
-            if recorded is None:
-                conn.execute(
-                    export_contracts.insert().values(
-                        export=export, contract=wanted, recorded_at=self.now(), reason="first materialization"
-                    )
-                )
-                return
-        if recorded != wanted:
-            raise ContractChanged(
-                f"the calendar contract of {export} changed: the ledger recorded {recorded}, the code now says "
-                f"{wanted}. Changing the zone or start date is a business change: every materialization is refused "
-                f'until an operator runs: export-ledger accept-contract --export {export} --reason "..."'
-            )
-
-    def accept_contract(self, export: str, contract: dict, reason: str) -> None:
-        """Records ``contract`` as the one in force for ``export``, with the operator's reason."""
-        if not reason or not reason.strip():
-            raise ValueError("accepting a contract change needs a reason")
-        with self.atomic() as conn:
-            conn.execute(
-                export_contracts.insert().values(
-                    export=export,
-                    contract=json.dumps(contract, sort_keys=True),
-                    recorded_at=self.now(),
-                    reason=reason.strip()[:_MESSAGE_LIMIT],
-                )
-            )
-
-    def contract_history(self, export: str) -> list[dict]:
-        query = sa.select(export_contracts).where(export_contracts.c.export == export).order_by(export_contracts.c.id)
-        with self.atomic(read_only=True) as conn:
-            return [
-                {"contract": json.loads(r.contract), "recorded_at": r.recorded_at, "reason": r.reason}
-                for r in conn.execute(query)
-            ]
 
     # -- reconciliation ----------------------------------------------------------------------------------------
 
@@ -855,7 +484,7 @@ class ExportLedger:
     @staticmethod
     def _check_resolution(item: Resolution) -> None:
         record, state = item.record, item.state
-        if state not in _RESOLUTION_OUTCOMES:
+        if state not in T.RECONCILE_TO:
             raise InvalidTransition(f"reconciliation cannot move {record.logical_key} to {state.value}")
         if state is ExportState.COMPLETED and item.evidence is None:
             raise InvalidTransition(f"completing {record.logical_key} needs the destination's evidence")
@@ -867,7 +496,8 @@ class ExportLedger:
     ) -> ExportRecord | None:
         """Applies one guarded transition; appends its attempt rows to ``attempts`` for the caller to insert."""
         record, state, evidence = item.record, item.state, item.evidence
-        values: dict = dict(state=state.value, lease_owner=None, lease_expires_at=None, updated_at=now)
+        transition = T.RECONCILE_TO[state]
+        values: dict = dict(lease_owner=None, lease_expires_at=None, updated_at=now)
         if evidence is not None:
             values.update(
                 location=evidence.location,
@@ -875,15 +505,17 @@ class ExportLedger:
                 row_count=evidence.row_count,
                 committed_attempt=evidence.attempt_id,
             )
-        conditions = [
-            export_runs.c.logical_key == record.logical_key,
-            export_runs.c.state == record.state.value,
-            export_runs.c.fencing_token == record.fencing_token,
-        ]
-        if record.state is ExportState.IN_PROGRESS:
-            conditions.append(export_runs.c.lease_expires_at < now)  # never take a key from a live lease
-        statement = export_runs.update().where(*conditions).values(**values).returning(*export_runs.c)
-        row = conn.execute(statement).first()  # the row as updated, or None when the guard did not match
+        # Guarded by the state examined (never a live lease) and its token: the row as updated, or None.
+        row = T.apply(
+            conn,
+            transition,
+            record.logical_key,
+            token=record.fencing_token,
+            states=(record.state,),
+            now=now,
+            values=values,
+            returning=True,
+        )
         if row is None:
             return None
         if record.state is ExportState.IN_PROGRESS:
@@ -894,7 +526,7 @@ class ExportLedger:
                 reconciler,
                 record.fencing_token,
                 now,
-                _RESOLUTION_OUTCOMES[state],
+                transition.outcome,
                 "Reconciliation",
                 item.detail,
             )
@@ -904,30 +536,28 @@ class ExportLedger:
     def _finish(
         self,
         claim: Claim,
-        state: ExportState,
-        outcome: AttemptOutcome,
+        transition: T.Transition,
         *,
         values: dict | None = None,
         error: BaseException | None = None,
     ) -> ExportRecord:
         now = self.now()
         error_class, message = short_error(error) if error is not None else (None, None)
+        outcome = transition.outcome
         with self.atomic() as conn:
-            matched = self._guarded_update(
+            matched = T.apply(
                 conn,
+                transition,
                 claim.logical_key,
-                from_states=(ExportState.IN_PROGRESS,),
                 token=claim.fencing_token,
                 owner=claim.attempt_id,
                 values=dict(
-                    state=state.value,
                     # remote_unknown keeps the attempt whose write is in doubt: reconciliation looks for its evidence.
-                    lease_owner=claim.attempt_id if state is ExportState.REMOTE_UNKNOWN else None,
+                    lease_owner=claim.attempt_id if transition is T.MARK_REMOTE_UNKNOWN else None,
                     lease_expires_at=None,
                     updated_at=now,
                     **(values or {}),
                 ),
-                required=False,
             )
             if matched:
                 self._append_attempt(
@@ -966,14 +596,13 @@ class ExportLedger:
             )
             if live:
                 evidence = effect(conn)
-                self._guarded_update(
+                moved = T.apply(
                     conn,
+                    T.COMPLETE,
                     claim.logical_key,
-                    from_states=(ExportState.IN_PROGRESS,),
                     token=claim.fencing_token,
                     owner=claim.attempt_id,
                     values=dict(
-                        state=ExportState.COMPLETED.value,
                         lease_owner=None,
                         lease_expires_at=None,
                         updated_at=now,
@@ -983,13 +612,15 @@ class ExportLedger:
                         committed_attempt=evidence.attempt_id,
                     ),
                 )
+                if not moved:  # the row is locked above: only a bug could get here
+                    raise InvalidTransition(f"{claim.logical_key} changed under its own row lock")
                 self._append_attempt(
                     conn,
                     claim.logical_key,
                     claim.attempt_id,
                     claim.fencing_token,
                     now,
-                    AttemptOutcome.COMPLETED,
+                    T.COMPLETE.outcome,
                     started_at=claim.started_at,
                 )
                 row = conn.execute(_RUN_BY_KEY, {"k_key": claim.logical_key}).one()
@@ -1032,34 +663,6 @@ class ExportLedger:
         }
         return conn.execute(_RUN_BY_DAY_LOCKED if lock else _RUN_BY_DAY, parameters).first()
 
-    def _guarded_update(
-        self,
-        conn: Connection,
-        logical_key: str,
-        *,
-        from_states: Sequence[ExportState],
-        token: int,
-        values: dict,
-        owner: str | None = None,
-        required: bool = True,
-    ) -> bool:
-        parameters = {"g_key": logical_key, "g_states": [s.value for s in from_states], "g_token": token, **values}
-        if owner is not None:
-            parameters["g_owner"] = owner
-        result = conn.execute(_GUARDED_UPDATE[owner is not None], parameters)
-        if result.rowcount == 1:
-            return True
-        if required:
-            raise InvalidTransition(
-                f"{logical_key} is no longer in {[s.value for s in from_states]} with token {token}; "
-                "another attempt changed it"
-            )
-        return False
-
-    def _append_abandoned(self, conn: Connection, record: ExportRecord, now: dt.datetime) -> None:
-        """Records the attempt whose lease ran out without a result (it crashed or stalled)."""
-        conn.execute(_INSERT_ATTEMPT, self._abandoned_values(record, now))
-
     def _abandoned_values(self, record: ExportRecord, now: dt.datetime) -> dict:
         return self._attempt_values(
             record.logical_key,
@@ -1097,5 +700,5 @@ class ExportLedger:
             finished_at=max(now, started_at),
             outcome=outcome.value,
             error_class=error_class,
-            error_message=error_message[:_MESSAGE_LIMIT] if error_message else error_message,
+            error_message=error_message[:MESSAGE_LIMIT] if error_message else error_message,
         )

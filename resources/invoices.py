@@ -1,4 +1,5 @@
-"""Invoice sources: a deterministic sample that needs no setup, and a SQL table read by UTC bounds.
+"""The reference export's invoice sources: a deterministic sample that needs no setup, and a SQL table read by UTC
+bounds. Written against export_ledger's public API (``ExportSource``), as a user's own source would be.
 
 Events carry a customer email and an amount: personal and business data that is exported but never logged.
 """
@@ -10,47 +11,31 @@ import hashlib
 import math
 from abc import ABC, abstractmethod
 
-import dagster as dg
 import numpy as np
 import pandas as pd
 import sqlalchemy as sa
 
-from assets.windows import require_aware
-from resources.exportfile import ExportSchema
-from resources.ledger import redact_url
-from resources.schema import UtcDateTime
-
-INVOICE_SCHEMA = ExportSchema(
-    columns={
-        "invoice_id": "string",
-        "tenant": "string",
-        "occurred_at": "timestamp",
-        "amount": "float",
-        "currency": "string",
-        "customer_email": "string",
-    },
-    time_column="occurred_at",
-    id_column="invoice_id",
-    tenant_column="tenant",
-)
+from export_ledger import ExportSource, SourceError, UtcDateTime, redact_url, require_aware
 
 _CURRENCIES = np.array(["USD", "EUR", "GBP", "CAD"], dtype=object)
 
 
-class SourceError(RuntimeError):
-    """The source could not be read."""
+class InvoiceSource(ExportSource, ABC):
+    """Where invoice events come from, read by tenant and half-open UTC bounds ``[start, end)``.
 
+    Subclasses take their settings as keyword arguments (``SampleInvoiceSource(cadence_minutes=30)``).
+    """
 
-class InvoiceSource(dg.ConfigurableResource, ABC):
-    """Where invoice events come from, read by tenant and half-open UTC bounds ``[start, end)``."""
-
-    @abstractmethod
-    def events(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> pd.DataFrame:
-        """Every event of ``tenant`` with ``start_utc <= occurred_at < end_utc``."""
+    def __init__(self, **settings) -> None:
+        known = {name for cls in type(self).__mro__ for name in getattr(cls, "__annotations__", {})}
+        for name, value in settings.items():
+            if name not in known and not hasattr(type(self), name):
+                raise TypeError(f"{type(self).__name__} has no setting {name!r}")
+            setattr(self, name, value)
 
     @abstractmethod
     def count(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> int:
-        """How many events ``events`` returns for the same arguments (for the export's asset check)."""
+        """How many events ``rows`` returns for the same arguments (for the export's asset check)."""
 
 
 def _bounds(start_utc: dt.datetime, end_utc: dt.datetime) -> tuple[dt.datetime, dt.datetime]:
@@ -81,7 +66,7 @@ class SampleInvoiceSource(InvoiceSource):
     def count(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> int:
         return len(self._indices(start_utc, end_utc))
 
-    def events(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> pd.DataFrame:
+    def rows(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> pd.DataFrame:
         indices = self._indices(start_utc, end_utc)
         k = np.arange(indices.start, indices.stop, dtype=np.int64)
         seed = int.from_bytes(hashlib.sha256(tenant.encode()).digest()[:4], "big")
@@ -118,7 +103,7 @@ def invoices_table(name: str = "invoices") -> sa.Table:
 class SqlInvoiceSource(InvoiceSource):
     """Reads a real ``invoices`` table (SQLite or PostgreSQL) by tenant and UTC bounds, with bound parameters."""
 
-    url: str
+    url: str = ""
     table: str = "invoices"
 
     def _engine(self) -> sa.Engine:
@@ -138,7 +123,7 @@ class SqlInvoiceSource(InvoiceSource):
         finally:
             engine.dispose()
 
-    def events(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> pd.DataFrame:
+    def rows(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> pd.DataFrame:
         start, end = _bounds(start_utc, end_utc)
         table = invoices_table(self.table)
         query = (

@@ -1,12 +1,4 @@
-"""Where exports are published: an abstract destination with small hooks, and the local filesystem one.
-
-The protocol every destination follows (driven by :mod:`resources.io_manager`):
-
-1. ``probe``: is an export for this key already published? (repair after a crash, never a second copy)
-2. ``stage``: write the data file (hashed while written) and the manifest somewhere invisible to readers;
-3. ``publish``: make both visible in one atomic step, refusing to replace anything already there;
-4. the I/O manager then records completion in the ledger.
-"""
+"""The local filesystem destination: one folder per export, published with one atomic ``rename``."""
 
 from __future__ import annotations
 
@@ -14,119 +6,20 @@ import os
 import shutil
 import stat
 import tempfile
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
-import dagster as dg
 import pyarrow as pa
 
-from resources.exportfile import MANIFEST_NAME, Manifest, write_table
-
-
-class DestinationError(RuntimeError):
-    """The destination refused or failed an operation before anything was published."""
-
-
-class PublishOutcomeUnknown(DestinationError):
-    """The publish step may or may not have taken effect; only the destination's evidence can tell."""
-
-
-class DestinationUnreachable(DestinationError):
-    """The destination could not be reached at all; nothing was read or written."""
-
-
-class DestinationConflict(DestinationError):
-    """The destination holds something else where this export belongs; it is never overwritten."""
-
-
-class PublishedElsewhere(DestinationError):
-    """Another attempt's export already sits at the target; it is never replaced."""
-
-    def __init__(self, message: str, manifest: Manifest) -> None:
-        super().__init__(message)
-        self.manifest = manifest
-
-
-@dataclass(frozen=True)
-class ExportTarget:
-    """Where one logical export lives: ``<export>/tenant=<tenant>/date=<YYYY-MM-DD>``."""
-
-    export: str
-    tenant: str
-    business_date: str
-
-    @property
-    def parts(self) -> tuple[str, str, str]:
-        return (self.export, f"tenant={self.tenant}", f"date={self.business_date}")
-
-
-@dataclass(frozen=True)
-class StagedExport:
-    """An export written but not yet visible."""
-
-    target: ExportTarget
-    manifest: Manifest
-    handle: str
-
-
-class Destination(dg.ConfigurableResource, ABC):
-    """A place exports are published to. Implementations fill in a few small hooks.
-
-    A *transactional* destination (``write_in_transaction``) lives in the ledger's own database: its rows and the
-    completion record commit in one transaction, so there is no publish step and no unknown outcome.
-    """
-
-    @property
-    def transactional(self) -> bool:
-        return False
-
-    @property
-    def pool(self) -> str:
-        """The Dagster concurrency pool exports to this destination run in (each destination kind has its own)."""
-        raise NotImplementedError
-
-    def write_in_transaction(self, connection, target: ExportTarget, table: pa.Table, manifest: Manifest) -> Manifest:
-        """Writes the export with the ledger's connection, inside the completion transaction (transactional only)."""
-        raise NotImplementedError(f"{type(self).__name__} is not transactional")
-
-    @abstractmethod
-    def location(self, target: ExportTarget) -> str:
-        """Where the committed export for ``target`` is, as recorded in the ledger."""
-
-    @abstractmethod
-    def probe(self, target: ExportTarget) -> Manifest | None:
-        """The manifest published at ``target``, or None when nothing is published there."""
-
-    @abstractmethod
-    def stage(self, target: ExportTarget, table: pa.Table, file_format: str, manifest: Manifest) -> StagedExport:
-        """Writes data and manifest where readers cannot see them; ``manifest`` gets the sha256 and row count."""
-
-    @abstractmethod
-    def publish(self, staged: StagedExport) -> Manifest:
-        """Makes a staged export visible atomically.
-
-        Raises:
-            PublishedElsewhere: the target already holds an export (never replaced).
-            PublishOutcomeUnknown: the export may or may not be visible.
-            DestinationError: nothing was published.
-        """
-
-    @abstractmethod
-    def discard(self, staged: StagedExport) -> None:
-        """Removes a staged export that will not be published."""
-
-    @abstractmethod
-    def read_data(self, target: ExportTarget, manifest: Manifest) -> bytes:
-        """The committed data file's bytes."""
-
-    def describe(self) -> str:
-        """A description safe for logs: no credentials."""
-        return type(self).__name__
-
-    def discard_abandoned(self, target: ExportTarget, below_token: int) -> int:
-        """Removes what attempts with a lower fencing token staged and never published; returns how many."""
-        return 0
+from export_ledger.destinations.base import (
+    DestinationError,
+    ExportTarget,
+    PublishedElsewhere,
+    PublishingDestination,
+    PublishOutcomeUnknown,
+    StagedExport,
+)
+from export_ledger.frames import MANIFEST_NAME, Manifest, write_table
 
 
 def _fsync_path(path: Path) -> None:
@@ -140,7 +33,8 @@ def _fsync_path(path: Path) -> None:
 _PUBLISHED_MODE = stat.S_IRUSR | stat.S_IWUSR | stat.S_IRGRP | stat.S_IROTH  # 0644: mkstemp's 0600 is too tight
 
 
-class LocalDestination(Destination):
+@dataclass(frozen=True)
+class LocalDestination(PublishingDestination):
     """Exports as directories under ``root``, published with one atomic ``rename`` of a fsynced staging directory.
 
     Staging directories are named ``.staging-...`` beside their target (same filesystem, so the rename is atomic)
@@ -148,10 +42,7 @@ class LocalDestination(Destination):
     """
 
     root: str
-
-    @property
-    def pool(self) -> str:
-        return "exports-local"
+    pool = "exports-local"
 
     def _root(self) -> Path:
         return Path(self.root).expanduser().resolve()

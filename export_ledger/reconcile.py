@@ -1,6 +1,7 @@
 """Reconciliation: decide what happened to stuck keys from the destination's own evidence.
 
-Plain Python; the Dagster sensor (:mod:`sensors.reconciliation`) and ``export-ledger reconcile`` are thin wrappers.
+Plain Python; the Dagster sensor (:mod:`export_ledger.dagster.sensors`) and ``export-ledger reconcile`` are thin
+wrappers.
 
 A key is stuck when its outcome is ``remote_unknown``, or when it is ``in_progress`` with an expired lease (a
 crashed or stalled attempt, on any destination). For each, the destination is probed:
@@ -16,12 +17,13 @@ from __future__ import annotations
 
 import enum
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from resources.destinations import Destination, DestinationError, DestinationUnreachable, ExportTarget
-from resources.exportfile import Manifest, ManifestError
-from resources.ledger import CompletionEvidence, ExportLedger, ExportRecord, Resolution
-from resources.schema import ExportState
+from export_ledger.destinations.base import Destination, DestinationError, DestinationUnreachable, ExportTarget
+from export_ledger.errors import ManifestError
+from export_ledger.frames import Manifest
+from export_ledger.ledger import CompletionEvidence, ExportLedger, ExportRecord, ExportState, Resolution
 
 
 class Verdict(str, enum.Enum):
@@ -99,6 +101,7 @@ class ReconcileReport:
     resolved: list[tuple[Finding, ExportRecord]] = field(default_factory=list)  # transitions that happened
     changed_meanwhile: list[Finding] = field(default_factory=list)  # an attempt moved the key first: untouched
     next_after: str | None = None  # cursor for the next batch; None starts again from the first stuck key
+    unknown_exports: set[str] = field(default_factory=set)  # stuck keys of exports with no destination given: untouched
 
     @property
     def unreachable(self) -> list[Finding]:
@@ -109,18 +112,31 @@ class ReconcileReport:
 
 
 def reconcile_batch(
-    ledger: ExportLedger, destination: Destination, *, limit: int, after: str | None, reconciler: str
+    ledger: ExportLedger,
+    destination: Destination | Mapping[str, Destination],
+    *,
+    limit: int,
+    after: str | None,
+    reconciler: str,
 ) -> ReconcileReport:
     """Reconciles at most ``limit`` stuck keys after ``after`` (key order), applying each verdict to the ledger.
 
     Successive calls with ``after=report.next_after`` walk every stuck key once before starting over, so thousands
-    of stuck keys are worked through fairly, a bounded batch at a time.
+    of stuck keys are worked through fairly, a bounded batch at a time. ``destination`` is one destination for
+    every export, or one per export name; a stuck key of an export missing from that mapping is left unchanged and
+    named in ``report.unknown_exports``.
     """
     records = ledger.stuck(limit=limit, after=after)
     report = ReconcileReport(next_after=records[-1].logical_key if len(records) == limit else None)
     decided = []
     for record in records:
-        finding = examine(destination, record)  # destination I/O first, outside the ledger's write transaction
+        if isinstance(destination, Mapping):
+            if record.export not in destination:
+                report.unknown_exports.add(record.export)
+                continue
+            finding = examine(destination[record.export], record)
+        else:
+            finding = examine(destination, record)  # destination I/O first, outside the ledger's write transaction
         report.findings.append(finding)
         if finding.verdict is not Verdict.UNREACHABLE:
             decided.append(finding)

@@ -5,13 +5,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from assets.windows import ExportWindow, utc_iso
+from export_ledger.calendar import ExportWindow, utc_iso
+from export_ledger.errors import InvalidIdentifier
 
 _SLUG_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
-
-
-class InvalidIdentifier(ValueError):
-    """A tenant or export name that is not a safe slug."""
 
 
 def validate_slug(value: object, what: str) -> str:
@@ -41,7 +38,7 @@ class LogicalKey:
 
     Example:
         >>> import datetime as dt
-        >>> from assets.windows import window_for
+        >>> from export_ledger.calendar import window_for
         >>> str(LogicalKey("invoice_export", "acme", window_for(dt.date(2026, 3, 8), "America/New_York")))
         'invoice_export/acme/2026-03-08T05:00:00Z'
     """

@@ -19,21 +19,20 @@ from __future__ import annotations
 import functools
 import os
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from pydantic import Field
-
-from resources.destinations import (
-    Destination,
+from export_ledger.destinations.base import (
     DestinationConflict,
     DestinationError,
     DestinationUnreachable,
     ExportTarget,
     PublishedElsewhere,
+    PublishingDestination,
     PublishOutcomeUnknown,
     StagedExport,
 )
-from resources.exportfile import MANIFEST_NAME, Manifest, ManifestError, write_table
+from export_ledger.frames import MANIFEST_NAME, Manifest, ManifestError, write_table
 
 
 def _boto():
@@ -42,7 +41,7 @@ def _boto():
         import botocore.config
         import botocore.exceptions
     except ImportError as exc:  # pragma: no cover - depends on the installed extras
-        raise DestinationError("the S3 destination needs boto3: pip install -e '.[s3]'") from exc
+        raise DestinationError("the S3 destination needs boto3: pip install 'export-ledger[s3]'") from exc
     return boto3, botocore.config, botocore.exceptions
 
 
@@ -86,7 +85,8 @@ def _client(endpoint_url, region, key_id, secret, token, connect_timeout, read_t
     )
 
 
-class S3Destination(Destination):
+@dataclass(frozen=True)
+class S3Destination(PublishingDestination):
     """Exports as objects in an S3-compatible bucket.
 
     Attributes:
@@ -105,14 +105,12 @@ class S3Destination(Destination):
     endpoint_url: str | None = None
     region_name: str = "us-east-1"
     access_key_id: str | None = None
-    secret_access_key: str | None = Field(default=None, repr=False)
-    session_token: str | None = Field(default=None, repr=False)
+    secret_access_key: str | None = field(default=None, repr=False)
+    session_token: str | None = field(default=None, repr=False)
     connect_timeout_seconds: float = 5.0
     read_timeout_seconds: float = 30.0
 
-    @property
-    def pool(self) -> str:
-        return "exports-s3"
+    pool = "exports-s3"
 
     # -- plumbing ----------------------------------------------------------------------------------------------
 

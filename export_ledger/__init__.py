@@ -1,0 +1,110 @@
+"""export-ledger: ledgered nightly data exports, one logical export per (export, tenant, window).
+
+This top level is the Dagster-free core: declare exports (:class:`ExportSpec`), read and change the ledger
+(:class:`ExportLedger`), export one key (:func:`export_key`), reconcile stuck keys (:func:`reconcile_batch`).
+The Dagster integration is :mod:`export_ledger.dagster`; importing this package never imports Dagster.
+"""
+
+from export_ledger.calendar import (
+    WINDOW_POLICY,
+    ExportCalendar,
+    ExportWindow,
+    check_schedule_time,
+    load_zone,
+    parse_business_date,
+    require_aware,
+    utc_iso,
+    window_for,
+    windows_between,
+)
+from export_ledger.destinations import (
+    Destination,
+    DestinationError,
+    ExportTarget,
+    LocalDestination,
+    PublishingDestination,
+    TransactionalDestination,
+    destination_from,
+)
+from export_ledger.errors import (
+    CalendarError,
+    ConfigurationError,
+    ExportLedgerError,
+    FrameError,
+    InvalidIdentifier,
+    ManifestError,
+    SourceError,
+)
+from export_ledger.frames import MANIFEST_NAME, ExportSchema, Manifest, validate_frame
+from export_ledger.keys import LogicalKey, attempt_id, parse_tenants, validate_slug
+from export_ledger.ledger import (
+    SCHEMA_VERSION,
+    AttemptOutcome,
+    ExportLedger,
+    ExportRecord,
+    ExportState,
+    LedgerError,
+    UtcDateTime,
+    redact_url,
+)
+from export_ledger.protocol import ExportBatch, ExportItem, ExportResult, export_batch, export_key
+from export_ledger.reconcile import reconcile_batch
+from export_ledger.settings import Settings
+from export_ledger.sources import CallableSource, ExportSource, SqlSource
+from export_ledger.spec import ExportSpec
+
+__version__ = "0.2.0"
+
+__all__ = [
+    "MANIFEST_NAME",
+    "SCHEMA_VERSION",
+    "WINDOW_POLICY",
+    "AttemptOutcome",
+    "CalendarError",
+    "CallableSource",
+    "ConfigurationError",
+    "Destination",
+    "DestinationError",
+    "ExportBatch",
+    "ExportCalendar",
+    "ExportItem",
+    "ExportLedger",
+    "ExportLedgerError",
+    "ExportRecord",
+    "ExportResult",
+    "ExportSchema",
+    "ExportSource",
+    "ExportSpec",
+    "ExportState",
+    "ExportTarget",
+    "ExportWindow",
+    "FrameError",
+    "InvalidIdentifier",
+    "LedgerError",
+    "LocalDestination",
+    "LogicalKey",
+    "Manifest",
+    "ManifestError",
+    "PublishingDestination",
+    "Settings",
+    "SourceError",
+    "SqlSource",
+    "TransactionalDestination",
+    "UtcDateTime",
+    "attempt_id",
+    "check_schedule_time",
+    "destination_from",
+    "export_batch",
+    "export_key",
+    "load_zone",
+    "parse_business_date",
+    "parse_tenants",
+    "reconcile_batch",
+    "redact_url",
+    "require_aware",
+    "utc_iso",
+    "validate_frame",
+    "validate_slug",
+    "window_for",
+    "windows_between",
+]

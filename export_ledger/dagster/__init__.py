@@ -1,0 +1,47 @@
+"""export-ledger's Dagster integration: resources, the ledgered I/O manager, and factories for assets, checks,
+schedules and the reconciliation sensor, assembled by :func:`ledgered_definitions`.
+
+Example:
+    >>> from export_ledger.dagster import ledgered_definitions
+    >>> defs = ledgered_definitions([orders, payments])  # doctest: +SKIP
+"""
+
+from export_ledger.dagster.assets import (
+    CHECK_NAME,
+    LEDGER_KEY,
+    STUCK_CHECK_NAME,
+    build_export_asset,
+    build_stuck_check,
+    export_check,
+    resource_keys,
+    stuck_check_evaluation,
+)
+from export_ledger.dagster.definitions import ledgered_definitions
+from export_ledger.dagster.io_manager import LedgeredExportIOManager, output_metadata
+from export_ledger.dagster.partitions import calendar_of, dagster_disagreement, partitions_def
+from export_ledger.dagster.resources import DestinationResource, LedgerResource
+from export_ledger.dagster.schedules import build_nightly_schedule
+from export_ledger.dagster.sensors import build_reconciliation_sensor, job_selection, sensor_result
+
+__all__ = [
+    "CHECK_NAME",
+    "LEDGER_KEY",
+    "STUCK_CHECK_NAME",
+    "DestinationResource",
+    "LedgerResource",
+    "LedgeredExportIOManager",
+    "build_export_asset",
+    "build_nightly_schedule",
+    "build_reconciliation_sensor",
+    "build_stuck_check",
+    "calendar_of",
+    "dagster_disagreement",
+    "export_check",
+    "job_selection",
+    "ledgered_definitions",
+    "output_metadata",
+    "partitions_def",
+    "resource_keys",
+    "sensor_result",
+    "stuck_check_evaluation",
+]

@@ -1,0 +1,201 @@
+"""Asset and check factories: one ledgered export asset per declared export, its per-run check, and the
+``no_stuck_exports`` check."""
+
+import datetime as dt
+import hashlib
+import warnings
+from collections.abc import Iterator
+
+import dagster as dg
+
+from export_ledger.calendar import parse_business_date, utc_iso
+from export_ledger.dagster.partitions import dagster_disagreement, partitions_def
+from export_ledger.destinations import Destination
+from export_ledger.keys import LogicalKey
+from export_ledger.ledger import ExportLedger, ExportRecord, ExportState
+from export_ledger.protocol import ExportBatch, ExportItem, ExportResult, target_for
+from export_ledger.spec import ExportSpec
+
+CHECK_NAME = "export_matches_source_and_ledger"
+STUCK_CHECK_NAME = "no_stuck_exports"
+LEDGER_KEY = "ledger"
+
+
+def resource_keys(spec: ExportSpec) -> tuple[str, str]:
+    """The resource keys of an export's destination and I/O manager."""
+    return f"{spec.name}__destination", f"{spec.name}__io_manager"
+
+
+def build_export_asset(
+    spec: ExportSpec, *, pool: str, backfill_policy: dg.BackfillPolicy | None = None
+) -> dg.AssetsDefinition:
+    """The export's asset: for each partition in the run and each tenant, exactly the window's rows.
+
+    The asset plans (which keys, which windows, which are already done: those are skipped before the source is
+    read) and reads the source; the export's I/O manager claims, publishes and records each key.
+    """
+    if spec.source is None:
+        raise ValueError(f"export {spec.name!r} has no source: declare its asset yourself with ledgered_io_manager")
+    destination_key, io_manager_key = resource_keys(spec)
+    partitions = partitions_def(spec.calendar)
+    calendar = spec.calendar
+
+    # Backfill policies are a beta Dagster API; the chunking they give is the documented way to bound backfills.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", dg.BetaWarning)
+        asset_decorator = dg.asset(
+            name=spec.name,
+            partitions_def=partitions,
+            io_manager_key=io_manager_key,
+            backfill_policy=backfill_policy,
+            pool=pool,
+            required_resource_keys={LEDGER_KEY, destination_key},
+            check_specs=[dg.AssetCheckSpec(CHECK_NAME, asset=spec.name)],
+            description=spec.description
+            or f"{spec.name}: each tenant's rows inside the partition's business-day window, exported once.",
+        )
+
+    @asset_decorator
+    def _export(context: dg.AssetExecutionContext) -> Iterator:
+        book = getattr(context.resources, LEDGER_KEY).get_ledger()
+        destination = getattr(context.resources, destination_key).get_destination()
+        book.check_contract(spec.name, calendar.contract())  # a changed zone or start date is refused unaccepted
+        items: list[ExportItem] = []
+        partition_keys = sorted(context.partition_keys)
+        # One read for the whole run instead of one per key: a 31-day chunk of 10 tenants is 1 query, not 310.
+        known = {
+            (r.tenant, r.timezone, r.business_date): r
+            for r in book.records(
+                export=spec.name,
+                date_from=parse_business_date(partition_keys[0]),
+                date_to=parse_business_date(partition_keys[-1]),
+            )
+        }
+        for partition_key in partition_keys:
+            window = calendar.window(partition_key)
+            disagreement = dagster_disagreement(window, partitions.time_window_for_partition_key(partition_key))
+            if disagreement:
+                context.log.warning(disagreement)
+            planned_skips = []
+            if window.is_empty:
+                # The zone skipped this calendar day; its empty window has no logical key of its own (it would share
+                # the next day's window start), and no event belongs to it.
+                context.log.warning(
+                    f"{partition_key} does not exist in {calendar.timezone}: empty window, nothing to export"
+                )
+            for tenant in spec.tenants if not window.is_empty else ():
+                key = LogicalKey(spec.name, tenant, window)
+                record = known.get((tenant, window.timezone, window.business_date))
+                if record is not None:
+                    key = LogicalKey(spec.name, tenant, record.window)  # the first claim's window is authoritative
+                if record is not None and record.state is ExportState.COMPLETED:
+                    items.append(ExportItem(key, partition_key, None))
+                    planned_skips.append(tenant)
+                    continue
+                frame = spec.read(tenant, key.window.start_utc, key.window.end_utc)
+                items.append(ExportItem(key, partition_key, frame))
+            context.add_asset_metadata(
+                {
+                    "business_date": partition_key,
+                    "timezone": calendar.timezone,
+                    "window_start_utc": utc_iso(window.start_utc),
+                    "window_end_utc": utc_iso(window.end_utc),
+                    "window_hours": window.duration.total_seconds() / 3600,
+                    "partition_logical_keys": dg.MetadataValue.json(
+                        [str(i.key) for i in items if i.partition_key == partition_key]
+                    ),
+                    "source_rows": dg.MetadataValue.json(
+                        {
+                            i.key.tenant: len(i.frame)
+                            for i in items
+                            if i.partition_key == partition_key and i.frame is not None
+                        }
+                    ),
+                    "tenants_skipped_already_completed": dg.MetadataValue.json(planned_skips),
+                },
+                partition_key=partition_key,
+            )
+        batch = ExportBatch(spec.schema, items)
+        yield dg.Output(batch)
+        # The I/O manager has published and recorded every key by now: check what actually landed.
+        yield export_check(spec, book, destination, batch.results)
+
+    return _export
+
+
+def export_check(
+    spec: ExportSpec, ledger: ExportLedger, destination: Destination, results: list[ExportResult]
+) -> dg.AssetCheckResult:
+    """Each key of the run: completed in the ledger, its file's sha256 the ledger's, its row count the source's."""
+    problems: list[str] = []
+    for result in results:
+        record = ledger.get(result.logical_key)
+        if record is None or record.state is not ExportState.COMPLETED:
+            problems.append(f"{result.logical_key}: not completed in the ledger")
+            continue
+        target = target_for(LogicalKey(record.export, record.tenant, record.window))
+        manifest = destination.probe(target)
+        if manifest is None:
+            problems.append(f"{record.logical_key}: no manifest at {record.location}")
+            continue
+        actual = hashlib.sha256(destination.read_data(target, manifest)).hexdigest()
+        if actual != record.sha256:
+            problems.append(f"{record.logical_key}: file sha256 {actual[:12]}... != ledger {record.sha256[:12]}...")
+        expected_rows = spec.count(record.tenant, record.window_start_utc, record.window_end_utc)
+        if expected_rows is not None and record.row_count != expected_rows:
+            problems.append(f"{record.logical_key}: exported {record.row_count} rows, source has {expected_rows}")
+    return dg.AssetCheckResult(
+        check_name=CHECK_NAME,
+        asset_key=spec.name,
+        passed=not problems,
+        severity=dg.AssetCheckSeverity.ERROR,
+        metadata={"keys_checked": len(results), "problems": dg.MetadataValue.json(problems)},
+        description="exported row counts equal the source's for each window; each file's sha256 equals the ledger's",
+    )
+
+
+def stuck_check_evaluation(
+    asset_key: dg.AssetKey, stuck: list[ExportRecord], stuck_after: dt.timedelta
+) -> dg.AssetCheckEvaluation:
+    """The ``no_stuck_exports`` verdict for one export: fails while any key stays unresolved beyond ``stuck_after``."""
+    return dg.AssetCheckEvaluation(
+        asset_key=asset_key,
+        check_name=STUCK_CHECK_NAME,
+        passed=not stuck,
+        severity=dg.AssetCheckSeverity.ERROR,
+        metadata={
+            "stuck_keys": len(stuck),
+            "threshold_hours": stuck_after.total_seconds() / 3600,
+            "first_keys": dg.MetadataValue.json(
+                [
+                    {"logical_key": r.logical_key, "state": r.state.value, "since": utc_iso(r.updated_at)}
+                    for r in stuck[:20]
+                ]
+            ),
+        },
+        description=f"no key stays remote_unknown, conflict or abandoned in_progress longer than {stuck_after}",
+    )
+
+
+def build_stuck_check(export: str, stuck_after: dt.timedelta) -> dg.AssetChecksDefinition:
+    """``no_stuck_exports`` of one export on demand from the UI; the reconciliation sensor reports the same verdict
+    each time the set of stuck keys changes."""
+
+    @dg.asset_check(
+        asset=export,
+        name=STUCK_CHECK_NAME,
+        description="no export key stuck too long",
+        required_resource_keys={LEDGER_KEY},
+    )
+    def _no_stuck_exports(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
+        stuck = getattr(context.resources, LEDGER_KEY).get_ledger().stuck_longer_than(stuck_after)
+        mine = [r for r in stuck if r.export == export]
+        evaluation = stuck_check_evaluation(dg.AssetKey(export), mine, stuck_after)
+        return dg.AssetCheckResult(
+            passed=evaluation.passed,
+            severity=evaluation.severity,
+            metadata=evaluation.metadata,
+            description=evaluation.description,
+        )
+
+    return _no_stuck_exports

@@ -1,0 +1,158 @@
+"""``ledgered_definitions``: a whole code location of ledgered exports from a list of declared exports."""
+
+from __future__ import annotations
+
+import datetime as dt
+import warnings
+from collections.abc import Mapping, Sequence
+
+import dagster as dg
+
+from export_ledger.dagster.assets import LEDGER_KEY, build_export_asset, build_stuck_check, resource_keys
+from export_ledger.dagster.io_manager import LedgeredExportIOManager
+from export_ledger.dagster.resources import DestinationResource, LedgerResource
+from export_ledger.dagster.schedules import build_nightly_schedule
+from export_ledger.dagster.sensors import build_reconciliation_sensor, job_selection
+from export_ledger.destinations import Destination, destination_from
+from export_ledger.errors import ConfigurationError
+from export_ledger.settings import LEDGER_URL_ENV, S3_ENV, Settings
+from export_ledger.spec import ExportSpec
+
+_FROM_SETTINGS = object()  # an argument left to the settings (where None has a meaning of its own)
+
+
+def ledgered_definitions(
+    exports: Sequence[ExportSpec],
+    *,
+    ledger: LedgerResource | None = None,
+    destination: Destination | str | None = None,
+    settings: Settings | None = None,
+    max_partitions_per_run: int | None | object = _FROM_SETTINGS,
+    reconcile_batch_size: int = 100,
+    stuck_after: dt.timedelta = dt.timedelta(hours=6),
+    assets: Sequence = (),
+    environ: Mapping[str, str] | None = None,
+) -> dg.Definitions:
+    """A code location: one asset, checks, job, schedule and pool per export; one ledger and one reconciliation
+    sensor for all of them.
+
+    Args:
+        exports: The declared exports (names unique). An export without a source is exported from an asset of your
+            own, passed in ``assets``, whose ``io_manager_key`` is ``f"{name}__io_manager"``.
+        ledger: A ready ledger resource; default from the settings (``EXPORTS_LEDGER_URL`` or ``./var/ledger.sqlite3``).
+        destination: The default destination (a spec or a destination object); default from the settings
+            (``EXPORTS_DESTINATION`` or ``./var/exports``). An export's own ``destination`` wins over it.
+        settings: Settings already read; default :meth:`Settings.from_environment` on ``environ``.
+        max_partitions_per_run: Backfills run in chunks of at most this many partitions; None for one run per range;
+            default ``EXPORTS_MAX_PARTITIONS_PER_RUN`` or 31.
+        reconcile_batch_size: Stuck keys the reconciliation sensor examines per tick.
+        stuck_after: Keys unresolved for longer fail ``no_stuck_exports`` and are logged as errors.
+        assets: Further assets of your own (the producers of exports without a source, their upstreams).
+        environ: The environment to read; default ``os.environ`` (secrets are then passed as ``EnvVar``).
+
+    Example:
+        >>> defs = ledgered_definitions([orders, payments])  # doctest: +SKIP
+    """
+    if not exports:
+        raise ConfigurationError("ledgered_definitions needs at least one export")
+    names = [spec.name for spec in exports]
+    if len(set(names)) != len(names):
+        raise ConfigurationError(f"export names must be unique, got {names}")
+    settings = settings or Settings.from_environment(environ)
+    secrets_by_name = environ is None  # reading the process environment: hand secrets over by name
+
+    if ledger is None:
+        url = dg.EnvVar(LEDGER_URL_ENV) if settings.ledger_url_from_env and secrets_by_name else settings.ledger_url
+        ledger = LedgerResource(
+            url=url,
+            lease_ttl_seconds=settings.lease_ttl_seconds,
+            allow_below_low_water=settings.allow_below_low_water,
+        )
+    if max_partitions_per_run is _FROM_SETTINGS:
+        max_partitions_per_run = settings.max_partitions_per_run
+    policy = (
+        dg.BackfillPolicy.single_run()
+        if max_partitions_per_run is None
+        else dg.BackfillPolicy.multi_run(max_partitions_per_run=max_partitions_per_run)
+    )
+
+    resources: dict = {LEDGER_KEY: ledger}
+    definitions: list = list(assets)
+    checks, jobs, schedules = [], [], []
+    shared_tables: dict[str, list[str]] = {}
+    for spec in exports:
+        spec_destination = spec.destination or destination or settings.destination
+        what = f"destination of export {spec.name}" if spec.destination else "EXPORTS_DESTINATION"
+        resource = _destination_resource(spec_destination, ledger, settings, secrets_by_name, what)
+        plain = resource.get_destination() if not _is_env(resource) else None
+        table = getattr(plain, "table", None)
+        if table is not None and "{export}" not in table:
+            shared_tables.setdefault(table, []).append(spec.name)
+        pool = f"{_pool_kind(spec_destination)}-{spec.name}"
+        destination_key, io_manager_key = resource_keys(spec)
+        resources[destination_key] = resource
+        resources[io_manager_key] = LedgeredExportIOManager(
+            ledger=ledger,
+            destination=resource,
+            file_format=spec.file_format,
+            tenants=list(spec.tenants),
+            columns=dict(spec.schema.columns),
+            time_column=spec.schema.time_column,
+            id_columns=list(spec.schema.id_columns),
+            tenant_column=spec.schema.tenant_column,
+            order_by=list(spec.schema.order_by),
+            nullable=sorted(spec.schema.nullable),
+            timezone=spec.timezone,
+            start_date=spec.start_date,
+        )
+        if spec.source is not None:
+            definitions.append(build_export_asset(spec, pool=pool, backfill_policy=policy))
+        checks.append(build_stuck_check(spec.name, stuck_after))
+        job = dg.define_asset_job(f"{spec.name}_job", selection=job_selection(spec.name))
+        jobs.append(job)
+        if spec.schedule_time is not None:
+            schedules.append(build_nightly_schedule(job, spec))
+    for table, sharing in shared_tables.items():
+        if len(sharing) > 1:
+            raise ConfigurationError(
+                f"exports {sharing} would share the ledger table {table!r}; give each its own, for example "
+                "ledger-table:exported_{export}"
+            )
+    sensor = build_reconciliation_sensor(exports, jobs, batch_size=reconcile_batch_size, stuck_after=stuck_after)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", dg.BetaWarning)
+        return dg.Definitions(
+            assets=definitions,
+            asset_checks=checks,
+            jobs=jobs,
+            schedules=schedules,
+            sensors=[sensor],
+            resources=resources,
+        )
+
+
+def _is_env(resource: DestinationResource) -> bool:
+    return any(isinstance(getattr(resource, name), dg.EnvVar) for name in ("ledger_url", *S3_ENV))
+
+
+def _pool_kind(spec: Destination | str) -> str:
+    """exports-local, exports-s3 or exports-ledger-table: one pool family per destination kind."""
+    if isinstance(spec, Destination):
+        return spec.pool
+    if spec.startswith("s3://"):
+        return "exports-s3"
+    if spec.startswith("ledger-table:"):
+        return "exports-ledger-table"
+    return "exports-local"
+
+
+def _destination_resource(
+    spec: Destination | str, ledger: LedgerResource, settings: Settings, by_name: bool, what: str
+) -> DestinationResource:
+    if isinstance(spec, Destination):
+        return DestinationResource.of(spec)
+    destination_from(spec, ledger_url="", what=what)  # a bad spec fails here, naming the setting
+    secrets = {
+        name: (dg.EnvVar(var) if by_name else settings.environ.get(var)) for name, var in settings.s3_secrets.items()
+    }
+    return DestinationResource(spec=spec, ledger_url=ledger.url, region_name=settings.region_name, **secrets)

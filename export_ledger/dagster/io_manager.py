@@ -1,0 +1,165 @@
+"""The I/O manager that turns an export's output into published, ledgered exports.
+
+An export asset built by :func:`export_ledger.dagster.build_export_asset` hands it an
+:class:`~export_ledger.protocol.ExportBatch`; a partitioned asset of your own may hand it one DataFrame holding every
+tenant's rows (split here by tenant column and window). Either way each key goes through
+:func:`export_ledger.protocol.export_key`.
+"""
+
+import hashlib
+
+import dagster as dg
+import pandas as pd
+
+from export_ledger.calendar import ExportCalendar
+from export_ledger.dagster.resources import DestinationResource, LedgerResource
+from export_ledger.destinations import DestinationError, ExportTarget
+from export_ledger.errors import FrameError
+from export_ledger.frames import ExportSchema, read_table
+from export_ledger.keys import LogicalKey, attempt_id
+from export_ledger.ledger import ExportState
+from export_ledger.protocol import ExportBatch, ExportItem, ExportResult, export_batch
+
+
+class LedgeredExportIOManager(dg.ConfigurableIOManager):
+    """Publishes one export's outputs through its destination and records each key in the ledger.
+
+    Attributes:
+        ledger: The ledger resource.
+        destination: Where exports are published.
+        file_format: ``csv`` (default) or ``parquet``.
+        tenants: The tenants whose committed exports ``load_input`` returns (and a frame output is split into).
+        columns, time_column, id_columns, tenant_column, order_by, nullable: The export's schema, for a frame output.
+        timezone, start_date: The export's calendar, for a frame output.
+    """
+
+    ledger: dg.ResourceDependency[LedgerResource]
+    destination: dg.ResourceDependency[DestinationResource]
+    file_format: str = "csv"
+    tenants: list[str] = []
+    columns: dict[str, str] = {}
+    time_column: str = ""
+    id_columns: list[str] = []
+    tenant_column: str | None = None
+    order_by: list[str] = []
+    nullable: list[str] = []
+    timezone: str = ""
+    start_date: str = ""
+
+    def handle_output(self, context: dg.OutputContext, obj: "ExportBatch | pd.DataFrame") -> None:
+        if isinstance(obj, pd.DataFrame):
+            obj = self._batch_from_frame(context, obj)
+        if not isinstance(obj, ExportBatch):
+            raise TypeError(f"{type(self).__name__} exports ExportBatch or DataFrame values, got {type(obj).__name__}")
+        attempt = attempt_id(context.run_id, context.step_key)
+
+        def log(level: str, message: str) -> None:
+            getattr(context.log, level)(message)
+
+        export_batch(
+            self.ledger.get_ledger(),
+            self.destination.get_destination(),
+            obj,
+            attempt,
+            file_format=self.file_format,
+            log=log,
+        )
+        exported = [r for r in obj.results if r.status == "exported"]
+        if exported:
+            # One line for the routine outcome, not one per key: each log line is an event-log write in the run, and
+            # the materialization metadata already lists every key's path and checksum.
+            context.log.info(
+                f"{len(exported)} key(s) exported, {sum(r.row_count for r in exported)} rows (attempt {attempt}): "
+                f"{', '.join(r.logical_key for r in exported[:5])}{', ...' if len(exported) > 5 else ''}"
+            )
+        context.add_output_metadata(output_metadata(obj.results, attempt))
+
+    def _batch_from_frame(self, context: dg.OutputContext, frame: pd.DataFrame) -> ExportBatch:
+        """Splits one frame of every tenant's rows into one item per (partition, tenant); a row that belongs to no
+        configured tenant or to no partition of the run is refused, so nothing is dropped silently."""
+        if not self.columns or not self.tenant_column or not self.timezone:
+            raise FrameError(f"{context.asset_key.to_user_string()}: a frame output needs the export's schema")
+        schema = ExportSchema(
+            self.columns, self.time_column, tuple(self.id_columns), self.tenant_column, tuple(self.order_by),
+            frozenset(self.nullable),
+        )  # fmt: skip
+        calendar = ExportCalendar(self.timezone, self.start_date)
+        export = context.asset_key.path[-1]
+        what = f"{export} (rows of the asset's frame)"
+        for name in (schema.time_column, schema.tenant_column):
+            if name not in frame.columns:
+                raise FrameError(f"{what}: the frame has no {name!r} column")
+        times = frame[schema.time_column]
+        if not isinstance(times.dtype, pd.DatetimeTZDtype):
+            raise FrameError(f"{what}: column {schema.time_column!r} must hold timezone-aware timestamps")
+        items, placed = [], 0
+        for partition_key in sorted(context.asset_partition_keys):
+            window = calendar.window(partition_key)
+            in_window = (times >= window.start_utc) & (times < window.end_utc)
+            for tenant in self.tenants:
+                rows = frame[in_window & (frame[schema.tenant_column] == tenant)]
+                placed += len(rows)
+                if not window.is_empty:
+                    items.append(ExportItem(LogicalKey(export, tenant, window), partition_key, rows))
+        if placed != len(frame):
+            raise FrameError(
+                f"{what}: {len(frame) - placed} row(s) belong to no configured tenant or fall outside the run's "
+                "partitions; nothing was exported"
+            )
+        return ExportBatch(schema, items)
+
+    def load_input(self, context: dg.InputContext) -> pd.DataFrame:
+        """Committed exports only: every (partition, tenant) must be ``completed`` and match its checksum."""
+        export = context.asset_key.path[-1]
+        ledger = self.ledger.get_ledger()
+        destination = self.destination.get_destination()
+        frames = []
+        partition_keys = sorted(context.asset_partition_keys) if context.has_asset_partitions else []
+        if not partition_keys:
+            raise DestinationError(f"{export} is partitioned by day; load it for one or more partitions")
+        if not self.tenants:
+            raise DestinationError(f"no tenants configured for loading {export}")
+        for partition_key in partition_keys:
+            day = pd.Timestamp(partition_key).date()
+            for tenant in self.tenants:
+                records = ledger.records(export=export, tenant=tenant, date_from=day, date_to=day)
+                if len(records) != 1 or records[0].state is not ExportState.COMPLETED:
+                    state = (
+                        records[0].state.value
+                        if len(records) == 1
+                        else ("never attempted" if not records else "ambiguous")
+                    )
+                    raise DestinationError(
+                        f"{export} for tenant {tenant} on {partition_key} is not committed ({state}); "
+                        "load_input returns committed exports only"
+                    )
+                record = records[0]
+                target = ExportTarget(export, tenant, partition_key)
+                manifest = destination.probe(target)
+                if manifest is None or manifest.sha256 != record.sha256:
+                    raise DestinationError(
+                        f"{record.logical_key} is completed in the ledger but {record.location} does not hold the "
+                        "export it recorded"
+                    )
+                payload = destination.read_data(target, manifest)
+                if hashlib.sha256(payload).hexdigest() != record.sha256:
+                    raise DestinationError(f"{record.location}: data file does not match the ledger's sha256")
+                file_format = "parquet" if manifest.data_file.endswith(".parquet") else "csv"
+                frames.append(read_table(payload, file_format))
+        return pd.concat(frames, ignore_index=True)
+
+
+def output_metadata(results: list[ExportResult], attempt: str) -> dict:
+    """The materialization metadata of one run's keys (copied by Dagster onto each partition's event)."""
+    done = [r for r in results if r.status != "already_completed"]
+    return {
+        "attempt_id": attempt,
+        "logical_keys": dg.MetadataValue.json([r.logical_key for r in results]),
+        "exported_keys": len(done),
+        "rows_exported": sum(r.row_count for r in done),
+        "sha256": dg.MetadataValue.json({r.logical_key: r.sha256 for r in results}),
+        "paths": dg.MetadataValue.json({r.logical_key: r.location for r in results}),
+        "skipped_already_completed": dg.MetadataValue.json(
+            [r.logical_key for r in results if r.status == "already_completed"]
+        ),
+    }

@@ -1,0 +1,102 @@
+"""Dagster resources: configuration in, plain export_ledger objects out (a ledger, a destination).
+
+Settings that may hold secrets are given as Dagster ``EnvVar``s by :func:`export_ledger.dagster.ledgered_definitions`,
+so the UI and run config show variable names, never values.
+"""
+
+import datetime as dt
+
+import dagster as dg
+
+from export_ledger.destinations import Destination, LocalDestination, destination_from
+from export_ledger.ledger import ExportLedger, utc_now
+
+
+class LedgerResource(dg.ConfigurableResource):
+    """Where the ledger lives and how long a claim's lease lasts.
+
+    Attributes:
+        url: SQLAlchemy URL. SQLite (the default, ``./var/ledger.sqlite3``) or ``postgresql+psycopg2://...``.
+        lease_ttl_seconds: How long one attempt keeps a key to itself without a result. Longer than the slowest
+            single export, shorter than the time an operator will wait before retrying a crashed run.
+        allow_below_low_water: Allow first claims below the retention low-water mark (an explicit override).
+    """
+
+    url: str
+    lease_ttl_seconds: int = 900
+    allow_below_low_water: bool = False
+
+    def clock(self) -> dt.datetime:
+        """The ledger's notion of now. Tests subclass this resource to control it."""
+        return utc_now()
+
+    def get_ledger(self) -> ExportLedger:
+        if self.lease_ttl_seconds <= 0:
+            raise ValueError(f"lease_ttl_seconds must be positive, got {self.lease_ttl_seconds}")
+        return ExportLedger(
+            self.url,
+            lease_ttl=dt.timedelta(seconds=self.lease_ttl_seconds),
+            clock=self.clock,
+            allow_below_low_water=self.allow_below_low_water,
+        )
+
+
+class DestinationResource(dg.ConfigurableResource):
+    """Where exports go, by spec: a folder, ``s3://bucket/prefix`` or ``ledger-table:<table>``.
+
+    Attributes:
+        spec: The destination spec (``EXPORTS_DESTINATION``).
+        ledger_url: The ledger's URL (a ``ledger-table:`` destination lives in the ledger's database).
+        endpoint_url, region_name, access_key_id, secret_access_key, session_token: S3 settings; None lets boto3
+            find them itself.
+        connect_timeout_seconds, read_timeout_seconds: S3 client timeouts.
+    """
+
+    spec: str
+    ledger_url: str = ""
+    endpoint_url: str | None = None
+    region_name: str = "us-east-1"
+    access_key_id: str | None = None
+    secret_access_key: str | None = None
+    session_token: str | None = None
+    connect_timeout_seconds: float = 5.0
+    read_timeout_seconds: float = 30.0
+
+    def get_destination(self) -> Destination:
+        return destination_from(
+            self.spec,
+            ledger_url=self.ledger_url,
+            credentials=dict(
+                endpoint_url=self.endpoint_url,
+                region_name=self.region_name,
+                access_key_id=self.access_key_id,
+                secret_access_key=self.secret_access_key,
+                session_token=self.session_token,
+                connect_timeout_seconds=self.connect_timeout_seconds,
+                read_timeout_seconds=self.read_timeout_seconds,
+            ),
+        )
+
+    @classmethod
+    def of(cls, destination: Destination) -> "DestinationResource":
+        """The resource for a destination built in Python (tests, scripts)."""
+        if isinstance(destination, LocalDestination):
+            return cls(spec=destination.root)
+        from export_ledger.destinations.table import SqlTableDestination
+
+        if isinstance(destination, SqlTableDestination):
+            return cls(spec=f"ledger-table:{destination.table}", ledger_url=destination.url)
+        from export_ledger.destinations.s3 import S3Destination
+
+        if isinstance(destination, S3Destination):
+            return cls(
+                spec=f"s3://{destination.bucket}/{destination.prefix}".rstrip("/"),
+                endpoint_url=destination.endpoint_url,
+                region_name=destination.region_name,
+                access_key_id=destination.access_key_id,
+                secret_access_key=destination.secret_access_key,
+                session_token=destination.session_token,
+                connect_timeout_seconds=destination.connect_timeout_seconds,
+                read_timeout_seconds=destination.read_timeout_seconds,
+            )
+        raise TypeError(f"no resource for destination {type(destination).__name__}; pass its spec instead")

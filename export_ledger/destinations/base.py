@@ -1,0 +1,126 @@
+"""Where exports go: two kinds of destination, each with a few small hooks. Plain Python, no Dagster.
+
+A *publishing* destination (a local folder, an object store) follows this protocol, driven by
+:func:`export_ledger.protocol.export_key`:
+
+1. ``probe``: is an export for this key already published? (repair after a crash, never a second copy)
+2. ``stage``: write the data file (hashed while written) and the manifest somewhere invisible to readers;
+3. ``publish``: make both visible in one atomic step, refusing to replace anything already there;
+4. the protocol then records completion in the ledger.
+
+A *transactional* destination lives in the ledger's own database: ``write_in_transaction`` writes the rows with the
+ledger's connection, inside the transaction that records completion, so effect and record commit together.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from export_ledger.errors import ExportLedgerError
+from export_ledger.frames import Manifest
+
+
+class DestinationError(ExportLedgerError, RuntimeError):
+    """The destination refused or failed an operation before anything was published."""
+
+
+class PublishOutcomeUnknown(DestinationError):
+    """The publish step may or may not have taken effect; only the destination's evidence can tell."""
+
+
+class DestinationUnreachable(DestinationError):
+    """The destination could not be reached at all; nothing was read or written."""
+
+
+class DestinationConflict(DestinationError):
+    """The destination holds something else where this export belongs; it is never overwritten."""
+
+
+class PublishedElsewhere(DestinationError):
+    """Another attempt's export already sits at the target; it is never replaced."""
+
+    def __init__(self, message: str, manifest: Manifest) -> None:
+        super().__init__(message)
+        self.manifest = manifest
+
+
+@dataclass(frozen=True)
+class ExportTarget:
+    """Where one logical export lives: ``<export>/tenant=<tenant>/date=<YYYY-MM-DD>``."""
+
+    export: str
+    tenant: str
+    business_date: str
+
+    @property
+    def parts(self) -> tuple[str, str, str]:
+        return (self.export, f"tenant={self.tenant}", f"date={self.business_date}")
+
+
+@dataclass(frozen=True)
+class StagedExport:
+    """An export written but not yet visible."""
+
+    target: ExportTarget
+    manifest: Manifest
+    handle: str
+
+
+class Destination(ABC):
+    """What every destination answers: where a key's export is, whether it is there, and its bytes."""
+
+    #: The Dagster concurrency pool kind exports to this destination run in (each destination kind has its own).
+    pool: str = "exports"
+
+    @abstractmethod
+    def location(self, target: ExportTarget) -> str:
+        """Where the committed export for ``target`` is, as recorded in the ledger."""
+
+    @abstractmethod
+    def probe(self, target: ExportTarget) -> Manifest | None:
+        """The manifest published at ``target``, or None when nothing is published there."""
+
+    @abstractmethod
+    def read_data(self, target: ExportTarget, manifest: Manifest) -> bytes:
+        """The committed data file's bytes."""
+
+    def describe(self) -> str:
+        """A description safe for logs: no credentials."""
+        return type(self).__name__
+
+
+class PublishingDestination(Destination):
+    """A destination outside the ledger's database: stage invisibly, publish atomically, never replace."""
+
+    @abstractmethod
+    def stage(self, target: ExportTarget, table: pa.Table, file_format: str, manifest: Manifest) -> StagedExport:
+        """Writes data and manifest where readers cannot see them; ``manifest`` gets the sha256 and row count."""
+
+    @abstractmethod
+    def publish(self, staged: StagedExport) -> Manifest:
+        """Makes a staged export visible atomically.
+
+        Raises:
+            PublishedElsewhere: the target already holds an export (never replaced).
+            PublishOutcomeUnknown: the export may or may not be visible.
+            DestinationError: nothing was published.
+        """
+
+    @abstractmethod
+    def discard(self, staged: StagedExport) -> None:
+        """Removes a staged export that will not be published."""
+
+    def discard_abandoned(self, target: ExportTarget, below_token: int) -> int:
+        """Removes what attempts with a lower fencing token staged and never published; returns how many."""
+        return 0
+
+
+class TransactionalDestination(Destination):
+    """A destination inside the ledger's own database: rows and completion record commit in one transaction."""
+
+    @abstractmethod
+    def write_in_transaction(self, connection, target: ExportTarget, table: pa.Table, manifest: Manifest) -> Manifest:
+        """Writes the export with the ledger's connection, inside the completion transaction."""

@@ -1,0 +1,58 @@
+"""The ledger's domain errors. Every one is an :class:`~export_ledger.errors.ExportLedgerError`."""
+
+from __future__ import annotations
+
+from export_ledger.errors import ExportLedgerError
+
+MESSAGE_LIMIT = 500
+
+
+class LedgerError(ExportLedgerError):
+    """Base class of the ledger's domain errors."""
+
+
+class LedgerUnavailable(LedgerError):
+    """The ledger database cannot be reached or opened."""
+
+
+class LeaseHeld(LedgerError):
+    """Another attempt holds a live lease on the key."""
+
+
+class NeedsReconciliation(LedgerError):
+    """The key's last write has an unknown outcome; retrying blindly could export it twice."""
+
+
+class FencedOut(LedgerError):
+    """The attempt lost its lease (expired and taken over); it must not commit."""
+
+
+class InvalidTransition(LedgerError):
+    """A transition was asked from a state that does not allow it."""
+
+
+class ConflictRecorded(LedgerError):
+    """The destination holds a different export at the key's place; an operator must resolve it."""
+
+
+class BelowLowWater(LedgerError):
+    """The key's business date is below the export's retention low-water mark: its record may have been pruned."""
+
+
+class ContractChanged(LedgerError):
+    """The code's calendar contract differs from the one the ledger recorded for the export."""
+
+
+class EmptyWindow(LedgerError):
+    """The business date does not exist in its zone (a skipped calendar day): there is nothing to export.
+
+    Its empty window starts where the next day's starts, so it cannot have a logical key of its own.
+    """
+
+
+def short_error(exc: BaseException) -> tuple[str, str]:
+    """Error class and a bounded message for the attempts table."""
+    message = str(exc) or exc.__class__.__name__
+    if len(message) > MESSAGE_LIMIT:
+        message = message[: MESSAGE_LIMIT - 3] + "..."
+    return exc.__class__.__name__, message

@@ -1,0 +1,124 @@
+"""What the ledger reads and returns: records of logical runs and attempts, claims, and evidence. Plain data."""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+
+from export_ledger.calendar import ExportWindow
+from export_ledger.ledger.schema import AttemptOutcome, ExportState
+
+
+@dataclass(frozen=True)
+class ExportRecord:
+    """One row of ``export_runs``."""
+
+    logical_key: str
+    export: str
+    tenant: str
+    business_date: dt.date
+    timezone: str
+    window_start_utc: dt.datetime
+    window_end_utc: dt.datetime
+    tz_database: str
+    state: ExportState
+    location: str | None
+    sha256: str | None
+    row_count: int | None
+    committed_attempt: str | None
+    lease_owner: str | None
+    lease_expires_at: dt.datetime | None
+    attempt_started_at: dt.datetime | None
+    fencing_token: int
+    created_at: dt.datetime
+    updated_at: dt.datetime
+
+    @classmethod
+    def from_row(cls, row: sa.Row) -> ExportRecord:
+        values = dict(row._mapping)
+        values["state"] = ExportState(values["state"])
+        return cls(**values)
+
+    @property
+    def window(self) -> ExportWindow:
+        return ExportWindow(self.business_date, self.timezone, self.window_start_utc, self.window_end_utc)
+
+
+@dataclass(frozen=True)
+class AttemptRecord:
+    """One row of ``export_attempts``."""
+
+    id: int
+    attempt_id: str
+    logical_key: str
+    fencing_token: int | None
+    started_at: dt.datetime
+    finished_at: dt.datetime
+    outcome: AttemptOutcome
+    error_class: str | None
+    error_message: str | None
+
+    @classmethod
+    def from_row(cls, row: sa.Row) -> AttemptRecord:
+        values = dict(row._mapping)
+        values["outcome"] = AttemptOutcome(values["outcome"])
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A live lease on one logical key, proved by its fencing token.
+
+    ``window`` is the window recorded at the key's first claim: retries export that window, whatever the calendar
+    computes today.
+    """
+
+    logical_key: str
+    attempt_id: str
+    fencing_token: int
+    window: ExportWindow
+    started_at: dt.datetime
+    lease_expires_at: dt.datetime
+    previous_state: ExportState | None
+    tz_database: str
+
+
+@dataclass(frozen=True)
+class AlreadyCompleted:
+    """The key was completed before this attempt: nothing to do."""
+
+    record: ExportRecord
+
+
+@dataclass(frozen=True)
+class DaySummary:
+    """How the keys of one business day stand over a set of tenants, counted by the database in one grouped read."""
+
+    business_date: dt.date
+    keys: int  # tenants with a row that day
+    completed: int
+    waiting: int  # keys in one of the states asked about
+    tokens: int  # sum of the keys' fencing tokens: grows with every claim on any of them
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """Reconciliation's verdict on one stuck key, to be applied by :meth:`ExportLedger.resolve_many`."""
+
+    record: ExportRecord
+    state: ExportState
+    detail: str
+    evidence: CompletionEvidence | None = None
+
+
+@dataclass(frozen=True)
+class CompletionEvidence:
+    """What a destination says it holds for a key: enough to record completion."""
+
+    location: str
+    sha256: str
+    row_count: int
+    attempt_id: str
+    fencing_token: int

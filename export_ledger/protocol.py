@@ -1,0 +1,351 @@
+"""The write protocol for one logical key: the one function the I/O manager, the benchmarks and the harnesses call.
+
+For each key: claim it (lease + fencing token), look for an export an earlier attempt published and never recorded
+(repair it from its manifest), otherwise validate the frame against the window recorded at the first claim, stage,
+publish atomically, and only then record completion. On a transactional destination the rows and the completion
+record commit in one transaction instead. Data and completion metadata become visible together; a key already
+completed is skipped with no new effect. Plain Python, no Dagster.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from export_ledger import failpoints
+from export_ledger.calendar import utc_iso
+from export_ledger.destinations.base import (
+    Destination,
+    DestinationConflict,
+    DestinationError,
+    ExportTarget,
+    PublishedElsewhere,
+    PublishingDestination,
+    PublishOutcomeUnknown,
+    TransactionalDestination,
+)
+from export_ledger.frames import ExportSchema, Manifest, data_file_name, validate_frame
+from export_ledger.keys import LogicalKey
+from export_ledger.ledger import (
+    AlreadyCompleted,
+    Claim,
+    CompletionEvidence,
+    ExportLedger,
+    ExportRecord,
+    FencedOut,
+    LedgerError,
+)
+
+_log = logging.getLogger("export_ledger")
+
+
+class ExportConflict(DestinationConflict):
+    """The destination holds a different export at this key's location; an operator must look."""
+
+
+class ExportBatchFailed(DestinationError):
+    """Several keys of one run failed; each is named with its error, and every other key was still exported."""
+
+
+class ExportOutcomeUnknown(DestinationError):
+    """The destination may or may not hold the export; the key is ``remote_unknown`` until reconciled."""
+
+
+@dataclass(frozen=True)
+class ExportItem:
+    """One logical key to export. ``frame`` is None when the key was found completed and nothing was read."""
+
+    key: LogicalKey
+    partition_key: str
+    frame: pd.DataFrame | None
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What happened to one key in this attempt."""
+
+    logical_key: str
+    partition_key: str
+    tenant: str
+    status: str  # exported | repaired | already_completed
+    location: str
+    sha256: str
+    row_count: int
+    committed_attempt: str
+
+    @classmethod
+    def of(cls, record: ExportRecord, partition_key: str, status: str) -> ExportResult:
+        return cls(
+            record.logical_key,
+            partition_key,
+            record.tenant,
+            status,
+            record.location,
+            record.sha256,
+            record.row_count,
+            record.committed_attempt,
+        )
+
+
+@dataclass
+class ExportBatch:
+    """Every (partition, tenant) key of one run, in the order they are exported, and what happened to each."""
+
+    schema: ExportSchema
+    items: list[ExportItem]
+    results: list[ExportResult] = field(default_factory=list)
+
+
+def target_for(key: LogicalKey) -> ExportTarget:
+    return ExportTarget(key.export, key.tenant, key.window.business_date.isoformat())
+
+
+def _same_window(claim: Claim, key: LogicalKey) -> bool:
+    return (claim.window.start_utc.timestamp(), claim.window.end_utc.timestamp()) == (
+        key.window.start_utc.timestamp(),
+        key.window.end_utc.timestamp(),
+    )
+
+
+def export_key(
+    ledger: ExportLedger,
+    destination: Destination,
+    schema: ExportSchema,
+    item: ExportItem,
+    attempt: str,
+    *,
+    file_format: str = "csv",
+    log: Callable[[str, str], None] | None = None,
+) -> ExportResult:
+    """Exports one logical key exactly once, whatever the number of attempts.
+
+    Args:
+        ledger: The ledger that decides who may export the key.
+        destination: Where the export is published (or written, for a transactional destination).
+        schema: The export's columns and rules; the frame is validated against it and the key's window.
+        item: The key and its source frame (None when the caller found it completed and read nothing).
+        attempt: This attempt's id (a Dagster run id and step key).
+        file_format: ``csv`` or ``parquet``.
+        log: ``log(level, message)``; default the ``export_ledger`` logger.
+
+    Returns:
+        What happened: ``exported``, ``repaired`` (an earlier attempt's export was recorded) or
+        ``already_completed``.
+
+    Raises:
+        ExportOutcomeUnknown: the destination may hold the export; the key is ``remote_unknown`` until reconciled.
+        ExportConflict: the destination holds something else at the key's place; the key is ``conflict``.
+        LedgerError: the ledger refused the claim (held lease, unknown outcome, conflict, below the low-water mark)
+            or this attempt lost its lease before committing (``FencedOut``).
+        Any other error: the key is ``failed`` (safe to retry) and the error is raised again.
+    """
+    data_file_name(file_format)
+    return _KeyExport(ledger, destination, schema, file_format, log or _default_log).run(item, attempt)
+
+
+def _default_log(level: str, message: str) -> None:
+    getattr(_log, level)(message)
+
+
+@dataclass
+class _KeyExport:
+    ledger: ExportLedger
+    destination: Destination
+    schema: ExportSchema
+    file_format: str
+    log: Callable[[str, str], None]
+
+    def run(self, item: ExportItem, attempt: str) -> ExportResult:
+        ledger = self.ledger
+        outcome = ledger.claim(item.key, attempt)
+        if isinstance(outcome, AlreadyCompleted):
+            record = outcome.record
+            self.log(
+                "info",
+                f"{record.logical_key} already completed by attempt {record.committed_attempt}; skipped, no new effect",
+            )
+            return ExportResult.of(record, item.partition_key, "already_completed")
+        claim = outcome
+        target = target_for(item.key)
+        record = None
+        try:
+            failpoints.reach("after_claim")
+            if not _same_window(claim, item.key):
+                raise LedgerError(
+                    f"{claim.logical_key} was first claimed for [{utc_iso(claim.window.start_utc)}, "
+                    f"{utc_iso(claim.window.end_utc)}) but this attempt read its source for "
+                    f"[{utc_iso(item.key.window.start_utc)}, {utc_iso(item.key.window.end_utc)}); nothing exported"
+                )
+            existing = self.destination.probe(target)
+            if isinstance(self.destination, TransactionalDestination):
+                if existing is not None:
+                    raise ExportConflict(
+                        f"{self.destination.location(target)} already holds {existing.logical_key} although the "
+                        f"ledger has no completion for {claim.logical_key}"
+                    )
+                record = self._write_in_transaction(claim, item, target)
+                status = "exported"
+            elif existing is not None:
+                evidence = self._evidence_from(existing, claim, target)
+                status = "repaired"
+                self.log(
+                    "warning",
+                    f"{claim.logical_key} was published by attempt {existing.attempt_id} but never recorded; "
+                    "recording it from its manifest instead of writing a second copy",
+                )
+            else:
+                evidence = self._publish(claim, item, target)
+                # Publishing can meet another attempt's export (a fenced owner's late upload): that is a repair.
+                status = "exported" if evidence.attempt_id == claim.attempt_id else "repaired"
+        except PublishOutcomeUnknown as exc:
+            ledger.mark_remote_unknown(
+                claim, exc, sha256=getattr(exc, "intended_sha256", None), location=self.destination.location(target)
+            )
+            raise ExportOutcomeUnknown(
+                f"{claim.logical_key}: the outcome at the destination is unknown ({exc}). The key is now "
+                "remote_unknown; reconciliation (the reconciliation sensor, or `export-ledger reconcile`) will resolve "
+                "it from the destination's evidence. Retrying before then is refused, because a blind retry could "
+                "export it twice."
+            ) from exc
+        except FencedOut:
+            raise  # this attempt no longer owns the key: it records nothing more
+        except DestinationConflict as exc:
+            # Never retried blindly: an operator must look at the destination.
+            ledger.mark_conflict(claim, exc, location=self.destination.location(target))
+            raise
+        except Exception as exc:
+            ledger.fail(claim, exc)
+            raise
+        if record is None:
+            failpoints.reach("before_commit")
+            record = ledger.complete(claim, evidence)
+        failpoints.reach("after_commit")
+        if status != "exported":
+            self.log(
+                "info",
+                f"{record.logical_key} {status}: {record.row_count} rows at {record.location} (attempt {attempt})",
+            )
+        return ExportResult.of(record, item.partition_key, status)
+
+    def _publish(self, claim: Claim, item: ExportItem, target: ExportTarget) -> CompletionEvidence:
+        destination = self.destination
+        if not isinstance(destination, PublishingDestination):
+            raise DestinationError(f"{destination.describe()} cannot publish exports")
+        if item.frame is None:
+            raise LedgerError(
+                f"{claim.logical_key} was completed when the asset planned this run but is claimable now; "
+                "rerun to read its source"
+            )
+        table = validate_frame(item.frame, self.schema, claim.window, what=claim.logical_key, tenant=item.key.tenant)
+        destination.discard_abandoned(target, claim.fencing_token)
+        template = self._manifest_template(claim, item)
+        staged = destination.stage(target, table, self.file_format, template)
+        try:
+            failpoints.reach("after_stage")
+            published = destination.publish(staged)
+        except PublishedElsewhere as exc:
+            destination.discard(staged)
+            return self._evidence_from(exc.manifest, claim, target)
+        except PublishOutcomeUnknown as exc:
+            exc.intended_sha256 = staged.manifest.sha256
+            destination.discard(staged)
+            raise
+        except Exception:
+            destination.discard(staged)
+            raise
+        failpoints.reach("after_publish")
+        return CompletionEvidence(
+            location=destination.location(target),
+            sha256=published.sha256,
+            row_count=published.row_count,
+            attempt_id=published.attempt_id,
+            fencing_token=published.fencing_token,
+        )
+
+    def _write_in_transaction(self, claim: Claim, item: ExportItem, target: ExportTarget) -> ExportRecord:
+        """Rows and completion record in one ledger transaction: both commit or neither."""
+        if item.frame is None:
+            raise LedgerError(f"{claim.logical_key} was planned as completed but is claimable now; rerun it")
+        table = validate_frame(item.frame, self.schema, claim.window, what=claim.logical_key, tenant=item.key.tenant)
+        template = self._manifest_template(claim, item)
+
+        def effect(connection) -> CompletionEvidence:
+            written = self.destination.write_in_transaction(connection, target, table, template)
+            failpoints.reach("before_commit")  # inside the transaction: a failure here rolls the rows back too
+            location = self.destination.location(target)
+            return CompletionEvidence(
+                location, written.sha256, written.row_count, claim.attempt_id, claim.fencing_token
+            )
+
+        return self.ledger.complete_within(claim, effect)
+
+    def _manifest_template(self, claim: Claim, item: ExportItem) -> Manifest:
+        return Manifest.build(
+            logical_key=claim.logical_key,
+            export=item.key.export,
+            tenant=item.key.tenant,
+            window=claim.window,
+            row_count=0,
+            sha256="",
+            attempt_id=claim.attempt_id,
+            fencing_token=claim.fencing_token,
+            data_file=data_file_name(self.file_format),
+            tz_database=claim.tz_database,
+        )
+
+    def _evidence_from(self, manifest: Manifest, claim: Claim, target: ExportTarget) -> CompletionEvidence:
+        """Turns a manifest found at the target into completion evidence, after checking it is this key's export."""
+        location = self.destination.location(target)
+        if manifest.logical_key != claim.logical_key:
+            raise ExportConflict(
+                f"{location} holds the export of {manifest.logical_key}, not {claim.logical_key}; "
+                "refusing to overwrite it or to record it as this key"
+            )
+        actual = hashlib.sha256(self.destination.read_data(target, manifest)).hexdigest()
+        if actual != manifest.sha256:
+            raise ExportConflict(
+                f"{location}: data file sha256 {actual} does not match its manifest ({manifest.sha256})"
+            )
+        return CompletionEvidence(
+            location, manifest.sha256, manifest.row_count, manifest.attempt_id, manifest.fencing_token
+        )
+
+
+def export_batch(
+    ledger: ExportLedger,
+    destination: Destination,
+    batch: ExportBatch,
+    attempt: str,
+    *,
+    file_format: str = "csv",
+    log: Callable[[str, str], None] | None = None,
+) -> list[ExportResult]:
+    """:func:`export_key` for every key of a run, in order. One key's failure is that key's: every other key is
+    still exported, and then the failures are raised together (one error as itself, several as
+    :class:`ExportBatchFailed` naming each key). A lost ledger stops at once: nothing else could be recorded."""
+    from export_ledger.ledger import LedgerUnavailable
+
+    log = log or _default_log
+    failures: list[tuple[str, Exception]] = []
+    for item in batch.items:
+        try:
+            batch.results.append(
+                export_key(ledger, destination, batch.schema, item, attempt, file_format=file_format, log=log)
+            )
+        except LedgerUnavailable:
+            raise
+        except Exception as exc:
+            log("error", f"{item.key}: {type(exc).__name__}: {exc}")
+            failures.append((str(item.key), exc))
+    if len(failures) == 1:
+        raise failures[0][1]
+    if failures:
+        summary = "; ".join(f"{key}: {type(exc).__name__}: {exc}" for key, exc in failures)
+        raise ExportBatchFailed(f"{len(failures)} of {len(batch.items)} export keys failed ({summary})") from failures[
+            0
+        ][1]
+    return batch.results

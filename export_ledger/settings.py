@@ -1,0 +1,114 @@
+"""Settings: read once from the environment, shared by the Dagster code location and the ``export-ledger`` CLI.
+
+Plain Python. Defaults resolve from the working directory (``./var/ledger.sqlite3``, ``./var/exports``), never
+from where a module is installed. Secrets (URLs with passwords, S3 credentials) are kept by *name* as well as value,
+so the Dagster layer can hand them over as ``EnvVar`` and the UI shows names, never values.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from export_ledger.errors import ConfigurationError
+from export_ledger.frames import FILE_FORMATS
+from export_ledger.keys import parse_tenants
+
+DEFAULT_LEASE_TTL_SECONDS = 900
+DEFAULT_MAX_PARTITIONS_PER_RUN = 31
+LEDGER_URL_ENV = "EXPORTS_LEDGER_URL"
+DESTINATION_ENV = "EXPORTS_DESTINATION"
+S3_ENV = {
+    "endpoint_url": "AWS_ENDPOINT_URL",
+    "access_key_id": "AWS_ACCESS_KEY_ID",
+    "secret_access_key": "AWS_SECRET_ACCESS_KEY",
+    "session_token": "AWS_SESSION_TOKEN",
+}
+
+
+def default_ledger_url(base: Path | None = None) -> str:
+    """``sqlite:///<working directory>/var/ledger.sqlite3``."""
+    return f"sqlite:///{(base or Path.cwd()) / 'var' / 'ledger.sqlite3'}"
+
+
+def default_destination(base: Path | None = None) -> str:
+    """``<working directory>/var/exports``."""
+    return str((base or Path.cwd()) / "var" / "exports")
+
+
+def positive_int(name: str, text: str) -> int:
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise ConfigurationError(f"{name} must be a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise ConfigurationError(f"{name} must be a positive integer, got {text!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything export-ledger reads from the environment, parsed and checked.
+
+    Attributes:
+        ledger_url: SQLAlchemy URL of the ledger (``EXPORTS_LEDGER_URL``).
+        ledger_url_from_env: True when it came from the environment (a secret to pass by name).
+        destination: Destination spec: folder, ``s3://bucket/prefix`` or ``ledger-table:<table>``.
+        tenants: ``EXPORTS_TENANTS``, or None when unset (the code decides).
+        file_format: ``EXPORTS_FILE_FORMAT``, or None when unset.
+        lease_ttl_seconds: ``EXPORTS_LEASE_TTL_SECONDS``.
+        allow_below_low_water: ``EXPORTS_ALLOW_BELOW_LOW_WATER=1``.
+        max_partitions_per_run: ``EXPORTS_MAX_PARTITIONS_PER_RUN``.
+        region_name: ``AWS_REGION`` or ``AWS_DEFAULT_REGION`` (default ``us-east-1``).
+        s3_secrets: Which of the S3 settings are set: setting -> environment variable name.
+    """
+
+    ledger_url: str
+    destination: str
+    tenants: tuple[str, ...] | None = None
+    file_format: str | None = None
+    lease_ttl_seconds: int = DEFAULT_LEASE_TTL_SECONDS
+    allow_below_low_water: bool = False
+    max_partitions_per_run: int = DEFAULT_MAX_PARTITIONS_PER_RUN
+    region_name: str = "us-east-1"
+    ledger_url_from_env: bool = False
+    s3_secrets: Mapping[str, str] = field(default_factory=dict)
+    environ: Mapping[str, str] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] | None = None, *, base: Path | None = None) -> Settings:
+        """Reads and checks every setting; a bad value fails here, naming the variable."""
+        env = os.environ if environ is None else environ
+        tenants = parse_tenants(env["EXPORTS_TENANTS"]) if env.get("EXPORTS_TENANTS") else None
+        file_format = env.get("EXPORTS_FILE_FORMAT") or None
+        if file_format is not None and file_format not in FILE_FORMATS:
+            raise ConfigurationError(
+                f"EXPORTS_FILE_FORMAT: unknown file format {file_format!r}: expected one of {sorted(FILE_FORMATS)}"
+            )
+        allow_below = env.get("EXPORTS_ALLOW_BELOW_LOW_WATER", "")
+        if allow_below not in ("", "0", "1"):
+            raise ConfigurationError(f"EXPORTS_ALLOW_BELOW_LOW_WATER must be 0 or 1, got {allow_below!r}")
+        return cls(
+            ledger_url=env.get(LEDGER_URL_ENV) or default_ledger_url(base),
+            ledger_url_from_env=bool(env.get(LEDGER_URL_ENV)),
+            destination=env.get(DESTINATION_ENV) or default_destination(base),
+            tenants=tenants,
+            file_format=file_format,
+            lease_ttl_seconds=positive_int(
+                "EXPORTS_LEASE_TTL_SECONDS", env.get("EXPORTS_LEASE_TTL_SECONDS", str(DEFAULT_LEASE_TTL_SECONDS))
+            ),
+            allow_below_low_water=allow_below == "1",
+            max_partitions_per_run=positive_int(
+                "EXPORTS_MAX_PARTITIONS_PER_RUN",
+                env.get("EXPORTS_MAX_PARTITIONS_PER_RUN", str(DEFAULT_MAX_PARTITIONS_PER_RUN)),
+            ),
+            region_name=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
+            s3_secrets={name: var for name, var in S3_ENV.items() if env.get(var)},
+            environ=dict(env),
+        )
+
+    def s3_credentials(self) -> dict[str, str | None]:
+        """The S3 settings' values (for the CLI and plain Python use)."""
+        return {"region_name": self.region_name, **{k: self.environ.get(v) for k, v in self.s3_secrets.items()}}

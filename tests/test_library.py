@@ -1,0 +1,339 @@
+"""export_ledger as a library: a Dagster-free core, declared exports, several exports in one code location, the
+README's library example, an installed package with one top-level name, and ledgers made by the old schema."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import re
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import dagster as dg
+import pandas as pd
+import pytest
+import sqlalchemy as sa
+
+from export_ledger import ConfigurationError, ExportLedgerError, ExportSpec, FrameError, SqlSource, window_for
+from export_ledger.dagster import ledgered_definitions
+from export_ledger.ledger import SCHEMA_VERSION, ExportLedger, LedgerUnavailable, dispose_engines, schema_version
+
+PROJECT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+CORE_MODULES = [
+    "export_ledger",
+    "export_ledger.calendar",
+    "export_ledger.keys",
+    "export_ledger.frames",
+    "export_ledger.spec",
+    "export_ledger.sources",
+    "export_ledger.settings",
+    "export_ledger.protocol",
+    "export_ledger.reconcile",
+    "export_ledger.ledger",
+    "export_ledger.destinations",
+    "export_ledger.destinations.table",
+    "export_ledger.cli",
+]
+
+
+def test_importing_the_core_modules_does_not_import_dagster() -> None:
+    code = (
+        "import importlib, json, sys\n"
+        f"for name in {CORE_MODULES!r}: importlib.import_module(name)\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m == 'dagster' or m.startswith('dagster.'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    assert json.loads(out.stdout) == [], "the core must stay importable without Dagster"
+
+
+def _orders(tenant: str, start: dt.datetime, end: dt.datetime) -> pd.DataFrame:
+    times = pd.date_range(pd.Timestamp(start).ceil("h"), pd.Timestamp(end), freq="h", inclusive="left").as_unit("us")
+    return pd.DataFrame(
+        {
+            "order_id": [f"{tenant}-{int(t.timestamp())}" for t in times],
+            "tenant": [tenant] * len(times),
+            "placed_at": times,
+            "total": [12.5] * len(times),
+            "note": [None] * len(times),
+        }
+    )
+
+
+def spec(name: str = "orders", **overrides) -> ExportSpec:
+    values = dict(
+        name=name,
+        source=_orders,
+        columns={
+            "order_id": "string",
+            "tenant": "string",
+            "placed_at": "timestamp",
+            "total": "float",
+            "note": "string",
+        },
+        id_columns=["order_id"],
+        time_column="placed_at",
+        tenant_column="tenant",
+        nullable=["note"],
+        tenants=["acme", "globex"],
+        timezone="America/New_York",
+        start_date="2026-03-01",
+    )
+    return ExportSpec(**{**values, **overrides})
+
+
+def test_two_declared_exports_share_one_ledger_and_sensor_and_get_their_own_asset_schedule_and_pool(tmp_path) -> None:
+    environ = {"EXPORTS_LEDGER_URL": f"sqlite:///{tmp_path / 'ledger.sqlite3'}", "EXPORTS_DESTINATION": str(tmp_path)}
+    payments = spec("payments", timezone="Europe/Dublin", file_format="parquet", schedule_time="05:15")
+    defs = ledgered_definitions([spec(), payments], environ=environ)
+
+    assert {a.key.to_user_string() for a in defs.assets} == {"orders", "payments"}
+    assert {s.name for s in defs.schedules} == {"nightly_orders", "nightly_payments"}
+    assert [s.name for s in defs.sensors] == ["reconciliation_sensor"]
+    assert defs.get_assets_def("orders").op.pool == "exports-local-orders"
+    assert defs.get_assets_def("payments").op.pool == "exports-local-payments"
+    assert "ledger" in defs.resources
+
+    with dg.instance_for_test() as instance:
+        for name in ("orders", "payments"):
+            result = defs.resolve_job_def(f"{name}_job").execute_in_process(
+                partition_key="2026-03-08", instance=instance
+            )
+            assert result.success
+    ledger = ExportLedger(environ["EXPORTS_LEDGER_URL"])
+    assert ledger.exports() == ["orders", "payments"]
+    orders = ledger.records(export="orders")
+    assert [(r.tenant, r.state.value, r.row_count) for r in orders] == [
+        ("acme", "completed", 23),
+        ("globex", "completed", 23),
+    ]
+    assert (tmp_path / "payments" / "tenant=acme" / "date=2026-03-08" / "data.parquet").is_file()
+    assert (tmp_path / "orders" / "tenant=acme" / "date=2026-03-08" / "data.csv").is_file()
+
+
+def test_composite_ids_and_nullable_columns_are_validated(tmp_path) -> None:
+    window = window_for(dt.date(2026, 3, 8), "America/New_York")
+    twice = spec(id_columns=["order_id", "tenant"])
+    frame = _orders("acme", window.start_utc, window.end_utc)
+    frame = pd.concat([frame, frame.head(1)], ignore_index=True)
+    from export_ledger import validate_frame
+
+    with pytest.raises(FrameError, match="duplicate order_id/tenant values"):
+        validate_frame(frame, twice.schema, window, what="k", tenant="acme")
+    required = spec(nullable=[])
+    with pytest.raises(FrameError, match="column 'note' has 23 null value"):
+        validate_frame(_orders("acme", window.start_utc, window.end_utc), required.schema, window, what="k")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"name": "Orders!"}, "invalid export name"),
+        ({"tenants": []}, "needs at least one tenant"),
+        ({"columns": {"order_id": "money"}}, "kind 'money'"),
+        ({"id_columns": ["missing"]}, "'missing' is not among"),
+        ({"file_format": "xlsx"}, "unknown file format"),
+        ({"schedule_time": "02:30"}, "does not occur exactly once"),
+        ({"source": None, "tenant_column": None}, "need tenant_column"),
+    ],
+)
+def test_a_bad_declaration_is_refused_naming_the_export_and_the_problem(overrides, message) -> None:
+    with pytest.raises(ExportLedgerError, match=f"export '.*': .*{message}"):
+        spec(**overrides)
+
+
+def test_two_exports_sharing_one_ledger_table_are_refused(tmp_path) -> None:
+    environ = {"EXPORTS_LEDGER_URL": f"sqlite:///{tmp_path / 'l.sqlite3'}", "EXPORTS_DESTINATION": "ledger-table:rows"}
+    with pytest.raises(ConfigurationError, match=r"ledger-table:exported_\{export\}"):
+        ledgered_definitions([spec(), spec("payments")], environ=environ)
+    environ["EXPORTS_DESTINATION"] = "ledger-table:exported_{export}"
+    assert ledgered_definitions([spec(), spec("payments")], environ=environ)
+
+
+def test_an_asset_of_ones_own_is_exported_through_the_ledgered_io_manager(tmp_path) -> None:
+    usage = spec("usage", source=None)
+
+    @dg.asset(name="usage", partitions_def=dg.DailyPartitionsDefinition("2026-03-01", timezone="America/New_York"),
+              io_manager_key="usage__io_manager")  # fmt: skip
+    def usage_asset(context) -> pd.DataFrame:
+        window = context.partition_time_window
+        return pd.concat([_orders(t, window.start, window.end) for t in ("acme", "globex")], ignore_index=True)
+
+    environ = {"EXPORTS_LEDGER_URL": f"sqlite:///{tmp_path / 'l.sqlite3'}", "EXPORTS_DESTINATION": str(tmp_path)}
+    defs = ledgered_definitions([usage], assets=[usage_asset], environ=environ)
+    with dg.instance_for_test() as instance:
+        assert (
+            defs.resolve_job_def("usage_job").execute_in_process(partition_key="2026-03-08", instance=instance).success
+        )
+    records = ExportLedger(environ["EXPORTS_LEDGER_URL"]).records(export="usage")
+    assert [(r.tenant, r.state.value, r.row_count) for r in records] == [
+        ("acme", "completed", 23),
+        ("globex", "completed", 23),
+    ]
+
+
+def test_a_sql_source_reads_with_bound_tenant_start_and_end(tmp_path) -> None:
+    db = tmp_path / "shop.sqlite3"
+    with sqlite3.connect(db) as conn:
+        conn.execute("CREATE TABLE orders (order_id TEXT, tenant TEXT, placed_at TEXT, total REAL, note TEXT)")
+        conn.executemany(
+            "INSERT INTO orders VALUES (?, ?, ?, ?, NULL)",
+            [("a1", "acme", "2026-03-08 05:00:00", 1.0), ("a2", "acme", "2026-03-09 03:59:59", 2.0),
+             ("a3", "acme", "2026-03-09 04:00:00", 3.0), ("g1", "globex", "2026-03-08 12:00:00", 4.0)],
+        )  # fmt: skip
+    source = SqlSource(
+        f"sqlite:///{db}", "SELECT * FROM orders WHERE tenant = :tenant AND placed_at >= :start AND placed_at < :end"
+    )
+    declared = spec(source=source)
+    window = window_for(dt.date(2026, 3, 8), "America/New_York")
+    frame = declared.read("acme", window.start_utc, window.end_utc)
+    assert list(frame["order_id"]) == ["a1", "a2"], "the window is [05:00Z, 04:00Z next day) on the 23-hour day"
+    assert isinstance(frame["placed_at"].dtype, pd.DatetimeTZDtype)
+    assert declared.count("acme", window.start_utc, window.end_utc) == 2
+    with pytest.raises(ValueError, match="bound parameters"):
+        SqlSource("sqlite://", "SELECT * FROM orders")
+
+
+def _readme_library_example() -> str:
+    text = (PROJECT / "README.md").read_text()
+    section = text.split("## Use it as a library", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_the_readme_library_example_is_the_example_file() -> None:
+    assert _readme_library_example() == (PROJECT / "examples" / "shop_definitions.py").read_text()
+
+
+# -- the old schema ------------------------------------------------------------------------------------------------
+
+# What release 0.1.0 created (export_ledger.ledger.schema at version 1), written out as its DDL: no version table.
+V1_DDL = [
+    """CREATE TABLE export_runs (logical_key VARCHAR(300) PRIMARY KEY, export VARCHAR(63) NOT NULL,
+    tenant VARCHAR(63) NOT NULL, business_date DATE NOT NULL, timezone VARCHAR(64) NOT NULL,
+    window_start_utc TIMESTAMP WITH TIME ZONE NOT NULL, window_end_utc TIMESTAMP WITH TIME ZONE NOT NULL,
+    tz_database VARCHAR(64) NOT NULL, state VARCHAR(20) NOT NULL, location VARCHAR(1024), sha256 VARCHAR(64),
+    row_count BIGINT, committed_attempt VARCHAR(300), lease_owner VARCHAR(300),
+    lease_expires_at TIMESTAMP WITH TIME ZONE, attempt_started_at TIMESTAMP WITH TIME ZONE,
+    fencing_token BIGINT NOT NULL, created_at TIMESTAMP WITH TIME ZONE NOT NULL,
+    updated_at TIMESTAMP WITH TIME ZONE NOT NULL,
+    CONSTRAINT uq_export_runs_business_day UNIQUE (export, tenant, timezone, business_date))""",
+    """CREATE TABLE export_attempts (id INTEGER PRIMARY KEY, attempt_id VARCHAR(300) NOT NULL,
+    logical_key VARCHAR(300) NOT NULL REFERENCES export_runs (logical_key), fencing_token BIGINT,
+    started_at TIMESTAMP WITH TIME ZONE NOT NULL, finished_at TIMESTAMP WITH TIME ZONE NOT NULL,
+    outcome VARCHAR(20) NOT NULL, error_class VARCHAR(200), error_message VARCHAR(500))""",
+    """CREATE TABLE export_low_water (export VARCHAR(63) PRIMARY KEY, low_water_date DATE NOT NULL,
+    pruned_total BIGINT NOT NULL, updated_at TIMESTAMP WITH TIME ZONE NOT NULL)""",
+    """CREATE TABLE export_contracts (id INTEGER PRIMARY KEY, export VARCHAR(63) NOT NULL, contract TEXT NOT NULL,
+    recorded_at TIMESTAMP WITH TIME ZONE NOT NULL, reason VARCHAR(500) NOT NULL)""",
+]
+
+
+def _v1_ledger(url: str) -> None:
+    """A ledger as release 0.1.0 left it: one completed key, one failed, an attempt each, a mark and a contract."""
+    engine = sa.create_engine(url)
+    stamp = "2026-03-09 10:00:00" if engine.dialect.name == "sqlite" else "2026-03-09 10:00:00+00"
+    with engine.begin() as conn:
+        for ddl in V1_DDL:
+            sql = ddl if engine.dialect.name == "sqlite" else ddl.replace("INTEGER PRIMARY KEY", "SERIAL PRIMARY KEY")
+            conn.execute(sa.text(sql))
+        conn.execute(
+            sa.text(
+                "INSERT INTO export_runs VALUES (:k, 'invoice_export', :t, '2026-03-08', 'America/New_York', "
+                ":s, :e, 'system 2025b', :state, :loc, :sha, :rows, :att, NULL, NULL, NULL, :token, :s, :s)"
+            ),
+            [
+                dict(k="invoice_export/acme/2026-03-08T05:00:00Z", t="acme", state="completed", loc="/x", sha="a" * 64,
+                     rows=92, att="run-1/invoice_export", token=1, s=stamp, e=stamp),
+                dict(k="invoice_export/globex/2026-03-08T05:00:00Z", t="globex", state="failed", loc=None, sha=None,
+                     rows=None, att=None, token=2, s=stamp, e=stamp),
+            ],
+        )  # fmt: skip
+        conn.execute(
+            sa.text("INSERT INTO export_attempts (attempt_id, logical_key, fencing_token, started_at, finished_at, "
+                    "outcome) VALUES ('run-1/invoice_export', 'invoice_export/acme/2026-03-08T05:00:00Z', 1, :s, :s, "
+                    "'completed')"),
+            dict(s=stamp),
+        )  # fmt: skip
+        conn.execute(
+            sa.text("INSERT INTO export_low_water VALUES ('invoice_export', '2026-01-01', 7, :s)"), dict(s=stamp)
+        )
+        conn.execute(
+            sa.text("INSERT INTO export_contracts (export, contract, recorded_at, reason) VALUES ('invoice_export', "
+                    ":c, :s, 'first materialization')"),
+            dict(c='{"timezone": "America/New_York"}', s=stamp),
+        )  # fmt: skip
+    engine.dispose()
+
+
+def test_a_ledger_made_by_the_old_schema_reads_unchanged_then_upgrades_with_every_record(ledger_url) -> None:
+    _v1_ledger(ledger_url)
+    reader = ExportLedger(ledger_url, read_only=True)
+    assert schema_version(sa.create_engine(ledger_url)) == 1, "a read leaves the old schema as it is"
+    before = [(r.logical_key, r.state.value, r.row_count, r.fencing_token) for r in reader.records()]
+    assert len(before) == 2
+    dispose_engines()
+
+    writer = ExportLedger(ledger_url)  # opening to write upgrades
+    assert schema_version(sa.create_engine(ledger_url)) == SCHEMA_VERSION
+    assert [(r.logical_key, r.state.value, r.row_count, r.fencing_token) for r in writer.records()] == before
+    assert [a.outcome.value for a in writer.attempts("invoice_export/acme/2026-03-08T05:00:00Z")] == ["completed"]
+    assert writer.low_water("invoice_export") == dt.date(2026, 1, 1)
+    assert writer.recorded_contract("invoice_export") == {"timezone": "America/New_York"}
+    failed = writer.records(states=[writer.records()[1].state])[0]
+    assert failed.tenant == "globex", "the failed key is still claimable after the upgrade"
+
+
+def test_a_read_never_creates_tables_on_an_empty_database(ledger_url) -> None:
+    with pytest.raises(LedgerUnavailable, match="holds no export ledger"):
+        ExportLedger(ledger_url, read_only=True)
+    assert sa.inspect(sa.create_engine(ledger_url)).get_table_names() == []
+
+
+# -- installed, outside the checkout -------------------------------------------------------------------------------
+
+
+@pytest.mark.process
+def test_a_non_editable_install_puts_only_export_ledger_in_site_packages_and_the_example_runs(tmp_path) -> None:
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    site = Path(
+        subprocess.run(
+            [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()
+    )  # fmt: skip
+    installed = subprocess.run(
+        [python, "-m", "pip", "install", "-q", str(PROJECT)], capture_output=True, text=True, timeout=900
+    )
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    (record,) = site.glob("export_ledger-*.dist-info/RECORD")
+    ours = {line.split(",")[0].split("/")[0] for line in record.read_text().splitlines()}
+    assert ours == {"export_ledger", record.parent.name, ".."}, f"top-level names installed: {sorted(ours)}"
+    clashes = {"assets", "resources", "sensors", "cli.py", "definitions.py"} & set(os.listdir(site))
+    assert not clashes, f"site-packages holds {sorted(clashes)}"
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "shop.py").write_text(_readme_library_example())
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("EXPORTS_", "PYTHON"))}
+    env["DAGSTER_HOME"] = str(tmp_path / "home")
+    (tmp_path / "home").mkdir()
+    dagster = str(venv / "bin" / "dagster")
+
+    def run(*args: str) -> str:
+        done = subprocess.run(args, cwd=work, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, f"{' '.join(args)} failed:\n{done.stdout}\n{done.stderr[-3000:]}"
+        return done.stdout
+
+    run(dagster, "definitions", "validate", "-f", "shop.py")
+    for name in ("orders", "payments"):
+        run(dagster, "asset", "materialize", "-f", "shop.py", "--select", name, "--partition", "2026-03-08")
+    out = run(str(venv / "bin" / "export-ledger"), "status", "--export", "orders")
+    assert "orders/acme/2026-03-08T05:00:00Z" in out and "completed" in out
+    assert (work / "var" / "exports" / "orders" / "tenant=globex" / "date=2026-03-08" / "data.csv").is_file()
+    assert (work / "var" / "exports" / "payments" / "tenant=acme" / "date=2026-03-08" / "data.parquet").is_file()
+    assert (work / "var" / "ledger.sqlite3").is_file(), "the ledger lives in the working directory"

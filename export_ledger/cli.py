@@ -31,9 +31,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import getpass
 import json
 import os
 import re
+import socket
 import sqlite3
 import sys
 from collections.abc import Callable, Sequence
@@ -44,7 +46,7 @@ from sqlalchemy.engine import URL, make_url
 
 from export_ledger.calendar import ExportCalendar, utc_iso
 from export_ledger.destinations import destination_from
-from export_ledger.errors import ExportLedgerError, InvalidIdentifier
+from export_ledger.errors import ExportLedgerError, InvalidIdentifier, redact_text
 from export_ledger.keys import validate_slug
 from export_ledger.ledger import (
     AttemptRecord,
@@ -56,6 +58,7 @@ from export_ledger.ledger import (
     redact_url,
     upgrade,
 )
+from export_ledger.ledger.core import DEFAULT_MAX_ATTEMPTS
 from export_ledger.settings import LEDGER_URL_ENV, Settings
 
 PROG = "export-ledger"
@@ -63,8 +66,6 @@ USAGE_ERROR = 2
 RUNTIME_ERROR = 1
 
 _DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
-# user:password@ inside any URL that a lower layer might quote in a message.
-_URL_PASSWORD_RE = re.compile(r"(://[^/\s:@]*:)[^/\s@]+@")
 
 
 class UsageError(Exception):
@@ -147,6 +148,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="only exports in this state; repeat for several",
     )
     status.add_argument("--limit", type=_positive_int_arg, metavar="N", help="at most N exports")
+    status.add_argument(
+        "--needs-attention",
+        action="store_true",
+        help="only keys escalated to a person (conflict; failed with automatic reruns spent; stuck too long), "
+        "each with why and the way out",
+    )
+    status.add_argument(
+        "--stuck-after-hours", type=_positive_int_arg, default=6, metavar="H",
+        help="with --needs-attention: a key failed, remote_unknown or abandoned longer than this is escalated (6)",
+    )  # fmt: skip
+    status.add_argument(
+        "--max-attempts", type=_positive_int_arg, default=DEFAULT_MAX_ATTEMPTS, metavar="N",
+        help=f"with --needs-attention: claims before reruns stop being automatic ({DEFAULT_MAX_ATTEMPTS})",
+    )  # fmt: skip
     status.set_defaults(handler=_status)
 
     attempts = commands.add_parser("attempts", parents=[common], help="the attempts of one logical export, in order")
@@ -184,7 +199,39 @@ def build_parser() -> argparse.ArgumentParser:
         help="prune completed keys whose business date is more than DAYS days ago (UTC)",
     )
     prune.add_argument("--export", type=_slug_arg("export name"), help="only this export")
+    prune.add_argument("--yes", action="store_true", help="apply the plan (without it, prune only shows it)")
+    prune.add_argument(
+        "--close-unexported",
+        action="store_true",
+        help="let the mark close business dates that have no key at all (never exported); needs --reason",
+    )
+    prune.add_argument("--reason", help="why dates never exported may be closed (recorded)")
+    prune.add_argument("--operator", default=_default_operator(), help="who decides (default: this user@host)")
     prune.set_defaults(handler=_prune)
+
+    resolve = commands.add_parser(
+        "resolve",
+        parents=[common],
+        help="an operator's way out for a key in conflict or escalated: accept or discard what the destination holds",
+    )
+    resolve.add_argument("logical_key", metavar="LOGICAL_KEY", help="as shown by status --needs-attention")
+    choice = resolve.add_mutually_exclusive_group(required=True)
+    choice.add_argument(
+        "--accept-destination", dest="action", action="store_const", const="accept-destination",
+        help="record the export the destination holds for this key as completed (after checking it)",
+    )  # fmt: skip
+    choice.add_argument(
+        "--discard-destination", dest="action", action="store_const", const="discard-destination",
+        help="move aside or delete what the destination holds at the key's place; the key is exported again",
+    )  # fmt: skip
+    resolve.add_argument("--reason", required=True, help="why (recorded with who in the attempts table)")
+    resolve.add_argument("--operator", default=_default_operator(), help="who decides (default: this user@host)")
+    resolve.add_argument(
+        "--destination",
+        metavar="SPEC",
+        help="the key's destination (default: $EXPORTS_DESTINATION, else ./var/exports)",
+    )
+    resolve.set_defaults(handler=_resolve)
 
     accept = commands.add_parser(
         "accept-contract",
@@ -271,6 +318,8 @@ def _require_sqlite_ledger(parsed: URL) -> None:
 
 def _status(ledger: ExportLedger, args: argparse.Namespace) -> str:
     _known_export(ledger, args.export)
+    if args.needs_attention:
+        return _needs_attention(ledger, args)
     records = ledger.records(
         export=args.export,
         tenant=args.tenant,
@@ -311,6 +360,17 @@ def _status(ledger: ExportLedger, args: argparse.Namespace) -> str:
             )
         )
     return _table(headers, rows)
+
+
+def _needs_attention(ledger: ExportLedger, args: argparse.Namespace) -> str:
+    found = ledger.needs_attention(dt.timedelta(hours=args.stuck_after_hours), max_attempts=args.max_attempts)
+    found = [(r, why) for r, why in found if args.export in (None, r.export) and args.tenant in (None, r.tenant)]
+    if args.json:
+        return _dump([{**_record_json(r), "needs_attention": why} for r, why in found])
+    if not found:
+        return "no export key needs attention"
+    rows = [(r.logical_key, r.state.value, r.fencing_token, _short_time(r.updated_at), why) for r, why in found]
+    return _table(("LOGICAL KEY", "STATE", "CLAIMS", "SINCE", "WHY, AND THE WAY OUT"), rows)
 
 
 def _attempts(ledger: ExportLedger, args: argparse.Namespace) -> str:
@@ -403,19 +463,71 @@ def _reconcile(ledger: ExportLedger, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def _default_operator() -> str:
+    try:
+        user = getpass.getuser()
+    except Exception:  # no user name to be found (a container without one): say so rather than guess
+        user = "unknown-user"
+    return f"{user}@{socket.gethostname()}"
+
+
 def _prune(ledger: ExportLedger, args: argparse.Namespace) -> str:
-    deleted = ledger.prune(args.older_than, export=args.export)
+    _known_export(ledger, args.export)
+    if args.close_unexported and not (args.reason and args.reason.strip()):
+        raise UsageError("--close-unexported needs --reason: closing dates never exported is recorded")
+    if args.yes:
+        plans = ledger.prune(
+            args.older_than, export=args.export, close_unexported=args.close_unexported, operator=args.operator,
+            reason=args.reason,
+        )  # fmt: skip
+    else:
+        plans = ledger.prune_plan(args.older_than, export=args.export, close_unexported=args.close_unexported)
     if args.json:
         return _dump(
             [
-                {"export": name, "deleted": count, "low_water_date": _date(ledger.low_water(name))}
-                for name, count in deleted.items()
+                {
+                    "export": p.export, "applied": args.yes, "pruned": p.pruned, "low_water_date": _date(p.mark),
+                    "previous_low_water_date": _date(p.previous_mark), "blocked_by": _date(p.blocked_by),
+                    "unexported_dates": [d.isoformat() for d in p.unexported],
+                }
+                for p in plans
             ]
-        )
-    if not deleted:
+        )  # fmt: skip
+    if not plans:
         return "nothing to prune"
-    rows = [(name, count, _date(ledger.low_water(name))) for name, count in deleted.items()]
-    return _table(("EXPORT", "COMPLETED RECORDS PRUNED", "LOW-WATER MARK"), rows)
+    rows = [
+        (p.export, p.pruned, _date(p.previous_mark), _date(p.mark), _date(p.blocked_by), len(p.unexported))
+        for p in plans
+    ]
+    headers = ("EXPORT", "COMPLETED RECORDS PRUNED", "MARK BEFORE", "MARK AFTER", "STOPPED BY", "DATES NEVER EXPORTED")
+    lines = [_table(headers, rows)]
+    for p in plans:
+        if p.blocked_by is not None and p.mark is not None and p.mark <= p.blocked_by:
+            lines.append(f"{p.export}: the mark stops at {p.blocked_by}, which still has a key not completed")
+        if p.unexported and not p.closes_unexported:
+            lines.append(
+                f"{p.export}: {len(p.unexported)} date(s) from {p.unexported[0]} have no key at all and stay open; "
+                '--close-unexported --reason "..." closes them (recorded)'
+            )
+    if not args.yes:
+        lines.append("dry run: nothing changed; add --yes to apply")
+    return "\n".join(lines)
+
+
+def _resolve(ledger: ExportLedger, args: argparse.Namespace) -> str:
+    from export_ledger.resolve import resolve_key
+
+    if not args.reason.strip():
+        raise UsageError("--reason must say why")
+    destination = _configured_destination(args, ledger)
+    done = resolve_key(
+        ledger, destination, args.logical_key, action=args.action, operator=args.operator, reason=args.reason
+    )
+    if args.json:
+        return _dump(
+            [{"logical_key": done.record.logical_key, "state": done.record.state.value, "detail": done.detail}]
+        )
+    return f"{done.record.logical_key}: {done.record.state.value}; {done.detail}"
 
 
 def _date(value: dt.date | None) -> str | None:
@@ -520,7 +632,7 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 def _redact_message(message: str, url: str | None) -> str:
     if url:
         message = message.replace(url, redact_url(url))
-    return _URL_PASSWORD_RE.sub(r"\1***@", _printable(message))
+    return redact_text(_printable(message))
 
 
 def _error(message: str, code: int) -> int:

@@ -6,6 +6,18 @@ for a failed destination or source), so code written against those keeps working
 
 from __future__ import annotations
 
+import re
+
+#: Names of URL query parameters (and settings) that hold secrets.
+SECRET_NAME = re.compile(r"pass|secret|token|key|sig", re.IGNORECASE)
+_USERINFO = re.compile(r"(://[^/\s:@]*:)[^/\s@]+@")
+_SECRET_PARAMETER = re.compile(r"([?&;\s](?:[\w.-]*(?:pass|secret|token|key|sig)[\w.-]*)=)[^&;\s'\"]+", re.IGNORECASE)
+
+
+def redact_text(text: str) -> str:
+    """Any text with URL passwords (``user:password@``) and secret-named query parameters replaced by ``***``."""
+    return _SECRET_PARAMETER.sub(r"\1***", _USERINFO.sub(r"\1***@", text))
+
 
 class ExportLedgerError(Exception):
     """Root of every error export-ledger raises on purpose. Messages name the problem, never customer values."""
@@ -33,3 +45,20 @@ class ManifestError(ExportLedgerError, ValueError):
 
 class SourceError(ExportLedgerError, RuntimeError):
     """The source could not be read."""
+
+
+# Driver and library messages can quote the values they choked on (pyarrow quotes the cell, PostgreSQL's DETAIL
+# quotes the failing row). What the library stores or logs about an error is therefore built from the error's class
+# and, only for the library's own errors and the operating system's, its message.
+_WITHHELD = "details withheld: the message of a driver or library may quote exported data"
+
+
+def safe_message(exc: BaseException) -> str:
+    """A message safe to store and log: the library's own words, the OS's ``strerror``, or the class alone."""
+    if isinstance(exc, ExportLedgerError):
+        return str(exc) or type(exc).__name__
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{type(exc).__name__}: {exc.strerror}"
+    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        return type(exc).__name__
+    return f"{type(exc).__name__} ({_WITHHELD})"

@@ -51,10 +51,22 @@ def _valid_action(action: str) -> bool:
         return False
 
 
+_hook = None  # a test's in-process stepper (the deterministic simulation); None in production
+
+
+def set_hook(hook) -> None:
+    """Installs ``hook(point)``, called at every named point before the environment's actions (tests only: the
+    deterministic simulation pauses, crashes or fails attempts there). ``None`` removes it."""
+    global _hook
+    _hook = hook
+
+
 def reach(point: str) -> None:
     """Marks that the protocol reached ``point``; fails there if a test asked for it."""
     if point not in POINTS:
         raise ValueError(f"unknown failpoint {point!r}")
+    if _hook is not None:
+        _hook(point)
     action = active().get(point)
     if action is None:
         return

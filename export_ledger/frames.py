@@ -170,10 +170,28 @@ def validate_frame(
         ordered = columns  # sources usually hand rows over in file order already: checking is O(n), sorting is not
     else:
         ordered = columns.sort_values(list(schema.order_by), kind="stable")
+    arrow_schema = schema.arrow_schema()
     try:
-        return pa.Table.from_pandas(ordered, schema=schema.arrow_schema(), preserve_index=False)
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-        raise FrameError(f"{what}: source frame does not fit the export schema: {exc}") from None
+        return pa.Table.from_pandas(ordered, schema=arrow_schema, preserve_index=False)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError):
+        # Arrow's message quotes the value it could not convert (customer data): name the column, never the value.
+        column, lossy = _unconvertible_column(ordered, arrow_schema)
+        reason = "converting them would lose data" if lossy else "the values are not shown"
+        raise FrameError(
+            f"{what}: source frame does not fit the export schema: column {column!r} holds values that are not of "
+            f"kind {schema.columns.get(column, 'its kind')!r} ({reason}); nothing was exported"
+        ) from None
+
+
+def _unconvertible_column(frame: pd.DataFrame, arrow_schema: pa.Schema) -> tuple[str, bool]:
+    """The first column Arrow cannot convert to its type (found column by column, after the whole frame failed), and
+    whether converting would lose precision. Arrow's message is read for that, never repeated: it quotes values."""
+    for column in arrow_schema:
+        try:
+            pa.array(frame[column.name], type=column.type, from_pandas=True)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError) as exc:
+            return column.name, "would lose data" in str(exc)
+    return "(unknown)", False
 
 
 def _in_file_order(times: pd.Series, ids: pd.Series) -> bool:

@@ -28,6 +28,7 @@ from export_ledger.destinations.base import (
     PublishOutcomeUnknown,
     TransactionalDestination,
 )
+from export_ledger.errors import safe_message
 from export_ledger.frames import ExportSchema, Manifest, data_file_name, validate_frame
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger import (
@@ -241,7 +242,7 @@ class _KeyExport:
                 "rerun to read its source"
             )
         table = validate_frame(item.frame, self.schema, claim.window, what=claim.logical_key, tenant=item.key.tenant)
-        destination.discard_abandoned(target, claim.fencing_token)
+        destination.discard_abandoned(target, claim.fencing_token, min_age=self.ledger.lease_ttl)
         template = self._manifest_template(claim, item)
         staged = destination.stage(target, table, self.file_format, template)
         try:
@@ -257,7 +258,16 @@ class _KeyExport:
         except Exception:
             destination.discard(staged)
             raise
-        failpoints.reach("after_publish")
+        try:
+            failpoints.reach("after_publish")
+        except Exception as exc:
+            # The export is at the destination now: this key is not `failed` (nothing published) but unrecorded.
+            # remote_unknown hands it to reconciliation, which records it from the destination's evidence.
+            unrecorded = PublishOutcomeUnknown(
+                f"published {destination.location(target)}, then failed before recording it ({safe_message(exc)})"
+            )
+            unrecorded.intended_sha256 = published.sha256
+            raise unrecorded from exc
         return CompletionEvidence(
             location=destination.location(target),
             sha256=published.sha256,
@@ -339,12 +349,12 @@ def export_batch(
         except LedgerUnavailable:
             raise
         except Exception as exc:
-            log("error", f"{item.key}: {type(exc).__name__}: {exc}")
+            log("error", f"{item.key}: {safe_message(exc)}")
             failures.append((str(item.key), exc))
     if len(failures) == 1:
         raise failures[0][1]
     if failures:
-        summary = "; ".join(f"{key}: {type(exc).__name__}: {exc}" for key, exc in failures)
+        summary = "; ".join(f"{key}: {safe_message(exc)}" for key, exc in failures)
         raise ExportBatchFailed(f"{len(failures)} of {len(batch.items)} export keys failed ({summary})") from failures[
             0
         ][1]

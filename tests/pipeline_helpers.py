@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import logging
+import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import dagster as dg
@@ -87,3 +90,55 @@ def completed_without_export(ledger: ExportLedger) -> list[str]:
         if manifest.sha256 != record.sha256 or manifest.logical_key != record.logical_key:
             bad.append(record.logical_key)
     return bad
+
+
+class _Recorder(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(level=logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@dataclass
+class Tick:
+    """One evaluated tick: the sensor's result and what it logged."""
+
+    result: dg.SensorResult
+    logs: list[logging.LogRecord] = field(default_factory=list)
+
+    @property
+    def cursor(self) -> str | None:
+        return self.result.cursor
+
+    @property
+    def skip_message(self) -> str:
+        return self.result.skip_reason.skip_message if self.result.skip_reason else ""
+
+    @property
+    def materializations(self) -> list[dg.AssetMaterialization]:
+        return [e for e in self.result.asset_events if isinstance(e, dg.AssetMaterialization)]
+
+    @property
+    def check_evaluations(self) -> list[dg.AssetCheckEvaluation]:
+        return [e for e in self.result.asset_events if isinstance(e, dg.AssetCheckEvaluation)]
+
+    def errors(self) -> list[str]:
+        return [r.getMessage() for r in self.logs if r.levelno >= logging.ERROR]
+
+
+def tick(defs: dg.Definitions, instance: dg.DagsterInstance, cursor: str | None = None) -> Tick:
+    """Evaluates the reconciliation sensor once and records its asset events in the instance, as the daemon does."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # get_sensor_def's notice about unresolved resources
+        sensor = defs.get_sensor_def("reconciliation_sensor")
+    recorder = _Recorder()
+    with dg.build_sensor_context(
+        instance=instance, resources=defs.resources, definitions=defs, cursor=cursor
+    ) as context:
+        context.log.addHandler(recorder)
+        result = sensor(context)
+    for event in result.asset_events:
+        instance.report_runless_asset_event(event)
+    return Tick(result, recorder.records)

@@ -66,12 +66,14 @@ class Fault(enum.StrEnum):
     DELAY = "delay"  # forward, hold the response for delay_seconds, then close without relaying it
     ERROR_500 = "error_500"  # answer 500 InternalError without forwarding
     ERROR_503 = "error_503"  # answer 503 ServiceUnavailable without forwarding
+    ERROR_403 = "error_403"  # answer 403 AccessDenied without forwarding (the store refused the request)
     REFUSE = "refuse"  # stop listening (connects are refused) and close open connections, until clear()
 
 
 _ERRORS = {
     Fault.ERROR_500: (500, "Internal Server Error", "InternalError", "We encountered an internal error."),
     Fault.ERROR_503: (503, "Service Unavailable", "ServiceUnavailable", "Please reduce your request rate."),
+    Fault.ERROR_403: (403, "Forbidden", "AccessDenied", "Access Denied"),
 }
 
 

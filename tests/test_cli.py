@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from builders import evidence_for, key_for
 
-from export_ledger import cli
+from export_ledger import SourceError, cli
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger import CompletionEvidence, ExportLedger, LeaseHeld, dispose_engines
 
@@ -47,7 +47,7 @@ def ledger_url(sqlite_url: str, clock) -> str:
 
     first = ledger.claim(key("acme", 7), "run-acme-7a")
     clock.advance(minutes=1)
-    ledger.fail(first, ConnectionError("source timed out\x1b[31m\nafter 30 s"))
+    ledger.fail(first, SourceError("source timed out\x1b[31m\nafter 30 s"))
     clock.advance(minutes=1)
     retry = ledger.claim(key("acme", 7), "run-acme-7b")
     with pytest.raises(LeaseHeld):
@@ -198,7 +198,7 @@ def test_attempts_table_lists_one_keys_attempts_in_order_with_error_class_and_me
     assert [row.split()[0] for row in rows] == ["run-acme-7a", "run-acme-7c", "run-acme-7b"], "attempts in order"
     assert [row.split()[4] for row in rows] == ["failed", "refused", "completed"]
     assert rows[0].split()[1:4] == ["1", "2026-03-09T09:30:00Z", "2026-03-09T09:31:00Z"], "token, started, finished"
-    assert "ConnectionError" in rows[0] and "source timed out" in rows[0]
+    assert "SourceError" in rows[0] and "source timed out" in rows[0]
     assert "LeaseHeld" in rows[1], "a refused attempt says why"
 
 
@@ -219,7 +219,7 @@ def test_attempts_json_round_trips_with_outcomes_tokens_and_errors(capsys, ledge
         ("run-acme-7c", None, "refused"),
         ("run-acme-7b", 2, "completed"),
     ]
-    assert attempts[0]["error_class"] == "ConnectionError"
+    assert attempts[0]["error_class"] == "SourceError"
     assert attempts[0]["error_message"] == "source timed out\x1b[31m\nafter 30 s", "JSON keeps the stored message"
     assert attempts[0]["started_at"] == "2026-03-09T09:30:00Z" and attempts[0]["finished_at"] == "2026-03-09T09:31:00Z"
     assert attempts[2]["error_class"] is None and attempts[2]["error_message"] is None

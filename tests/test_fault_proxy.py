@@ -91,6 +91,7 @@ def test_cut_before_response_raises_connection_closed_but_the_object_landed(clie
     assert fault_proxy.forwarded["PUT"] == 1
 
 
+@pytest.mark.slow  # waits out a real client timeout: the harness tier
 def test_delay_raises_read_timeout_and_the_object_landed(client, direct, fault_proxy, s3_bucket):
     fault_proxy.inject("delay", method="PUT", delay_seconds=5.0)  # past the client's 4 s read timeout
 
@@ -210,6 +211,7 @@ def test_chunked_requests_are_framed_per_request(direct, fault_proxy, s3_bucket)
     assert stored_body(direct, s3_bucket, "third.bin") == b"third.bin|chunked"
 
 
+@pytest.mark.slow  # waits out a real client timeout: the harness tier
 def test_stop_closes_held_responses_and_joins_every_thread(s3_server, s3_credentials, s3_bucket):
     proxy = FaultProxy(s3_server, delay_seconds=30).start()
     impatient = Config(retries={"total_max_attempts": 1}, connect_timeout=5, read_timeout=3)

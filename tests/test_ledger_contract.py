@@ -159,7 +159,7 @@ def test_failed_key_is_safe_to_retry_and_the_retry_gets_the_next_token(ledger, c
     [attempt] = ledger.attempts(str(key))
     assert (attempt.attempt_id, attempt.outcome, attempt.fencing_token) == ("run-1/export", AttemptOutcome.FAILED, 1)
     assert attempt.error_class == "RuntimeError"
-    assert attempt.error_message == "source database timed out"
+    assert attempt.error_message.startswith("RuntimeError (details withheld"), "a driver's words are never stored"
 
 
 def test_remote_unknown_refuses_claims_until_reconciled(ledger, clock):
@@ -233,8 +233,7 @@ def test_fenced_out_attempt_cannot_record_a_result(ledger, clock, finish):
     attempts = ledger.attempts(str(key))
     assert outcomes(attempts) == [
         ("run-1/export", AttemptOutcome.ABANDONED),
-        ("run-1/export", AttemptOutcome.FENCED),
-    ], "the late result is recorded as fenced, not as the key's outcome"
+    ], "one row per attempt: the takeover recorded it abandoned; its late result is not the key's outcome"
     assert attempts[-1].fencing_token == stale.fencing_token
 
 
@@ -369,7 +368,7 @@ def test_attempt_rows_are_append_only_across_every_transition(ledger, clock):
     step(0, claim_a)
     step(1, refused_b)
     step(1, expire_and_take_over_c)
-    step(1, fenced_a)
+    step(0, fenced_a)  # a has its row already (abandoned, by the takeover): one row per attempt
     step(1, fail_c)
     step(0, retry_d)
     step(1, remote_unknown_d)
@@ -381,7 +380,6 @@ def test_attempt_rows_are_append_only_across_every_transition(ledger, clock):
     assert outcomes(ledger.attempts(str(key))) == [
         ("b", AttemptOutcome.REFUSED),
         ("a", AttemptOutcome.ABANDONED),
-        ("a", AttemptOutcome.FENCED),
         ("c", AttemptOutcome.FAILED),
         ("d", AttemptOutcome.REMOTE_UNKNOWN),
         ("e", AttemptOutcome.REFUSED),

@@ -16,7 +16,6 @@ from export_ledger.ledger.schema import ExportState
 UTC = dt.timezone.utc
 
 
-
 def _complete(ledger: ExportLedger, day: dt.date, tenant: str = "acme") -> None:
     key = LogicalKey("invoice_export", tenant, window_for(day, "America/New_York"))
     claim = ledger.claim(key, f"run-{day}/invoice_export")
@@ -38,30 +37,31 @@ def aged_ledger(ledger_url, clock):
     return ledger
 
 
-def test_prune_deletes_only_old_completed_records_and_keeps_a_low_water_mark(aged_ledger, clock):
-    horizon = clock.now.date() - dt.timedelta(days=63)  # 2026-01-05
-    deleted = aged_ledger.prune(63)
+def test_prune_deletes_only_old_completed_records_and_stops_the_mark_at_a_key_not_completed(aged_ledger, clock):
+    (plan,) = aged_ledger.prune(63)  # horizon 2026-01-05; acme's 2026-01-02 is failed
 
-    assert deleted == {"invoice_export": 4}, "2026-01-01..04 are completed and older than the horizon"
-    assert aged_ledger.low_water("invoice_export") == horizon
+    assert (plan.horizon, plan.blocked_by, plan.mark) == (dt.date(2026, 1, 5), dt.date(2026, 1, 2), dt.date(2026, 1, 2))
+    assert plan.pruned == 1, "only 2026-01-01 lies below a mark that may not pass the failed key"
+    assert aged_ledger.low_water("invoice_export") == dt.date(2026, 1, 2)
     remaining = aged_ledger.records()
-    assert min(r.business_date for r in remaining if r.state is ExportState.COMPLETED) == horizon
     failed = [r for r in remaining if r.state is ExportState.FAILED]
     assert [r.business_date for r in failed] == [dt.date(2026, 1, 2)], "other states are never pruned"
     assert all(aged_ledger.attempts(r.logical_key) for r in remaining), "kept keys keep their history"
 
+    _complete(aged_ledger, dt.date(2026, 1, 2))  # the failed key is exported after all
+    (plan,) = aged_ledger.prune(63)
+    assert (plan.mark, plan.pruned) == (dt.date(2026, 1, 5), 4), "now the mark reaches the horizon"
+
 
 def test_a_first_claim_below_the_low_water_mark_is_refused_unless_overridden(aged_ledger, ledger_url, clock):
     aged_ledger.prune(63)
-    pruned_key = LogicalKey("invoice_export", "globex", window_for(dt.date(2026, 1, 3), "America/New_York"))
-    with pytest.raises(BelowLowWater, match=r"below the retention low-water mark of invoice_export \(2026-01-05\)"):
+    pruned_key = LogicalKey("invoice_export", "globex", window_for(dt.date(2026, 1, 1), "America/New_York"))
+    with pytest.raises(BelowLowWater, match=r"below the retention low-water mark of invoice_export \(2026-01-02\)"):
         aged_ledger.claim(pruned_key, "late-retry/invoice_export")
     assert aged_ledger.get(str(pruned_key)) is None, "a refused claim leaves no row behind"
 
     failed_key = LogicalKey("invoice_export", "acme", window_for(dt.date(2026, 1, 2), "America/New_York"))
-    assert aged_ledger.claim(failed_key, "retry/invoice_export").fencing_token == 2, (
-        "a key that still has its record (never completed) may be retried below the mark"
-    )
+    assert aged_ledger.claim(failed_key, "retry/invoice_export").fencing_token == 2, "a key not completed stays open"
 
     override = ExportLedger(ledger_url, clock=clock, allow_below_low_water=True)
     assert override.claim(pruned_key, "operator/invoice_export").fencing_token == 1
@@ -70,18 +70,54 @@ def test_a_first_claim_below_the_low_water_mark_is_refused_unless_overridden(age
 def test_the_low_water_mark_never_moves_back(aged_ledger, clock):
     aged_ledger.prune(63)
     aged_ledger.prune(90)
-    assert aged_ledger.low_water("invoice_export") == dt.date(2026, 1, 5)
+    assert aged_ledger.low_water("invoice_export") == dt.date(2026, 1, 2)
 
 
-def test_prune_from_the_cli_reports_counts_and_the_mark(tmp_path, sqlite_url, clock, capsys):
+def test_prune_older_than_0_never_closes_tonights_key_that_was_never_exported(ledger_url, clock):
+    # Defect: the mark went to today, and tonight's key for yesterday (no record yet) was refused as BelowLowWater.
+    ledger = ExportLedger(ledger_url, clock=clock)  # now: 2026-03-09 09:30 UTC
+    ledger.check_contract("invoice_export", ExportCalendar("America/New_York", "2026-03-01").contract())
+    for day in range(1, 8):  # 2026-03-01..07 exported; 2026-03-08 (last night's) not yet
+        _complete(ledger, dt.date(2026, 3, day))
+
+    (plan,) = ledger.prune_plan(0)
+    assert plan.unexported == [dt.date(2026, 3, 8)] and plan.mark == dt.date(2026, 3, 8)
+    assert ledger.low_water("invoice_export") is None, "a plan changes nothing"
+    ledger.prune(0)
+    assert ledger.low_water("invoice_export") == dt.date(2026, 3, 8)
+    tonight = LogicalKey("invoice_export", "acme", window_for(dt.date(2026, 3, 8), "America/New_York"))
+    assert ledger.claim(tonight, "nightly/invoice_export").fencing_token == 1, "tonight's key is still exported"
+
+    with pytest.raises(ValueError, match="needs an operator and a reason"):
+        ledger.prune(0, close_unexported=True)
+
+
+def test_closing_dates_never_exported_is_explicit_and_recorded(ledger_url, clock):
+    ledger = ExportLedger(ledger_url, clock=clock)
+    ledger.check_contract("invoice_export", ExportCalendar("America/New_York", "2026-03-01").contract())
+    _complete(ledger, dt.date(2026, 3, 1))
+    (plan,) = ledger.prune(2, close_unexported=True, operator="ops@host", reason="those days had no sales at all")
+    assert plan.mark == dt.date(2026, 3, 7) and plan.unexported[0] == dt.date(2026, 3, 2)
+    (entry,) = ledger.operator_log()
+    assert (entry["operator"], entry["action"]) == ("ops@host", "prune-close-unexported")
+    assert "2026-03-02" in entry["detail"] and entry["reason"] == "those days had no sales at all"
+
+
+def test_prune_from_the_cli_shows_the_plan_and_changes_nothing_without_yes(tmp_path, sqlite_url, clock, capsys):
     ledger = ExportLedger(sqlite_url)
     _complete(ledger, dt.date(2020, 1, 1))
     assert cli.main(["--ledger-url", sqlite_url, "prune", "--older-than", "30"]) == 0
     out = capsys.readouterr().out
-    assert "invoice_export" in out and "1" in out
+    assert "dry run: nothing changed" in out and "invoice_export" in out
+    assert len(ledger.records()) == 1, "without --yes nothing is deleted"
+    assert cli.main(["--ledger-url", sqlite_url, "prune", "--older-than", "30", "--yes"]) == 0
+    out = capsys.readouterr().out
+    assert "invoice_export" in out and "dry run" not in out
     assert ledger.records() == []
     assert cli.main(["--ledger-url", sqlite_url, "prune", "--older-than", "-3"]) == 2
     assert "invalid number of days '-3'" in capsys.readouterr().err
+    assert cli.main(["--ledger-url", sqlite_url, "prune", "--older-than", "3", "--close-unexported"]) == 2
+    assert "--close-unexported needs --reason" in capsys.readouterr().err
 
 
 def test_a_materialization_under_a_changed_timezone_is_refused_until_accepted(tmp_path, instance, monkeypatch, capsys):

@@ -9,6 +9,7 @@ the bucket and the key ``completed``. Objects are always read straight from the 
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import hashlib
 import json
 import uuid
@@ -23,6 +24,8 @@ from pipeline_helpers import failure_message, ledger_at, make_defs, published_di
 from s3_support import Fault
 
 from definitions import build_definitions
+from export_ledger.destinations import ExportTarget
+from export_ledger.destinations import s3 as s3_module
 from export_ledger.destinations.s3 import S3Destination
 from export_ledger.failpoints import ENV_VAR as FAILPOINTS
 from export_ledger.frames import MANIFEST_NAME, Manifest
@@ -32,12 +35,12 @@ ASSET = dg.AssetKey("invoice_export")
 PARTITION = "2026-03-08"
 KEY = "invoice_export/acme/2026-03-08T05:00:00Z"
 FOLDER = "invoice_export/tenant=acme/date=2026-03-08"
+TARGET = ExportTarget("invoice_export", "acme", "2026-03-08")
 PREFIX = "exports"
 # A held response must outlast the client's read timeout; everything else on loopback answers far sooner.
 READ_TIMEOUT_SECONDS = 3.0  # generous: a loaded CI machine must not time out an ordinary request
 DELAY_SECONDS = 6.0
 UNKNOWN_OUTCOME = "the outcome at the destination is unknown"
-
 
 
 @pytest.fixture
@@ -65,6 +68,19 @@ def stored(s3, bucket: str, folder: str = FOLDER, prefix: str = PREFIX) -> dict[
     base = f"{prefix}/{folder}/"
     listing = s3.list_objects_v2(Bucket=bucket, Prefix=base).get("Contents", [])
     return {item["Key"][len(base) :]: s3.get_object(Bucket=bucket, Key=item["Key"])["Body"].read() for item in listing}
+
+
+def kinds(objects) -> list[str]:
+    """Object names with each attempt's own data object name (``data-t<token>-<hash>.csv``) shown as ``data``."""
+    return sorted("data" if name.startswith("data-t") and name.endswith(".csv") else name for name in objects)
+
+
+def exported_data(objects: dict[str, bytes]) -> bytes:
+    """The data object the manifest names (the export), checked against the manifest's sha256."""
+    manifest = Manifest.from_json(objects[MANIFEST_NAME], "moto")
+    payload = objects[manifest.data_file]
+    assert hashlib.sha256(payload).hexdigest() == manifest.sha256
+    return payload
 
 
 def materializations(instance: dg.DagsterInstance, partition: str) -> list:
@@ -108,7 +124,7 @@ def refused_from(destination: S3Destination, proxy, suffix: str):
 
 # -- faults on each PUT ------------------------------------------------------------------------------------------
 
-WRITES = {"data": "data.csv", "manifest": MANIFEST_NAME}
+WRITES = {"data": ".csv", "manifest": MANIFEST_NAME}  # each attempt's data object ends .csv; the manifest's name
 # The proxy forwards these and loses the answer: the object is written although the client never hears so.
 LANDS_ANYWAY = {Fault.CUT_BEFORE_RESPONSE, Fault.DELAY}
 
@@ -151,13 +167,15 @@ def test_a_fault_on_a_put_is_classified_then_reconciled_to_one_completed_export(
         assert ledger.get(KEY).state is ExportState.REMOTE_UNKNOWN, f"after {fault} the write may have landed or not"
         assert UNKNOWN_OUTCOME in message and "remote_unknown" in message, message
         assert "reconciliation" in message and "will resolve it" in message, "the operator learns what happens next"
-    expected = ({"data.csv"} if write == "manifest" else set()) | ({name} if fault in LANDS_ANYWAY else set())
-    assert set(stored(s3, s3_bucket)) == expected, "what the moto server holds right after the fault"
+    expected = (["data"] if write == "manifest" or fault in LANDS_ANYWAY else []) + (
+        [MANIFEST_NAME] if write == "manifest" and fault in LANDS_ANYWAY else []
+    )
+    assert kinds(stored(s3, s3_bucket)) == sorted(expected), "what the moto server holds right after the fault"
     assert materializations(instance, PARTITION) == [], "a failed run materializes nothing"
 
     tick = reconcile_tick(defs, instance)
     if fault is Fault.REFUSE:
-        assert "no stuck export keys" in tick.skip_reason.skip_message, "a failed key needs no reconciliation"
+        assert [r.partition_key for r in tick.run_requests] == [PARTITION], "a failed key is rerun, not reconciled"
         rerun_partitions = [PARTITION]
     elif write == "manifest" and fault in LANDS_ANYWAY:
         assert ledger.get(KEY).state is ExportState.COMPLETED, "the manifest landed: reconciliation records it"
@@ -174,42 +192,66 @@ def test_a_fault_on_a_put_is_classified_then_reconciled_to_one_completed_export(
     record = ledger.get(KEY)
     assert record.state is ExportState.COMPLETED
     objects = stored(s3, s3_bucket)
-    assert set(objects) == {"data.csv", MANIFEST_NAME}, "exactly one data object and one manifest for the key"
+    assert kinds(objects).count(MANIFEST_NAME) == 1, "exactly one manifest for the key: one export"
+    orphans = [n for n in objects if n.startswith("data-t")]
+    assert len(orphans) <= 2, "the export's data object, and at most the failed attempt's unreferenced one"
     manifest = Manifest.from_json(objects[MANIFEST_NAME], "moto")
     assert manifest.logical_key == KEY
-    assert hashlib.sha256(objects["data.csv"]).hexdigest() == manifest.sha256 == record.sha256
+    assert hashlib.sha256(exported_data(objects)).hexdigest() == manifest.sha256 == record.sha256
     assert len(materializations(instance, PARTITION)) == 1, "the partition is materialized exactly once"
 
 
 # -- conditional creates ------------------------------------------------------------------------------------------
 
 
-def test_a_data_object_already_there_with_the_same_sha256_completes_with_no_new_write(
+def test_a_refused_manifest_put_leaves_an_orphan_that_never_blocks_the_retry_and_is_swept_after_a_lease(
+    tmp_path, instance, s3, s3_bucket, fault_proxy, clocked_ledger, clock
+):
+    # The data object landed, then the store answered 403 to the manifest: nothing is published (no manifest), the
+    # key is failed, and the retry writes a data object of its own name. (Before per-attempt names, the retry met
+    # the orphan at data.csv and put the key in conflict, with no way out.)
+    defs = make_defs(tmp_path, ledger=clocked_ledger, destination=s3_destination(s3_bucket, fault_proxy.endpoint_url))
+    fault_proxy.inject(Fault.ERROR_403, method="PUT", path_suffix=MANIFEST_NAME, count=1)
+    assert not run_partition(defs, instance, PARTITION).success
+    fault_proxy.clear()
+    ledger = clocked_ledger.get_ledger()
+    assert ledger.get(KEY).state is ExportState.FAILED, "a refused manifest published nothing: safe to retry"
+    (orphan,) = stored(s3, s3_bucket)
+
+    retry = run_partition(defs, instance, PARTITION)
+    assert retry.success, failure_message(retry)
+    objects = stored(s3, s3_bucket)
+    assert orphan in objects, "younger than a lease: its writer might still be alive, so it is left alone"
+    assert Manifest.from_json(objects[MANIFEST_NAME], "moto").data_file != orphan
+    assert ledger.get(KEY).state is ExportState.COMPLETED
+
+    # A later attempt on the key (an operator's discard and rerun) sweeps it once it is older than a lease.
+    destination = s3_destination(s3_bucket, fault_proxy.endpoint_url)
+    assert destination.discard_abandoned(TARGET, below_token=99, min_age=dt.timedelta(0)) == 1
+    assert orphan not in stored(s3, s3_bucket), "an unreferenced data object older than a lease is swept"
+    assert kinds(stored(s3, s3_bucket)) == [MANIFEST_NAME, "data"], "the export itself is never swept"
+
+
+def test_a_store_that_ignores_conditional_creates_is_refused_before_anything_is_published(
     tmp_path, instance, s3, s3_bucket, fault_proxy
 ):
-    # Stands for a resend that landed: the same bytes with the same metadata are already at the key.
-    reference_destination = s3_destination(s3_bucket, fault_proxy.endpoint_url, "reference")
-    reference = make_defs(tmp_path / "reference", destination=reference_destination)
-    assert run_partition(reference, instance, PARTITION).success
-    source = s3.get_object(Bucket=s3_bucket, Key=f"reference/{FOLDER}/data.csv")
-    s3.put_object(
-        Bucket=s3_bucket, Key=f"{PREFIX}/{FOLDER}/data.csv", Body=source["Body"].read(), Metadata=source["Metadata"]
-    )
-    before = s3.head_object(Bucket=s3_bucket, Key=f"{PREFIX}/{FOLDER}/data.csv")
+    destination = s3_destination(s3_bucket, fault_proxy.endpoint_url, "ignoring")
+    client = destination._s3()
 
-    defs = make_defs(tmp_path / "main", destination=s3_destination(s3_bucket, fault_proxy.endpoint_url))
-    result = run_partition(defs, instance, PARTITION)
+    def drop_condition(params, **_):
+        params.pop("IfNoneMatch", None)  # what a store that ignores the header does with it
 
-    assert result.success, failure_message(result)
-    after = s3.head_object(Bucket=s3_bucket, Key=f"{PREFIX}/{FOLDER}/data.csv")
-    assert (after["ETag"], after["LastModified"], after["Metadata"]) == (
-        before["ETag"],
-        before["LastModified"],
-        before["Metadata"],
-    ), "the object already there is kept as it was: no new effect"
-    record = ledger_at(tmp_path / "main").get(KEY)
-    assert record.state is ExportState.COMPLETED and record.sha256 == before["Metadata"]["sha256"]
-    assert set(stored(s3, s3_bucket)) == {"data.csv", MANIFEST_NAME}
+    client.meta.events.register("provide-client-params.s3.PutObject", drop_condition)
+    s3_module._CONDITIONAL_CREATES_CHECKED.discard((destination.endpoint_url, destination.bucket))
+    try:
+        defs = make_defs(tmp_path, destination=destination)
+        result = run_partition(defs, instance, PARTITION)
+    finally:
+        client.meta.events.unregister("provide-client-params.s3.PutObject", drop_condition)
+        s3_module._CONDITIONAL_CREATES_CHECKED.discard((destination.endpoint_url, destination.bucket))
+    assert not result.success
+    assert "ignores conditional writes" in failure_message(result)
+    assert stored(s3, s3_bucket, prefix="ignoring") == {}, "nothing is published to such a store"
 
 
 def _another_keys_manifest(s3, bucket: str, tmp_path: Path, instance, endpoint_url: str) -> bytes:
@@ -218,16 +260,13 @@ def _another_keys_manifest(s3, bucket: str, tmp_path: Path, instance, endpoint_u
     return s3.get_object(Bucket=bucket, Key=f"other/{FOLDER.replace('03-08', '03-07')}/{MANIFEST_NAME}")["Body"].read()
 
 
-CONFLICTS = ["data object with other bytes", "manifest of another key"]
+CONFLICTS = ["manifest of another key"]  # another attempt's data object is an orphan, never a conflict
 
 
 def _plant_conflict(kind: str, s3, bucket: str, tmp_path: Path, instance, endpoint_url: str) -> tuple[str, bytes]:
     """Puts something that is not this key's export where its export belongs; returns its object key and bytes."""
-    if kind == "data object with other bytes":
-        key, body = f"{PREFIX}/{FOLDER}/data.csv", b"invoice_id,amount\nnot-ours,1.00\n"
-    else:
-        key = f"{PREFIX}/{FOLDER}/{MANIFEST_NAME}"
-        body = _another_keys_manifest(s3, bucket, tmp_path, instance, endpoint_url)
+    key = f"{PREFIX}/{FOLDER}/{MANIFEST_NAME}"
+    body = _another_keys_manifest(s3, bucket, tmp_path, instance, endpoint_url)
     s3.put_object(Bucket=bucket, Key=key, Body=body)
     return key, body
 
@@ -274,10 +313,10 @@ def test_objects_carry_key_attempt_token_and_sha256_in_the_local_layout_with_the
     assert run_partition(remote, instance, PARTITION).success
 
     local_root = tmp_path / "local" / "exports"
-    local_files = sorted(str(p.relative_to(local_root)) for p in local_root.rglob("*") if p.is_file())
+    local_files = sorted(str(p.relative_to(local_root).parent) for p in local_root.rglob(MANIFEST_NAME))
     listing = s3.list_objects_v2(Bucket=s3_bucket, Prefix=f"{PREFIX}/")["Contents"]
-    remote_keys = sorted(item["Key"].removeprefix(f"{PREFIX}/") for item in listing)
-    assert remote_keys == local_files, "same key layout as the local destination"
+    remote_folders = sorted({item["Key"].removeprefix(f"{PREFIX}/").rsplit("/", 1)[0] for item in listing})
+    assert remote_folders == local_files, "same folder layout as the local destination"
 
     ledger = ledger_at(tmp_path / "s3")
     for folder in published_dirs(local_root):
@@ -286,12 +325,13 @@ def test_objects_carry_key_attempt_token_and_sha256_in_the_local_layout_with_the
         objects = stored(s3, s3_bucket, relative)
         remote_manifest = Manifest.from_json(objects[MANIFEST_NAME], relative)
         differing = {k for k, v in vars(remote_manifest).items() if vars(local_manifest)[k] != v}
-        assert differing == {"attempt_id"}, "the same manifest, written by another attempt"
-        assert objects["data.csv"] == (folder / "data.csv").read_bytes(), "the same data, byte for byte"
+        assert differing == {"attempt_id", "data_file"}, "the same manifest, by another attempt, naming its object"
+        assert remote_manifest.data_file.startswith("data-t1-"), "each attempt's data object has a name of its own"
+        assert exported_data(objects) == (folder / "data.csv").read_bytes(), "the same data, byte for byte"
         record = ledger.get(remote_manifest.logical_key)
         assert record.location == f"s3://{s3_bucket}/{PREFIX}/{relative}/"
         assert record.committed_attempt == remote_manifest.attempt_id
-        for name in ("data.csv", MANIFEST_NAME):
+        for name in (remote_manifest.data_file, MANIFEST_NAME):
             metadata = s3.head_object(Bucket=s3_bucket, Key=f"{PREFIX}/{relative}/{name}")["Metadata"]
             assert metadata == {
                 "logical-key": remote_manifest.logical_key,
@@ -309,7 +349,7 @@ def test_a_crash_before_the_ledger_commit_is_repaired_from_the_published_objects
     assert not run_partition(defs, instance, PARTITION).success
     monkeypatch.delenv(FAILPOINTS)
     published = stored(s3, s3_bucket)
-    assert set(published) == {"data.csv", MANIFEST_NAME}
+    assert kinds(published) == [MANIFEST_NAME, "data"]
 
     clock.advance(seconds=clocked_ledger.lease_ttl_seconds + 1)
     assert run_partition(defs, instance, PARTITION).success

@@ -173,7 +173,10 @@ def stuck_check_evaluation(
                 ]
             ),
         },
-        description=f"no key stays remote_unknown, conflict or abandoned in_progress longer than {stuck_after}",
+        description=(
+            f"no key needs a person: none in conflict, none failed with its automatic reruns spent, none failed, "
+            f"remote_unknown or abandoned in_progress longer than {stuck_after}"
+        ),
     )
 
 
@@ -188,8 +191,8 @@ def build_stuck_check(export: str, stuck_after: dt.timedelta) -> dg.AssetChecksD
         required_resource_keys={LEDGER_KEY},
     )
     def _no_stuck_exports(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
-        stuck = getattr(context.resources, LEDGER_KEY).get_ledger().stuck_longer_than(stuck_after)
-        mine = [r for r in stuck if r.export == export]
+        attention = getattr(context.resources, LEDGER_KEY).get_ledger().needs_attention(stuck_after)
+        mine = [r for r, _ in attention if r.export == export]
         evaluation = stuck_check_evaluation(dg.AssetKey(export), mine, stuck_after)
         return dg.AssetCheckResult(
             passed=evaluation.passed,

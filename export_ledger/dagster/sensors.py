@@ -17,7 +17,8 @@ import dagster as dg
 from export_ledger.calendar import utc_iso
 from export_ledger.dagster.assets import LEDGER_KEY, resource_keys, stuck_check_evaluation
 from export_ledger.errors import CalendarError
-from export_ledger.ledger import ExportLedger, ExportState
+from export_ledger.ledger import ExportLedger, ExportRecord, ExportState
+from export_ledger.ledger.core import DEFAULT_MAX_ATTEMPTS
 from export_ledger.reconcile import ReconcileReport, reconcile_batch
 from export_ledger.spec import ExportSpec
 
@@ -31,35 +32,86 @@ def sensor_result(
     exports: Mapping[str, ExportSpec],
     materialized: Callable[[dg.AssetKey, Sequence[str]], set[str]],
     log,
+    failed: Sequence[ExportRecord] = (),
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS,
 ) -> tuple[list[dg.RunRequest], list[dg.AssetMaterialization], list[str]]:
-    """Run requests, materialization events and notes from one reconciliation pass over every export."""
-    requests: list[dg.RunRequest] = []
+    """Run requests, materialization events and notes from one reconciliation pass over every export.
+
+    ``failed`` are ``failed`` keys the tick looked at (besides those reconciliation just found failed): each partition
+    holding one is rerun while the key has had fewer than ``max_attempts`` claims, whatever its siblings are doing
+    (the ledger refuses what a rerun may not touch); past that the key is escalated, not rerun.
+    """
     events: list[dg.AssetMaterialization] = []
     for name, spec in exports.items():
         mine = ReconcileReport(resolved=[(f, r) for f, r in report.resolved if r.export == name])
         if mine.resolved:
-            more_requests, more_events = _export_result(
-                mine, ledger=ledger, spec=spec, materialized=materialized, log=log
-            )
-            requests.extend(more_requests)
-            events.extend(more_events)
+            events.extend(_materializations(mine, ledger=ledger, spec=spec, materialized=materialized, log=log))
+    candidates = [*(r for _, r in report.resolved if r.state is ExportState.FAILED), *failed]
+    bases = ledger.rerun_bases(sorted({r.logical_key for r in candidates}))
+    requests = rerun_requests(candidates, exports, max_attempts=max_attempts, bases=bases, log=log)
     return requests, events, _notes(report)
 
 
-def _export_result(
+def rerun_requests(
+    failed: Sequence[ExportRecord],
+    exports: Mapping[str, ExportSpec],
+    *,
+    max_attempts: int,
+    log,
+    bases: Mapping[str, int] | None = None,
+) -> list[dg.RunRequest]:
+    """One run request per partition holding a ``failed`` key with automatic reruns left (fewer than
+    ``max_attempts`` claims since its last operator resolution, whose token ``bases`` gives).
+
+    The run key names each such key with its fencing token (``tenant@token``). A key is ``failed`` with a given
+    token at most once (every claim raises it), so a new failure always brings a new run key, while the same
+    situation seen again on the next tick repeats the key and Dagster launches nothing twice.
+    """
+    by_partition: dict[tuple[str, str], dict[str, int]] = {}
+    for record in failed:
+        spec = exports.get(record.export)
+        if spec is None or record.state is not ExportState.FAILED:
+            continue
+        if record.fencing_token - (bases or {}).get(record.logical_key, 0) >= max_attempts:
+            continue  # escalated: needs_attention names it, a person decides
+        if record.tenant not in spec.tenants or record.timezone != spec.timezone:
+            log.warning(
+                f"{record.logical_key} is failed but its tenant or zone is no longer {spec.name}'s; not rerun "
+                "(it is escalated once it waits longer than allowed)"
+            )
+            continue
+        partition = record.business_date.isoformat()
+        try:
+            spec.calendar.window(partition)
+        except CalendarError as exc:
+            log.error(f"partition {partition!r} of {spec.name} not rerun: {exc}")
+            continue
+        by_partition.setdefault((spec.name, partition), {})[record.tenant] = record.fencing_token
+    requests = []
+    for (export, partition), tokens in sorted(by_partition.items()):
+        situation = ",".join(f"{tenant}@{token}" for tenant, token in sorted(tokens.items()))
+        digest = hashlib.sha256(situation.encode()).hexdigest()[:16]
+        requests.append(
+            dg.RunRequest(
+                partition_key=partition,
+                run_key=f"rerun/{export}/{partition}/{digest}",
+                job_name=f"{export}_job",
+                tags={"export-ledger/reconciled": "true"},
+            )
+        )
+    return requests
+
+
+def _materializations(
     report: ReconcileReport,
     *,
     ledger: ExportLedger,
     spec: ExportSpec,
     materialized: Callable[[dg.AssetKey, Sequence[str]], set[str]],
     log,
-) -> tuple[list[dg.RunRequest], list[dg.AssetMaterialization]]:
-    """Run requests, materialization events and notes from one reconciliation pass.
-
-    Decided per partition, since a partition is what Dagster materializes: once every tenant's key of a partition is
-    completed and Dagster never saw it materialized (its run failed on some key), one event records it; when a key
-    was found never written, the partition is rerun (completed tenants are skipped by the run itself).
-    """
+) -> list[dg.AssetMaterialization]:
+    """Decided per partition, since a partition is what Dagster materializes: once every tenant's key of a partition
+    is completed and Dagster never saw it materialized (its run failed on some key), one event records it."""
     export, calendar, tenants = spec.name, spec.calendar, spec.tenants
     asset_key = dg.AssetKey(export)
     touched: set[str] = set()
@@ -81,30 +133,16 @@ def _export_result(
         try:
             days[partition] = calendar.window(partition).business_date  # Dagster does not validate partition keys
         except CalendarError as exc:
-            log.error(f"partition {partition!r} not rerun or recorded: {exc}")
+            log.error(f"partition {partition!r} not recorded: {exc}")
     # One grouped read for every touched day, over the configured tenants only: a tick costs what it touched.
     summaries = ledger.day_summaries(
         export=export, timezone=calendar.timezone, days=list(days.values()), tenants=tenants, waiting=_WAIT_STATES
     )
-    requests, complete = [], []
+    complete = []
     for partition, day in days.items():
         summary = summaries.get(day)
         if summary is not None and summary.completed == len(tenants):
             complete.append(partition)
-        elif summary is not None and summary.waiting:
-            continue  # a run is in flight, an outcome is still unknown, or an operator must resolve a conflict
-        else:
-            # Dagster never relaunches a run key it has seen. Every claim raises a key's fencing token, so the sum over
-            # the partition's keys grows with each attempt: a later failure of the same partition gets a new run key.
-            generation = summary.tokens if summary is not None else 0
-            requests.append(
-                dg.RunRequest(
-                    partition_key=partition,
-                    run_key=f"reconcile/{asset_key.to_user_string()}/{partition}/{generation}",
-                    job_name=f"{export}_job",
-                    tags={"export-ledger/reconciled": "true"},
-                )
-            )
 
     events = []
     seen = materialized(asset_key, complete)
@@ -133,7 +171,7 @@ def _export_result(
                 )
             )
 
-    return requests, events
+    return events
 
 
 def _notes(report: ReconcileReport) -> list[str]:
@@ -180,10 +218,17 @@ def build_reconciliation_sensor(
     *,
     batch_size: int = 100,
     stuck_after: dt.timedelta = dt.timedelta(hours=6),
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS,
     minimum_interval_seconds: int = 60,
 ) -> dg.SensorDefinition:
-    """One sensor for every export of the code location. Each tick reconciles at most ``batch_size`` stuck keys,
-    continuing where the previous tick stopped, probing each key's own export's destination."""
+    """One sensor for every export of the code location. Each tick:
+
+    1. reconciles at most ``batch_size`` stuck keys from their destination's evidence;
+    2. reruns the partitions of at most ``batch_size`` ``failed`` keys (while a key has had fewer than
+       ``max_attempts`` claims), each step continuing where the previous tick stopped;
+    3. escalates every key that needs a person (:meth:`ExportLedger.needs_attention`): an error in the log each tick,
+       and ``no_stuck_exports`` failing for its export while it lasts.
+    """
     if batch_size <= 0:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     by_name = {spec.name: spec for spec in exports}
@@ -211,32 +256,37 @@ def build_reconciliation_sensor(
             after=state.get("after"),
             reconciler=f"reconciliation_sensor@{utc_iso(book.now())}",
         )
+        failed = book.failed(limit=batch_size, after=state.get("failed_after"))
         requests, events, notes = sensor_result(
             report,
             ledger=book,
             exports=by_name,
             materialized=lambda key, partitions: _materialized(context.instance, key, partitions),
             log=context.log,
+            failed=failed,
+            max_attempts=max_attempts,
         )
 
-        stuck = [r for r in book.stuck_longer_than(stuck_after) if r.export in by_name]
+        attention = [(r, why) for r, why in book.needs_attention(stuck_after, max_attempts=max_attempts)]
+        stuck = [r for r, _ in attention if r.export in by_name]
         stuck_keys = sorted(r.logical_key for r in stuck)
         digest = hashlib.sha256("\n".join(stuck_keys).encode()).hexdigest()[:16]
         checks = []
-        if stuck:
-            context.log.error(
-                f"{len(stuck)} export key(s) stuck longer than {stuck_after}: {', '.join(stuck_keys[:10])}"
-            )
+        if attention:
+            shown = "; ".join(f"{r.logical_key}: {why}" for r, why in attention[:10])
+            context.log.error(f"{len(attention)} export key(s) need attention (export-ledger status "
+                              f"--needs-attention): {shown}")  # fmt: skip
         if digest != state.get("stuck_digest", _NOTHING_STUCK):
             # Only when the set changes: one verdict per export.
             for name in by_name:
                 mine = [r for r in stuck if r.export == name]
                 checks.append(stuck_check_evaluation(dg.AssetKey(name), mine, stuck_after))
 
-        cursor = json.dumps({"after": report.next_after, "stuck_digest": digest})
+        failed_after = failed[-1].logical_key if len(failed) == batch_size else None
+        cursor = json.dumps({"after": report.next_after, "failed_after": failed_after, "stuck_digest": digest})
         if not requests and not events and not checks:
             looked = len(report.findings)
-            reason = "; ".join(notes) if notes else f"no stuck export keys ({looked} examined)"
+            reason = "; ".join(notes) if notes else f"no stuck export keys ({looked} examined, {len(failed)} failed)"
             return dg.SensorResult(skip_reason=reason, cursor=cursor)
         for note in notes:
             context.log.warning(note)

@@ -14,6 +14,7 @@ ledger's connection, inside the transaction that records completion, so effect a
 
 from __future__ import annotations
 
+import datetime as dt
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -91,6 +92,10 @@ class Destination(ABC):
         """A description safe for logs: no credentials."""
         return type(self).__name__
 
+    @abstractmethod
+    def discard_target(self, target: ExportTarget) -> list[str]:
+        """Removes whatever is at the key's place (an operator decided it is not to be kept); returns what."""
+
 
 class PublishingDestination(Destination):
     """A destination outside the ledger's database: stage invisibly, publish atomically, never replace."""
@@ -113,7 +118,9 @@ class PublishingDestination(Destination):
     def discard(self, staged: StagedExport) -> None:
         """Removes a staged export that will not be published."""
 
-    def discard_abandoned(self, target: ExportTarget, below_token: int) -> int:
+    def discard_abandoned(
+        self, target: ExportTarget, below_token: int, *, min_age: dt.timedelta = dt.timedelta(0)
+    ) -> int:
         """Removes what attempts with a lower fencing token staged and never published; returns how many."""
         return 0
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import shutil
 import stat
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,7 +128,24 @@ class LocalDestination(PublishingDestination):
     def discard(self, staged: StagedExport) -> None:
         shutil.rmtree(staged.handle, ignore_errors=True)
 
-    def discard_abandoned(self, target: ExportTarget, below_token: int) -> int:
+    def discard_target(self, target: ExportTarget) -> list[str]:
+        """Moves whatever is at the key's place aside, into ``.discarded-date=...-<time>`` beside it (readers ignore
+        dot folders; the evidence is kept for the operator to delete); returns what was there."""
+        final = self._target_dir(target)
+        if not final.exists():
+            return []
+        names = sorted(p.name for p in final.iterdir()) if final.is_dir() else [final.name]
+        aside = final.parent / f".discarded-{final.name}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+        try:
+            os.rename(final, aside)
+            _fsync_path(final.parent)
+        except OSError as exc:
+            raise DestinationError(f"cannot move {final} aside: {exc.strerror or exc}") from None
+        return names
+
+    def discard_abandoned(
+        self, target: ExportTarget, below_token: int, *, min_age: dt.timedelta = dt.timedelta(0)
+    ) -> int:
         """Removes staging folders that earlier attempts (lower fencing tokens) left behind when they died."""
         parent = self._target_dir(target).parent
         removed = 0
@@ -138,7 +157,16 @@ class LocalDestination(PublishingDestination):
                 continue
             token_text = entry.name[len(prefix) :].split("-", 1)[0]
             if token_text.isdigit() and int(token_text) < below_token:
-                shutil.rmtree(entry, ignore_errors=True)
+                # Move it out of the way first, atomically, then delete what was moved. The old attempt may be alive
+                # (its lease merely expired) and rename this very folder into place at any moment: either our rename
+                # wins (its publish then fails, nothing published) or its rename wins (ours fails: the folder is
+                # now a published export, and it is left alone). Never delete inside a folder we did not move.
+                trash = parent / f".trash-{entry.name}-{os.getpid()}-{time.monotonic_ns()}"
+                try:
+                    os.rename(entry, trash)
+                except OSError:
+                    continue
+                shutil.rmtree(trash, ignore_errors=True)
                 removed += 1
         return removed
 

@@ -1,9 +1,13 @@
 """An S3-compatible object store as an export destination (optional extra ``[s3]``: boto3).
 
-Same layout and manifest as the local destination: ``<prefix>/<export>/tenant=<tenant>/date=<YYYY-MM-DD>/``
-holding the data object and ``_manifest.json``. The data object is written first and the manifest last: the
-manifest is the completion marker. Every write is a conditional create (``If-None-Match: *``), so the store itself
-refuses a second copy. Object metadata carries the logical key, attempt id, fencing token and sha256.
+Same layout and manifest as the local destination: ``<prefix>/<export>/tenant=<tenant>/date=<YYYY-MM-DD>/`` holding
+``_manifest.json`` and the data object it names. Each attempt writes its data under a name of its own
+(``data-t<token>-<attempt hash>.csv``), then the manifest: the manifest's conditional create (``If-None-Match: *``) is
+the one step that decides which data object is the export, so the store itself refuses a second export. A data object
+no manifest names is an orphan of a failed or fenced attempt: harmless to readers (they read what the manifest names),
+never in the way of a retry (which writes its own name), and swept by a later attempt once older than a lease.
+Object metadata carries the logical key, attempt id, fencing token and sha256. Before its first publish the
+destination checks that the store honours conditional creates, and refuses a store that does not.
 
 What a failed write means is classified, because a database transaction cannot commit a remote upload:
 
@@ -16,9 +20,12 @@ What a failed write means is classified, because a database transaction cannot c
 
 from __future__ import annotations
 
+import datetime as dt
 import functools
+import hashlib
 import os
 import tempfile
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,6 +70,9 @@ def _sweep_dead_staging(folder: Path) -> None:
             entry.unlink(missing_ok=True)
         except PermissionError:
             pass  # alive, owned by someone else
+
+
+_CONDITIONAL_CREATES_CHECKED: set[tuple[str | None, str]] = set()
 
 
 @functools.lru_cache(maxsize=16)
@@ -181,6 +191,11 @@ class S3Destination(PublishingDestination):
             return None
         return Manifest.from_json(found[0], f"s3://{self.bucket}/{key}")
 
+    def data_name(self, manifest: Manifest, file_format: str) -> str:
+        """The data object's name for this attempt: never the name another attempt writes."""
+        attempt = hashlib.sha256(manifest.attempt_id.encode()).hexdigest()[:12]
+        return f"data-t{manifest.fencing_token}-{attempt}.{file_format}"
+
     def stage(self, target: ExportTarget, table, file_format: str, manifest: Manifest) -> StagedExport:
         # Staging is a local file, so the checksum is known before anything is sent. It holds customer data: it lives
         # in a private folder, and files of processes that died before cleaning up are removed here.
@@ -193,10 +208,56 @@ class S3Destination(PublishingDestination):
         except BaseException:
             os.unlink(path)
             raise
-        complete = Manifest(**{**manifest.__dict__, "sha256": sha256, "row_count": table.num_rows})
+        complete = Manifest(
+            **{
+                **manifest.__dict__,
+                "sha256": sha256,
+                "row_count": table.num_rows,
+                "data_file": self.data_name(manifest, file_format),
+            }
+        )
         return StagedExport(target, complete, path)
 
+    def check_conditional_creates(self) -> None:
+        """Refuses a store that ignores ``If-None-Match: *``: there, a second write would replace an export silently.
+
+        Checked once per process and store, with a probe object written twice and then deleted.
+        """
+        where = (self.endpoint_url, self.bucket)
+        if where in _CONDITIONAL_CREATES_CHECKED:
+            return
+        _, _, errors = _boto()
+        folder = f"{self.prefix.strip('/') + '/' if self.prefix.strip('/') else ''}.export-ledger-probe/"
+        key = f"{folder}{uuid.uuid4().hex}"
+        client = self._s3()
+        try:
+            # Probes of processes killed mid-check are left behind: remove those older than an hour.
+            stale = dt.datetime.now(dt.timezone.utc) - dt.timedelta(hours=1)
+            for item in client.list_objects_v2(Bucket=self.bucket, Prefix=folder).get("Contents", []):
+                if item["LastModified"] < stale:
+                    client.delete_object(Bucket=self.bucket, Key=item["Key"])
+            client.put_object(Bucket=self.bucket, Key=key, Body=b"1", IfNoneMatch="*")
+            try:
+                client.put_object(Bucket=self.bucket, Key=key, Body=b"2", IfNoneMatch="*")
+            except errors.ClientError as exc:
+                if self._status(exc) != 412:
+                    raise
+            else:
+                raise DestinationError(
+                    f"s3://{self.bucket} accepted a second conditional create (If-None-Match: *) of one object: this "
+                    "store ignores conditional writes, so a retry could overwrite a published export silently. "
+                    "Refusing to publish to it"
+                )
+            finally:
+                client.delete_object(Bucket=self.bucket, Key=key)
+        except (errors.ClientError, errors.BotoCoreError) as exc:
+            raise DestinationError(
+                f"cannot check that s3://{self.bucket} honours conditional creates: {self._describe_error(exc)}"
+            ) from None
+        _CONDITIONAL_CREATES_CHECKED.add(where)
+
     def publish(self, staged: StagedExport) -> Manifest:
+        self.check_conditional_creates()
         manifest = staged.manifest
         metadata = {
             "logical-key": manifest.logical_key,
@@ -250,13 +311,10 @@ class S3Destination(PublishingDestination):
                 raise PublishedElsewhere(f"{where} already holds a manifest (attempt {other.attempt_id})", other)
             return
         if existing.get("sha256") != manifest.sha256:
-            manifest_found = self._get(key.rsplit("/", 1)[0] + "/" + MANIFEST_NAME)
-            if manifest_found is not None:
-                other = Manifest.from_json(manifest_found[0], where)
-                raise PublishedElsewhere(f"{where} is already published (attempt {other.attempt_id})", other)
+            # The name is this attempt's own: only this attempt (same token, same id) writes it.
             raise DestinationConflict(
-                f"{where} holds a data object with sha256 {existing.get('sha256', 'unknown')} and no manifest; "
-                f"this attempt's data has sha256 {manifest.sha256}: refusing to overwrite it"
+                f"{where} holds a data object with sha256 {existing.get('sha256', 'unknown')}; this attempt's data "
+                f"has sha256 {manifest.sha256}: refusing to overwrite it"
             )
 
     def discard(self, staged: StagedExport) -> None:
@@ -264,6 +322,50 @@ class S3Destination(PublishingDestination):
             os.unlink(staged.handle)
         except FileNotFoundError:
             pass
+
+    def _list(self, target: ExportTarget) -> list[dict]:
+        _, _, errors = _boto()
+        folder = self._folder(target) + "/"
+        try:
+            pages = self._s3().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=folder)
+            return [item for page in pages for item in page.get("Contents", [])]
+        except errors.ClientError as exc:
+            status = self._status(exc)
+            if status is not None and 400 <= status < 500:
+                raise DestinationError(
+                    f"the store refused listing {self.location(target)}: {self._describe_error(exc)}"
+                ) from None
+            raise DestinationUnreachable(f"cannot list {self.location(target)}: {self._describe_error(exc)}") from None
+        except errors.BotoCoreError as exc:
+            raise DestinationUnreachable(f"cannot list {self.location(target)}: {self._describe_error(exc)}") from None
+
+    def discard_abandoned(
+        self, target: ExportTarget, below_token: int, *, min_age: dt.timedelta = dt.timedelta(0)
+    ) -> int:
+        """Deletes data objects that no manifest names, written by attempts with a lower token, older than
+        ``min_age`` (a lease: their writers cannot hold the key any more). Returns how many."""
+        manifest = self.probe(target)
+        referenced = manifest.data_file if manifest is not None else None
+        now = dt.datetime.now(dt.timezone.utc)
+        removed = 0
+        for item in self._list(target):
+            name = item["Key"].rsplit("/", 1)[1]
+            token_text = name.removeprefix("data-t").split("-", 1)[0]
+            if not name.startswith("data-t") or not token_text.isdigit() or name == referenced:
+                continue
+            if int(token_text) >= below_token or now - item["LastModified"] < min_age:
+                continue
+            self._s3().delete_object(Bucket=self.bucket, Key=item["Key"])
+            removed += 1
+        return removed
+
+    def discard_target(self, target: ExportTarget) -> list[str]:
+        """Deletes everything at the key's place (the manifest first, so readers never see a manifest without its
+        data); returns the names deleted. For an operator's ``export-ledger resolve --discard-destination``."""
+        items = sorted(self._list(target), key=lambda item: not item["Key"].endswith(MANIFEST_NAME))
+        for item in items:
+            self._s3().delete_object(Bucket=self.bucket, Key=item["Key"])
+        return [item["Key"].rsplit("/", 1)[1] for item in items]
 
     def read_data(self, target: ExportTarget, manifest: Manifest) -> bytes:
         key = self._key(target, manifest.data_file)

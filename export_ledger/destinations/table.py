@@ -8,6 +8,7 @@ serialization of the rows, so a reader can verify what it reads.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -36,7 +37,9 @@ _KINDS = {
 _ARROW = {sql_kind: arrow for arrow, (sql_kind, _) in _KINDS.items()}
 
 
-def _manifest_table(name: str, metadata: sa.MetaData) -> sa.Table:
+def _manifest_table(name: str, metadata: sa.MetaData | None = None) -> sa.Table:
+    if metadata is None:
+        return _manifests_of(name)
     return sa.Table(
         f"{name}_manifests",
         metadata,
@@ -47,6 +50,17 @@ def _manifest_table(name: str, metadata: sa.MetaData) -> sa.Table:
         sa.Column("manifest", sa.Text, nullable=False),
         sa.Column("columns", sa.Text, nullable=False),
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _manifests_of(name: str) -> sa.Table:
+    """One Table object per name, so SQLAlchemy compiles each statement once (not on every probe)."""
+    return _manifest_table(name, sa.MetaData())
+
+
+@functools.lru_cache(maxsize=256)
+def _rows_of(name: str, columns: tuple[tuple[str, str], ...]) -> sa.Table:
+    return _rows_table(name, sa.MetaData(), dict(columns))
 
 
 def _rows_table(
@@ -96,6 +110,16 @@ class SqlTableDestination(TransactionalDestination):
         return ledger_engine(self.url)
 
     def write_in_transaction(self, connection, target: ExportTarget, table: pa.Table, manifest: Manifest) -> Manifest:
+        try:
+            return self._write(connection, target, table, manifest)
+        except sa.exc.SQLAlchemyError as exc:
+            # The server's text (PostgreSQL's DETAIL: Failing row contains ...) can quote the row: name the class only.
+            orig = getattr(exc, "orig", None) or exc
+            raise DestinationError(
+                f"cannot write {manifest.logical_key} into {self.table_for(target.export)}: {type(orig).__name__}"
+            ) from None
+
+    def _write(self, connection, target: ExportTarget, table: pa.Table, manifest: Manifest) -> Manifest:
         columns = {}
         for field in table.schema:
             if field.type not in _KINDS:
@@ -104,6 +128,15 @@ class SqlTableDestination(TransactionalDestination):
             columns[field.name] = _KINDS[field.type][0]
         metadata = sa.MetaData()
         name = self.table_for(target.export)
+        inspector = sa.inspect(connection)
+        if inspector.has_table(name):
+            existing = {column["name"] for column in inspector.get_columns(name)}
+            missing = [column for column in columns if column not in existing]
+            if missing:
+                raise DestinationError(
+                    f"table {name} has no column named {', '.join(missing)} (it was made for other columns: "
+                    f"{', '.join(sorted(existing - {'logical_key', 'row_number'}))}); nothing was written"
+                )
         nullable = {field.name for field in table.schema if field.nullable}
         rows_table = _rows_table(name, metadata, columns, nullable)
         manifests = _manifest_table(name, metadata)
@@ -137,8 +170,21 @@ class SqlTableDestination(TransactionalDestination):
         )
         return complete
 
+    def discard_target(self, target: ExportTarget) -> list[str]:
+        """Deletes the key's rows and manifest row, in one transaction; returns what was deleted."""
+        name = self.table_for(target.export)
+        manifests = _manifest_table(name)
+        row = self._manifest_row(target)
+        if row is None:
+            return []
+        with self._engine().begin() as conn:
+            rows_table = sa.Table(name, sa.MetaData(), sa.Column("logical_key", sa.String(300)))
+            deleted = conn.execute(rows_table.delete().where(rows_table.c.logical_key == row.logical_key)).rowcount
+            conn.execute(manifests.delete().where(manifests.c.logical_key == row.logical_key))
+        return [f"{deleted} row(s) of {row.logical_key}", f"{name}_manifests row"]
+
     def _manifest_row(self, target: ExportTarget):
-        manifests = _manifest_table(self.table_for(target.export), sa.MetaData())
+        manifests = _manifest_table(self.table_for(target.export))
         query = sa.select(manifests).where(
             manifests.c.export == target.export,
             manifests.c.tenant == target.tenant,
@@ -146,10 +192,11 @@ class SqlTableDestination(TransactionalDestination):
         )
         try:
             with self._engine().connect().execution_options(ledger_read_only=True) as conn:
-                if not sa.inspect(conn).has_table(manifests.name):
-                    return None
                 return conn.execute(query).first()
-        except sa.exc.OperationalError as exc:
+        except (sa.exc.OperationalError, sa.exc.ProgrammingError) as exc:
+            text = str(exc.orig).lower()
+            if "no such table" in text or "does not exist" in text:
+                return None  # nothing was ever exported to this table
             raise DestinationUnreachable(f"cannot read {self.describe()}: {type(exc.orig).__name__}") from None
 
     def probe(self, target: ExportTarget) -> Manifest | None:
@@ -161,7 +208,7 @@ class SqlTableDestination(TransactionalDestination):
         if row is None:
             raise DestinationError(f"{self.location(target)} holds no export")
         columns = json.loads(row.columns)
-        rows_table = _rows_table(self.table_for(target.export), sa.MetaData(), columns)
+        rows_table = _rows_of(self.table_for(target.export), tuple(columns.items()))
         query = (
             sa.select(*(rows_table.c[name] for name in columns))
             .where(rows_table.c.logical_key == manifest.logical_key)

@@ -36,6 +36,11 @@ class ContractsMixin:
         wanted = json.dumps(contract, sort_keys=True)
         with self.atomic() as conn:
             recorded = self._latest_contract(conn, export)
+            if recorded is None and conn.dialect.name == "postgresql":
+                # Two first materializations at once must not both record theirs: serialize them on the export's
+                # name (SQLite's BEGIN IMMEDIATE already does), then look again.
+                conn.execute(sa.select(sa.func.pg_advisory_xact_lock(sa.func.hashtext(export))))
+                recorded = self._latest_contract(conn, export)
             if recorded is None:
                 conn.execute(
                     export_contracts.insert().values(

@@ -32,7 +32,9 @@ from export_ledger.ledger.errors import (
     LeaseHeld,
     LedgerError,
     LedgerUnavailable,
+    LiveLease,
     NeedsReconciliation,
+    OperatorResolution,
     short_error,
 )
 from export_ledger.ledger.records import (
@@ -45,11 +47,13 @@ from export_ledger.ledger.records import (
     Resolution,
 )
 from export_ledger.ledger.retention import RetentionMixin
-from export_ledger.ledger.schema import AttemptOutcome, ExportState, export_attempts, export_runs
+from export_ledger.ledger.schema import AttemptOutcome, ExportState, export_attempts, export_operator_log, export_runs
 from export_ledger.ledger.store import ledger_engine, redact_url
 
 UTC = dt.timezone.utc
 DEFAULT_LEASE_TTL = dt.timedelta(minutes=15)
+#: Claims a key may take before its reruns stop being automatic and it is escalated to a person.
+DEFAULT_MAX_ATTEMPTS = 3
 
 
 def utc_now() -> dt.datetime:
@@ -267,7 +271,7 @@ class ExportLedger(RetentionMixin, ContractsMixin):
                         f"{holder.business_date} ({holder.timezone}); "
                         f"refusing to claim it for {key.window.business_date}"
                     ) from None
-                raise LedgerError(f"could not record a claim on {key}: {exc.orig}") from None
+                raise LedgerError(f"could not record a claim on {key}: {type(exc.orig).__name__}") from None
         raise LedgerError(f"could not claim {key}: the row kept changing under concurrent claims")
 
     def _claim_once(self, key: LogicalKey, attempt_id: str) -> Claim | AlreadyCompleted:
@@ -362,16 +366,20 @@ class ExportLedger(RetentionMixin, ContractsMixin):
                 )
         raise refusal
 
-    def complete(self, claim: Claim, evidence: CompletionEvidence) -> ExportRecord:
+    def complete(
+        self, claim: Claim, evidence: CompletionEvidence, *, note: OperatorResolution | None = None
+    ) -> ExportRecord:
         """Records the key as completed from the destination's evidence.
 
         ``evidence.attempt_id`` other than the claim's means an earlier attempt published and crashed before
-        recording: the row points at that attempt's export and this attempt is recorded as ``repaired``.
+        recording: the row points at that attempt's export and this attempt is recorded as ``repaired``. ``note``
+        (an operator's resolution) is stored as the attempt row's message.
         """
         transition = T.COMPLETE if evidence.attempt_id == claim.attempt_id else T.REPAIR
         return self._finish(
             claim,
             transition,
+            error=note,
             values=dict(
                 location=evidence.location,
                 sha256=evidence.sha256,
@@ -379,6 +387,91 @@ class ExportLedger(RetentionMixin, ContractsMixin):
                 committed_attempt=evidence.attempt_id,
             ),
         )
+
+    def hold(self, logical_key: str, operator: str) -> Claim:
+        """Takes a key's lease for an operator who is about to resolve it (``export-ledger resolve``).
+
+        Allowed from ``conflict``, ``failed``, ``remote_unknown`` and ``in_progress`` whose lease has expired (the dead
+        holder is recorded ``abandoned``); refused while a live lease holds the key. The token is incremented, so an
+        attempt that held the key before can no longer commit.
+
+        Raises:
+            LiveLease: an attempt holds a live lease; the message names it and when it ends.
+            InvalidTransition: the key is ``completed`` or unknown.
+        """
+        now = self.now()
+        with self.atomic() as conn:
+            row = conn.execute(_RUN_BY_KEY, {"k_key": logical_key}).first()
+            if row is None:
+                raise InvalidTransition(f"unknown logical key {logical_key!r}: the ledger has no export with it")
+            record = ExportRecord.from_row(row)
+            if record.state is ExportState.IN_PROGRESS and record.lease_expires_at > now:
+                raise LiveLease(
+                    f"{logical_key} is held by attempt {record.lease_owner} until "
+                    f"{record.lease_expires_at.isoformat()}; resolve it after that lease ends"
+                )
+            if record.state not in T.OPERATOR_HOLD.from_states:
+                raise InvalidTransition(f"{logical_key} is {record.state.value}: there is nothing to resolve")
+            if record.state is ExportState.IN_PROGRESS:
+                conn.execute(_INSERT_ATTEMPT, self._abandoned_values(record, now))
+            token = record.fencing_token + 1
+            expires = now + self.lease_ttl
+            moved = T.apply(
+                conn,
+                T.OPERATOR_HOLD,
+                logical_key,
+                token=record.fencing_token,
+                states=(record.state,),
+                now=now,
+                values=dict(
+                    lease_owner=operator, lease_expires_at=expires, attempt_started_at=now, fencing_token=token,
+                    updated_at=now,
+                ),
+            )  # fmt: skip
+            if not moved:
+                raise InvalidTransition(f"{logical_key} changed while an operator was taking it; look again")
+        return Claim(logical_key, operator, token, record.window, now, expires, record.state, record.tz_database)
+
+    def log_operator(
+        self,
+        operator: str,
+        action: str,
+        detail: str,
+        reason: str,
+        *,
+        export: str | None = None,
+        logical_key: str | None = None,
+    ) -> None:
+        """Appends an operator's decision to ``export_operator_log``."""  # fmt: skip
+        with self.atomic() as conn:
+            conn.execute(
+                export_operator_log.insert().values(
+                    recorded_at=self.now(), operator=operator[:200], action=action, export=export,
+                    logical_key=logical_key, detail=detail[:1000], reason=reason.strip()[:MESSAGE_LIMIT],
+                )
+            )  # fmt: skip
+
+    def operator_log(self) -> list[dict]:
+        with self.atomic(read_only=True) as conn:
+            rows = conn.execute(sa.select(export_operator_log).order_by(export_operator_log.c.id))
+            return [dict(row._mapping) for row in rows]
+
+    def rerun_bases(self, logical_keys: Sequence[str]) -> dict[str, int]:
+        """Per key, the fencing token of its latest operator resolution (0 if none): automatic reruns count the
+        claims after it, so a key an operator sent back to ``failed`` gets its reruns again."""
+        if not logical_keys:
+            return {}
+        query = (
+            sa.select(export_attempts.c.logical_key, sa.func.max(export_attempts.c.fencing_token))
+            .where(
+                export_attempts.c.logical_key.in_(list(logical_keys)),
+                export_attempts.c.error_class == OperatorResolution.__name__,
+            )
+            .group_by(export_attempts.c.logical_key)
+        )
+        with self.atomic(read_only=True) as conn:
+            found = {key: int(token or 0) for key, token in conn.execute(query)}
+        return {key: found.get(key, 0) for key in logical_keys}
 
     def mark_conflict(self, claim: Claim, error: BaseException, *, location: str | None = None) -> ExportRecord:
         """Records that the destination holds something else at this key's place: refused until an operator acts."""
@@ -431,18 +524,66 @@ class ExportLedger(RetentionMixin, ContractsMixin):
         return records[:limit]
 
     def stuck_longer_than(self, age: dt.timedelta) -> list[ExportRecord]:
-        """Keys unresolved for longer than ``age``: ``remote_unknown``, ``conflict`` and expired ``in_progress``."""
-        now = self.now()
-        horizon = now - age
-        query = sa.select(export_runs).where(
-            export_runs.c.updated_at < horizon,
-            sa.or_(
-                export_runs.c.state.in_([ExportState.REMOTE_UNKNOWN.value, ExportState.CONFLICT.value]),
-                sa.and_(export_runs.c.state == ExportState.IN_PROGRESS.value, export_runs.c.lease_expires_at < now),
-            ),
-        )
+        """Keys unresolved for longer than ``age``: ``failed``, ``remote_unknown``, ``conflict`` and expired
+        ``in_progress``."""
+        return [record for record, _ in self.needs_attention(age, max_attempts=None)]
+
+    def failed(self, *, limit: int, after: str | None = None) -> list[ExportRecord]:
+        """``failed`` keys in key order after ``after`` (the reconciliation sensor reruns them, a batch a tick)."""
+        if limit <= 0:
+            raise ValueError(f"limit must be positive, got {limit}")
+        query = sa.select(export_runs).where(export_runs.c.state == ExportState.FAILED.value)
+        if after is not None:
+            query = query.where(export_runs.c.logical_key > after)
         with self.atomic(read_only=True) as conn:
-            return [ExportRecord.from_row(r) for r in conn.execute(query.order_by(export_runs.c.logical_key))]
+            rows = conn.execute(query.order_by(export_runs.c.logical_key).limit(limit))
+            return [ExportRecord.from_row(r) for r in rows]
+
+    def needs_attention(
+        self, stuck_after: dt.timedelta, *, max_attempts: int | None = DEFAULT_MAX_ATTEMPTS
+    ) -> list[tuple[ExportRecord, str]]:
+        """Keys escalated to a person, each with why: in ``conflict``; ``failed`` after ``max_attempts`` claims (the
+        automatic reruns are spent); or ``failed``, ``remote_unknown`` or expired ``in_progress`` for longer than
+        ``stuck_after``. Every key that is not completed ends here or completed: no state is a dead end."""
+        now = self.now()
+        horizon = now - stuck_after
+        waiting = sa.or_(
+            export_runs.c.state.in_([ExportState.FAILED.value, ExportState.REMOTE_UNKNOWN.value]),
+            sa.and_(export_runs.c.state == ExportState.IN_PROGRESS.value, export_runs.c.lease_expires_at < now),
+        )
+        conditions = [
+            export_runs.c.state == ExportState.CONFLICT.value,
+            sa.and_(export_runs.c.updated_at < horizon, waiting),
+        ]
+        if max_attempts is not None:
+            conditions.append(
+                sa.and_(export_runs.c.state == ExportState.FAILED.value, export_runs.c.fencing_token >= max_attempts)
+            )
+        query = sa.select(export_runs).where(sa.or_(*conditions)).order_by(export_runs.c.logical_key)
+        with self.atomic(read_only=True) as conn:
+            records = [ExportRecord.from_row(r) for r in conn.execute(query)]
+        bases = self.rerun_bases([r.logical_key for r in records if r.state is ExportState.FAILED])
+        found = []
+        for record in records:
+            spent = record.fencing_token - bases.get(record.logical_key, 0)
+            if record.state is ExportState.FAILED and record.updated_at >= horizon and spent < (max_attempts or 0):
+                continue  # an operator sent it back with its reruns restored: not escalated yet
+            found.append((record, self._attention_reason(record, now, horizon, max_attempts, spent)))
+        return found
+
+    @staticmethod
+    def _attention_reason(
+        record: ExportRecord, now: dt.datetime, horizon: dt.datetime, max_attempts: int | None, spent: int
+    ) -> str:
+        if record.state is ExportState.CONFLICT:
+            return "conflict: the destination holds something else; resolve it (export-ledger resolve)"
+        if record.state is ExportState.FAILED and max_attempts is not None and spent >= max_attempts:
+            return (
+                f"failed {spent} time(s): automatic reruns are spent; fix the cause and rerun the "
+                "partition, or resolve it (export-ledger resolve)"
+            )
+        since = now - record.updated_at
+        return f"{record.state.value} for {str(since).split('.')[0]}: longer than allowed"
 
     def resolve(
         self,
@@ -629,7 +770,8 @@ class ExportLedger(RetentionMixin, ContractsMixin):
         raise fenced
 
     def _record_fenced(self, conn: Connection, claim: Claim, now: dt.datetime) -> FencedOut:
-        """Appends the ``fenced`` attempt row and returns the error to raise (after the transaction commits)."""
+        """Appends the ``fenced`` attempt row (unless the attempt already has its row: a takeover recorded it
+        ``abandoned``) and returns the error to raise (after the transaction commits)."""
         current = conn.execute(_RUN_BY_KEY, {"k_key": claim.logical_key}).first()
         holder = "nobody"
         if current is not None:
@@ -638,6 +780,15 @@ class ExportLedger(RetentionMixin, ContractsMixin):
             f"attempt {claim.attempt_id} lost its lease on {claim.logical_key} (token {claim.fencing_token}); "
             f"now held by {holder}: its result is not recorded"
         )
+        recorded = conn.execute(
+            sa.select(export_attempts.c.id).where(
+                export_attempts.c.logical_key == claim.logical_key,
+                export_attempts.c.attempt_id == claim.attempt_id,
+                export_attempts.c.fencing_token == claim.fencing_token,
+            )
+        ).first()
+        if recorded is not None:
+            return fenced  # one row per attempt: the takeover already recorded this one as abandoned
         fenced_class, fenced_message = short_error(fenced)
         self._append_attempt(
             conn,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from export_ledger.errors import ExportLedgerError
+from export_ledger.errors import ExportLedgerError, safe_message
 
 MESSAGE_LIMIT = 500
 
@@ -51,8 +51,16 @@ class EmptyWindow(LedgerError):
 
 
 def short_error(exc: BaseException) -> tuple[str, str]:
-    """Error class and a bounded message for the attempts table."""
-    message = str(exc) or exc.__class__.__name__
+    """Error class and a bounded message for the attempts table: never a driver's words (they can quote data)."""
+    message = safe_message(exc)
     if len(message) > MESSAGE_LIMIT:
         message = message[: MESSAGE_LIMIT - 3] + "..."
     return exc.__class__.__name__, message
+
+
+class OperatorResolution(LedgerError):
+    """Not a failure: what an operator decided about a key, recorded as the message of its attempt row."""
+
+
+class LiveLease(LedgerError):
+    """An operator asked to resolve a key that a live attempt holds; wait for its lease to end."""

@@ -1,13 +1,53 @@
-"""Retention: prune old completion records and keep a durable low-water mark per export."""
+"""Retention: prune old completion records and keep a durable low-water mark per export.
+
+The mark closes business dates to new claims (a pruned record would otherwise look like "never attempted"), so it
+must never close a date whose export is not done: it stops at the first business date that still has a key not
+``completed``, and at the first date with no key at all (never exported, such as tonight's) unless an operator closes
+those explicitly, with a reason that is recorded. :meth:`prune_plan` says what :meth:`prune` would do.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
+import json
+from dataclasses import dataclass, field
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from export_ledger.ledger.schema import ExportState, export_attempts, export_low_water, export_runs
+from export_ledger.ledger.schema import (
+    ExportState,
+    export_attempts,
+    export_contracts,
+    export_low_water,
+    export_operator_log,
+    export_runs,
+)
+
+
+@dataclass(frozen=True)
+class PrunePlan:
+    """What pruning one export does (or did).
+
+    Attributes:
+        export: The export.
+        horizon: Business dates before it were asked to be pruned (today minus the days given).
+        mark: The low-water mark afterwards: dates before it are closed to new claims.
+        previous_mark: The mark before (None: never pruned).
+        pruned: Completed records deleted (with their attempts): those dated before ``mark``.
+        blocked_by: The first date before the horizon with a key not completed: the mark stops there.
+        unexported: Dates before the mark, or before the horizon when they stopped it, with no key at all.
+        closes_unexported: The operator closed ``unexported`` dates explicitly.
+    """
+
+    export: str
+    horizon: dt.date
+    mark: dt.date | None
+    previous_mark: dt.date | None
+    pruned: int
+    blocked_by: dt.date | None = None
+    unexported: list[dt.date] = field(default_factory=list)
+    closes_unexported: bool = False
 
 
 class RetentionMixin:
@@ -22,43 +62,61 @@ class RetentionMixin:
             sa.select(export_low_water.c.low_water_date).where(export_low_water.c.export == export)
         ).scalar()
 
-    def prune(self, older_than_days: int, *, export: str | None = None) -> dict[str, int]:
-        """Deletes ``completed`` records (and their attempts) whose business date is more than ``older_than_days``
-        days before today (UTC), and raises each export's durable low-water mark to that horizon.
+    def prune_plan(
+        self, older_than_days: int, *, export: str | None = None, close_unexported: bool = False
+    ) -> list[PrunePlan]:
+        """What :meth:`prune` would do, changing nothing."""
+        with self.atomic(read_only=True) as conn:
+            return [self._plan(conn, name, older_than_days, close_unexported) for name in self._names(conn, export)]
+
+    def prune(
+        self,
+        older_than_days: int,
+        *,
+        export: str | None = None,
+        close_unexported: bool = False,
+        operator: str | None = None,
+        reason: str | None = None,
+    ) -> list[PrunePlan]:
+        """Deletes ``completed`` records (and their attempts) dated before each export's new low-water mark, and
+        raises the mark, as :meth:`prune_plan` describes.
 
         Other states are never pruned: a failed or stuck key keeps its history until it is resolved. After pruning,
-        first claims below the mark are refused (see ``allow_below_low_water``). Returns rows deleted per export.
+        first claims below the mark are refused (see ``allow_below_low_water``).
+
+        Args:
+            older_than_days: Prune business dates more than this many days before today (UTC); 0 or more.
+            export: Only this export.
+            close_unexported: Let the mark close dates that have no key at all (they can then never be exported
+                without an override). Needs ``operator`` and ``reason``; recorded in the operator log.
         """
-        if older_than_days < 0:
-            raise ValueError(f"older_than_days must be zero or more, got {older_than_days}")
+        if close_unexported and not (operator and reason and reason.strip()):
+            raise ValueError("closing dates that were never exported needs an operator and a reason")
         now = self.now()
-        horizon = now.date() - dt.timedelta(days=older_than_days)
-        deleted: dict[str, int] = {}
+        plans = []
         with self.atomic() as conn:
-            exports_query = sa.select(export_runs.c.export).distinct()
-            if export is not None:
-                exports_query = exports_query.where(export_runs.c.export == export)
-            names = sorted(set(conn.execute(exports_query).scalars()) | ({export} if export else set()))
-            for name in names:
+            for name in self._names(conn, export):
+                plan = self._plan(conn, name, older_than_days, close_unexported)
+                plans.append(plan)
+                if plan.mark is None or plan.mark == plan.previous_mark:
+                    continue
                 doomed = sa.select(export_runs.c.logical_key).where(
                     export_runs.c.export == name,
                     export_runs.c.state == ExportState.COMPLETED.value,
-                    export_runs.c.business_date < horizon,
+                    export_runs.c.business_date < plan.mark,
                 )
                 conn.execute(export_attempts.delete().where(export_attempts.c.logical_key.in_(doomed)))
-                count = conn.execute(
+                conn.execute(
                     export_runs.delete().where(
                         export_runs.c.export == name,
                         export_runs.c.state == ExportState.COMPLETED.value,
-                        export_runs.c.business_date < horizon,
+                        export_runs.c.business_date < plan.mark,
                     )
-                ).rowcount
-                deleted[name] = count
-                mark = self._low_water(conn, name)
-                if mark is None:
+                )
+                if plan.previous_mark is None:
                     conn.execute(
                         export_low_water.insert().values(
-                            export=name, low_water_date=horizon, pruned_total=count, updated_at=now
+                            export=name, low_water_date=plan.mark, pruned_total=plan.pruned, updated_at=now
                         )
                     )
                 else:
@@ -66,9 +124,78 @@ class RetentionMixin:
                         export_low_water.update()
                         .where(export_low_water.c.export == name)
                         .values(
-                            low_water_date=max(mark, horizon),
-                            pruned_total=export_low_water.c.pruned_total + count,
+                            low_water_date=plan.mark,
+                            pruned_total=export_low_water.c.pruned_total + plan.pruned,
                             updated_at=now,
                         )
                     )
-        return deleted
+                closed = [d for d in plan.unexported if d < plan.mark]
+                if closed:
+                    conn.execute(
+                        export_operator_log.insert().values(
+                            recorded_at=now, operator=operator[:200], action="prune-close-unexported", export=name,
+                            logical_key=None,
+                            detail=f"low-water mark {plan.mark} closes {len(closed)} date(s) never exported: "
+                            + ", ".join(d.isoformat() for d in closed[:20]),
+                            reason=reason.strip()[:500],
+                        )
+                    )  # fmt: skip
+        return plans
+
+    def _names(self, conn: Connection, export: str | None) -> list[str]:
+        query = sa.select(export_runs.c.export).distinct()
+        if export is not None:
+            query = query.where(export_runs.c.export == export)
+        return sorted(set(conn.execute(query).scalars()) | ({export} if export else set()))
+
+    def _plan(self, conn: Connection, name: str, older_than_days: int, close_unexported: bool) -> PrunePlan:
+        if older_than_days < 0:
+            raise ValueError(f"older_than_days must be zero or more, got {older_than_days}")
+        horizon = self.now().date() - dt.timedelta(days=older_than_days)
+        previous = self._low_water(conn, name)
+        runs = export_runs.c
+        blocked_by = conn.execute(
+            sa.select(sa.func.min(runs.business_date)).where(
+                runs.export == name, runs.state != ExportState.COMPLETED.value, runs.business_date < horizon
+            )
+        ).scalar()
+        candidate = min(horizon, blocked_by) if blocked_by is not None else horizon
+        keyed = set(
+            conn.execute(
+                sa.select(runs.business_date).distinct().where(runs.export == name, runs.business_date < candidate)
+            ).scalars()
+        )
+        first = self._first_date(conn, name, keyed, previous)
+        unexported = []
+        if first is not None:
+            day = first
+            while day < candidate:
+                if day not in keyed:
+                    unexported.append(day)
+                day += dt.timedelta(days=1)
+        mark = candidate if close_unexported or not unexported else unexported[0]
+        if previous is not None:
+            mark = max(previous, mark)  # the mark never goes down: what was closed stays closed
+        pruned = conn.execute(
+            sa.select(sa.func.count()).where(
+                runs.export == name, runs.state == ExportState.COMPLETED.value, runs.business_date < mark
+            )
+        ).scalar()
+        return PrunePlan(name, horizon, mark, previous, int(pruned), blocked_by, unexported, close_unexported)
+
+    def _first_date(self, conn: Connection, name: str, keyed: set[dt.date], previous: dt.date | None) -> dt.date | None:
+        """Where "never exported" starts counting: the previous mark, else the calendar's start date as recorded in
+        the export's contract, else its first key."""
+        if previous is not None:
+            return previous
+        contract = conn.execute(
+            sa.select(export_contracts.c.contract)
+            .where(export_contracts.c.export == name)
+            .order_by(export_contracts.c.id.desc())
+            .limit(1)
+        ).scalar()
+        if contract is not None:
+            start = json.loads(contract).get("start_date")
+            if start:
+                return dt.date.fromisoformat(start)
+        return min(keyed) if keyed else None

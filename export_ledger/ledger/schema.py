@@ -152,8 +152,23 @@ export_contracts = sa.Table(
     sa.Index("ix_export_contracts_export", "export", "id"),
 )
 
+# Operators' decisions that concern no single key's attempt (a prune that closes dates never exported): who, what,
+# why. Append-only. Resolutions of one key are recorded in export_attempts as well.
+export_operator_log = sa.Table(
+    "export_operator_log",
+    metadata,
+    sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=True),
+    sa.Column("recorded_at", UtcDateTime, nullable=False),
+    sa.Column("operator", sa.String(200), nullable=False),
+    sa.Column("action", sa.String(40), nullable=False),
+    sa.Column("export", sa.String(63)),
+    sa.Column("logical_key", sa.String(300)),
+    sa.Column("detail", sa.String(1000), nullable=False),
+    sa.Column("reason", sa.String(500), nullable=False),
+)
+
 # The schema's version history (see export_ledger.ledger.store): one row per version reached, never changed.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 export_ledger_schema = sa.Table(
     "export_ledger_schema",
     metadata,

@@ -9,6 +9,7 @@ Schema versions:
   table: a database with ``export_runs`` and no ``export_ledger_schema`` is version 1).
 * 2: adds ``export_ledger_schema``, which records the version and when each upgrade ran. Every other table is
   unchanged, so version 1 data is read as it is.
+* 3: adds ``export_operator_log`` (operators' decisions: prunes that close dates, key resolutions).
 """
 
 from __future__ import annotations
@@ -22,18 +23,28 @@ import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine, make_url
 
+from export_ledger.errors import SECRET_NAME
 from export_ledger.ledger.errors import LedgerUnavailable
-from export_ledger.ledger.schema import SCHEMA_VERSION, export_ledger_schema, export_runs, metadata
+from export_ledger.ledger.schema import (
+    SCHEMA_VERSION,
+    export_ledger_schema,
+    export_operator_log,
+    export_runs,
+    metadata,
+)
 
 UTC = dt.timezone.utc
 
 
 def redact_url(url: str) -> str:
-    """The URL with any password replaced, for error messages."""
+    """The URL for messages: the password of its userinfo and every query parameter named like a secret
+    (password, secret, token, key, sig) replaced by ``***``."""
     try:
-        return make_url(url).render_as_string(hide_password=True)
+        parsed = make_url(url)
     except Exception:  # an unparsable URL is reported by its scheme only
         return url.split(":", 1)[0] + ":..."
+    query = {name: ("***" if SECRET_NAME.search(name) else value) for name, value in parsed.query.items()}
+    return parsed.set(query=query).render_as_string(hide_password=True).replace("%2A%2A%2A", "***")
 
 
 _engines: dict[str, Engine] = {}
@@ -158,8 +169,12 @@ def _v1_to_v2(conn: Connection) -> None:
     export_ledger_schema.create(conn, checkfirst=True)
 
 
+def _v2_to_v3(conn: Connection) -> None:
+    export_operator_log.create(conn, checkfirst=True)
+
+
 # Each step takes the schema from version N to N + 1 and only adds: older data stays readable as it is.
-UPGRADES: dict[int, Callable[[Connection], None]] = {1: _v1_to_v2}
+UPGRADES: dict[int, Callable[[Connection], None]] = {1: _v1_to_v2, 2: _v2_to_v3}
 
 
 def upgrade(engine: Engine) -> list[int]:

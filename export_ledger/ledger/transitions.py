@@ -78,6 +78,15 @@ RECONCILE_CONFLICT = Transition(
     expired_guard=True, guard="the destination holds something else at the key's place",
 )  # fmt: skip
 
+OPERATOR_HOLD = Transition(
+    "operator hold",
+    (S.CONFLICT, S.FAILED, S.REMOTE_UNKNOWN, S.IN_PROGRESS),
+    S.IN_PROGRESS,
+    None,  # the operator's row is written when the resolution ends (completed, or failed after a discard)
+    expired_guard=True,
+    guard="an operator takes the lease to resolve the key; never from a live lease; token matches and is incremented",
+)
+
 #: Every transition, in the order a key usually meets them (the README's state table is written from this).
 TRANSITIONS = (
     CLAIM_FIRST,
@@ -91,6 +100,7 @@ TRANSITIONS = (
     RECONCILE_COMPLETED,
     RECONCILE_ABSENT,
     RECONCILE_CONFLICT,
+    OPERATOR_HOLD,
 )
 
 #: Reconciliation's transition for each state a verdict leads to.

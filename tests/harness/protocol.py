@@ -327,6 +327,8 @@ def _survey_s3(client, bucket: str, prefix: str, only: ExportTarget | None) -> S
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=start):
         for item in page.get("Contents", []):
             folder, _, name = item["Key"].rpartition("/")
+            if folder.endswith(".export-ledger-probe"):
+                continue  # the destination's check of conditional creates, not an export
             folders.setdefault(folder, set()).add(name)
     for folder, names in sorted(folders.items()):
         where = f"s3://{bucket}/{folder}/"
@@ -347,7 +349,12 @@ def _survey_s3(client, bucket: str, prefix: str, only: ExportTarget | None) -> S
         except ManifestError as exc:
             found.add(Published(where, None, False, str(exc)))
             continue
-        if names != {MANIFEST_NAME, manifest.data_file}:
+        # Data objects the manifest does not name are orphans of failed or fenced attempts: readers never see them
+        # (they read what the manifest names), so they are hidden leftovers, not partial exports.
+        orphans = sorted(name for name in names - {MANIFEST_NAME, manifest.data_file} if name.startswith("data-t"))
+        found.hidden.extend(f"{where}{name}" for name in orphans)
+        torn = [name for name in torn if name not in orphans]
+        if names - set(orphans) != {MANIFEST_NAME, manifest.data_file}:
             found.add(Published(where, manifest, False, f"objects {sorted(names)}"))
         elif torn or hashlib.sha256(bodies[manifest.data_file]).hexdigest() != manifest.sha256:
             found.add(Published(where, manifest, False, "data object does not match its manifest's sha256"))

@@ -361,3 +361,15 @@ def test_an_operator_discard_restores_the_automatic_reruns(sqlite_url, clock, tm
                 reason="source fixed")  # fmt: skip
     assert ledger.needs_attention(dt.timedelta(hours=6)) == [], "sent back with its reruns: not escalated"
     assert ledger.rerun_bases([ACME]) == {ACME: 4}
+
+
+def test_escalated_keys_piling_up_never_delay_the_rerun_of_a_new_failure(sqlite_url, clock):
+    ledger = ExportLedger(sqlite_url, clock=clock)
+    for tenant in ("a1", "a2", "a3"):  # escalated: their automatic reruns are spent
+        for n in range(3):
+            ledger.fail(ledger.claim(key_for(tenant=tenant), f"run-{tenant}-{n}/invoice_export"), RuntimeError("x"))
+    ledger.fail(ledger.claim(key_for(tenant="zz"), "run-zz/invoice_export"), RuntimeError("x"))
+
+    first_page = ledger.failed(limit=1, max_attempts=3)
+    assert [r.tenant for r in first_page] == ["zz"], "the scan reaches the new failure first, whatever piles up"
+    assert len(ledger.failed(limit=10)) == 4, "without the limit every failed key is listed"

@@ -256,7 +256,7 @@ def build_reconciliation_sensor(
             after=state.get("after"),
             reconciler=f"reconciliation_sensor@{utc_iso(book.now())}",
         )
-        failed = book.failed(limit=batch_size, after=state.get("failed_after"))
+        failed = book.failed(limit=batch_size, after=state.get("failed_after"), max_attempts=max_attempts)
         requests, events, notes = sensor_result(
             report,
             ledger=book,

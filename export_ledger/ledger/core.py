@@ -528,11 +528,25 @@ class ExportLedger(RetentionMixin, ContractsMixin):
         ``in_progress``."""
         return [record for record, _ in self.needs_attention(age, max_attempts=None)]
 
-    def failed(self, *, limit: int, after: str | None = None) -> list[ExportRecord]:
-        """``failed`` keys in key order after ``after`` (the reconciliation sensor reruns them, a batch a tick)."""
+    def failed(
+        self, *, limit: int, after: str | None = None, max_attempts: int | None = None
+    ) -> list[ExportRecord]:
+        """``failed`` keys in key order after ``after`` (the reconciliation sensor reruns them, a batch a tick).
+
+        With ``max_attempts``, keys whose automatic reruns are spent are left out (they are escalated, not rerun), so
+        escalated keys piling up never delay the rerun of a new failure; keys an operator resolved are kept (their
+        reruns count from the resolution).
+        """
         if limit <= 0:
             raise ValueError(f"limit must be positive, got {limit}")
         query = sa.select(export_runs).where(export_runs.c.state == ExportState.FAILED.value)
+        if max_attempts is not None:
+            resolved = sa.select(export_attempts.c.logical_key).where(
+                export_attempts.c.error_class == OperatorResolution.__name__
+            )
+            query = query.where(
+                sa.or_(export_runs.c.fencing_token < max_attempts, export_runs.c.logical_key.in_(resolved))
+            )
         if after is not None:
             query = query.where(export_runs.c.logical_key > after)
         with self.atomic(read_only=True) as conn:

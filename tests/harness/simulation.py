@@ -193,8 +193,10 @@ class Simulation:
         reconcile_batch(self.ledger, destinations, limit=100, after=None, reconciler=f"sensor@{self.clock.now}")
         if not rerun:
             return
-        mine = {str(k) for k in self.keys}
-        failed = [r for r in self.ledger.failed(limit=100) if r.logical_key in mine]
+        # This schedule's failed keys (the sensor walks every failed key with a cursor; earlier schedules' escalated
+        # keys stay failed in this shared ledger and would fill a first page).
+        records = [self.ledger.get(str(k)) for k in self.keys]
+        failed = [r for r in records if r is not None and r.state is ExportState.FAILED]
         bases = self.ledger.rerun_bases([r.logical_key for r in failed])
         for record in failed:
             if record.fencing_token - bases[record.logical_key] < DEFAULT_MAX_ATTEMPTS:

@@ -337,3 +337,19 @@ def test_a_non_editable_install_puts_only_export_ledger_in_site_packages_and_the
     assert (work / "var" / "exports" / "orders" / "tenant=globex" / "date=2026-03-08" / "data.csv").is_file()
     assert (work / "var" / "exports" / "payments" / "tenant=acme" / "date=2026-03-08" / "data.parquet").is_file()
     assert (work / "var" / "ledger.sqlite3").is_file(), "the ledger lives in the working directory"
+
+
+def test_event_metadata_is_bounded_and_names_the_command_that_lists_every_key(tmp_path) -> None:
+    tenants = [f"t{n:02d}" for n in range(25)]
+    environ = {"EXPORTS_LEDGER_URL": f"sqlite:///{tmp_path / 'l.sqlite3'}", "EXPORTS_DESTINATION": str(tmp_path)}
+    defs = ledgered_definitions([spec(tenants=tenants)], environ=environ)
+    with dg.instance_for_test() as instance:
+        result = defs.resolve_job_def("orders_job").execute_in_process(partition_key="2026-03-08", instance=instance)
+        assert result.success
+        (event,) = result.asset_materializations_for_node("orders")
+    metadata = event.metadata
+    assert metadata["keys"].value == 25 and metadata["exported_keys"].value == 25
+    assert len(metadata["logical_keys"].value) == 20 and len(metadata["sha256"].value) == 20
+    assert metadata["partition_keys_count"].value == 25 and len(metadata["partition_logical_keys"].value) == 20
+    command = "export-ledger status --export orders --from 2026-03-08 --to 2026-03-08"
+    assert command in metadata["all_keys"].value and metadata["every_key"].value == command

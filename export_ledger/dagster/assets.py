@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import dagster as dg
 
 from export_ledger.calendar import parse_business_date, utc_iso
+from export_ledger.dagster.io_manager import LISTED_KEYS, status_command
 from export_ledger.dagster.partitions import dagster_disagreement, partitions_def
 from export_ledger.destinations import Destination
 from export_ledger.keys import LogicalKey
@@ -94,6 +95,9 @@ def build_export_asset(
                     continue
                 frame = spec.read(tenant, key.window.start_utc, key.window.end_utc)
                 items.append(ExportItem(key, partition_key, frame))
+            here = [i for i in items if i.partition_key == partition_key]
+            read = [i for i in here if i.frame is not None]
+            # Bounded: counts, and the first LISTED_KEYS keys; every key is in the ledger (status_command).
             context.add_asset_metadata(
                 {
                     "business_date": partition_key,
@@ -101,17 +105,12 @@ def build_export_asset(
                     "window_start_utc": utc_iso(window.start_utc),
                     "window_end_utc": utc_iso(window.end_utc),
                     "window_hours": window.duration.total_seconds() / 3600,
-                    "partition_logical_keys": dg.MetadataValue.json(
-                        [str(i.key) for i in items if i.partition_key == partition_key]
-                    ),
-                    "source_rows": dg.MetadataValue.json(
-                        {
-                            i.key.tenant: len(i.frame)
-                            for i in items
-                            if i.partition_key == partition_key and i.frame is not None
-                        }
-                    ),
-                    "tenants_skipped_already_completed": dg.MetadataValue.json(planned_skips),
+                    "partition_keys_count": len(here),
+                    "partition_logical_keys": dg.MetadataValue.json([str(i.key) for i in here[:LISTED_KEYS]]),
+                    "source_rows_total": sum(len(i.frame) for i in read),
+                    "source_rows": dg.MetadataValue.json({i.key.tenant: len(i.frame) for i in read[:LISTED_KEYS]}),
+                    "tenants_skipped_already_completed": dg.MetadataValue.json(planned_skips[:LISTED_KEYS]),
+                    "every_key": dg.MetadataValue.text(status_command(spec.name, [partition_key])),
                 },
                 partition_key=partition_key,
             )

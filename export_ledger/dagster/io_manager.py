@@ -149,17 +149,39 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
         return pd.concat(frames, ignore_index=True)
 
 
+#: Per-key lists in event metadata stop here: a partition of 1,000 tenants stays readable in the UI, and the full list
+#: is in the ledger (``export-ledger status``), named in the metadata by the command to run.
+LISTED_KEYS = 20
+
+
+def status_command(export: str, partition_keys: list[str]) -> str:
+    """The command that lists every key of these partitions."""
+    first, last = min(partition_keys), max(partition_keys)
+    return f"export-ledger status --export {export} --from {first} --to {last}"
+
+
 def output_metadata(results: list[ExportResult], attempt: str) -> dict:
-    """The materialization metadata of one run's keys (copied by Dagster onto each partition's event)."""
+    """The materialization metadata of one run's keys (copied by Dagster onto each partition's event): counts, and
+    the first :data:`LISTED_KEYS` keys with their checksums and paths; the rest are in the ledger."""
     done = [r for r in results if r.status != "already_completed"]
-    return {
+    shown = results[:LISTED_KEYS]
+    skipped = [r.logical_key for r in results if r.status == "already_completed"]
+    metadata = {
         "attempt_id": attempt,
-        "logical_keys": dg.MetadataValue.json([r.logical_key for r in results]),
+        "keys": len(results),
         "exported_keys": len(done),
+        "repaired_keys": sum(r.status == "repaired" for r in results),
+        "skipped_keys": len(skipped),
         "rows_exported": sum(r.row_count for r in done),
-        "sha256": dg.MetadataValue.json({r.logical_key: r.sha256 for r in results}),
-        "paths": dg.MetadataValue.json({r.logical_key: r.location for r in results}),
-        "skipped_already_completed": dg.MetadataValue.json(
-            [r.logical_key for r in results if r.status == "already_completed"]
-        ),
+        "logical_keys": dg.MetadataValue.json([r.logical_key for r in shown]),
+        "sha256": dg.MetadataValue.json({r.logical_key: r.sha256 for r in shown}),
+        "paths": dg.MetadataValue.json({r.logical_key: r.location for r in shown}),
+        "skipped_already_completed": dg.MetadataValue.json(skipped[:LISTED_KEYS]),
     }
+    if len(results) > LISTED_KEYS and results:
+        export = results[0].logical_key.split("/", 1)[0]
+        metadata["all_keys"] = dg.MetadataValue.text(
+            f"{len(results)} keys; the first {LISTED_KEYS} are listed. Every key: "
+            + status_command(export, [r.partition_key for r in results])
+        )
+    return metadata

@@ -16,6 +16,7 @@ import dagster as dg
 
 from export_ledger.calendar import utc_iso
 from export_ledger.dagster.assets import LEDGER_KEY, resource_keys, stuck_check_evaluation
+from export_ledger.dagster.io_manager import LISTED_KEYS, status_command
 from export_ledger.errors import CalendarError
 from export_ledger.ledger import ExportLedger, ExportRecord, ExportState
 from export_ledger.ledger.core import DEFAULT_MAX_ATTEMPTS
@@ -161,11 +162,15 @@ def _materializations(
                     asset_key=asset_key,
                     partition=partition,
                     metadata={
-                        "logical_keys": dg.MetadataValue.json([r.logical_key for r in done]),
+                        "keys": len(done),
                         "rows": sum(r.row_count for r in done),
-                        "sha256": dg.MetadataValue.json({r.logical_key: r.sha256 for r in done}),
-                        "paths": dg.MetadataValue.json({r.logical_key: r.location for r in done}),
-                        "committed_attempts": dg.MetadataValue.json(sorted({r.committed_attempt for r in done})),
+                        "logical_keys": dg.MetadataValue.json([r.logical_key for r in done[:LISTED_KEYS]]),
+                        "sha256": dg.MetadataValue.json({r.logical_key: r.sha256 for r in done[:LISTED_KEYS]}),
+                        "paths": dg.MetadataValue.json({r.logical_key: r.location for r in done[:LISTED_KEYS]}),
+                        "committed_attempts": dg.MetadataValue.json(
+                            sorted({r.committed_attempt for r in done})[:LISTED_KEYS]
+                        ),
+                        "every_key": dg.MetadataValue.text(status_command(export, [partition])),
                     },
                     description="recorded by reconciliation from the destination's evidence",
                 )

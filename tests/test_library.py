@@ -353,3 +353,37 @@ def test_event_metadata_is_bounded_and_names_the_command_that_lists_every_key(tm
     assert metadata["partition_keys_count"].value == 25 and len(metadata["partition_logical_keys"].value) == 20
     command = "export-ledger status --export orders --from 2026-03-08 --to 2026-03-08"
     assert command in metadata["all_keys"].value and metadata["every_key"].value == command
+
+
+def test_export_ledger_upgrade_brings_an_old_ledger_to_the_current_schema(sqlite_url, capsys) -> None:
+    from export_ledger import cli
+
+    _v1_ledger(sqlite_url)
+    assert cli.main(["--ledger-url", sqlite_url, "status", "--json"]) == 0, "an old ledger reads as it is"
+    assert schema_version(sa.create_engine(sqlite_url)) == 1
+    capsys.readouterr()
+    assert cli.main(["--ledger-url", sqlite_url, "upgrade"]) == 0
+    assert f"version {SCHEMA_VERSION}" in capsys.readouterr().out
+    assert schema_version(sa.create_engine(sqlite_url)) == SCHEMA_VERSION
+    assert cli.main(["--ledger-url", sqlite_url, "upgrade"]) == 0
+    assert "current" in capsys.readouterr().out
+
+
+def test_every_transition_is_declared_once_and_refuses_a_state_it_does_not_start_from(sqlite_url, clock) -> None:
+    from export_ledger.ledger import transitions as T
+    from export_ledger.ledger.errors import InvalidTransition
+
+    names = [(t.name, t.from_states, t.to_state) for t in T.TRANSITIONS]
+    assert len(set(names)) == len(names), "one declaration per transition"
+    ledger = ExportLedger(sqlite_url, clock=clock)
+    claim = ledger.claim(key_for_library(), "run-1/orders")
+    with ledger.atomic() as conn, pytest.raises(InvalidTransition, match="does not start from"):
+        T.apply(conn, T.FAIL, claim.logical_key, token=1, owner="run-1/orders", values={}, states=(T.S.COMPLETED,))
+    with ledger.atomic() as conn, pytest.raises(InvalidTransition, match="needs the attempt that holds the lease"):
+        T.apply(conn, T.COMPLETE, claim.logical_key, token=1, values={})
+
+
+def key_for_library():
+    from export_ledger.keys import LogicalKey
+
+    return LogicalKey("orders", "acme", window_for(dt.date(2026, 3, 8), "America/New_York"))

@@ -344,6 +344,8 @@ class S3Destination(PublishingDestination):
     ) -> int:
         """Deletes data objects that no manifest names, written by attempts with a lower token, older than
         ``min_age`` (a lease: their writers cannot hold the key any more). Returns how many."""
+        if below_token <= 1:
+            return 0  # a first claim: no earlier attempt can have left anything (and no request is spent asking)
         manifest = self.probe(target)
         referenced = manifest.data_file if manifest is not None else None
         now = dt.datetime.now(dt.timezone.utc)

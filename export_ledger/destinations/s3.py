@@ -250,7 +250,13 @@ class S3Destination(PublishingDestination):
                 )
             finally:
                 client.delete_object(Bucket=self.bucket, Key=key)
-        except (errors.ClientError, errors.BotoCoreError) as exc:
+        except errors.ClientError as exc:
+            status = self._status(exc)
+            refused = "the store refused" if status is not None and 400 <= status < 500 else "cannot check"
+            raise DestinationError(
+                f"{refused} the check that s3://{self.bucket} honours conditional creates: {self._describe_error(exc)}"
+            ) from None
+        except errors.BotoCoreError as exc:
             raise DestinationError(
                 f"cannot check that s3://{self.bucket} honours conditional creates: {self._describe_error(exc)}"
             ) from None

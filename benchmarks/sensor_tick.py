@@ -12,7 +12,7 @@ Two variants are timed, interleaved across the ledger sizes, with the stuck keys
 
 * ``reconcile_batch``: :func:`resources.reconcile.reconcile_batch` with the sensor's batch size (100);
 * ``sensor``: the project's ``reconciliation_sensor`` evaluated with ``build_sensor_context``: the batch above,
-  ``stuck_longer_than`` for the ``no_stuck_exports`` check, and the Dagster result.
+  ``needs_attention`` for the ``no_stuck_exports`` check, and the Dagster result.
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from export_ledger.ledger import (
     ExportRecord,
     FencedOut,
     LedgerError,
+    LedgerUnavailable,
 )
 
 _log = logging.getLogger("export_ledger")
@@ -337,8 +338,6 @@ def export_batch(
     """:func:`export_key` for every key of a run, in order. One key's failure is that key's: every other key is
     still exported, and then the failures are raised together (one error as itself, several as
     :class:`ExportBatchFailed` naming each key). A lost ledger stops at once: nothing else could be recorded."""
-    from export_ledger.ledger import LedgerUnavailable
-
     log = log or _default_log
     failures: list[tuple[str, Exception]] = []
     for item in batch.items:

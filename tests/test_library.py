@@ -387,3 +387,11 @@ def key_for_library():
     from export_ledger.keys import LogicalKey
 
     return LogicalKey("orders", "acme", window_for(dt.date(2026, 3, 8), "America/New_York"))
+
+
+def test_a_shared_ledger_table_is_refused_also_when_the_ledger_url_comes_from_the_environment(tmp_path, monkeypatch):
+    # With environ=None the ledger URL reaches the resources as an EnvVar; the check must not depend on its value.
+    monkeypatch.setenv("EXPORTS_LEDGER_URL", f"sqlite:///{tmp_path / 'l.sqlite3'}")
+    monkeypatch.setenv("EXPORTS_DESTINATION", "ledger-table:rows")
+    with pytest.raises(ConfigurationError, match="would share the ledger table 'rows'"):
+        ledgered_definitions([spec(), spec("payments")])

@@ -15,7 +15,7 @@ from export_ledger.dagster.schedules import build_nightly_schedule
 from export_ledger.dagster.sensors import build_reconciliation_sensor, job_selection
 from export_ledger.destinations import Destination, destination_from
 from export_ledger.errors import ConfigurationError
-from export_ledger.settings import LEDGER_URL_ENV, S3_ENV, Settings
+from export_ledger.settings import LEDGER_URL_ENV, Settings
 from export_ledger.spec import ExportSpec
 
 _FROM_SETTINGS = object()  # an argument left to the settings (where None has a meaning of its own)
@@ -84,8 +84,7 @@ def ledgered_definitions(
         spec_destination = spec.destination or destination or settings.destination
         what = f"destination of export {spec.name}" if spec.destination else "EXPORTS_DESTINATION"
         resource = _destination_resource(spec_destination, ledger, settings, secrets_by_name, what)
-        plain = resource.get_destination() if not _is_env(resource) else None
-        table = getattr(plain, "table", None)
+        table = resource.spec.removeprefix("ledger-table:") if resource.spec.startswith("ledger-table:") else None
         if table is not None and "{export}" not in table:
             shared_tables.setdefault(table, []).append(spec.name)
         pool = f"{_pool_kind(spec_destination)}-{spec.name}"
@@ -129,10 +128,6 @@ def ledgered_definitions(
             sensors=[sensor],
             resources=resources,
         )
-
-
-def _is_env(resource: DestinationResource) -> bool:
-    return any(isinstance(getattr(resource, name), dg.EnvVar) for name in ("ledger_url", *S3_ENV))
 
 
 def _pool_kind(spec: Destination | str) -> str:

@@ -137,7 +137,7 @@ def _materializations(
             log.error(f"partition {partition!r} not recorded: {exc}")
     # One grouped read for every touched day, over the configured tenants only: a tick costs what it touched.
     summaries = ledger.day_summaries(
-        export=export, timezone=calendar.timezone, days=list(days.values()), tenants=tenants, waiting=_WAIT_STATES
+        export=export, timezone=calendar.timezone, days=list(days.values()), tenants=tenants
     )
     complete = []
     for partition, day in days.items():
@@ -197,9 +197,6 @@ def _notes(report: ReconcileReport) -> list[str]:
             f"({', '.join(sorted(report.unknown_exports))}); left unchanged"
         )
     return notes
-
-
-_WAIT_STATES = (ExportState.IN_PROGRESS, ExportState.REMOTE_UNKNOWN, ExportState.CONFLICT)
 
 
 def _materialized(instance: dg.DagsterInstance, asset_key: dg.AssetKey, partitions: Sequence[str]) -> set[str]:

@@ -197,7 +197,6 @@ class ExportLedger(RetentionMixin, ContractsMixin):
         timezone: str,
         days: Sequence[dt.date],
         tenants: Sequence[str],
-        waiting: Sequence[ExportState],
     ) -> dict[dt.date, DaySummary]:
         """Per business day, how ``tenants``' keys stand: counted in the database, so a tick that looks at a hundred
         days of a thousand tenants reads a hundred rows, not a hundred thousand. Days with no key are absent."""
@@ -209,8 +208,6 @@ class ExportLedger(RetentionMixin, ContractsMixin):
                 export_runs.c.business_date,
                 sa.func.count().label("keys"),
                 sa.func.sum(sa.case((state == ExportState.COMPLETED.value, 1), else_=0)).label("completed"),
-                sa.func.sum(sa.case((state.in_([s.value for s in waiting]), 1), else_=0)).label("waiting"),
-                sa.func.sum(export_runs.c.fencing_token).label("tokens"),
             )
             .where(
                 export_runs.c.export == export,
@@ -222,9 +219,7 @@ class ExportLedger(RetentionMixin, ContractsMixin):
         )
         with self.atomic(read_only=True) as conn:
             return {
-                row.business_date: DaySummary(
-                    row.business_date, int(row.keys), int(row.completed), int(row.waiting), int(row.tokens)
-                )
+                row.business_date: DaySummary(row.business_date, int(row.keys), int(row.completed))
                 for row in conn.execute(query)
             }
 
@@ -523,14 +518,7 @@ class ExportLedger(RetentionMixin, ContractsMixin):
         records = sorted((ExportRecord.from_row(r) for r in rows), key=lambda r: r.logical_key)
         return records[:limit]
 
-    def stuck_longer_than(self, age: dt.timedelta) -> list[ExportRecord]:
-        """Keys unresolved for longer than ``age``: ``failed``, ``remote_unknown``, ``conflict`` and expired
-        ``in_progress``."""
-        return [record for record, _ in self.needs_attention(age, max_attempts=None)]
-
-    def failed(
-        self, *, limit: int, after: str | None = None, max_attempts: int | None = None
-    ) -> list[ExportRecord]:
+    def failed(self, *, limit: int, after: str | None = None, max_attempts: int | None = None) -> list[ExportRecord]:
         """``failed`` keys in key order after ``after`` (the reconciliation sensor reruns them, a batch a tick).
 
         With ``max_attempts``, keys whose automatic reruns are spent are left out (they are escalated, not rerun), so

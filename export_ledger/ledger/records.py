@@ -99,8 +99,6 @@ class DaySummary:
     business_date: dt.date
     keys: int  # tenants with a row that day
     completed: int
-    waiting: int  # keys in one of the states asked about
-    tokens: int  # sum of the keys' fencing tokens: grows with every claim on any of them
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 import dagster as dg
 
 from assets.invoices import invoice_export
-from export_ledger import Destination, ExportSource, Settings, validate_slug
+from export_ledger import Destination, ExportSource, Settings, Tenant, validate_slug
 from export_ledger.dagster import LedgerResource, ledgered_definitions
 from export_ledger.settings import positive_int
 from resources.invoices import SampleInvoiceSource, SqlInvoiceSource
@@ -28,7 +28,7 @@ _FROM_ENVIRONMENT = object()  # an argument left to the environment (where None 
 def build_definitions(
     timezone: str = DEFAULT_TIMEZONE,
     start_date: str = DEFAULT_START_DATE,
-    tenants: Sequence[str] | None = None,
+    tenants: Sequence[str | Tenant] | Mapping[str, str | Tenant | None] | None = None,
     *,
     ledger_url: str | None = None,
     destination: Destination | str | None = None,
@@ -49,7 +49,10 @@ def build_definitions(
     Args:
         timezone: IANA zone of the business day, e.g. ``America/New_York``. Never implicit UTC.
         start_date: First partition, ``YYYY-MM-DD``.
-        tenants: Tenant ids (slugs); default ``EXPORTS_TENANTS`` or three sample tenants.
+        tenants: Tenant ids (slugs) in ``timezone``; or a mapping of tenant id to the tenant's own zone, e.g.
+            ``{"acme": "America/New_York", "bombay-traders": "Asia/Kolkata"}`` (or to a :class:`Tenant` with its own
+            nightly time or earlier zones): one asset, job and schedule per zone. Default ``EXPORTS_TENANTS`` (ids)
+            or three sample tenants.
         ledger_url: SQLAlchemy URL of the ledger; default ``EXPORTS_LEDGER_URL`` or ``./var/ledger.sqlite3``.
         destination: A destination or its spec; default ``EXPORTS_DESTINATION`` or ``./var/exports``.
         source: Invoice source; default ``EXPORTS_SOURCE_URL`` (SQL) or the sample source.
@@ -65,12 +68,17 @@ def build_definitions(
 
     Example:
         >>> defs = build_definitions("Europe/Dublin", "2026-01-01", ["acme"])  # doctest: +SKIP
+        >>> defs = build_definitions(tenants={"acme": "America/New_York", "ap": "Pacific/Apia"})  # doctest: +SKIP
     """
     settings = Settings.from_environment(environ)
     env = settings.environ
-    tenants = list(tenants) if tenants is not None else list(settings.tenants or DEFAULT_TENANTS)
-    for tenant in tenants:
-        validate_slug(tenant, "tenant id")
+    if tenants is None:
+        tenants = list(settings.tenants or DEFAULT_TENANTS)
+    elif not isinstance(tenants, Mapping):
+        tenants = list(tenants)
+        for tenant in tenants:
+            if not isinstance(tenant, Tenant):
+                validate_slug(tenant, "tenant id")
     if ledger is None and (ledger_url is not None or lease_ttl_seconds is not None):
         ledger = LedgerResource(
             url=ledger_url or settings.ledger_url,

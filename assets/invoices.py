@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from export_ledger import ExportSchema, ExportSource, ExportSpec
+from export_ledger import ExportSchema, ExportSource, ExportSpec, Tenant
 
 EXPORT_NAME = "invoice_export"
 INVOICE_COLUMNS = {
@@ -21,13 +21,16 @@ INVOICE_SCHEMA = ExportSchema(INVOICE_COLUMNS, "occurred_at", ("invoice_id",), t
 def invoice_export(
     *,
     source: ExportSource,
-    tenants: Sequence[str],
+    tenants: Sequence[str | Tenant] | Mapping[str, str | Tenant | None],
     timezone: str,
     start_date: str,
     schedule_time: str = "04:30",
     file_format: str = "csv",
 ) -> ExportSpec:
-    """The ``invoice_export`` declaration: invoices by ``occurred_at``, unique ``invoice_id``, one tenant per file."""
+    """The ``invoice_export`` declaration: invoices by ``occurred_at``, unique ``invoice_id``, one tenant per file.
+
+    ``tenants`` are ids in ``timezone``, or a mapping of id to each tenant's own zone (or :class:`Tenant` values).
+    """
     return ExportSpec(
         name=EXPORT_NAME,
         source=source,

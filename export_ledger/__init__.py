@@ -9,6 +9,7 @@ from export_ledger.calendar import (
     WINDOW_POLICY,
     ExportCalendar,
     ExportWindow,
+    ZoneMove,
     check_schedule_time,
     load_zone,
     parse_business_date,
@@ -52,6 +53,7 @@ from export_ledger.reconcile import reconcile_batch
 from export_ledger.settings import Settings
 from export_ledger.sources import CallableSource, ExportSource, SqlSource
 from export_ledger.spec import ExportSpec
+from export_ledger.tenants import Tenant, TenantGroup
 
 __version__ = "0.2.0"
 
@@ -89,8 +91,11 @@ __all__ = [
     "Settings",
     "SourceError",
     "SqlSource",
+    "Tenant",
+    "TenantGroup",
     "TransactionalDestination",
     "UtcDateTime",
+    "ZoneMove",
     "attempt_id",
     "check_schedule_time",
     "destination_from",

@@ -236,29 +236,89 @@ LAST_CHECKED_YEAR = 2037
 
 
 @dataclass(frozen=True)
+class ZoneMove:
+    """A tenant's business day moved to another zone: from business date ``on`` the day is the new zone's, and
+    before it ``from_zone``'s.
+
+    Each day starts where the previous day's zone starts it (see :meth:`ExportCalendar.window_of`), so the day of the
+    move begins at ``from_zone``'s midnight and ends at the new zone's: the last day in the old zone keeps the
+    window it always had, the windows still tile UTC, and no event falls into two windows or into none. Moving west
+    lengthens the day of the move (New York to Chicago: 25 hours); moving east shortens it. The day of the move must
+    not have been exported under the old zone (``accept-contract`` refuses such a move).
+
+    Attributes:
+        on: The first business date in the new zone, ``YYYY-MM-DD``.
+        from_zone: The IANA zone in force before ``on``.
+    """
+
+    on: str
+    from_zone: str
+
+    def __post_init__(self) -> None:
+        parse_business_date(self.on)
+        load_zone(self.from_zone)
+
+    @property
+    def on_date(self) -> dt.date:
+        return parse_business_date(self.on)
+
+
+@dataclass(frozen=True)
 class ExportCalendar:
-    """Daily business dates in ``timezone`` starting at ``start_date`` (``YYYY-MM-DD``).
+    """Daily business dates in ``timezone`` starting at ``start_date`` (``YYYY-MM-DD``), optionally after earlier
+    zones (``moves``, oldest first): ``timezone`` is the zone in force after the last move.
 
     Example:
         >>> cal = ExportCalendar("America/New_York", "2026-01-01")
         >>> utc_iso(cal.window("2026-03-08").end_utc)
         '2026-03-09T04:00:00Z'
+        >>> moved = ExportCalendar("America/Chicago", "2026-01-01", (ZoneMove("2026-04-01", "America/New_York"),))
+        >>> moved.window("2026-04-01").duration  # the day of the move: from New York's midnight to Chicago's
+        datetime.timedelta(days=1, seconds=3600)
     """
 
     timezone: str = DEFAULT_TIMEZONE
     start_date: str = DEFAULT_START_DATE
+    moves: tuple[ZoneMove, ...] = ()
 
     def __post_init__(self) -> None:
         load_zone(self.timezone)
-        parse_business_date(self.start_date)
+        first = parse_business_date(self.start_date)
+        moves = tuple(self.moves)
+        object.__setattr__(self, "moves", moves)
+        previous = first
+        for i, move in enumerate(moves):
+            if not isinstance(move, ZoneMove):
+                raise CalendarError(f"moves must be ZoneMove values, got {type(move).__name__}")
+            if move.on_date <= previous:
+                raise CalendarError(
+                    f"zone move on {move.on} must come after the start date {self.start_date} and after the move "
+                    "before it"
+                )
+            after = moves[i + 1].from_zone if i + 1 < len(moves) else self.timezone
+            if after == move.from_zone:
+                raise CalendarError(f"zone move on {move.on} moves from {move.from_zone} to the same zone")
+            previous = move.on_date
 
     @property
     def first_date(self) -> dt.date:
         return parse_business_date(self.start_date)
 
-    def contract(self) -> dict[str, str]:
+    @property
+    def zones(self) -> tuple[str, ...]:
+        """Every zone of the calendar, oldest first."""
+        return (*(m.from_zone for m in self.moves), self.timezone)
+
+    def zone_on(self, day: dt.date) -> str:
+        """The zone whose business day ``day`` is."""
+        for move in self.moves:
+            if day < move.on_date:
+                return move.from_zone
+        return self.timezone
+
+    def contract(self) -> dict:
         """What an export's history depends on: the ledger refuses to run under a different one unaccepted."""
-        return calendar_contract(self.timezone, self.start_date)
+        return calendar_contract(self.timezone, self.start_date, self.moves)
 
     def window(self, partition_key: str) -> ExportWindow:
         """The canonical window for a partition key; refuses keys before the calendar starts."""
@@ -267,12 +327,43 @@ class ExportCalendar:
             raise CalendarError(
                 f"partition key {partition_key!r} is before the calendar start {self.start_date} ({self.timezone})"
             )
-        return window_for(day, self.timezone)
+        return self.window_of(day)
+
+    def window_of(self, day: dt.date) -> ExportWindow:
+        """The window of business date ``day``: ``[B(day), B(day + 1))`` where ``B(d)`` is the start of ``d`` in the
+        zone of ``d - 1``: a day starts where the day before it ends. Without moves it is :func:`window_for`; with
+        them only the day of each move differs, starting at the old zone's midnight and ending at the new zone's."""
+        if not self.moves:
+            return window_for(day, self.timezone)
+        zone = self.zone_on(day)
+        start = _start_of_day(day, load_zone(self.zone_on(day - _ONE_DAY)))
+        end = _start_of_day(day + _ONE_DAY, load_zone(zone))
+        if end < start:
+            raise CalendarError(
+                f"moving from {self.zone_on(day - _ONE_DAY)} to {zone} on {day} would make that day end before it "
+                "starts: the zones are more than a day apart"
+            )
+        return ExportWindow(business_date=day, timezone=zone, start_utc=start, end_utc=end)
+
+    def windows(self, first: dt.date, last: dt.date) -> list[ExportWindow]:
+        """Every window from ``first`` to ``last`` inclusive."""
+        if not self.moves:
+            return windows_between(first, last, self.timezone)
+        return [self.window_of(first + dt.timedelta(days=i)) for i in range((last - first).days + 1)]
 
 
-def calendar_contract(timezone: str, start_date: str) -> dict[str, str]:
-    """The calendar contract of a daily export: zone, start date, cadence and the window policy."""
-    return {"timezone": timezone, "start_date": start_date, "cadence": "daily", "window_policy": WINDOW_POLICY}
+def calendar_contract(timezone: str, start_date: str, moves: tuple[ZoneMove, ...] = ()) -> dict:
+    """The calendar contract of a daily export or tenant: zone, start date, cadence, the window policy, and the
+    earlier zones when it moved (absent otherwise, so contracts recorded before moves existed still match)."""
+    contract: dict = {
+        "timezone": timezone,
+        "start_date": start_date,
+        "cadence": "daily",
+        "window_policy": WINDOW_POLICY,
+    }
+    if moves:
+        contract["moves"] = [{"on": m.on, "from": m.from_zone} for m in moves]
+    return contract
 
 
 def check_schedule_time(calendar: ExportCalendar, at: dt.time, until_year: int = LAST_CHECKED_YEAR) -> None:
@@ -281,14 +372,28 @@ def check_schedule_time(calendar: ExportCalendar, at: dt.time, until_year: int =
     Dagster shifts a skipped or doubled time only for hours 1-3 and not at all around midnight transitions, so the
     schedule is kept to a time where there is nothing to shift.
     """
-    first = calendar.first_date
+    _check_schedule_time(calendar.timezone, calendar.first_date, at, until_year)
+
+
+@functools.cache
+def _check_schedule_time(timezone: str, first: dt.date, at: dt.time, until_year: int) -> None:
     last = dt.date(until_year, 12, 31)
-    if first > last:
-        return
-    for window in windows_between(first, last, calendar.timezone):
+    zone = load_zone(timezone)
+    # Only a day with a clock change can skip or repeat a wall time: find those from the offsets at local midnights
+    # (cheap), and look closely at them alone. Code locations with dozens of zones load in well under a second.
+    day = first
+    offset = dt.datetime(day.year, day.month, day.day, tzinfo=zone).utcoffset()
+    while day <= last:
+        following = day + _ONE_DAY
+        midnight = dt.datetime(following.year, following.month, following.day, tzinfo=zone)
+        next_offset = midnight.utcoffset()
+        # A change within the day, or at either midnight (fold=1 differs from fold=0 only at a skipped or repeated
+        # wall time): the latter catches a repeated hour that ends the day.
+        changes = offset != next_offset or next_offset != midnight.replace(fold=1).utcoffset() or day == first
         # A calendar day the zone skipped entirely has no wall times at all; there is nothing to run on it.
-        if not window.is_empty and not local_time_exists_once(window.business_date, at, calendar.timezone):
+        if changes and not window_for(day, timezone).is_empty and not local_time_exists_once(day, at, timezone):
             raise CalendarError(
-                f"schedule time {at.isoformat('minutes')} does not occur exactly once on {window.business_date} in "
-                f"{calendar.timezone} (a clock change skips or repeats it); choose a time that occurs once every day"
+                f"schedule time {at.isoformat('minutes')} does not occur exactly once on {day} in "
+                f"{timezone} (a clock change skips or repeats it); choose a time that occurs once every day"
             )
+        day, offset = following, next_offset

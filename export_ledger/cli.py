@@ -6,7 +6,8 @@ Subcommands, each with a readable table or ``--json``::
     export-ledger attempts <logical key>
     export-ledger reconcile [--export E] [--destination SPEC] [--limit N]
     export-ledger prune --older-than DAYS [--export E]
-    export-ledger accept-contract --export E --timezone Z --start-date YYYY-MM-DD --reason "..."
+    export-ledger accept-contract --export E [--tenant T] --timezone Z --start-date YYYY-MM-DD [--move D:ZONE]
+                                  --reason "..."
     export-ledger upgrade
 
 ``status`` and ``attempts`` only read. ``reconcile`` does once what the reconciliation sensor does each tick:
@@ -44,7 +45,7 @@ from pathlib import Path
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, make_url
 
-from export_ledger.calendar import ExportCalendar, utc_iso
+from export_ledger.calendar import ExportCalendar, ZoneMove, utc_iso
 from export_ledger.destinations import destination_from
 from export_ledger.errors import ExportLedgerError, InvalidIdentifier, redact_text
 from export_ledger.keys import validate_slug
@@ -241,7 +242,15 @@ def build_parser() -> argparse.ArgumentParser:
     accept.add_argument(
         "--export", type=_slug_arg("export name"), required=True, help="the export whose contract changed"
     )
+    accept.add_argument(
+        "--tenant", type=_slug_arg("tenant id"),
+        help="the tenant whose contract changed (default: the whole export, when all its tenants share one zone)",
+    )  # fmt: skip
     accept.add_argument("--timezone", required=True, help="the zone the code now declares, e.g. America/Chicago")
+    accept.add_argument(
+        "--move", action="append", default=[], type=_move_arg, metavar="YYYY-MM-DD:ZONE",
+        help="an earlier zone the code declares (repeatable, oldest first): business dates before the date were ZONE's",
+    )  # fmt: skip
     accept.add_argument(
         "--start-date", dest="start_date", type=_date_arg, required=True, metavar="YYYY-MM-DD",
         help="the start date the code now declares",
@@ -254,6 +263,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     upgrade_command.set_defaults(handler=_upgrade, writes_schema=True)
     return parser
+
+
+def _move_arg(text: str) -> ZoneMove:
+    on, sep, zone = text.partition(":")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected YYYY-MM-DD:ZONE (e.g. 2026-04-01:America/New_York), got {text!r}")
+    try:
+        return ZoneMove(on=on, from_zone=zone)
+    except ExportLedgerError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _days_arg(text: str) -> int:
@@ -538,16 +557,36 @@ def _accept_contract(ledger: ExportLedger, args: argparse.Namespace) -> str:
     if not args.reason.strip():
         raise UsageError("--reason must say why the contract changed")
     try:
-        contract = ExportCalendar(timezone=args.timezone, start_date=args.start_date.isoformat()).contract()
+        contract = ExportCalendar(
+            timezone=args.timezone, start_date=args.start_date.isoformat(), moves=tuple(args.move)
+        ).contract()
     except ExportLedgerError as exc:
         raise UsageError(str(exc)) from None
-    before = ledger.recorded_contract(args.export)
-    ledger.accept_contract(args.export, contract, args.reason)
+    if args.tenant is None:
+        elsewhere = sorted(t for t, c in ledger.tenant_contracts(args.export).items() if c["timezone"] != args.timezone)
+        if elsewhere:
+            raise UsageError(
+                f"{args.export} has tenants in other zones than {args.timezone} ({', '.join(elsewhere[:5])}"
+                f"{', ...' if len(elsewhere) > 5 else ''}): accept per tenant with --tenant"
+            )
+        before = ledger.recorded_contract(args.export)
+    else:
+        before = ledger.contract_in_force(args.export, args.tenant)
+    ledger.accept_contract(args.export, contract, args.reason, tenant=args.tenant)
+    scope = args.export if args.tenant is None else f"{args.export}, tenant {args.tenant}"
     if args.json:
-        return _dump([{"export": args.export, "previous": before, "accepted": contract, "reason": args.reason.strip()}])
-    return (
-        f"accepted for {args.export}: {json.dumps(contract, sort_keys=True)} (was {json.dumps(before, sort_keys=True)})"
-    )
+        return _dump(
+            [
+                {
+                    "export": args.export,
+                    "tenant": args.tenant,
+                    "previous": before,
+                    "accepted": contract,
+                    "reason": args.reason.strip(),
+                }
+            ]
+        )
+    return f"accepted for {scope}: {json.dumps(contract, sort_keys=True)} (was {json.dumps(before, sort_keys=True)})"
 
 
 def _upgrade(ledger: ExportLedger, args: argparse.Namespace) -> str:

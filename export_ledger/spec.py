@@ -27,6 +27,7 @@ from export_ledger.errors import ConfigurationError, ExportLedgerError
 from export_ledger.frames import FILE_FORMATS, ExportSchema
 from export_ledger.keys import validate_slug
 from export_ledger.sources import ExportSource, SqlSource, as_source
+from export_ledger.tenants import Tenant, TenantGroup, as_tenants, tenant_calendar, tenant_groups
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,11 @@ class ExportSpec:
         columns: Column name -> kind (``string``, ``float``, ``int``, ``timestamp``, ``bool``), in file order.
         id_columns: The columns whose values together identify a row (unique within one export).
         time_column: The timestamp column that places a row in a window.
-        tenants: The tenants (slugs) exported for every business date.
-        timezone: IANA zone of the business day. Set in code: a timezone is a business decision.
+        tenants: The tenants exported for every business date: ids (slugs) in the export's zone, or
+            :class:`~export_ledger.tenants.Tenant` values, or a mapping ``id -> zone``, for tenants whose business
+            day is their own. After construction: the ids, in order (:meth:`tenant` gives the full declaration).
+        timezone: IANA zone of the business day (of every tenant that names none). Set in code: a timezone is a
+            business decision.
         start_date: First business date, ``YYYY-MM-DD``.
         schedule_time: Local ``HH:MM`` of the nightly run (must occur exactly once every day); None: no schedule.
         tenant_column: The column holding the tenant; every row must hold the key's tenant. Required when the rows
@@ -59,7 +63,7 @@ class ExportSpec:
     columns: Mapping[str, str]
     id_columns: Sequence[str]
     time_column: str
-    tenants: Sequence[str]
+    tenants: Sequence[str | Tenant] | Mapping[str, str | Tenant | None]
     timezone: str
     start_date: str
     source: ExportSource | Callable | None = None
@@ -71,16 +75,20 @@ class ExportSpec:
     destination: str | None = None
     description: str | None = None
     _schema: ExportSchema = field(init=False, repr=False, compare=False)
+    _tenants: dict[str, Tenant] = field(init=False, repr=False, compare=False)
+    _groups: tuple[TenantGroup, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         try:
             validate_slug(self.name, "export name")
-            tenants = tuple(validate_slug(t, "tenant id") for t in self.tenants)
+            declared = as_tenants(self.tenants)
+            tenants = tuple(t.id for t in declared)
             if not tenants:
                 raise ConfigurationError(f"export {self.name!r} needs at least one tenant")
             if len(set(tenants)) != len(tenants):
                 raise ConfigurationError(f"duplicate tenant ids in {list(tenants)}")
             object.__setattr__(self, "tenants", tenants)
+            object.__setattr__(self, "_tenants", {t.id: t for t in declared})
             if self.file_format not in FILE_FORMATS:
                 raise ConfigurationError(
                     f"unknown file format {self.file_format!r}: expected one of {sorted(FILE_FORMATS)}"
@@ -97,9 +105,21 @@ class ExportSpec:
                 nullable=frozenset(self.nullable),
             )
             object.__setattr__(self, "_schema", schema)
-            calendar = ExportCalendar(timezone=self.timezone, start_date=self.start_date)
-            if self.schedule_time is not None:
-                check_schedule_time(calendar, self.nightly_at)
+            ExportCalendar(timezone=self.timezone, start_date=self.start_date)
+            for tenant in declared:
+                tenant_calendar(tenant, self.timezone, self.start_date)  # a bad zone or move fails here
+            groups = tenant_groups(self.name, self.timezone, self.schedule_time, declared)
+            if self.source is None and len(groups) > 1:
+                raise ConfigurationError(
+                    "rows from an asset of your own come in one partitions definition, so in one zone; tenants in "
+                    f"{[g.timezone for g in groups]} need a source (or one export per zone)"
+                )
+            for group in groups:
+                if group.schedule_time is not None:
+                    check_schedule_time(
+                        ExportCalendar(group.timezone, self.start_date), _time_of(group.schedule_time, group.tenants)
+                    )
+            object.__setattr__(self, "_groups", groups)
         except ExportLedgerError as exc:
             raise type(exc)(f"export {self.name!r}: {exc}") from None  # the same error, naming the export
         except (ValueError, TypeError) as exc:
@@ -111,14 +131,32 @@ class ExportSpec:
 
     @property
     def calendar(self) -> ExportCalendar:
+        """The export's own calendar (its zone, no moves): the one of every tenant that declares no zone."""
         return ExportCalendar(timezone=self.timezone, start_date=self.start_date)
 
     @property
     def nightly_at(self) -> dt.time:
-        try:
-            return dt.time.fromisoformat(self.schedule_time)
-        except (TypeError, ValueError):
-            raise ConfigurationError(f"schedule_time must be HH:MM, got {self.schedule_time!r}") from None
+        return _time_of(self.schedule_time, ())
+
+    @property
+    def groups(self) -> tuple[TenantGroup, ...]:
+        """The tenants grouped by zone, the export's own zone first (:func:`export_ledger.tenants.tenant_groups`)."""
+        return self._groups
+
+    def tenant(self, tenant_id: str) -> Tenant:
+        """The tenant's declaration; raises KeyError for a tenant the export does not have."""
+        return self._tenants[tenant_id]
+
+    def group_of(self, tenant_id: str) -> TenantGroup:
+        """The group (Dagster asset) that exports ``tenant_id``."""
+        for group in self._groups:
+            if tenant_id in group.tenants:
+                return group
+        raise KeyError(tenant_id)
+
+    def calendar_for(self, tenant_id: str) -> ExportCalendar:
+        """The tenant's calendar: its zone (or the export's), the export's start date, its earlier zones."""
+        return tenant_calendar(self._tenants[tenant_id], self.timezone, self.start_date)
 
     def read(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> pd.DataFrame:
         """One tenant's rows for one window, as the source gives them (SQL values conformed to the kinds)."""
@@ -132,3 +170,11 @@ class ExportSpec:
     def count(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> int | None:
         """How many rows the source has for one window (None without a source)."""
         return None if self.source is None else self.source.count(tenant, start_utc, end_utc)
+
+
+def _time_of(text: str | None, tenants) -> dt.time:
+    try:
+        return dt.time.fromisoformat(text)
+    except (TypeError, ValueError):
+        whose = f" (tenants {', '.join(tenants)})" if tenants else ""
+        raise ConfigurationError(f"schedule_time must be HH:MM, got {text!r}{whose}") from None

@@ -123,15 +123,15 @@ def test_prune_from_the_cli_shows_the_plan_and_changes_nothing_without_yes(tmp_p
 def test_a_materialization_under_a_changed_timezone_is_refused_until_accepted(tmp_path, instance, monkeypatch, capsys):
     new_york = make_defs(tmp_path)
     assert run_partition(new_york, instance, "2026-03-08").success
-    assert ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}").recorded_contract("invoice_export") == (
+    assert ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}").contract_in_force("invoice_export", "acme") == (
         ExportCalendar("America/New_York", "2026-01-01").contract()
-    )
+    ), "each tenant's contract is recorded at its first materialization"
 
     chicago = make_defs(tmp_path, timezone="America/Chicago")
     refused = run_partition(chicago, instance, "2026-03-09")
     assert not refused.success
     message = failure_message(refused)
-    assert "the calendar contract of invoice_export changed" in message
+    assert "the calendar contract of invoice_export for tenant acme changed" in message
     assert '"timezone": "America/New_York"' in message and '"timezone": "America/Chicago"' in message
     assert "export-ledger accept-contract" in message
     assert [f.name for f in published_dirs(tmp_path / "exports")] == ["date=2026-03-08"], "nothing new published"

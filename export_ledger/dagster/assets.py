@@ -4,18 +4,19 @@
 import datetime as dt
 import hashlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import dagster as dg
 
-from export_ledger.calendar import parse_business_date, utc_iso
+from export_ledger.calendar import ExportCalendar, parse_business_date, utc_iso
 from export_ledger.dagster.io_manager import LISTED_KEYS, status_command
 from export_ledger.dagster.partitions import dagster_disagreement, partitions_def
 from export_ledger.destinations import Destination
 from export_ledger.keys import LogicalKey
-from export_ledger.ledger import ExportLedger, ExportRecord, ExportState
+from export_ledger.ledger import ContractChanged, ExportLedger, ExportRecord, ExportState
 from export_ledger.protocol import ExportBatch, ExportItem, ExportResult, target_for
 from export_ledger.spec import ExportSpec
+from export_ledger.tenants import TenantGroup, zone_slug
 
 CHECK_NAME = "export_matches_source_and_ledger"
 STUCK_CHECK_NAME = "no_stuck_exports"
@@ -28,39 +29,54 @@ def resource_keys(spec: ExportSpec) -> tuple[str, str]:
 
 
 def build_export_asset(
-    spec: ExportSpec, *, pool: str, backfill_policy: dg.BackfillPolicy | None = None
+    spec: ExportSpec,
+    *,
+    pool: str,
+    backfill_policy: dg.BackfillPolicy | None = None,
+    group: TenantGroup | None = None,
 ) -> dg.AssetsDefinition:
-    """The export's asset: for each partition in the run and each tenant, exactly the window's rows.
+    """The asset of one zone of the export (``group``; default its only one): for each partition in the run and each
+    tenant of the zone, exactly the rows of the tenant's window.
 
     The asset plans (which keys, which windows, which are already done: those are skipped before the source is
-    read) and reads the source; the export's I/O manager claims, publishes and records each key.
+    read) and reads the source; the export's I/O manager claims, publishes and records each key. A tenant whose
+    calendar contract changed unaccepted is left out and the run fails naming it, after the others are exported.
     """
     if spec.source is None:
         raise ValueError(f"export {spec.name!r} has no source: declare its asset yourself with ledgered_io_manager")
+    group = group or _only_group(spec)
     destination_key, io_manager_key = resource_keys(spec)
-    partitions = partitions_def(spec.calendar)
-    calendar = spec.calendar
+    calendar = ExportCalendar(group.timezone, spec.start_date)
+    partitions = partitions_def(calendar)
+    calendars = {tenant: spec.calendar_for(tenant) for tenant in group.tenants}
+    contracts = {tenant: calendars[tenant].contract() for tenant in group.tenants}
+    several = len(spec.groups) > 1
 
     # Backfill policies are a beta Dagster API; the chunking they give is the documented way to bound backfills.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", dg.BetaWarning)
         asset_decorator = dg.asset(
-            name=spec.name,
+            name=group.asset_name,
             partitions_def=partitions,
             io_manager_key=io_manager_key,
             backfill_policy=backfill_policy,
             pool=pool,
+            group_name=spec.name if several else None,
+            tags={"export-ledger/export": spec.name, "export-ledger/zone": zone_slug(group.timezone)},
             required_resource_keys={LEDGER_KEY, destination_key},
-            check_specs=[dg.AssetCheckSpec(CHECK_NAME, asset=spec.name)],
-            description=spec.description
-            or f"{spec.name}: each tenant's rows inside the partition's business-day window, exported once.",
+            check_specs=[dg.AssetCheckSpec(CHECK_NAME, asset=group.asset_name)],
+            description=_description(spec, group),
         )
 
     @asset_decorator
     def _export(context: dg.AssetExecutionContext) -> Iterator:
         book = getattr(context.resources, LEDGER_KEY).get_ledger()
         destination = getattr(context.resources, destination_key).get_destination()
-        book.check_contract(spec.name, calendar.contract())  # a changed zone or start date is refused unaccepted
+        # A changed zone or start date is refused unaccepted, per tenant: the others still run.
+        refused = book.check_contracts(spec.name, contracts)
+        if len(refused) == len(group.tenants):
+            raise _refusal(refused)
+        tenants = [t for t in group.tenants if t not in refused]
         items: list[ExportItem] = []
         partition_keys = sorted(context.partition_keys)
         # One read for the whole run instead of one per key: a 31-day chunk of 10 tenants is 1 query, not 310.
@@ -70,6 +86,7 @@ def build_export_asset(
                 export=spec.name,
                 date_from=parse_business_date(partition_keys[0]),
                 date_to=parse_business_date(partition_keys[-1]),
+                tenants=tenants if len(tenants) < len(spec.tenants) else (),
             )
         }
         for partition_key in partition_keys:
@@ -77,16 +94,17 @@ def build_export_asset(
             disagreement = dagster_disagreement(window, partitions.time_window_for_partition_key(partition_key))
             if disagreement:
                 context.log.warning(disagreement)
-            planned_skips = []
-            if window.is_empty:
-                # The zone skipped this calendar day; its empty window has no logical key of its own (it would share
-                # the next day's window start), and no event belongs to it.
-                context.log.warning(
-                    f"{partition_key} does not exist in {calendar.timezone}: empty window, nothing to export"
-                )
-            for tenant in spec.tenants if not window.is_empty else ():
-                key = LogicalKey(spec.name, tenant, window)
-                record = known.get((tenant, window.timezone, window.business_date))
+            planned_skips, skipped_day = [], []
+            for tenant in tenants:
+                same = calendars[tenant] == calendar  # no moves: the group's window is the tenant's
+                tenant_window = window if same else calendars[tenant].window(partition_key)
+                if tenant_window.is_empty:
+                    # The zone skipped this calendar day; its empty window has no logical key of its own (it would
+                    # share the next day's window start), and no event belongs to it.
+                    skipped_day.append(tenant)
+                    continue
+                key = LogicalKey(spec.name, tenant, tenant_window)
+                record = known.get((tenant, tenant_window.timezone, tenant_window.business_date))
                 if record is not None:
                     key = LogicalKey(spec.name, tenant, record.window)  # the first claim's window is authoritative
                 if record is not None and record.state is ExportState.COMPLETED:
@@ -95,6 +113,11 @@ def build_export_asset(
                     continue
                 frame = spec.read(tenant, key.window.start_utc, key.window.end_utc)
                 items.append(ExportItem(key, partition_key, frame))
+            if skipped_day:
+                context.log.warning(
+                    f"{partition_key} does not exist in {calendar.timezone}: empty window, nothing to export for "
+                    f"{len(skipped_day)} tenant(s)"
+                )
             here = [i for i in items if i.partition_key == partition_key]
             read = [i for i in here if i.frame is not None]
             # Bounded: counts, and the first LISTED_KEYS keys; every key is in the ledger (status_command).
@@ -117,13 +140,49 @@ def build_export_asset(
         batch = ExportBatch(spec.schema, items)
         yield dg.Output(batch)
         # The I/O manager has published and recorded every key by now: check what actually landed.
-        yield export_check(spec, book, destination, batch.results)
+        yield export_check(spec, book, destination, batch.results, asset_key=group.asset_name)
+        if refused:
+            raise _refusal(refused)  # after the others: the run fails, naming each refused tenant and the way out
 
     return _export
 
 
+def _only_group(spec: ExportSpec) -> TenantGroup:
+    if len(spec.groups) != 1:
+        raise ValueError(
+            f"export {spec.name!r} has tenants in {len(spec.groups)} zones: build one asset per group (spec.groups)"
+        )
+    return spec.groups[0]
+
+
+def _description(spec: ExportSpec, group: TenantGroup) -> str:
+    if len(spec.groups) == 1:
+        return (
+            spec.description
+            or f"{spec.name}: each tenant's rows inside the partition's business-day window, exported once."
+        )
+    shown = ", ".join(group.tenants[:10]) + (", ..." if len(group.tenants) > 10 else "")
+    return (
+        f"{spec.description or spec.name}. Tenants whose business day is {group.timezone}'s ({len(group.tenants)}: "
+        f"{shown}); each tenant's rows inside its window, exported once."
+    )
+
+
+def _refusal(refused: dict[str, ContractChanged]) -> ContractChanged:
+    if len(refused) == 1:
+        return next(iter(refused.values()))
+    return ContractChanged(
+        f"{len(refused)} tenants refused: " + " | ".join(str(refused[t]) for t in sorted(refused)[:5])
+    )
+
+
 def export_check(
-    spec: ExportSpec, ledger: ExportLedger, destination: Destination, results: list[ExportResult]
+    spec: ExportSpec,
+    ledger: ExportLedger,
+    destination: Destination,
+    results: list[ExportResult],
+    *,
+    asset_key: str | None = None,
 ) -> dg.AssetCheckResult:
     """Each key of the run: completed in the ledger, its file's sha256 the ledger's, its row count the source's."""
     problems: list[str] = []
@@ -145,7 +204,7 @@ def export_check(
             problems.append(f"{record.logical_key}: exported {record.row_count} rows, source has {expected_rows}")
     return dg.AssetCheckResult(
         check_name=CHECK_NAME,
-        asset_key=spec.name,
+        asset_key=asset_key or spec.name,
         passed=not problems,
         severity=dg.AssetCheckSeverity.ERROR,
         metadata={"keys_checked": len(results), "problems": dg.MetadataValue.json(problems)},
@@ -179,20 +238,25 @@ def stuck_check_evaluation(
     )
 
 
-def build_stuck_check(export: str, stuck_after: dt.timedelta) -> dg.AssetChecksDefinition:
-    """``no_stuck_exports`` of one export on demand from the UI; the reconciliation sensor reports the same verdict
-    each time the set of stuck keys changes."""
+def build_stuck_check(
+    export: str, stuck_after: dt.timedelta, *, asset_name: str | None = None, tenants: Sequence[str] | None = None
+) -> dg.AssetChecksDefinition:
+    """``no_stuck_exports`` of one export's asset (``asset_name``, default the export's; for ``tenants`` only, default
+    every tenant) on demand from the UI; the reconciliation sensor reports the same verdict each time the set of
+    stuck keys changes."""
+    asset_name = asset_name or export
+    members = None if tenants is None else set(tenants)
 
     @dg.asset_check(
-        asset=export,
+        asset=asset_name,
         name=STUCK_CHECK_NAME,
         description="no export key stuck too long",
         required_resource_keys={LEDGER_KEY},
     )
     def _no_stuck_exports(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
         attention = getattr(context.resources, LEDGER_KEY).get_ledger().needs_attention(stuck_after)
-        mine = [r for r, _ in attention if r.export == export]
-        evaluation = stuck_check_evaluation(dg.AssetKey(export), mine, stuck_after)
+        mine = [r for r, _ in attention if r.export == export and (members is None or r.tenant in members)]
+        evaluation = stuck_check_evaluation(dg.AssetKey(asset_name), mine, stuck_after)
         return dg.AssetCheckResult(
             passed=evaluation.passed,
             severity=evaluation.severity,

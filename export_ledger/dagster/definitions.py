@@ -33,8 +33,8 @@ def ledgered_definitions(
     assets: Sequence = (),
     environ: Mapping[str, str] | None = None,
 ) -> dg.Definitions:
-    """A code location: one asset, checks, job, schedule and pool per export; one ledger and one reconciliation
-    sensor for all of them.
+    """A code location: per export a pool and, per zone of its tenants, an asset with its checks, a job and a nightly
+    schedule; one ledger and one reconciliation sensor for all of them.
 
     Args:
         exports: The declared exports (names unique). An export without a source is exported from an asset of your
@@ -94,7 +94,9 @@ def ledgered_definitions(
             ledger=ledger,
             destination=resource,
             file_format=spec.file_format,
+            export=spec.name,
             tenants=list(spec.tenants),
+            asset_tenants={g.asset_name: list(g.tenants) for g in spec.groups} if len(spec.groups) > 1 else {},
             columns=dict(spec.schema.columns),
             time_column=spec.schema.time_column,
             id_columns=list(spec.schema.id_columns),
@@ -104,13 +106,20 @@ def ledgered_definitions(
             timezone=spec.timezone,
             start_date=spec.start_date,
         )
-        if spec.source is not None:
-            definitions.append(build_export_asset(spec, pool=pool, backfill_policy=policy))
-        checks.append(build_stuck_check(spec.name, stuck_after))
-        job = dg.define_asset_job(f"{spec.name}_job", selection=job_selection(spec.name))
-        jobs.append(job)
-        if spec.schedule_time is not None:
-            schedules.append(build_nightly_schedule(job, spec))
+        several = len(spec.groups) > 1
+        # One asset, job and schedule per zone of the export: a Dagster partitions definition has one zone.
+        for group in spec.groups:
+            if spec.source is not None:
+                definitions.append(build_export_asset(spec, pool=pool, backfill_policy=policy, group=group))
+            checks.append(
+                build_stuck_check(
+                    spec.name, stuck_after, asset_name=group.asset_name, tenants=group.tenants if several else None
+                )
+            )
+            job = dg.define_asset_job(f"{group.asset_name}_job", selection=job_selection(group.asset_name))
+            jobs.append(job)
+            if group.schedule_time is not None:
+                schedules.append(build_nightly_schedule(job, spec, group))
     for table, sharing in shared_tables.items():
         if len(sharing) > 1:
             raise ConfigurationError(

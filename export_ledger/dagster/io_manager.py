@@ -28,7 +28,9 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
         ledger: The ledger resource.
         destination: Where exports are published.
         file_format: ``csv`` (default) or ``parquet``.
+        export: The export's name (default: the asset's name).
         tenants: The tenants whose committed exports ``load_input`` returns (and a frame output is split into).
+        asset_tenants: Per asset name, its tenants, for an export with tenants in several zones (one asset each).
         columns, time_column, id_columns, tenant_column, order_by, nullable: The export's schema, for a frame output.
         timezone, start_date: The export's calendar, for a frame output.
     """
@@ -36,7 +38,9 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
     ledger: dg.ResourceDependency[LedgerResource]
     destination: dg.ResourceDependency[DestinationResource]
     file_format: str = "csv"
+    export: str = ""
     tenants: list[str] = []
+    asset_tenants: dict[str, list[str]] = {}
     columns: dict[str, str] = {}
     time_column: str = ""
     id_columns: list[str] = []
@@ -84,7 +88,7 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
             frozenset(self.nullable),
         )  # fmt: skip
         calendar = ExportCalendar(self.timezone, self.start_date)
-        export = context.asset_key.path[-1]
+        export = self.export or context.asset_key.path[-1]
         what = f"{export} (rows of the asset's frame)"
         for name in (schema.time_column, schema.tenant_column):
             if name not in frame.columns:
@@ -110,18 +114,19 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
 
     def load_input(self, context: dg.InputContext) -> pd.DataFrame:
         """Committed exports only: every (partition, tenant) must be ``completed`` and match its checksum."""
-        export = context.asset_key.path[-1]
+        export = self.export or context.asset_key.path[-1]
+        tenants = self.asset_tenants.get(context.asset_key.path[-1], self.tenants)
         ledger = self.ledger.get_ledger()
         destination = self.destination.get_destination()
         frames = []
         partition_keys = sorted(context.asset_partition_keys) if context.has_asset_partitions else []
         if not partition_keys:
             raise DestinationError(f"{export} is partitioned by day; load it for one or more partitions")
-        if not self.tenants:
+        if not tenants:
             raise DestinationError(f"no tenants configured for loading {export}")
         for partition_key in partition_keys:
             day = pd.Timestamp(partition_key).date()
-            for tenant in self.tenants:
+            for tenant in tenants:
                 records = ledger.records(export=export, tenant=tenant, date_from=day, date_to=day)
                 if len(records) != 1 or records[0].state is not ExportState.COMPLETED:
                     state = (

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import dagster as dg
 
-from export_ledger.calendar import utc_iso
+from export_ledger.calendar import ExportCalendar, utc_iso
 from export_ledger.dagster.assets import LEDGER_KEY, resource_keys, stuck_check_evaluation
 from export_ledger.dagster.io_manager import LISTED_KEYS, status_command
 from export_ledger.errors import CalendarError
@@ -22,6 +22,7 @@ from export_ledger.ledger import ExportLedger, ExportRecord, ExportState
 from export_ledger.ledger.core import DEFAULT_MAX_ATTEMPTS
 from export_ledger.reconcile import ReconcileReport, reconcile_batch
 from export_ledger.spec import ExportSpec
+from export_ledger.tenants import TenantGroup
 
 _NOTHING_STUCK = hashlib.sha256(b"").hexdigest()[:16]
 
@@ -75,7 +76,10 @@ def rerun_requests(
             continue
         if record.fencing_token - (bases or {}).get(record.logical_key, 0) >= max_attempts:
             continue  # escalated: needs_attention names it, a person decides
-        if record.tenant not in spec.tenants or record.timezone != spec.timezone:
+        if (
+            record.tenant not in spec.tenants
+            or spec.calendar_for(record.tenant).zone_on(record.business_date) != record.timezone
+        ):
             log.warning(
                 f"{record.logical_key} is failed but its tenant or zone is no longer {spec.name}'s; not rerun "
                 "(it is escalated once it waits longer than allowed)"
@@ -83,20 +87,21 @@ def rerun_requests(
             continue
         partition = record.business_date.isoformat()
         try:
-            spec.calendar.window(partition)
+            spec.calendar_for(record.tenant).window(partition)
         except CalendarError as exc:
             log.error(f"partition {partition!r} of {spec.name} not rerun: {exc}")
             continue
-        by_partition.setdefault((spec.name, partition), {})[record.tenant] = record.fencing_token
+        asset_name = spec.group_of(record.tenant).asset_name  # the asset (zone) that exports this tenant
+        by_partition.setdefault((asset_name, partition), {})[record.tenant] = record.fencing_token
     requests = []
-    for (export, partition), tokens in sorted(by_partition.items()):
+    for (asset_name, partition), tokens in sorted(by_partition.items()):
         situation = ",".join(f"{tenant}@{token}" for tenant, token in sorted(tokens.items()))
         digest = hashlib.sha256(situation.encode()).hexdigest()[:16]
         requests.append(
             dg.RunRequest(
                 partition_key=partition,
-                run_key=f"rerun/{export}/{partition}/{digest}",
-                job_name=f"{export}_job",
+                run_key=f"rerun/{asset_name}/{partition}/{digest}",
+                job_name=f"{asset_name}_job",
                 tags={"export-ledger/reconciled": "true"},
             )
         )
@@ -112,33 +117,51 @@ def _materializations(
     log,
 ) -> list[dg.AssetMaterialization]:
     """Decided per partition, since a partition is what Dagster materializes: once every tenant's key of a partition
-    is completed and Dagster never saw it materialized (its run failed on some key), one event records it."""
-    export, calendar, tenants = spec.name, spec.calendar, spec.tenants
-    asset_key = dg.AssetKey(export)
-    touched: set[str] = set()
+    of one zone's asset is completed and Dagster never saw it materialized (its run failed on some key), one event
+    records it."""
+    export = spec.name
+    touched: dict[str, set[str]] = {}  # asset name -> partitions
     for finding, record in report.resolved:
-        touched.add(record.business_date.isoformat())
+        if record.tenant in spec.tenants:
+            touched.setdefault(spec.group_of(record.tenant).asset_name, set()).add(record.business_date.isoformat())
         if record.state is ExportState.COMPLETED and finding.record.lease_owner:
             # The attempt that left this key unknown may have completed other keys before its run failed: those
             # partitions were never recorded as materialized either.
-            touched.update(
-                r.business_date.isoformat()
-                for r in ledger.committed_by(finding.record.lease_owner)
-                if r.export == export
-            )
+            for other in ledger.committed_by(finding.record.lease_owner):
+                if other.export == export and other.tenant in spec.tenants:
+                    touched.setdefault(spec.group_of(other.tenant).asset_name, set()).add(
+                        other.business_date.isoformat()
+                    )
         elif record.state is ExportState.CONFLICT:
             log.error(f"{record.logical_key}: conflict at the destination, nothing overwritten: {finding.detail}")
+    events = []
+    for group in spec.groups:
+        if group.asset_name in touched:
+            events.extend(_group_materializations(group, touched[group.asset_name], ledger, spec, materialized, log))
+    return events
 
+
+def _group_materializations(
+    group: TenantGroup,
+    touched: set[str],
+    ledger: ExportLedger,
+    spec: ExportSpec,
+    materialized: Callable[[dg.AssetKey, Sequence[str]], set[str]],
+    log,
+) -> list[dg.AssetMaterialization]:
+    export, tenants = spec.name, group.tenants
+    calendar = ExportCalendar(group.timezone, spec.start_date)
+    asset_key = dg.AssetKey(group.asset_name)
+    # A tenant that moved zones has keys of its earlier zone: count keys by tenant and date, whatever their zone.
+    zone = None if any(spec.tenant(t).moves for t in tenants) else group.timezone
     days: dict[str, dt.date] = {}
     for partition in sorted(touched):
         try:
             days[partition] = calendar.window(partition).business_date  # Dagster does not validate partition keys
         except CalendarError as exc:
             log.error(f"partition {partition!r} not recorded: {exc}")
-    # One grouped read for every touched day, over the configured tenants only: a tick costs what it touched.
-    summaries = ledger.day_summaries(
-        export=export, timezone=calendar.timezone, days=list(days.values()), tenants=tenants
-    )
+    # One grouped read for every touched day, over the group's tenants only: a tick costs what it touched.
+    summaries = ledger.day_summaries(export=export, timezone=zone, days=list(days.values()), tenants=tenants)
     complete = []
     for partition, day in days.items():
         summary = summaries.get(day)
@@ -151,9 +174,7 @@ def _materializations(
     if unrecorded:
         order = {tenant: i for i, tenant in enumerate(tenants)}
         by_day: dict[dt.date, list] = {days[p]: [] for p in unrecorded}
-        for record in ledger.records(
-            export=export, timezone=calendar.timezone, business_dates=list(by_day), tenants=tenants
-        ):
+        for record in ledger.records(export=export, timezone=zone, business_dates=list(by_day), tenants=tenants):
             by_day[record.business_date].append(record)
         for partition in unrecorded:
             done = sorted(by_day[days[partition]], key=lambda r: order[r.tenant])
@@ -175,7 +196,6 @@ def _materializations(
                     description="recorded by reconciliation from the destination's evidence",
                 )
             )
-
     return events
 
 
@@ -280,9 +300,12 @@ def build_reconciliation_sensor(
                               f"--needs-attention): {shown}")  # fmt: skip
         if digest != state.get("stuck_digest", _NOTHING_STUCK):
             # Only when the set changes: one verdict per export.
-            for name in by_name:
+            for name, spec in by_name.items():
                 mine = [r for r in stuck if r.export == name]
-                checks.append(stuck_check_evaluation(dg.AssetKey(name), mine, stuck_after))
+                for group in spec.groups:
+                    # A tenant no longer declared is reported on the export's first asset: it is never dropped.
+                    ours = [r for r in mine if _asset_of(spec, r.tenant) == group.asset_name]
+                    checks.append(stuck_check_evaluation(dg.AssetKey(group.asset_name), ours, stuck_after))
 
         failed_after = failed[-1].logical_key if len(failed) == batch_size else None
         cursor = json.dumps({"after": report.next_after, "failed_after": failed_after, "stuck_digest": digest})
@@ -297,8 +320,13 @@ def build_reconciliation_sensor(
     return reconciliation_sensor
 
 
-def job_selection(export: str) -> dg.AssetSelection:
-    """The export and its per-run check; ``no_stuck_exports`` is reported by the reconciliation sensor."""
-    return dg.AssetSelection.assets(export) - dg.AssetSelection.checks(
-        dg.AssetCheckKey(dg.AssetKey(export), "no_stuck_exports")
+def _asset_of(spec: ExportSpec, tenant: str) -> str:
+    return spec.group_of(tenant).asset_name if tenant in spec.tenants else spec.groups[0].asset_name
+
+
+def job_selection(asset_name: str) -> dg.AssetSelection:
+    """An export's asset (the export's name, or one zone's asset) and its per-run check; ``no_stuck_exports`` is
+    reported by the reconciliation sensor."""
+    return dg.AssetSelection.assets(asset_name) - dg.AssetSelection.checks(
+        dg.AssetCheckKey(dg.AssetKey(asset_name), "no_stuck_exports")
     )

@@ -1,0 +1,310 @@
+"""Tenants in their own timezones: each tenant's windows tile UTC in its zone (and across a move), one asset, job and
+schedule per zone, every sample event exported exactly once, and the calendar contract guarded per tenant."""
+
+from __future__ import annotations
+
+import datetime as dt
+import doctest
+import json
+import logging
+from pathlib import Path
+
+import dagster as dg
+import pandas as pd
+import pytest
+
+import export_ledger.calendar
+import export_ledger.tenants
+from definitions import build_definitions
+from export_ledger import cli
+from export_ledger.calendar import ExportCalendar, ZoneMove, utc_iso, window_for
+from export_ledger.errors import ConfigurationError
+from export_ledger.frames import MANIFEST_NAME
+from export_ledger.keys import LogicalKey
+from export_ledger.ledger import ExportLedger, ExportState
+from export_ledger.spec import ExportSpec
+from export_ledger.tenants import Tenant, zone_slug
+from resources.invoices import SampleInvoiceSource
+from tests.pipeline_helpers import failure_message
+
+THREE_ZONES = {"acme": "America/New_York", "bombay-traders": "Asia/Kolkata", "apia-foods": "Pacific/Apia"}
+ASSETS = {
+    "America/New_York": "invoice_export",
+    "Asia/Kolkata": "invoice_export__asia_kolkata",
+    "Pacific/Apia": "invoice_export__pacific_apia",
+}
+HOUR = dt.timedelta(hours=1)
+
+pytestmark = pytest.mark.filterwarnings("ignore:Starting in dagster 1.11, get_schedule_def:UserWarning")
+
+
+def zone_defs(tmp_path: Path, tenants, start_date: str = "2011-12-01") -> dg.Definitions:
+    return build_definitions(
+        tenants=tenants,
+        start_date=start_date,
+        ledger_url=f"sqlite:///{tmp_path / 'ledger.sqlite3'}",
+        destination=str(tmp_path / "exports"),
+        source=SampleInvoiceSource(cadence_minutes=60),
+        environ={},
+    )
+
+
+def run_range(defs: dg.Definitions, asset: str, instance, first: str, last: str) -> dg.ExecuteInProcessResult:
+    return defs.resolve_job_def(f"{asset}_job").execute_in_process(
+        instance=instance,
+        raise_on_error=False,
+        tags={"dagster/asset_partition_range_start": first, "dagster/asset_partition_range_end": last},
+    )
+
+
+def run_partition(defs: dg.Definitions, asset: str, instance, partition: str) -> dg.ExecuteInProcessResult:
+    return defs.resolve_job_def(f"{asset}_job").execute_in_process(
+        partition_key=partition, instance=instance, raise_on_error=False
+    )
+
+
+def test_the_calendar_and_tenant_examples_hold():
+    for module in (export_ledger.calendar, export_ledger.tenants):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, f"{module.__name__}: {result}"
+
+
+@pytest.mark.parametrize(
+    ("tenant", "first", "last"),
+    [
+        (Tenant("acme", "America/New_York"), "2011-12-01", "2013-01-31"),
+        (Tenant("bombay", "Asia/Kolkata"), "2011-12-01", "2013-01-31"),
+        (Tenant("apia", "Pacific/Apia"), "2011-12-01", "2013-01-31"),  # with the skipped 2011-12-30
+        (Tenant("west", "America/Chicago", moves=(ZoneMove("2026-03-10", "America/New_York"),)), "2026-01-01",
+         "2026-12-31"),  # fmt: skip
+        (Tenant("east", "Asia/Kolkata", moves=(ZoneMove("2026-06-01", "Pacific/Honolulu"),)), "2026-01-01",
+         "2026-12-31"),  # fmt: skip
+        (
+            Tenant(
+                "twice",
+                "Europe/London",
+                moves=(ZoneMove("2026-03-01", "Pacific/Apia"), ZoneMove("2026-10-25", "America/Los_Angeles")),
+            ),
+            "2026-01-01",
+            "2026-12-31",
+        ),
+    ],
+    ids=lambda v: v.id if isinstance(v, Tenant) else v,
+)
+def test_each_tenants_windows_tile_utc_in_its_own_zone(tenant, first, last):
+    spec = ExportSpec(
+        name="x", columns={"id": "string", "at": "timestamp"}, id_columns=["id"], time_column="at",
+        tenants=[tenant], timezone="America/New_York", start_date=first, source=lambda *_: None, schedule_time=None,
+    )  # fmt: skip
+    calendar = spec.calendar_for(tenant.id)
+    windows = calendar.windows(dt.date.fromisoformat(first), dt.date.fromisoformat(last))
+    for before, after in zip(windows, windows[1:], strict=False):
+        assert before.end_utc == after.start_utc, f"{tenant.id}: a gap or overlap between {before} and {after}"
+        assert after.business_date == before.business_date + dt.timedelta(days=1)
+    for window in windows:
+        assert window.timezone == calendar.zone_on(window.business_date)
+        assert window.end_utc >= window.start_utc
+        if window.timezone == tenant.timezone and not tenant.moves:
+            assert window == window_for(window.business_date, tenant.timezone), "without moves: the zone's own day"
+
+
+def test_a_move_changes_only_the_day_of_the_move():
+    moved = ExportCalendar("America/Chicago", "2026-01-01", (ZoneMove("2026-03-10", "America/New_York"),))
+    assert moved.window("2026-03-09") == window_for(dt.date(2026, 3, 9), "America/New_York"), "the last old day stays"
+    move_day = moved.window("2026-03-10")
+    assert move_day.start_utc == window_for(dt.date(2026, 3, 10), "America/New_York").start_utc
+    assert move_day.end_utc == window_for(dt.date(2026, 3, 11), "America/Chicago").start_utc
+    assert move_day.duration == 25 * HOUR and move_day.timezone == "America/Chicago"
+    assert moved.window("2026-03-11") == window_for(dt.date(2026, 3, 11), "America/Chicago")
+
+    east = ExportCalendar("Asia/Kolkata", "2026-01-01", (ZoneMove("2026-06-01", "Pacific/Honolulu"),))
+    assert east.window("2026-06-01").duration == dt.timedelta(hours=8, minutes=30), "moving east shortens the day"
+    with pytest.raises(Exception, match="more than a day apart"):
+        ExportCalendar("Pacific/Kiritimati", "2026-01-01", (ZoneMove("2026-06-01", "Etc/GMT+12"),)).window(
+            "2026-06-01"
+        )
+
+
+def test_tenant_declarations_are_checked_with_messages_that_name_the_problem():
+    def spec(tenants, **kwargs):
+        return ExportSpec(
+            name="x", columns={"id": "string", "at": "timestamp"}, id_columns=["id"], time_column="at",
+            tenants=tenants, timezone="America/New_York", start_date="2026-01-01", source=lambda *_: None, **kwargs,
+        )  # fmt: skip
+
+    with pytest.raises(Exception, match="unknown timezone 'Mars/Olympus'"):
+        spec({"acme": "Mars/Olympus"})
+    with pytest.raises(ConfigurationError, match="share one nightly run.*acme at 04:30, globex at 06:00"):
+        spec([Tenant("acme", "Asia/Kolkata"), Tenant("globex", "Asia/Kolkata", schedule_time="06:00")])
+    with pytest.raises(Exception, match="schedule time 02:30 does not occur exactly once"):
+        spec([Tenant("acme", "Europe/Berlin", schedule_time="02:30")])
+    with pytest.raises(ConfigurationError, match="the ids must match"):
+        spec({"acme": Tenant("globex")})
+    with pytest.raises(Exception, match="must come after the start date"):
+        spec([Tenant("acme", "America/Chicago", moves=(ZoneMove("2025-06-01", "America/New_York"),))])
+    with pytest.raises(ConfigurationError, match="one zone"):
+        ExportSpec(
+            name="x", columns={"id": "string", "at": "timestamp", "t": "string"}, id_columns=["id"],
+            time_column="at", tenant_column="t", tenants={"a": "Asia/Kolkata", "b": "America/New_York"},
+            timezone="America/New_York", start_date="2026-01-01",
+        )  # fmt: skip
+    mixed = spec([Tenant("acme"), Tenant("bombay", "Asia/Kolkata", schedule_time="06:00")])
+    assert [(g.asset_name, g.schedule_time, g.tenants) for g in mixed.groups] == [
+        ("x", "04:30", ("acme",)),
+        ("x__asia_kolkata", "06:00", ("bombay",)),
+    ]
+    assert zone_slug("Etc/GMT+5") == "etc_gmt_plus_5" and zone_slug("America/Port-au-Prince") == "america_port_au_prince"
+
+
+def _exported_rows(root: Path, tenant: str) -> pd.DataFrame:
+    frames = []
+    for manifest_path in sorted((root / "invoice_export" / f"tenant={tenant}").glob(f"date=*/{MANIFEST_NAME}")):
+        manifest = json.loads(manifest_path.read_text())
+        frame = pd.read_csv(manifest_path.parent / manifest["data_file"])
+        frame["business_date"] = manifest["business_date"]
+        frame["manifest_timezone"] = manifest["timezone"]
+        frames.append(frame)
+    return pd.concat(frames, ignore_index=True)
+
+
+# Each zone's clock changes inside these ranges: Apia skipped 2011-12-30 and left DST on 2012-04-01, New York began
+# DST on 2012-03-11 and ended it on 2012-11-04; Kolkata (+05:30) has no change, only its half-hour offset.
+RANGES = [("2011-12-26", "2012-01-02"), ("2012-03-08", "2012-03-14"), ("2012-03-29", "2012-04-04")]
+
+
+def test_three_zone_code_location_exports_every_sample_event_exactly_once(tmp_path, instance, capsys):
+    defs = zone_defs(tmp_path, THREE_ZONES)
+    assert sorted(a.key.to_user_string() for a in defs.assets) == sorted(ASSETS.values()), "one asset per zone"
+    source = SampleInvoiceSource(cadence_minutes=60)
+    for zone, asset in ASSETS.items():
+        for first, last in RANGES:
+            assert run_range(defs, asset, instance, first, last).success, f"{asset} {first}..{last}"
+    ledger = ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    for tenant, zone in THREE_ZONES.items():
+        rows = _exported_rows(tmp_path / "exports", tenant)
+        assert rows["invoice_id"].is_unique, f"{tenant}: an event exported twice"
+        assert set(rows["manifest_timezone"]) == {zone}, "the manifest names the tenant's zone"
+        occurred = pd.to_datetime(rows["occurred_at"], utc=True)
+        for first, last in RANGES:
+            start = window_for(dt.date.fromisoformat(first), zone).start_utc
+            end = window_for(dt.date.fromisoformat(last), zone).end_utc
+            inside = (occurred >= start) & (occurred < end)
+            assert inside.sum() == source.count(tenant, start, end), f"{tenant} {first}..{last}: an event missing"
+        for business_date, group in rows.groupby("business_date"):
+            window = window_for(dt.date.fromisoformat(business_date), zone)
+            times = pd.to_datetime(group["occurred_at"], utc=True)
+            assert ((times >= window.start_utc) & (times < window.end_utc)).all(), f"{tenant} {business_date}"
+        records = ledger.records(export="invoice_export", tenant=tenant)
+        assert {r.timezone for r in records} == {zone} and all(r.state is ExportState.COMPLETED for r in records)
+        assert all(r.tz_database for r in records), "each window is persisted with the tz database it came from"
+    apia = {r.business_date for r in ledger.records(export="invoice_export", tenant="apia-foods")}
+    assert dt.date(2011, 12, 30) not in apia, "the day Apia skipped has no key"
+    kolkata = ledger.records(export="invoice_export", tenant="bombay-traders", date_from=dt.date(2012, 3, 8))[0]
+    assert utc_iso(kolkata.window_start_utc) == "2012-03-07T18:30:00Z"
+    new_york = ledger.records(export="invoice_export", tenant="acme", date_from=dt.date(2012, 3, 11))[0]
+    assert new_york.window_end_utc - new_york.window_start_utc == 23 * HOUR
+
+    # The status command shows each tenant's zone.
+    url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+    assert cli.main(["--ledger-url", url, "status", "--export", "invoice_export", "--from", "2012-03-08",
+                     "--to", "2012-03-08", "--json"]) == 0  # fmt: skip
+    shown = {row["tenant"]: row["timezone"] for row in json.loads(capsys.readouterr().out)}
+    assert shown == THREE_ZONES
+
+
+def _requests_at(schedule: dg.ScheduleDefinition, instance, tick: dt.datetime) -> list[str]:
+    result = schedule(dg.build_schedule_context(instance=instance, scheduled_execution_time=tick))
+    requests = [result] if isinstance(result, dg.RunRequest) else list(result or [])
+    return [r.partition_key for r in requests if isinstance(r, dg.RunRequest)]
+
+
+@pytest.mark.parametrize(
+    ("zone", "first"),
+    [("America/New_York", "2026-03-05"), ("America/New_York", "2026-10-29"), ("Asia/Kolkata", "2026-03-05"),
+     ("Pacific/Apia", "2012-03-28")],  # fmt: skip
+)
+def test_each_zone_schedule_fires_at_its_local_time_for_its_previous_day(tmp_path, instance, zone, first):
+    defs = zone_defs(tmp_path, THREE_ZONES)
+    schedule = defs.get_schedule_def(f"nightly_{ASSETS[zone]}")
+    assert schedule.execution_timezone == zone
+    minute, hour, *_ = schedule.cron_schedule.split()
+    assert (int(hour), int(minute)) == (4, 30)
+    for offset in range(8):  # a week around a clock change of the zone (or none: Kolkata)
+        day = dt.date.fromisoformat(first) + dt.timedelta(days=offset)
+        tick = dt.datetime.combine(day, dt.time(4, 30), tzinfo=export_ledger.calendar.load_zone(zone))
+        assert _requests_at(schedule, instance, tick.astimezone(dt.timezone.utc)) == [
+            (day - dt.timedelta(days=1)).isoformat()
+        ], f"{zone} tick at {tick.isoformat()}"
+
+
+def test_a_zone_change_is_refused_for_that_tenant_alone_until_accepted(tmp_path, instance, capsys):
+    url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+    before = zone_defs(tmp_path, {"acme": "America/New_York", "globex": "America/New_York"}, "2026-01-01")
+    assert run_partition(before, "invoice_export", instance, "2026-03-08").success
+
+    # acme moves to Chicago from 2026-03-10; initech is new, in Chicago from the start.
+    moved = Tenant("acme", "America/Chicago", moves=(ZoneMove("2026-03-10", "America/New_York"),))
+    after = zone_defs(tmp_path, [moved, Tenant("globex"), Tenant("initech", "America/Chicago")], "2026-01-01")
+    assert run_partition(after, "invoice_export", instance, "2026-03-09").success, "globex keeps running"
+    refused = run_partition(after, "invoice_export__america_chicago", instance, "2026-03-09")
+    assert not refused.success
+    message = failure_message(refused)
+    assert "the calendar contract of invoice_export for tenant acme changed" in message
+    command = (
+        "export-ledger accept-contract --export invoice_export --tenant acme --timezone America/Chicago "
+        "--start-date 2026-01-01 --move 2026-03-10:America/New_York"
+    )
+    assert command in message
+    ledger = ExportLedger(url)
+    assert ledger.records(export="invoice_export", tenant="acme", date_from=dt.date(2026, 3, 9)) == []
+    initech = ledger.records(export="invoice_export", tenant="initech")
+    assert [r.state for r in initech] == [ExportState.COMPLETED], "the other tenant of the zone was exported"
+
+    accept = ["--ledger-url", url, "accept-contract", "--export", "invoice_export", "--tenant", "acme"]
+    accept += ["--timezone", "America/Chicago", "--start-date", "2026-01-01", "--reason", "acme moved to Chicago"]
+    assert cli.main([*accept, "--move", "2026-03-08:America/New_York"]) == 1
+    assert "already has 2026-03-08 in America/New_York" in capsys.readouterr().err, "exported days are not re-cut"
+    assert cli.main([*accept, "--move", "2026-03-10:America/New_York"]) == 0
+    assert "accepted for invoice_export, tenant acme" in capsys.readouterr().out
+
+    for day in ("2026-03-09", "2026-03-10", "2026-03-11"):
+        assert run_partition(after, "invoice_export__america_chicago", instance, day).success, day
+    acme = ledger.records(export="invoice_export", tenant="acme")
+    assert [(r.business_date.isoformat(), r.timezone) for r in acme] == [
+        ("2026-03-08", "America/New_York"),
+        ("2026-03-09", "America/New_York"),
+        ("2026-03-10", "America/Chicago"),
+        ("2026-03-11", "America/Chicago"),
+    ]
+    for before_key, after_key in zip(acme, acme[1:], strict=False):
+        assert before_key.window_end_utc == after_key.window_start_utc, "no event in two windows or in none"
+    assert acme[2].window_end_utc - acme[2].window_start_utc == 25 * HOUR
+    assert ledger.contract_in_force("invoice_export", "globex")["timezone"] == "America/New_York"
+
+
+def test_the_reconciliation_sensor_reruns_a_failed_key_through_its_zones_job(tmp_path):
+    from export_ledger.dagster import sensors
+
+    defs_spec = ExportSpec(
+        name="invoice_export", columns={"invoice_id": "string", "occurred_at": "timestamp"},
+        id_columns=["invoice_id"], time_column="occurred_at", tenants=THREE_ZONES, timezone="America/New_York",
+        start_date="2026-01-01", source=lambda *_: None,
+    )  # fmt: skip
+    ledger = ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    window = defs_spec.calendar_for("bombay-traders").window("2026-03-08")
+    claim = ledger.claim(LogicalKey("invoice_export", "bombay-traders", window), "run-1/step")
+    ledger.fail(claim, RuntimeError("source timed out"))
+    requests = sensors.rerun_requests(
+        ledger.failed(limit=10), {"invoice_export": defs_spec}, max_attempts=3, log=logging.getLogger("test")
+    )
+    assert [(r.job_name, r.partition_key) for r in requests] == [("invoice_export__asia_kolkata_job", "2026-03-08")]
+    assert requests[0].run_key.startswith("rerun/invoice_export__asia_kolkata/2026-03-08/")
+
+
+def test_a_thousand_tenants_in_forty_zones_make_forty_assets(tmp_path):
+    zones = sorted(z for z in export_ledger.calendar.known_zones() if z.startswith(("America/", "Europe/", "Asia/")))
+    chosen = [z for z in zones if not z.startswith("America/Argentina")][:40]
+    tenants = {f"t{i:04d}": chosen[i % 40] for i in range(1000)}
+    defs = zone_defs(tmp_path, tenants, "2026-01-01")
+    assert len(defs.assets) == 40 and len(defs.jobs) == 40
+    assert len({s.name for s in defs.schedules}) == 40

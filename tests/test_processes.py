@@ -42,7 +42,8 @@ def _env(tmp_path: Path, home: str = "dagster_home", **extra: str) -> dict[str, 
 
 def _materialize(env: dict[str, str], partition: str = "2026-03-08") -> subprocess.Popen:
     return subprocess.Popen(
-        [DAGSTER, "asset", "materialize", "-f", "definitions.py", "--select", "invoice_export", "--partition", partition],
+        [DAGSTER, "asset", "materialize", "-f", "definitions.py", "--select", "invoice_export",
+         "--partition", partition],  # fmt: skip
         cwd=PROJECT,
         env=env,
         stdout=subprocess.PIPE,
@@ -78,7 +79,8 @@ def test_code_location_validates(tmp_path):
 def test_two_processes_materializing_one_partition_export_it_once(tmp_path):
     # Each attempt pauses after its claim, so the second process arrives while the first holds the lease.
     env = _env(tmp_path, EXPORTS_FAILPOINTS="after_claim=pause:4")
-    first, second = _materialize(env), _materialize(_env(tmp_path, "dagster_home_2", **{"EXPORTS_FAILPOINTS": env["EXPORTS_FAILPOINTS"]}))
+    second_env = _env(tmp_path, "dagster_home_2", EXPORTS_FAILPOINTS=env["EXPORTS_FAILPOINTS"])
+    first, second = _materialize(env), _materialize(second_env)
     (code_a, out_a), (code_b, out_b) = _finish(first), _finish(second)
 
     assert sorted([code_a, code_b]) in ([0, 0], [0, 1]), out_a[-2000:] + out_b[-2000:]

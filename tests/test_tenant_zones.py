@@ -7,6 +7,10 @@ import datetime as dt
 import doctest
 import json
 import logging
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import dagster as dg
@@ -34,6 +38,7 @@ ASSETS = {
     "Pacific/Apia": "invoice_export__pacific_apia",
 }
 HOUR = dt.timedelta(hours=1)
+PROJECT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.filterwarnings("ignore:Starting in dagster 1.11, get_schedule_def:UserWarning")
 
@@ -309,3 +314,65 @@ def test_a_thousand_tenants_in_forty_zones_make_forty_assets(tmp_path):
     defs = zone_defs(tmp_path, tenants, "2026-01-01")
     assert len(defs.assets) == 40 and len(defs.jobs) == 40
     assert len({s.name for s in defs.schedules}) == 40
+
+
+def _readme_zones_example() -> str:
+    section = (PROJECT / "README.md").read_text().split("## Tenants in their own timezones", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_the_readme_three_zone_example_is_the_example_file():
+    assert _readme_zones_example() == (PROJECT / "examples" / "three_zones.py").read_text()
+
+
+@pytest.mark.process
+def test_the_three_zone_example_loads_in_dagster_as_the_readme_says(tmp_path):
+    env = {
+        **os.environ,
+        "DAGSTER_HOME": str(tmp_path),
+        "EXPORTS_LEDGER_URL": f"sqlite:///{tmp_path / 'ledger.sqlite3'}",
+        "EXPORTS_DESTINATION": str(tmp_path / "exports"),
+    }
+    dagster = str(Path(sys.executable).with_name("dagster"))
+    done = subprocess.run(
+        [dagster, "definitions", "validate", "-f", "examples/three_zones.py"],
+        cwd=PROJECT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Validation successful for code location three_zones.py" in done.stderr + done.stdout
+
+
+def test_a_downstream_asset_loads_the_committed_exports_of_its_zones_tenants(tmp_path, instance):
+    from assets.invoices import invoice_export
+    from export_ledger.dagster import ledgered_definitions
+
+    seen = {}
+
+    @dg.asset(
+        partitions_def=dg.DailyPartitionsDefinition(start_date="2026-01-01", timezone="Asia/Kolkata"),
+        ins={"rows": dg.AssetIn(key="invoice_export__asia_kolkata")},
+    )
+    def kolkata_totals(rows: pd.DataFrame) -> None:
+        seen["tenants"] = sorted(set(rows["tenant"]))
+        seen["rows"] = len(rows)
+
+    spec = invoice_export(
+        source=SampleInvoiceSource(cadence_minutes=60),
+        tenants={"acme": "America/New_York", "bombay-traders": "Asia/Kolkata", "delhi-mills": "Asia/Kolkata"},
+        timezone="America/New_York",
+        start_date="2026-01-01",
+    )
+    defs = ledgered_definitions(
+        [spec],
+        assets=[kolkata_totals],
+        ledger=None,
+        destination=str(tmp_path / "exports"),
+        environ={"EXPORTS_LEDGER_URL": f"sqlite:///{tmp_path / 'ledger.sqlite3'}"},
+    )
+    assert run_partition(defs, "invoice_export__asia_kolkata", instance, "2026-03-08").success
+    downstream = dg.Definitions.merge(
+        defs, dg.Definitions(jobs=[dg.define_asset_job("totals", selection=["kolkata_totals"])])
+    )
+    result = downstream.resolve_job_def("totals").execute_in_process(partition_key="2026-03-08", instance=instance)
+    assert result.success
+    assert seen == {"tenants": ["bombay-traders", "delhi-mills"], "rows": 48}, "the zone's tenants only, 24 h each"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import warnings
 from collections.abc import Mapping, Sequence
 
@@ -95,8 +96,7 @@ def ledgered_definitions(
             destination=resource,
             file_format=spec.file_format,
             export=spec.name,
-            tenants=list(spec.tenants),
-            asset_tenants={g.asset_name: list(g.tenants) for g in spec.groups} if len(spec.groups) > 1 else {},
+            tenants_by_asset=json.dumps({g.asset_name: list(g.tenants) for g in spec.groups}),
             columns=dict(spec.schema.columns),
             time_column=spec.schema.time_column,
             id_columns=list(spec.schema.id_columns),

@@ -7,6 +7,7 @@ tenant's rows (split here by tenant column and window). Either way each key goes
 """
 
 import hashlib
+import json
 
 import dagster as dg
 import pandas as pd
@@ -30,7 +31,10 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
         file_format: ``csv`` (default) or ``parquet``.
         export: The export's name (default: the asset's name).
         tenants: The tenants whose committed exports ``load_input`` returns (and a frame output is split into).
-        asset_tenants: Per asset name, its tenants, for an export with tenants in several zones (one asset each).
+        tenants_by_asset: JSON object of asset name -> its tenants; wins over ``tenants`` where set. This is what
+            :func:`~export_ledger.dagster.ledgered_definitions` passes: one config value however many tenants, since
+            Dagster processes every resource's config once per job (40 zones of 1,000 tenants would pay for a
+            1,000-item list 40 times when the code location loads).
         columns, time_column, id_columns, tenant_column, order_by, nullable: The export's schema, for a frame output.
         timezone, start_date: The export's calendar, for a frame output.
     """
@@ -40,7 +44,7 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
     file_format: str = "csv"
     export: str = ""
     tenants: list[str] = []
-    asset_tenants: dict[str, list[str]] = {}
+    tenants_by_asset: str = ""
     columns: dict[str, str] = {}
     time_column: str = ""
     id_columns: list[str] = []
@@ -100,7 +104,7 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
         for partition_key in sorted(context.asset_partition_keys):
             window = calendar.window(partition_key)
             in_window = (times >= window.start_utc) & (times < window.end_utc)
-            for tenant in self.tenants:
+            for tenant in self._tenants_of(context.asset_key.path[-1]):
                 rows = frame[in_window & (frame[schema.tenant_column] == tenant)]
                 placed += len(rows)
                 if not window.is_empty:
@@ -112,10 +116,15 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
             )
         return ExportBatch(schema, items)
 
+    def _tenants_of(self, asset_name: str) -> list[str]:
+        if self.tenants_by_asset:
+            return json.loads(self.tenants_by_asset).get(asset_name, [])
+        return list(self.tenants)
+
     def load_input(self, context: dg.InputContext) -> pd.DataFrame:
         """Committed exports only: every (partition, tenant) must be ``completed`` and match its checksum."""
         export = self.export or context.asset_key.path[-1]
-        tenants = self.asset_tenants.get(context.asset_key.path[-1], self.tenants)
+        tenants = self._tenants_of(context.asset_key.path[-1])
         ledger = self.ledger.get_ledger()
         destination = self.destination.get_destination()
         frames = []

@@ -46,7 +46,8 @@ BIN = Path(sys.executable).parent
 PRODUCTION_INSTANCE = PROJECT / "deploy" / "dagster.yaml"
 LOCATION = "export-ledger"
 ASSET = "invoice_export"
-TENANTS = ("acme", "globex")
+TENANTS = ("acme", "globex")  # the New York tenants: the asset invoice_export
+KOLKATA_ASSET, KOLKATA_TENANT = "invoice_export__asia_kolkata", "bombay-traders"  # a tenant in its own zone
 pytestmark = pytest.mark.e2e
 POOL = "exports-local-invoice_export"  # the invoice export's pool on a local-folder destination
 
@@ -59,7 +60,10 @@ CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 _LOCATION_SOURCE = f"""\
 from definitions import build_definitions
 
-defs = build_definitions(max_partitions_per_run={PARTITIONS_PER_RUN})
+defs = build_definitions(
+    tenants={{"acme": "America/New_York", "globex": "America/New_York", "bombay-traders": "Asia/Kolkata"}},
+    max_partitions_per_run={PARTITIONS_PER_RUN},
+)
 """
 
 _FINISHED = {"SUCCESS", "FAILURE", "CANCELED"}
@@ -176,7 +180,7 @@ class Stack:
     def ledger(self) -> ExportLedger:
         return ExportLedger(self.ledger_url)
 
-    def launch_partition(self, partition: str, **tags: str) -> str:
+    def launch_partition(self, partition: str, asset: str = ASSET, **tags: str) -> str:
         data = self.gql(
             """mutation($params: ExecutionParams!) { launchRun(executionParams: $params) {
                  __typename ... on LaunchRunSuccess { run { runId } } ... on Error { message } } }""",
@@ -185,7 +189,7 @@ class Stack:
                     "repositoryLocationName": LOCATION,
                     "repositoryName": "__repository__",
                     "jobName": "__ASSET_JOB",
-                    "assetSelection": [{"path": [ASSET]}],
+                    "assetSelection": [{"path": [asset]}],
                 },
                 "executionMetadata": {
                     "tags": [
@@ -228,12 +232,13 @@ class Stack:
         )["logsForRun"]["events"]
         return [event.get("message") or "" for event in events]
 
-    def materialized_partitions(self, partitions: list[str] | None) -> dict[str, str]:
+    def materialized_partitions(self, partitions: list[str] | None, asset: str = ASSET) -> dict[str, str]:
         """Partition key -> run id of its latest materialization, of ``partitions`` (None: of all) that have one."""
         events = self.gql(
-            """query($partitions: [String!]) { assetOrError(assetKey: {path: ["invoice_export"]}) {
+            """query($partitions: [String!], $asset: [String!]!) { assetOrError(assetKey: {path: $asset}) {
                  ... on Asset { assetMaterializations(partitions: $partitions) { partition runId timestamp } } } }""",
             partitions=partitions,
+            asset=[asset],
         )["assetOrError"]["assetMaterializations"]
         latest: dict[str, tuple[float, str]] = {}
         for event in events:
@@ -303,7 +308,6 @@ def stack(postgres_admin_url: str, tmp_path_factory: pytest.TempPathFactory) -> 
             "DAGSTER_PG_DB": database,
             "EXPORTS_LEDGER_URL": ledger_url,
             "EXPORTS_DESTINATION": str(root / "exports"),
-            "EXPORTS_TENANTS": ",".join(TENANTS),
             "EXPORTS_LEASE_TTL_SECONDS": str(LEASE_TTL_SECONDS),
             "EXPORTS_FAILPOINTS": "after_claim=pause:1",
             "PYTHONPATH": str(PROJECT),
@@ -627,3 +631,26 @@ def test_run_whose_worker_dies_is_failed_and_retried_on_the_same_partition_after
         f"dead worker: run failed {detected_after:.1f}s after SIGKILL ({explanation[0][:90]}...); "
         f"{len(retries)} retries on {partition}; exported by {path}; ledger outcomes of {held.logical_key}: {outcomes}"
     )
+
+
+@pytest.mark.postgres
+def test_a_tenant_in_its_own_zone_has_its_own_asset_and_partitions(stack: Stack):
+    """Runs last: the Kolkata tenant's asset, launched like any other, holds that zone's partitions."""
+    partition = "2026-04-01"
+    run_id = stack.launch_partition(partition, asset=KOLKATA_ASSET)
+    run = stack.wait_for_run(run_id)
+    assert run["status"] == "SUCCESS", "\n".join(stack.messages(run_id)[-15:])
+    assert stack.materialized_partitions([partition], asset=KOLKATA_ASSET) == {partition: run_id}
+    assert stack.materialized_partitions([partition]) == {}, "the New York asset's partition is its own"
+    node = stack.gql(
+        """query($asset: [String!]!) { assetNodeOrError(assetKey: {path: $asset}) { ... on AssetNode {
+             partitionDefinition { description } partitionStats { numMaterialized } } } }""",
+        asset=[KOLKATA_ASSET],
+    )["assetNodeOrError"]
+    assert "Asia/Kolkata" in node["partitionDefinition"]["description"], "the UI shows the zone's own partitions"
+    assert node["partitionStats"]["numMaterialized"] >= 1
+    (record,) = stack.ledger().records(export=ASSET, tenant=KOLKATA_TENANT, date_from=dt.date(2026, 4, 1),
+                                      date_to=dt.date(2026, 4, 1))  # fmt: skip
+    assert (record.timezone, record.state) == ("Asia/Kolkata", ExportState.COMPLETED)
+    assert record.window_start_utc == dt.datetime(2026, 3, 31, 18, 30, tzinfo=dt.timezone.utc)
+    assert record.committed_attempt == f"{run_id}/{KOLKATA_ASSET}"

@@ -376,3 +376,32 @@ def test_a_downstream_asset_loads_the_committed_exports_of_its_zones_tenants(tmp
     result = downstream.resolve_job_def("totals").execute_in_process(partition_key="2026-03-08", instance=instance)
     assert result.success
     assert seen == {"tenants": ["bombay-traders", "delhi-mills"], "rows": 48}, "the zone's tenants only, 24 h each"
+
+
+def test_contracts_per_tenant_upgrade_from_an_export_wide_contract(sqlite_url, capsys):
+    ledger = ExportLedger(sqlite_url)
+    new_york = ExportCalendar("America/New_York", "2026-01-01").contract()
+    kolkata = ExportCalendar("Asia/Kolkata", "2026-01-01").contract()
+    ledger.check_contract("invoice_export", new_york)  # what release 0.2.0 recorded: one contract for the export
+    window = window_for(dt.date(2026, 3, 8), "America/New_York")
+    claim = ledger.claim(LogicalKey("invoice_export", "acme", window), "run-1/step")
+    ledger.fail(claim, RuntimeError("stopped"))  # acme has history under the export-wide contract
+
+    refused = ledger.check_contracts("invoice_export", {"acme": new_york, "bombay": kolkata})
+    assert refused == {}, "acme matches the export-wide contract; bombay is new, so nothing to protect"
+    assert ledger.contract_in_force("invoice_export", "bombay") == kolkata
+    assert ledger.contract_in_force("invoice_export", "acme") == new_york
+    refused = ledger.check_contracts("invoice_export", {"acme": kolkata, "bombay": kolkata})
+    assert list(refused) == ["acme"], "a tenant with keys is refused a new zone; the other tenant runs"
+    assert "--tenant acme --timezone Asia/Kolkata" in str(refused["acme"])
+    assert "declare the move in code" in str(refused["acme"])
+
+    url_args = ["--ledger-url", sqlite_url, "accept-contract", "--export", "invoice_export"]
+    args = [*url_args, "--timezone", "America/New_York", "--start-date", "2026-02-01", "--reason", "later start"]
+    assert cli.main(args) == 2
+    assert "tenants in other zones than America/New_York (bombay): accept per tenant with --tenant" in (
+        capsys.readouterr().err
+    )
+    assert cli.main([*url_args, "--tenant", "acme", *args[len(url_args):]]) == 0  # fmt: skip
+    assert ledger.contract_in_force("invoice_export", "acme")["start_date"] == "2026-02-01"
+    assert ledger.contract_in_force("invoice_export", "bombay") == kolkata, "the other tenant is untouched"

@@ -162,18 +162,44 @@ class _KeyExport:
     log: Callable[[str, str], None]
 
     def run(self, item: ExportItem, attempt: str) -> ExportResult:
-        ledger = self.ledger
-        outcome = ledger.claim(item.key, attempt)
+        outcome = self.ledger.claim(item.key, attempt)
         if isinstance(outcome, AlreadyCompleted):
-            record = outcome.record
+            return self.skipped(outcome, item)
+        claim = outcome
+        status, effect = self.effect(claim, item)
+        if isinstance(effect, ExportRecord):
+            record = effect  # a transactional destination recorded it with its rows
+        else:
+            failpoints.reach("before_commit")
+            record = self.ledger.complete(claim, effect)
+        failpoints.reach("after_commit")
+        return self.result(record, item, status, attempt)
+
+    def skipped(self, outcome: AlreadyCompleted, item: ExportItem) -> ExportResult:
+        record = outcome.record
+        self.log(
+            "info",
+            f"{record.logical_key} already completed by attempt {record.committed_attempt}; skipped, no new effect",
+        )
+        return ExportResult.of(record, item.partition_key, "already_completed")
+
+    def result(self, record: ExportRecord, item: ExportItem, status: str, attempt: str) -> ExportResult:
+        if status != "exported":
             self.log(
                 "info",
-                f"{record.logical_key} already completed by attempt {record.committed_attempt}; skipped, no new effect",
+                f"{record.logical_key} {status}: {record.row_count} rows at {record.location} (attempt {attempt})",
             )
-            return ExportResult.of(record, item.partition_key, "already_completed")
-        claim = outcome
+        return ExportResult.of(record, item.partition_key, status)
+
+    def effect(self, claim: Claim, item: ExportItem) -> tuple[str, ExportRecord | CompletionEvidence]:
+        """Everything between a key's claim and its completion record: the repair, publish or transactional write.
+
+        Returns the status and either the committed record (a transactional destination commits rows and record
+        together) or the evidence of the published export, still to be recorded. A failure is recorded on the key
+        (``failed``, ``conflict`` or ``remote_unknown``) and raised again.
+        """
+        ledger = self.ledger
         target = target_for(item.key)
-        record = None
         try:
             failpoints.reach("after_claim")
             if not _same_window(claim, item.key):
@@ -189,20 +215,18 @@ class _KeyExport:
                         f"{self.destination.location(target)} already holds {existing.logical_key} although the "
                         f"ledger has no completion for {claim.logical_key}"
                     )
-                record = self._write_in_transaction(claim, item, target)
-                status = "exported"
-            elif existing is not None:
+                return "exported", self._write_in_transaction(claim, item, target)
+            if existing is not None:
                 evidence = self._evidence_from(existing, claim, target)
-                status = "repaired"
                 self.log(
                     "warning",
                     f"{claim.logical_key} was published by attempt {existing.attempt_id} but never recorded; "
                     "recording it from its manifest instead of writing a second copy",
                 )
-            else:
-                evidence = self._publish(claim, item, target)
-                # Publishing can meet another attempt's export (a fenced owner's late upload): that is a repair.
-                status = "exported" if evidence.attempt_id == claim.attempt_id else "repaired"
+                return "repaired", evidence
+            evidence = self._publish(claim, item, target)
+            # Publishing can meet another attempt's export (a fenced owner's late upload): that is a repair.
+            return ("exported" if evidence.attempt_id == claim.attempt_id else "repaired"), evidence
         except PublishOutcomeUnknown as exc:
             ledger.mark_remote_unknown(
                 claim, exc, sha256=getattr(exc, "intended_sha256", None), location=self.destination.location(target)
@@ -222,16 +246,6 @@ class _KeyExport:
         except Exception as exc:
             ledger.fail(claim, exc)
             raise
-        if record is None:
-            failpoints.reach("before_commit")
-            record = ledger.complete(claim, evidence)
-        failpoints.reach("after_commit")
-        if status != "exported":
-            self.log(
-                "info",
-                f"{record.logical_key} {status}: {record.row_count} rows at {record.location} (attempt {attempt})",
-            )
-        return ExportResult.of(record, item.partition_key, status)
 
     def _publish(self, claim: Claim, item: ExportItem, target: ExportTarget) -> CompletionEvidence:
         destination = self.destination
@@ -326,6 +340,13 @@ class _KeyExport:
         )
 
 
+#: Keys claimed together in one ledger transaction, and completed together in one more, by :func:`export_batch`.
+#: Bounded because every lease of a group starts at the group's claim: a group must be exported within the lease
+#: (15 minutes by default) or reconciliation may take its last keys back, and a crash before a group's completion
+#: commit leaves at most this many keys to be repaired from their manifests.
+DEFAULT_GROUP_SIZE = 50
+
+
 def export_batch(
     ledger: ExportLedger,
     destination: Destination,
@@ -334,13 +355,29 @@ def export_batch(
     *,
     file_format: str = "csv",
     log: Callable[[str, str], None] | None = None,
+    group_size: int = DEFAULT_GROUP_SIZE,
 ) -> list[ExportResult]:
     """:func:`export_key` for every key of a run, in order. One key's failure is that key's: every other key is
     still exported, and then the failures are raised together (one error as itself, several as
-    :class:`ExportBatchFailed` naming each key). A lost ledger stops at once: nothing else could be recorded."""
+    :class:`ExportBatchFailed` naming each key). A lost ledger stops at once: nothing else could be recorded.
+
+    A run of several keys works in groups of ``group_size``: the group's keys are claimed in one ledger transaction
+    (:meth:`~export_ledger.ledger.ExportLedger.claim_many`: a lease and fencing token per key, as one by one), then
+    each key is repaired, published or written, and the completions of the group's published keys are recorded in
+    one more transaction (:meth:`~export_ledger.ledger.ExportLedger.complete_many`). Every guarantee of
+    :func:`export_key` holds per key: a crash between a publish and its group's commit leaves the key ``in_progress``
+    with its export published, which the next claim repairs from the manifest (never a second copy); a key whose
+    lease was taken over is fenced, alone; refused, already-completed and failed keys are reported as one by one.
+    The failpoints fire per key at the same places (``before_commit`` after the key's publish, ``after_commit``
+    after its group's commit). A single key goes through :func:`export_key` itself.
+    """
+    if group_size < 1:
+        raise ValueError(f"group_size must be at least 1, got {group_size}")
+    data_file_name(file_format)
     log = log or _default_log
     failures: list[tuple[str, Exception]] = []
-    for item in batch.items:
+    if len(batch.items) == 1:
+        (item,) = batch.items
         try:
             batch.results.append(
                 export_key(ledger, destination, batch.schema, item, attempt, file_format=file_format, log=log)
@@ -350,6 +387,11 @@ def export_batch(
         except Exception as exc:
             log("error", f"{item.key}: {safe_message(exc)}")
             failures.append((str(item.key), exc))
+    else:
+        exporter = _KeyExport(ledger, destination, batch.schema, file_format, log)
+        for first in range(0, len(batch.items), group_size):
+            group = batch.items[first : first + group_size]
+            batch.results.extend(_export_group(exporter, group, attempt, failures))
     if len(failures) == 1:
         raise failures[0][1]
     if failures:
@@ -358,3 +400,57 @@ def export_batch(
             0
         ][1]
     return batch.results
+
+
+def _export_group(
+    exporter: _KeyExport, group: list[ExportItem], attempt: str, failures: list[tuple[str, Exception]]
+) -> list[ExportResult]:
+    """One group of :func:`export_batch`: one claim transaction, the keys' effects, one completion transaction.
+
+    Returns the group's results in item order; appends each failed key, with its error, to ``failures``.
+    """
+    ledger, log = exporter.ledger, exporter.log
+    results: dict[int, ExportResult] = {}
+    unrecorded: list[tuple[int, Claim, str, CompletionEvidence]] = []
+    recorded: list[tuple[int, str, ExportRecord]] = []
+
+    def failed(i: int, exc: Exception) -> None:
+        log("error", f"{group[i].key}: {safe_message(exc)}")
+        failures.append((str(group[i].key), exc))
+
+    outcomes = ledger.claim_many([item.key for item in group], attempt)
+    for i, (item, outcome) in enumerate(zip(group, outcomes, strict=True)):
+        if isinstance(outcome, AlreadyCompleted):
+            results[i] = exporter.skipped(outcome, item)
+            continue
+        if isinstance(outcome, LedgerError):
+            failed(i, outcome)
+            continue
+        try:
+            status, effect = exporter.effect(outcome, item)
+            if isinstance(effect, ExportRecord):
+                recorded.append((i, status, effect))
+                continue
+            failpoints.reach("before_commit")
+        except LedgerUnavailable:
+            raise
+        except Exception as exc:
+            failed(i, exc)
+            continue
+        unrecorded.append((i, outcome, status, effect))
+
+    # Until this commit the group's exports are published and not recorded: the case repair already handles.
+    committed = ledger.complete_many([(claim, evidence) for _, claim, _, evidence in unrecorded])
+    for (i, _, status, _), record in zip(unrecorded, committed, strict=True):
+        if isinstance(record, FencedOut):
+            failed(i, record)
+        else:
+            recorded.append((i, status, record))
+    for i, status, record in sorted(recorded, key=lambda entry: entry[0]):
+        try:
+            failpoints.reach("after_commit")
+        except Exception as exc:
+            failed(i, exc)
+            continue
+        results[i] = exporter.result(record, group[i], status, attempt)
+    return [results[i] for i in sorted(results)]

@@ -9,12 +9,14 @@ completed is skipped with no new effect. Plain Python, no Dagster.
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pandas as pd
+import pyarrow as pa
 
 from export_ledger import failpoints
 from export_ledger.calendar import utc_iso
@@ -29,7 +31,15 @@ from export_ledger.destinations.base import (
     TransactionalDestination,
 )
 from export_ledger.errors import safe_message
-from export_ledger.frames import ExportSchema, Manifest, data_file_name, validate_frame
+from export_ledger.frames import (
+    ExportSchema,
+    FrameBatches,
+    Manifest,
+    TableStream,
+    data_file_name,
+    validate_batches,
+    validate_frame,
+)
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger import (
     AlreadyCompleted,
@@ -41,6 +51,7 @@ from export_ledger.ledger import (
     LedgerError,
     LedgerUnavailable,
 )
+from export_ledger.sources import DEFAULT_BATCH_ROWS, ExportSource
 
 _log = logging.getLogger("export_ledger")
 
@@ -59,11 +70,53 @@ class ExportOutcomeUnknown(DestinationError):
 
 @dataclass(frozen=True)
 class ExportItem:
-    """One logical key to export. ``frame`` is None when the key was found completed and nothing was read."""
+    """One logical key to export.
+
+    ``frame`` is the key's rows: one DataFrame (validated whole, sorted if needed), or
+    :class:`~export_ledger.frames.FrameBatches` (validated, written and hashed batch by batch with bounded memory;
+    the rows must arrive in file order, see :func:`~export_ledger.frames.validate_batches`), or None when the key was
+    found completed and nothing was read.
+    """
 
     key: LogicalKey
     partition_key: str
-    frame: pd.DataFrame | None
+    frame: pd.DataFrame | FrameBatches | None
+
+    @classmethod
+    def streamed(
+        cls,
+        key: LogicalKey,
+        partition_key: str,
+        source: ExportSource,
+        schema: ExportSchema,
+        *,
+        batch_rows: int = DEFAULT_BATCH_ROWS,
+    ) -> ExportItem:
+        """An item whose rows are read from ``source`` in batches of ``batch_rows`` while they are exported.
+
+        Nothing is read until the export runs (and never for a key found completed).
+        """
+        start, end = key.window.start_utc, key.window.end_utc
+        return cls(key, partition_key, FrameBatches(_LazyBatches(source, key.tenant, start, end, schema, batch_rows)))
+
+
+@dataclass(frozen=True)
+class _LazyBatches:
+    """The source's batches, requested only when iterated."""
+
+    source: ExportSource
+    tenant: str
+    start_utc: dt.datetime
+    end_utc: dt.datetime
+    schema: ExportSchema
+    batch_rows: int
+
+    def __iter__(self):
+        return iter(
+            self.source.batches(
+                self.tenant, self.start_utc, self.end_utc, schema=self.schema, batch_rows=self.batch_rows
+            )
+        )
 
 
 @dataclass(frozen=True)
@@ -256,7 +309,7 @@ class _KeyExport:
                 f"{claim.logical_key} was completed when the asset planned this run but is claimable now; "
                 "rerun to read its source"
             )
-        table = validate_frame(item.frame, self.schema, claim.window, what=claim.logical_key, tenant=item.key.tenant)
+        table = self._validated(claim, item)
         destination.discard_abandoned(target, claim.fencing_token, min_age=self.ledger.lease_ttl)
         template = self._manifest_template(claim, item)
         staged = destination.stage(target, table, self.file_format, template)
@@ -295,7 +348,12 @@ class _KeyExport:
         """Rows and completion record in one ledger transaction: both commit or neither."""
         if item.frame is None:
             raise LedgerError(f"{claim.logical_key} was planned as completed but is claimable now; rerun it")
-        table = validate_frame(item.frame, self.schema, claim.window, what=claim.logical_key, tenant=item.key.tenant)
+        table = self._validated(claim, item)
+        if isinstance(table, TableStream):
+            # The rows go into the ledger's database in the completion transaction, one statement for the key: a
+            # stream is validated batch by batch, then gathered into one table (bounded memory is for files).
+            tables = list(table)
+            table = pa.concat_tables(tables) if tables else table.schema.empty_table()
         template = self._manifest_template(claim, item)
 
         def effect(connection) -> CompletionEvidence:
@@ -307,6 +365,15 @@ class _KeyExport:
             )
 
         return self.ledger.complete_within(claim, effect)
+
+    def _validated(self, claim: Claim, item: ExportItem) -> pa.Table | TableStream:
+        """The item's rows checked against the schema and the claim's window: a whole table for a DataFrame, a stream
+        of validated tables (checked while they are written) for :class:`~export_ledger.frames.FrameBatches`."""
+        if isinstance(item.frame, FrameBatches):
+            return validate_batches(
+                item.frame, self.schema, claim.window, what=claim.logical_key, tenant=item.key.tenant
+            )
+        return validate_frame(item.frame, self.schema, claim.window, what=claim.logical_key, tenant=item.key.tenant)
 
     def _manifest_template(self, claim: Claim, item: ExportItem) -> Manifest:
         return Manifest.build(

@@ -363,6 +363,7 @@ def _validated_tables(
     digests: list[np.ndarray] = []
     previous: tuple | None = None
     offset = 0
+    frame = keys = None
     for number, frame in enumerate(batches):
         where = f"{what} (batch {number + 1}, rows {offset + 1}-{offset + len(frame)})"
         _check_rows(frame, schema, window, where, tenant)
@@ -394,6 +395,7 @@ def _validated_tables(
         digests.append(pd.util.hash_pandas_object(frame[ids], index=False).to_numpy())
         offset += len(frame)
         yield _to_arrow(frame[list(schema.columns)], schema, where)
+    del frame, keys  # the last batch is written: free it before the digests are gathered and sorted
     if digests:
         everything = np.concatenate(digests)
         digests.clear()

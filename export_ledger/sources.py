@@ -21,8 +21,10 @@ from export_ledger.errors import SourceError
 from export_ledger.frames import ExportSchema
 from export_ledger.ledger.store import redact_url
 
-#: Rows per batch when a source streams: about 10-30 MB of a DataFrame of a few columns, a row group of Parquet.
-DEFAULT_BATCH_ROWS = 100_000
+#: Rows per batch when a source streams. Measured on a 6-column export from PostgreSQL (benchmarks/streaming.py):
+#: a batch costs about 1.3 KB a row while it is in flight (the driver's row objects, the DataFrame, the Arrow table,
+#: the id hashes), so 50,000 rows keep an export's peak near 130 MiB above the interpreter's, whatever the partition.
+DEFAULT_BATCH_ROWS = 50_000
 
 
 class ExportSource(ABC):
@@ -177,7 +179,11 @@ class SqlSource(ExportSource):
                 names = list(result.keys())
                 for rows in result.partitions(batch_rows):
                     frame = pd.DataFrame(rows, columns=names)
-                    yield frame if schema is None else self.conform(frame, schema)
+                    del rows  # the driver's row objects are the largest copy of a batch: free them before the next
+                    if schema is not None:
+                        frame = self.conform(frame, schema)
+                    yield frame
+                    del frame  # held while suspended otherwise, beside the next batch being fetched
         except sa.exc.SQLAlchemyError as exc:
             orig = getattr(exc, "orig", None) or exc
             raise SourceError(

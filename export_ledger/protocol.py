@@ -436,29 +436,37 @@ def export_batch(
     with its export published, which the next claim repairs from the manifest (never a second copy); a key whose
     lease was taken over is fenced, alone; refused, already-completed and failed keys are reported as one by one.
     The failpoints fire per key at the same places (``before_commit`` after the key's publish, ``after_commit``
-    after its group's commit). A single key goes through :func:`export_key` itself.
+    after its group's commit). A single key, and each streamed key (:class:`~export_ledger.frames.FrameBatches`,
+    claimed right before it is read so that its lease covers its own export only), go through :func:`export_key`'s
+    path one by one.
     """
     if group_size < 1:
         raise ValueError(f"group_size must be at least 1, got {group_size}")
     data_file_name(file_format)
     log = log or _default_log
     failures: list[tuple[str, Exception]] = []
-    if len(batch.items) == 1:
-        (item,) = batch.items
+    exporter = _KeyExport(ledger, destination, batch.schema, file_format, log)
+    group: list[ExportItem] = []
+    for position, item in enumerate(batch.items):
+        if len(batch.items) > 1 and not isinstance(item.frame, FrameBatches):
+            group.append(item)
+            if len(group) == group_size or position == len(batch.items) - 1:
+                batch.results.extend(_export_group(exporter, group, attempt, failures))
+                group = []
+            continue
+        # A single key, or a streamed one: claimed alone, right before it is read. A streamed key is large by
+        # nature (minutes of reading), so a lease taken with a group's could run out before its turn came, while
+        # one ledger commit is nothing beside its export.
+        if group:
+            batch.results.extend(_export_group(exporter, group, attempt, failures))
+            group = []
         try:
-            batch.results.append(
-                export_key(ledger, destination, batch.schema, item, attempt, file_format=file_format, log=log)
-            )
+            batch.results.append(exporter.run(item, attempt))
         except LedgerUnavailable:
             raise
         except Exception as exc:
             log("error", f"{item.key}: {safe_message(exc)}")
             failures.append((str(item.key), exc))
-    else:
-        exporter = _KeyExport(ledger, destination, batch.schema, file_format, log)
-        for first in range(0, len(batch.items), group_size):
-            group = batch.items[first : first + group_size]
-            batch.results.extend(_export_group(exporter, group, attempt, failures))
     if len(failures) == 1:
         raise failures[0][1]
     if failures:

@@ -34,7 +34,8 @@ from export_ledger.frames import (
 )
 from export_ledger.ledger import ExportLedger
 from export_ledger.ledger.schema import AttemptOutcome, ExportState
-from export_ledger.protocol import ExportItem, export_key
+from export_ledger.protocol import ExportBatch, ExportItem, export_batch, export_key
+from export_ledger.sources import CallableSource
 
 SCHEMA = ExportSchema(
     {"order_id": "string", "tenant": "string", "placed_at": "timestamp", "total": "float"},
@@ -235,3 +236,53 @@ def test_sql_source_errors_while_streaming_name_the_database_not_the_values(tmp_
     with pytest.raises(Exception, match="cannot stream the source query on") as raised:
         list(source.batches("acme", KEY.window.start_utc, KEY.window.end_utc))
     assert "acme" not in str(raised.value)
+
+
+def test_an_empty_stream_exports_an_empty_file_with_its_header(tmp_path: Path) -> None:
+    _, result = export(tmp_path, FrameBatches([]))
+    (folder,) = published_dirs(tmp_path / "exports")
+    assert result.row_count == 0
+    assert (folder / "data.csv").read_bytes() == b'"order_id","tenant","placed_at","total"\n'
+
+
+def test_a_streamed_key_in_a_run_is_claimed_alone_when_its_turn_comes(tmp_path: Path) -> None:
+    ledger = ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    before, streamed, after = (key_for(DAY, tenant=t) for t in ("before", "acme", "after"))
+    seen: dict[str, object] = {}
+
+    def batches():
+        # What the ledger holds when the stream is first read: the keys before it are done, the next is untouched.
+        seen["before"] = ledger.get(str(before)).state
+        seen["after"] = ledger.get(str(after))
+        yield from split(orders(), 64)
+
+    def frame_of(key) -> pd.DataFrame:
+        return orders(10).assign(tenant=key.tenant, order_id=lambda f: key.tenant + f["order_id"])
+
+    batch = ExportBatch(
+        SCHEMA,
+        [
+            ExportItem(before, DAY.isoformat(), frame_of(before)),
+            ExportItem(streamed, DAY.isoformat(), FrameBatches(batches())),
+            ExportItem(after, DAY.isoformat(), frame_of(after)),
+        ],
+    )
+    results = export_batch(ledger, LocalDestination(str(tmp_path / "exports")), batch, "run-1/export")
+    assert [r.status for r in results] == ["exported"] * 3
+    assert seen == {"before": ExportState.COMPLETED, "after": None}
+    assert results[1].row_count == 200
+
+
+def test_a_declared_callable_source_that_yields_batches_is_streamed(tmp_path: Path) -> None:
+    calls = []
+
+    def read(tenant: str, start: dt.datetime, end: dt.datetime):
+        calls.append(tenant)
+        yield from split(orders(), 25)
+
+    item = ExportItem.streamed(KEY, DAY.isoformat(), CallableSource(read), SCHEMA)
+    assert calls == [], "nothing is read before the export runs"
+    _, result = export(tmp_path, item.frame)
+    assert calls == ["acme"] and result.row_count == 200
+    _, whole = export(tmp_path / "whole", orders())
+    assert result.sha256 == whole.sha256

@@ -278,7 +278,8 @@ class ExportLedger(RetentionMixin, ContractsMixin):
         inserts: list[dict] = []
         attempts: list[dict] = []
         with self.atomic() as conn:
-            outcome = self._claim_in(conn, key, self._find(conn, key, lock=True), attempt_id, now, inserts, attempts)
+            row = self._find(conn, key, lock=True)
+            outcome = self._claim_in(conn, key, row, attempt_id, now, inserts, attempts, {})
             if inserts:
                 conn.execute(_INSERT_RUN, inserts[0])
             if attempts:
@@ -352,12 +353,13 @@ class ExportLedger(RetentionMixin, ContractsMixin):
         outcomes: list[Claim | AlreadyCompleted | LedgerError | None] = [None] * len(keys)
         inserts: list[dict] = []
         attempts: list[dict] = []
+        marks: dict[str, dt.date | None] = {}  # each export's low-water mark, read once for the group
         with self.atomic() as conn:
             found = self._find_many(conn, keys)
             for i in order:
                 key = keys[i]
                 row = found.get((key.export, key.tenant, key.window.timezone, key.window.business_date))
-                outcomes[i] = self._claim_in(conn, key, row, attempt_id, now, inserts, attempts)
+                outcomes[i] = self._claim_in(conn, key, row, attempt_id, now, inserts, attempts, marks)
             if inserts:
                 conn.execute(_INSERT_RUN, inserts)  # one executemany, in logical key order
             if attempts:
@@ -392,16 +394,20 @@ class ExportLedger(RetentionMixin, ContractsMixin):
         now: dt.datetime,
         inserts: list[dict],
         attempts: list[dict],
+        marks: dict[str, dt.date | None],
     ) -> Claim | AlreadyCompleted | LedgerError:
         """Decides one key's claim inside the caller's transaction, from its locked row (None: no row yet).
 
         Updates of existing rows run here; the first claim's row and the attempt rows are appended to ``inserts`` and
         ``attempts`` for the caller to write. A refusal is returned (its attempt row appended), never raised, so the
         caller commits that row; a key below the low-water mark is returned with no row, as :meth:`claim` writes none.
+        ``marks`` caches the low-water mark of each export for the transaction.
         """
         expires = now + self.lease_ttl
         if row is None:
-            mark = self._low_water(conn, key.export)
+            if key.export not in marks:
+                marks[key.export] = self._low_water(conn, key.export)
+            mark = marks[key.export]
             if mark is not None and key.window.business_date < mark and not self.allow_below_low_water:
                 return BelowLowWater(
                     f"{key} is below the retention low-water mark of {key.export} ({mark.isoformat()}): its "

@@ -369,7 +369,7 @@ def _validated_tables(
         _check_rows(frame, schema, window, where, tenant)
         if not len(frame):
             continue
-        keys = [_sortable(frame[name], where) for name in order]
+        keys = [_sortable(frame[name]) for name in order]
         later, equal = _lexicographic_steps(keys, where)
         if (~later & ~equal).any():
             raise FrameError(
@@ -408,7 +408,7 @@ def _validated_tables(
             )
 
 
-def _sortable(series: pd.Series, where: str) -> np.ndarray:
+def _sortable(series: pd.Series) -> np.ndarray:
     """A column as values whose ``<`` is the file's order: timestamps as int64 microseconds, others as they are."""
     if isinstance(series.dtype, pd.DatetimeTZDtype):
         return series.dt.as_unit("us").array.asi8

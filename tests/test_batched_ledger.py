@@ -10,6 +10,7 @@ commit, repaired by the next run from the manifests (one published export per ke
 from __future__ import annotations
 
 import datetime as dt
+import threading
 from pathlib import Path
 
 import pandas as pd
@@ -243,3 +244,42 @@ def test_one_bad_key_of_a_group_fails_alone(tmp_path: Path, clocked) -> None:
     ]
     assert [r.logical_key for r in batch.results] == [str(keys[0]), str(keys[2])]
     assert len(published_dirs(tmp_path / "exports")) == 2
+
+
+def _claim_group(url: str, keys: list, attempt: str, start, results) -> None:
+    ledger = ExportLedger(url)
+    start.wait(timeout=30)
+    try:
+        results[attempt] = ledger.claim_many(keys, attempt)
+    except BaseException as exc:  # the test asserts there was none
+        results[attempt] = exc
+
+
+def test_two_runs_claiming_overlapping_groups_at_once_each_key_goes_to_exactly_one(ledger_url) -> None:
+    """Threads with their own connections, keys given in opposite orders: rows are locked in key order, and a
+    first claim inserted under a concurrent group falls back to one-by-one claims, so nobody deadlocks or fails."""
+    keys = [key_for(DAY, tenant=f"r{i:02d}") for i in range(20)]
+    half = ExportLedger(ledger_url)
+    for key in keys[::2]:
+        half.fail(half.claim(key, "run-0/export"), RuntimeError("source down"))  # half retried, half first claims
+    for round_index in range(3):
+        for key in keys:
+            assert half.get(str(key)) is None or half.get(str(key)).state is not ExportState.IN_PROGRESS
+        results: dict = {}
+        start = threading.Barrier(2)
+        threads = [
+            threading.Thread(target=_claim_group, args=(ledger_url, order, attempt, start, results))
+            for order, attempt in ((keys, f"run-a{round_index}/export"), (keys[::-1], f"run-b{round_index}/export"))
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        a, b = results[f"run-a{round_index}/export"], results[f"run-b{round_index}/export"]
+        assert isinstance(a, list) and isinstance(b, list), f"a claimer failed: {a!r} {b!r}"
+        for key, mine, theirs in zip(keys, a, b[::-1], strict=True):
+            outcomes = sorted(type(o).__name__ for o in (mine, theirs))
+            assert outcomes == ["Claim", "LeaseHeld"], f"{key}: {outcomes}"
+            winner = mine if isinstance(mine, Claim) else theirs
+            assert half.get(str(key)).lease_owner == winner.attempt_id
+            half.fail(winner, RuntimeError("next round"))

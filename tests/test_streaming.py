@@ -286,3 +286,41 @@ def test_a_declared_callable_source_that_yields_batches_is_streamed(tmp_path: Pa
     assert calls == ["acme"] and result.row_count == 200
     _, whole = export(tmp_path / "whole", orders())
     assert result.sha256 == whole.sha256
+
+
+def test_a_stream_to_s3_publishes_the_whole_frame_objects_and_a_bad_one_leaves_nothing(
+    tmp_path: Path, s3_server: str, s3_bucket: str, s3_credentials: dict, monkeypatch
+) -> None:
+    import boto3
+
+    from export_ledger.destinations.s3 import S3Destination
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # the S3 destination stages in a local folder of its own
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr("tempfile.tempdir", None)
+    destination = S3Destination(
+        bucket=s3_bucket,
+        prefix="streams",
+        endpoint_url=s3_server,
+        access_key_id="testing",
+        secret_access_key="testing",
+    )
+    ledger = ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    result = export_key(
+        ledger, destination, SCHEMA, ExportItem(KEY, DAY.isoformat(), FrameBatches(split(orders(), 30))), "run-1/export"
+    )
+    _, whole = export(tmp_path / "whole", orders())
+    assert (result.row_count, result.sha256) == (200, whole.sha256)
+
+    other = key_for(DAY, tenant="globex")
+    bad = [batch.assign(tenant="globex", order_id=lambda f: "g" + f["order_id"]) for batch in split(orders(), 50)]
+    bad[3].loc[4, "order_id"] = bad[0].loc[4, "order_id"]  # the first of a timestamp pair: still in order
+    with pytest.raises(FrameError, match="repeat the order_id values"):
+        export_key(ledger, destination, SCHEMA, ExportItem(other, DAY.isoformat(), FrameBatches(bad)), "run-1/export")
+    client = boto3.client("s3", endpoint_url=s3_server, **s3_credentials)
+    names = [o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket).get("Contents", [])]
+    client.close()
+    assert names and not [n for n in names if "tenant=globex" in n], "nothing of the bad stream was uploaded"
+    assert ledger.get(str(other)).state is ExportState.FAILED
+    staging = tmp_path / "tmp" / "export-ledger-s3-staging"
+    assert not list(staging.iterdir()), "the partly written local staging file was removed"

@@ -324,3 +324,14 @@ def test_a_stream_to_s3_publishes_the_whole_frame_objects_and_a_bad_one_leaves_n
     assert ledger.get(str(other)).state is ExportState.FAILED
     staging = tmp_path / "tmp" / "export-ledger-s3-staging"
     assert not list(staging.iterdir()), "the partly written local staging file was removed"
+
+
+def test_a_repeated_id_is_found_across_a_long_stream() -> None:
+    """Thousands of rows in many batches (the digests' array grows several times): the first id comes back last."""
+    frame = orders(6_000, every="10s")
+    stream = validate_batches(FrameBatches(split(frame, 500)), SCHEMA, KEY.window, "long", "acme")
+    assert write_rows(stream, "csv", io.BytesIO())[1] == 6_000
+    frame.loc[5_998, "order_id"] = "o000000"
+    stream = validate_batches(FrameBatches(split(frame, 500)), SCHEMA, KEY.window, "long", "acme")
+    with pytest.raises(FrameError, match=r"long: 1 row\(s\) repeat the order_id values"):
+        write_rows(stream, "csv", io.BytesIO())

@@ -9,12 +9,14 @@ completed is skipped with no new effect. Plain Python, no Dagster.
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pandas as pd
+import pyarrow as pa
 
 from export_ledger import failpoints
 from export_ledger.calendar import utc_iso
@@ -29,7 +31,15 @@ from export_ledger.destinations.base import (
     TransactionalDestination,
 )
 from export_ledger.errors import safe_message
-from export_ledger.frames import ExportSchema, Manifest, data_file_name, validate_frame
+from export_ledger.frames import (
+    ExportSchema,
+    FrameBatches,
+    Manifest,
+    TableStream,
+    data_file_name,
+    validate_batches,
+    validate_frame,
+)
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger import (
     AlreadyCompleted,
@@ -41,6 +51,7 @@ from export_ledger.ledger import (
     LedgerError,
     LedgerUnavailable,
 )
+from export_ledger.sources import DEFAULT_BATCH_ROWS, ExportSource
 
 _log = logging.getLogger("export_ledger")
 
@@ -59,11 +70,53 @@ class ExportOutcomeUnknown(DestinationError):
 
 @dataclass(frozen=True)
 class ExportItem:
-    """One logical key to export. ``frame`` is None when the key was found completed and nothing was read."""
+    """One logical key to export.
+
+    ``frame`` is the key's rows: one DataFrame (validated whole, sorted if needed), or
+    :class:`~export_ledger.frames.FrameBatches` (validated, written and hashed batch by batch with bounded memory;
+    the rows must arrive in file order, see :func:`~export_ledger.frames.validate_batches`), or None when the key was
+    found completed and nothing was read.
+    """
 
     key: LogicalKey
     partition_key: str
-    frame: pd.DataFrame | None
+    frame: pd.DataFrame | FrameBatches | None
+
+    @classmethod
+    def streamed(
+        cls,
+        key: LogicalKey,
+        partition_key: str,
+        source: ExportSource,
+        schema: ExportSchema,
+        *,
+        batch_rows: int = DEFAULT_BATCH_ROWS,
+    ) -> ExportItem:
+        """An item whose rows are read from ``source`` in batches of ``batch_rows`` while they are exported.
+
+        Nothing is read until the export runs (and never for a key found completed).
+        """
+        start, end = key.window.start_utc, key.window.end_utc
+        return cls(key, partition_key, FrameBatches(_LazyBatches(source, key.tenant, start, end, schema, batch_rows)))
+
+
+@dataclass(frozen=True)
+class _LazyBatches:
+    """The source's batches, requested only when iterated."""
+
+    source: ExportSource
+    tenant: str
+    start_utc: dt.datetime
+    end_utc: dt.datetime
+    schema: ExportSchema
+    batch_rows: int
+
+    def __iter__(self):
+        return iter(
+            self.source.batches(
+                self.tenant, self.start_utc, self.end_utc, schema=self.schema, batch_rows=self.batch_rows
+            )
+        )
 
 
 @dataclass(frozen=True)
@@ -162,18 +215,44 @@ class _KeyExport:
     log: Callable[[str, str], None]
 
     def run(self, item: ExportItem, attempt: str) -> ExportResult:
-        ledger = self.ledger
-        outcome = ledger.claim(item.key, attempt)
+        outcome = self.ledger.claim(item.key, attempt)
         if isinstance(outcome, AlreadyCompleted):
-            record = outcome.record
+            return self.skipped(outcome, item)
+        claim = outcome
+        status, effect = self.effect(claim, item)
+        if isinstance(effect, ExportRecord):
+            record = effect  # a transactional destination recorded it with its rows
+        else:
+            failpoints.reach("before_commit")
+            record = self.ledger.complete(claim, effect)
+        failpoints.reach("after_commit")
+        return self.result(record, item, status, attempt)
+
+    def skipped(self, outcome: AlreadyCompleted, item: ExportItem) -> ExportResult:
+        record = outcome.record
+        self.log(
+            "info",
+            f"{record.logical_key} already completed by attempt {record.committed_attempt}; skipped, no new effect",
+        )
+        return ExportResult.of(record, item.partition_key, "already_completed")
+
+    def result(self, record: ExportRecord, item: ExportItem, status: str, attempt: str) -> ExportResult:
+        if status != "exported":
             self.log(
                 "info",
-                f"{record.logical_key} already completed by attempt {record.committed_attempt}; skipped, no new effect",
+                f"{record.logical_key} {status}: {record.row_count} rows at {record.location} (attempt {attempt})",
             )
-            return ExportResult.of(record, item.partition_key, "already_completed")
-        claim = outcome
+        return ExportResult.of(record, item.partition_key, status)
+
+    def effect(self, claim: Claim, item: ExportItem) -> tuple[str, ExportRecord | CompletionEvidence]:
+        """Everything between a key's claim and its completion record: the repair, publish or transactional write.
+
+        Returns the status and either the committed record (a transactional destination commits rows and record
+        together) or the evidence of the published export, still to be recorded. A failure is recorded on the key
+        (``failed``, ``conflict`` or ``remote_unknown``) and raised again.
+        """
+        ledger = self.ledger
         target = target_for(item.key)
-        record = None
         try:
             failpoints.reach("after_claim")
             if not _same_window(claim, item.key):
@@ -189,20 +268,18 @@ class _KeyExport:
                         f"{self.destination.location(target)} already holds {existing.logical_key} although the "
                         f"ledger has no completion for {claim.logical_key}"
                     )
-                record = self._write_in_transaction(claim, item, target)
-                status = "exported"
-            elif existing is not None:
+                return "exported", self._write_in_transaction(claim, item, target)
+            if existing is not None:
                 evidence = self._evidence_from(existing, claim, target)
-                status = "repaired"
                 self.log(
                     "warning",
                     f"{claim.logical_key} was published by attempt {existing.attempt_id} but never recorded; "
                     "recording it from its manifest instead of writing a second copy",
                 )
-            else:
-                evidence = self._publish(claim, item, target)
-                # Publishing can meet another attempt's export (a fenced owner's late upload): that is a repair.
-                status = "exported" if evidence.attempt_id == claim.attempt_id else "repaired"
+                return "repaired", evidence
+            evidence = self._publish(claim, item, target)
+            # Publishing can meet another attempt's export (a fenced owner's late upload): that is a repair.
+            return ("exported" if evidence.attempt_id == claim.attempt_id else "repaired"), evidence
         except PublishOutcomeUnknown as exc:
             ledger.mark_remote_unknown(
                 claim, exc, sha256=getattr(exc, "intended_sha256", None), location=self.destination.location(target)
@@ -222,16 +299,6 @@ class _KeyExport:
         except Exception as exc:
             ledger.fail(claim, exc)
             raise
-        if record is None:
-            failpoints.reach("before_commit")
-            record = ledger.complete(claim, evidence)
-        failpoints.reach("after_commit")
-        if status != "exported":
-            self.log(
-                "info",
-                f"{record.logical_key} {status}: {record.row_count} rows at {record.location} (attempt {attempt})",
-            )
-        return ExportResult.of(record, item.partition_key, status)
 
     def _publish(self, claim: Claim, item: ExportItem, target: ExportTarget) -> CompletionEvidence:
         destination = self.destination
@@ -242,7 +309,7 @@ class _KeyExport:
                 f"{claim.logical_key} was completed when the asset planned this run but is claimable now; "
                 "rerun to read its source"
             )
-        table = validate_frame(item.frame, self.schema, claim.window, what=claim.logical_key, tenant=item.key.tenant)
+        table = self._validated(claim, item)
         destination.discard_abandoned(target, claim.fencing_token, min_age=self.ledger.lease_ttl)
         template = self._manifest_template(claim, item)
         staged = destination.stage(target, table, self.file_format, template)
@@ -281,7 +348,12 @@ class _KeyExport:
         """Rows and completion record in one ledger transaction: both commit or neither."""
         if item.frame is None:
             raise LedgerError(f"{claim.logical_key} was planned as completed but is claimable now; rerun it")
-        table = validate_frame(item.frame, self.schema, claim.window, what=claim.logical_key, tenant=item.key.tenant)
+        table = self._validated(claim, item)
+        if isinstance(table, TableStream):
+            # The rows go into the ledger's database in the completion transaction, one statement for the key: a
+            # stream is validated batch by batch, then gathered into one table (bounded memory is for files).
+            tables = list(table)
+            table = pa.concat_tables(tables) if tables else table.schema.empty_table()
         template = self._manifest_template(claim, item)
 
         def effect(connection) -> CompletionEvidence:
@@ -293,6 +365,15 @@ class _KeyExport:
             )
 
         return self.ledger.complete_within(claim, effect)
+
+    def _validated(self, claim: Claim, item: ExportItem) -> pa.Table | TableStream:
+        """The item's rows checked against the schema and the claim's window: a whole table for a DataFrame, a stream
+        of validated tables (checked while they are written) for :class:`~export_ledger.frames.FrameBatches`."""
+        if isinstance(item.frame, FrameBatches):
+            return validate_batches(
+                item.frame, self.schema, claim.window, what=claim.logical_key, tenant=item.key.tenant
+            )
+        return validate_frame(item.frame, self.schema, claim.window, what=claim.logical_key, tenant=item.key.tenant)
 
     def _manifest_template(self, claim: Claim, item: ExportItem) -> Manifest:
         return Manifest.build(
@@ -326,6 +407,13 @@ class _KeyExport:
         )
 
 
+#: Keys claimed together in one ledger transaction, and completed together in one more, by :func:`export_batch`.
+#: Bounded because every lease of a group starts at the group's claim: a group must be exported within the lease
+#: (15 minutes by default) or reconciliation may take its last keys back, and a crash before a group's completion
+#: commit leaves at most this many keys to be repaired from their manifests.
+DEFAULT_GROUP_SIZE = 50
+
+
 def export_batch(
     ledger: ExportLedger,
     destination: Destination,
@@ -334,17 +422,46 @@ def export_batch(
     *,
     file_format: str = "csv",
     log: Callable[[str, str], None] | None = None,
+    group_size: int = DEFAULT_GROUP_SIZE,
 ) -> list[ExportResult]:
     """:func:`export_key` for every key of a run, in order. One key's failure is that key's: every other key is
     still exported, and then the failures are raised together (one error as itself, several as
-    :class:`ExportBatchFailed` naming each key). A lost ledger stops at once: nothing else could be recorded."""
+    :class:`ExportBatchFailed` naming each key). A lost ledger stops at once: nothing else could be recorded.
+
+    A run of several keys works in groups of ``group_size``: the group's keys are claimed in one ledger transaction
+    (:meth:`~export_ledger.ledger.ExportLedger.claim_many`: a lease and fencing token per key, as one by one), then
+    each key is repaired, published or written, and the completions of the group's published keys are recorded in
+    one more transaction (:meth:`~export_ledger.ledger.ExportLedger.complete_many`). Every guarantee of
+    :func:`export_key` holds per key: a crash between a publish and its group's commit leaves the key ``in_progress``
+    with its export published, which the next claim repairs from the manifest (never a second copy); a key whose
+    lease was taken over is fenced, alone; refused, already-completed and failed keys are reported as one by one.
+    The failpoints fire per key at the same places (``before_commit`` after the key's publish, ``after_commit``
+    after its group's commit). A single key, and each streamed key (:class:`~export_ledger.frames.FrameBatches`,
+    claimed right before it is read so that its lease covers its own export only), go through :func:`export_key`'s
+    path one by one.
+    """
+    if group_size < 1:
+        raise ValueError(f"group_size must be at least 1, got {group_size}")
+    data_file_name(file_format)
     log = log or _default_log
     failures: list[tuple[str, Exception]] = []
-    for item in batch.items:
+    exporter = _KeyExport(ledger, destination, batch.schema, file_format, log)
+    group: list[ExportItem] = []
+    for position, item in enumerate(batch.items):
+        if len(batch.items) > 1 and not isinstance(item.frame, FrameBatches):
+            group.append(item)
+            if len(group) == group_size or position == len(batch.items) - 1:
+                batch.results.extend(_export_group(exporter, group, attempt, failures))
+                group = []
+            continue
+        # A single key, or a streamed one: claimed alone, right before it is read. A streamed key is large by
+        # nature (minutes of reading), so a lease taken with a group's could run out before its turn came, while
+        # one ledger commit is nothing beside its export.
+        if group:
+            batch.results.extend(_export_group(exporter, group, attempt, failures))
+            group = []
         try:
-            batch.results.append(
-                export_key(ledger, destination, batch.schema, item, attempt, file_format=file_format, log=log)
-            )
+            batch.results.append(exporter.run(item, attempt))
         except LedgerUnavailable:
             raise
         except Exception as exc:
@@ -358,3 +475,57 @@ def export_batch(
             0
         ][1]
     return batch.results
+
+
+def _export_group(
+    exporter: _KeyExport, group: list[ExportItem], attempt: str, failures: list[tuple[str, Exception]]
+) -> list[ExportResult]:
+    """One group of :func:`export_batch`: one claim transaction, the keys' effects, one completion transaction.
+
+    Returns the group's results in item order; appends each failed key, with its error, to ``failures``.
+    """
+    ledger, log = exporter.ledger, exporter.log
+    results: dict[int, ExportResult] = {}
+    unrecorded: list[tuple[int, Claim, str, CompletionEvidence]] = []
+    recorded: list[tuple[int, str, ExportRecord]] = []
+
+    def failed(i: int, exc: Exception) -> None:
+        log("error", f"{group[i].key}: {safe_message(exc)}")
+        failures.append((str(group[i].key), exc))
+
+    outcomes = ledger.claim_many([item.key for item in group], attempt)
+    for i, (item, outcome) in enumerate(zip(group, outcomes, strict=True)):
+        if isinstance(outcome, AlreadyCompleted):
+            results[i] = exporter.skipped(outcome, item)
+            continue
+        if isinstance(outcome, LedgerError):
+            failed(i, outcome)
+            continue
+        try:
+            status, effect = exporter.effect(outcome, item)
+            if isinstance(effect, ExportRecord):
+                recorded.append((i, status, effect))
+                continue
+            failpoints.reach("before_commit")
+        except LedgerUnavailable:
+            raise
+        except Exception as exc:
+            failed(i, exc)
+            continue
+        unrecorded.append((i, outcome, status, effect))
+
+    # Until this commit the group's exports are published and not recorded: the case repair already handles.
+    committed = ledger.complete_many([(claim, evidence) for _, claim, _, evidence in unrecorded])
+    for (i, _, status, _), record in zip(unrecorded, committed, strict=True):
+        if isinstance(record, FencedOut):
+            failed(i, record)
+        else:
+            recorded.append((i, status, record))
+    for i, status, record in sorted(recorded, key=lambda entry: entry[0]):
+        try:
+            failpoints.reach("after_commit")
+        except Exception as exc:
+            failed(i, exc)
+            continue
+        results[i] = exporter.result(record, group[i], status, attempt)
+    return [results[i] for i in sorted(results)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pandas as pd
@@ -20,6 +20,11 @@ from export_ledger.calendar import require_aware
 from export_ledger.errors import SourceError
 from export_ledger.frames import ExportSchema
 from export_ledger.ledger.store import redact_url
+
+#: Rows per batch when a source streams. Measured on a 6-column export from PostgreSQL (benchmarks/streaming.py):
+#: a batch costs about 1.3 KB a row while it is in flight (the driver's row objects, the DataFrame, the Arrow table,
+#: the id hashes), so 50,000 rows keep an export's peak near 130 MiB above the interpreter's, whatever the partition.
+DEFAULT_BATCH_ROWS = 50_000
 
 
 class ExportSource(ABC):
@@ -32,6 +37,24 @@ class ExportSource(ABC):
     def count(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> int:
         """How many rows :meth:`rows` returns for the same arguments (the export's asset check compares it)."""
         return len(self.rows(tenant, start_utc, end_utc))
+
+    def batches(
+        self,
+        tenant: str,
+        start_utc: dt.datetime,
+        end_utc: dt.datetime,
+        *,
+        schema: ExportSchema | None = None,
+        batch_rows: int = DEFAULT_BATCH_ROWS,
+    ) -> Iterator[pd.DataFrame]:
+        """The rows of :meth:`rows` as DataFrames of at most about ``batch_rows`` rows each, in file order.
+
+        A source that can stream overrides this to yield batches as it reads them, so that an export holds one batch
+        at a time (:class:`~export_ledger.frames.FrameBatches`). This default reads :meth:`rows` whole and yields it
+        as one batch: the memory of the whole frame, the same rows. ``schema`` lets a source conform its values to
+        the export's kinds.
+        """
+        yield self.rows(tenant, start_utc, end_utc)
 
 
 def bounds(start_utc: dt.datetime, end_utc: dt.datetime) -> tuple[dt.datetime, dt.datetime]:
@@ -53,6 +76,24 @@ class CallableSource(ExportSource):
     def rows(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> pd.DataFrame:
         start, end = bounds(start_utc, end_utc)
         return self.fn(tenant, start, end)
+
+    def batches(
+        self,
+        tenant: str,
+        start_utc: dt.datetime,
+        end_utc: dt.datetime,
+        *,
+        schema: ExportSchema | None = None,
+        batch_rows: int = DEFAULT_BATCH_ROWS,
+    ) -> Iterator[pd.DataFrame]:
+        """The function's result: a DataFrame is one batch; an iterable of DataFrames (a generator that yields
+        batches in file order) is streamed as it comes."""
+        start, end = bounds(start_utc, end_utc)
+        result = self.fn(tenant, start, end)
+        if isinstance(result, pd.DataFrame):
+            yield result
+        else:
+            yield from result
 
     def count(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> int:
         if self.counter is None:
@@ -87,7 +128,9 @@ class SqlSource(ExportSource):
         try:
             with engine.connect() as conn:
                 result = conn.execute(statement, parameters)
-                return list(result.keys()), result.all()
+                # Plain tuples: pandas looks attributes up on SQLAlchemy's Row objects row by row, which made building
+                # the frame several times slower than reading the rows (benchmarks/streaming.py's profile).
+                return list(result.keys()), [tuple(row) for row in result]
         except sa.exc.SQLAlchemyError as exc:
             orig = getattr(exc, "orig", None) or exc
             raise SourceError(
@@ -105,6 +148,51 @@ class SqlSource(ExportSource):
         start, end = bounds(start_utc, end_utc)
         names, rows = self._run(self._statement(), {"tenant": tenant, "start": start, "end": end})
         return pd.DataFrame(rows, columns=names)
+
+    def batches(
+        self,
+        tenant: str,
+        start_utc: dt.datetime,
+        end_utc: dt.datetime,
+        *,
+        schema: ExportSchema | None = None,
+        batch_rows: int = DEFAULT_BATCH_ROWS,
+    ) -> Iterator[pd.DataFrame]:
+        """The query's rows streamed from the database in DataFrames of ``batch_rows`` rows (the last one shorter).
+
+        The query runs on a server-side cursor (``stream_results`` with ``yield_per``: a named cursor on PostgreSQL),
+        so neither the driver nor this process holds more than one batch. For an export the query must return the
+        rows in file order (``ORDER BY`` the time column, then the ids; on PostgreSQL with ``COLLATE "C"`` on text
+        ids, so the database's order is Python's code point order), which the export checks batch by batch. With
+        ``schema`` each batch's values are conformed to its kinds (:meth:`conform`). The connection stays open
+        until the last batch is read or the iteration is abandoned.
+
+        Raises:
+            SourceError: the query failed (the message names the database, never a value).
+        """
+        if batch_rows < 1:
+            raise ValueError(f"batch_rows must be at least 1, got {batch_rows}")
+        start, end = bounds(start_utc, end_utc)
+        engine = sa.create_engine(self.url, hide_parameters=True)  # errors never carry customer values
+        try:
+            with engine.connect() as conn:
+                streaming = conn.execution_options(stream_results=True, yield_per=batch_rows)
+                result = streaming.execute(self._statement(), {"tenant": tenant, "start": start, "end": end})
+                names = list(result.keys())
+                for rows in result.partitions(batch_rows):
+                    frame = pd.DataFrame([tuple(row) for row in rows], columns=names)  # tuples: see _run
+                    del rows  # the driver's row objects are the largest copy of a batch: free them before the next
+                    if schema is not None:
+                        frame = self.conform(frame, schema)
+                    yield frame
+                    del frame  # held while suspended otherwise, beside the next batch being fetched
+        except sa.exc.SQLAlchemyError as exc:
+            orig = getattr(exc, "orig", None) or exc
+            raise SourceError(
+                f"cannot stream the source query on {redact_url(self.url)!r}: {type(orig).__name__}"
+            ) from None
+        finally:
+            engine.dispose()
 
     def conform(self, frame: pd.DataFrame, schema: ExportSchema) -> pd.DataFrame:
         """Database values as the schema's kinds: timestamps read as UTC, numbers as numbers (values that do not

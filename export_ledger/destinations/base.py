@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from export_ledger.errors import ExportLedgerError
-from export_ledger.frames import Manifest
+from export_ledger.frames import Manifest, TableStream
 
 
 class DestinationError(ExportLedgerError, RuntimeError):
@@ -101,8 +101,15 @@ class PublishingDestination(Destination):
     """A destination outside the ledger's database: stage invisibly, publish atomically, never replace."""
 
     @abstractmethod
-    def stage(self, target: ExportTarget, table: pa.Table, file_format: str, manifest: Manifest) -> StagedExport:
-        """Writes data and manifest where readers cannot see them; ``manifest`` gets the sha256 and row count."""
+    def stage(
+        self, target: ExportTarget, table: pa.Table | TableStream, file_format: str, manifest: Manifest
+    ) -> StagedExport:
+        """Writes data and manifest where readers cannot see them; ``manifest`` gets the sha256 and row count.
+
+        ``table`` is a whole table, or a stream of validated tables to write batch by batch with
+        :func:`~export_ledger.frames.write_rows`; a stream that fails validation raises from the write, and the
+        partly staged export must then be removed before the error goes on.
+        """
 
     @abstractmethod
     def publish(self, staged: StagedExport) -> Manifest:

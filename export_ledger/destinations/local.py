@@ -21,7 +21,7 @@ from export_ledger.destinations.base import (
     PublishOutcomeUnknown,
     StagedExport,
 )
-from export_ledger.frames import MANIFEST_NAME, Manifest, write_table
+from export_ledger.frames import MANIFEST_NAME, Manifest, TableStream, write_rows
 
 
 def _fsync_path(path: Path) -> None:
@@ -68,7 +68,9 @@ class LocalDestination(PublishingDestination):
             raise DestinationError(f"cannot read {manifest_path}: {exc.strerror}") from None
         return Manifest.from_json(payload, str(manifest_path))
 
-    def stage(self, target: ExportTarget, table: pa.Table, file_format: str, manifest: Manifest) -> StagedExport:
+    def stage(
+        self, target: ExportTarget, table: pa.Table | TableStream, file_format: str, manifest: Manifest
+    ) -> StagedExport:
         final = self._target_dir(target)
         parent = final.parent
         try:
@@ -81,11 +83,11 @@ class LocalDestination(PublishingDestination):
         try:
             data_path = staging / manifest.data_file
             with open(data_path, "xb") as handle:
-                sha256 = write_table(table, file_format, handle)
+                sha256, row_count = write_rows(table, file_format, handle)
                 handle.flush()
                 os.fsync(handle.fileno())
             os.chmod(data_path, _PUBLISHED_MODE)
-            complete = Manifest(**{**manifest.__dict__, "sha256": sha256, "row_count": table.num_rows})
+            complete = Manifest(**{**manifest.__dict__, "sha256": sha256, "row_count": row_count})
             manifest_path = staging / MANIFEST_NAME
             with open(manifest_path, "xb") as handle:
                 handle.write(complete.to_json())

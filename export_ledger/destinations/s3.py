@@ -39,7 +39,7 @@ from export_ledger.destinations.base import (
     PublishOutcomeUnknown,
     StagedExport,
 )
-from export_ledger.frames import MANIFEST_NAME, Manifest, ManifestError, write_table
+from export_ledger.frames import MANIFEST_NAME, Manifest, ManifestError, write_rows
 
 
 def _boto():
@@ -204,7 +204,7 @@ class S3Destination(PublishingDestination):
         handle, path = tempfile.mkstemp(prefix=f"{os.getpid()}-", suffix=f".{file_format}", dir=folder)
         try:
             with os.fdopen(handle, "wb") as sink:
-                sha256 = write_table(table, file_format, sink)
+                sha256, row_count = write_rows(table, file_format, sink)
         except BaseException:
             os.unlink(path)
             raise
@@ -212,7 +212,7 @@ class S3Destination(PublishingDestination):
             **{
                 **manifest.__dict__,
                 "sha256": sha256,
-                "row_count": table.num_rows,
+                "row_count": row_count,
                 "data_file": self.data_name(manifest, file_format),
             }
         )

@@ -250,11 +250,7 @@ class ExportLedger(RetentionMixin, ContractsMixin):
             LeaseHeld: another attempt holds a live lease; the message names it.
             NeedsReconciliation: the key is ``remote_unknown``.
         """
-        if key.window.is_empty:
-            raise EmptyWindow(
-                f"{key.window.business_date} does not exist in {key.window.timezone} (the zone skipped that calendar "
-                f"day): its window is empty and {key.export} for {key.tenant} has nothing to export"
-            )
+        self._check_not_empty(key)
         for _ in range(5):
             try:
                 return self._claim_once(key, attempt_id)
@@ -271,97 +267,240 @@ class ExportLedger(RetentionMixin, ContractsMixin):
                 raise LedgerError(f"could not record a claim on {key}: {type(exc.orig).__name__}") from None
         raise LedgerError(f"could not claim {key}: the row kept changing under concurrent claims")
 
+    @staticmethod
+    def _check_not_empty(key: LogicalKey) -> None:
+        if key.window.is_empty:
+            raise EmptyWindow(
+                f"{key.window.business_date} does not exist in {key.window.timezone} (the zone skipped that calendar "
+                f"day): its window is empty and {key.export} for {key.tenant} has nothing to export"
+            )
+
     def _claim_once(self, key: LogicalKey, attempt_id: str) -> Claim | AlreadyCompleted:
         now = self.now()
-        expires = now + self.lease_ttl
-        refusal: LedgerError | None = None
+        inserts: list[dict] = []
+        attempts: list[dict] = []
         with self.atomic() as conn:
             row = self._find(conn, key, lock=True)
-            if row is None:
-                mark = self._low_water(conn, key.export)
-                if mark is not None and key.window.business_date < mark and not self.allow_below_low_water:
-                    raise BelowLowWater(
-                        f"{key} is below the retention low-water mark of {key.export} ({mark.isoformat()}): its "
-                        "completion record may have been pruned, so exporting it again could duplicate an export. "
-                        "Refused; an operator who knows it was never exported can allow it explicitly "
-                        "(EXPORTS_ALLOW_BELOW_LOW_WATER=1 for that run)"
-                    )
-                tz_database = tz_database_version(key.window.timezone)
-                conn.execute(
-                    _INSERT_RUN,
-                    dict(
-                        logical_key=str(key),
-                        export=key.export,
-                        tenant=key.tenant,
-                        business_date=key.window.business_date,
-                        timezone=key.window.timezone,
-                        window_start_utc=key.window.start_utc,
-                        window_end_utc=key.window.end_utc,
-                        tz_database=tz_database,
-                        state=ExportState.IN_PROGRESS.value,
-                        lease_owner=attempt_id,
-                        lease_expires_at=expires,
-                        attempt_started_at=now,
-                        fencing_token=1,
-                        created_at=now,
-                        updated_at=now,
-                    ),
-                )
-                return Claim(str(key), attempt_id, 1, key.window, now, expires, None, tz_database)
+            outcome = self._claim_in(conn, key, row, attempt_id, now, inserts, attempts, {})
+            if inserts:
+                conn.execute(_INSERT_RUN, inserts[0])
+            if attempts:
+                conn.execute(_INSERT_ATTEMPT, attempts)
+        if isinstance(outcome, LedgerError):
+            raise outcome  # after the commit: the refused attempt's row must survive
+        return outcome
 
-            record = ExportRecord.from_row(row)
-            if record.state is ExportState.COMPLETED:
-                self._append_attempt(conn, record.logical_key, attempt_id, None, now, AttemptOutcome.ALREADY_COMPLETED)
-                return AlreadyCompleted(record)
-            if record.state is ExportState.CONFLICT:
-                refusal = ConflictRecorded(
-                    f"{record.logical_key} is in conflict: the destination holds a different export at "
-                    f"{record.location or 'its place'}; refusing to overwrite it until an operator resolves it"
+    def claim_many(self, keys: Sequence[LogicalKey], attempt_id: str) -> list[Claim | AlreadyCompleted | LedgerError]:
+        """:meth:`claim` for several keys in one transaction: one durable commit for a group of a run's keys.
+
+        Each key gets exactly what :meth:`claim` would give it: its own lease and fencing token (a first claim, a
+        retry of a ``failed`` key, or a takeover of an expired lease, recorded ``abandoned`` for the dead holder), the
+        same attempt rows, and the same refusals. A refusal is returned in the key's place instead of being raised,
+        so one refused key never stops the others; its ``refused`` attempt row commits with the rest.
+
+        Rows are locked in logical key order and new keys inserted in that order, so two attempts claiming
+        overlapping groups at once wait for each other instead of deadlocking. If a concurrent first claim
+        inserted one of the keys between this transaction's read and its insert, the whole transaction rolls
+        back (nothing of it was acted upon) and the keys are claimed one by one with :meth:`claim`, whose retry
+        and messages handle exactly that race.
+
+        Args:
+            keys: Distinct logical keys.
+            attempt_id: This attempt's id.
+
+        Returns:
+            Per key, in the order given: a :class:`Claim`, :class:`AlreadyCompleted`, or the :class:`LedgerError`
+            :meth:`claim` would have raised (``LeaseHeld``, ``NeedsReconciliation``, ``ConflictRecorded``,
+            ``BelowLowWater``, ``EmptyWindow``).
+
+        Raises:
+            ValueError: a key appears twice.
+            LedgerUnavailable: the ledger failed; nothing was claimed.
+        """
+        names = [str(key) for key in keys]
+        if len(set(names)) != len(names):
+            repeated = sorted({name for name in names if names.count(name) > 1})
+            raise ValueError(f"claim_many needs distinct keys; repeated: {repeated[:5]}")
+        outcomes: list[Claim | AlreadyCompleted | LedgerError | None] = [None] * len(keys)
+        pending = []
+        for i, key in enumerate(keys):
+            try:
+                self._check_not_empty(key)
+                pending.append(i)
+            except EmptyWindow as exc:
+                outcomes[i] = exc
+        if not pending:
+            return outcomes
+        try:
+            claimed = self._claim_many_once([keys[i] for i in pending], attempt_id)
+        except sa.exc.IntegrityError:
+            claimed = [self._claim_or_refusal(keys[i], attempt_id) for i in pending]
+        for i, outcome in zip(pending, claimed, strict=True):
+            outcomes[i] = outcome
+        return outcomes
+
+    def _claim_or_refusal(self, key: LogicalKey, attempt_id: str) -> Claim | AlreadyCompleted | LedgerError:
+        try:
+            return self.claim(key, attempt_id)
+        except LedgerUnavailable:
+            raise
+        except LedgerError as exc:
+            return exc
+
+    def _claim_many_once(
+        self, keys: Sequence[LogicalKey], attempt_id: str
+    ) -> list[Claim | AlreadyCompleted | LedgerError]:
+        now = self.now()
+        order = sorted(range(len(keys)), key=lambda i: str(keys[i]))
+        outcomes: list[Claim | AlreadyCompleted | LedgerError | None] = [None] * len(keys)
+        inserts: list[dict] = []
+        attempts: list[dict] = []
+        marks: dict[str, dt.date | None] = {}  # each export's low-water mark, read once for the group
+        with self.atomic() as conn:
+            found = self._find_many(conn, keys)
+            for i in order:
+                key = keys[i]
+                row = found.get((key.export, key.tenant, key.window.timezone, key.window.business_date))
+                outcomes[i] = self._claim_in(conn, key, row, attempt_id, now, inserts, attempts, marks)
+            if inserts:
+                conn.execute(_INSERT_RUN, inserts)  # one executemany, in logical key order
+            if attempts:
+                conn.execute(_INSERT_ATTEMPT, attempts)
+        return outcomes
+
+    def _find_many(self, conn: Connection, keys: Sequence[LogicalKey]) -> dict[tuple, sa.Row]:
+        """The rows of ``keys``' business days, locked in logical key order (one statement for the group).
+
+        The filter is the product of the keys' exports, tenants, zones and dates, so it may lock a few rows of other
+        keys of the same days as well: they are released at the commit, moments later.
+        """
+        query = (
+            sa.select(export_runs)
+            .where(
+                export_runs.c.export.in_(sorted({k.export for k in keys})),
+                export_runs.c.tenant.in_(sorted({k.tenant for k in keys})),
+                export_runs.c.timezone.in_(sorted({k.window.timezone for k in keys})),
+                export_runs.c.business_date.in_(sorted({k.window.business_date for k in keys})),
+            )
+            .order_by(export_runs.c.logical_key)
+            .with_for_update()
+        )
+        return {(row.export, row.tenant, row.timezone, row.business_date): row for row in conn.execute(query)}
+
+    def _claim_in(
+        self,
+        conn: Connection,
+        key: LogicalKey,
+        row: sa.Row | None,
+        attempt_id: str,
+        now: dt.datetime,
+        inserts: list[dict],
+        attempts: list[dict],
+        marks: dict[str, dt.date | None],
+    ) -> Claim | AlreadyCompleted | LedgerError:
+        """Decides one key's claim inside the caller's transaction, from its locked row (None: no row yet).
+
+        Updates of existing rows run here; the first claim's row and the attempt rows are appended to ``inserts`` and
+        ``attempts`` for the caller to write. A refusal is returned (its attempt row appended), never raised, so the
+        caller commits that row; a key below the low-water mark is returned with no row, as :meth:`claim` writes none.
+        ``marks`` caches the low-water mark of each export for the transaction.
+        """
+        expires = now + self.lease_ttl
+        if row is None:
+            if key.export not in marks:
+                marks[key.export] = self._low_water(conn, key.export)
+            mark = marks[key.export]
+            if mark is not None and key.window.business_date < mark and not self.allow_below_low_water:
+                return BelowLowWater(
+                    f"{key} is below the retention low-water mark of {key.export} ({mark.isoformat()}): its "
+                    "completion record may have been pruned, so exporting it again could duplicate an export. "
+                    "Refused; an operator who knows it was never exported can allow it explicitly "
+                    "(EXPORTS_ALLOW_BELOW_LOW_WATER=1 for that run)"
                 )
-            elif record.state is ExportState.REMOTE_UNKNOWN:
-                refusal = NeedsReconciliation(
-                    f"{record.logical_key} has an unknown outcome at the destination (attempt {record.lease_owner}); "
-                    "retrying could export it twice, so it is refused until reconciliation resolves it"
+            tz_database = tz_database_version(key.window.timezone)
+            inserts.append(
+                dict(
+                    logical_key=str(key),
+                    export=key.export,
+                    tenant=key.tenant,
+                    business_date=key.window.business_date,
+                    timezone=key.window.timezone,
+                    window_start_utc=key.window.start_utc,
+                    window_end_utc=key.window.end_utc,
+                    tz_database=tz_database,
+                    state=ExportState.IN_PROGRESS.value,
+                    lease_owner=attempt_id,
+                    lease_expires_at=expires,
+                    attempt_started_at=now,
+                    fencing_token=1,
+                    created_at=now,
+                    updated_at=now,
                 )
-            elif record.state is ExportState.IN_PROGRESS and record.lease_expires_at > now:
-                refusal = LeaseHeld(
-                    f"{record.logical_key} is being exported by attempt {record.lease_owner} "
-                    f"(lease held until {record.lease_expires_at.isoformat()})"
+            )
+            return Claim(str(key), attempt_id, 1, key.window, now, expires, None, tz_database)
+
+        record = ExportRecord.from_row(row)
+        if record.state is ExportState.COMPLETED:
+            attempts.append(
+                self._attempt_values(record.logical_key, attempt_id, None, now, AttemptOutcome.ALREADY_COMPLETED)
+            )
+            return AlreadyCompleted(record)
+        refusal = self._refusal(record, now)
+        if refusal is not None:
+            error_class, message = short_error(refusal)
+            attempts.append(
+                self._attempt_values(
+                    record.logical_key, attempt_id, None, now, AttemptOutcome.REFUSED, error_class, message
                 )
-            if refusal is not None:
-                error_class, message = short_error(refusal)
-                self._append_attempt(
-                    conn, record.logical_key, attempt_id, None, now, AttemptOutcome.REFUSED, error_class, message
-                )
-            else:
-                transition = T.TAKE_OVER if record.state is ExportState.IN_PROGRESS else T.CLAIM_RETRY
-                if transition is T.TAKE_OVER:
-                    # The holder's lease ran out without a result: record its attempt before taking over.
-                    conn.execute(_INSERT_ATTEMPT, self._abandoned_values(record, now))
-                token = record.fencing_token + 1
-                moved = T.apply(
-                    conn,
-                    transition,
-                    record.logical_key,
-                    token=record.fencing_token,
-                    now=now,
-                    values=dict(
-                        lease_owner=attempt_id,
-                        lease_expires_at=expires,
-                        attempt_started_at=now,
-                        fencing_token=token,
-                        updated_at=now,
-                        # What an earlier attempt meant to write is not this attempt's: judge it by its own export.
-                        sha256=None,
-                        location=None,
-                    ),
-                )
-                if not moved:
-                    raise InvalidTransition(f"{record.logical_key} changed while it was being claimed")
-                return Claim(
-                    record.logical_key, attempt_id, token, record.window, now, expires, record.state, record.tz_database
-                )
-        raise refusal
+            )
+            return refusal
+        transition = T.TAKE_OVER if record.state is ExportState.IN_PROGRESS else T.CLAIM_RETRY
+        if transition is T.TAKE_OVER:
+            # The holder's lease ran out without a result: record its attempt before taking over.
+            attempts.append(self._abandoned_values(record, now))
+        token = record.fencing_token + 1
+        moved = T.apply(
+            conn,
+            transition,
+            record.logical_key,
+            token=record.fencing_token,
+            now=now,
+            values=dict(
+                lease_owner=attempt_id,
+                lease_expires_at=expires,
+                attempt_started_at=now,
+                fencing_token=token,
+                updated_at=now,
+                # What an earlier attempt meant to write is not this attempt's: judge it by its own export.
+                sha256=None,
+                location=None,
+            ),
+        )
+        if not moved:
+            raise InvalidTransition(f"{record.logical_key} changed while it was being claimed")
+        return Claim(
+            record.logical_key, attempt_id, token, record.window, now, expires, record.state, record.tz_database
+        )
+
+    @staticmethod
+    def _refusal(record: ExportRecord, now: dt.datetime) -> LedgerError | None:
+        """Why a key that is not completed cannot be claimed now, or None when it can."""
+        if record.state is ExportState.CONFLICT:
+            return ConflictRecorded(
+                f"{record.logical_key} is in conflict: the destination holds a different export at "
+                f"{record.location or 'its place'}; refusing to overwrite it until an operator resolves it"
+            )
+        if record.state is ExportState.REMOTE_UNKNOWN:
+            return NeedsReconciliation(
+                f"{record.logical_key} has an unknown outcome at the destination (attempt {record.lease_owner}); "
+                "retrying could export it twice, so it is refused until reconciliation resolves it"
+            )
+        if record.state is ExportState.IN_PROGRESS and record.lease_expires_at > now:
+            return LeaseHeld(
+                f"{record.logical_key} is being exported by attempt {record.lease_owner} "
+                f"(lease held until {record.lease_expires_at.isoformat()})"
+            )
+        return None
 
     def complete(
         self, claim: Claim, evidence: CompletionEvidence, *, note: OperatorResolution | None = None
@@ -384,6 +523,66 @@ class ExportLedger(RetentionMixin, ContractsMixin):
                 committed_attempt=evidence.attempt_id,
             ),
         )
+
+    def complete_many(self, completions: Sequence[tuple[Claim, CompletionEvidence]]) -> list[ExportRecord | FencedOut]:
+        """:meth:`complete` for a group of keys in one transaction: one durable commit after their publishes.
+
+        Each key keeps its own guard (its claim's token and lease owner) and transition (``complete``, or
+        ``repair`` when the evidence is an earlier attempt's export). A key whose lease this attempt lost gets its
+        ``fenced`` attempt row and a :class:`FencedOut` in its place; the others still commit. Until this commit the
+        group's exports are published but not recorded: a crash here leaves each key ``in_progress`` with an export
+        at the destination, which the key's next claim (or reconciliation) records from its manifest.
+
+        Returns:
+            Per completion, in the order given: the key's record as committed, or the :class:`FencedOut` to raise.
+        """
+        if not completions:
+            return []
+        names = [claim.logical_key for claim, _ in completions]
+        if len(set(names)) != len(names):
+            raise ValueError(f"complete_many needs distinct keys; got {len(names) - len(set(names))} repeated")
+        now = self.now()
+        fenced: dict[int, FencedOut] = {}
+        attempts: list[dict] = []
+        with self.atomic() as conn:
+            for i, (claim, evidence) in enumerate(completions):
+                transition = T.COMPLETE if evidence.attempt_id == claim.attempt_id else T.REPAIR
+                matched = T.apply(
+                    conn,
+                    transition,
+                    claim.logical_key,
+                    token=claim.fencing_token,
+                    owner=claim.attempt_id,
+                    values=dict(
+                        lease_owner=None,
+                        lease_expires_at=None,
+                        updated_at=now,
+                        location=evidence.location,
+                        sha256=evidence.sha256,
+                        row_count=evidence.row_count,
+                        committed_attempt=evidence.attempt_id,
+                    ),
+                )
+                if matched:
+                    attempts.append(
+                        self._attempt_values(
+                            claim.logical_key,
+                            claim.attempt_id,
+                            claim.fencing_token,
+                            now,
+                            transition.outcome,
+                            started_at=claim.started_at,
+                        )
+                    )
+                else:
+                    fenced[i] = self._record_fenced(conn, claim, now)
+            if attempts:
+                conn.execute(_INSERT_ATTEMPT, attempts)
+            rows = {
+                row.logical_key: row
+                for row in conn.execute(sa.select(export_runs).where(export_runs.c.logical_key.in_(names)))
+            }
+        return [fenced[i] if i in fenced else ExportRecord.from_row(rows[name]) for i, name in enumerate(names)]
 
     def hold(self, logical_key: str, operator: str) -> Claim:
         """Takes a key's lease for an operator who is about to resolve it (``export-ledger resolve``).

@@ -1,0 +1,285 @@
+"""The batched ledger (issue #13): a run of many keys claims a group of them in one transaction and records the
+completions of their publishes in one more, with every guarantee of the one-key path kept per key.
+
+Covered here: one transaction per group, one lease and fencing token per key (a retried key's token moves on, new
+keys start at 1, as with ``claim``); completed keys skipped and held keys refused in their place without stopping the
+others; a concurrent claimer fencing one key of a group; and a crash between a group's publishes and its completion
+commit, repaired by the next run from the manifests (one published export per key, never a second copy).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import sqlalchemy as sa
+from builders import evidence_for, key_for
+from pipeline_helpers import published_dirs
+
+from export_ledger.destinations import LocalDestination
+from export_ledger.failpoints import ENV_VAR as FAILPOINTS
+from export_ledger.failpoints import SimulatedCrash
+from export_ledger.frames import MANIFEST_NAME, ExportSchema, Manifest
+from export_ledger.ledger import AlreadyCompleted, Claim, ExportLedger, FencedOut, LeaseHeld
+from export_ledger.ledger.schema import AttemptOutcome, ExportState
+from export_ledger.protocol import ExportBatch, ExportItem, export_batch
+
+SCHEMA = ExportSchema(
+    {"order_id": "string", "tenant": "string", "placed_at": "timestamp", "total": "float"},
+    "placed_at",
+    ("order_id",),
+    tenant_column="tenant",
+)
+TENANTS = [f"t{i:02d}" for i in range(6)]
+DAY = dt.date(2026, 3, 2)
+
+
+def orders(key) -> pd.DataFrame:
+    """Hourly orders of the key's tenant inside its window."""
+    start, end = pd.Timestamp(key.window.start_utc), pd.Timestamp(key.window.end_utc)
+    times = pd.date_range(start.ceil("h"), end, freq="h", inclusive="left").as_unit("us")
+    return pd.DataFrame(
+        {
+            "order_id": [f"{key.tenant}-{int(t.timestamp())}" for t in times],
+            "tenant": [key.tenant] * len(times),
+            "placed_at": times,
+            "total": [12.5] * len(times),
+        }
+    )
+
+
+def batch_of(keys) -> ExportBatch:
+    return ExportBatch(SCHEMA, [ExportItem(key, key.window.business_date.isoformat(), orders(key)) for key in keys])
+
+
+def commits(ledger: ExportLedger) -> list[int]:
+    """A counter of the ledger's committed transactions (read-only ones included), through SQLAlchemy's events."""
+    counted = [0]
+
+    def on_commit(_connection) -> None:
+        counted[0] += 1
+
+    sa.event.listen(ledger._engine, "commit", on_commit)
+    return counted
+
+
+@pytest.fixture
+def clocked(clock, sqlite_url) -> ExportLedger:
+    return ExportLedger(sqlite_url, clock=clock, lease_ttl=dt.timedelta(minutes=15))
+
+
+def test_claim_many_takes_one_lease_per_key_in_one_transaction(ledger_url, clock) -> None:
+    ledger = ExportLedger(ledger_url, clock=clock)
+    keys = [key_for(DAY, tenant=tenant) for tenant in TENANTS]
+    retried = ledger.claim(keys[2], "run-0/export")
+    ledger.fail(retried, RuntimeError("source down"))
+
+    counted = commits(ledger)
+    outcomes = ledger.claim_many(keys, "run-1/export")
+    assert counted[0] == 1, "the whole group is claimed in one transaction"
+
+    assert all(isinstance(o, Claim) for o in outcomes)
+    assert [o.logical_key for o in outcomes] == [str(k) for k in keys], "outcomes come back in the keys' order"
+    assert [o.fencing_token for o in outcomes] == [1, 1, 2, 1, 1, 1], "each key's own token, as claim gives it"
+    for outcome in outcomes:
+        record = ledger.get(outcome.logical_key)
+        assert record.state is ExportState.IN_PROGRESS
+        assert record.lease_owner == "run-1/export" and record.fencing_token == outcome.fencing_token
+        assert record.lease_expires_at == clock() + ledger.lease_ttl
+    # The key retried keeps its history: one failed attempt, and nothing yet for the new one.
+    assert [a.outcome for a in ledger.attempts(str(keys[2]))] == [AttemptOutcome.FAILED]
+
+    counted[0] = 0
+    records = ledger.complete_many([(claim, evidence_for(claim)) for claim in outcomes])
+    assert counted[0] == 1, "the group's completions are recorded in one transaction"
+    assert all(r.state is ExportState.COMPLETED and r.committed_attempt == "run-1/export" for r in records)
+    assert [a.outcome for a in ledger.attempts(str(keys[2]))] == [AttemptOutcome.FAILED, AttemptOutcome.COMPLETED]
+
+
+def test_claim_many_skips_a_completed_key_and_refuses_a_held_one_without_stopping_the_others(ledger_url) -> None:
+    ledger = ExportLedger(ledger_url)
+    done, held, fresh = (key_for(DAY, tenant=tenant) for tenant in ("done", "held", "fresh"))
+    first = ledger.claim(done, "run-0/export")
+    ledger.complete(first, evidence_for(first))
+    ledger.claim(held, "run-other/export")
+
+    skipped, refused, claimed = ledger.claim_many([done, held, fresh], "run-1/export")
+
+    assert isinstance(skipped, AlreadyCompleted) and skipped.record.committed_attempt == "run-0/export"
+    assert isinstance(refused, LeaseHeld) and "run-other/export" in str(refused)
+    assert isinstance(claimed, Claim) and claimed.fencing_token == 1
+    assert [a.outcome for a in ledger.attempts(str(done))][-1] is AttemptOutcome.ALREADY_COMPLETED
+    assert [(a.attempt_id, a.outcome) for a in ledger.attempts(str(held))] == [
+        ("run-1/export", AttemptOutcome.REFUSED)
+    ], "the refused claim is recorded, as claim records it"
+    assert ledger.get(str(held)).lease_owner == "run-other/export", "the holder keeps its lease"
+
+
+def test_a_concurrent_claimer_fences_one_key_of_the_group_and_the_others_commit(clocked, clock) -> None:
+    keys = [key_for(DAY, tenant=tenant) for tenant in TENANTS[:3]]
+    claims = clocked.claim_many(keys, "run-1/export")
+    clock.advance(minutes=16)  # run-1 stalls past its leases; another attempt takes the first key over
+    taken = clocked.claim(keys[0], "run-2/export")
+    assert taken.fencing_token == 2
+
+    results = clocked.complete_many([(claim, evidence_for(claim)) for claim in claims])
+
+    assert isinstance(results[0], FencedOut) and "run-2/export" in str(results[0])
+    assert [r.state for r in results[1:]] == [ExportState.COMPLETED, ExportState.COMPLETED]
+    record = clocked.get(str(keys[0]))
+    assert (record.state, record.lease_owner, record.fencing_token) == (ExportState.IN_PROGRESS, "run-2/export", 2)
+    # One row per attempt: the takeover recorded run-1 as abandoned, so its fenced commit adds none.
+    assert [(a.attempt_id, a.outcome) for a in clocked.attempts(str(keys[0]))] == [
+        ("run-1/export", AttemptOutcome.ABANDONED)
+    ]
+
+
+def test_export_batch_with_a_key_taken_over_mid_run_fences_that_key_only_and_the_next_run_repairs_it(
+    tmp_path: Path, clocked, clock, monkeypatch
+) -> None:
+    destination = LocalDestination(str(tmp_path / "exports"))
+    keys = [key_for(DAY, tenant=tenant) for tenant in TENANTS[:3]]
+    publish = LocalDestination.publish
+    published: list[str] = []
+
+    def publish_then_lose_the_first_lease(self, staged):
+        manifest = publish(self, staged)
+        published.append(manifest.logical_key)
+        if len(published) == len(keys):  # all three published; before the group commits, a takeover happens
+            clock.advance(minutes=16)
+            clocked.claim(keys[0], "run-2/export")
+        return manifest
+
+    monkeypatch.setattr(LocalDestination, "publish", publish_then_lose_the_first_lease)
+    with pytest.raises(FencedOut, match="run-2/export"):
+        export_batch(clocked, destination, batch_of(keys), "run-1/export")
+    monkeypatch.setattr(LocalDestination, "publish", publish)
+
+    assert [clocked.get(str(k)).state for k in keys] == [ExportState.IN_PROGRESS, *[ExportState.COMPLETED] * 2]
+    clock.advance(minutes=16)  # run-2 died too; the next run takes the key over and finds run-1's export
+    results = export_batch(clocked, destination, batch_of(keys), "run-3/export")
+    assert [r.status for r in results] == ["repaired", "already_completed", "already_completed"]
+    assert clocked.get(str(keys[0])).committed_attempt == "run-1/export"
+    assert len(published_dirs(tmp_path / "exports")) == 3, "one published export per key"
+
+
+def test_a_crash_between_the_publishes_and_the_group_commit_is_repaired_by_the_next_run(
+    tmp_path: Path, clocked, clock, monkeypatch
+) -> None:
+    destination = LocalDestination(str(tmp_path / "exports"))
+    keys = [key_for(DAY, tenant=tenant) for tenant in TENANTS]
+
+    def die(self, completions):
+        raise SimulatedCrash("the process died before the group's completions committed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ExportLedger, "complete_many", die)
+        with pytest.raises(SimulatedCrash):
+            export_batch(clocked, destination, batch_of(keys), "run-1/export", group_size=4)
+    # The first group of four was published, none recorded; the second group was never claimed.
+    first_manifests = {
+        manifest.logical_key: manifest
+        for manifest in (
+            Manifest.from_json((folder / MANIFEST_NAME).read_bytes(), str(folder))
+            for folder in published_dirs(tmp_path / "exports")
+        )
+    }
+    assert sorted(first_manifests) == sorted(str(k) for k in keys[:4])
+    assert [clocked.get(str(k)).state for k in keys[:4]] == [ExportState.IN_PROGRESS] * 4
+    assert [clocked.get(str(k)) for k in keys[4:]] == [None, None]
+
+    clock.advance(minutes=16)  # past the dead run's leases
+    results = export_batch(clocked, destination, batch_of(keys), "run-2/export", group_size=4)
+
+    assert [r.status for r in results] == ["repaired"] * 4 + ["exported"] * 2
+    folders = published_dirs(tmp_path / "exports")
+    assert len(folders) == len(keys), "exactly one published export per key: never a second copy"
+    assert not list((tmp_path / "exports").rglob(".staging-*"))
+    for key in keys[:4]:
+        record = clocked.get(str(key))
+        assert record.state is ExportState.COMPLETED
+        assert record.committed_attempt == "run-1/export" and record.sha256 == first_manifests[str(key)].sha256
+        assert [(a.attempt_id, a.outcome) for a in clocked.attempts(str(key))] == [
+            ("run-1/export", AttemptOutcome.ABANDONED),
+            ("run-2/export", AttemptOutcome.REPAIRED),
+        ]
+
+
+def test_a_crash_at_the_before_commit_failpoint_leaves_claimed_keys_that_the_next_run_finishes(
+    tmp_path: Path, clocked, clock, monkeypatch
+) -> None:
+    destination = LocalDestination(str(tmp_path / "exports"))
+    keys = [key_for(DAY, tenant=tenant) for tenant in TENANTS[:3]]
+    monkeypatch.setenv(FAILPOINTS, "before_commit=crash")
+    with pytest.raises(SimulatedCrash):
+        export_batch(clocked, destination, batch_of(keys), "run-1/export")
+    monkeypatch.delenv(FAILPOINTS)
+    assert len(published_dirs(tmp_path / "exports")) == 1, "the crash came right after the first key's publish"
+    assert [clocked.get(str(k)).state for k in keys] == [ExportState.IN_PROGRESS] * 3, "the whole group was claimed"
+
+    clock.advance(minutes=16)
+    results = export_batch(clocked, destination, batch_of(keys), "run-2/export")
+    assert [r.status for r in results] == ["repaired", "exported", "exported"]
+    assert len(published_dirs(tmp_path / "exports")) == 3
+
+
+def test_one_bad_key_of_a_group_fails_alone(tmp_path: Path, clocked) -> None:
+    destination = LocalDestination(str(tmp_path / "exports"))
+    keys = [key_for(DAY, tenant=tenant) for tenant in TENANTS[:3]]
+    batch = batch_of(keys)
+    bad = batch.items[1].frame.copy()
+    bad.loc[0, "tenant"] = "someone-else"
+    batch.items[1] = ExportItem(keys[1], batch.items[1].partition_key, bad)
+
+    with pytest.raises(Exception, match="belong to another tenant"):
+        export_batch(clocked, destination, batch, "run-1/export")
+
+    assert [clocked.get(str(k)).state for k in keys] == [
+        ExportState.COMPLETED,
+        ExportState.FAILED,
+        ExportState.COMPLETED,
+    ]
+    assert [r.logical_key for r in batch.results] == [str(keys[0]), str(keys[2])]
+    assert len(published_dirs(tmp_path / "exports")) == 2
+
+
+def _claim_group(url: str, keys: list, attempt: str, start, results) -> None:
+    ledger = ExportLedger(url)
+    start.wait(timeout=30)
+    try:
+        results[attempt] = ledger.claim_many(keys, attempt)
+    except BaseException as exc:  # the test asserts there was none
+        results[attempt] = exc
+
+
+def test_two_runs_claiming_overlapping_groups_at_once_each_key_goes_to_exactly_one(ledger_url) -> None:
+    """Threads with their own connections, keys given in opposite orders: rows are locked in key order, and a
+    first claim inserted under a concurrent group falls back to one-by-one claims, so nobody deadlocks or fails."""
+    keys = [key_for(DAY, tenant=f"r{i:02d}") for i in range(20)]
+    half = ExportLedger(ledger_url)
+    for key in keys[::2]:
+        half.fail(half.claim(key, "run-0/export"), RuntimeError("source down"))  # half retried, half first claims
+    for round_index in range(3):
+        for key in keys:
+            assert half.get(str(key)) is None or half.get(str(key)).state is not ExportState.IN_PROGRESS
+        results: dict = {}
+        start = threading.Barrier(2)
+        threads = [
+            threading.Thread(target=_claim_group, args=(ledger_url, order, attempt, start, results))
+            for order, attempt in ((keys, f"run-a{round_index}/export"), (keys[::-1], f"run-b{round_index}/export"))
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        a, b = results[f"run-a{round_index}/export"], results[f"run-b{round_index}/export"]
+        assert isinstance(a, list) and isinstance(b, list), f"a claimer failed: {a!r} {b!r}"
+        for key, mine, theirs in zip(keys, a, b[::-1], strict=True):
+            outcomes = sorted(type(o).__name__ for o in (mine, theirs))
+            assert outcomes == ["Claim", "LeaseHeld"], f"{key}: {outcomes}"
+            winner = mine if isinstance(mine, Claim) else theirs
+            assert half.get(str(key)).lease_owner == winner.attempt_id
+            half.fail(winner, RuntimeError("next round"))

@@ -395,3 +395,35 @@ def test_a_shared_ledger_table_is_refused_also_when_the_ledger_url_comes_from_th
     monkeypatch.setenv("EXPORTS_DESTINATION", "ledger-table:rows")
     with pytest.raises(ConfigurationError, match="would share the ledger table 'rows'"):
         ledgered_definitions([spec(), spec("payments")])
+
+
+def test_an_export_declared_to_stream_reads_its_sql_source_in_batches_through_dagster(tmp_path) -> None:
+    db = tmp_path / "shop.sqlite3"
+    with sqlite3.connect(db) as conn:
+        conn.execute("CREATE TABLE orders (order_id TEXT, tenant TEXT, placed_at TEXT, total REAL, note TEXT)")
+        conn.executemany(
+            "INSERT INTO orders VALUES (?, ?, ?, ?, NULL)",
+            [(f"a{i:04d}", "acme", f"2026-03-08 {5 + i // 60:02d}:{i % 60:02d}:00", float(i)) for i in range(250)],
+        )
+    query = (
+        "SELECT * FROM orders WHERE tenant = :tenant AND placed_at >= :start AND placed_at < :end "
+        "ORDER BY placed_at, order_id"
+    )
+    streamed = spec(source=SqlSource(f"sqlite:///{db}", query), tenants=["acme"], stream_rows=40)
+    whole = spec(name="orders_whole", source=SqlSource(f"sqlite:///{db}", query), tenants=["acme"])
+    environ = {"EXPORTS_LEDGER_URL": f"sqlite:///{tmp_path / 'l.sqlite3'}", "EXPORTS_DESTINATION": str(tmp_path)}
+    defs = ledgered_definitions([streamed, whole], environ=environ)
+    with dg.instance_for_test() as instance:
+        results = {
+            job: defs.resolve_job_def(job).execute_in_process(partition_key="2026-03-08", instance=instance)
+            for job in ("orders_job", "orders_whole_job")
+        }
+    assert all(r.success for r in results.values())
+    (event,) = results["orders_job"].get_asset_materialization_events()
+    assert event.materialization.metadata["streamed_keys"].value == 1, "the key was read while it was exported"
+    ledger = ExportLedger(environ["EXPORTS_LEDGER_URL"])
+    (a,), (b,) = ledger.records(export="orders"), ledger.records(export="orders_whole")
+    assert a.row_count == b.row_count == 250
+    assert a.sha256 == b.sha256, "streamed in batches of 40 rows, the file is the whole frame's, byte for byte"
+    with pytest.raises(ConfigurationError, match="stream_rows must be a positive number of rows"):
+        spec(stream_rows=0)

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 
 from export_ledger.calendar import ExportWindow, utc_iso
 from export_ledger.errors import FrameError, ManifestError
+from export_ledger.fingerprint import Fingerprint, id_hashes
 
 FILE_FORMATS = {"csv": "data.csv", "parquet": "data.parquet"}
 MANIFEST_NAME = "_manifest.json"
@@ -48,6 +49,8 @@ class ExportSchema:
         tenant_column: column that must hold the export's own tenant on every row (None: no such column).
         order_by: the order of rows in the file; default ``(time_column, *id_columns)``.
         nullable: columns that may hold nulls; every other column is required on every row.
+        version_column: a version or updated-at column whose change means a row changed (source fingerprints and
+            drift counts use it); None: changes in place cannot be told apart from unchanged rows.
 
     Example:
         >>> ExportSchema({"order_id": "string", "placed_at": "timestamp"}, "placed_at", ("order_id",)).order_by
@@ -60,6 +63,7 @@ class ExportSchema:
     tenant_column: str | None = None
     order_by: tuple[str, ...] = ()
     nullable: frozenset[str] = frozenset()
+    version_column: str | None = None
 
     def __post_init__(self) -> None:
         ids = (self.id_columns,) if isinstance(self.id_columns, str) else tuple(self.id_columns)
@@ -75,11 +79,15 @@ class ExportSchema:
         if not ids:
             raise ValueError("an export schema needs at least one id column")
         named = [self.time_column, *ids, *self.order_by, *self.nullable]
+        if self.version_column is not None:
+            named.append(self.version_column)
         if self.tenant_column is not None:
             named.append(self.tenant_column)
         for name in named:
             if name not in self.columns:
                 raise ValueError(f"schema column {name!r} is not among {list(self.columns)}")
+        if self.version_column in ids:
+            raise ValueError(f"version column {self.version_column!r} cannot be an id column: ids never change")
         if self.columns[self.time_column] != "timestamp":
             raise ValueError(f"time column {self.time_column!r} must be of kind 'timestamp'")
         required = {self.time_column, *ids} | ({self.tenant_column} if self.tenant_column else set())
@@ -105,9 +113,18 @@ class ExportSchema:
 
 
 def validate_frame(
-    frame: object, schema: ExportSchema, window: ExportWindow, what: str, tenant: str | None = None
+    frame: object,
+    schema: ExportSchema,
+    window: ExportWindow,
+    what: str,
+    tenant: str | None = None,
+    *,
+    fingerprint: Fingerprint | None = None,
 ) -> pa.Table:
     """Checks a source frame against the schema and window; returns it as an Arrow table in file order.
+
+    ``fingerprint``, when given, accumulates the frame's source fingerprint (from the id hashes the duplicate check
+    computes anyway).
 
     Raises:
         FrameError: missing columns, nulls in required fields, wrong types, events outside the window, duplicate ids.
@@ -115,10 +132,18 @@ def validate_frame(
     _check_rows(frame, schema, window, what, tenant)
     times = frame[schema.time_column]
     ids = list(schema.id_columns)
-    if len(ids) == 1:
-        duplicated = frame[schema.id_column].duplicated(keep=False)
-    else:
-        duplicated = frame.duplicated(subset=ids, keep=False)
+    hashes = id_hashes(frame, ids)
+    if fingerprint is not None:
+        fingerprint.add(frame, hashes)
+    # The ids' 64-bit hashes are computed for the fingerprint anyway: distinct hashes prove distinct ids, and
+    # checking integers is cheaper than checking the values. Equal hashes (a duplicate, or rarely a collision) are
+    # decided on the values themselves.
+    duplicated = pd.Series(hashes).duplicated(keep=False).to_numpy()
+    if duplicated.any():
+        if len(ids) == 1:
+            duplicated = frame[schema.id_column].duplicated(keep=False)
+        else:
+            duplicated = frame.duplicated(subset=ids, keep=False)
     if duplicated.any():
         sample = ", ".join(map(str, frame.loc[duplicated, schema.id_column].unique()[:3]))
         raise FrameError(f"{what}: duplicate {'/'.join(ids)} values ({sample}); each event must appear once")
@@ -319,7 +344,13 @@ class TableStream:
 
 
 def validate_batches(
-    batches: FrameBatches, schema: ExportSchema, window: ExportWindow, what: str, tenant: str | None = None
+    batches: FrameBatches,
+    schema: ExportSchema,
+    window: ExportWindow,
+    what: str,
+    tenant: str | None = None,
+    *,
+    fingerprint: Fingerprint | None = None,
 ) -> TableStream:
     """:func:`validate_frame` for a key whose rows arrive in batches, with memory bounded by one batch plus 8 bytes
     a row; returns the stream of validated tables for :func:`write_rows`.
@@ -339,6 +370,8 @@ def validate_batches(
       the ids. Two different ids with the same digest (probability about n² / 2⁶⁵, 3e-6 at 10M rows) are refused
       as a duplicate: the check can only err towards refusing, never towards accepting one.
 
+    ``fingerprint``, when given, accumulates the source fingerprint batch by batch, from the same id hashes.
+
     A failure raises :class:`FrameError` from the stream while it is written: the caller discards the partly
     written file and publishes nothing.
 
@@ -350,11 +383,16 @@ def validate_batches(
         raise FrameError(
             f"{what}: rows cannot be streamed in an order of nullable columns {nullable}; hand over one DataFrame"
         )
-    return TableStream(schema.arrow_schema(), _validated_tables(batches, schema, window, what, tenant))
+    return TableStream(schema.arrow_schema(), _validated_tables(batches, schema, window, what, tenant, fingerprint))
 
 
 def _validated_tables(
-    batches: FrameBatches, schema: ExportSchema, window: ExportWindow, what: str, tenant: str | None
+    batches: FrameBatches,
+    schema: ExportSchema,
+    window: ExportWindow,
+    what: str,
+    tenant: str | None,
+    fingerprint: Fingerprint | None,
 ) -> Iterator[pa.Table]:
     order = list(schema.order_by)
     ids = list(schema.id_columns)
@@ -392,7 +430,10 @@ def _validated_tables(
                     "batches; each event must appear once"
                 )
         previous = tuple(_item(column[-1]) for column in keys)
-        digests.extend(pd.util.hash_pandas_object(frame[ids], index=False).to_numpy())
+        hashes = id_hashes(frame, ids)
+        digests.extend(hashes)
+        if fingerprint is not None:
+            fingerprint.add(frame, hashes)  # complete once the stream is: the caller reads it after the write
         offset += len(frame)
         yield _to_arrow(frame[list(schema.columns)], schema, where)
     del frame, keys  # the last batch is written: free it before the digests are sorted

@@ -31,6 +31,7 @@ from export_ledger.destinations.base import (
     TransactionalDestination,
 )
 from export_ledger.errors import safe_message
+from export_ledger.fingerprint import Fingerprint
 from export_ledger.frames import (
     ExportSchema,
     FrameBatches,
@@ -309,7 +310,8 @@ class _KeyExport:
                 f"{claim.logical_key} was completed when the asset planned this run but is claimable now; "
                 "rerun to read its source"
             )
-        table = self._validated(claim, item)
+        fingerprint = Fingerprint(self.schema.id_columns, self.schema.version_column)
+        table = self._validated(claim, item, fingerprint)
         destination.discard_abandoned(target, claim.fencing_token, min_age=self.ledger.lease_ttl)
         template = self._manifest_template(claim, item)
         staged = destination.stage(target, table, self.file_format, template)
@@ -342,13 +344,16 @@ class _KeyExport:
             row_count=published.row_count,
             attempt_id=published.attempt_id,
             fencing_token=published.fencing_token,
+            # The stream (if any) was written whole by now: the fingerprint covers every row published.
+            source_fingerprint=fingerprint.encode(),
         )
 
     def _write_in_transaction(self, claim: Claim, item: ExportItem, target: ExportTarget) -> ExportRecord:
         """Rows and completion record in one ledger transaction: both commit or neither."""
         if item.frame is None:
             raise LedgerError(f"{claim.logical_key} was planned as completed but is claimable now; rerun it")
-        table = self._validated(claim, item)
+        fingerprint = Fingerprint(self.schema.id_columns, self.schema.version_column)
+        table = self._validated(claim, item, fingerprint)
         if isinstance(table, TableStream):
             # The rows go into the ledger's database in the completion transaction, one statement for the key: a
             # stream is validated batch by batch, then gathered into one table (bounded memory is for files).
@@ -361,19 +366,24 @@ class _KeyExport:
             failpoints.reach("before_commit")  # inside the transaction: a failure here rolls the rows back too
             location = self.destination.location(target)
             return CompletionEvidence(
-                location, written.sha256, written.row_count, claim.attempt_id, claim.fencing_token
+                location,
+                written.sha256,
+                written.row_count,
+                claim.attempt_id,
+                claim.fencing_token,
+                source_fingerprint=fingerprint.encode(),
             )
 
         return self.ledger.complete_within(claim, effect)
 
-    def _validated(self, claim: Claim, item: ExportItem) -> pa.Table | TableStream:
+    def _validated(self, claim: Claim, item: ExportItem, fingerprint: Fingerprint) -> pa.Table | TableStream:
         """The item's rows checked against the schema and the claim's window: a whole table for a DataFrame, a stream
-        of validated tables (checked while they are written) for :class:`~export_ledger.frames.FrameBatches`."""
+        of validated tables (checked while they are written) for :class:`~export_ledger.frames.FrameBatches`.
+        ``fingerprint`` accumulates the rows' source fingerprint (complete once a stream has been written)."""
+        checks = dict(what=claim.logical_key, tenant=item.key.tenant, fingerprint=fingerprint)
         if isinstance(item.frame, FrameBatches):
-            return validate_batches(
-                item.frame, self.schema, claim.window, what=claim.logical_key, tenant=item.key.tenant
-            )
-        return validate_frame(item.frame, self.schema, claim.window, what=claim.logical_key, tenant=item.key.tenant)
+            return validate_batches(item.frame, self.schema, claim.window, **checks)
+        return validate_frame(item.frame, self.schema, claim.window, **checks)
 
     def _manifest_template(self, claim: Claim, item: ExportItem) -> Manifest:
         return Manifest.build(

@@ -62,6 +62,9 @@ class ExportSpec:
             duplicate check) for a tenant's day larger than memory. The source must give the rows in file order
             (``order_by``); :class:`~export_ledger.sources.SqlSource` streams from a server-side cursor. None: one
             DataFrame per key.
+        version_column: A version or updated-at column among ``columns``: a row whose value there changed after its
+            key was exported counts as changed in drift detection (:mod:`export_ledger.drift`). None: late and
+            deleted rows are still detected, changes in place are not (reported as unknown).
     """
 
     name: str
@@ -80,6 +83,7 @@ class ExportSpec:
     destination: str | None = None
     description: str | None = None
     stream_rows: int | None = None
+    version_column: str | None = None
     _schema: ExportSchema = field(init=False, repr=False, compare=False)
     _tenants: dict[str, Tenant] = field(init=False, repr=False, compare=False)
     _groups: tuple[TenantGroup, ...] = field(init=False, repr=False, compare=False)
@@ -115,6 +119,7 @@ class ExportSpec:
                 tenant_column=self.tenant_column,
                 order_by=tuple(self.order_by),
                 nullable=frozenset(self.nullable),
+                version_column=self.version_column,
             )
             object.__setattr__(self, "_schema", schema)
             ExportCalendar(timezone=self.timezone, start_date=self.start_date)

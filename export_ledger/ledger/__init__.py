@@ -1,9 +1,10 @@
 """The export ledger, split by concern: ``schema`` (tables), ``store`` (engines, schema version and upgrades),
 ``transitions`` (every state change, declared once), ``records`` (what reads return), ``core`` (claims,
-completions, reconciliation), ``retention`` and ``contracts``. Plain Python; nothing here imports Dagster.
+completions, reconciliation), ``retention``, ``contracts`` and ``drift``. Plain Python; nothing here imports Dagster.
 """
 
 from export_ledger.ledger.core import DEFAULT_LEASE_TTL, ExportLedger, utc_now
+from export_ledger.ledger.drift import DriftChanges, DriftFinding, DriftRecord
 from export_ledger.ledger.errors import (
     BelowLowWater,
     ConflictRecorded,
@@ -41,6 +42,9 @@ __all__ = [
     "ConflictRecorded",
     "ContractChanged",
     "DaySummary",
+    "DriftChanges",
+    "DriftFinding",
+    "DriftRecord",
     "EmptyWindow",
     "ExportLedger",
     "ExportRecord",

@@ -22,6 +22,7 @@ from export_ledger.calendar import require_aware, tz_database_version
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger import transitions as T
 from export_ledger.ledger.contracts import ContractsMixin
+from export_ledger.ledger.drift import DriftMixin
 from export_ledger.ledger.errors import (
     MESSAGE_LIMIT,
     BelowLowWater,
@@ -47,7 +48,14 @@ from export_ledger.ledger.records import (
     Resolution,
 )
 from export_ledger.ledger.retention import RetentionMixin
-from export_ledger.ledger.schema import AttemptOutcome, ExportState, export_attempts, export_operator_log, export_runs
+from export_ledger.ledger.schema import (
+    RUN_COLUMNS,
+    AttemptOutcome,
+    ExportState,
+    export_attempts,
+    export_operator_log,
+    export_runs,
+)
 from export_ledger.ledger.store import ledger_engine, redact_url
 
 UTC = dt.timezone.utc
@@ -62,8 +70,8 @@ def utc_now() -> dt.datetime:
 
 # Statements built once, executed with parameters: building a Core statement and its cache key on every call cost
 # more than executing it (benchmarks/RESULTS.md, ledger throughput).
-_RUN_BY_KEY = sa.select(export_runs).where(export_runs.c.logical_key == sa.bindparam("k_key"))
-_RUN_BY_DAY = sa.select(export_runs).where(
+_RUN_BY_KEY = sa.select(*RUN_COLUMNS).where(export_runs.c.logical_key == sa.bindparam("k_key"))
+_RUN_BY_DAY = sa.select(*RUN_COLUMNS).where(
     export_runs.c.export == sa.bindparam("k_export"),
     export_runs.c.tenant == sa.bindparam("k_tenant"),
     export_runs.c.timezone == sa.bindparam("k_timezone"),
@@ -74,7 +82,7 @@ _INSERT_RUN = export_runs.insert()
 _INSERT_ATTEMPT = export_attempts.insert()
 
 
-class ExportLedger(RetentionMixin, ContractsMixin):
+class ExportLedger(RetentionMixin, ContractsMixin, DriftMixin):
     """Records logical exports and their attempts.
 
     Args:
@@ -158,7 +166,7 @@ class ExportLedger(RetentionMixin, ContractsMixin):
         business_dates: Sequence[dt.date] = (),
         timezone: str | None = None,
     ) -> list[ExportRecord]:
-        query = sa.select(export_runs)
+        query = sa.select(*RUN_COLUMNS)
         if export is not None:
             query = query.where(export_runs.c.export == export)
         if tenant is not None:
@@ -375,7 +383,7 @@ class ExportLedger(RetentionMixin, ContractsMixin):
         keys of the same days as well: they are released at the commit, moments later.
         """
         query = (
-            sa.select(export_runs)
+            sa.select(*RUN_COLUMNS)
             .where(
                 export_runs.c.export.in_(sorted({k.export for k in keys})),
                 export_runs.c.tenant.in_(sorted({k.tenant for k in keys})),
@@ -521,6 +529,7 @@ class ExportLedger(RetentionMixin, ContractsMixin):
                 sha256=evidence.sha256,
                 row_count=evidence.row_count,
                 committed_attempt=evidence.attempt_id,
+                source_fingerprint=evidence.source_fingerprint,
             ),
         )
 
@@ -561,6 +570,7 @@ class ExportLedger(RetentionMixin, ContractsMixin):
                         sha256=evidence.sha256,
                         row_count=evidence.row_count,
                         committed_attempt=evidence.attempt_id,
+                        source_fingerprint=evidence.source_fingerprint,
                     ),
                 )
                 if matched:
@@ -580,7 +590,7 @@ class ExportLedger(RetentionMixin, ContractsMixin):
                 conn.execute(_INSERT_ATTEMPT, attempts)
             rows = {
                 row.logical_key: row
-                for row in conn.execute(sa.select(export_runs).where(export_runs.c.logical_key.in_(names)))
+                for row in conn.execute(sa.select(*RUN_COLUMNS).where(export_runs.c.logical_key.in_(names)))
             }
         return [fenced[i] if i in fenced else ExportRecord.from_row(rows[name]) for i, name in enumerate(names)]
 
@@ -696,7 +706,7 @@ class ExportLedger(RetentionMixin, ContractsMixin):
 
     def committed_by(self, attempt: str) -> list[ExportRecord]:
         """Keys an attempt completed (its other keys, when one of them is being reconciled)."""
-        query = sa.select(export_runs).where(export_runs.c.committed_attempt == attempt)
+        query = sa.select(*RUN_COLUMNS).where(export_runs.c.committed_attempt == attempt)
         with self.atomic(read_only=True) as conn:
             return [ExportRecord.from_row(r) for r in conn.execute(query.order_by(export_runs.c.logical_key))]
 
@@ -706,8 +716,8 @@ class ExportLedger(RetentionMixin, ContractsMixin):
         if limit <= 0:
             raise ValueError(f"limit must be positive, got {limit}")
         now = self.now()
-        unknown = sa.select(export_runs).where(export_runs.c.state == ExportState.REMOTE_UNKNOWN.value)
-        expired = sa.select(export_runs).where(
+        unknown = sa.select(*RUN_COLUMNS).where(export_runs.c.state == ExportState.REMOTE_UNKNOWN.value)
+        expired = sa.select(*RUN_COLUMNS).where(
             export_runs.c.state == ExportState.IN_PROGRESS.value, export_runs.c.lease_expires_at < now
         )
         rows = []
@@ -728,7 +738,7 @@ class ExportLedger(RetentionMixin, ContractsMixin):
         """
         if limit <= 0:
             raise ValueError(f"limit must be positive, got {limit}")
-        query = sa.select(export_runs).where(export_runs.c.state == ExportState.FAILED.value)
+        query = sa.select(*RUN_COLUMNS).where(export_runs.c.state == ExportState.FAILED.value)
         if max_attempts is not None:
             resolved = sa.select(export_attempts.c.logical_key).where(
                 export_attempts.c.error_class == OperatorResolution.__name__
@@ -762,7 +772,7 @@ class ExportLedger(RetentionMixin, ContractsMixin):
             conditions.append(
                 sa.and_(export_runs.c.state == ExportState.FAILED.value, export_runs.c.fencing_token >= max_attempts)
             )
-        query = sa.select(export_runs).where(sa.or_(*conditions)).order_by(export_runs.c.logical_key)
+        query = sa.select(*RUN_COLUMNS).where(sa.or_(*conditions)).order_by(export_runs.c.logical_key)
         with self.atomic(read_only=True) as conn:
             records = [ExportRecord.from_row(r) for r in conn.execute(query)]
         bases = self.rerun_bases([r.logical_key for r in records if r.state is ExportState.FAILED])
@@ -848,6 +858,7 @@ class ExportLedger(RetentionMixin, ContractsMixin):
                 sha256=evidence.sha256,
                 row_count=evidence.row_count,
                 committed_attempt=evidence.attempt_id,
+                source_fingerprint=evidence.source_fingerprint,
             )
         # Guarded by the state examined (never a live lease) and its token: the row as updated, or None.
         row = T.apply(
@@ -930,7 +941,7 @@ class ExportLedger(RetentionMixin, ContractsMixin):
         now = self.now()
         with self.atomic() as conn:
             current = conn.execute(
-                sa.select(export_runs).where(export_runs.c.logical_key == claim.logical_key).with_for_update()
+                sa.select(*RUN_COLUMNS).where(export_runs.c.logical_key == claim.logical_key).with_for_update()
             ).first()
             live = (
                 current is not None
@@ -954,6 +965,7 @@ class ExportLedger(RetentionMixin, ContractsMixin):
                         sha256=evidence.sha256,
                         row_count=evidence.row_count,
                         committed_attempt=evidence.attempt_id,
+                        source_fingerprint=evidence.source_fingerprint,
                     ),
                 )
                 if not moved:  # the row is locked above: only a bug could get here

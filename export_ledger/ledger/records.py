@@ -38,6 +38,7 @@ class ExportRecord:
     @classmethod
     def from_row(cls, row: sa.Row) -> ExportRecord:
         values = dict(row._mapping)
+        values.pop("source_fingerprint", None)  # read on its own (ExportLedger.fingerprints): absent before v4
         values["state"] = ExportState(values["state"])
         return cls(**values)
 
@@ -113,10 +114,15 @@ class Resolution:
 
 @dataclass(frozen=True)
 class CompletionEvidence:
-    """What a destination says it holds for a key: enough to record completion."""
+    """What a destination says it holds for a key: enough to record completion.
+
+    ``source_fingerprint`` is what the source held (:mod:`export_ledger.fingerprint`), known only to the attempt that
+    read the source; evidence read back from a manifest (a repair, reconciliation) has None.
+    """
 
     location: str
     sha256: str
     row_count: int
     attempt_id: str
     fencing_token: int
+    source_fingerprint: str | None = None

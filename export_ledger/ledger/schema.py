@@ -90,6 +90,9 @@ export_runs = sa.Table(
     sa.Column("fencing_token", sa.BigInteger, nullable=False),
     sa.Column("created_at", UtcDateTime, nullable=False),
     sa.Column("updated_at", UtcDateTime, nullable=False),
+    # Schema version 4: what the key's source held when it completed (export_ledger.fingerprint): counts and
+    # digests, never values. NULL for keys completed before version 4 and for keys repaired from a manifest.
+    sa.Column("source_fingerprint", sa.String(120)),
     sa.UniqueConstraint("export", "tenant", "timezone", "business_date", name="uq_export_runs_business_day"),
     _in("state", ExportState),
     sa.CheckConstraint("window_end_utc >= window_start_utc", name="ck_window_ordered"),
@@ -167,8 +170,40 @@ export_operator_log = sa.Table(
     sa.Column("reason", sa.String(500), nullable=False),
 )
 
+# Keys whose source no longer matches what was exported (export_ledger.drift): counts only, never values. A stale key
+# stays `completed` in export_runs (a state CHECK constraint cannot be altered on SQLite); it is stale while it has a
+# record here with cleared_at NULL. A record is never rewritten: a different drift closes it and opens a new one.
+export_drift = sa.Table(
+    "export_drift",
+    metadata,
+    sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=True),
+    sa.Column("logical_key", sa.String(300), nullable=False),
+    sa.Column("export", sa.String(63), nullable=False),
+    sa.Column("tenant", sa.String(63), nullable=False),
+    sa.Column("business_date", sa.Date, nullable=False),
+    sa.Column("detected_at", UtcDateTime, nullable=False),
+    sa.Column("rows_added", sa.BigInteger, nullable=False),
+    sa.Column("rows_removed", sa.BigInteger, nullable=False),
+    sa.Column("rows_changed", sa.BigInteger),  # NULL: unknown (the export declares no version column)
+    sa.Column("source_fingerprint", sa.String(120), nullable=False),  # the source as found at detection
+    sa.Column("cleared_at", UtcDateTime),
+    # At most one open record per key.
+    sa.Index(
+        "uq_export_drift_open",
+        "logical_key",
+        unique=True,
+        sqlite_where=sa.text("cleared_at IS NULL"),
+        postgresql_where=sa.text("cleared_at IS NULL"),
+    ),
+    sa.Index("ix_export_drift_export", "export", "cleared_at"),
+)
+
+#: export_runs' columns before schema version 4: what every read selects, so a read-only open of a version 3 ledger
+#: (which has no source_fingerprint) reads as it is. The fingerprint is read on its own, where it is needed.
+RUN_COLUMNS = tuple(column for column in export_runs.c if column.name != "source_fingerprint")
+
 # The schema's version history (see export_ledger.ledger.store): one row per version reached, never changed.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 export_ledger_schema = sa.Table(
     "export_ledger_schema",
     metadata,

@@ -10,6 +10,8 @@ Schema versions:
 * 2: adds ``export_ledger_schema``, which records the version and when each upgrade ran. Every other table is
   unchanged, so version 1 data is read as it is.
 * 3: adds ``export_operator_log`` (operators' decisions: prunes that close dates, key resolutions).
+* 4: adds the nullable ``export_runs.source_fingerprint`` (what the source held at completion) and ``export_drift``
+  (keys whose source changed since). Reads select the version 3 columns, so a version 3 ledger reads as it is.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from export_ledger.errors import SECRET_NAME
 from export_ledger.ledger.errors import LedgerUnavailable
 from export_ledger.ledger.schema import (
     SCHEMA_VERSION,
+    export_drift,
     export_ledger_schema,
     export_operator_log,
     export_runs,
@@ -173,8 +176,20 @@ def _v2_to_v3(conn: Connection) -> None:
     export_operator_log.create(conn, checkfirst=True)
 
 
+# A constant statement (no values): SQLAlchemy Core has no ALTER TABLE construct. Both backends accept it, and
+# adding a nullable column without a default rewrites no row.
+_ADD_SOURCE_FINGERPRINT = sa.text("ALTER TABLE export_runs ADD COLUMN source_fingerprint VARCHAR(120)")
+
+
+def _v3_to_v4(conn: Connection) -> None:
+    columns = {column["name"] for column in sa.inspect(conn).get_columns(export_runs.name)}
+    if "source_fingerprint" not in columns:
+        conn.execute(_ADD_SOURCE_FINGERPRINT)
+    export_drift.create(conn, checkfirst=True)
+
+
 # Each step takes the schema from version N to N + 1 and only adds: older data stays readable as it is.
-UPGRADES: dict[int, Callable[[Connection], None]] = {1: _v1_to_v2, 2: _v2_to_v3}
+UPGRADES: dict[int, Callable[[Connection], None]] = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4}
 
 
 def upgrade(engine: Engine) -> list[int]:

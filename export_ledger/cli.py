@@ -5,6 +5,7 @@ Subcommands, each with a readable table or ``--json``::
     export-ledger status [--export E] [--tenant T] [--from YYYY-MM-DD] [--to YYYY-MM-DD] [--state S ...] [--limit N]
     export-ledger attempts <logical key>
     export-ledger reconcile [--export E] [--destination SPEC] [--limit N]
+    export-ledger drift --specs MODULE:ATTR [--export E] [--destination SPEC] [--lookback-days N] [--limit N]
     export-ledger prune --older-than DAYS [--export E]
     export-ledger accept-contract --export E [--tenant T] --timezone Z --start-date YYYY-MM-DD [--move D:ZONE]
                                   --reason "..."
@@ -12,12 +13,16 @@ Subcommands, each with a readable table or ``--json``::
 
 ``status`` and ``attempts`` only read. ``reconcile`` does once what the reconciliation sensor does each tick:
 it probes the configured destination for stuck keys and records what it finds. ``prune`` deletes old completion
-records and keeps a low-water mark; ``accept-contract`` records an operator's acceptance of a changed calendar.
+records and keeps a low-water mark; ``drift`` does once what the drift sensor does each tick (re-reads the sources of
+recently completed keys and records which are stale); ``status --state stale`` lists them with their counts;
+``accept-contract`` records an operator's acceptance of a changed calendar.
 
 The ledger is found from ``--ledger-url``, else ``EXPORTS_LEDGER_URL``, else ``./var/ledger.sqlite3``; the destination
 ``reconcile`` probes from ``--destination``, else ``EXPORTS_DESTINATION``, else ``./var/exports`` (the same settings
 the code location reads, from :mod:`export_ledger.settings`; the CLI never imports a code location). Export names
-come from the ledger: ``--export`` names one it knows.
+come from the ledger: ``--export`` names one it knows. ``drift`` alone needs the sources, which only the declared
+exports know: ``--specs`` imports the module that declares them (``module:attribute``, an ``ExportSpec`` or a list of
+them; the current directory is importable), never a Dagster code location.
 
 Exit codes: 0 success (an empty result included), 1 the ledger could not be read, the key is unknown, or
 ``reconcile`` left keys unresolved because the destination was unreachable; 2 bad usage. Every error is one line
@@ -47,6 +52,7 @@ from sqlalchemy.engine import URL, make_url
 
 from export_ledger.calendar import ExportCalendar, ZoneMove, utc_iso
 from export_ledger.destinations import destination_from
+from export_ledger.drift import DEFAULT_LOOKBACK_DAYS
 from export_ledger.errors import ExportLedgerError, InvalidIdentifier, redact_text
 from export_ledger.keys import validate_slug
 from export_ledger.ledger import (
@@ -63,6 +69,8 @@ from export_ledger.ledger.core import DEFAULT_MAX_ATTEMPTS
 from export_ledger.settings import LEDGER_URL_ENV, Settings
 
 PROG = "export-ledger"
+#: ``status --state stale``: not a state of export_runs (a stale key stays completed) but an open drift record.
+STALE = "stale"
 USAGE_ERROR = 2
 RUNTIME_ERROR = 1
 
@@ -145,8 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
         dest="states",
         action="append",
         default=[],
-        choices=[state.value for state in ExportState],
-        help="only exports in this state; repeat for several",
+        choices=[state.value for state in ExportState] + [STALE],
+        help="only exports in this state; repeat for several. 'stale': completed keys whose source changed since "
+        "(found by the drift sensor or `export-ledger drift`), with counts of rows added, removed and changed",
     )
     status.add_argument("--limit", type=_positive_int_arg, metavar="N", help="at most N exports")
     status.add_argument(
@@ -187,6 +196,36 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: $EXPORTS_DESTINATION, else ./var/exports)",
     )
     reconcile.set_defaults(handler=_reconcile)
+
+    drift = commands.add_parser(
+        "drift",
+        parents=[common],
+        help="re-read the sources of recently completed keys once and record which are stale (what the drift "
+        "sensor does)",
+    )
+    drift.add_argument(
+        "--specs",
+        metavar="MODULE:ATTR",
+        action="append",
+        required=True,
+        help="the declared exports (an ExportSpec or a list of them), e.g. examples.shop_definitions:orders; repeat "
+        "for several",
+    )
+    drift.add_argument("--export", type=_slug_arg("export name"), help="only this export's keys")
+    drift.add_argument(
+        "--destination",
+        metavar="SPEC",
+        help="where exports without a destination of their own are published "
+        "(default: $EXPORTS_DESTINATION, else ./var/exports)",
+    )
+    drift.add_argument(
+        "--lookback-days", type=_positive_int_arg, metavar="N", default=DEFAULT_LOOKBACK_DAYS,
+        help=f"check keys of the last N business dates of each export (default {DEFAULT_LOOKBACK_DAYS})",
+    )  # fmt: skip
+    drift.add_argument(
+        "--limit", type=_positive_int_arg, metavar="N", default=1000, help="check at most N keys (default 1000)"
+    )
+    drift.set_defaults(handler=_drift)
 
     prune = commands.add_parser(
         "prune", parents=[common], help="delete completed records older than a horizon, keeping a low-water mark"
@@ -339,6 +378,8 @@ def _status(ledger: ExportLedger, args: argparse.Namespace) -> str:
     _known_export(ledger, args.export)
     if args.needs_attention:
         return _needs_attention(ledger, args)
+    if STALE in args.states:
+        return _stale(ledger, args)
     records = ledger.records(
         export=args.export,
         tenant=args.tenant,
@@ -379,6 +420,155 @@ def _status(ledger: ExportLedger, args: argparse.Namespace) -> str:
             )
         )
     return _table(headers, rows)
+
+
+def _stale(ledger: ExportLedger, args: argparse.Namespace) -> str:
+    """Completed keys with an open drift record: counts of rows added, removed and changed (never values)."""
+    if len(set(args.states)) > 1:
+        raise UsageError("--state stale lists stale keys only; it cannot be combined with other states")
+    stale = [
+        r
+        for r in ledger.open_drift(export=args.export)
+        if (args.tenant is None or r.tenant == args.tenant)
+        and (args.date_from is None or r.business_date >= args.date_from)
+        and (args.date_to is None or r.business_date <= args.date_to)
+    ][: args.limit]
+    if args.json:
+        return _dump([_drift_json(r) for r in stale])
+    if not stale:
+        return "no stale exports"
+    rows = [
+        (
+            r.logical_key,
+            STALE,
+            r.business_date.isoformat(),
+            r.rows_added,
+            r.rows_removed,
+            "unknown" if r.rows_changed is None else r.rows_changed,
+            _short_time(r.detected_at),
+        )
+        for r in stale
+    ]
+    headers = ("LOGICAL KEY", "STATE", "BUSINESS DATE", "ADDED", "REMOVED", "CHANGED", "DETECTED")
+    note = "the remedy is a restatement (a new revision of the export), which export-ledger does not do yet"
+    return _table(headers, rows) + "\n" + note
+
+
+def _drift_json(record) -> dict:
+    return {
+        "logical_key": record.logical_key,
+        "export": record.export,
+        "tenant": record.tenant,
+        "business_date": record.business_date.isoformat(),
+        "state": STALE,
+        "rows_added": record.rows_added,
+        "rows_removed": record.rows_removed,
+        "rows_changed": record.rows_changed,
+        "detected_at": _iso(record.detected_at),
+    }
+
+
+def _load_specs(references: Sequence[str]) -> list:
+    """The declared exports named by ``--specs module:attr`` (an ExportSpec or a sequence of them)."""
+    import importlib
+
+    from export_ledger.spec import ExportSpec
+
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does: a module of the current project is importable
+    specs: list[ExportSpec] = []
+    for reference in references:
+        module_name, _, attribute = reference.partition(":")
+        if not module_name or not attribute:
+            raise UsageError(f"--specs {reference!r}: expected module:attribute, e.g. examples.shop_definitions:orders")
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as exc:
+            raise CliError(f"--specs {reference!r}: cannot import {module_name}: {type(exc).__name__}: {exc}") from None
+        if not hasattr(module, attribute):
+            raise UsageError(f"--specs {reference!r}: module {module_name} has no attribute {attribute!r}")
+        value = getattr(module, attribute)
+        found = [value] if isinstance(value, ExportSpec) else list(value) if isinstance(value, list | tuple) else None
+        if found is None or not all(isinstance(item, ExportSpec) for item in found):
+            raise UsageError(
+                f"--specs {reference!r} is a {type(value).__name__}; expected an ExportSpec or a list of them"
+            )
+        specs.extend(found)
+    names = [spec.name for spec in specs]
+    if len(set(names)) != len(names):
+        raise UsageError(f"--specs declares an export twice: {sorted({n for n in names if names.count(n) > 1})}")
+    return specs
+
+
+def _drift(ledger: ExportLedger, args: argparse.Namespace) -> str:
+    from export_ledger.drift import drift_pass
+
+    specs = _load_specs(args.specs)
+    if args.export is not None:
+        chosen = [spec for spec in specs if spec.name == args.export]
+        if not chosen:
+            raise UsageError(
+                f"--export {args.export}: not among the exports --specs declares ({[s.name for s in specs]})"
+            )
+        specs = chosen
+    without = [spec.name for spec in specs if spec.source is None]
+    settings = Settings.from_environment()
+    destinations = {}
+    for spec in specs:
+        chosen_destination = spec.destination or args.destination or settings.destination
+        what = (
+            f"destination of export {spec.name}"
+            if spec.destination
+            else "--destination"
+            if args.destination
+            else "EXPORTS_DESTINATION"
+        )
+        destinations[spec.name] = destination_from(
+            chosen_destination, ledger_url=ledger.url, credentials=settings.s3_credentials(), what=what
+        )
+    report = drift_pass(ledger, specs, destinations, lookback_days=args.lookback_days, limit=args.limit)
+    args.unresolved = bool(report.unchecked)
+    opened, cleared = set(report.changes.opened), set(report.changes.cleared)
+    if args.json:
+        items = [
+            {
+                "logical_key": f.record.logical_key,
+                "result": STALE,
+                "new": f.record.logical_key in opened,
+                "rows_added": f.rows_added,
+                "rows_removed": f.rows_removed,
+                "rows_changed": f.rows_changed,
+            }
+            for f in report.stale
+        ]
+        items += [{"logical_key": key, "result": "cleared"} for key in sorted(cleared)]
+        items += [{"logical_key": key, "result": "not checked", "detail": why} for key, why in report.unchecked]
+        return _dump(items)
+    rows = [
+        (
+            f.record.logical_key,
+            "stale (new)" if f.record.logical_key in opened else STALE,
+            f.rows_added,
+            f.rows_removed,
+            "unknown" if f.rows_changed is None else f.rows_changed,
+            "",
+        )
+        for f in report.stale
+    ]
+    rows += [(key, "cleared: matches its source again", "", "", "", "") for key in sorted(cleared)]
+    rows += [(key, "not checked", "", "", "", why) for key, why in report.unchecked]
+    lines = [_table(("LOGICAL KEY", "RESULT", "ADDED", "REMOVED", "CHANGED", "DETAIL"), rows)] if rows else []
+    lines.append(
+        f"{report.checked} key(s) checked: {len(report.stale)} stale, {len(report.matching)} match their source"
+        f"{f', {len(report.unchecked)} not checked' if report.unchecked else ''}"
+    )
+    if without:
+        lines.append(f"not checked, no source to read again: {', '.join(without)}")
+    if report.stale:
+        lines.append("stale keys: export-ledger status --state stale; restating them is not built yet")
+    if report.next_after is not None:
+        lines.append(f"more keys remain beyond --limit {args.limit}; run again")
+    return "\n".join(lines)
 
 
 def _needs_attention(ledger: ExportLedger, args: argparse.Namespace) -> str:

@@ -128,11 +128,18 @@ class Tick:
         return [r.getMessage() for r in self.logs if r.levelno >= logging.ERROR]
 
 
-def tick(defs: dg.Definitions, instance: dg.DagsterInstance, cursor: str | None = None) -> Tick:
-    """Evaluates the reconciliation sensor once and records its asset events in the instance, as the daemon does."""
+def tick(
+    defs: dg.Definitions,
+    instance: dg.DagsterInstance,
+    cursor: str | None = None,
+    *,
+    sensor_name: str = "reconciliation_sensor",
+) -> Tick:
+    """Evaluates a sensor (default the reconciliation sensor) once and records its asset events in the instance, as
+    the daemon does."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # get_sensor_def's notice about unresolved resources
-        sensor = defs.get_sensor_def("reconciliation_sensor")
+        sensor = defs.get_sensor_def(sensor_name)
     recorder = _Recorder()
     with dg.build_sensor_context(
         instance=instance, resources=defs.resources, definitions=defs, cursor=cursor

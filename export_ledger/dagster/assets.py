@@ -1,5 +1,5 @@
 """Asset and check factories: one ledgered export asset per declared export, its per-run check, and the
-``no_stuck_exports`` check."""
+``no_stuck_exports`` and ``source_unchanged`` checks."""
 
 import datetime as dt
 import hashlib
@@ -13,15 +13,17 @@ from export_ledger.calendar import ExportCalendar, parse_business_date, utc_iso
 from export_ledger.dagster.io_manager import LISTED_KEYS, status_command
 from export_ledger.dagster.partitions import dagster_disagreement, partitions_def
 from export_ledger.destinations import Destination
+from export_ledger.drift import describe
 from export_ledger.frames import FrameBatches
 from export_ledger.keys import LogicalKey
-from export_ledger.ledger import ContractChanged, ExportLedger, ExportRecord, ExportState
+from export_ledger.ledger import ContractChanged, DriftRecord, ExportLedger, ExportRecord, ExportState
 from export_ledger.protocol import ExportBatch, ExportItem, ExportResult, target_for
 from export_ledger.spec import ExportSpec
 from export_ledger.tenants import TenantGroup, zone_slug
 
 CHECK_NAME = "export_matches_source_and_ledger"
 STUCK_CHECK_NAME = "no_stuck_exports"
+DRIFT_CHECK_NAME = "source_unchanged"
 LEDGER_KEY = "ledger"
 
 
@@ -274,3 +276,62 @@ def build_stuck_check(
         )
 
     return _no_stuck_exports
+
+
+def drift_check_evaluation(asset_key: dg.AssetKey, stale: Sequence[DriftRecord]) -> dg.AssetCheckEvaluation:
+    """The ``source_unchanged`` verdict for one export asset: fails while any of its keys is stale (counts only)."""
+    return dg.AssetCheckEvaluation(
+        asset_key=asset_key,
+        check_name=DRIFT_CHECK_NAME,
+        passed=not stale,
+        severity=dg.AssetCheckSeverity.WARN,
+        metadata={
+            "stale_keys": len(stale),
+            "rows_added": sum(r.rows_added for r in stale),
+            "rows_removed": sum(r.rows_removed for r in stale),
+            "first_keys": dg.MetadataValue.json(
+                [
+                    {
+                        "logical_key": r.logical_key,
+                        "partition": r.business_date.isoformat(),
+                        "rows": describe(r),
+                        "since": utc_iso(r.detected_at),
+                    }
+                    for r in stale[:LISTED_KEYS]
+                ]
+            ),
+            "every_key": dg.MetadataValue.text("export-ledger status --state stale"),
+        },
+        description=(
+            "no completed key's source changed since it was exported (as last checked by drift_sensor); a stale "
+            "key needs a restatement, which is not built yet"
+        ),
+    )
+
+
+def build_drift_check(
+    export: str, *, asset_name: str | None = None, tenants: Sequence[str] | None = None
+) -> dg.AssetChecksDefinition:
+    """``source_unchanged`` of one export's asset, on demand from the UI: the stale keys the ledger holds for the
+    asset's tenants (what the drift sensor last found; running the check does not re-read the source)."""
+    asset_name = asset_name or export
+    members = None if tenants is None else set(tenants)
+
+    @dg.asset_check(
+        asset=asset_name,
+        name=DRIFT_CHECK_NAME,
+        description="no exported key's source changed since it was exported",
+        required_resource_keys={LEDGER_KEY},
+    )
+    def _source_unchanged(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
+        stale = getattr(context.resources, LEDGER_KEY).get_ledger().open_drift(export=export)
+        mine = [r for r in stale if members is None or r.tenant in members]
+        evaluation = drift_check_evaluation(dg.AssetKey(asset_name), mine)
+        return dg.AssetCheckResult(
+            passed=evaluation.passed,
+            severity=evaluation.severity,
+            metadata=evaluation.metadata,
+            description=evaluation.description,
+        )
+
+    return _source_unchanged

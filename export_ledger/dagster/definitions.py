@@ -9,12 +9,20 @@ from collections.abc import Mapping, Sequence
 
 import dagster as dg
 
-from export_ledger.dagster.assets import LEDGER_KEY, build_export_asset, build_stuck_check, resource_keys
+from export_ledger.dagster.assets import (
+    LEDGER_KEY,
+    build_drift_check,
+    build_export_asset,
+    build_stuck_check,
+    resource_keys,
+)
+from export_ledger.dagster.drift_sensor import build_drift_sensor
 from export_ledger.dagster.io_manager import LedgeredExportIOManager
 from export_ledger.dagster.resources import DestinationResource, LedgerResource
 from export_ledger.dagster.schedules import build_nightly_schedule
 from export_ledger.dagster.sensors import build_reconciliation_sensor, job_selection
 from export_ledger.destinations import Destination, destination_from
+from export_ledger.drift import DEFAULT_DRIFT_BATCH, DEFAULT_LOOKBACK_DAYS
 from export_ledger.errors import ConfigurationError
 from export_ledger.settings import LEDGER_URL_ENV, Settings
 from export_ledger.spec import ExportSpec
@@ -31,11 +39,14 @@ def ledgered_definitions(
     max_partitions_per_run: int | None | object = _FROM_SETTINGS,
     reconcile_batch_size: int = 100,
     stuck_after: dt.timedelta = dt.timedelta(hours=6),
+    drift_lookback_days: int = DEFAULT_LOOKBACK_DAYS,
+    drift_batch_size: int = DEFAULT_DRIFT_BATCH,
+    drift_sensor_running: bool = False,
     assets: Sequence = (),
     environ: Mapping[str, str] | None = None,
 ) -> dg.Definitions:
     """A code location: per export a pool and, per zone of its tenants, an asset with its checks, a job and a nightly
-    schedule; one ledger and one reconciliation sensor for all of them.
+    schedule; one ledger, one reconciliation sensor and one drift sensor (stopped by default) for all of them.
 
     Args:
         exports: The declared exports (names unique). An export without a source is exported from an asset of your
@@ -48,6 +59,9 @@ def ledgered_definitions(
             default ``EXPORTS_MAX_PARTITIONS_PER_RUN`` or 31.
         reconcile_batch_size: Stuck keys the reconciliation sensor examines per tick.
         stuck_after: Keys unresolved for longer fail ``no_stuck_exports`` and are logged as errors.
+        drift_lookback_days: The drift sensor re-checks keys of the last this many business dates per export.
+        drift_batch_size: Completed keys the drift sensor re-reads from their source per tick.
+        drift_sensor_running: Start the drift sensor by default (it re-reads sources, so it starts stopped).
         assets: Further assets of your own (the producers of exports without a source, their upstreams).
         environ: The environment to read; default ``os.environ`` (secrets are then passed as ``EnvVar``).
 
@@ -116,6 +130,12 @@ def ledgered_definitions(
                     spec.name, stuck_after, asset_name=group.asset_name, tenants=group.tenants if several else None
                 )
             )
+            if spec.source is not None:  # only an export with a source can be read again
+                checks.append(
+                    build_drift_check(
+                        spec.name, asset_name=group.asset_name, tenants=group.tenants if several else None
+                    )
+                )
             job = dg.define_asset_job(f"{group.asset_name}_job", selection=job_selection(group.asset_name))
             jobs.append(job)
             if group.schedule_time is not None:
@@ -127,6 +147,13 @@ def ledgered_definitions(
                 "ledger-table:exported_{export}"
             )
     sensor = build_reconciliation_sensor(exports, jobs, batch_size=reconcile_batch_size, stuck_after=stuck_after)
+    sensors = [sensor]
+    if any(spec.source is not None for spec in exports):
+        sensors.append(
+            build_drift_sensor(
+                exports, lookback_days=drift_lookback_days, batch_size=drift_batch_size, running=drift_sensor_running
+            )
+        )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", dg.BetaWarning)
         return dg.Definitions(
@@ -134,7 +161,7 @@ def ledgered_definitions(
             asset_checks=checks,
             jobs=jobs,
             schedules=schedules,
-            sensors=[sensor],
+            sensors=sensors,
             resources=resources,
         )
 

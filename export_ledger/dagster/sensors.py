@@ -326,7 +326,8 @@ def _asset_of(spec: ExportSpec, tenant: str) -> str:
 
 def job_selection(asset_name: str) -> dg.AssetSelection:
     """An export's asset (the export's name, or one zone's asset) and its per-run check; ``no_stuck_exports`` is
-    reported by the reconciliation sensor."""
+    reported by the reconciliation sensor and ``source_unchanged`` by the drift sensor."""
     return dg.AssetSelection.assets(asset_name) - dg.AssetSelection.checks(
-        dg.AssetCheckKey(dg.AssetKey(asset_name), "no_stuck_exports")
+        dg.AssetCheckKey(dg.AssetKey(asset_name), "no_stuck_exports"),
+        dg.AssetCheckKey(dg.AssetKey(asset_name), "source_unchanged"),
     )

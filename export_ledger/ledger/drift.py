@@ -78,7 +78,7 @@ class DriftMixin:
             export_runs.c.logical_key.in_(list(logical_keys))
         )
         with self.atomic(read_only=True) as conn:
-            found = dict(conn.execute(query).tuples().all())
+            found = {key: fingerprint for key, fingerprint in conn.execute(query)}
         return {key: found.get(key) for key in logical_keys}
 
     def completed_since(

@@ -1,0 +1,105 @@
+"""The drift sensor: re-reads the sources of recently completed keys and marks stale those that changed.
+
+The decisions live in :mod:`export_ledger.drift` (plain Python); this module wires one pass per tick to the sensor's
+cursor, resources and log, and reports ``source_unchanged`` on each export asset when the set of stale keys changes.
+
+It is a sensor of its own rather than a mode of the reconciliation sensor: reconciliation reads the ledger and the
+destinations only and must stay cheap and always on, while drift detection reads the sources again (the production
+database the export protects), on a slower interval. It is therefore **stopped by default**: an operator starts it
+(in the UI, or with ``ledgered_definitions(..., drift_sensor_running=True)``) once its load on the sources is
+acceptable.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import dagster as dg
+
+from export_ledger.dagster.assets import LEDGER_KEY, drift_check_evaluation, resource_keys
+from export_ledger.drift import DEFAULT_DRIFT_BATCH, DEFAULT_LOOKBACK_DAYS, describe, drift_pass, stale_digest
+from export_ledger.ledger import DriftRecord, ExportLedger
+from export_ledger.spec import ExportSpec
+
+_NOTHING_STALE = stale_digest([])
+
+
+def drift_check_evaluations(
+    exports: Sequence[ExportSpec], stale: Sequence[DriftRecord]
+) -> list[dg.AssetCheckEvaluation]:
+    """One ``source_unchanged`` verdict per export asset; each stale key counts on its tenant's asset (a tenant no
+    longer declared, on the export's first asset: it is never dropped)."""
+    evaluations = []
+    for spec in exports:
+        mine = [r for r in stale if r.export == spec.name]
+        for group in spec.groups:
+            ours = [r for r in mine if _asset_of(spec, r.tenant) == group.asset_name]
+            evaluations.append(drift_check_evaluation(dg.AssetKey(group.asset_name), ours))
+    return evaluations
+
+
+def _asset_of(spec: ExportSpec, tenant: str) -> str:
+    return spec.group_of(tenant).asset_name if tenant in spec.tenants else spec.groups[0].asset_name
+
+
+def build_drift_sensor(
+    exports: Sequence[ExportSpec],
+    *,
+    lookback_days: int = DEFAULT_LOOKBACK_DAYS,
+    batch_size: int = DEFAULT_DRIFT_BATCH,
+    minimum_interval_seconds: int = 600,
+    running: bool = False,
+) -> dg.SensorDefinition:
+    """One sensor for every export with a source. Each tick checks at most ``batch_size`` completed keys of the last
+    ``lookback_days`` business dates, continuing where the previous tick stopped (a JSON cursor), records stale and
+    cleared keys in the ledger, and reports ``source_unchanged`` when the set of stale keys changes."""
+    if batch_size <= 0:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    if lookback_days <= 0:
+        raise ValueError(f"lookback_days must be positive, got {lookback_days}")
+    checked = [spec for spec in exports if spec.source is not None]
+    destination_keys = {spec.name: resource_keys(spec)[0] for spec in checked}
+
+    @dg.sensor(
+        name="drift_sensor",
+        minimum_interval_seconds=minimum_interval_seconds,
+        default_status=dg.DefaultSensorStatus.RUNNING if running else dg.DefaultSensorStatus.STOPPED,
+        required_resource_keys={LEDGER_KEY, *destination_keys.values()},
+        description=(
+            f"Re-reads the sources of keys completed in the last {lookback_days} business dates and marks stale "
+            "those whose source changed (counts only); fails source_unchanged while any is stale."
+        ),
+    )
+    def drift_sensor(context: dg.SensorEvaluationContext, **_resources) -> dg.SensorResult:
+        # Resources come from context.resources; a direct call (tests) also passes them by key, unused here.
+        state = json.loads(context.cursor) if context.cursor else {}
+        book: ExportLedger = getattr(context.resources, LEDGER_KEY).get_ledger()
+        destinations = {
+            name: getattr(context.resources, key).get_destination() for name, key in destination_keys.items()
+        }
+        report = drift_pass(
+            book, checked, destinations, lookback_days=lookback_days, limit=batch_size, after=state.get("after")
+        )
+        for key, why in report.unchecked:
+            context.log.warning(f"{key}: not checked for drift: {why}")
+        names = {spec.name for spec in checked}
+        stale = [r for r in book.open_drift() if r.export in names]
+        for record in stale:
+            if record.logical_key in report.changes.opened:
+                context.log.warning(
+                    f"{record.logical_key} is stale: its source changed since export ({describe(record)})"
+                )
+        digest = stale_digest(stale)
+        cursor = json.dumps({"after": report.next_after, "stale_digest": digest})
+        if digest == state.get("stale_digest", _NOTHING_STALE):
+            return dg.SensorResult(
+                skip_reason=(
+                    f"{report.checked} key(s) checked, {len(report.stale)} stale, {len(report.unchecked)} not "
+                    f"checked; {len(stale)} stale key(s) in all, unchanged since the last report"
+                ),
+                cursor=cursor,
+            )
+        return dg.SensorResult(asset_events=drift_check_evaluations(checked, stale), cursor=cursor)
+
+    return drift_sensor

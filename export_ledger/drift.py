@@ -1,0 +1,258 @@
+"""Drift detection: which completed keys no longer match their source. Plain Python, no Dagster.
+
+One pass (:func:`drift_pass`) takes a page of completed keys within each export's lookback horizon, reads each key's
+source again the way the export read it (one frame, or batches for ``stream_rows``), and fingerprints it
+(:mod:`export_ledger.fingerprint`). A key whose fingerprint equals the one stored at completion is unchanged. Any
+other key (a different fingerprint, or none stored: a key repaired from its manifest, or completed before schema
+version 4) is compared with the export actually published, read back through its destination, ids matched:
+
+* **added**: ids in the source and not in the export (late rows);
+* **removed**: ids in the export and no longer in the source;
+* **changed**: ids in both whose version column differs; None (unknown) when the export declares no version column.
+
+A key with any of these is **stale**: it stays ``completed`` in the ledger and gets an open record in
+``export_drift`` (counts only, never values); a key that matches again has its open record cleared. The remedy, a
+restatement published as a new revision, is not built yet (issue #12, part 3).
+
+The sensor (:func:`export_ledger.dagster.sensors.build_drift_sensor`) and ``export-ledger drift`` both call
+:func:`drift_pass`; only they know the sources, so the CLI loads the declared exports from a module (``--specs``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from export_ledger.calendar import load_zone
+from export_ledger.destinations.base import Destination, ExportTarget, TransactionalDestination
+from export_ledger.errors import safe_message
+from export_ledger.fingerprint import Fingerprint, id_hashes, version_hashes
+from export_ledger.frames import ExportSchema, FrameBatches, _to_arrow, read_table
+from export_ledger.keys import LogicalKey
+from export_ledger.ledger import DriftChanges, DriftFinding, DriftRecord, ExportLedger, ExportRecord
+from export_ledger.protocol import target_for
+from export_ledger.spec import ExportSpec
+
+#: Default lookback: completed keys of the last this many business dates (in each export's zone) are checked.
+DEFAULT_LOOKBACK_DAYS = 7
+#: Default keys re-read per pass (per sensor tick).
+DEFAULT_DRIFT_BATCH = 50
+
+
+@dataclass(frozen=True)
+class DriftCounts:
+    """How a key's current source differs from its published export, by ids: counts, never values."""
+
+    added: int
+    removed: int
+    changed: int | None  # None: unknown, the export declares no version column
+
+    @property
+    def stale(self) -> bool:
+        return bool(self.added or self.removed or self.changed)
+
+
+@dataclass
+class DriftReport:
+    """What one pass found. ``unchecked`` are keys it could not check (source or destination failed), with why."""
+
+    checked: int = 0
+    stale: list[DriftFinding] = field(default_factory=list)
+    matching: list[str] = field(default_factory=list)
+    unchecked: list[tuple[str, str]] = field(default_factory=list)
+    changes: DriftChanges = field(default_factory=lambda: DriftChanges([], []))
+    next_after: str | None = None  # where the next pass continues; None: the sweep starts over
+
+
+def horizon(spec: ExportSpec, now: dt.datetime, lookback_days: int) -> dt.date:
+    """The first business date checked: ``lookback_days`` days before today in the export's zone (inclusive of
+    today's date, so 7 covers today and the six days before)."""
+    if lookback_days < 1:
+        raise ValueError(f"lookback_days must be at least 1, got {lookback_days}")
+    today = now.astimezone(load_zone(spec.timezone)).date()
+    return today - dt.timedelta(days=lookback_days - 1)
+
+
+def _normalized(frame: pd.DataFrame, schema: ExportSchema, what: str) -> pd.DataFrame:
+    # The published file is read back through Arrow with the schema's types; the source goes through the same
+    # conversion so that equal values hash equally on both sides.
+    return _to_arrow(frame[list(schema.columns)], schema, what).to_pandas()
+
+
+@dataclass
+class _SourceRead:
+    fingerprint: str
+    ids: np.ndarray  # per row, of normalized values
+    versions: np.ndarray | None
+
+
+def _read_source(spec: ExportSpec, record: ExportRecord) -> _SourceRead:
+    """The key's rows as the export read them: fingerprinted as at completion, hashed normalized for comparison."""
+    schema = spec.schema
+    start, end = record.window_start_utc, record.window_end_utc
+    if spec.stream_rows is not None:
+        frames = FrameBatches(
+            spec.source.batches(record.tenant, start, end, schema=schema, batch_rows=spec.stream_rows)
+        )
+    else:
+        frames = [spec.read(record.tenant, start, end)]
+    fingerprint = Fingerprint(schema.id_columns, schema.version_column)
+    ids, versions = [], []
+    for frame in frames:
+        fingerprint.add(frame)
+        normal = _normalized(frame, schema, record.logical_key)
+        hashed = id_hashes(normal, schema.id_columns)
+        ids.append(hashed)
+        if schema.version_column is not None:
+            versions.append(version_hashes(normal, hashed, schema.version_column))
+    return _SourceRead(
+        fingerprint.encode(),
+        np.concatenate(ids) if ids else np.empty(0, dtype=np.uint64),
+        (np.concatenate(versions) if versions else np.empty(0, dtype=np.uint64))
+        if schema.version_column is not None
+        else None,
+    )
+
+
+def compare(
+    source_ids: np.ndarray,
+    source_versions: np.ndarray | None,
+    published_ids: np.ndarray,
+    published_versions: np.ndarray | None,
+) -> DriftCounts:
+    """Counts of rows added, removed and changed, from per-row id hashes (and (id, version) hashes) of each side."""
+    added = int(np.count_nonzero(~np.isin(source_ids, published_ids)))
+    removed = int(np.count_nonzero(~np.isin(published_ids, source_ids)))
+    if source_versions is None or published_versions is None:
+        return DriftCounts(added, removed, None)
+    # A row is changed when its id is on both sides and its (id, version) hash is not.
+    kept = np.isin(source_ids, published_ids)
+    changed = int(np.count_nonzero(kept & ~np.isin(source_versions, published_versions)))
+    return DriftCounts(added, removed, changed)
+
+
+def _published(
+    spec: ExportSpec, destination: Destination, record: ExportRecord
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Per-row hashes of the export as published (read through the destination, checked against its sha256)."""
+    target = target_for_record(record)
+    manifest = destination.probe(target)
+    if manifest is None:
+        raise LookupError(f"{destination.location(target)} holds no export for {record.logical_key}")
+    payload = destination.read_data(target, manifest)
+    if hashlib.sha256(payload).hexdigest() != record.sha256:
+        raise LookupError(f"{destination.location(target)} does not hold the export the ledger recorded (sha256)")
+    schema = spec.schema
+    # A ledger table hands its rows back as CSV, whatever the export's file format.
+    file_format = "csv" if isinstance(destination, TransactionalDestination) else spec.file_format
+    frame = read_table(payload, file_format, schema)
+    ids = id_hashes(frame, schema.id_columns)
+    versions = version_hashes(frame, ids, schema.version_column) if schema.version_column is not None else None
+    return ids, versions
+
+
+def target_for_record(record: ExportRecord) -> ExportTarget:
+    """The destination target of a recorded key (its export, tenant and business date)."""
+    return target_for(LogicalKey(record.export, record.tenant, record.window))
+
+
+def check_key(
+    spec: ExportSpec, destination: Destination, record: ExportRecord, stored: str | None
+) -> DriftFinding | None:
+    """None when the key's source matches its export; else the finding with its counts.
+
+    Raises:
+        Exception: the source or the destination could not be read (the key is left as it was).
+    """
+    source = _read_source(spec, record)
+    if stored is not None and source.fingerprint == stored:
+        return None  # the cheap answer: the source is what was exported, nothing else is read
+    published_ids, published_versions = _published(spec, destination, record)
+    counts = compare(source.ids, source.versions, published_ids, published_versions)
+    if not counts.stale:
+        return None
+    return DriftFinding(record, counts.added, counts.removed, counts.changed, source.fingerprint)
+
+
+def drift_pass(
+    ledger: ExportLedger,
+    specs: Sequence[ExportSpec],
+    destinations: Mapping[str, Destination],
+    *,
+    lookback_days: int = DEFAULT_LOOKBACK_DAYS,
+    limit: int = DEFAULT_DRIFT_BATCH,
+    after: str | None = None,
+    now: dt.datetime | None = None,
+) -> DriftReport:
+    """Checks at most ``limit`` completed keys (after ``after``, in logical key order) and records what it finds.
+
+    Only exports with a source are checked (an export fed by an asset of your own has no source to re-read).
+
+    Args:
+        ledger: The ledger (opened to write: findings are recorded).
+        specs: The declared exports; their sources are re-read.
+        destinations: Per export name, its destination (to read the published export back).
+        lookback_days: Business dates checked per export, ending today in the export's zone.
+        limit: Keys checked in this pass.
+        after: The previous pass's ``next_after``.
+        now: The current time (default the ledger's clock).
+
+    Returns:
+        The report, with ``next_after`` for the next pass.
+    """
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit}")
+    now = now or ledger.now()
+    by_name = {spec.name: spec for spec in specs if spec.source is not None and spec.name in destinations}
+    since = {name: horizon(spec, now, lookback_days) for name, spec in by_name.items()}
+    records = ledger.completed_since(since, limit=limit, after=after)
+    stored = ledger.fingerprints([r.logical_key for r in records])
+    report = DriftReport(next_after=records[-1].logical_key if len(records) == limit else None)
+    for record in records:
+        spec = by_name[record.export]
+        try:
+            finding = check_key(spec, destinations[record.export], record, stored[record.logical_key])
+        except Exception as exc:  # one key's unreadable source or export never stops the others
+            report.unchecked.append((record.logical_key, safe_message(exc)))
+            continue
+        report.checked += 1
+        if finding is None:
+            report.matching.append(record.logical_key)
+        else:
+            report.stale.append(finding)
+    report.changes = ledger.record_drift(report.stale, report.matching)
+    return report
+
+
+def stale_digest(records: Sequence[DriftRecord]) -> str:
+    """A short digest of the open drift records (keys and counts): changes exactly when the stale set does."""
+    text = "\n".join(
+        f"{r.logical_key}:{r.rows_added}:{r.rows_removed}:{r.rows_changed}"
+        for r in sorted(records, key=lambda r: r.logical_key)
+    )
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def describe(record: DriftRecord) -> str:
+    """``+added -removed ~changed`` (``~?`` when changes are unknown)."""
+    changed = "?" if record.rows_changed is None else record.rows_changed
+    return f"+{record.rows_added} -{record.rows_removed} ~{changed}"
+
+
+__all__ = [
+    "DEFAULT_DRIFT_BATCH",
+    "DEFAULT_LOOKBACK_DAYS",
+    "DriftCounts",
+    "DriftReport",
+    "check_key",
+    "compare",
+    "describe",
+    "drift_pass",
+    "horizon",
+    "stale_digest",
+]

@@ -1,0 +1,301 @@
+"""Source fingerprints and drift detection (issue #12, parts 1 and 2).
+
+A key completes with a fingerprint of its source rows (counts and digests, no values); later the SQL source changes
+(a late row, a deleted row, a row whose version moved) and the drift sensor, evaluated with ``build_sensor_context``,
+or ``export-ledger drift`` in one pass, marks the key stale with the right counts; ``source_unchanged`` fails and
+``export-ledger status --state stale`` lists it; reverting the source clears it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import sqlite3
+from pathlib import Path
+
+import dagster as dg
+import numpy as np
+import pandas as pd
+import pytest
+import sqlalchemy as sa
+from pipeline_helpers import tick
+
+from export_ledger import ExportSpec, SqlSource
+from export_ledger.calendar import load_zone
+from export_ledger.dagster import ledgered_definitions
+from export_ledger.drift import compare
+from export_ledger.fingerprint import Fingerprint, of_frame, parse
+from export_ledger.frames import ExportSchema, FrameBatches, validate_batches, validate_frame
+from export_ledger.ledger import SCHEMA_VERSION, ExportLedger, dispose_engines, schema_version
+from export_ledger.ledger.store import UPGRADES, _stamp
+
+QUERY = (
+    "SELECT order_id, tenant, placed_at, total, version FROM orders WHERE tenant = :tenant AND placed_at >= :start "
+    "AND placed_at < :end ORDER BY placed_at, order_id"
+)
+COLUMNS = {"order_id": "string", "tenant": "string", "placed_at": "timestamp", "total": "float", "version": "int"}
+
+
+def _day() -> dt.date:
+    """Two days ago in New York: inside the default lookback of 7 business dates, and a partition Dagster has."""
+    return dt.datetime.now(load_zone("America/New_York")).date() - dt.timedelta(days=2)
+
+
+def _spec(db: Path, **overrides) -> ExportSpec:
+    values = dict(
+        name="orders",
+        source=SqlSource(f"sqlite:///{db}", QUERY),
+        columns=COLUMNS,
+        id_columns=["order_id"],
+        time_column="placed_at",
+        tenant_column="tenant",
+        version_column="version",
+        tenants=["acme"],
+        timezone="America/New_York",
+        start_date="2026-01-01",
+    )
+    return ExportSpec(**{**values, **overrides})
+
+
+def _stamp_of(spec: ExportSpec, minutes: int) -> str:
+    start = spec.calendar.window(_day().isoformat()).start_utc
+    return (start + dt.timedelta(minutes=minutes)).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _source(db: Path, spec: ExportSpec, rows: int = 5) -> None:
+    with sqlite3.connect(db) as conn:
+        conn.execute("DROP TABLE IF EXISTS orders")
+        conn.execute("CREATE TABLE orders (order_id TEXT, tenant TEXT, placed_at TEXT, total REAL, version INTEGER)")
+        conn.executemany(
+            "INSERT INTO orders VALUES (?, 'acme', ?, ?, 1)",
+            [(f"o{i}", _stamp_of(spec, 10 + i), float(i)) for i in range(rows)],
+        )
+
+
+def _late_deleted_and_updated(db: Path, spec: ExportSpec) -> None:
+    with sqlite3.connect(db) as conn:
+        conn.execute("INSERT INTO orders VALUES ('late', 'acme', ?, 9.5, 1)", (_stamp_of(spec, 60),))
+        conn.execute("DELETE FROM orders WHERE order_id = 'o0'")
+        conn.execute("UPDATE orders SET version = 2, total = 99 WHERE order_id = 'o3'")
+
+
+def _environ(tmp_path: Path) -> dict[str, str]:
+    return {
+        "EXPORTS_LEDGER_URL": f"sqlite:///{tmp_path / 'ledger.sqlite3'}",
+        "EXPORTS_DESTINATION": str(tmp_path / "x"),
+    }
+
+
+def _export(defs: dg.Definitions, instance: dg.DagsterInstance) -> None:
+    result = defs.resolve_job_def("orders_job").execute_in_process(partition_key=_day().isoformat(), instance=instance)
+    assert result.success
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str]:
+    from export_ledger import cli
+
+    code = cli.main(list(argv))
+    return code, capsys.readouterr().out
+
+
+# -- fingerprints ----------------------------------------------------------------------------------------------------
+
+
+def test_a_fingerprint_counts_and_digests_ids_and_versions_whatever_the_row_order() -> None:
+    frame = pd.DataFrame({"order_id": [f"o{i}" for i in range(50)], "version": list(range(50))})
+    shuffled = frame.sample(frac=1, random_state=7).reset_index(drop=True)
+    assert of_frame(frame, ["order_id"], "version") == of_frame(shuffled, ["order_id"], "version")
+    parsed = parse(of_frame(frame, ["order_id"], "version"))
+    assert parsed.rows == 50 and parsed.versions is not None
+    assert parse(of_frame(frame, ["order_id"], None)).versions is None, "no version column: no version digest"
+
+    bumped = frame.assign(version=frame["version"].where(frame["order_id"] != "o3", 99))
+    one, other = parse(of_frame(frame, ["order_id"], "version")), parse(of_frame(bumped, ["order_id"], "version"))
+    assert one.ids == other.ids and one.versions != other.versions, "a version change moves only the version digest"
+
+    batched = Fingerprint(("order_id",), "version")
+    for part in (shuffled[:20], shuffled[20:]):
+        batched.add(part)
+    assert batched.encode() == of_frame(frame, ["order_id"], "version"), "batches add up to the whole"
+    assert "o3" not in batched.encode(), "no values, only counts and digests"
+
+
+def test_validation_fingerprints_a_frame_and_a_stream_alike() -> None:
+    spec = _spec(Path("unused.sqlite3"))
+    window = spec.calendar.window(_day().isoformat())
+    start = pd.Timestamp(window.start_utc)
+    frame = pd.DataFrame(
+        {
+            "order_id": [f"o{i}" for i in range(30)],
+            "tenant": "acme",
+            "placed_at": [start + pd.Timedelta(minutes=i) for i in range(30)],
+            "total": 1.0,
+            "version": 1,
+        }
+    )
+    whole, streamed = Fingerprint(("order_id",), "version"), Fingerprint(("order_id",), "version")
+    validate_frame(frame.iloc[::-1], spec.schema, window, "k", fingerprint=whole)
+    list(validate_batches(FrameBatches([frame[:10], frame[10:]]), spec.schema, window, "k", fingerprint=streamed))
+    assert whole.encode() == streamed.encode() == of_frame(frame, ["order_id"], "version")
+    with pytest.raises(ValueError, match="version column 'order_id' cannot be an id column"):
+        ExportSchema(COLUMNS, "placed_at", ("order_id",), version_column="order_id")
+
+
+def test_compare_counts_added_removed_and_changed_rows_by_id() -> None:
+    ids = np.array([1, 2, 3], dtype=np.uint64)
+    counts = compare(
+        np.array([2, 3, 4], dtype=np.uint64),
+        np.array([20, 31, 40], dtype=np.uint64),
+        ids,
+        np.array([10, 20, 30], dtype=np.uint64),
+    )
+    assert (counts.added, counts.removed, counts.changed) == (1, 1, 1)
+    assert compare(ids, None, ids, None).changed is None, "without a version column, changes are unknown"
+
+
+# -- the drift sensor, the check and status --state stale ------------------------------------------------------------
+
+
+def test_a_changed_source_makes_its_key_stale_with_counts_until_the_source_is_reverted(tmp_path, capsys) -> None:
+    db = tmp_path / "shop.sqlite3"
+    spec = _spec(db)
+    _source(db, spec)
+    environ = _environ(tmp_path)
+    defs = ledgered_definitions([spec], environ=environ)
+    assert defs.get_sensor_def("drift_sensor").default_status == dg.DefaultSensorStatus.STOPPED
+    with dg.instance_for_test() as instance:
+        _export(defs, instance)
+        ledger = ExportLedger(environ["EXPORTS_LEDGER_URL"])
+        (record,) = ledger.records()
+        stored = ledger.fingerprints([record.logical_key])[record.logical_key]
+        assert parse(stored).rows == 5 and parse(stored).versions is not None, "fingerprint stored at completion"
+
+        quiet = tick(defs, instance, sensor_name="drift_sensor")
+        assert quiet.check_evaluations == [] and "1 key(s) checked, 0 stale" in quiet.skip_message
+
+        _late_deleted_and_updated(db, spec)
+        found = tick(defs, instance, quiet.cursor, sensor_name="drift_sensor")
+        (evaluation,) = found.check_evaluations
+        assert evaluation.check_name == "source_unchanged" and evaluation.passed is False
+        assert evaluation.asset_key == dg.AssetKey("orders") and evaluation.metadata["stale_keys"].value == 1
+        (drift,) = ledger.open_drift()
+        assert (drift.logical_key, drift.rows_added, drift.rows_removed, drift.rows_changed) == (
+            record.logical_key,
+            1,
+            1,
+            1,
+        )
+        assert ledger.get(record.logical_key).state.value == "completed", "a stale key stays completed"
+
+        again = tick(defs, instance, found.cursor, sensor_name="drift_sensor")
+        assert again.check_evaluations == [], "the verdict is reported when the set of stale keys changes"
+        assert len(ledger.open_drift()) == 1
+
+        code, out = _cli(capsys, "--ledger-url", environ["EXPORTS_LEDGER_URL"], "status", "--state", "stale")
+        assert code == 0 and record.logical_key in out and "restatement" in out
+        code, out = _cli(capsys, "--ledger-url", environ["EXPORTS_LEDGER_URL"], "status", "--state", "stale", "--json")
+        (listed,) = json.loads(out)
+        assert (listed["state"], listed["rows_added"], listed["rows_removed"], listed["rows_changed"]) == (
+            "stale",
+            1,
+            1,
+            1,
+        )
+        assert "late" not in out and "99" not in out, "counts only, never values"
+
+        _source(db, spec)  # the source as it was exported
+        cleared = tick(defs, instance, again.cursor, sensor_name="drift_sensor")
+        (evaluation,) = cleared.check_evaluations
+        assert evaluation.passed is True and evaluation.metadata["stale_keys"].value == 0
+        assert ledger.open_drift() == []
+        code, out = _cli(capsys, "--ledger-url", environ["EXPORTS_LEDGER_URL"], "status", "--state", "stale")
+        assert code == 0 and "no stale exports" in out
+        check = defs.resolve_implicit_global_asset_job_def()  # the check runs from the UI as well
+        assert any(key.name == "source_unchanged" for key in check.asset_layer.asset_graph.asset_check_keys)
+
+
+def test_export_ledger_drift_runs_one_pass_from_the_declared_specs(tmp_path, capsys, monkeypatch) -> None:
+    db = tmp_path / "shop.sqlite3"
+    module = tmp_path / "drift_specs.py"
+    module.write_text(
+        "from export_ledger import ExportSpec, SqlSource\n"
+        f"orders = ExportSpec(name='orders', source=SqlSource({f'sqlite:///{db}'!r}, {QUERY!r}), columns={COLUMNS!r},"
+        " id_columns=['order_id'], time_column='placed_at', tenant_column='tenant', tenants=['acme'],"
+        " timezone='America/New_York', start_date='2026-01-01', stream_rows=2)\n"
+    )
+    spec = _spec(db, version_column=None, stream_rows=2)
+    _source(db, spec)
+    environ = _environ(tmp_path)
+    with dg.instance_for_test() as instance:
+        _export(ledgered_definitions([spec], environ=environ), instance)
+    url = environ["EXPORTS_LEDGER_URL"]
+    drift = [
+        "--ledger-url",
+        url,
+        "drift",
+        "--specs",
+        "drift_specs:orders",
+        "--destination",
+        environ["EXPORTS_DESTINATION"],
+    ]
+    monkeypatch.chdir(tmp_path)
+
+    code, out = _cli(capsys, *drift)
+    assert code == 0 and "1 key(s) checked: 0 stale, 1 match their source" in out
+
+    _late_deleted_and_updated(db, spec)
+    code, out = _cli(capsys, *drift, "--json")
+    (item,) = json.loads(out)
+    assert code == 0 and (item["result"], item["new"]) == ("stale", True)
+    assert (item["rows_added"], item["rows_removed"], item["rows_changed"]) == (1, 1, None), (
+        "without a version column an update in place is unknown, never guessed"
+    )
+
+    # A key repaired from its manifest has no fingerprint: drift compares the source with the published file.
+    with sa.create_engine(url).begin() as conn:
+        conn.execute(sa.text("UPDATE export_runs SET source_fingerprint = NULL"))
+    _source(db, spec)
+    code, out = _cli(capsys, *drift)
+    assert code == 0 and "cleared" in out and "1 match their source" in out
+    code, out = _cli(capsys, "--ledger-url", url, "status", "--state", "stale")
+    assert "no stale exports" in out
+
+    from export_ledger import cli
+
+    assert cli.main(["--ledger-url", url, "drift", "--specs", "drift_specs:nothing"]) == 2
+    assert "drift_specs has no attribute 'nothing'" in capsys.readouterr().err
+
+
+# -- schema version 4 ------------------------------------------------------------------------------------------------
+
+
+def _v3_ledger(url: str) -> None:
+    from test_library import _v1_ledger
+
+    _v1_ledger(url)
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        for version in (1, 2):
+            UPGRADES[version](conn)
+            _stamp(conn, version + 1, f"upgraded from {version}")
+    engine.dispose()
+
+
+def test_a_v3_ledger_reads_unchanged_then_upgrades_to_v4_keeping_every_row(ledger_url, capsys) -> None:
+    _v3_ledger(ledger_url)
+    reader = ExportLedger(ledger_url, read_only=True)
+    assert schema_version(sa.create_engine(ledger_url)) == 3
+    before = [(r.logical_key, r.state.value, r.row_count, r.sha256, r.fencing_token) for r in reader.records()]
+    assert len(before) == 2 and reader.open_drift() == [], "a v3 ledger reads as it is, with nothing stale"
+    code, out = _cli(capsys, "--ledger-url", ledger_url, "status", "--state", "stale")
+    assert code == 0 and "no stale exports" in out
+    assert schema_version(sa.create_engine(ledger_url)) == 3, "reading never upgrades"
+    dispose_engines()
+
+    writer = ExportLedger(ledger_url)
+    assert schema_version(sa.create_engine(ledger_url)) == SCHEMA_VERSION == 4
+    after = [(r.logical_key, r.state.value, r.row_count, r.sha256, r.fencing_token) for r in writer.records()]
+    assert after == before
+    assert set(writer.fingerprints([key for key, *_ in before]).values()) == {None}, "old keys have no fingerprint"
+    assert writer.open_drift() == []
+    assert [a.outcome.value for a in writer.attempts("invoice_export/acme/2026-03-08T05:00:00Z")] == ["completed"]

@@ -138,12 +138,14 @@ def validate_frame(
     # The ids' 64-bit hashes are computed for the fingerprint anyway: distinct hashes prove distinct ids, and
     # checking integers is cheaper than checking the values. Equal hashes (a duplicate, or rarely a collision) are
     # decided on the values themselves.
-    duplicated = pd.Series(hashes).duplicated(keep=False).to_numpy()
-    if duplicated.any():
+    ordered_hashes = np.sort(hashes)
+    if (ordered_hashes[1:] == ordered_hashes[:-1]).any():
         if len(ids) == 1:
             duplicated = frame[schema.id_column].duplicated(keep=False)
         else:
             duplicated = frame.duplicated(subset=ids, keep=False)
+    else:
+        duplicated = np.zeros(0, dtype=bool)
     if duplicated.any():
         sample = ", ".join(map(str, frame.loc[duplicated, schema.id_column].unique()[:3]))
         raise FrameError(f"{what}: duplicate {'/'.join(ids)} values ({sample}); each event must appear once")
@@ -363,7 +365,7 @@ def validate_batches(
       for text on PostgreSQL, since Python compares strings by code point). Within a batch every row is compared
       with the next (vectorised, lexicographic over the order columns); the first row of a batch is compared with
       the last row of the batch before. A row that sorts before its predecessor fails the stream.
-    * **Uniqueness.** The id values of each row are hashed to 64 bits (pandas' ``hash_pandas_object``); the
+    * **Uniqueness.** The id values of each row are hashed to 64 bits (``fingerprint.id_hashes``); the
       digests are kept in one ``uint64`` array grown in place (8-10 bytes a row: about 100 MB for 10M rows), and
       after the last batch, before anything is published, sorted in place and checked for equal neighbours. Rows
       whose order keys are equal and include the ids are neighbours and are refused in their batch already, naming

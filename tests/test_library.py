@@ -92,7 +92,7 @@ def test_two_declared_exports_share_one_ledger_and_sensor_and_get_their_own_asse
 
     assert {a.key.to_user_string() for a in defs.assets} == {"orders", "payments"}
     assert {s.name for s in defs.schedules} == {"nightly_orders", "nightly_payments"}
-    assert [s.name for s in defs.sensors] == ["reconciliation_sensor"]
+    assert [s.name for s in defs.sensors] == ["reconciliation_sensor", "drift_sensor"], "one of each for all exports"
     assert defs.get_assets_def("orders").op.pool == "exports-local-orders"
     assert defs.get_assets_def("payments").op.pool == "exports-local-payments"
     assert "ledger" in defs.resources

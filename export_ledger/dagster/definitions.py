@@ -136,7 +136,10 @@ def ledgered_definitions(
                         spec.name, asset_name=group.asset_name, tenants=group.tenants if several else None
                     )
                 )
-            job = dg.define_asset_job(f"{group.asset_name}_job", selection=job_selection(group.asset_name))
+            job = dg.define_asset_job(
+                f"{group.asset_name}_job",
+                selection=job_selection(group.asset_name, drift_check=spec.source is not None),
+            )
             jobs.append(job)
             if group.schedule_time is not None:
                 schedules.append(build_nightly_schedule(job, spec, group))

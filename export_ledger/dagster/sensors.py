@@ -324,10 +324,11 @@ def _asset_of(spec: ExportSpec, tenant: str) -> str:
     return spec.group_of(tenant).asset_name if tenant in spec.tenants else spec.groups[0].asset_name
 
 
-def job_selection(asset_name: str) -> dg.AssetSelection:
+def job_selection(asset_name: str, *, drift_check: bool = False) -> dg.AssetSelection:
     """An export's asset (the export's name, or one zone's asset) and its per-run check; ``no_stuck_exports`` is
-    reported by the reconciliation sensor and ``source_unchanged`` by the drift sensor."""
-    return dg.AssetSelection.assets(asset_name) - dg.AssetSelection.checks(
-        dg.AssetCheckKey(dg.AssetKey(asset_name), "no_stuck_exports"),
-        dg.AssetCheckKey(dg.AssetKey(asset_name), "source_unchanged"),
-    )
+    reported by the reconciliation sensor and ``source_unchanged`` (``drift_check``: the export has a source, so the
+    check exists) by the drift sensor."""
+    reported = [dg.AssetCheckKey(dg.AssetKey(asset_name), "no_stuck_exports")]
+    if drift_check:
+        reported.append(dg.AssetCheckKey(dg.AssetKey(asset_name), "source_unchanged"))
+    return dg.AssetSelection.assets(asset_name) - dg.AssetSelection.checks(*reported)

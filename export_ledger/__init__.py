@@ -27,6 +27,7 @@ from export_ledger.destinations import (
     TransactionalDestination,
     destination_from,
 )
+from export_ledger.drift import drift_pass
 from export_ledger.errors import (
     CalendarError,
     ConfigurationError,
@@ -99,6 +100,7 @@ __all__ = [
     "attempt_id",
     "check_schedule_time",
     "destination_from",
+    "drift_pass",
     "export_batch",
     "export_key",
     "load_zone",

@@ -209,7 +209,10 @@ def test_a_changed_source_makes_its_key_stale_with_counts_until_the_source_is_re
             1,
             1,
         )
-        assert "late" not in out and "99" not in out, "counts only, never values"
+        assert set(listed) == {
+            "logical_key", "export", "tenant", "business_date", "state", "rows_added", "rows_removed", "rows_changed",
+            "detected_at",
+        }, "counts only, never values"  # fmt: skip
         from_ui = _run_check(defs, instance)
         assert (from_ui.passed, from_ui.metadata["stale_keys"].value) == (False, 1), "the check runs from the UI too"
 
@@ -308,3 +311,42 @@ def test_a_v3_ledger_reads_unchanged_then_upgrades_to_v4_keeping_every_row(ledge
     assert set(writer.fingerprints([key for key, *_ in before]).values()) == {None}, "old keys have no fingerprint"
     assert writer.open_drift() == []
     assert [a.outcome.value for a in writer.attempts("invoice_export/acme/2026-03-08T05:00:00Z")] == ["completed"]
+
+
+def test_each_stale_key_fails_source_unchanged_on_its_own_tenants_asset(tmp_path) -> None:
+    from export_ledger.dagster import drift_check_evaluations
+    from export_ledger.ledger import DriftRecord
+
+    spec = _spec(tmp_path / "shop.sqlite3", tenants={"acme": None, "kolkata": "Asia/Kolkata"})
+    stale = DriftRecord(
+        1, "orders/kolkata/x", "orders", "kolkata", _day(), dt.datetime.now(dt.timezone.utc), 2, 0, 1, "fp1", None
+    )
+    verdicts = {e.asset_key.to_user_string(): e for e in drift_check_evaluations([spec], [stale])}
+    assert set(verdicts) == {group.asset_name for group in spec.groups} and len(verdicts) == 2
+    kolkata = spec.group_of("kolkata").asset_name
+    assert verdicts[kolkata].passed is False and verdicts[kolkata].metadata["stale_keys"].value == 1
+    assert verdicts[spec.group_of("acme").asset_name].passed is True
+
+
+def test_pruning_a_stale_key_closes_its_drift_record(tmp_path) -> None:
+    from export_ledger.destinations import LocalDestination
+    from export_ledger.keys import LogicalKey
+    from export_ledger.ledger import DriftFinding
+    from export_ledger.protocol import ExportItem, export_key
+
+    spec = _spec(tmp_path / "shop.sqlite3")
+    ledger = ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    window = spec.calendar.window("2026-03-10")
+    frame = pd.DataFrame(
+        {"order_id": ["o1"], "tenant": ["acme"], "placed_at": [pd.Timestamp(window.start_utc)], "total": [1.0]}
+    ).assign(version=1)
+    key = LogicalKey("orders", "acme", window)
+    export_key(ledger, LocalDestination(str(tmp_path / "x")), spec.schema, ExportItem(key, "2026-03-10", frame), "r/1")
+    (record,) = ledger.records()
+    opened = ledger.record_drift([DriftFinding(record, 1, 0, 0, "fp1 rows=2 ids=0000000000000000 versions=-")], [])
+    assert opened.opened == [record.logical_key] and len(ledger.open_drift()) == 1
+    again = ledger.record_drift([DriftFinding(record, 1, 0, 0, "fp1 rows=2 ids=0000000000000000 versions=-")], [])
+    assert again.opened == [] and len(ledger.open_drift()) == 1, "the same drift seen again records nothing"
+
+    ledger.prune(30, export="orders")
+    assert ledger.records() == [] and ledger.open_drift() == [], "a pruned key is no longer stale"

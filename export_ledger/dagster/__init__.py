@@ -1,5 +1,5 @@
 """export-ledger's Dagster integration: resources, the ledgered I/O manager, and factories for assets, checks,
-schedules and the reconciliation sensor, assembled by :func:`ledgered_definitions`.
+schedules, the reconciliation sensor and the drift sensor, assembled by :func:`ledgered_definitions`.
 
 Example:
     >>> from export_ledger.dagster import ledgered_definitions
@@ -8,15 +8,19 @@ Example:
 
 from export_ledger.dagster.assets import (
     CHECK_NAME,
+    DRIFT_CHECK_NAME,
     LEDGER_KEY,
     STUCK_CHECK_NAME,
+    build_drift_check,
     build_export_asset,
     build_stuck_check,
+    drift_check_evaluation,
     export_check,
     resource_keys,
     stuck_check_evaluation,
 )
 from export_ledger.dagster.definitions import ledgered_definitions
+from export_ledger.dagster.drift_sensor import build_drift_sensor, drift_check_evaluations
 from export_ledger.dagster.io_manager import LedgeredExportIOManager, output_metadata
 from export_ledger.dagster.partitions import calendar_of, dagster_disagreement, partitions_def
 from export_ledger.dagster.resources import DestinationResource, LedgerResource
@@ -25,17 +29,22 @@ from export_ledger.dagster.sensors import build_reconciliation_sensor, job_selec
 
 __all__ = [
     "CHECK_NAME",
+    "DRIFT_CHECK_NAME",
     "LEDGER_KEY",
     "STUCK_CHECK_NAME",
     "DestinationResource",
     "LedgerResource",
     "LedgeredExportIOManager",
+    "build_drift_check",
+    "build_drift_sensor",
     "build_export_asset",
     "build_nightly_schedule",
     "build_reconciliation_sensor",
     "build_stuck_check",
     "calendar_of",
     "dagster_disagreement",
+    "drift_check_evaluation",
+    "drift_check_evaluations",
     "export_check",
     "job_selection",
     "ledgered_definitions",

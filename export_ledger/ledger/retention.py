@@ -19,6 +19,7 @@ from export_ledger.ledger.schema import (
     ExportState,
     export_attempts,
     export_contracts,
+    export_drift,
     export_low_water,
     export_operator_log,
     export_runs,
@@ -106,6 +107,12 @@ class RetentionMixin:
                     export_runs.c.business_date < plan.mark,
                 )
                 conn.execute(export_attempts.delete().where(export_attempts.c.logical_key.in_(doomed)))
+                # A pruned key can no longer be stale: its open drift record is closed (drift records are kept).
+                conn.execute(
+                    export_drift.update()
+                    .where(export_drift.c.logical_key.in_(doomed), export_drift.c.cleared_at.is_(None))
+                    .values(cleared_at=now)
+                )
                 conn.execute(
                     export_runs.delete().where(
                         export_runs.c.export == name,

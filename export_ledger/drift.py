@@ -100,7 +100,8 @@ def _read_source(spec: ExportSpec, record: ExportRecord) -> _SourceRead:
             spec.source.batches(record.tenant, start, end, schema=schema, batch_rows=spec.stream_rows)
         )
     else:
-        frames = [spec.read(record.tenant, start, end)]
+        rows = spec.read(record.tenant, start, end)
+        frames = [rows] if isinstance(rows, pd.DataFrame) else rows  # what the export validated: one frame
     fingerprint = Fingerprint(schema.id_columns, schema.version_column)
     ids, versions = [], []
     for frame in frames:

@@ -350,3 +350,25 @@ def test_pruning_a_stale_key_closes_its_drift_record(tmp_path) -> None:
 
     ledger.prune(30, export="orders")
     assert ledger.records() == [] and ledger.open_drift() == [], "a pruned key is no longer stale"
+
+
+def test_drift_reads_a_ledger_table_export_back_to_count_the_changes(tmp_path) -> None:
+    from export_ledger.destinations import destination_from
+    from export_ledger.drift import drift_pass
+
+    db = tmp_path / "shop.sqlite3"
+    spec = _spec(db, destination="ledger-table:orders_rows")
+    _source(db, spec)
+    environ = _environ(tmp_path)
+    with dg.instance_for_test() as instance:
+        _export(ledgered_definitions([spec], environ=environ), instance)
+    ledger = ExportLedger(environ["EXPORTS_LEDGER_URL"])
+    table = destination_from(spec.destination, ledger_url=ledger.url, what="test")
+    with sa.create_engine(ledger.url).begin() as conn:
+        conn.execute(sa.text("UPDATE export_runs SET source_fingerprint = NULL"))  # force the comparison
+    assert drift_pass(ledger, [spec], {"orders": table}).matching, "the table's rows are the source's"
+
+    _late_deleted_and_updated(db, spec)
+    report = drift_pass(ledger, [spec], {"orders": table})
+    (finding,) = report.stale
+    assert (finding.rows_added, finding.rows_removed, finding.rows_changed) == (1, 1, 1)

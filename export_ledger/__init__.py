@@ -37,7 +37,7 @@ from export_ledger.errors import (
     ManifestError,
     SourceError,
 )
-from export_ledger.frames import MANIFEST_NAME, ExportSchema, Manifest, validate_frame
+from export_ledger.frames import MANIFEST_NAME, ExportSchema, FrameBatches, Manifest, validate_frame
 from export_ledger.keys import LogicalKey, attempt_id, parse_tenants, validate_slug
 from export_ledger.ledger import (
     SCHEMA_VERSION,
@@ -81,6 +81,7 @@ __all__ = [
     "ExportState",
     "ExportTarget",
     "ExportWindow",
+    "FrameBatches",
     "FrameError",
     "InvalidIdentifier",
     "LedgerError",

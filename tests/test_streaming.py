@@ -228,11 +228,8 @@ def test_sql_source_streams_bounded_batches_and_exports_the_file_the_whole_frame
     assert (result.row_count, result.sha256) == (1_000, expected.sha256)
 
 
-def test_sql_source_errors_while_streaming_name_the_database_not_the_values(tmp_path: Path) -> None:
-    source = SqlSource(
-        f"sqlite:///{tmp_path / 'empty.sqlite3'}",
-        "SELECT * FROM missing WHERE tenant = :tenant AND t >= :start AND t < :end",
-    )
+def test_sql_source_errors_while_streaming_name_the_database_not_the_values(source_url: str) -> None:
+    source = SqlSource(source_url, "SELECT * FROM missing WHERE tenant = :tenant AND t >= :start AND t < :end")
     with pytest.raises(Exception, match="cannot stream the source query on") as raised:
         list(source.batches("acme", KEY.window.start_utc, KEY.window.end_utc))
     assert "acme" not in str(raised.value)

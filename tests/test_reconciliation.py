@@ -538,3 +538,25 @@ def test_export_ledger_reconcile_exits_1_when_the_destination_is_unreachable(
     assert KEY in out and "unchanged" in out
     assert "could not be reached" in out, out
     assert ledger_at(tmp_path).get(KEY).state is ExportState.REMOTE_UNKNOWN
+
+
+def test_a_day_is_summarised_in_the_database_and_only_its_listed_keys_are_read(sqlite_url):
+    from builders import evidence_for, key_for
+
+    from export_ledger.ledger import ExportLedger
+
+    ledger = ExportLedger(sqlite_url)
+    tenants = [f"t{i:02d}" for i in range(30)]
+    days = [dt.date(2026, 3, 7), dt.date(2026, 3, 8)]
+    for day in days:
+        for i, tenant in enumerate(tenants):
+            claim = ledger.claim(key_for(day, tenant=tenant), f"run-{day}/step")
+            if i < 25:  # five tenants of each day stay in progress
+                ledger.complete(claim, evidence_for(claim, row_count=i))
+    summaries = ledger.day_summaries(export="invoice_export", timezone=None, days=days, tenants=tenants)
+    assert {d: (s.keys, s.completed, s.rows) for d, s in summaries.items()} == {
+        day: (30, 25, sum(range(25))) for day in days
+    }, "counts and rows come from one grouped read"
+    listed = ledger.first_records(export="invoice_export", timezone=None, days=days, tenants=tenants, per_day=20)
+    assert {d: [r.tenant for r in rs] for d, rs in listed.items()} == {day: tenants[:20] for day in days}
+    assert ledger.first_records(export="invoice_export", timezone=None, days=days, tenants=[], per_day=20) == {}

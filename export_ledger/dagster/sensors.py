@@ -172,25 +172,24 @@ def _group_materializations(
     seen = materialized(asset_key, complete)
     unrecorded = [p for p in complete if p not in seen]  # their run failed on some key: Dagster never recorded them
     if unrecorded:
-        order = {tenant: i for i, tenant in enumerate(tenants)}
-        by_day: dict[dt.date, list] = {days[p]: [] for p in unrecorded}
-        for record in ledger.records(export=export, timezone=zone, business_dates=list(by_day), tenants=tenants):
-            by_day[record.business_date].append(record)
+        # Counts come from the grouped read above; only the listed keys are read (a day of 1,000 tenants is 1,000
+        # rows, and a tick touching 100 such days would otherwise read 100,000 records to show 20 keys of each).
+        listed = ledger.first_records(
+            export=export, timezone=zone, days=[days[p] for p in unrecorded], tenants=tenants, per_day=LISTED_KEYS
+        )
         for partition in unrecorded:
-            done = sorted(by_day[days[partition]], key=lambda r: order[r.tenant])
+            summary, shown = summaries[days[partition]], listed.get(days[partition], [])
             events.append(
                 dg.AssetMaterialization(
                     asset_key=asset_key,
                     partition=partition,
                     metadata={
-                        "keys": len(done),
-                        "rows": sum(r.row_count for r in done),
-                        "logical_keys": dg.MetadataValue.json([r.logical_key for r in done[:LISTED_KEYS]]),
-                        "sha256": dg.MetadataValue.json({r.logical_key: r.sha256 for r in done[:LISTED_KEYS]}),
-                        "paths": dg.MetadataValue.json({r.logical_key: r.location for r in done[:LISTED_KEYS]}),
-                        "committed_attempts": dg.MetadataValue.json(
-                            sorted({r.committed_attempt for r in done})[:LISTED_KEYS]
-                        ),
+                        "keys": summary.completed,
+                        "rows": summary.rows,
+                        "logical_keys": dg.MetadataValue.json([r.logical_key for r in shown]),
+                        "sha256": dg.MetadataValue.json({r.logical_key: r.sha256 for r in shown}),
+                        "paths": dg.MetadataValue.json({r.logical_key: r.location for r in shown}),
+                        "committed_attempts": dg.MetadataValue.json(sorted({r.committed_attempt for r in shown})),
                         "every_key": dg.MetadataValue.text(status_command(export, [partition])),
                     },
                     description="recorded by reconciliation from the destination's evidence",

@@ -100,6 +100,7 @@ class DaySummary:
     business_date: dt.date
     keys: int  # tenants with a row that day
     completed: int
+    rows: int = 0  # rows exported by that day's completed keys
 
 
 @dataclass(frozen=True)

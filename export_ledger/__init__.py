@@ -56,7 +56,7 @@ from export_ledger.sources import CallableSource, ExportSource, SqlSource
 from export_ledger.spec import ExportSpec
 from export_ledger.tenants import Tenant, TenantGroup
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "MANIFEST_NAME",

@@ -565,13 +565,7 @@ class ExportLedger(RetentionMixin, ContractsMixin, DriftMixin):
             claim,
             transition,
             error=note,
-            values=dict(
-                location=evidence.location,
-                sha256=evidence.sha256,
-                row_count=evidence.row_count,
-                committed_attempt=evidence.attempt_id,
-                source_fingerprint=evidence.source_fingerprint,
-            ),
+            values=_evidence_values(evidence),
         )
 
     def complete_many(self, completions: Sequence[tuple[Claim, CompletionEvidence]]) -> list[ExportRecord | FencedOut]:
@@ -607,11 +601,7 @@ class ExportLedger(RetentionMixin, ContractsMixin, DriftMixin):
                         lease_owner=None,
                         lease_expires_at=None,
                         updated_at=now,
-                        location=evidence.location,
-                        sha256=evidence.sha256,
-                        row_count=evidence.row_count,
-                        committed_attempt=evidence.attempt_id,
-                        source_fingerprint=evidence.source_fingerprint,
+                        **_evidence_values(evidence),
                     ),
                 )
                 if matched:
@@ -894,13 +884,7 @@ class ExportLedger(RetentionMixin, ContractsMixin, DriftMixin):
         transition = T.RECONCILE_TO[state]
         values: dict = dict(lease_owner=None, lease_expires_at=None, updated_at=now)
         if evidence is not None:
-            values.update(
-                location=evidence.location,
-                sha256=evidence.sha256,
-                row_count=evidence.row_count,
-                committed_attempt=evidence.attempt_id,
-                source_fingerprint=evidence.source_fingerprint,
-            )
+            values.update(_evidence_values(evidence))
         # Guarded by the state examined (never a live lease) and its token: the row as updated, or None.
         row = T.apply(
             conn,
@@ -1002,11 +986,7 @@ class ExportLedger(RetentionMixin, ContractsMixin, DriftMixin):
                         lease_owner=None,
                         lease_expires_at=None,
                         updated_at=now,
-                        location=evidence.location,
-                        sha256=evidence.sha256,
-                        row_count=evidence.row_count,
-                        committed_attempt=evidence.attempt_id,
-                        source_fingerprint=evidence.source_fingerprint,
+                        **_evidence_values(evidence),
                     ),
                 )
                 if not moved:  # the row is locked above: only a bug could get here
@@ -1109,3 +1089,14 @@ class ExportLedger(RetentionMixin, ContractsMixin, DriftMixin):
             error_class=error_class,
             error_message=error_message[:MESSAGE_LIMIT] if error_message else error_message,
         )
+
+
+def _evidence_values(evidence: CompletionEvidence) -> dict:
+    """The ``export_runs`` columns a completion records from the destination's evidence."""
+    return dict(
+        location=evidence.location,
+        sha256=evidence.sha256,
+        row_count=evidence.row_count,
+        committed_attempt=evidence.attempt_id,
+        source_fingerprint=evidence.source_fingerprint,
+    )

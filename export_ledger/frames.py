@@ -509,6 +509,9 @@ def read_table(payload: bytes, file_format: str, schema: ExportSchema | None = N
     return table.to_pandas()
 
 
+_REVISION_FIELDS = ("revision", "supersedes_revision", "supersedes_sha256")
+
+
 @dataclass(frozen=True)
 class Manifest:
     """The completion marker published beside the data file.
@@ -530,6 +533,11 @@ class Manifest:
     data_file: str
     tz_database: str = ""
     manifest_version: int = field(default=MANIFEST_VERSION)
+    #: Which revision of the key this is (1: its first export) and, for a restatement, the revision it supersedes
+    #: with that revision's sha256. Revision 1's manifest omits all three, byte for byte what 0.3.0 wrote.
+    revision: int = 1
+    supersedes_revision: int | None = None
+    supersedes_sha256: str | None = None
 
     @classmethod
     def build(
@@ -545,6 +553,8 @@ class Manifest:
         fencing_token: int,
         data_file: str,
         tz_database: str,
+        revision: int = 1,
+        supersedes: tuple[int, str] | None = None,
     ) -> Manifest:
         return cls(
             logical_key=logical_key,
@@ -560,10 +570,17 @@ class Manifest:
             fencing_token=fencing_token,
             data_file=data_file,
             tz_database=tz_database,
+            revision=revision,
+            supersedes_revision=supersedes[0] if supersedes else None,
+            supersedes_sha256=supersedes[1] if supersedes else None,
         )
 
     def to_json(self) -> bytes:
-        return (json.dumps(asdict(self), indent=2, sort_keys=True) + "\n").encode("utf-8")
+        values = asdict(self)
+        if self.revision == 1:
+            for name in _REVISION_FIELDS:
+                values.pop(name)
+        return (json.dumps(values, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
     @classmethod
     def from_json(cls, payload: bytes, where: str) -> Manifest:
@@ -573,11 +590,15 @@ class Manifest:
             raise ManifestError(f"manifest at {where} is not valid JSON: {exc}") from None
         if not isinstance(values, dict):
             raise ManifestError(f"manifest at {where} is not a JSON object")
-        required = [name for name in cls.__dataclass_fields__ if name not in ("tz_database", "manifest_version")]
+        optional = ("tz_database", "manifest_version", *_REVISION_FIELDS)
+        required = [name for name in cls.__dataclass_fields__ if name not in optional]
         missing = [name for name in required if name not in values]
         if missing:
             raise ManifestError(f"manifest at {where} is missing fields {missing}")
         known = {name: values[name] for name in cls.__dataclass_fields__ if name in values}
+        revision = known.get("revision", 1)
+        if not isinstance(revision, int) or isinstance(revision, bool) or revision < 1:
+            raise ManifestError(f"manifest at {where} has revision {revision!r}; revisions count from 1")
         return cls(**known)
 
     @property

@@ -156,8 +156,8 @@ class ExportBatch:
     results: list[ExportResult] = field(default_factory=list)
 
 
-def target_for(key: LogicalKey) -> ExportTarget:
-    return ExportTarget(key.export, key.tenant, key.window.business_date.isoformat())
+def target_for(key: LogicalKey, revision: int = 1) -> ExportTarget:
+    return ExportTarget(key.export, key.tenant, key.window.business_date.isoformat(), revision)
 
 
 def _same_window(claim: Claim, key: LogicalKey) -> bool:
@@ -253,7 +253,7 @@ class _KeyExport:
         (``failed``, ``conflict`` or ``remote_unknown``) and raised again.
         """
         ledger = self.ledger
-        target = target_for(item.key)
+        target = target_for(item.key, claim.revision)
         try:
             failpoints.reach("after_claim")
             if not _same_window(claim, item.key):
@@ -277,8 +277,10 @@ class _KeyExport:
                     f"{claim.logical_key} was published by attempt {existing.attempt_id} but never recorded; "
                     "recording it from its manifest instead of writing a second copy",
                 )
+                self._move_current(claim, target, existing)
                 return "repaired", evidence
-            evidence = self._publish(claim, item, target)
+            evidence, manifest = self._publish(claim, item, target)
+            self._move_current(claim, target, manifest)
             # Publishing can meet another attempt's export (a fenced owner's late upload): that is a repair.
             return ("exported" if evidence.attempt_id == claim.attempt_id else "repaired"), evidence
         except PublishOutcomeUnknown as exc:
@@ -301,7 +303,30 @@ class _KeyExport:
             ledger.fail(claim, exc)
             raise
 
-    def _publish(self, claim: Claim, item: ExportItem, target: ExportTarget) -> CompletionEvidence:
+    def _move_current(self, claim: Claim, target: ExportTarget, manifest: Manifest) -> None:
+        """A restatement's revision is published: the key's current pointer moves to it before the ledger records
+        it, so a completed revision is always the current one. A move whose outcome is unknown hands the key to
+        reconciliation (which moves it again, idempotently); a pointer someone else moved is a conflict."""
+        if claim.revision == 1:
+            return
+        assert claim.supersedes is not None
+        try:
+            self.destination.move_current(target, manifest, supersedes=claim.supersedes[0])
+            failpoints.reach("after_current")
+        except DestinationConflict:
+            raise
+        except PublishOutcomeUnknown as exc:
+            exc.intended_sha256 = manifest.sha256
+            raise
+        except Exception as exc:
+            # The revision is published: the key is not `failed` (nothing published) but unrecorded.
+            unrecorded = PublishOutcomeUnknown(
+                f"published {self.destination.location(target)}, then could not make it current ({safe_message(exc)})"
+            )
+            unrecorded.intended_sha256 = manifest.sha256
+            raise unrecorded from exc
+
+    def _publish(self, claim: Claim, item: ExportItem, target: ExportTarget) -> tuple[CompletionEvidence, Manifest]:
         destination = self.destination
         if not isinstance(destination, PublishingDestination):
             raise DestinationError(f"{destination.describe()} cannot publish exports")
@@ -320,7 +345,7 @@ class _KeyExport:
             published = destination.publish(staged)
         except PublishedElsewhere as exc:
             destination.discard(staged)
-            return self._evidence_from(exc.manifest, claim, target)
+            return self._evidence_from(exc.manifest, claim, target), exc.manifest
         except PublishOutcomeUnknown as exc:
             exc.intended_sha256 = staged.manifest.sha256
             destination.discard(staged)
@@ -338,7 +363,7 @@ class _KeyExport:
             )
             unrecorded.intended_sha256 = published.sha256
             raise unrecorded from exc
-        return CompletionEvidence(
+        evidence = CompletionEvidence(
             location=destination.location(target),
             sha256=published.sha256,
             row_count=published.row_count,
@@ -346,7 +371,9 @@ class _KeyExport:
             fencing_token=published.fencing_token,
             # The stream (if any) was written whole by now: the fingerprint covers every row published.
             source_fingerprint=fingerprint.encode(),
+            revision=published.revision,
         )
+        return evidence, published
 
     def _write_in_transaction(self, claim: Claim, item: ExportItem, target: ExportTarget) -> ExportRecord:
         """Rows and completion record in one ledger transaction: both commit or neither."""
@@ -372,6 +399,7 @@ class _KeyExport:
                 claim.attempt_id,
                 claim.fencing_token,
                 source_fingerprint=fingerprint.encode(),
+                revision=written.revision,
             )
 
         return self.ledger.complete_within(claim, effect)
@@ -397,6 +425,8 @@ class _KeyExport:
             fencing_token=claim.fencing_token,
             data_file=data_file_name(self.file_format),
             tz_database=claim.tz_database,
+            revision=claim.revision,
+            supersedes=claim.supersedes,
         )
 
     def _evidence_from(self, manifest: Manifest, claim: Claim, target: ExportTarget) -> CompletionEvidence:
@@ -407,13 +437,23 @@ class _KeyExport:
                 f"{location} holds the export of {manifest.logical_key}, not {claim.logical_key}; "
                 "refusing to overwrite it or to record it as this key"
             )
+        if manifest.revision != target.revision:
+            raise ExportConflict(
+                f"{location} holds revision {manifest.revision} of {claim.logical_key}, not revision "
+                f"{target.revision}; refusing to record it as this revision"
+            )
         actual = hashlib.sha256(self.destination.read_data(target, manifest)).hexdigest()
         if actual != manifest.sha256:
             raise ExportConflict(
                 f"{location}: data file sha256 {actual} does not match its manifest ({manifest.sha256})"
             )
         return CompletionEvidence(
-            location, manifest.sha256, manifest.row_count, manifest.attempt_id, manifest.fencing_token
+            location,
+            manifest.sha256,
+            manifest.row_count,
+            manifest.attempt_id,
+            manifest.fencing_token,
+            revision=manifest.revision,
         )
 
 

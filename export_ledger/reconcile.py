@@ -11,6 +11,10 @@ crashed or stalled attempt, on any destination). For each, the destination is pr
 * nothing there → ``failed``: safe to retry, and the sensor requests a run for the partition;
 * something else there → ``conflict``: never overwritten, an operator decides;
 * the destination cannot be reached → unchanged, tried again later.
+
+A key under restatement is judged the same way at its new revision's place: found published, the key's current
+pointer is moved to it (idempotently: the attempt may have moved it before dying) before the revision is recorded;
+found absent, the key is ``failed`` with its current revision untouched, and rerun.
 """
 
 from __future__ import annotations
@@ -20,10 +24,16 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from export_ledger.destinations.base import Destination, DestinationError, DestinationUnreachable, ExportTarget
+from export_ledger.destinations.base import (
+    Destination,
+    DestinationConflict,
+    DestinationError,
+    DestinationUnreachable,
+    ExportTarget,
+)
 from export_ledger.errors import ManifestError
 from export_ledger.frames import Manifest
-from export_ledger.ledger import CompletionEvidence, ExportLedger, ExportRecord, ExportState, Resolution
+from export_ledger.ledger import CompletionEvidence, ExportLedger, ExportRecord, ExportState, Resolution, Restatement
 
 
 class Verdict(str, enum.Enum):
@@ -66,31 +76,42 @@ def judge(record: ExportRecord, manifest: Manifest | None, data_sha256: str | No
             f"{record.sha256}",
         )
     evidence = CompletionEvidence(
-        location, manifest.sha256, manifest.row_count, manifest.attempt_id, manifest.fencing_token
+        location,
+        manifest.sha256,
+        manifest.row_count,
+        manifest.attempt_id,
+        manifest.fencing_token,
+        revision=manifest.revision,
     )
     return Finding(record, Verdict.COMPLETED, f"published by attempt {manifest.attempt_id} at {location}", evidence)
 
 
-def target_of(record: ExportRecord) -> ExportTarget:
-    return ExportTarget(record.export, record.tenant, record.business_date.isoformat())
+def target_of(record: ExportRecord, revision: int = 1) -> ExportTarget:
+    return ExportTarget(record.export, record.tenant, record.business_date.isoformat(), revision)
 
 
-def examine(destination: Destination, record: ExportRecord) -> Finding:
-    """Probes the destination for one stuck key and judges what it finds."""
-    target = target_of(record)
+def examine(destination: Destination, record: ExportRecord, request: Restatement | None = None) -> Finding:
+    """Probes the destination for one stuck key (at the revision its open restatement ``request`` publishes, if
+    any) and judges what it finds; a restatement found published is made current before it is judged completed."""
+    target = target_of(record, request.revision if request is not None else 1)
     location = destination.location(target)
     try:
         manifest = destination.probe(target)
         data_sha256 = None
         if manifest is not None and manifest.logical_key == record.logical_key:
             data_sha256 = hashlib.sha256(destination.read_data(target, manifest)).hexdigest()
+        finding = judge(record, manifest, data_sha256, location)
+        if finding.verdict is Verdict.COMPLETED and manifest.revision != target.revision:
+            return Finding(record, Verdict.CONFLICT, f"{location} holds revision {manifest.revision}")
+        if finding.verdict is Verdict.COMPLETED and request is not None:
+            destination.move_current(target, manifest, supersedes=request.revision - 1)
     except DestinationUnreachable as exc:
         return Finding(record, Verdict.UNREACHABLE, str(exc))
-    except ManifestError as exc:
+    except (ManifestError, DestinationConflict) as exc:
         return Finding(record, Verdict.CONFLICT, str(exc))
     except DestinationError as exc:
         return Finding(record, Verdict.UNREACHABLE, str(exc))
-    return judge(record, manifest, data_sha256, location)
+    return finding
 
 
 @dataclass
@@ -128,15 +149,17 @@ def reconcile_batch(
     """
     records = ledger.stuck(limit=limit, after=after)
     report = ReconcileReport(next_after=records[-1].logical_key if len(records) == limit else None)
+    requests = ledger.open_restatements([record.logical_key for record in records])
     decided = []
     for record in records:
         if isinstance(destination, Mapping):
             if record.export not in destination:
                 report.unknown_exports.add(record.export)
                 continue
-            finding = examine(destination[record.export], record)
+            finding = examine(destination[record.export], record, requests.get(record.logical_key))
         else:
-            finding = examine(destination, record)  # destination I/O first, outside the ledger's write transaction
+            # Destination I/O first, outside the ledger's write transaction.
+            finding = examine(destination, record, requests.get(record.logical_key))
         report.findings.append(finding)
         if finding.verdict is not Verdict.UNREACHABLE:
             decided.append(finding)

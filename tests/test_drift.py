@@ -305,7 +305,7 @@ def test_a_v3_ledger_reads_unchanged_then_upgrades_to_v4_keeping_every_row(ledge
     dispose_engines()
 
     writer = ExportLedger(ledger_url)
-    assert schema_version(sa.create_engine(ledger_url)) == SCHEMA_VERSION == 4
+    assert schema_version(sa.create_engine(ledger_url)) == SCHEMA_VERSION == 5
     after = [(r.logical_key, r.state.value, r.row_count, r.sha256, r.fencing_token) for r in writer.records()]
     assert after == before
     assert set(writer.fingerprints([key for key, *_ in before]).values()) == {None}, "old keys have no fingerprint"

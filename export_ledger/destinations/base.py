@@ -50,15 +50,35 @@ class PublishedElsewhere(DestinationError):
 
 @dataclass(frozen=True)
 class ExportTarget:
-    """Where one logical export lives: ``<export>/tenant=<tenant>/date=<YYYY-MM-DD>``."""
+    """Where one revision of one logical export lives: ``<export>/tenant=<tenant>/date=<YYYY-MM-DD>`` for revision 1
+    (what every first export writes), ``.../date=<YYYY-MM-DD>/revision=<N>`` for a restatement's revision N."""
 
     export: str
     tenant: str
     business_date: str
+    revision: int = 1
 
     @property
     def parts(self) -> tuple[str, str, str]:
+        """The key's folder (revision 1's place, and where the key's current pointer lives)."""
         return (self.export, f"tenant={self.tenant}", f"date={self.business_date}")
+
+    @property
+    def revision_part(self) -> str | None:
+        """The revision's folder inside the key's, or None for revision 1."""
+        return None if self.revision == 1 else f"revision={self.revision}"
+
+    def at_revision(self, revision: int) -> ExportTarget:
+        return ExportTarget(self.export, self.tenant, self.business_date, revision)
+
+
+#: The name of a key's current pointer, in the key's folder: ``{"revision": N, "sha256": ..., "logical_key": ...}``.
+#: Absent, the current revision is 1 (the key's folder itself): exports never restated need no pointer.
+CURRENT_NAME = "_current.json"
+
+
+class PointerMoved(DestinationConflict):
+    """The key's current pointer is not at the revision this restatement supersedes: never moved over it."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +115,23 @@ class Destination(ABC):
     @abstractmethod
     def discard_target(self, target: ExportTarget) -> list[str]:
         """Removes whatever is at the key's place (an operator decided it is not to be kept); returns what."""
+
+    def current(self, target: ExportTarget) -> int:
+        """The key's current revision as the destination's pointer says (1 when there is no pointer)."""
+        return 1
+
+    def move_current(self, target: ExportTarget, manifest: Manifest, *, supersedes: int) -> None:
+        """Moves the key's current pointer from revision ``supersedes`` to ``target.revision`` (whose published
+        manifest is ``manifest``), atomically: readers see the old revision or the new one, never neither.
+
+        Idempotent: a pointer already at ``target.revision`` is left as it is (an earlier attempt moved it and died).
+
+        Raises:
+            PointerMoved: the pointer is at neither revision (someone else moved it); nothing is changed.
+            PublishOutcomeUnknown: the move may or may not have taken effect.
+            DestinationError: the pointer was not moved.
+        """
+        raise DestinationError(f"{self.describe()} does not support restatements (no current pointer)")
 
 
 class PublishingDestination(Destination):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime as dt
+import fcntl
+import json
 import os
 import shutil
 import stat
@@ -14,8 +16,10 @@ from pathlib import Path
 import pyarrow as pa
 
 from export_ledger.destinations.base import (
+    CURRENT_NAME,
     DestinationError,
     ExportTarget,
+    PointerMoved,
     PublishedElsewhere,
     PublishingDestination,
     PublishOutcomeUnknown,
@@ -41,6 +45,10 @@ class LocalDestination(PublishingDestination):
 
     Staging directories are named ``.staging-...`` beside their target (same filesystem, so the rename is atomic)
     and are ignored by readers.
+
+    A restatement's revision N is published the same way at ``date=<D>/revision=<N>``, beside the revisions before
+    it, and the key's current pointer ``date=<D>/_current.json`` then moves to it with one atomic ``rename`` of a
+    fsynced file (under an advisory lock, with a check of where it points first, so a lost update is refused).
     """
 
     root: str
@@ -49,8 +57,12 @@ class LocalDestination(PublishingDestination):
     def _root(self) -> Path:
         return Path(self.root).expanduser().resolve()
 
-    def _target_dir(self, target: ExportTarget) -> Path:
+    def _key_dir(self, target: ExportTarget) -> Path:
         return self._root().joinpath(*target.parts)
+
+    def _target_dir(self, target: ExportTarget) -> Path:
+        folder = self._key_dir(target)
+        return folder if target.revision_part is None else folder / target.revision_part
 
     def location(self, target: ExportTarget) -> str:
         return str(self._target_dir(target))
@@ -153,7 +165,7 @@ class LocalDestination(PublishingDestination):
         removed = 0
         if not parent.is_dir():
             return 0
-        prefix = f".staging-date={target.business_date}-t"
+        prefix = f".staging-{self._target_dir(target).name}-t"
         for entry in parent.iterdir():
             if not entry.name.startswith(prefix):
                 continue
@@ -172,9 +184,79 @@ class LocalDestination(PublishingDestination):
                 removed += 1
         return removed
 
+    def current(self, target: ExportTarget) -> int:
+        pointer = self._key_dir(target) / CURRENT_NAME
+        try:
+            payload = pointer.read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            return 1
+        except OSError as exc:
+            raise DestinationError(f"cannot read {pointer}: {exc.strerror}") from None
+        return _pointer_revision(payload, str(pointer))
+
+    def move_current(self, target: ExportTarget, manifest: Manifest, *, supersedes: int) -> None:
+        folder = self._key_dir(target)
+        pointer = folder / CURRENT_NAME
+        try:
+            lock = os.open(folder / ".current.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise DestinationError(f"cannot lock {folder}'s current pointer: {exc.strerror or exc}") from None
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # movers of one key wait for each other; readers never take it
+            now = self.current(target)
+            if now == target.revision:
+                return  # an earlier attempt moved it and died before recording: nothing to do
+            if now != supersedes:
+                raise PointerMoved(
+                    f"{pointer} points at revision {now}, not at revision {supersedes} which revision "
+                    f"{target.revision} supersedes; it is not moved"
+                )
+            payload = _pointer_payload(target, manifest)
+            temporary = folder / f".current-{os.getpid()}-{time.monotonic_ns()}"
+            try:
+                with open(temporary, "xb") as handle:
+                    handle.write(payload)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                os.chmod(temporary, _PUBLISHED_MODE)
+                os.rename(temporary, pointer)  # atomic: readers see the old pointer or the new one
+            except OSError as exc:
+                temporary.unlink(missing_ok=True)
+                raise DestinationError(f"cannot move {pointer}: {exc.strerror or exc}") from None
+            try:
+                _fsync_path(folder)
+            except OSError as exc:
+                raise PublishOutcomeUnknown(
+                    f"moved {pointer} to revision {target.revision} but could not fsync its folder: {exc.strerror}"
+                ) from None
+        finally:
+            os.close(lock)
+
     def read_data(self, target: ExportTarget, manifest: Manifest) -> bytes:
         path = self._target_dir(target) / manifest.data_file
         try:
             return path.read_bytes()
         except OSError as exc:
             raise DestinationError(f"cannot read committed export {path}: {exc.strerror}") from None
+
+
+def _pointer_payload(target: ExportTarget, manifest: Manifest) -> bytes:
+    """The current pointer's content: the revision, its folder and sha256, and the key (for a reader's check)."""
+    values = {
+        "logical_key": manifest.logical_key,
+        "revision": target.revision,
+        "path": target.revision_part or ".",
+        "sha256": manifest.sha256,
+        "data_file": manifest.data_file,
+    }
+    return (json.dumps(values, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
+def _pointer_revision(payload: bytes, where: str) -> int:
+    try:
+        revision = json.loads(payload)["revision"]
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        raise DestinationError(f"current pointer {where} is not a JSON object with a revision") from None
+    if not isinstance(revision, int) or isinstance(revision, bool) or revision < 1:
+        raise DestinationError(f"current pointer {where} names revision {revision!r}")
+    return revision

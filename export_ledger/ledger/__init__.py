@@ -16,6 +16,7 @@ from export_ledger.ledger.errors import (
     LedgerError,
     LedgerUnavailable,
     NeedsReconciliation,
+    RestatementRefused,
     short_error,
 )
 from export_ledger.ledger.records import (
@@ -26,6 +27,8 @@ from export_ledger.ledger.records import (
     DaySummary,
     ExportRecord,
     Resolution,
+    Restatement,
+    Revision,
 )
 from export_ledger.ledger.schema import SCHEMA_VERSION, AttemptOutcome, ExportState, UtcDateTime
 from export_ledger.ledger.store import dispose_engines, ledger_engine, redact_url, schema_version, upgrade
@@ -56,6 +59,9 @@ __all__ = [
     "LedgerUnavailable",
     "NeedsReconciliation",
     "Resolution",
+    "Restatement",
+    "RestatementRefused",
+    "Revision",
     "UtcDateTime",
     "dispose_engines",
     "ledger_engine",

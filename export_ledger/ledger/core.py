@@ -46,14 +46,17 @@ from export_ledger.ledger.records import (
     DaySummary,
     ExportRecord,
     Resolution,
+    Restatement,
 )
 from export_ledger.ledger.retention import RetentionMixin
+from export_ledger.ledger.revisions import RestatementsMixin
 from export_ledger.ledger.schema import (
     RUN_COLUMNS,
     AttemptOutcome,
     ExportState,
     export_attempts,
     export_operator_log,
+    export_restatements,
     export_runs,
 )
 from export_ledger.ledger.store import ledger_engine, redact_url
@@ -82,7 +85,7 @@ _INSERT_RUN = export_runs.insert()
 _INSERT_ATTEMPT = export_attempts.insert()
 
 
-class ExportLedger(RetentionMixin, ContractsMixin, DriftMixin):
+class ExportLedger(RetentionMixin, ContractsMixin, DriftMixin, RestatementsMixin):
     """Records logical exports and their attempts.
 
     Args:
@@ -330,7 +333,8 @@ class ExportLedger(RetentionMixin, ContractsMixin, DriftMixin):
         attempts: list[dict] = []
         with self.atomic() as conn:
             row = self._find(conn, key, lock=True)
-            outcome = self._claim_in(conn, key, row, attempt_id, now, inserts, attempts, {})
+            requests = self._open_requests(conn, [row.logical_key]) if row is not None else {}
+            outcome = self._claim_in(conn, key, row, attempt_id, now, inserts, attempts, {}, requests)
             if inserts:
                 conn.execute(_INSERT_RUN, inserts[0])
             if attempts:
@@ -407,10 +411,11 @@ class ExportLedger(RetentionMixin, ContractsMixin, DriftMixin):
         marks: dict[str, dt.date | None] = {}  # each export's low-water mark, read once for the group
         with self.atomic() as conn:
             found = self._find_many(conn, keys)
+            requests = self._open_requests(conn, [row.logical_key for row in found.values()]) if found else {}
             for i in order:
                 key = keys[i]
                 row = found.get((key.export, key.tenant, key.window.timezone, key.window.business_date))
-                outcomes[i] = self._claim_in(conn, key, row, attempt_id, now, inserts, attempts, marks)
+                outcomes[i] = self._claim_in(conn, key, row, attempt_id, now, inserts, attempts, marks, requests)
             if inserts:
                 conn.execute(_INSERT_RUN, inserts)  # one executemany, in logical key order
             if attempts:
@@ -446,13 +451,16 @@ class ExportLedger(RetentionMixin, ContractsMixin, DriftMixin):
         inserts: list[dict],
         attempts: list[dict],
         marks: dict[str, dt.date | None],
+        requests: dict[str, Restatement],
     ) -> Claim | AlreadyCompleted | LedgerError:
         """Decides one key's claim inside the caller's transaction, from its locked row (None: no row yet).
 
         Updates of existing rows run here; the first claim's row and the attempt rows are appended to ``inserts`` and
         ``attempts`` for the caller to write. A refusal is returned (its attempt row appended), never raised, so the
         caller commits that row; a key below the low-water mark is returned with no row, as :meth:`claim` writes none.
-        ``marks`` caches the low-water mark of each export for the transaction.
+        ``marks`` caches the low-water mark of each export for the transaction; ``requests`` holds the open
+        restatement requests of the transaction's keys: a ``completed`` key with one is claimed to publish its next
+        revision (and a retry or takeover of such a key goes on with that revision).
         """
         expires = now + self.lease_ttl
         if row is None:
@@ -489,7 +497,8 @@ class ExportLedger(RetentionMixin, ContractsMixin, DriftMixin):
             return Claim(str(key), attempt_id, 1, key.window, now, expires, None, tz_database)
 
         record = ExportRecord.from_row(row)
-        if record.state is ExportState.COMPLETED:
+        request = requests.get(record.logical_key)
+        if record.state is ExportState.COMPLETED and request is None:
             attempts.append(
                 self._attempt_values(record.logical_key, attempt_id, None, now, AttemptOutcome.ALREADY_COMPLETED)
             )
@@ -503,7 +512,10 @@ class ExportLedger(RetentionMixin, ContractsMixin, DriftMixin):
                 )
             )
             return refusal
-        transition = T.TAKE_OVER if record.state is ExportState.IN_PROGRESS else T.CLAIM_RETRY
+        if record.state is ExportState.COMPLETED:
+            transition = T.RESTATE  # the current revision stays published and current until the new one is
+        else:
+            transition = T.TAKE_OVER if record.state is ExportState.IN_PROGRESS else T.CLAIM_RETRY
         if transition is T.TAKE_OVER:
             # The holder's lease ran out without a result: record its attempt before taking over.
             attempts.append(self._abandoned_values(record, now))
@@ -527,9 +539,14 @@ class ExportLedger(RetentionMixin, ContractsMixin, DriftMixin):
         )
         if not moved:
             raise InvalidTransition(f"{record.logical_key} changed while it was being claimed")
+        if request is None:
+            return Claim(
+                record.logical_key, attempt_id, token, record.window, now, expires, record.state, record.tz_database
+            )
         return Claim(
-            record.logical_key, attempt_id, token, record.window, now, expires, record.state, record.tz_database
-        )
+            record.logical_key, attempt_id, token, record.window, now, expires, record.state, record.tz_database,
+            revision=request.revision, supersedes=self._supersedes(conn, request),
+        )  # fmt: skip
 
     @staticmethod
     def _refusal(record: ExportRecord, now: dt.datetime) -> LedgerError | None:
@@ -561,11 +578,13 @@ class ExportLedger(RetentionMixin, ContractsMixin, DriftMixin):
         (an operator's resolution) is stored as the attempt row's message.
         """
         transition = T.COMPLETE if evidence.attempt_id == claim.attempt_id else T.REPAIR
+        _check_revision(claim, evidence)
         return self._finish(
             claim,
             transition,
             error=note,
             values=_evidence_values(evidence),
+            then=self._revision_recorder(claim, evidence),
         )
 
     def complete_many(self, completions: Sequence[tuple[Claim, CompletionEvidence]]) -> list[ExportRecord | FencedOut]:
@@ -585,6 +604,8 @@ class ExportLedger(RetentionMixin, ContractsMixin, DriftMixin):
         names = [claim.logical_key for claim, _ in completions]
         if len(set(names)) != len(names):
             raise ValueError(f"complete_many needs distinct keys; got {len(names) - len(set(names))} repeated")
+        for claim, evidence in completions:
+            _check_revision(claim, evidence)
         now = self.now()
         fenced: dict[int, FencedOut] = {}
         attempts: list[dict] = []
@@ -605,6 +626,8 @@ class ExportLedger(RetentionMixin, ContractsMixin, DriftMixin):
                     ),
                 )
                 if matched:
+                    if claim.revision > 1:
+                        self._record_revision(conn, claim.logical_key, evidence, now)
                     attempts.append(
                         self._attempt_values(
                             claim.logical_key,
@@ -694,8 +717,9 @@ class ExportLedger(RetentionMixin, ContractsMixin, DriftMixin):
             return [dict(row._mapping) for row in rows]
 
     def rerun_bases(self, logical_keys: Sequence[str]) -> dict[str, int]:
-        """Per key, the fencing token of its latest operator resolution (0 if none): automatic reruns count the
-        claims after it, so a key an operator sent back to ``failed`` gets its reruns again."""
+        """Per key, the fencing token of its latest operator resolution or open restatement request (0 if none):
+        automatic reruns count the claims after it, so a key an operator sent back to ``failed``, or a restatement,
+        gets its reruns again."""
         if not logical_keys:
             return {}
         query = (
@@ -708,6 +732,9 @@ class ExportLedger(RetentionMixin, ContractsMixin, DriftMixin):
         )
         with self.atomic(read_only=True) as conn:
             found = {key: int(token or 0) for key, token in conn.execute(query)}
+            if self._has_revisions(conn):
+                for request in self._open_requests(conn, logical_keys).values():
+                    found[request.logical_key] = max(found.get(request.logical_key, 0), request.base_token)
         return {key: found.get(key, 0) for key in logical_keys}
 
     def mark_conflict(self, claim: Claim, error: BaseException, *, location: str | None = None) -> ExportRecord:
@@ -774,8 +801,13 @@ class ExportLedger(RetentionMixin, ContractsMixin, DriftMixin):
             resolved = sa.select(export_attempts.c.logical_key).where(
                 export_attempts.c.error_class == OperatorResolution.__name__
             )
+            restating = sa.select(export_restatements.c.logical_key).where(export_restatements.c.closed_at.is_(None))
             query = query.where(
-                sa.or_(export_runs.c.fencing_token < max_attempts, export_runs.c.logical_key.in_(resolved))
+                sa.or_(
+                    export_runs.c.fencing_token < max_attempts,
+                    export_runs.c.logical_key.in_(resolved),
+                    export_runs.c.logical_key.in_(restating),
+                )
             )
         if after is not None:
             query = query.where(export_runs.c.logical_key > after)
@@ -898,6 +930,8 @@ class ExportLedger(RetentionMixin, ContractsMixin, DriftMixin):
         )
         if row is None:
             return None
+        if evidence is not None and self._open_requests(conn, [record.logical_key]):
+            self._record_revision(conn, record.logical_key, evidence, now)  # a restatement, found published
         if record.state is ExportState.IN_PROGRESS:
             attempts.append(self._abandoned_values(record, now))
         attempts.append(
@@ -920,7 +954,9 @@ class ExportLedger(RetentionMixin, ContractsMixin, DriftMixin):
         *,
         values: dict | None = None,
         error: BaseException | None = None,
+        then: Callable[[Connection, dt.datetime], None] | None = None,
     ) -> ExportRecord:
+        """Applies an owner-guarded transition; ``then`` runs in the same transaction when it matched."""
         now = self.now()
         error_class, message = short_error(error) if error is not None else (None, None)
         outcome = transition.outcome
@@ -940,6 +976,8 @@ class ExportLedger(RetentionMixin, ContractsMixin, DriftMixin):
                 ),
             )
             if matched:
+                if then is not None:
+                    then(conn, now)
                 self._append_attempt(
                     conn,
                     claim.logical_key,
@@ -991,6 +1029,9 @@ class ExportLedger(RetentionMixin, ContractsMixin, DriftMixin):
                 )
                 if not moved:  # the row is locked above: only a bug could get here
                     raise InvalidTransition(f"{claim.logical_key} changed under its own row lock")
+                _check_revision(claim, evidence)
+                if claim.revision > 1:
+                    self._record_revision(conn, claim.logical_key, evidence, now)
                 self._append_attempt(
                     conn,
                     claim.logical_key,
@@ -1004,6 +1045,13 @@ class ExportLedger(RetentionMixin, ContractsMixin, DriftMixin):
                 return ExportRecord.from_row(row)
             fenced = self._record_fenced(conn, claim, now)
         raise fenced
+
+    def _revision_recorder(
+        self, claim: Claim, evidence: CompletionEvidence
+    ) -> Callable[[Connection, dt.datetime], None] | None:
+        if claim.revision == 1:
+            return None
+        return lambda conn, now: self._record_revision(conn, claim.logical_key, evidence, now)
 
     def _record_fenced(self, conn: Connection, claim: Claim, now: dt.datetime) -> FencedOut:
         """Appends the ``fenced`` attempt row (unless the attempt already has its row: a takeover recorded it
@@ -1088,6 +1136,15 @@ class ExportLedger(RetentionMixin, ContractsMixin, DriftMixin):
             outcome=outcome.value,
             error_class=error_class,
             error_message=error_message[:MESSAGE_LIMIT] if error_message else error_message,
+        )
+
+
+def _check_revision(claim: Claim, evidence: CompletionEvidence) -> None:
+    """A completion records the revision its claim publishes, never another one's export."""
+    if evidence.revision != claim.revision:
+        raise InvalidTransition(
+            f"{claim.logical_key}: the claim publishes revision {claim.revision} but the evidence is revision "
+            f"{evidence.revision} ({evidence.location}); nothing recorded"
         )
 
 

@@ -64,3 +64,7 @@ class OperatorResolution(LedgerError):
 
 class LiveLease(LedgerError):
     """An operator asked to resolve a key that a live attempt holds; wait for its lease to end."""
+
+
+class RestatementRefused(LedgerError):
+    """A restatement cannot be requested (or withdrawn) for this key now; the message says why."""

@@ -84,6 +84,10 @@ class Claim:
     lease_expires_at: dt.datetime
     previous_state: ExportState | None
     tz_database: str
+    #: The revision this claim publishes: 1 for a key's first export, N + 1 for a restatement of revision N.
+    revision: int = 1
+    #: For a restatement, the current revision it supersedes and that revision's sha256.
+    supersedes: tuple[int, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -127,3 +131,64 @@ class CompletionEvidence:
     attempt_id: str
     fencing_token: int
     source_fingerprint: str | None = None
+    revision: int = 1
+
+
+@dataclass(frozen=True)
+class Restatement:
+    """One row of ``export_restatements``: a request to publish ``revision`` of a completed key (open until
+    ``closed_at``; then ``outcome`` is ``published`` or ``withdrawn``)."""
+
+    id: int
+    logical_key: str
+    export: str
+    tenant: str
+    business_date: dt.date
+    revision: int
+    reason: str
+    requested_by: str
+    requested_at: dt.datetime
+    base_token: int
+    closed_at: dt.datetime | None
+    outcome: str | None
+
+    @classmethod
+    def from_row(cls, row: sa.Row) -> Restatement:
+        return cls(**dict(row._mapping))
+
+
+@dataclass(frozen=True)
+class Revision:
+    """One published revision of a key (a row of ``export_revisions``, or revision 1 read from ``export_runs`` for a
+    key never restated)."""
+
+    logical_key: str
+    revision: int
+    location: str
+    sha256: str
+    row_count: int
+    supersedes_revision: int | None
+    supersedes_sha256: str | None
+    reason: str
+    requested_by: str
+    requested_at: dt.datetime
+    published_by: str
+    recorded_at: dt.datetime
+
+    @classmethod
+    def from_row(cls, row: sa.Row) -> Revision:
+        values = dict(row._mapping)
+        values.pop("id", None)
+        return cls(**values)
+
+    @classmethod
+    def first(cls, record: ExportRecord) -> Revision:
+        """Revision 1 of a completed key, from its ``export_runs`` row."""
+        return cls(
+            record.logical_key, 1, record.location, record.sha256, record.row_count, None, None, FIRST_EXPORT_REASON,
+            record.committed_attempt, record.updated_at, record.committed_attempt, record.updated_at,
+        )  # fmt: skip
+
+
+#: The reason recorded for revision 1 (what the key's first export published).
+FIRST_EXPORT_REASON = "first export"

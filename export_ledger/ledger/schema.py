@@ -198,12 +198,67 @@ export_drift = sa.Table(
     sa.Index("ix_export_drift_export", "export", "cleared_at"),
 )
 
+# Schema version 5: restatements. A restatement publishes revision N + 1 of a completed key beside revision N, which
+# stays readable; nothing is overwritten. A request is recorded first (at most one open per key); the key's next claim
+# takes it from `completed` back through the usual claim, lease and fencing to `completed` with the new revision.
+export_restatements = sa.Table(
+    "export_restatements",
+    metadata,
+    sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=True),
+    sa.Column("logical_key", sa.String(300), nullable=False),
+    sa.Column("export", sa.String(63), nullable=False),
+    sa.Column("tenant", sa.String(63), nullable=False),
+    sa.Column("business_date", sa.Date, nullable=False),
+    sa.Column("revision", sa.Integer, nullable=False),  # the revision this request will publish
+    sa.Column("reason", sa.String(500), nullable=False),
+    sa.Column("requested_by", sa.String(300), nullable=False),  # an operator, or the drift sensor
+    sa.Column("requested_at", UtcDateTime, nullable=False),
+    sa.Column("base_token", sa.BigInteger, nullable=False),  # the key's fencing token at the request: reruns count on
+    sa.Column("closed_at", UtcDateTime),
+    sa.Column("outcome", sa.String(20)),  # published | withdrawn, once closed
+    sa.CheckConstraint("revision >= 2", name="ck_restatement_revision"),
+    sa.CheckConstraint(
+        "(closed_at IS NULL AND outcome IS NULL) OR (closed_at IS NOT NULL AND outcome IN ('published', 'withdrawn'))",
+        name="ck_restatement_closed",
+    ),
+    sa.Index(
+        "uq_export_restatements_open",
+        "logical_key",
+        unique=True,
+        sqlite_where=sa.text("closed_at IS NULL"),
+        postgresql_where=sa.text("closed_at IS NULL"),
+    ),
+    sa.Index("ix_export_restatements_export", "export", "closed_at"),
+)
+
+# Every published revision of a key, append-only. Keys never restated have no row: their one revision is the
+# export_runs row. The first restatement request writes revision 1's row from export_runs, so the history is whole.
+export_revisions = sa.Table(
+    "export_revisions",
+    metadata,
+    sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=True),
+    sa.Column("logical_key", sa.String(300), nullable=False),
+    sa.Column("revision", sa.Integer, nullable=False),
+    sa.Column("location", sa.String(1024), nullable=False),
+    sa.Column("sha256", sa.String(64), nullable=False),
+    sa.Column("row_count", sa.BigInteger, nullable=False),
+    sa.Column("supersedes_revision", sa.Integer),
+    sa.Column("supersedes_sha256", sa.String(64)),
+    sa.Column("reason", sa.String(500), nullable=False),
+    sa.Column("requested_by", sa.String(300), nullable=False),
+    sa.Column("requested_at", UtcDateTime, nullable=False),
+    sa.Column("published_by", sa.String(300), nullable=False),  # the attempt whose export it is
+    sa.Column("recorded_at", UtcDateTime, nullable=False),
+    sa.UniqueConstraint("logical_key", "revision", name="uq_export_revisions_key_revision"),
+    sa.CheckConstraint("revision >= 1", name="ck_revision_positive"),
+)
+
 #: export_runs' columns before schema version 4: what every read selects, so a read-only open of a version 3 ledger
 #: (which has no source_fingerprint) reads as it is. The fingerprint is read on its own, where it is needed.
 RUN_COLUMNS = tuple(column for column in export_runs.c if column.name != "source_fingerprint")
 
 # The schema's version history (see export_ledger.ledger.store): one row per version reached, never changed.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 export_ledger_schema = sa.Table(
     "export_ledger_schema",
     metadata,

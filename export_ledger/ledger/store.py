@@ -12,6 +12,8 @@ Schema versions:
 * 3: adds ``export_operator_log`` (operators' decisions: prunes that close dates, key resolutions).
 * 4: adds the nullable ``export_runs.source_fingerprint`` (what the source held at completion) and ``export_drift``
   (keys whose source changed since). Reads select the version 3 columns, so a version 3 ledger reads as it is.
+* 5: adds ``export_restatements`` (requests to publish a new revision of a completed key) and ``export_revisions``
+  (every published revision). Keys never restated need no row: a version 4 ledger reads as it is.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from export_ledger.ledger.schema import (
     export_drift,
     export_ledger_schema,
     export_operator_log,
+    export_restatements,
+    export_revisions,
     export_runs,
     metadata,
 )
@@ -188,8 +192,13 @@ def _v3_to_v4(conn: Connection) -> None:
     export_drift.create(conn, checkfirst=True)
 
 
+def _v4_to_v5(conn: Connection) -> None:
+    export_restatements.create(conn, checkfirst=True)
+    export_revisions.create(conn, checkfirst=True)
+
+
 # Each step takes the schema from version N to N + 1 and only adds: older data stays readable as it is.
-UPGRADES: dict[int, Callable[[Connection], None]] = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4}
+UPGRADES: dict[int, Callable[[Connection], None]] = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4, 4: _v4_to_v5}
 
 
 def upgrade(engine: Engine) -> list[int]:

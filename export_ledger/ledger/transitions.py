@@ -78,6 +78,21 @@ RECONCILE_CONFLICT = Transition(
     expired_guard=True, guard="the destination holds something else at the key's place",
 )  # fmt: skip
 
+RESTATE = Transition(
+    "restate",
+    (S.COMPLETED,),
+    S.IN_PROGRESS,
+    None,  # the attempt's row is written when its outcome is known, as for any claim
+    guard="an open restatement request for the key; token matches and is incremented; the current revision stays "
+    "published and current until the new one is",
+)
+WITHDRAW_RESTATEMENT = Transition(
+    "withdraw restatement",
+    (S.FAILED,),
+    S.COMPLETED,
+    None,  # an operator's decision: recorded in export_operator_log and on the closed request
+    guard="an operator withdraws the open request; the key is completed again with its current revision's evidence",
+)
 OPERATOR_HOLD = Transition(
     "operator hold",
     (S.CONFLICT, S.FAILED, S.REMOTE_UNKNOWN, S.IN_PROGRESS),
@@ -100,6 +115,8 @@ TRANSITIONS = (
     RECONCILE_COMPLETED,
     RECONCILE_ABSENT,
     RECONCILE_CONFLICT,
+    RESTATE,
+    WITHDRAW_RESTATEMENT,
     OPERATOR_HOLD,
 )
 

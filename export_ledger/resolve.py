@@ -28,13 +28,14 @@ class Resolved:
     detail: str
 
 
-def _target(record: ExportRecord) -> ExportTarget:
-    return ExportTarget(record.export, record.tenant, record.business_date.isoformat())
+def _target(record: ExportRecord, revision: int = 1) -> ExportTarget:
+    return ExportTarget(record.export, record.tenant, record.business_date.isoformat(), revision)
 
 
-def _acceptable(destination: Destination, record: ExportRecord) -> CompletionEvidence:
-    """The destination's export of this key, checked: its manifest names the key and its data matches."""
-    target = _target(record)
+def _acceptable(destination: Destination, record: ExportRecord, revision: int = 1) -> CompletionEvidence:
+    """The destination's export of this key (at the revision a restatement under way publishes), checked: its
+    manifest names the key and the revision, and its data matches."""
+    target = _target(record, revision)
     location = destination.location(target)
     try:
         manifest = destination.probe(target)
@@ -47,11 +48,21 @@ def _acceptable(destination: Destination, record: ExportRecord) -> CompletionEvi
             f"cannot accept {record.logical_key}: {location} holds the export of {manifest.logical_key}; "
             "discard it instead (--discard-destination) once sure"
         )
+    if manifest.revision != revision:
+        raise LedgerError(
+            f"cannot accept {record.logical_key}: {location} holds revision {manifest.revision}, "
+            f"not revision {revision}"
+        )
     actual = hashlib.sha256(destination.read_data(target, manifest)).hexdigest()
     if actual != manifest.sha256:
         raise LedgerError(f"cannot accept {record.logical_key}: the data at {location} does not match its manifest")
+    if revision > 1:
+        try:
+            destination.move_current(target, manifest, supersedes=revision - 1)
+        except ExportLedgerError as exc:
+            raise LedgerError(f"cannot accept {record.logical_key}: {exc}") from None
     return CompletionEvidence(
-        location, manifest.sha256, manifest.row_count, manifest.attempt_id, manifest.fencing_token
+        location, manifest.sha256, manifest.row_count, manifest.attempt_id, manifest.fencing_token, revision=revision
     )
 
 
@@ -67,6 +78,9 @@ def resolve_key(
         operator: Who decided (recorded).
         reason: Why (recorded; required).
 
+    A key whose restatement is under way is resolved at the revision it publishes: accepting records that revision
+    (and makes it current), discarding removes only that revision's place; the revisions before stay as they are.
+
     Raises:
         LiveLease: an attempt holds a live lease on the key.
         LedgerError: the key is unknown or completed, or (accept) the destination holds nothing acceptable.
@@ -78,12 +92,14 @@ def resolve_key(
     record = ledger.get(logical_key)
     if record is None:
         raise LedgerError(f"unknown logical key {logical_key!r}: the ledger has no export with it")
-    if action == ACCEPT:
+    request = ledger.open_restatements([logical_key]).get(logical_key)
+    revision = request.revision if request is not None else 1
+    if action == ACCEPT and revision == 1:
         _acceptable(destination, record)  # look before taking the key: nothing changes if there is nothing to accept
     claim = ledger.hold(logical_key, operator)
     if action == ACCEPT:
         try:
-            evidence = _acceptable(destination, record)  # again, now that no attempt can change it
+            evidence = _acceptable(destination, record, claim.revision)  # again, now that no attempt can change it
         except LedgerError as exc:
             ledger.mark_conflict(claim, OperatorResolution(f"{operator}: {exc}"))
             raise
@@ -91,7 +107,7 @@ def resolve_key(
         updated = ledger.complete(claim, evidence, note=note)
         detail = f"recorded the export at {evidence.location} (attempt {evidence.attempt_id})"
     else:
-        removed = destination.discard_target(_target(record))
+        removed = destination.discard_target(_target(record, claim.revision))
         what = ", ".join(removed) if removed else "nothing"
         note = OperatorResolution(f"{operator} discarded the destination's content ({what}): {reason.strip()}")
         updated = ledger.fail(claim, note)

@@ -299,3 +299,41 @@ def test_claims_of_a_completed_key_without_a_request_stay_already_completed(ledg
     ledger.request_restatement(str(key), reason="late rows", requested_by="ops")
     (outcome,) = ledger.claim_many([key], "run-3/export")
     assert outcome.revision == 2 and outcome.previous_state is ExportState.COMPLETED
+
+
+def test_an_operator_resolves_a_restatement_at_the_revision_it_publishes(ledger, destination, clock) -> None:
+    from export_ledger.resolve import resolve_key
+
+    key = key_for(DAY)
+    first_export(ledger, destination, key)
+    root = Path(destination.root)
+    ledger.request_restatement(str(key), reason="late rows", requested_by="ops")
+    # An attempt published revision 2 and died before moving the pointer; a person accepts it.
+    claim = ledger.claim(key, "run-2/export")
+    from export_ledger.protocol import _KeyExport
+
+    exporter = _KeyExport(ledger, destination, SCHEMA, "csv", lambda level, message: None)
+    target = ExportTarget(key.export, key.tenant, DAY.isoformat(), 2)
+    exporter._publish(claim, item(key, corrected(key)), target)
+    assert current_of(root, key)[0] == 1
+    clock.advance(minutes=16)
+    resolved = resolve_key(
+        ledger, destination, str(key), action="accept-destination", operator="ops", reason="checked revision 2"
+    )
+    assert resolved.record.state is ExportState.COMPLETED
+    assert current_of(root, key)[0] == 2 and [r.revision for r in ledger.revisions(str(key))] == [1, 2]
+
+    # Discarding a restatement's revision removes that revision only; the key is rerun, revision 2 stays current.
+    ledger.request_restatement(str(key), reason="more late rows", requested_by="ops")
+    claim = ledger.claim(key, "run-3/export")
+    exporter._publish(claim, item(key, corrected(key)), ExportTarget(key.export, key.tenant, DAY.isoformat(), 3))
+    clock.advance(minutes=16)
+    resolved = resolve_key(
+        ledger, destination, str(key), action="discard-destination", operator="ops", reason="wrong source"
+    )
+    assert resolved.record.state is ExportState.FAILED
+    assert current_of(root, key)[0] == 2
+    assert not (key_folder(root, key) / "revision=3").exists() and (key_folder(root, key) / "revision=2").is_dir()
+    assert read_revision(key_folder(root, key))[0].revision == 1
+    result = export_key(ledger, destination, SCHEMA, item(key, corrected(key)), "run-4/export")
+    assert result.status == "exported" and current_of(root, key)[0] == 3

@@ -690,7 +690,13 @@ class ExportLedger(RetentionMixin, ContractsMixin, DriftMixin, RestatementsMixin
             )  # fmt: skip
             if not moved:
                 raise InvalidTransition(f"{logical_key} changed while an operator was taking it; look again")
-        return Claim(logical_key, operator, token, record.window, now, expires, record.state, record.tz_database)
+            request = self._open_requests(conn, [logical_key]).get(logical_key)
+            restating = (
+                {} if request is None else dict(revision=request.revision, supersedes=self._supersedes(conn, request))
+            )
+        return Claim(
+            logical_key, operator, token, record.window, now, expires, record.state, record.tz_database, **restating
+        )
 
     def log_operator(
         self,

@@ -226,9 +226,7 @@ def test_a_restatement_killed_at_any_point_leaves_one_current_revision_and_is_fi
     manifest, _ = read_revision(folder)
     assert revision == 2 and manifest.revision == 2 and ledger.get(str(key)).sha256 == manifest.sha256
     assert [r.revision for r in ledger.revisions(str(key))] == [1, 2]
-    assert sorted(p.name for p in key_folder(root, key).iterdir() if p.name.startswith("revision=")) == [
-        "revision=2"
-    ]
+    assert sorted(p.name for p in key_folder(root, key).iterdir() if p.name.startswith("revision=")) == ["revision=2"]
 
 
 def test_a_restatement_whose_pointer_move_fails_is_remote_unknown_and_reconciled(
@@ -337,3 +335,19 @@ def test_an_operator_resolves_a_restatement_at_the_revision_it_publishes(ledger,
     assert read_revision(key_folder(root, key))[0].revision == 1
     result = export_key(ledger, destination, SCHEMA, item(key, corrected(key)), "run-4/export")
     assert result.status == "exported" and current_of(root, key)[0] == 3
+
+
+def test_prune_stops_at_a_key_with_an_open_restatement_and_removes_the_revisions_of_what_it_prunes(
+    ledger, destination, clock
+) -> None:
+    early, late = key_for(dt.date(2026, 1, 5)), key_for(dt.date(2026, 1, 6))
+    for key in (early, late):
+        first_export(ledger, destination, key)
+    ledger.request_restatement(str(early), reason="late rows", requested_by="ops")
+    export_key(ledger, destination, SCHEMA, item(early, corrected(early)), "run-2/export")
+    ledger.request_restatement(str(late), reason="more", requested_by="ops")
+    (plan,) = ledger.prune(older_than_days=30)
+    assert plan.mark == late.window.business_date, "the open request keeps its date open"
+    assert ledger.get(str(early)) is None and ledger.revisions(str(early)) == []
+    assert ledger.get(str(late)).state is ExportState.COMPLETED
+    assert ledger.open_restatements([str(late)])[str(late)].revision == 2

@@ -22,6 +22,8 @@ from export_ledger.ledger.schema import (
     export_drift,
     export_low_water,
     export_operator_log,
+    export_restatements,
+    export_revisions,
     export_runs,
 )
 
@@ -107,6 +109,9 @@ class RetentionMixin:
                     export_runs.c.business_date < plan.mark,
                 )
                 conn.execute(export_attempts.delete().where(export_attempts.c.logical_key.in_(doomed)))
+                # Their revisions go with them, as their attempts do (closed restatement requests are kept, like
+                # drift records: who asked for what, and why).
+                conn.execute(export_revisions.delete().where(export_revisions.c.logical_key.in_(doomed)))
                 # A pruned key can no longer be stale: its open drift record is closed (drift records are kept).
                 conn.execute(
                     export_drift.update()
@@ -166,6 +171,18 @@ class RetentionMixin:
                 runs.export == name, runs.state != ExportState.COMPLETED.value, runs.business_date < horizon
             )
         ).scalar()
+        # A completed key with an open restatement request is not done either: it stops the mark too.
+        restating = None
+        if self._has_revisions(conn):
+            restating = conn.execute(
+                sa.select(sa.func.min(export_restatements.c.business_date)).where(
+                    export_restatements.c.export == name,
+                    export_restatements.c.closed_at.is_(None),
+                    export_restatements.c.business_date < horizon,
+                )
+            ).scalar()
+        if restating is not None:
+            blocked_by = restating if blocked_by is None else min(blocked_by, restating)
         candidate = min(horizon, blocked_by) if blocked_by is not None else horizon
         keyed = set(
             conn.execute(

@@ -351,3 +351,30 @@ def test_prune_stops_at_a_key_with_an_open_restatement_and_removes_the_revisions
     assert ledger.get(str(early)) is None and ledger.revisions(str(early)) == []
     assert ledger.get(str(late)).state is ExportState.COMPLETED
     assert ledger.open_restatements([str(late)])[str(late)].revision == 2
+
+
+def test_a_v4_ledger_reads_as_revision_1_then_upgrades_to_v5_and_restates(ledger_url, tmp_path) -> None:
+    import sqlalchemy as sa
+    from test_drift import _v3_ledger
+
+    from export_ledger.ledger import SCHEMA_VERSION, dispose_engines, schema_version
+    from export_ledger.ledger.store import UPGRADES, _stamp
+
+    _v3_ledger(ledger_url)
+    engine = sa.create_engine(ledger_url)
+    with engine.begin() as conn:
+        UPGRADES[3](conn)
+        _stamp(conn, 4, "upgraded from 3")
+    engine.dispose()
+    key = "invoice_export/acme/2026-03-08T05:00:00Z"
+    reader = ExportLedger(ledger_url, read_only=True)
+    assert [r.revision for r in reader.revisions(key)] == [1]
+    assert reader.open_restatements([key]) == {} and reader.restatements() == []
+    assert reader.rerun_bases([key]) == {key: 0}
+    assert schema_version(sa.create_engine(ledger_url)) == 4, "reading never upgrades"
+    dispose_engines()
+
+    writer = ExportLedger(ledger_url)
+    assert schema_version(sa.create_engine(ledger_url)) == SCHEMA_VERSION == 5
+    request = writer.request_restatement(key, reason="corrected", requested_by="ops")
+    assert request.revision == 2 and [r.revision for r in writer.revisions(key)] == [1]

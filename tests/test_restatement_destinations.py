@@ -375,3 +375,21 @@ def test_table_restatement_killed_before_commit_leaves_revision_1_current_and_is
     )
     assert table_destination.current(target_of(key)) == 2
     assert [r.revision for r in ledger.revisions(str(key))] == [1, 2]
+
+
+def test_s3_pointer_is_never_moved_on_a_store_that_fails_the_conditional_update_check(
+    s3, s3_bucket, s3_ledger, fault_proxy
+):
+    destination = s3_destination(s3_bucket, fault_proxy.endpoint_url)
+    key = key_for(DAY)
+    export_key(s3_ledger, destination, SCHEMA, item(key), "run-1/export")
+    manifest = destination.probe(target_of(key))
+    fault_proxy.inject("error_403", method="PUT", when=lambda _method, path: ".export-ledger-probe/" in path)
+    with pytest.raises(Exception, match="the store refused the check .* honours conditional updates \\(If-Match\\)"):
+        destination.move_current(target_of(key, 2), manifest, supersedes=1)
+    assert destination.current(target_of(key)) == 1
+    sent = [r.method for r in fault_proxy.history if r.path.endswith(CURRENT_NAME)]
+    assert "PUT" not in sent, "no pointer write was sent"
+    # Not remembered as checked: once the store answers, the check passes and the pointer moves.
+    destination.move_current(target_of(key, 2), manifest, supersedes=1)
+    assert destination.current(target_of(key)) == 2

@@ -245,15 +245,16 @@ class SqlTableDestination(TransactionalDestination):
                 f"which revision {target.revision} supersedes; nothing was written"
             )
         revisions = _revision_table(name)
-        kept = connection.execute(
-            sa.select(revisions.c.revision).where(
-                revisions.c.export == target.export,
-                revisions.c.tenant == target.tenant,
-                revisions.c.business_date == target.business_date,
-                revisions.c.revision.in_([held.revision, target.revision]),
-            )
-        ).scalars()
-        kept = set(kept)
+        kept = set(
+            connection.execute(
+                sa.select(revisions.c.revision).where(
+                    revisions.c.export == target.export,
+                    revisions.c.tenant == target.tenant,
+                    revisions.c.business_date == target.business_date,
+                    revisions.c.revision.in_([held.revision, target.revision]),
+                )
+            ).scalars()
+        )
         if target.revision in kept:
             raise DestinationError(f"{where} already holds revision {target.revision} of {manifest.logical_key}")
         values = {"export": target.export, "tenant": target.tenant, "business_date": target.business_date}

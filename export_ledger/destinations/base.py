@@ -15,6 +15,7 @@ ledger's connection, inside the transaction that records completion, so effect a
 from __future__ import annotations
 
 import datetime as dt
+import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -79,6 +80,38 @@ CURRENT_NAME = "_current.json"
 
 class PointerMoved(DestinationConflict):
     """The key's current pointer is not at the revision this restatement supersedes: never moved over it."""
+
+
+def pointer_payload(target: ExportTarget, manifest: Manifest) -> bytes:
+    """The current pointer's content: the revision, its folder (relative to the key's) and sha256, the data file's
+    name and the key (for a reader's check). Every publishing destination writes these bytes.
+
+    Example:
+        ``{"data_file": "data.csv", "logical_key": "...", "path": "revision=2", "revision": 2, "sha256": "..."}``
+    """
+    values = {
+        "logical_key": manifest.logical_key,
+        "revision": target.revision,
+        "path": target.revision_part or ".",
+        "sha256": manifest.sha256,
+        "data_file": manifest.data_file,
+    }
+    return (json.dumps(values, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
+def pointer_revision(payload: bytes, where: str) -> int:
+    """The revision a current pointer's bytes name; ``where`` names the pointer in the error.
+
+    Raises:
+        DestinationError: the bytes are not a pointer, or name no valid revision.
+    """
+    try:
+        revision = json.loads(payload)["revision"]
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        raise DestinationError(f"current pointer {where} is not a JSON object with a revision") from None
+    if not isinstance(revision, int) or isinstance(revision, bool) or revision < 1:
+        raise DestinationError(f"current pointer {where} names revision {revision!r}")
+    return revision
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime as dt
 import fcntl
-import json
 import os
 import shutil
 import stat
@@ -24,6 +23,8 @@ from export_ledger.destinations.base import (
     PublishingDestination,
     PublishOutcomeUnknown,
     StagedExport,
+    pointer_payload,
+    pointer_revision,
 )
 from export_ledger.frames import MANIFEST_NAME, Manifest, TableStream, write_rows
 
@@ -192,7 +193,7 @@ class LocalDestination(PublishingDestination):
             return 1
         except OSError as exc:
             raise DestinationError(f"cannot read {pointer}: {exc.strerror}") from None
-        return _pointer_revision(payload, str(pointer))
+        return pointer_revision(payload, str(pointer))
 
     def move_current(self, target: ExportTarget, manifest: Manifest, *, supersedes: int) -> None:
         folder = self._key_dir(target)
@@ -211,7 +212,7 @@ class LocalDestination(PublishingDestination):
                     f"{pointer} points at revision {now}, not at revision {supersedes} which revision "
                     f"{target.revision} supersedes; it is not moved"
                 )
-            payload = _pointer_payload(target, manifest)
+            payload = pointer_payload(target, manifest)
             temporary = folder / f".current-{os.getpid()}-{time.monotonic_ns()}"
             try:
                 with open(temporary, "xb") as handle:
@@ -238,25 +239,3 @@ class LocalDestination(PublishingDestination):
             return path.read_bytes()
         except OSError as exc:
             raise DestinationError(f"cannot read committed export {path}: {exc.strerror}") from None
-
-
-def _pointer_payload(target: ExportTarget, manifest: Manifest) -> bytes:
-    """The current pointer's content: the revision, its folder and sha256, and the key (for a reader's check)."""
-    values = {
-        "logical_key": manifest.logical_key,
-        "revision": target.revision,
-        "path": target.revision_part or ".",
-        "sha256": manifest.sha256,
-        "data_file": manifest.data_file,
-    }
-    return (json.dumps(values, indent=2, sort_keys=True) + "\n").encode("utf-8")
-
-
-def _pointer_revision(payload: bytes, where: str) -> int:
-    try:
-        revision = json.loads(payload)["revision"]
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
-        raise DestinationError(f"current pointer {where} is not a JSON object with a revision") from None
-    if not isinstance(revision, int) or isinstance(revision, bool) or revision < 1:
-        raise DestinationError(f"current pointer {where} names revision {revision!r}")
-    return revision

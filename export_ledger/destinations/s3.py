@@ -16,6 +16,13 @@ What a failed write means is classified, because a database transaction cannot c
 * sent but unanswered (read timeout, connection cut before the response, a 5xx): the object may or may not exist,
   so the outcome is unknown and only reconciliation, reading the store, may decide;
 * 412 Precondition Failed: something is already there; it is read and compared, never overwritten.
+
+A restatement's revision N is published the same way at ``.../date=<YYYY-MM-DD>/revision=<N>/``, beside the revisions
+before it (revision 1 stays at the key's folder, where every first export is). The key's current pointer is the object
+``.../date=<YYYY-MM-DD>/_current.json`` (absent: revision 1 is current), moved by a compare-and-swap the store itself
+decides: the pointer is read with its ETag and rewritten with ``If-Match: <etag>`` (or ``If-None-Match: *`` when
+absent), so a lost update answers 412 and is refused. Before its first pointer move the destination checks that the
+store honours ``If-Match`` on writes, and refuses a store that does not.
 """
 
 from __future__ import annotations
@@ -30,14 +37,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from export_ledger.destinations.base import (
+    CURRENT_NAME,
     DestinationConflict,
     DestinationError,
     DestinationUnreachable,
     ExportTarget,
+    PointerMoved,
     PublishedElsewhere,
     PublishingDestination,
     PublishOutcomeUnknown,
     StagedExport,
+    pointer_payload,
+    pointer_revision,
 )
 from export_ledger.frames import MANIFEST_NAME, Manifest, ManifestError, write_rows
 
@@ -73,6 +84,9 @@ def _sweep_dead_staging(folder: Path) -> None:
 
 
 _CONDITIONAL_CREATES_CHECKED: set[tuple[str | None, str]] = set()
+_CONDITIONAL_UPDATES_CHECKED: set[tuple[str | None, str]] = set()
+#: An ETag no object has (S3 ETags are quoted hex digests): an ``If-Match`` on it must be refused with 412.
+_NO_SUCH_ETAG = '"00000000000000000000000000000000"'
 
 
 @functools.lru_cache(maxsize=16)
@@ -135,9 +149,18 @@ class S3Destination(PublishingDestination):
             self.read_timeout_seconds,
         )
 
-    def _folder(self, target: ExportTarget) -> str:
+    def _key_folder(self, target: ExportTarget) -> str:
+        """The key's folder: revision 1's place, and where the key's current pointer lives."""
         parts = [p for p in (self.prefix.strip("/"), *target.parts) if p]
         return "/".join(parts)
+
+    def _folder(self, target: ExportTarget) -> str:
+        """The revision's folder: the key's for revision 1, ``<key's>/revision=<N>`` for a restatement's."""
+        folder = self._key_folder(target)
+        return folder if target.revision_part is None else f"{folder}/{target.revision_part}"
+
+    def _pointer_key(self, target: ExportTarget) -> str:
+        return f"{self._key_folder(target)}/{CURRENT_NAME}"
 
     def _key(self, target: ExportTarget, name: str) -> str:
         return f"{self._folder(target)}/{name}"
@@ -171,10 +194,16 @@ class S3Destination(PublishingDestination):
 
     def _get(self, key: str) -> tuple[bytes, dict] | None:
         """An object's bytes and metadata, None when absent; raises DestinationUnreachable when it cannot tell."""
+        found = self._get_tagged(key)
+        return None if found is None else (found[0], found[1])
+
+    def _get_tagged(self, key: str) -> tuple[bytes, dict, str] | None:
+        """An object's bytes, metadata and ETag (as the store quotes it), None when absent; raises
+        DestinationUnreachable when it cannot tell."""
         _, _, errors = _boto()
         try:
             response = self._s3().get_object(Bucket=self.bucket, Key=key)
-            return response["Body"].read(), response.get("Metadata", {})
+            return response["Body"].read(), response.get("Metadata", {}), response["ETag"]
         except errors.ClientError as exc:
             if self._status(exc) == 404 or exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
                 return None
@@ -227,15 +256,9 @@ class S3Destination(PublishingDestination):
         if where in _CONDITIONAL_CREATES_CHECKED:
             return
         _, _, errors = _boto()
-        folder = f"{self.prefix.strip('/') + '/' if self.prefix.strip('/') else ''}.export-ledger-probe/"
-        key = f"{folder}{uuid.uuid4().hex}"
         client = self._s3()
         try:
-            # Probes of processes killed mid-check are left behind: remove those older than an hour.
-            stale = dt.datetime.now(dt.timezone.utc) - dt.timedelta(hours=1)
-            for item in client.list_objects_v2(Bucket=self.bucket, Prefix=folder).get("Contents", []):
-                if item["LastModified"] < stale:
-                    client.delete_object(Bucket=self.bucket, Key=item["Key"])
+            key = self._probe_key()
             client.put_object(Bucket=self.bucket, Key=key, Body=b"1", IfNoneMatch="*")
             try:
                 client.put_object(Bucket=self.bucket, Key=key, Body=b"2", IfNoneMatch="*")
@@ -261,6 +284,58 @@ class S3Destination(PublishingDestination):
                 f"cannot check that s3://{self.bucket} honours conditional creates: {self._describe_error(exc)}"
             ) from None
         _CONDITIONAL_CREATES_CHECKED.add(where)
+
+    def _probe_key(self) -> str:
+        """A fresh probe object's key, after removing probes older than an hour (of processes killed mid-check)."""
+        folder = f"{self.prefix.strip('/') + '/' if self.prefix.strip('/') else ''}.export-ledger-probe/"
+        client = self._s3()
+        stale = dt.datetime.now(dt.timezone.utc) - dt.timedelta(hours=1)
+        for item in client.list_objects_v2(Bucket=self.bucket, Prefix=folder).get("Contents", []):
+            if item["LastModified"] < stale:
+                client.delete_object(Bucket=self.bucket, Key=item["Key"])
+        return f"{folder}{uuid.uuid4().hex}"
+
+    def check_conditional_updates(self) -> None:
+        """Refuses a store that ignores ``If-Match`` on writes: there, two restatements could both move a key's current
+        pointer and one would be lost silently. Checked once per process and store, before the first pointer move, with
+        a probe object rewritten on a wrong ETag (must answer 412) and on its own (must succeed), then deleted.
+        """
+        where = (self.endpoint_url, self.bucket)
+        if where in _CONDITIONAL_UPDATES_CHECKED:
+            return
+        _, _, errors = _boto()
+        client = self._s3()
+        try:
+            key = self._probe_key()
+            etag = client.put_object(Bucket=self.bucket, Key=key, Body=b"1", IfNoneMatch="*")["ETag"]
+            try:
+                try:
+                    client.put_object(Bucket=self.bucket, Key=key, Body=b"2", IfMatch=_NO_SUCH_ETAG)
+                except errors.ClientError as exc:
+                    if self._status(exc) != 412:
+                        raise
+                else:
+                    raise DestinationError(
+                        f"s3://{self.bucket} accepted a write conditional on an ETag the object does not have "
+                        "(If-Match): this store ignores conditional updates, so two restatements could both move a "
+                        "key's current pointer and one would be lost silently. Refusing to move pointers on it"
+                    )
+                client.put_object(Bucket=self.bucket, Key=key, Body=b"3", IfMatch=etag)
+            finally:
+                client.delete_object(Bucket=self.bucket, Key=key)
+        except errors.ClientError as exc:
+            status = self._status(exc)
+            refused = "the store refused" if status is not None and 400 <= status < 500 else "cannot check"
+            raise DestinationError(
+                f"{refused} the check that s3://{self.bucket} honours conditional updates (If-Match): "
+                f"{self._describe_error(exc)}"
+            ) from None
+        except errors.BotoCoreError as exc:
+            raise DestinationError(
+                f"cannot check that s3://{self.bucket} honours conditional updates (If-Match): "
+                f"{self._describe_error(exc)}"
+            ) from None
+        _CONDITIONAL_UPDATES_CHECKED.add(where)
 
     def publish(self, staged: StagedExport) -> Manifest:
         self.check_conditional_creates()
@@ -330,11 +405,16 @@ class S3Destination(PublishingDestination):
             pass
 
     def _list(self, target: ExportTarget) -> list[dict]:
+        """The revision's own objects: directly in its folder (``Delimiter="/"``), so never a later revision's
+        ``revision=<N>/`` objects, and never the key's current pointer (which belongs to the key, not to revision 1)."""
         _, _, errors = _boto()
         folder = self._folder(target) + "/"
+        pointer = self._pointer_key(target)
         try:
-            pages = self._s3().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=folder)
-            return [item for page in pages for item in page.get("Contents", [])]
+            pages = (
+                self._s3().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=folder, Delimiter="/")
+            )
+            return [item for page in pages for item in page.get("Contents", []) if item["Key"] != pointer]
         except errors.ClientError as exc:
             status = self._status(exc)
             if status is not None and 400 <= status < 500:
@@ -368,12 +448,87 @@ class S3Destination(PublishingDestination):
         return removed
 
     def discard_target(self, target: ExportTarget) -> list[str]:
-        """Deletes everything at the key's place (the manifest first, so readers never see a manifest without its
-        data); returns the names deleted. For an operator's ``export-ledger resolve --discard-destination``."""
+        """Deletes the objects of the target's revision (the manifest first, so readers never see a manifest without
+        its data); returns the names deleted. For an operator's ``export-ledger resolve --discard-destination``.
+
+        Only that revision's own objects: discarding revision 1 leaves every ``revision=<N>/`` and the key's current
+        pointer alone. A revision the pointer names is refused (readers would follow the pointer to nothing): the
+        pointer never moves back, so a current revision stays until a later one supersedes it.
+
+        Raises:
+            DestinationError: the target's revision is the current one of a restated key; nothing is deleted.
+        """
+        if target.revision >= 2 and self.current(target) == target.revision:
+            raise DestinationError(
+                f"{self.location(target)} is revision {target.revision}, the key's current one "
+                f"(s3://{self.bucket}/{self._pointer_key(target)}): not discarded"
+            )
         items = sorted(self._list(target), key=lambda item: not item["Key"].endswith(MANIFEST_NAME))
         for item in items:
             self._s3().delete_object(Bucket=self.bucket, Key=item["Key"])
         return [item["Key"].rsplit("/", 1)[1] for item in items]
+
+    def current(self, target: ExportTarget) -> int:
+        key = self._pointer_key(target)
+        found = self._get(key)
+        return 1 if found is None else pointer_revision(found[0], f"s3://{self.bucket}/{key}")
+
+    def move_current(self, target: ExportTarget, manifest: Manifest, *, supersedes: int) -> None:
+        """Moves the key's pointer with a compare-and-swap the store decides (see the module's docstring)."""
+        self.check_conditional_updates()
+        _, _, errors = _boto()
+        key = self._pointer_key(target)
+        where = f"s3://{self.bucket}/{key}"
+        found = self._get_tagged(key)
+        now = 1 if found is None else pointer_revision(found[0], where)
+        if now == target.revision:
+            return  # an earlier attempt moved it and died before recording: nothing to do
+        if now != supersedes:
+            raise self._moved(where, now, target, supersedes)
+        # Absent: only a create may succeed. Present: only a write over the very object read.
+        condition = {"IfNoneMatch": "*"} if found is None else {"IfMatch": found[2]}
+        try:
+            self._s3().put_object(
+                Bucket=self.bucket,
+                Key=key,
+                Body=pointer_payload(target, manifest),
+                ContentType="application/json",
+                **condition,
+            )
+            return
+        except errors.ClientError as exc:
+            status = self._status(exc)
+            # 412: the pointer changed since it was read (404: deleted; 409: a concurrent conditional write won).
+            if status in (404, 409, 412):
+                after = self.current(target)
+                if after == target.revision:
+                    return  # moved by another attempt at the same revision (or by this one's lost resend)
+                if after == supersedes and status == 409:
+                    raise DestinationError(
+                        f"moving {where} met a concurrent write ({self._describe_error(exc)}); it still points at "
+                        f"revision {supersedes}"
+                    ) from None
+                raise self._moved(where, after, target, supersedes) from None
+            if status is not None and status >= 500:
+                raise PublishOutcomeUnknown(
+                    f"moving {where} to revision {target.revision} answered {self._describe_error(exc)}: it may or "
+                    "may not have moved"
+                ) from None
+            raise DestinationError(f"the store refused moving {where}: {self._describe_error(exc)}") from None
+        except errors.BotoCoreError as exc:
+            if self._unreached(exc):
+                raise DestinationError(f"cannot reach the store to move {where}: {self._describe_error(exc)}") from None
+            raise PublishOutcomeUnknown(
+                f"moving {where} to revision {target.revision} got no answer ({self._describe_error(exc)}): it may or "
+                "may not have moved"
+            ) from None
+
+    @staticmethod
+    def _moved(where: str, now: int, target: ExportTarget, supersedes: int) -> PointerMoved:
+        return PointerMoved(
+            f"{where} points at revision {now}, not at revision {supersedes} which revision {target.revision} "
+            "supersedes; it is not moved"
+        )
 
     def read_data(self, target: ExportTarget, manifest: Manifest) -> bytes:
         key = self._key(target, manifest.data_file)

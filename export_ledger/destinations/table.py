@@ -4,6 +4,13 @@ This is the one destination where effect and record truly share a transaction: t
 ledger's ``completed`` record commit together or not at all (SQLite and PostgreSQL). There is no publish step and
 no unknown outcome. The manifest row plays the role of ``_manifest.json``; the data's sha256 is that of the CSV
 serialization of the rows, so a reader can verify what it reads.
+
+Restatements: the ``<table>_manifests`` row (one per key) is the key's current pointer, holding the current
+revision's manifest. Revision N >= 2 writes its rows under a row key of its own (``<logical key>#revision=<N>``),
+beside the rows of the revisions before it, and every revision's manifest is kept in ``<table>_revisions`` (made at
+a table's first restatement; the revision being superseded is copied there first). The pointer row then moves with an
+UPDATE guarded by the manifest it held, so a lost update matches no row and is refused. All of it happens in the
+ledger's completion transaction. Tables of keys never restated stay exactly as 0.3.0 wrote them.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from export_ledger.destinations.base import (
     DestinationError,
     DestinationUnreachable,
     ExportTarget,
+    PointerMoved,
     TransactionalDestination,
 )
 from export_ledger.frames import Manifest, write_table
@@ -58,6 +66,42 @@ def _manifests_of(name: str) -> sa.Table:
     return _manifest_table(name, sa.MetaData())
 
 
+def _revision_table(name: str, metadata: sa.MetaData | None = None) -> sa.Table:
+    if metadata is None:
+        return _revisions_of(name)
+    return sa.Table(
+        f"{name}_revisions",
+        metadata,
+        sa.Column("export", sa.String(63), primary_key=True),
+        sa.Column("tenant", sa.String(63), primary_key=True),
+        sa.Column("business_date", sa.String(10), primary_key=True),
+        sa.Column("revision", sa.Integer, primary_key=True),
+        sa.Column("row_key", sa.String(_ROW_KEY_LENGTH), nullable=False, unique=True),
+        sa.Column("manifest", sa.Text, nullable=False),
+        sa.Column("columns", sa.Text, nullable=False),
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _revisions_of(name: str) -> sa.Table:
+    return _revision_table(name, sa.MetaData())
+
+
+#: The rows table's key column (``logical_key``): a revision's row key must fit it.
+_ROW_KEY_LENGTH = 300
+
+
+def _row_key(logical_key: str, revision: int) -> str:
+    """The rows' key of one revision: the logical key for revision 1 (as 0.3.0 wrote it), ``<key>#revision=<N>``
+    for a restatement's revision N."""
+    return logical_key if revision == 1 else f"{logical_key}#revision={revision}"
+
+
+def _missing_table(exc: sa.exc.DBAPIError) -> bool:
+    text = str(exc.orig).lower()
+    return "no such table" in text or "does not exist" in text
+
+
 @functools.lru_cache(maxsize=256)
 def _rows_of(name: str, columns: tuple[tuple[str, str], ...]) -> sa.Table:
     return _rows_table(name, sa.MetaData(), dict(columns))
@@ -70,7 +114,7 @@ def _rows_table(
     return sa.Table(
         name,
         metadata,
-        sa.Column("logical_key", sa.String(300), primary_key=True),
+        sa.Column("logical_key", sa.String(_ROW_KEY_LENGTH), primary_key=True),
         sa.Column("row_number", sa.BigInteger, primary_key=True),
         *(sa.Column(column, kinds[kind], nullable=column in nullable) for column, kind in columns.items()),
     )
@@ -97,7 +141,8 @@ class SqlTableDestination(TransactionalDestination):
     pool = "exports-ledger-table"
 
     def location(self, target: ExportTarget) -> str:
-        return f"sql:{self.table_for(target.export)}/{'/'.join(target.parts)}"
+        parts = (*target.parts, target.revision_part) if target.revision_part else target.parts
+        return f"sql:{self.table_for(target.export)}/{'/'.join(parts)}"
 
     def describe(self) -> str:
         return f"sql:{self.table} in {redact_url(self.url)}"
@@ -137,81 +182,215 @@ class SqlTableDestination(TransactionalDestination):
                     f"table {name} has no column named {', '.join(missing)} (it was made for other columns: "
                     f"{', '.join(sorted(existing - {'logical_key', 'row_number'}))}); nothing was written"
                 )
+        if manifest.revision != target.revision:
+            raise DestinationError(
+                f"the manifest of {manifest.logical_key} is revision {manifest.revision}, not the target's revision "
+                f"{target.revision}; nothing was written"
+            )
+        row_key = _row_key(manifest.logical_key, target.revision)
+        if len(row_key) > _ROW_KEY_LENGTH:
+            raise DestinationError(
+                f"revision {target.revision} of {manifest.logical_key} would be stored under a row key of "
+                f"{len(row_key)} characters; {name}.logical_key holds at most {_ROW_KEY_LENGTH}; nothing was written"
+            )
         nullable = {field.name for field in table.schema if field.nullable}
         rows_table = _rows_table(name, metadata, columns, nullable)
         manifests = _manifest_table(name, metadata)
+        if target.revision >= 2:
+            _revision_table(name, metadata)  # made at the table's first restatement, never before
         metadata.create_all(connection, checkfirst=True)
-        existing = connection.execute(
-            sa.select(manifests.c.logical_key).where(
+        pointer = connection.execute(
+            sa.select(manifests.c.logical_key, manifests.c.manifest, manifests.c.columns).where(
                 manifests.c.export == target.export,
                 manifests.c.tenant == target.tenant,
                 manifests.c.business_date == target.business_date,
             )
         ).first()
-        if existing is not None:
-            raise DestinationError(f"{self.location(target)} already holds {existing.logical_key}")
+        if target.revision == 1 and pointer is not None:
+            raise DestinationError(f"{self.location(target)} already holds {pointer.logical_key}")
         sha256 = hashlib.sha256(_serialize(table)).hexdigest()
         complete = Manifest(**{**manifest.__dict__, "sha256": sha256, "row_count": table.num_rows})
+        if target.revision >= 2:
+            self._record_revision(connection, name, target, pointer, complete, columns)
         records = table.to_pylist()
         if records:
             connection.execute(
                 rows_table.insert(),
-                [{"logical_key": manifest.logical_key, "row_number": i, **row} for i, row in enumerate(records)],
+                [{"logical_key": row_key, "row_number": i, **row} for i, row in enumerate(records)],
             )
+        if target.revision == 1:
+            connection.execute(
+                manifests.insert().values(
+                    export=target.export,
+                    tenant=target.tenant,
+                    business_date=target.business_date,
+                    logical_key=manifest.logical_key,
+                    manifest=complete.to_json().decode("utf-8"),
+                    columns=json.dumps(columns),
+                )
+            )
+        return complete
+
+    def _record_revision(self, connection, name: str, target: ExportTarget, pointer, manifest: Manifest, columns):
+        """A restatement's revision: keeps the superseded revision's manifest in ``<table>_revisions`` (copied there
+        at the key's first restatement), adds this one's, and moves the pointer row from the superseded revision to
+        this one with an UPDATE guarded by the manifest it holds: a pointer moved meanwhile matches no row."""
+        where = self.location(target)
+        if pointer is None:
+            raise PointerMoved(f"{where}: the key has no current revision to supersede; nothing was written")
+        held = Manifest.from_json(pointer.manifest.encode("utf-8"), self.location(target.at_revision(1)))
+        if held.revision != manifest.supersedes_revision:
+            raise PointerMoved(
+                f"{where}: the key's current revision is {held.revision}, not revision {manifest.supersedes_revision} "
+                f"which revision {target.revision} supersedes; nothing was written"
+            )
+        revisions = _revision_table(name)
+        kept = set(
+            connection.execute(
+                sa.select(revisions.c.revision).where(
+                    revisions.c.export == target.export,
+                    revisions.c.tenant == target.tenant,
+                    revisions.c.business_date == target.business_date,
+                    revisions.c.revision.in_([held.revision, target.revision]),
+                )
+            ).scalars()
+        )
+        if target.revision in kept:
+            raise DestinationError(f"{where} already holds revision {target.revision} of {manifest.logical_key}")
+        values = {"export": target.export, "tenant": target.tenant, "business_date": target.business_date}
+        if held.revision not in kept:
+            connection.execute(
+                revisions.insert().values(
+                    **values,
+                    revision=held.revision,
+                    row_key=_row_key(held.logical_key, held.revision),
+                    manifest=pointer.manifest,
+                    columns=pointer.columns,
+                )
+            )
+        text = manifest.to_json().decode("utf-8")
         connection.execute(
-            manifests.insert().values(
-                export=target.export,
-                tenant=target.tenant,
-                business_date=target.business_date,
-                logical_key=manifest.logical_key,
-                manifest=complete.to_json().decode("utf-8"),
+            revisions.insert().values(
+                **values,
+                revision=target.revision,
+                row_key=_row_key(manifest.logical_key, target.revision),
+                manifest=text,
                 columns=json.dumps(columns),
             )
         )
-        return complete
+        manifests = _manifest_table(name)
+        moved = connection.execute(
+            manifests.update()
+            .where(
+                manifests.c.export == target.export,
+                manifests.c.tenant == target.tenant,
+                manifests.c.business_date == target.business_date,
+                manifests.c.manifest == pointer.manifest,
+            )
+            .values(manifest=text, columns=json.dumps(columns))
+        ).rowcount
+        if moved != 1:
+            raise PointerMoved(
+                f"{where}: the key's current pointer changed while revision {target.revision} was written"
+            )
 
     def discard_target(self, target: ExportTarget) -> list[str]:
-        """Deletes the key's rows and manifest row, in one transaction; returns what was deleted."""
+        """Deletes the key's rows and manifest row, in one transaction; returns what was deleted.
+
+        Only for a key never restated (its revision 1, the one its manifest row holds): a restated key's revisions
+        are committed with the ledger's record of them, so there is nothing unrecorded to discard, and deleting one
+        would break the key's history.
+
+        Raises:
+            DestinationError: the key has been restated; nothing is deleted.
+        """
         name = self.table_for(target.export)
         manifests = _manifest_table(name)
         row = self._manifest_row(target)
         if row is None:
             return []
+        if target.revision != 1 or self._revision_row(target.at_revision(1)) is not None:
+            raise DestinationError(
+                f"{self.location(target)} belongs to a restated key (see {name}_revisions): its revisions are kept, "
+                "not discarded"
+            )
         with self._engine().begin() as conn:
-            rows_table = sa.Table(name, sa.MetaData(), sa.Column("logical_key", sa.String(300)))
+            rows_table = sa.Table(name, sa.MetaData(), sa.Column("logical_key", sa.String(_ROW_KEY_LENGTH)))
             deleted = conn.execute(rows_table.delete().where(rows_table.c.logical_key == row.logical_key)).rowcount
             conn.execute(manifests.delete().where(manifests.c.logical_key == row.logical_key))
         return [f"{deleted} row(s) of {row.logical_key}", f"{name}_manifests row"]
 
+    def _read_row(self, table: sa.Table, *conditions):
+        """The one row of ``table`` matching ``conditions``, None when there is none or no such table."""
+        try:
+            with self._engine().connect().execution_options(ledger_read_only=True) as conn:
+                return conn.execute(sa.select(table).where(*conditions)).first()
+        except (sa.exc.OperationalError, sa.exc.ProgrammingError) as exc:
+            if _missing_table(exc):
+                return None  # nothing was ever exported (or restated) to this table
+            raise DestinationUnreachable(f"cannot read {self.describe()}: {type(exc.orig).__name__}") from None
+
     def _manifest_row(self, target: ExportTarget):
+        """The key's pointer row: the current revision's manifest and columns."""
         manifests = _manifest_table(self.table_for(target.export))
-        query = sa.select(manifests).where(
+        return self._read_row(
+            manifests,
             manifests.c.export == target.export,
             manifests.c.tenant == target.tenant,
             manifests.c.business_date == target.business_date,
         )
-        try:
-            with self._engine().connect().execution_options(ledger_read_only=True) as conn:
-                return conn.execute(query).first()
-        except (sa.exc.OperationalError, sa.exc.ProgrammingError) as exc:
-            text = str(exc.orig).lower()
-            if "no such table" in text or "does not exist" in text:
-                return None  # nothing was ever exported to this table
-            raise DestinationUnreachable(f"cannot read {self.describe()}: {type(exc.orig).__name__}") from None
+
+    def _revision_row(self, target: ExportTarget):
+        """The target revision's row of ``<table>_revisions`` (a restated key's), None when there is none."""
+        revisions = _revision_table(self.table_for(target.export))
+        return self._read_row(
+            revisions,
+            revisions.c.export == target.export,
+            revisions.c.tenant == target.tenant,
+            revisions.c.business_date == target.business_date,
+            revisions.c.revision == target.revision,
+        )
+
+    def _published(self, target: ExportTarget):
+        """The target revision's manifest text and columns: from the pointer row while it is current (every
+        revision of a key never restated), else from ``<table>_revisions``; None when it was never written."""
+        row = self._manifest_row(target)
+        if row is None:
+            return None
+        if Manifest.from_json(row.manifest.encode("utf-8"), self.location(target)).revision == target.revision:
+            return row
+        return self._revision_row(target)
 
     def probe(self, target: ExportTarget) -> Manifest | None:
-        row = self._manifest_row(target)
+        row = self._published(target)
         return None if row is None else Manifest.from_json(row.manifest.encode("utf-8"), self.location(target))
 
-    def read_data(self, target: ExportTarget, manifest: Manifest) -> bytes:
+    def current(self, target: ExportTarget) -> int:
         row = self._manifest_row(target)
+        if row is None:
+            return 1
+        return Manifest.from_json(row.manifest.encode("utf-8"), self.location(target)).revision
+
+    def move_current(self, target: ExportTarget, manifest: Manifest, *, supersedes: int) -> None:
+        """The pointer row moves only inside the completion transaction (:meth:`write_in_transaction`): here a
+        pointer already at ``target.revision`` is confirmed, anything else refused."""
+        now = self.current(target)
+        if now == target.revision:
+            return
+        raise PointerMoved(
+            f"{self.location(target)}: the key's current revision is {now}; a ledger table's pointer moves only in "
+            f"the transaction that writes revision {target.revision}, not afterwards"
+        )
+
+    def read_data(self, target: ExportTarget, manifest: Manifest) -> bytes:
+        row = self._published(target)
         if row is None:
             raise DestinationError(f"{self.location(target)} holds no export")
         columns = json.loads(row.columns)
         rows_table = _rows_of(self.table_for(target.export), tuple(columns.items()))
         query = (
             sa.select(*(rows_table.c[name] for name in columns))
-            .where(rows_table.c.logical_key == manifest.logical_key)
+            .where(rows_table.c.logical_key == _row_key(manifest.logical_key, target.revision))
             .order_by(rows_table.c.row_number)
         )
         with self._engine().connect().execution_options(ledger_read_only=True) as conn:

@@ -1,0 +1,241 @@
+"""Restatements from the user's side (issue #12, parts 3 and 5): the CLI, the launchpad's run config, the sensors.
+
+End to end in process, as tests/test_drift.py: a SQL source changes after its key completed, the drift sensor marks
+the key stale with the right counts, a restatement (``export-ledger restate``, the run config, or ``restate_stale``
+through the drift and reconciliation sensors) publishes revision 2 beside revision 1 with its reason recorded;
+``load_input`` returns the current revision (never one half-written), the materialization names the revision and the
+reason, and ``export-ledger revisions`` lists both.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+from pathlib import Path
+
+import dagster as dg
+import pandas as pd
+import pytest
+from pipeline_helpers import failure_message, tick
+from test_drift import _day, _environ, _late_deleted_and_updated, _source, _spec
+
+from export_ledger.dagster import ledgered_definitions
+from export_ledger.destinations.base import CURRENT_NAME
+from export_ledger.failpoints import ENV_VAR as FAILPOINTS
+from export_ledger.frames import MANIFEST_NAME, Manifest
+from export_ledger.ledger import ExportLedger, ExportState
+
+REASON = "late invoices from the billing fix"
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    from export_ledger import cli
+
+    capsys.readouterr()  # what Dagster logged before is not the command's
+    code = cli.main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+class Shop:
+    """One export of a SQL source with its code location, ledger and Dagster instance."""
+
+    def __init__(self, tmp_path: Path, instance: dg.DagsterInstance, **overrides) -> None:
+        self.db = tmp_path / "shop.sqlite3"
+        self.spec = _spec(self.db, **overrides)
+        _source(self.db, self.spec)
+        self.environ = _environ(tmp_path)
+        self.url = self.environ["EXPORTS_LEDGER_URL"]
+        self.root = Path(self.environ["EXPORTS_DESTINATION"])
+        self.defs = ledgered_definitions([self.spec], environ=self.environ)
+        self.instance = instance
+        self.day = _day().isoformat()
+        self.ledger = ExportLedger(self.url)
+
+    def run(self, run_config: dict | None = None, *, job: str = "orders_job", partition: str | None = None, **kw):
+        return self.defs.resolve_job_def(job).execute_in_process(
+            partition_key=partition or self.day,
+            instance=self.instance,
+            run_config=run_config or {},
+            raise_on_error=False,
+            **kw,
+        )
+
+    def key(self, tenant: str = "acme") -> str:
+        (record,) = self.ledger.records(tenant=tenant)
+        return record.logical_key
+
+    def folder(self, revision: int = 1, tenant: str = "acme") -> Path:
+        folder = self.root / "orders" / f"tenant={tenant}" / f"date={self.day}"
+        return folder if revision == 1 else folder / f"revision={revision}"
+
+    def pointer(self, tenant: str = "acme") -> int:
+        path = self.folder(1, tenant) / CURRENT_NAME
+        return json.loads(path.read_text())["revision"] if path.exists() else 1
+
+    def load(self) -> pd.DataFrame:
+        """What a downstream asset of ``orders`` gets for the day (the I/O manager's ``load_input``)."""
+        seen = []
+        (export_asset,) = [a for a in self.defs.assets if a.key == dg.AssetKey("orders")]
+
+        @dg.asset(partitions_def=export_asset.partitions_def, ins={"orders": dg.AssetIn()})
+        def order_rows(orders: pd.DataFrame) -> None:
+            seen.append(orders)
+
+        result = dg.materialize(
+            [export_asset, order_rows],
+            partition_key=self.day,
+            instance=self.instance,
+            resources=self.defs.resources,
+            selection=[dg.AssetKey("order_rows")],
+            raise_on_error=False,
+        )
+        assert result.success, failure_message(result)
+        return seen[0]
+
+
+def read_revision(folder: Path) -> tuple[Manifest, bytes]:
+    manifest = Manifest.from_json((folder / MANIFEST_NAME).read_bytes(), str(folder))
+    payload = (folder / manifest.data_file).read_bytes()
+    assert hashlib.sha256(payload).hexdigest() == manifest.sha256, f"{folder} is intact"
+    return manifest, payload
+
+
+def materialization(result: dg.ExecuteInProcessResult) -> dg.AssetMaterialization:
+    (event,) = [e.materialization for e in result.get_asset_materialization_events()]
+    return event
+
+
+@pytest.fixture
+def instance():
+    with dg.instance_for_test() as instance:
+        yield instance
+
+
+# -- the issue's "done when", through the CLI ------------------------------------------------------------------------
+
+
+def test_a_stale_key_restated_from_the_cli_publishes_revision_2_beside_revision_1(tmp_path, instance, capsys) -> None:
+    shop = Shop(tmp_path, instance)
+    assert shop.run().success
+    key = shop.key()
+    original_manifest, original = read_revision(shop.folder(1))
+
+    _late_deleted_and_updated(shop.db, shop.spec)
+    found = tick(shop.defs, instance, sensor_name="drift_sensor")
+    (drift,) = shop.ledger.open_drift()
+    assert (drift.rows_added, drift.rows_removed, drift.rows_changed) == (1, 1, 1), "stale with the right counts"
+    assert shop.ledger.open_restatements([key]) == {}, "restate_stale is off: drift alone requests nothing"
+
+    code, out, _ = _cli(capsys, "--ledger-url", shop.url, "restate", key, "--reason", REASON, "--operator", "ops")
+    assert code == 0, out
+    assert f"{key}  revision 2  requested" in out
+    assert f"materialize: dagster asset materialize -f definitions.py --select orders --partition {shop.day}" in out
+    assert "reconciliation sensor" in out
+    assert shop.ledger.get(key).state is ExportState.COMPLETED and shop.pointer() == 1, "recorded first, nothing moved"
+
+    code, out, _ = _cli(capsys, "--ledger-url", shop.url, "status", "--state", "restating", "--json")
+    (pending,) = json.loads(out)
+    assert (pending["logical_key"], pending["revision"], pending["reason"], pending["requested_by"]) == (
+        key,
+        2,
+        REASON,
+        "ops",
+    )
+    assert pending["state"] == "completed"
+
+    # The command the CLI printed, as Dagster runs it: the partition's next materialization restates the key.
+    result = shop.run()
+    assert result.success, failure_message(result)
+    checks = result.get_asset_check_evaluations()
+    assert [c.passed for c in checks] == [True], "the run's check reads the current revision's file"
+
+    assert shop.pointer() == 2
+    manifest, _ = read_revision(shop.folder(2))
+    assert (manifest.revision, manifest.supersedes_revision, manifest.supersedes_sha256) == (
+        2,
+        1,
+        original_manifest.sha256,
+    )
+    assert read_revision(shop.folder(1)) == (original_manifest, original), "revision 1 is still readable, unchanged"
+    assert manifest.row_count == 5, "the source as it is now: o0 removed, 'late' added"
+
+    event = materialization(result)
+    assert event.metadata["restated_keys"].value == 1
+    assert event.metadata["revisions"].value == {
+        key: {"revision": 2, "supersedes": 1, "reason": REASON, "requested_by": "ops"}
+    }
+    assert shop.ledger.open_drift() == [], "the new revision was read from the source as it is: not stale"
+    (verdict,) = tick(shop.defs, instance, found.cursor, sensor_name="drift_sensor").check_evaluations
+    assert verdict.passed and verdict.metadata["stale_keys"].value == 0, "source_unchanged passes again"
+
+    loaded = shop.load()
+    assert set(loaded["order_id"]) == {"o1", "o2", "o3", "o4", "late"}, "load_input returns revision 2"
+    assert loaded.loc[loaded["order_id"] == "o3", "version"].item() == 2
+
+    code, out, _ = _cli(capsys, "--ledger-url", shop.url, "revisions", key)
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["REVISION", "SHA256", "ROWS"]
+    assert lines[1].split()[:3] == ["1", original_manifest.sha256, "5"] and "first export" in lines[1]
+    assert lines[2].split()[:3] == ["2", manifest.sha256, "5"] and REASON in lines[2] and "ops" in lines[2]
+    assert lines[-1] == "current: revision 2"
+    code, out, _ = _cli(capsys, "--ledger-url", shop.url, "revisions", key, "--json")
+    history = json.loads(out)
+    assert [(h["revision"], h["supersedes_revision"], h["reason"]) for h in history] == [
+        (1, None, "first export"),
+        (2, 1, REASON),
+    ]
+    assert history[1]["location"] == str(shop.folder(2)) and history[1]["published_by"].startswith(result.run_id)
+
+    code, out, _ = _cli(capsys, "--ledger-url", shop.url, "status")
+    assert out.splitlines()[1].split()[-1] == "2", "status shows the current revision once it is > 1"
+    assert json.loads(_cli(capsys, "--ledger-url", shop.url, "status", "--json")[1])[0]["revision"] == 2
+
+
+def test_restate_refuses_without_a_reason_a_key_not_completed_and_a_second_open_request(
+    tmp_path, instance, capsys, monkeypatch
+) -> None:
+    shop = Shop(tmp_path, instance)
+    assert shop.run().success
+    key, url = shop.key(), shop.url
+
+    code, _, err = _cli(capsys, "--ledger-url", url, "restate", key)
+    assert code == 1 and "needs a reason" in err and err.startswith("export-ledger: error:")
+    code, _, err = _cli(capsys, "--ledger-url", url, "restate", key, "--reason", "   ")
+    assert code == 1 and "needs a reason" in err
+    code, _, err = _cli(capsys, "--ledger-url", url, "restate", "orders/nobody/2026-01-01T05:00:00Z", "--reason", "x")
+    assert code == 1 and "unknown logical key" in err
+    code, _, err = _cli(capsys, "--ledger-url", url, "restate", key, "--export", "orders", "--date", shop.day)
+    assert code == 2 and "not both" in err
+    code, _, err = _cli(capsys, "--ledger-url", url, "restate", "--date", shop.day, "--reason", "x")
+    assert code == 2 and "--date needs --export" in err
+    code, _, err = _cli(capsys, "--ledger-url", url, "restate", "--withdraw", key, "--reason", "no longer needed")
+    assert code == 1 and "no open restatement to withdraw" in err
+
+    assert _cli(capsys, "--ledger-url", url, "restate", key, "--reason", REASON)[0] == 0
+    code, _, err = _cli(capsys, "--ledger-url", url, "restate", key, "--reason", "again")
+    assert code == 1 and "already has an open restatement (revision 2" in err
+
+    # A restatement that fails after its claim leaves the key failed with revision 1 current.
+    monkeypatch.setenv(FAILPOINTS, "after_stage=raise")
+    assert not shop.run().success
+    assert shop.ledger.get(key).state is ExportState.FAILED and shop.pointer() == 1
+    code, _, err = _cli(capsys, "--ledger-url", url, "restate", key, "--reason", "again")
+    assert code == 1 and "already has an open restatement" in err
+    code, out, _ = _cli(capsys, "--ledger-url", url, "restate", "--withdraw", key, "--reason", "source is gone")
+    assert code == 0 and "withdrawn" in out
+    assert shop.ledger.get(key).state is ExportState.COMPLETED
+    assert _cli(capsys, "--ledger-url", url, "status", "--state", "restating")[1].strip() == "no open restatements"
+
+    # A key that is not completed (its first export failed) is refused, named.
+    earlier = (_day() - dt.timedelta(days=1)).isoformat()
+    assert not shop.run(partition=earlier).success
+    monkeypatch.delenv(FAILPOINTS)
+    (failed,) = shop.ledger.records(states=[ExportState.FAILED])
+    code, _, err = _cli(capsys, "--ledger-url", url, "restate", failed.logical_key, "--reason", "x")
+    assert code == 1 and "is failed: only a completed key is restated" in err
+    by_date = ("restate", "--export", "orders", "--date", earlier, "--reason", "x")
+    code, _, err = _cli(capsys, "--ledger-url", url, *by_date)
+    assert code == 1 and "is failed: only a completed key is restated" in err

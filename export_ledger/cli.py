@@ -83,6 +83,7 @@ from export_ledger.restate import (
     request_for_date,
 )
 from export_ledger.settings import LEDGER_URL_ENV, Settings
+from export_ledger.tenants import zone_slug
 
 PROG = "export-ledger"
 #: ``status --state stale``: not a state of export_runs (a stale key stays completed) but an open drift record.
@@ -895,7 +896,12 @@ def _materialize_commands(ledger: ExportLedger, requests: Sequence[Restatement])
     for r in requests:
         zone = zones.get(r.logical_key)
         asset, certain = asset_name_for(ledger, r.export, zone) if zone else (r.export, True)
-        note = "" if certain else f" (the asset of tenants in {zone}; {r.export} if that is the export's own zone)"
+        other = f"{r.export}__{zone_slug(zone)}" if asset == r.export else r.export
+        note = (
+            ""
+            if certain
+            else f"  (tenants in {zone}; the asset is {other} if that guess of the export's zone is wrong)"
+        )
         commands[materialize_command(asset, r.business_date.isoformat())] = note
     return sorted(commands.items())
 

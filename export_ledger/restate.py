@@ -132,18 +132,21 @@ def asset_name_for(ledger: ExportLedger, export: str, zone: str) -> tuple[str, b
 
     Tenants in the export's own zone are the asset named like the export; tenants elsewhere are ``<export>__<zone
     slug>`` (:func:`export_ledger.tenants.tenant_groups`). The ledger does not record which zone is the export's own:
-    when its calendar contracts name one zone (or an export-wide contract names ``zone``), the answer is certain.
+    when the calendar contracts name one zone, or an export-wide contract names ``zone``, the answer is certain;
+    otherwise the zone most tenants are in is taken for the export's own (a guess, said so).
     """
-    zones = {contract.get("timezone") for contract in ledger.tenant_contracts(export).values()}
+    zones = [contract.get("timezone") for contract in ledger.tenant_contracts(export).values()]
     wide = ledger.recorded_contract(export)
-    if wide is not None:
-        zones.add(wide.get("timezone"))
-        if wide.get("timezone") == zone:
-            return export, True
-    zones.discard(None)
-    if zones <= {zone}:
+    if wide is not None and wide.get("timezone") == zone:
         return export, True
-    return f"{export}__{zone_slug(zone)}", False
+    if wide is not None:
+        zones.append(wide.get("timezone"))
+    counts = {z: zones.count(z) for z in set(zones) if z is not None}
+    if set(counts) <= {zone}:
+        return export, True
+    most = max(counts.values())
+    own = zone if counts.get(zone) == most and list(counts.values()).count(most) == 1 else None
+    return (export if own else f"{export}__{zone_slug(zone)}"), False
 
 
 def materialize_command(asset: str, partition: str) -> str:

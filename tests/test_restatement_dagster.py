@@ -12,6 +12,8 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import re
+import sqlite3
 from pathlib import Path
 
 import dagster as dg
@@ -24,6 +26,7 @@ from export_ledger.dagster import ledgered_definitions
 from export_ledger.destinations.base import CURRENT_NAME
 from export_ledger.failpoints import ENV_VAR as FAILPOINTS
 from export_ledger.frames import MANIFEST_NAME, Manifest
+from export_ledger.keys import LogicalKey
 from export_ledger.ledger import ExportLedger, ExportState
 
 REASON = "late invoices from the billing fix"
@@ -44,7 +47,13 @@ class Shop:
     def __init__(self, tmp_path: Path, instance: dg.DagsterInstance, **overrides) -> None:
         self.db = tmp_path / "shop.sqlite3"
         self.spec = _spec(self.db, **overrides)
-        _source(self.db, self.spec)
+        _source(self.db, self.spec)  # acme's rows o0..o4
+        with sqlite3.connect(self.db) as conn:  # two rows of each other tenant, inside every zone's window of the day
+            conn.executemany(
+                "INSERT INTO orders SELECT ? || substr(order_id, 2), ?, placed_at, total, version FROM orders "
+                "WHERE order_id IN ('o1', 'o2')",
+                [(f"{tenant}-", tenant) for tenant in self.spec.tenants if tenant != "acme"],
+            )
         self.environ = _environ(tmp_path)
         self.url = self.environ["EXPORTS_LEDGER_URL"]
         self.root = Path(self.environ["EXPORTS_DESTINATION"])
@@ -95,6 +104,17 @@ class Shop:
         return seen[0]
 
 
+def _rows(out: str) -> dict[str, list[str]]:
+    """A CLI table's rows by their first cell (cells are separated by two spaces or more)."""
+    lines = [line for line in out.splitlines() if line.startswith("orders/")]
+    return {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line) for line in lines)}
+
+
+def _key_of(shop: Shop, logical_key: str) -> LogicalKey:
+    record = shop.ledger.get(logical_key)
+    return LogicalKey(record.export, record.tenant, record.window)
+
+
 def read_revision(folder: Path) -> tuple[Manifest, bytes]:
     manifest = Manifest.from_json((folder / MANIFEST_NAME).read_bytes(), str(folder))
     payload = (folder / manifest.data_file).read_bytes()
@@ -130,7 +150,7 @@ def test_a_stale_key_restated_from_the_cli_publishes_revision_2_beside_revision_
 
     code, out, _ = _cli(capsys, "--ledger-url", shop.url, "restate", key, "--reason", REASON, "--operator", "ops")
     assert code == 0, out
-    assert f"{key}  revision 2  requested" in out
+    assert _rows(out)[key] == ["revision 2", "requested"]
     assert f"materialize: dagster asset materialize -f definitions.py --select orders --partition {shop.day}" in out
     assert "reconciliation sensor" in out
     assert shop.ledger.get(key).state is ExportState.COMPLETED and shop.pointer() == 1, "recorded first, nothing moved"
@@ -239,3 +259,172 @@ def test_restate_refuses_without_a_reason_a_key_not_completed_and_a_second_open_
     by_date = ("restate", "--export", "orders", "--date", earlier, "--reason", "x")
     code, _, err = _cli(capsys, "--ledger-url", url, *by_date)
     assert code == 1 and "is failed: only a completed key is restated" in err
+
+
+# -- from the launchpad: the run config --------------------------------------------------------------------------------
+
+
+def _restate(reason: str = "", tenants: list[str] | None = None) -> dict:
+    config: dict = {"restate_reason": reason}
+    if tenants is not None:
+        config["restate_tenants"] = tenants
+    return {"ops": {"orders": {"config": config}}}
+
+
+def test_a_restatement_from_the_launchpad_needs_its_reason_and_is_asked_by_the_run(tmp_path, instance) -> None:
+    shop = Shop(tmp_path, instance, tenants=["acme", "globex"])
+    assert shop.run().success
+    acme, globex = shop.key("acme"), shop.key("globex")
+    plain = shop.run()  # a schedule's, backfill's or sensor's run passes no config
+    assert plain.success and materialization(plain).metadata["skipped_keys"].value == 2
+    assert "restated_keys" not in materialization(plain).metadata
+
+    no_reason = shop.run(_restate("", ["acme"]))
+    assert not no_reason.success and "given without restate_reason" in failure_message(no_reason)
+    stranger = shop.run(_restate(REASON, ["acme", "nobody"]))
+    assert not stranger.success and "['nobody'] are not tenants of the asset orders" in failure_message(stranger)
+    assert shop.ledger.restatements(open_only=False) == [], "a refused config records nothing"
+
+    _late_deleted_and_updated(shop.db, shop.spec)
+    result = shop.run(_restate(REASON, ["acme"]))
+    assert result.success, failure_message(result)
+    event = materialization(result)
+    assert event.metadata["revisions"].value == {
+        acme: {"revision": 2, "supersedes": 1, "reason": REASON, "requested_by": result.run_id}
+    }
+    assert event.metadata["tenants_restated"].value == ["acme"]
+    assert event.metadata["tenants_skipped_already_completed"].value == ["globex"]
+    (first, second) = shop.ledger.revisions(acme)
+    assert (second.revision, second.reason, second.requested_by) == (2, REASON, result.run_id)
+    assert second.published_by.startswith(result.run_id)
+    assert [r.revision for r in shop.ledger.revisions(globex)] == [1], "only the listed tenant is restated"
+    assert shop.pointer("acme") == 2 and shop.pointer("globex") == 1
+
+    # Every tenant of the partition when none is listed; an open request elsewhere stands with its own reason.
+    shop.ledger.request_restatement(globex, reason="operator's reason", requested_by="ops")
+    everyone = shop.run(_restate("second correction"))
+    assert everyone.success, failure_message(everyone)
+    revisions = materialization(everyone).metadata["revisions"].value
+    assert revisions[acme]["revision"] == 3 and revisions[acme]["reason"] == "second correction"
+    assert revisions[globex] == {"revision": 2, "supersedes": 1, "reason": "operator's reason", "requested_by": "ops"}
+
+
+# -- automatic restatement, and the reconciliation sensor's launches ---------------------------------------------------
+
+
+def test_restate_stale_is_requested_by_the_drift_sensor_and_launched_by_the_reconciliation_sensor(
+    tmp_path, instance, capsys
+) -> None:
+    shop = Shop(tmp_path, instance, restate_stale=True)
+    assert shop.run().success
+    key = shop.key()
+    quiet = tick(shop.defs, instance)
+    assert quiet.result.run_requests == [] and "0 open restatements" in quiet.skip_message
+
+    _late_deleted_and_updated(shop.db, shop.spec)
+    drift = tick(shop.defs, instance, sensor_name="drift_sensor")
+    request = shop.ledger.open_restatements([key])[key]
+    assert (request.revision, request.reason, request.requested_by) == (
+        2,
+        "source changed: +1 -1 ~1 rows",
+        "drift-sensor",
+    )
+    assert any("restatement requested (revision 2" in r.getMessage() for r in drift.logs)
+
+    launch = tick(shop.defs, instance, quiet.cursor)
+    (run_request,) = launch.result.run_requests
+    assert (run_request.run_key, run_request.job_name, run_request.partition_key) == (
+        f"restate/orders/{shop.day}/{request.id}",
+        "orders_job",
+        shop.day,
+    )
+    assert run_request.tags["export-ledger/restatement"] == "true"
+    again = tick(shop.defs, instance, launch.cursor)
+    assert [r.run_key for r in again.result.run_requests] == [run_request.run_key], "the same request, the same key"
+
+    result = shop.run(tags=run_request.tags)
+    assert result.success, failure_message(result)
+    assert materialization(result).metadata["revisions"].value[key]["reason"] == "source changed: +1 -1 ~1 rows"
+    assert [r.revision for r in shop.ledger.revisions(key)] == [1, 2] and shop.pointer() == 2
+    assert tick(shop.defs, instance, again.cursor).result.run_requests == [], "published: nothing more to launch"
+    tick(shop.defs, instance, drift.cursor, sensor_name="drift_sensor")
+    assert shop.ledger.open_drift() == [] and shop.ledger.restatements() == []
+
+    # A withdrawn automatic request is not asked for again while the drift stays the same.
+    with sqlite3.connect(shop.db) as conn:
+        conn.execute("UPDATE orders SET version = 3 WHERE order_id = 'o1'")
+    third = tick(shop.defs, instance, sensor_name="drift_sensor")
+    assert shop.ledger.open_restatements([key])[key].reason == "source changed: +0 -0 ~1 rows"
+    code, _, _ = _cli(capsys, "--ledger-url", shop.url, "restate", "--withdraw", key, "--reason", "known, harmless")
+    assert code == 0
+    tick(shop.defs, instance, third.cursor, sensor_name="drift_sensor")
+    assert shop.ledger.restatements() == [] and len(shop.ledger.open_drift()) == 1, "stale, left to the operator"
+
+
+def test_restating_a_date_requests_each_completed_key_and_the_sensor_launches_each_zones_partition_once(
+    tmp_path, instance, capsys
+) -> None:
+    shop = Shop(tmp_path, instance, tenants={"acme": None, "globex": None, "initech": None, "kolkata": "Asia/Kolkata"})
+    assert shop.run().success and shop.run(job="orders__asia_kolkata_job").success
+    args = ("--ledger-url", shop.url, "restate", "--export", "orders", "--date", shop.day, "--reason", REASON)
+
+    code, out, _ = _cli(capsys, *args, "--tenant", "globex")
+    assert code == 0 and _rows(out) == {shop.key("globex"): ["revision 2", "requested"]}
+    code, out, _ = _cli(capsys, *args)
+    assert code == 1, "globex already has an open request: refused, named, and the others requested"
+    rows = _rows(out)
+    assert rows[shop.key("globex")][0].startswith("refused: ") and "already has an open restatement" in out
+    for tenant in ("acme", "initech", "kolkata"):
+        assert rows[shop.key(tenant)] == ["revision 2", "requested"]
+    assert f"--select orders --partition {shop.day}" in out
+    assert f"--select orders__asia_kolkata --partition {shop.day}" in out, "the other zone's asset"
+
+    launch = tick(shop.defs, instance)
+    runs = sorted((r.job_name, r.partition_key) for r in launch.result.run_requests)
+    assert runs == [("orders__asia_kolkata_job", shop.day), ("orders_job", shop.day)], "one run per zone's partition"
+    for run_request in launch.result.run_requests:
+        result = shop.run(job=run_request.job_name, partition=run_request.partition_key, tags=run_request.tags)
+        assert result.success, failure_message(result)
+    assert shop.ledger.restatements() == []
+    assert {t: shop.pointer(t) for t in ("acme", "globex", "initech", "kolkata")} == dict.fromkeys(
+        ("acme", "globex", "initech", "kolkata"), 2
+    )
+
+
+# -- load_input: the current revision, never a half-written one --------------------------------------------------------
+
+
+def test_load_input_returns_the_current_revision_while_a_restatement_is_under_way_failed_or_unrecorded(
+    tmp_path, instance, monkeypatch
+) -> None:
+    shop = Shop(tmp_path, instance)
+    assert shop.run().success
+    key = shop.key()
+    revision_1 = {"o0", "o1", "o2", "o3", "o4"}
+    assert set(shop.load()["order_id"]) == revision_1
+
+    _late_deleted_and_updated(shop.db, shop.spec)
+    shop.ledger.request_restatement(key, reason=REASON, requested_by="ops")
+    assert shop.run().success
+    revision_2 = {"o1", "o2", "o3", "o4", "late"}
+    assert set(shop.load()["order_id"]) == revision_2
+
+    _source(shop.db, shop.spec)  # back to revision 1's rows: revision 3 would hold them again
+    shop.ledger.request_restatement(key, reason="revert the billing fix", requested_by="ops")
+    claim = shop.ledger.claim(_key_of(shop, key), "someone/else")
+    assert claim.revision == 3
+    assert set(shop.load()["order_id"]) == revision_2, "under way: the current revision is still 2"
+    shop.ledger.fail(claim, RuntimeError("source timed out"))
+    assert set(shop.load()["order_id"]) == revision_2, "failed: revision 2 is still current"
+
+    # Revision 3 published and its pointer moved, but never recorded: the ledger's revision 2 is read until then.
+    monkeypatch.setenv(FAILPOINTS, "after_current=raise")
+    assert not shop.run().success
+    monkeypatch.delenv(FAILPOINTS)
+    assert shop.ledger.get(key).state is ExportState.REMOTE_UNKNOWN and shop.pointer() == 3
+    assert set(shop.load()["order_id"]) == revision_2
+
+    tick(shop.defs, instance)  # reconciliation finds revision 3 published and records it
+    assert shop.ledger.get(key).state is ExportState.COMPLETED
+    assert [r.revision for r in shop.ledger.revisions(key)] == [1, 2, 3]
+    assert set(shop.load()["order_id"]) == revision_1

@@ -891,17 +891,13 @@ def _restate(ledger: ExportLedger, args: argparse.Namespace) -> str:
 
 def _materialize_commands(ledger: ExportLedger, requests: Sequence[Restatement]) -> list[tuple[str, str]]:
     """The command that publishes each (asset, partition) of ``requests``, with a note where the asset is a guess."""
-    zones = {key: r.timezone for key, r in records_of(ledger, requests).items()}
+    records = records_of(ledger, requests)
     commands = {}
     for r in requests:
-        zone = zones.get(r.logical_key)
-        asset, certain = asset_name_for(ledger, r.export, zone) if zone else (r.export, True)
-        other = f"{r.export}__{zone_slug(zone)}" if asset == r.export else r.export
-        note = (
-            ""
-            if certain
-            else f"  (tenants in {zone}; the asset is {other} if that guess of the export's zone is wrong)"
-        )
+        record = records.get(r.logical_key)
+        asset, certain = asset_name_for(ledger, record) if record else (r.export, True)
+        other = f"{r.export}__{zone_slug(record.timezone)}" if asset == r.export and record else r.export
+        note = "" if certain else f"  (a guess from the zones; the asset may be {other})"
         commands[materialize_command(asset, r.business_date.isoformat())] = note
     return sorted(commands.items())
 

@@ -126,15 +126,19 @@ def restate_stale(
     return report
 
 
-def asset_name_for(ledger: ExportLedger, export: str, zone: str) -> tuple[str, bool]:
-    """The Dagster asset that exports keys of ``export`` in ``zone``, as far as the ledger can tell, and whether it
-    is certain.
+def asset_name_for(ledger: ExportLedger, record: ExportRecord) -> tuple[str, bool]:
+    """The Dagster asset that exports ``record``'s key, as far as the ledger can tell, and whether it is certain.
 
-    Tenants in the export's own zone are the asset named like the export; tenants elsewhere are ``<export>__<zone
-    slug>`` (:func:`export_ledger.tenants.tenant_groups`). The ledger does not record which zone is the export's own:
-    when the calendar contracts name one zone, or an export-wide contract names ``zone``, the answer is certain;
-    otherwise the zone most tenants are in is taken for the export's own (a guess, said so).
+    The attempt that completed the key names it: an attempt id is ``<run id>/<step key>``, and an export asset's step
+    is the asset (:func:`export_ledger.keys.attempt_id`). Without that (an attempt id of another form), tenants in the
+    export's own zone are the asset named like the export and tenants elsewhere ``<export>__<zone slug>``
+    (:func:`export_ledger.tenants.tenant_groups`); the ledger does not record which zone is the export's own, so the
+    zone most tenants' calendar contracts name is taken for it (a guess, said so) unless they all name one.
     """
+    _, sep, step = (record.committed_attempt or "").partition("/")
+    if sep and step and "/" not in step and (step == record.export or step.startswith(f"{record.export}__")):
+        return step, True
+    export, zone = record.export, record.timezone
     zones = [contract.get("timezone") for contract in ledger.tenant_contracts(export).values()]
     wide = ledger.recorded_contract(export)
     if wide is not None and wide.get("timezone") == zone:
@@ -145,7 +149,7 @@ def asset_name_for(ledger: ExportLedger, export: str, zone: str) -> tuple[str, b
     if set(counts) <= {zone}:
         return export, True
     most = max(counts.values())
-    own = zone if counts.get(zone) == most and list(counts.values()).count(most) == 1 else None
+    own = counts.get(zone) == most and list(counts.values()).count(most) == 1
     return (export if own else f"{export}__{zone_slug(zone)}"), False
 
 

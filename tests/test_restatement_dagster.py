@@ -9,6 +9,7 @@ reason, and ``export-ledger revisions`` lists both.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import hashlib
 import json
@@ -28,6 +29,7 @@ from export_ledger.failpoints import ENV_VAR as FAILPOINTS
 from export_ledger.frames import MANIFEST_NAME, Manifest
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger import ExportLedger, ExportState
+from export_ledger.restate import asset_name_for
 
 REASON = "late invoices from the billing fix"
 
@@ -364,6 +366,7 @@ def test_restate_stale_is_requested_by_the_drift_sensor_and_launched_by_the_reco
 def test_restating_a_date_requests_each_completed_key_and_the_sensor_launches_each_zones_partition_once(
     tmp_path, instance, capsys
 ) -> None:
+    tenants = ("acme", "globex", "initech", "kolkata")
     shop = Shop(tmp_path, instance, tenants={"acme": None, "globex": None, "initech": None, "kolkata": "Asia/Kolkata"})
     assert shop.run().success and shop.run(job="orders__asia_kolkata_job").success
     args = ("--ledger-url", shop.url, "restate", "--export", "orders", "--date", shop.day, "--reason", REASON)
@@ -379,6 +382,12 @@ def test_restating_a_date_requests_each_completed_key_and_the_sensor_launches_ea
     assert f"--select orders --partition {shop.day}" in out
     assert f"--select orders__asia_kolkata --partition {shop.day}" in out, "the other zone's asset"
 
+    # The asset is named by the attempt that completed the key; without one of that form, guessed from the zones.
+    unnamed = {t: dataclasses.replace(shop.ledger.get(shop.key(t)), committed_attempt="operator") for t in tenants}
+    assert asset_name_for(shop.ledger, unnamed["acme"]) == ("orders", False)
+    assert asset_name_for(shop.ledger, unnamed["kolkata"]) == ("orders__asia_kolkata", False)
+    assert asset_name_for(shop.ledger, shop.ledger.get(shop.key("kolkata"))) == ("orders__asia_kolkata", True)
+
     launch = tick(shop.defs, instance)
     runs = sorted((r.job_name, r.partition_key) for r in launch.result.run_requests)
     assert runs == [("orders__asia_kolkata_job", shop.day), ("orders_job", shop.day)], "one run per zone's partition"
@@ -386,9 +395,7 @@ def test_restating_a_date_requests_each_completed_key_and_the_sensor_launches_ea
         result = shop.run(job=run_request.job_name, partition=run_request.partition_key, tags=run_request.tags)
         assert result.success, failure_message(result)
     assert shop.ledger.restatements() == []
-    assert {t: shop.pointer(t) for t in ("acme", "globex", "initech", "kolkata")} == dict.fromkeys(
-        ("acme", "globex", "initech", "kolkata"), 2
-    )
+    assert {t: shop.pointer(t) for t in tenants} == dict.fromkeys(tenants, 2)
 
 
 # -- load_input: the current revision, never a half-written one --------------------------------------------------------
@@ -428,3 +435,26 @@ def test_load_input_returns_the_current_revision_while_a_restatement_is_under_wa
     assert shop.ledger.get(key).state is ExportState.COMPLETED
     assert [r.revision for r in shop.ledger.revisions(key)] == [1, 2, 3]
     assert set(shop.load()["order_id"]) == revision_1
+
+
+def test_export_ledger_drift_requests_the_restatements_of_restate_stale_exports(
+    tmp_path, instance, capsys, monkeypatch
+) -> None:
+    shop = Shop(tmp_path, instance, restate_stale=True)
+    module = tmp_path / "restate_specs.py"
+    module.write_text(
+        "from test_drift import _spec\n"
+        f"orders = _spec(__import__('pathlib').Path({str(shop.db)!r}), restate_stale=True)\n"
+    )
+    assert shop.run().success
+    key = shop.key()
+    monkeypatch.chdir(tmp_path)
+    drift = ("--ledger-url", shop.url, "drift", "--specs", "restate_specs:orders", "--destination", str(shop.root))
+
+    _late_deleted_and_updated(shop.db, shop.spec)
+    code, out, _ = _cli(capsys, *drift, "--operator", "ops@desk")
+    assert code == 0 and "1 restatement(s) requested" in out
+    request = shop.ledger.open_restatements([key])[key]
+    assert (request.reason, request.requested_by) == ("source changed: +1 -1 ~1 rows", "export-ledger drift (ops@desk)")
+    code, out, _ = _cli(capsys, *drift)
+    assert code == 0 and "restatement(s) requested" not in out, "the same drift asks once"

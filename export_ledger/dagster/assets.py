@@ -238,7 +238,7 @@ def _request_restatements(
             left.append(f"{record.logical_key} is {record.state.value}: exported by this run, not restated")
             continue
         try:
-            book.request_restatement(record.logical_key, reason=config.restate_reason, requested_by=context.run_id)
+            book.request_restatement(record.logical_key, reason=config.restate_reason, requested_by=context.run.run_id)
             requested.append(record.logical_key)
         except RestatementRefused as exc:  # an open request already: it stands, with its own reason
             left.append(str(exc))

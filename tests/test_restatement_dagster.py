@@ -431,7 +431,12 @@ def test_load_input_returns_the_current_revision_while_a_restatement_is_under_wa
     assert shop.ledger.get(key).state is ExportState.REMOTE_UNKNOWN and shop.pointer() == 3
     assert set(shop.load()["order_id"]) == revision_2
 
-    tick(shop.defs, instance)  # reconciliation finds revision 3 published and records it
+    reconciled = tick(shop.defs, instance)  # reconciliation finds revision 3 published and records it
+    (event,) = reconciled.materializations
+    assert event.partition == shop.day, "the partition's earlier materialization was revision 2's: this is 3's"
+    assert event.metadata["revisions"].value == {
+        key: {"revision": 3, "supersedes": 2, "reason": "revert the billing fix", "requested_by": "ops"}
+    }
     assert shop.ledger.get(key).state is ExportState.COMPLETED
     assert [r.revision for r in shop.ledger.revisions(key)] == [1, 2, 3]
     assert set(shop.load()["order_id"]) == revision_1

@@ -21,7 +21,7 @@ from export_ledger.errors import CalendarError
 from export_ledger.ledger import ExportLedger, ExportRecord, ExportState, Restatement
 from export_ledger.ledger.core import DEFAULT_MAX_ATTEMPTS
 from export_ledger.reconcile import ReconcileReport, reconcile_batch
-from export_ledger.restate import records_of
+from export_ledger.restate import published_revisions, records_of
 from export_ledger.spec import ExportSpec
 from export_ledger.tenants import TenantGroup
 
@@ -171,9 +171,17 @@ def _materializations(
     records it."""
     export = spec.name
     touched: dict[str, set[str]] = {}  # asset name -> partitions
+    restated: dict[str, dict[str, dict[str, int]]] = {}  # asset name -> partition -> key -> revision published
     for finding, record in report.resolved:
         if record.tenant in spec.tenants:
             touched.setdefault(spec.group_of(record.tenant).asset_name, set()).add(record.business_date.isoformat())
+            if record.state is ExportState.COMPLETED and finding.evidence is not None and finding.evidence.revision > 1:
+                # A restatement whose run died after publishing: the partition was materialized before (its earlier
+                # revision), but this revision never was.
+                partitions = restated.setdefault(spec.group_of(record.tenant).asset_name, {})
+                partitions.setdefault(record.business_date.isoformat(), {})[record.logical_key] = (
+                    finding.evidence.revision
+                )
         if record.state is ExportState.COMPLETED and finding.record.lease_owner:
             # The attempt that left this key unknown may have completed other keys before its run failed: those
             # partitions were never recorded as materialized either.
@@ -187,7 +195,17 @@ def _materializations(
     events = []
     for group in spec.groups:
         if group.asset_name in touched:
-            events.extend(_group_materializations(group, touched[group.asset_name], ledger, spec, materialized, log))
+            events.extend(
+                _group_materializations(
+                    group,
+                    touched[group.asset_name],
+                    ledger,
+                    spec,
+                    materialized,
+                    log,
+                    restated.get(group.asset_name, {}),
+                )
+            )
     return events
 
 
@@ -198,8 +216,10 @@ def _group_materializations(
     spec: ExportSpec,
     materialized: Callable[[dg.AssetKey, Sequence[str]], set[str]],
     log,
+    restated: Mapping[str, Mapping[str, int]] | None = None,
 ) -> list[dg.AssetMaterialization]:
     export, tenants = spec.name, group.tenants
+    restated = restated or {}
     calendar = ExportCalendar(group.timezone, spec.start_date)
     asset_key = dg.AssetKey(group.asset_name)
     # A tenant that moved zones has keys of its earlier zone: count keys by tenant and date, whatever their zone.
@@ -220,7 +240,9 @@ def _group_materializations(
 
     events = []
     seen = materialized(asset_key, complete)
-    unrecorded = [p for p in complete if p not in seen]  # their run failed on some key: Dagster never recorded them
+    # Their run failed on some key: Dagster never recorded them (or never this revision of a restated key).
+    unrecorded = [p for p in complete if p not in seen or p in restated]
+    reasons = published_revisions(ledger, sorted({key for p in unrecorded for key in restated.get(p, {})}))
     if unrecorded:
         # Counts come from the grouped read above; only the listed keys are read (a day of 1,000 tenants is 1,000
         # rows, and a tick touching 100 such days would otherwise read 100,000 records to show 20 keys of each).
@@ -241,11 +263,33 @@ def _group_materializations(
                         "paths": dg.MetadataValue.json({r.logical_key: r.location for r in shown}),
                         "committed_attempts": dg.MetadataValue.json(sorted({r.committed_attempt for r in shown})),
                         "every_key": dg.MetadataValue.text(status_command(export, [partition])),
+                        **_revision_metadata(restated.get(partition, {}), reasons),
                     },
                     description="recorded by reconciliation from the destination's evidence",
                 )
             )
     return events
+
+
+def _revision_metadata(revisions: Mapping[str, int], reasons: Mapping[str, Restatement]) -> dict:
+    """``restated_keys`` and ``revisions`` of a partition's event, as a run's materialization names them."""
+    if not revisions:
+        return {}
+    shown = sorted(revisions.items())[:LISTED_KEYS]
+    return {
+        "restated_keys": len(revisions),
+        "revisions": dg.MetadataValue.json(
+            {
+                key: {
+                    "revision": revision,
+                    "supersedes": revision - 1,
+                    "reason": reasons[key].reason if key in reasons else None,
+                    "requested_by": reasons[key].requested_by if key in reasons else None,
+                }
+                for key, revision in shown
+            }
+        ),
+    }
 
 
 def _notes(report: ReconcileReport) -> list[str]:

@@ -9,13 +9,20 @@ Subcommands, each with a readable table or ``--json``::
     export-ledger prune --older-than DAYS [--export E]
     export-ledger accept-contract --export E [--tenant T] --timezone Z --start-date YYYY-MM-DD [--move D:ZONE]
                                   --reason "..."
+    export-ledger restate LOGICAL_KEY --reason "..." [--operator WHO]
+    export-ledger restate --export E --date YYYY-MM-DD [--tenant T] --reason "..." [--operator WHO]
+    export-ledger restate --withdraw LOGICAL_KEY --reason "..." [--operator WHO]
+    export-ledger revisions LOGICAL_KEY
     export-ledger upgrade
 
 ``status`` and ``attempts`` only read. ``reconcile`` does once what the reconciliation sensor does each tick:
 it probes the configured destination for stuck keys and records what it finds. ``prune`` deletes old completion
 records and keeps a low-water mark; ``drift`` does once what the drift sensor does each tick (re-reads the sources of
 recently completed keys and records which are stale); ``status --state stale`` lists them with their counts;
-``accept-contract`` records an operator's acceptance of a changed calendar.
+``accept-contract`` records an operator's acceptance of a changed calendar. ``restate`` records a request to publish
+the next revision of completed keys (published by the partition's next materialization: the command it prints, a
+launch from the UI, or the reconciliation sensor), or withdraws one; ``revisions`` lists every revision of a key, and
+``status --state restating`` the keys with an open request.
 
 The ledger is found from ``--ledger-url``, else ``EXPORTS_LEDGER_URL``, else ``./var/ledger.sqlite3``; the destination
 ``reconcile`` probes from ``--destination``, else ``EXPORTS_DESTINATION``, else ``./var/exports`` (the same settings
@@ -60,17 +67,29 @@ from export_ledger.ledger import (
     ExportLedger,
     ExportRecord,
     ExportState,
+    Restatement,
+    Revision,
     dispose_engines,
     ledger_engine,
     redact_url,
     upgrade,
 )
 from export_ledger.ledger.core import DEFAULT_MAX_ATTEMPTS
+from export_ledger.restate import (
+    asset_name_for,
+    materialize_command,
+    published_revisions,
+    records_of,
+    request_for_date,
+)
 from export_ledger.settings import LEDGER_URL_ENV, Settings
+from export_ledger.tenants import zone_slug
 
 PROG = "export-ledger"
 #: ``status --state stale``: not a state of export_runs (a stale key stays completed) but an open drift record.
 STALE = "stale"
+#: ``status --state restating``: keys with an open restatement request (completed until claimed, then under way).
+RESTATING = "restating"
 USAGE_ERROR = 2
 RUNTIME_ERROR = 1
 
@@ -153,9 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
         dest="states",
         action="append",
         default=[],
-        choices=[state.value for state in ExportState] + [STALE],
+        choices=[state.value for state in ExportState] + [STALE, RESTATING],
         help="only exports in this state; repeat for several. 'stale': completed keys whose source changed since "
-        "(found by the drift sensor or `export-ledger drift`), with counts of rows added, removed and changed",
+        "(found by the drift sensor or `export-ledger drift`), with counts of rows added, removed and changed; "
+        "'restating': keys with an open restatement request, with the revision it publishes and why",
     )
     status.add_argument("--limit", type=_positive_int_arg, metavar="N", help="at most N exports")
     status.add_argument(
@@ -225,6 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     drift.add_argument(
         "--limit", type=_positive_int_arg, metavar="N", default=1000, help="check at most N keys (default 1000)"
     )
+    drift.add_argument(
+        "--operator", default=_default_operator(),
+        help="who runs it: named as who asked for the restatements of exports with restate_stale (default: user@host)",
+    )  # fmt: skip
     drift.set_defaults(handler=_drift)
 
     prune = commands.add_parser(
@@ -296,6 +320,34 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     accept.add_argument("--reason", required=True, help="why the contract changed; recorded in the ledger")
     accept.set_defaults(handler=_accept_contract)
+
+    restate = commands.add_parser(
+        "restate",
+        parents=[common],
+        help="request the next revision of completed keys (a key, or every key of a date), or withdraw a request",
+    )
+    restate.add_argument(
+        "logical_key", metavar="LOGICAL_KEY", nargs="?", help="one completed key, as shown by status (or --date)"
+    )
+    restate.add_argument("--export", type=_slug_arg("export name"), help="with --date: the export to restate")
+    restate.add_argument(
+        "--date", dest="business_date", metavar="YYYY-MM-DD", type=_date_arg,
+        help="every completed key of this business date (with --export; --tenant for one tenant's)",
+    )  # fmt: skip
+    restate.add_argument("--tenant", type=_slug_arg("tenant id"), help="with --date: only this tenant's key")
+    restate.add_argument(
+        "--withdraw", action="store_true",
+        help="withdraw LOGICAL_KEY's open request instead (the key keeps its current revision)",
+    )  # fmt: skip
+    restate.add_argument("--reason", help="why (required; kept with the revision for good)")
+    restate.add_argument("--operator", default=_default_operator(), help="who asks (default: this user@host)")
+    restate.set_defaults(handler=_restate)
+
+    revisions = commands.add_parser(
+        "revisions", parents=[common], help="every published revision of one key, oldest first, with who and why"
+    )
+    revisions.add_argument("logical_key", metavar="LOGICAL_KEY", help="as shown by status")
+    revisions.set_defaults(handler=_revisions)
 
     upgrade_command = commands.add_parser(
         "upgrade", parents=[common], help="bring the ledger's schema to this release's version (writes)"
@@ -380,6 +432,8 @@ def _status(ledger: ExportLedger, args: argparse.Namespace) -> str:
         return _needs_attention(ledger, args)
     if STALE in args.states:
         return _stale(ledger, args)
+    if RESTATING in args.states:
+        return _restating(ledger, args)
     records = ledger.records(
         export=args.export,
         tenant=args.tenant,
@@ -388,8 +442,11 @@ def _status(ledger: ExportLedger, args: argparse.Namespace) -> str:
         states=[ExportState(value) for value in args.states],
         limit=args.limit,
     )
+    # One read of the export's requests, not of every key: most keys were never restated (revision 1).
+    published = published_revisions(ledger, export=args.export) if records else {}
+    revision = {key: request.revision for key, request in published.items()}
     if args.json:
-        return _dump([_record_json(record) for record in records])
+        return _dump([{**_record_json(r), "revision": revision.get(r.logical_key, 1)} for r in records])
     if not records:
         return "no exports match"
     headers = (
@@ -402,6 +459,7 @@ def _status(ledger: ExportLedger, args: argparse.Namespace) -> str:
         "LEASE OWNER",
         "LEASE EXPIRES",
         "UPDATED",
+        "REVISION",
     )
     rows = []
     for record in records:
@@ -417,9 +475,40 @@ def _status(ledger: ExportLedger, args: argparse.Namespace) -> str:
                 owner,
                 _short_time(expires),
                 _short_time(record.updated_at),
+                revision.get(record.logical_key, ""),  # shown where restated (> 1): the current revision
             )
         )
     return _table(headers, rows)
+
+
+def _restating(ledger: ExportLedger, args: argparse.Namespace) -> str:
+    """Keys with an open restatement request: the revision it publishes, who asked, when and why."""
+    if len(set(args.states)) > 1:
+        raise UsageError("--state restating lists keys with an open restatement only; it cannot be combined")
+    requests = [
+        r
+        for r in ledger.restatements(export=args.export)
+        if (args.tenant is None or r.tenant == args.tenant)
+        and (args.date_from is None or r.business_date >= args.date_from)
+        and (args.date_to is None or r.business_date <= args.date_to)
+    ][: args.limit]
+    states = {key: r.state.value for key, r in records_of(ledger, requests).items()}
+    if args.json:
+        return _dump([{**_request_json(r), "state": states.get(r.logical_key)} for r in requests])
+    if not requests:
+        return "no open restatements"
+    rows = [
+        (
+            r.logical_key, states.get(r.logical_key), r.business_date.isoformat(), r.revision, r.requested_by,
+            _short_time(r.requested_at), r.reason,
+        )
+        for r in requests
+    ]  # fmt: skip
+    headers = ("LOGICAL KEY", "STATE", "BUSINESS DATE", "REVISION", "REQUESTED BY", "REQUESTED", "REASON")
+    return (
+        _table(headers, rows) + "\npublished by each partition's next materialization (the reconciliation sensor "
+        "launches it); withdraw with: export-ledger restate --withdraw LOGICAL_KEY --reason ..."
+    )
 
 
 def _stale(ledger: ExportLedger, args: argparse.Namespace) -> str:
@@ -450,7 +539,10 @@ def _stale(ledger: ExportLedger, args: argparse.Namespace) -> str:
         for r in stale
     ]
     headers = ("LOGICAL KEY", "STATE", "BUSINESS DATE", "ADDED", "REMOVED", "CHANGED", "DETECTED")
-    note = "the remedy is a restatement (a new revision of the export), which export-ledger does not do yet"
+    note = (
+        "the remedy is a restatement, a new revision beside the current one: "
+        'export-ledger restate LOGICAL_KEY --reason "..."'
+    )
     return _table(headers, rows) + "\n" + note
 
 
@@ -526,7 +618,10 @@ def _drift(ledger: ExportLedger, args: argparse.Namespace) -> str:
         destinations[spec.name] = destination_from(
             chosen_destination, ledger_url=ledger.url, credentials=settings.s3_credentials(), what=what
         )
-    report = drift_pass(ledger, specs, destinations, lookback_days=args.lookback_days, limit=args.limit)
+    report = drift_pass(
+        ledger, specs, destinations, lookback_days=args.lookback_days, limit=args.limit,
+        requested_by=f"{PROG} drift ({args.operator})",
+    )  # fmt: skip
     args.unresolved = bool(report.unchecked)
     opened, cleared = set(report.changes.opened), set(report.changes.cleared)
     if args.json:
@@ -565,7 +660,15 @@ def _drift(ledger: ExportLedger, args: argparse.Namespace) -> str:
     if without:
         lines.append(f"not checked, no source to read again: {', '.join(without)}")
     if report.stale:
-        lines.append("stale keys: export-ledger status --state stale; restating them is not built yet")
+        lines.append(
+            "stale keys: export-ledger status --state stale; restate one with "
+            'export-ledger restate LOGICAL_KEY --reason "..."'
+        )
+    if report.restatements.requested:
+        lines.append(
+            f"{len(report.restatements.requested)} restatement(s) requested (exports with restate_stale): "
+            "export-ledger status --state restating"
+        )
     if report.next_after is not None:
         lines.append(f"more keys remain beyond --limit {args.limit}; run again")
     return "\n".join(lines)
@@ -739,6 +842,88 @@ def _resolve(ledger: ExportLedger, args: argparse.Namespace) -> str:
     return f"{done.record.logical_key}: {done.record.state.value}; {done.detail}"
 
 
+def _restate(ledger: ExportLedger, args: argparse.Namespace) -> str:
+    """Records restatement requests (or withdraws one); the ledger refuses what may not be restated, and says why."""
+    by_date = args.business_date is not None
+    if by_date == (args.logical_key is not None):
+        raise UsageError("restate takes a LOGICAL_KEY, or --export E --date YYYY-MM-DD [--tenant T], not both")
+    if by_date and (args.export is None or args.withdraw):
+        raise UsageError("--date needs --export (and --withdraw takes one LOGICAL_KEY)")
+    if not by_date and (args.export or args.tenant):
+        raise UsageError("--export and --tenant go with --date; a LOGICAL_KEY names its export and tenant")
+    reason = args.reason or ""
+    if args.withdraw:
+        record = ledger.withdraw_restatement(args.logical_key, operator=args.operator, reason=reason)
+        if args.json:
+            return _dump([{"logical_key": record.logical_key, "withdrawn": True, "state": record.state.value}])
+        return f"{record.logical_key}: restatement withdrawn; {record.state.value}, its current revision unchanged"
+    if by_date:
+        _known_export(ledger, args.export)
+        tenants = [args.tenant] if args.tenant else []
+        report = request_for_date(
+            ledger, args.export, args.business_date, reason=reason, requested_by=args.operator, tenants=tenants
+        )
+        requested, refused = report.requested, report.refused
+        if not requested:
+            _, why = refused[0]
+            more = f" ({len(refused) - 1} more key(s) refused too)" if len(refused) > 1 else ""
+            raise CliError(f"{why}{more}")
+    else:
+        request = ledger.request_restatement(args.logical_key, reason=reason, requested_by=args.operator)
+        requested, refused = [request], []
+    args.unresolved = bool(refused)  # some keys of the date were refused: scripts must see it
+    commands = _materialize_commands(ledger, requested)
+    if args.json:
+        items = [{**_request_json(r), "requested": True} for r in requested]
+        items += [{"logical_key": key, "requested": False, "refused": why} for key, why in refused]
+        return _dump(items + [{"materialize": command} for command, _ in commands])
+    rows = [(r.logical_key, f"revision {r.revision}", "requested") for r in requested]
+    rows += [(key, "", f"refused: {why}") for key, why in refused]
+    lines = [_table(("LOGICAL KEY", "PUBLISHES", "RESULT"), rows)]
+    for command, note in commands:
+        lines.append(f"materialize: {command}{note}")
+    lines.append(
+        "otherwise the reconciliation sensor launches the partition's run; until it is published the current "
+        "revision stays what readers get"
+    )
+    return "\n".join(lines)
+
+
+def _materialize_commands(ledger: ExportLedger, requests: Sequence[Restatement]) -> list[tuple[str, str]]:
+    """The command that publishes each (asset, partition) of ``requests``, with a note where the asset is a guess."""
+    records = records_of(ledger, requests)
+    commands = {}
+    for r in requests:
+        record = records.get(r.logical_key)
+        asset, certain = asset_name_for(ledger, record) if record else (r.export, True)
+        other = f"{r.export}__{zone_slug(record.timezone)}" if asset == r.export and record else r.export
+        note = "" if certain else f"  (a guess from the zones; the asset may be {other})"
+        commands[materialize_command(asset, r.business_date.isoformat())] = note
+    return sorted(commands.items())
+
+
+def _revisions(ledger: ExportLedger, args: argparse.Namespace) -> str:
+    revisions = ledger.revisions(args.logical_key)
+    if not revisions:
+        record = ledger.get(args.logical_key)
+        if record is None:
+            raise CliError(f"unknown logical key {args.logical_key!r}: the ledger has no export with it")
+        return f"{record.logical_key} has no published revision yet (state {record.state.value})"
+    if args.json:
+        return _dump([_revision_json(r) for r in revisions])
+    headers = (
+        "REVISION", "SHA256", "ROWS", "SUPERSEDES", "REASON", "REQUESTED BY", "REQUESTED", "PUBLISHED BY", "LOCATION",
+    )  # fmt: skip
+    rows = [
+        (
+            r.revision, r.sha256, r.row_count, r.supersedes_revision, r.reason, r.requested_by,
+            _short_time(r.requested_at), r.published_by, r.location,
+        )
+        for r in revisions
+    ]  # fmt: skip
+    return _table(headers, rows) + f"\ncurrent: revision {revisions[-1].revision}"
+
+
 def _date(value: dt.date | None) -> str | None:
     return None if value is None else value.isoformat()
 
@@ -830,6 +1015,36 @@ def _attempt_json(attempt: AttemptRecord) -> dict:
     }
 
 
+def _request_json(request: Restatement) -> dict:
+    return {
+        "logical_key": request.logical_key,
+        "export": request.export,
+        "tenant": request.tenant,
+        "business_date": request.business_date.isoformat(),
+        "revision": request.revision,
+        "reason": request.reason,
+        "requested_by": request.requested_by,
+        "requested_at": _iso(request.requested_at),
+    }
+
+
+def _revision_json(revision: Revision) -> dict:
+    return {
+        "logical_key": revision.logical_key,
+        "revision": revision.revision,
+        "sha256": revision.sha256,
+        "row_count": revision.row_count,
+        "supersedes_revision": revision.supersedes_revision,
+        "supersedes_sha256": revision.supersedes_sha256,
+        "reason": revision.reason,
+        "requested_by": revision.requested_by,
+        "requested_at": _iso(revision.requested_at),
+        "published_by": revision.published_by,
+        "recorded_at": _iso(revision.recorded_at),
+        "location": revision.location,
+    }
+
+
 def _dump(items: list[dict]) -> str:
     return json.dumps(items, indent=2)
 
@@ -889,7 +1104,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         url = _ledger_url(args)
         # status, attempts and upgrade open the ledger without touching its schema (upgrade then does so itself).
-        read_only = args.command in ("status", "attempts", "upgrade")
+        read_only = args.command in ("status", "attempts", "revisions", "upgrade")
         output = args.handler(_open_ledger(url, read_only=read_only), args)
     except UsageError as exc:
         return _error(_redact_message(str(exc), url), USAGE_ERROR)

@@ -11,8 +11,10 @@ version 4) is compared with the export actually published, read back through its
 * **changed**: ids in both whose version column differs; None (unknown) when the export declares no version column.
 
 A key with any of these is **stale**: it stays ``completed`` in the ledger and gets an open record in
-``export_drift`` (counts only, never values); a key that matches again has its open record cleared. The remedy, a
-restatement published as a new revision, is not built yet (issue #12, part 3).
+``export_drift`` (counts only, never values); a key that matches again has its open record cleared. The remedy is a
+restatement published as a new revision (:mod:`export_ledger.restate`): an export that declares ``restate_stale``
+gets a request recorded for each key a pass newly finds stale (reason ``source changed: +A -R ~C rows``), which the
+reconciliation sensor then launches. A key is compared with its current revision, whichever that is.
 
 The sensor (:func:`export_ledger.dagster.sensors.build_drift_sensor`) and ``export-ledger drift`` both call
 :func:`drift_pass`; only they know the sources, so the CLI loads the declared exports from a module (``--specs``).
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,6 +38,7 @@ from export_ledger.frames import ExportSchema, FrameBatches, _to_arrow, read_tab
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger import DriftChanges, DriftFinding, DriftRecord, ExportLedger, ExportRecord
 from export_ledger.protocol import target_for
+from export_ledger.restate import DRIFT_REQUESTER, RequestReport, current_revisions, restate_stale
 from export_ledger.spec import ExportSpec
 
 #: Default lookback: completed keys of the last this many business dates (in each export's zone) are checked.
@@ -67,6 +70,8 @@ class DriftReport:
     unchecked: list[tuple[str, str]] = field(default_factory=list)
     changes: DriftChanges = field(default_factory=lambda: DriftChanges([], []))
     next_after: str | None = None  # where the next pass continues; None: the sweep starts over
+    #: Requests recorded for newly stale keys of exports with ``restate_stale`` (and those refused, with why).
+    restatements: RequestReport = field(default_factory=RequestReport)
 
 
 def horizon(spec: ExportSpec, now: dt.datetime, lookback_days: int) -> dt.date:
@@ -138,10 +143,11 @@ def compare(
 
 
 def _published(
-    spec: ExportSpec, destination: Destination, record: ExportRecord
+    spec: ExportSpec, destination: Destination, record: ExportRecord, revision: int = 1
 ) -> tuple[np.ndarray, np.ndarray | None]:
-    """Per-row hashes of the export as published (read through the destination, checked against its sha256)."""
-    target = target_for_record(record)
+    """Per-row hashes of the export as published (its current ``revision``, read through the destination and
+    checked against the ledger's sha256)."""
+    target = target_for_record(record).at_revision(revision)
     manifest = destination.probe(target)
     if manifest is None:
         raise LookupError(f"{destination.location(target)} holds no export for {record.logical_key}")
@@ -163,9 +169,16 @@ def target_for_record(record: ExportRecord) -> ExportTarget:
 
 
 def check_key(
-    spec: ExportSpec, destination: Destination, record: ExportRecord, stored: str | None
+    spec: ExportSpec,
+    destination: Destination,
+    record: ExportRecord,
+    stored: str | None,
+    revision: int | Callable[[], int] = 1,
 ) -> DriftFinding | None:
     """None when the key's source matches its export; else the finding with its counts.
+
+    ``revision`` is the key's current revision (or a function giving it, called only when the published export must
+    be read back): the one the ledger's sha256 is of.
 
     Raises:
         Exception: the source or the destination could not be read (the key is left as it was).
@@ -173,7 +186,9 @@ def check_key(
     source = _read_source(spec, record)
     if stored is not None and source.fingerprint == stored:
         return None  # the cheap answer: the source is what was exported, nothing else is read
-    published_ids, published_versions = _published(spec, destination, record)
+    published_ids, published_versions = _published(
+        spec, destination, record, revision() if callable(revision) else revision
+    )
     counts = compare(source.ids, source.versions, published_ids, published_versions)
     if not counts.stale:
         return None
@@ -189,6 +204,7 @@ def drift_pass(
     limit: int = DEFAULT_DRIFT_BATCH,
     after: str | None = None,
     now: dt.datetime | None = None,
+    requested_by: str = DRIFT_REQUESTER,
 ) -> DriftReport:
     """Checks at most ``limit`` completed keys (after ``after``, in logical key order) and records what it finds.
 
@@ -202,6 +218,7 @@ def drift_pass(
         limit: Keys checked in this pass.
         after: The previous pass's ``next_after``.
         now: The current time (default the ledger's clock).
+        requested_by: Who the restatements of ``restate_stale`` exports are recorded as asked by.
 
     Returns:
         The report, with ``next_after`` for the next pass.
@@ -217,7 +234,10 @@ def drift_pass(
     for record in records:
         spec = by_name[record.export]
         try:
-            finding = check_key(spec, destinations[record.export], record, stored[record.logical_key])
+            finding = check_key(
+                spec, destinations[record.export], record, stored[record.logical_key],
+                lambda key=record.logical_key: current_revisions(ledger, [key])[key],
+            )  # fmt: skip
         except Exception as exc:  # one key's unreadable source or export never stops the others
             report.unchecked.append((record.logical_key, safe_message(exc)))
             continue
@@ -227,6 +247,12 @@ def drift_pass(
         else:
             report.stale.append(finding)
     report.changes = ledger.record_drift(report.stale, report.matching)
+    automatic = {name for name, spec in by_name.items() if spec.restate_stale}
+    newly = set(report.changes.opened)
+    # Only keys this pass newly found stale (or stale differently): a request withdrawn by an operator is not asked
+    # for again while the drift stays the same.
+    wanted = [r for r in ledger.open_drift(logical_keys=sorted(newly)) if r.export in automatic] if newly else []
+    report.restatements = restate_stale(ledger, wanted, requested_by=requested_by)
     return report
 
 

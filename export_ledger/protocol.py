@@ -132,9 +132,12 @@ class ExportResult:
     sha256: str
     row_count: int
     committed_attempt: str
+    #: The revision this attempt published or repaired (N + 1 for a restatement); 1 for ``already_completed``,
+    #: whose current revision is not looked up (the ledger's ``current_revision`` has it).
+    revision: int = 1
 
     @classmethod
-    def of(cls, record: ExportRecord, partition_key: str, status: str) -> ExportResult:
+    def of(cls, record: ExportRecord, partition_key: str, status: str, revision: int = 1) -> ExportResult:
         return cls(
             record.logical_key,
             partition_key,
@@ -144,6 +147,7 @@ class ExportResult:
             record.sha256,
             record.row_count,
             record.committed_attempt,
+            revision,
         )
 
 
@@ -227,7 +231,7 @@ class _KeyExport:
             failpoints.reach("before_commit")
             record = self.ledger.complete(claim, effect)
         failpoints.reach("after_commit")
-        return self.result(record, item, status, attempt)
+        return self.result(record, item, status, attempt, claim.revision)
 
     def skipped(self, outcome: AlreadyCompleted, item: ExportItem) -> ExportResult:
         record = outcome.record
@@ -237,13 +241,15 @@ class _KeyExport:
         )
         return ExportResult.of(record, item.partition_key, "already_completed")
 
-    def result(self, record: ExportRecord, item: ExportItem, status: str, attempt: str) -> ExportResult:
+    def result(
+        self, record: ExportRecord, item: ExportItem, status: str, attempt: str, revision: int = 1
+    ) -> ExportResult:
         if status != "exported":
             self.log(
                 "info",
                 f"{record.logical_key} {status}: {record.row_count} rows at {record.location} (attempt {attempt})",
             )
-        return ExportResult.of(record, item.partition_key, status)
+        return ExportResult.of(record, item.partition_key, status, revision)
 
     def effect(self, claim: Claim, item: ExportItem) -> tuple[str, ExportRecord | CompletionEvidence]:
         """Everything between a key's claim and its completion record: the repair, publish or transactional write.
@@ -577,5 +583,5 @@ def _export_group(
         except Exception as exc:
             failed(i, exc)
             continue
-        results[i] = exporter.result(record, group[i], status, attempt)
+        results[i] = exporter.result(record, group[i], status, attempt, outcomes[i].revision)
     return [results[i] for i in sorted(results)]

@@ -65,6 +65,10 @@ class ExportSpec:
         version_column: A version or updated-at column among ``columns``: a row whose value there changed after its
             key was exported counts as changed in drift detection (:mod:`export_ledger.drift`). None: late and
             deleted rows are still detected, changes in place are not (reported as unknown).
+        restate_stale: Restate stale keys automatically: when drift detection finds a key of the lookback horizon
+            stale, a restatement is requested (reason ``source changed: +A -R ~C rows``, asked by ``drift-sensor``)
+            and the reconciliation sensor launches the partition that publishes its next revision. False: stale keys
+            wait for an operator (``export-ledger restate``).
     """
 
     name: str
@@ -84,6 +88,7 @@ class ExportSpec:
     description: str | None = None
     stream_rows: int | None = None
     version_column: str | None = None
+    restate_stale: bool = False
     _schema: ExportSchema = field(init=False, repr=False, compare=False)
     _tenants: dict[str, Tenant] = field(init=False, repr=False, compare=False)
     _groups: tuple[TenantGroup, ...] = field(init=False, repr=False, compare=False)
@@ -110,6 +115,10 @@ class ExportSpec:
                 raise ConfigurationError(f"stream_rows must be a positive number of rows, got {self.stream_rows!r}")
             if self.stream_rows is not None and self.source is None:
                 raise ConfigurationError("stream_rows needs a source: rows from an asset of your own come as one frame")
+            if not isinstance(self.restate_stale, bool):
+                raise ConfigurationError(f"restate_stale must be True or False, got {self.restate_stale!r}")
+            if self.restate_stale and self.source is None:
+                raise ConfigurationError("restate_stale needs a source: drift detection re-reads it to find stale keys")
             if self.source is None and self.tenant_column is None:
                 raise ConfigurationError("rows from an asset of your own need tenant_column to split them by tenant")
             schema = ExportSchema(

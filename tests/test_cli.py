@@ -140,7 +140,7 @@ def test_status_json_exposes_only_the_chosen_ledger_fields(capsys, ledger_url):
     expected = {
         "logical_key", "export", "tenant", "business_date", "timezone", "window_start_utc", "window_end_utc", "state",
         "row_count", "committed_attempt", "location", "sha256", "fencing_token", "lease_owner", "lease_expires_at",
-        "created_at", "updated_at",
+        "created_at", "updated_at", "revision",
     }
     for record in status_json(capsys, ledger_url):
         assert set(record) == expected

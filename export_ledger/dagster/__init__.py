@@ -11,6 +11,7 @@ from export_ledger.dagster.assets import (
     DRIFT_CHECK_NAME,
     LEDGER_KEY,
     STUCK_CHECK_NAME,
+    ExportRunConfig,
     build_drift_check,
     build_export_asset,
     build_stuck_check,
@@ -25,7 +26,12 @@ from export_ledger.dagster.io_manager import LedgeredExportIOManager, output_met
 from export_ledger.dagster.partitions import calendar_of, dagster_disagreement, partitions_def
 from export_ledger.dagster.resources import DestinationResource, LedgerResource
 from export_ledger.dagster.schedules import build_nightly_schedule
-from export_ledger.dagster.sensors import build_reconciliation_sensor, job_selection, sensor_result
+from export_ledger.dagster.sensors import (
+    build_reconciliation_sensor,
+    job_selection,
+    restatement_requests,
+    sensor_result,
+)
 
 __all__ = [
     "CHECK_NAME",
@@ -33,6 +39,7 @@ __all__ = [
     "LEDGER_KEY",
     "STUCK_CHECK_NAME",
     "DestinationResource",
+    "ExportRunConfig",
     "LedgerResource",
     "LedgeredExportIOManager",
     "build_drift_check",
@@ -51,6 +58,7 @@ __all__ = [
     "output_metadata",
     "partitions_def",
     "resource_keys",
+    "restatement_requests",
     "sensor_result",
     "stuck_check_evaluation",
 ]

@@ -16,8 +16,16 @@ from export_ledger.destinations import Destination
 from export_ledger.drift import describe
 from export_ledger.frames import FrameBatches
 from export_ledger.keys import LogicalKey
-from export_ledger.ledger import ContractChanged, DriftRecord, ExportLedger, ExportRecord, ExportState
+from export_ledger.ledger import (
+    ContractChanged,
+    DriftRecord,
+    ExportLedger,
+    ExportRecord,
+    ExportState,
+    RestatementRefused,
+)
 from export_ledger.protocol import ExportBatch, ExportItem, ExportResult, target_for
+from export_ledger.restate import current_revisions
 from export_ledger.spec import ExportSpec
 from export_ledger.tenants import TenantGroup, zone_slug
 
@@ -25,6 +33,26 @@ CHECK_NAME = "export_matches_source_and_ledger"
 STUCK_CHECK_NAME = "no_stuck_exports"
 DRIFT_CHECK_NAME = "source_unchanged"
 LEDGER_KEY = "ledger"
+
+
+class ExportRunConfig(dg.Config):
+    """Run config of an export asset: a restatement launched from the UI (the launchpad), with its reason required.
+
+    Schedules, backfills and sensor runs pass no config: the defaults change nothing.
+
+    Attributes:
+        restate_reason: Why the run's partitions are restated. Non-empty: before exporting, a restatement request
+            (asked by this run's id) is recorded for each completed key of the run's partitions (only
+            ``restate_tenants``' when listed), so the run publishes their next revision beside the current one. A key
+            that is not completed is not restated (it has no revision yet: the run gives it its first export) and a
+            key that already has an open request keeps that request and its reason; each is logged, not refused, so
+            a partition with one failed tenant can still be restated and completed in one run.
+        restate_tenants: Restate only these tenants' keys (each must be a tenant of this asset, else the run is
+            refused before anything is done); empty: every tenant of the asset. Needs ``restate_reason``.
+    """
+
+    restate_reason: str = ""
+    restate_tenants: list[str] = []
 
 
 def resource_keys(spec: ExportSpec) -> tuple[str, str]:
@@ -73,9 +101,10 @@ def build_export_asset(
         )
 
     @asset_decorator
-    def _export(context: dg.AssetExecutionContext) -> Iterator:
+    def _export(context: dg.AssetExecutionContext, config: ExportRunConfig) -> Iterator:
         book = getattr(context.resources, LEDGER_KEY).get_ledger()
         destination = getattr(context.resources, destination_key).get_destination()
+        restate_tenants = _restate_tenants(config, group)  # a bad config is refused before anything is done
         # A changed zone or start date is refused unaccepted, per tenant: the others still run.
         refused = book.check_contracts(spec.name, contracts)
         if len(refused) == len(group.tenants):
@@ -83,6 +112,10 @@ def build_export_asset(
         tenants = [t for t in group.tenants if t not in refused]
         items: list[ExportItem] = []
         partition_keys = sorted(context.partition_keys)
+        if restate_tenants is not None:
+            _request_restatements(
+                context, book, spec.name, partition_keys, [t for t in restate_tenants if t in tenants], config
+            )
         # One read for the whole run instead of one per key: a 31-day chunk of 10 tenants is 1 query, not 310.
         known = {
             (r.tenant, r.timezone, r.business_date): r
@@ -93,12 +126,15 @@ def build_export_asset(
                 tenants=tenants if len(tenants) < len(spec.tenants) else (),
             )
         }
+        # A completed key with an open restatement request is read again: its claim publishes the next revision.
+        # The export's open requests in one read (they are few), not an IN list of every key of a 31-day chunk.
+        restating = {r.logical_key for r in book.restatements(export=spec.name)}
         for partition_key in partition_keys:
             window = calendar.window(partition_key)
             disagreement = dagster_disagreement(window, partitions.time_window_for_partition_key(partition_key))
             if disagreement:
                 context.log.warning(disagreement)
-            planned_skips, skipped_day = [], []
+            planned_skips, skipped_day, restated = [], [], []
             for tenant in tenants:
                 same = calendars[tenant] == calendar  # no moves: the group's window is the tenant's
                 tenant_window = window if same else calendars[tenant].window(partition_key)
@@ -112,9 +148,11 @@ def build_export_asset(
                 if record is not None:
                     key = LogicalKey(spec.name, tenant, record.window)  # the first claim's window is authoritative
                 if record is not None and record.state is ExportState.COMPLETED:
-                    items.append(ExportItem(key, partition_key, None))
-                    planned_skips.append(tenant)
-                    continue
+                    if record.logical_key not in restating:
+                        items.append(ExportItem(key, partition_key, None))
+                        planned_skips.append(tenant)
+                        continue
+                    restated.append(tenant)
                 if spec.stream_rows:
                     # Read while it is exported, batch by batch: nothing of it is held here.
                     items.append(
@@ -143,6 +181,7 @@ def build_export_asset(
                     "source_rows_total": sum(len(i.frame) for i in read),
                     "source_rows": dg.MetadataValue.json({i.key.tenant: len(i.frame) for i in read[:LISTED_KEYS]}),
                     "tenants_skipped_already_completed": dg.MetadataValue.json(planned_skips[:LISTED_KEYS]),
+                    "tenants_restated": dg.MetadataValue.json(restated[:LISTED_KEYS]),
                     "streamed_keys": sum(isinstance(i.frame, FrameBatches) for i in here),
                     "every_key": dg.MetadataValue.text(status_command(spec.name, [partition_key])),
                 },
@@ -156,6 +195,64 @@ def build_export_asset(
             raise _refusal(refused)  # after the others: the run fails, naming each refused tenant and the way out
 
     return _export
+
+
+def _restate_tenants(config: ExportRunConfig, group: TenantGroup) -> list[str] | None:
+    """The tenants whose keys the run config asks to restate (None: no restatement asked)."""
+    reason = config.restate_reason.strip()
+    if not reason:
+        if config.restate_tenants:
+            raise RestatementRefused(
+                f"restate_tenants {config.restate_tenants} given without restate_reason: a restatement needs a reason"
+            )
+        return None
+    unknown = [t for t in config.restate_tenants if t not in group.tenants]
+    if unknown:
+        raise RestatementRefused(
+            f"restate_tenants {unknown} are not tenants of the asset {group.asset_name} (its tenants: "
+            f"{', '.join(group.tenants[:10])}{', ...' if len(group.tenants) > 10 else ''}); nothing was restated"
+        )
+    return list(config.restate_tenants) or list(group.tenants)
+
+
+def _request_restatements(
+    context: dg.AssetExecutionContext,
+    book: ExportLedger,
+    export: str,
+    partition_keys: list[str],
+    tenants: list[str],
+    config: ExportRunConfig,
+) -> None:
+    """Records the run config's restatement requests (asked by the run's id) before the run plans what it reads."""
+    if not tenants:  # every listed tenant was refused (its calendar contract changed): the run fails naming them
+        return
+    records = book.records(
+        export=export,
+        date_from=parse_business_date(partition_keys[0]),
+        date_to=parse_business_date(partition_keys[-1]),
+        tenants=tenants,
+    )
+    days = {parse_business_date(p) for p in partition_keys}
+    requested, left = [], []
+    for record in records:
+        if record.business_date not in days:
+            continue
+        if record.state is not ExportState.COMPLETED:
+            left.append(f"{record.logical_key} is {record.state.value}: exported by this run, not restated")
+            continue
+        try:
+            book.request_restatement(record.logical_key, reason=config.restate_reason, requested_by=context.run.run_id)
+            requested.append(record.logical_key)
+        except RestatementRefused as exc:  # an open request already: it stands, with its own reason
+            left.append(str(exc))
+    context.log.info(
+        f"restatement requested for {len(requested)} key(s) ({config.restate_reason.strip()!r}): "
+        f"{', '.join(requested[:5])}{', ...' if len(requested) > 5 else ''}"
+    )
+    for line in left[:LISTED_KEYS]:
+        context.log.warning(f"not restated: {line}")
+    if len(left) > LISTED_KEYS:
+        context.log.warning(f"{len(left) - LISTED_KEYS} more key(s) not restated")
 
 
 def _only_group(spec: ExportSpec) -> TenantGroup:
@@ -195,14 +292,16 @@ def export_check(
     *,
     asset_key: str | None = None,
 ) -> dg.AssetCheckResult:
-    """Each key of the run: completed in the ledger, its file's sha256 the ledger's, its row count the source's."""
+    """Each key of the run: completed in the ledger, its current revision's file's sha256 the ledger's, its row count
+    the source's."""
     problems: list[str] = []
+    revisions = current_revisions(ledger, [r.logical_key for r in results])
     for result in results:
         record = ledger.get(result.logical_key)
         if record is None or record.state is not ExportState.COMPLETED:
             problems.append(f"{result.logical_key}: not completed in the ledger")
             continue
-        target = target_for(LogicalKey(record.export, record.tenant, record.window))
+        target = target_for(LogicalKey(record.export, record.tenant, record.window), revisions[record.logical_key])
         manifest = destination.probe(target)
         if manifest is None:
             problems.append(f"{record.logical_key}: no manifest at {record.location}")
@@ -304,7 +403,7 @@ def drift_check_evaluation(asset_key: dg.AssetKey, stale: Sequence[DriftRecord])
         },
         description=(
             "no completed key's source changed since it was exported (as last checked by drift_sensor); a stale "
-            "key needs a restatement, which is not built yet"
+            "key is fixed by a restatement (export-ledger restate, or restate_reason in the run config)"
         ),
     )
 

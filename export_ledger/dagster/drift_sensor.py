@@ -3,6 +3,9 @@
 The decisions live in :mod:`export_ledger.drift` (plain Python); this module wires one pass per tick to the sensor's
 cursor, resources and log, and reports ``source_unchanged`` on each export asset when the set of stale keys changes.
 
+Exports that declare ``restate_stale`` get a restatement request for each key a tick newly finds stale; the
+reconciliation sensor launches the runs that publish them (this sensor launches nothing: it has no jobs).
+
 It is a sensor of its own rather than a mode of the reconciliation sensor: reconciliation reads the ledger and the
 destinations only and must stay cheap and always on, while drift detection reads the sources again (the production
 database the export protects), on a slower interval. It is therefore **stopped by default**: an operator starts it
@@ -68,7 +71,8 @@ def build_drift_sensor(
         required_resource_keys={LEDGER_KEY, *destination_keys.values()},
         description=(
             f"Re-reads the sources of keys completed in the last {lookback_days} business dates and marks stale "
-            "those whose source changed (counts only); fails source_unchanged while any is stale."
+            "those whose source changed (counts only); fails source_unchanged while any is stale; requests a "
+            "restatement of each new one for exports with restate_stale."
         ),
     )
     def drift_sensor(context: dg.SensorEvaluationContext, **_resources) -> dg.SensorResult:
@@ -83,6 +87,13 @@ def build_drift_sensor(
         )
         for key, why in report.unchecked:
             context.log.warning(f"{key}: not checked for drift: {why}")
+        for request in report.restatements.requested:
+            context.log.info(
+                f"{request.logical_key}: restatement requested (revision {request.revision}, {request.reason}); the "
+                "reconciliation sensor launches its partition"
+            )
+        for key, why in report.restatements.refused:
+            context.log.info(f"{key}: stale, no restatement requested: {why}")
         names = {spec.name for spec in checked}
         stale = [r for r in book.open_drift() if r.export in names]
         for record in stale:

@@ -8,6 +8,7 @@ tenant's rows (split here by tenant column and window). Either way each key goes
 
 import hashlib
 import json
+from collections.abc import Mapping
 
 import dagster as dg
 import pandas as pd
@@ -18,8 +19,9 @@ from export_ledger.destinations import DestinationError, ExportTarget
 from export_ledger.errors import FrameError
 from export_ledger.frames import ExportSchema, read_table
 from export_ledger.keys import LogicalKey, attempt_id
-from export_ledger.ledger import ExportState
+from export_ledger.ledger import ExportRecord, Restatement, Revision
 from export_ledger.protocol import ExportBatch, ExportItem, ExportResult, export_batch
+from export_ledger.restate import published_revisions
 
 
 class LedgeredExportIOManager(dg.ConfigurableIOManager):
@@ -80,7 +82,15 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
                 f"{len(exported)} key(s) exported, {sum(r.row_count for r in exported)} rows (attempt {attempt}): "
                 f"{', '.join(r.logical_key for r in exported[:5])}{', ...' if len(exported) > 5 else ''}"
             )
-        context.add_output_metadata(output_metadata(obj.results, attempt))
+        restated = [r.logical_key for r in obj.results if r.revision > 1 and r.status != "already_completed"]
+        reasons = published_revisions(self.ledger.get_ledger(), restated) if restated else {}
+        if restated:
+            context.log.info(
+                f"{len(restated)} key(s) restated: "
+                + ", ".join(f"{key} (revision {reasons[key].revision})" for key in restated[:5] if key in reasons)
+                + (", ..." if len(restated) > 5 else "")
+            )
+        context.add_output_metadata(output_metadata(obj.results, attempt, restatements=reasons))
 
     def _batch_from_frame(self, context: dg.OutputContext, frame: pd.DataFrame) -> ExportBatch:
         """Splits one frame of every tenant's rows into one item per (partition, tenant); a row that belongs to no
@@ -122,7 +132,13 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
         return list(self.tenants)
 
     def load_input(self, context: dg.InputContext) -> pd.DataFrame:
-        """Committed exports only: every (partition, tenant) must be ``completed`` and match its checksum."""
+        """Each (partition, tenant)'s current revision, and only a committed one: the newest revision the ledger
+        recorded, read where that revision was published and checked against the ledger's sha256.
+
+        A key whose restatement is under way, failed or unknown still has its current revision (the one before the
+        restatement): that is returned. A revision published but not yet recorded (its pointer moved, then the
+        attempt died) is not: reconciliation records it first. A key never completed is refused.
+        """
         export = self.export or context.asset_key.path[-1]
         tenants = self._tenants_of(context.asset_key.path[-1])
         ledger = self.ledger.get_ledger()
@@ -137,7 +153,8 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
             day = pd.Timestamp(partition_key).date()
             for tenant in tenants:
                 records = ledger.records(export=export, tenant=tenant, date_from=day, date_to=day)
-                if len(records) != 1 or records[0].state is not ExportState.COMPLETED:
+                current = ledger.current_revision(records[0].logical_key) if len(records) == 1 else None
+                if current is None:
                     state = (
                         records[0].state.value
                         if len(records) == 1
@@ -147,20 +164,36 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
                         f"{export} for tenant {tenant} on {partition_key} is not committed ({state}); "
                         "load_input returns committed exports only"
                     )
-                record = records[0]
-                target = ExportTarget(export, tenant, partition_key)
-                manifest = destination.probe(target)
-                if manifest is None or manifest.sha256 != record.sha256:
-                    raise DestinationError(
-                        f"{record.logical_key} is completed in the ledger but {record.location} does not hold the "
-                        "export it recorded"
-                    )
-                payload = destination.read_data(target, manifest)
-                if hashlib.sha256(payload).hexdigest() != record.sha256:
-                    raise DestinationError(f"{record.location}: data file does not match the ledger's sha256")
-                file_format = "parquet" if manifest.data_file.endswith(".parquet") else "csv"
-                frames.append(read_table(payload, file_format))
+                frames.append(self._read_revision(destination, records[0], current, partition_key, context))
         return pd.concat(frames, ignore_index=True)
+
+    def _read_revision(
+        self, destination, record: ExportRecord, current: Revision, partition_key: str, context: dg.InputContext
+    ) -> pd.DataFrame:
+        """One key's ``current`` revision (a row of the ledger's revisions), checked against its sha256."""
+        target = ExportTarget(record.export, record.tenant, partition_key).at_revision(current.revision)
+        pointer = destination.current(target)
+        if pointer != current.revision:
+            # Moved ahead by a restatement not yet recorded (reconciliation records it), or behind: the ledger's
+            # recorded revision is the one whose checksum is known.
+            context.log.warning(
+                f"{record.logical_key}: the destination's current pointer says revision {pointer}, the ledger's "
+                f"newest recorded revision is {current.revision}; reading revision {current.revision}"
+            )
+        manifest = destination.probe(target)
+        if manifest is None or manifest.sha256 != current.sha256 or manifest.revision != current.revision:
+            raise DestinationError(
+                f"{record.logical_key} revision {current.revision} is recorded in the ledger but "
+                f"{destination.location(target)} does not hold the export it recorded"
+            )
+        payload = destination.read_data(target, manifest)
+        if hashlib.sha256(payload).hexdigest() != current.sha256:
+            raise DestinationError(
+                f"{destination.location(target)}: data file does not match the ledger's sha256 for revision "
+                f"{current.revision}"
+            )
+        file_format = "parquet" if manifest.data_file.endswith(".parquet") else "csv"
+        return read_table(payload, file_format)
 
 
 #: Per-key lists in event metadata stop here: a partition of 1,000 tenants stays readable in the UI, and the full list
@@ -174,12 +207,20 @@ def status_command(export: str, partition_keys: list[str]) -> str:
     return f"export-ledger status --export {export} --from {first} --to {last}"
 
 
-def output_metadata(results: list[ExportResult], attempt: str) -> dict:
+def output_metadata(
+    results: list[ExportResult], attempt: str, *, restatements: Mapping[str, Restatement] | None = None
+) -> dict:
     """The materialization metadata of one run's keys (copied by Dagster onto each partition's event): counts, and
-    the first :data:`LISTED_KEYS` keys with their checksums and paths; the rest are in the ledger."""
+    the first :data:`LISTED_KEYS` keys with their checksums and paths; the rest are in the ledger.
+
+    A restated key (a new revision published by this run) is counted in ``restated_keys`` and named in ``revisions``
+    with its revision, the one it supersedes and the request's reason (``restatements``: per key, the request it
+    published, as :func:`export_ledger.restate.published_revisions` reads it).
+    """
     done = [r for r in results if r.status != "already_completed"]
     shown = results[:LISTED_KEYS]
     skipped = [r.logical_key for r in results if r.status == "already_completed"]
+    restated = [r for r in done if r.revision > 1]
     metadata = {
         "attempt_id": attempt,
         "keys": len(results),
@@ -192,10 +233,29 @@ def output_metadata(results: list[ExportResult], attempt: str) -> dict:
         "paths": dg.MetadataValue.json({r.logical_key: r.location for r in shown}),
         "skipped_already_completed": dg.MetadataValue.json(skipped[:LISTED_KEYS]),
     }
+    if restated:
+        reasons = restatements or {}
+        metadata["restated_keys"] = len(restated)
+        metadata["revisions"] = dg.MetadataValue.json(
+            {
+                r.logical_key: {
+                    "revision": r.revision,
+                    "supersedes": r.revision - 1,
+                    "reason": reasons[r.logical_key].reason if r.logical_key in reasons else None,
+                    "requested_by": reasons[r.logical_key].requested_by if r.logical_key in reasons else None,
+                }
+                for r in restated[:LISTED_KEYS]
+            }
+        )
     if len(results) > LISTED_KEYS and results:
         export = results[0].logical_key.split("/", 1)[0]
         metadata["all_keys"] = dg.MetadataValue.text(
             f"{len(results)} keys; the first {LISTED_KEYS} are listed. Every key: "
             + status_command(export, [r.partition_key for r in results])
+        )
+    if len(restated) > LISTED_KEYS:
+        metadata["all_revisions"] = dg.MetadataValue.text(
+            f"{len(restated)} keys restated; the first {LISTED_KEYS} are listed. Each key's history: "
+            "export-ledger revisions KEY"
         )
     return metadata

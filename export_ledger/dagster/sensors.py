@@ -18,9 +18,10 @@ from export_ledger.calendar import ExportCalendar, utc_iso
 from export_ledger.dagster.assets import LEDGER_KEY, resource_keys, stuck_check_evaluation
 from export_ledger.dagster.io_manager import LISTED_KEYS, status_command
 from export_ledger.errors import CalendarError
-from export_ledger.ledger import ExportLedger, ExportRecord, ExportState
+from export_ledger.ledger import ExportLedger, ExportRecord, ExportState, Restatement
 from export_ledger.ledger.core import DEFAULT_MAX_ATTEMPTS
 from export_ledger.reconcile import ReconcileReport, reconcile_batch
+from export_ledger.restate import published_revisions, records_of
 from export_ledger.spec import ExportSpec
 from export_ledger.tenants import TenantGroup
 
@@ -108,6 +109,55 @@ def rerun_requests(
     return requests
 
 
+def restatement_requests(
+    pending: Sequence[Restatement],
+    records: Mapping[str, ExportRecord],
+    exports: Mapping[str, ExportSpec],
+    *,
+    log,
+) -> list[dg.RunRequest]:
+    """One run request per partition (of one zone's asset) holding a ``completed`` key with an open restatement
+    request: the run's claim restates every such key of the partition.
+
+    A request nobody materializes would otherwise stay open for good. The run key names the partition's open requests
+    (``restate/<asset>/<partition>/<request id>``, with a digest of the others when there are several): a request is
+    launched once, and a new request brings a new key. A key whose restatement is under way, failed or unknown is
+    left to the rest of the sensor (the run in flight, the reruns of failed keys, reconciliation).
+    """
+    by_partition: dict[tuple[str, str], list[int]] = {}
+    for request in pending:
+        record = records.get(request.logical_key)
+        spec = exports.get(request.export)
+        if record is None or spec is None or record.state is not ExportState.COMPLETED:
+            continue
+        if (
+            record.tenant not in spec.tenants
+            or spec.calendar_for(record.tenant).zone_on(record.business_date) != record.timezone
+        ):
+            log.warning(
+                f"{record.logical_key} has an open restatement but its tenant or zone is no longer {spec.name}'s; not "
+                "launched (withdraw it: export-ledger restate --withdraw)"
+            )
+            continue
+        partition = record.business_date.isoformat()
+        by_partition.setdefault((spec.group_of(record.tenant).asset_name, partition), []).append(request.id)
+    requests = []
+    for (asset_name, partition), ids in sorted(by_partition.items()):
+        ids.sort()
+        suffix = str(ids[0])
+        if len(ids) > 1:
+            suffix += "-" + hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:12]
+        requests.append(
+            dg.RunRequest(
+                partition_key=partition,
+                run_key=f"restate/{asset_name}/{partition}/{suffix}",
+                job_name=f"{asset_name}_job",
+                tags={"export-ledger/restatement": "true"},
+            )
+        )
+    return requests
+
+
 def _materializations(
     report: ReconcileReport,
     *,
@@ -121,9 +171,17 @@ def _materializations(
     records it."""
     export = spec.name
     touched: dict[str, set[str]] = {}  # asset name -> partitions
+    restated: dict[str, dict[str, dict[str, int]]] = {}  # asset name -> partition -> key -> revision published
     for finding, record in report.resolved:
         if record.tenant in spec.tenants:
             touched.setdefault(spec.group_of(record.tenant).asset_name, set()).add(record.business_date.isoformat())
+            if record.state is ExportState.COMPLETED and finding.evidence is not None and finding.evidence.revision > 1:
+                # A restatement whose run died after publishing: the partition was materialized before (its earlier
+                # revision), but this revision never was.
+                partitions = restated.setdefault(spec.group_of(record.tenant).asset_name, {})
+                partitions.setdefault(record.business_date.isoformat(), {})[record.logical_key] = (
+                    finding.evidence.revision
+                )
         if record.state is ExportState.COMPLETED and finding.record.lease_owner:
             # The attempt that left this key unknown may have completed other keys before its run failed: those
             # partitions were never recorded as materialized either.
@@ -137,7 +195,17 @@ def _materializations(
     events = []
     for group in spec.groups:
         if group.asset_name in touched:
-            events.extend(_group_materializations(group, touched[group.asset_name], ledger, spec, materialized, log))
+            events.extend(
+                _group_materializations(
+                    group,
+                    touched[group.asset_name],
+                    ledger,
+                    spec,
+                    materialized,
+                    log,
+                    restated.get(group.asset_name, {}),
+                )
+            )
     return events
 
 
@@ -148,8 +216,10 @@ def _group_materializations(
     spec: ExportSpec,
     materialized: Callable[[dg.AssetKey, Sequence[str]], set[str]],
     log,
+    restated: Mapping[str, Mapping[str, int]] | None = None,
 ) -> list[dg.AssetMaterialization]:
     export, tenants = spec.name, group.tenants
+    restated = restated or {}
     calendar = ExportCalendar(group.timezone, spec.start_date)
     asset_key = dg.AssetKey(group.asset_name)
     # A tenant that moved zones has keys of its earlier zone: count keys by tenant and date, whatever their zone.
@@ -170,7 +240,9 @@ def _group_materializations(
 
     events = []
     seen = materialized(asset_key, complete)
-    unrecorded = [p for p in complete if p not in seen]  # their run failed on some key: Dagster never recorded them
+    # Their run failed on some key: Dagster never recorded them (or never this revision of a restated key).
+    unrecorded = [p for p in complete if p not in seen or p in restated]
+    reasons = published_revisions(ledger, sorted({key for p in unrecorded for key in restated.get(p, {})}))
     if unrecorded:
         # Counts come from the grouped read above; only the listed keys are read (a day of 1,000 tenants is 1,000
         # rows, and a tick touching 100 such days would otherwise read 100,000 records to show 20 keys of each).
@@ -191,11 +263,33 @@ def _group_materializations(
                         "paths": dg.MetadataValue.json({r.logical_key: r.location for r in shown}),
                         "committed_attempts": dg.MetadataValue.json(sorted({r.committed_attempt for r in shown})),
                         "every_key": dg.MetadataValue.text(status_command(export, [partition])),
+                        **_revision_metadata(restated.get(partition, {}), reasons),
                     },
                     description="recorded by reconciliation from the destination's evidence",
                 )
             )
     return events
+
+
+def _revision_metadata(revisions: Mapping[str, int], reasons: Mapping[str, Restatement]) -> dict:
+    """``restated_keys`` and ``revisions`` of a partition's event, as a run's materialization names them."""
+    if not revisions:
+        return {}
+    shown = sorted(revisions.items())[:LISTED_KEYS]
+    return {
+        "restated_keys": len(revisions),
+        "revisions": dg.MetadataValue.json(
+            {
+                key: {
+                    "revision": revision,
+                    "supersedes": revision - 1,
+                    "reason": reasons[key].reason if key in reasons else None,
+                    "requested_by": reasons[key].requested_by if key in reasons else None,
+                }
+                for key, revision in shown
+            }
+        ),
+    }
 
 
 def _notes(report: ReconcileReport) -> list[str]:
@@ -247,7 +341,9 @@ def build_reconciliation_sensor(
     1. reconciles at most ``batch_size`` stuck keys from their destination's evidence;
     2. reruns the partitions of at most ``batch_size`` ``failed`` keys (while a key has had fewer than
        ``max_attempts`` claims), each step continuing where the previous tick stopped;
-    3. escalates every key that needs a person (:meth:`ExportLedger.needs_attention`): an error in the log each tick,
+    3. launches the partitions of at most ``batch_size`` completed keys with an open restatement request
+       (:func:`restatement_requests`), so that a recorded request is always published;
+    4. escalates every key that needs a person (:meth:`ExportLedger.needs_attention`): an error in the log each tick,
        and ``no_stuck_exports`` failing for its export while it lasts.
     """
     if batch_size <= 0:
@@ -278,6 +374,12 @@ def build_reconciliation_sensor(
             reconciler=f"reconciliation_sensor@{utc_iso(book.now())}",
         )
         failed = book.failed(limit=batch_size, after=state.get("failed_after"), max_attempts=max_attempts)
+        # Open restatement requests, a page per tick (in key order, continuing where the last tick stopped).
+        pending = [
+            r for r in book.restatements() if r.export in by_name and r.logical_key > (state.get("restate_after") or "")
+        ]
+        pending = pending[:batch_size]
+        restate_after = pending[-1].logical_key if len(pending) == batch_size else None
         requests, events, notes = sensor_result(
             report,
             ledger=book,
@@ -287,6 +389,7 @@ def build_reconciliation_sensor(
             failed=failed,
             max_attempts=max_attempts,
         )
+        requests += restatement_requests(pending, records_of(book, pending), by_name, log=context.log)
 
         attention = [(r, why) for r, why in book.needs_attention(stuck_after, max_attempts=max_attempts)]
         stuck = [r for r, _ in attention if r.export in by_name]
@@ -307,10 +410,23 @@ def build_reconciliation_sensor(
                     checks.append(stuck_check_evaluation(dg.AssetKey(group.asset_name), ours, stuck_after))
 
         failed_after = failed[-1].logical_key if len(failed) == batch_size else None
-        cursor = json.dumps({"after": report.next_after, "failed_after": failed_after, "stuck_digest": digest})
+        cursor = json.dumps(
+            {
+                "after": report.next_after,
+                "failed_after": failed_after,
+                "restate_after": restate_after,
+                "stuck_digest": digest,
+            }
+        )
         if not requests and not events and not checks:
             looked = len(report.findings)
-            reason = "; ".join(notes) if notes else f"no stuck export keys ({looked} examined, {len(failed)} failed)"
+            reason = (
+                "; ".join(notes)
+                if notes
+                else (
+                    f"no stuck export keys ({looked} examined, {len(failed)} failed, {len(pending)} open restatements)"
+                )
+            )
             return dg.SensorResult(skip_reason=reason, cursor=cursor)
         for note in notes:
             context.log.warning(note)

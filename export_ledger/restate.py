@@ -1,0 +1,163 @@
+"""Restatements from the outside: recording requests for a key or a business date, and reading which revision of a
+key is current. Plain Python, no Dagster; ``export-ledger restate``, the export asset's run config, the drift sensor
+and the reconciliation sensor call these (the ledger's side is :mod:`export_ledger.ledger.revisions`).
+
+A request is recorded first and changes nothing published: the partition's next materialization (launched from the
+UI, by the command :func:`materialize_command` prints, or by the reconciliation sensor) publishes revision N + 1 beside
+revision N and moves the key's current pointer.
+
+Example:
+    >>> done = request_for_date(ledger, "orders", dt.date(2026, 3, 2), reason="late invoices", requested_by="ops")
+    ... # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from export_ledger.ledger import DriftRecord, ExportLedger, ExportRecord, ExportState, Restatement, RestatementRefused
+from export_ledger.tenants import zone_slug
+
+#: Who records the requests of ``restate_stale`` exports.
+DRIFT_REQUESTER = "drift-sensor"
+
+
+@dataclass
+class RequestReport:
+    """What one ``restate`` of several keys did: the requests recorded, and each key refused with the ledger's why."""
+
+    requested: list[Restatement] = field(default_factory=list)
+    refused: list[tuple[str, str]] = field(default_factory=list)
+
+
+def request_for_date(
+    ledger: ExportLedger,
+    export: str,
+    business_date: dt.date,
+    *,
+    reason: str,
+    requested_by: str,
+    tenants: Sequence[str] = (),
+) -> RequestReport:
+    """Records a request for every completed key of ``export`` on ``business_date`` (only ``tenants``' when given).
+
+    A key that is not completed, or already has an open request, is refused with the ledger's message; the others
+    are still requested (each request is its own transaction).
+
+    Raises:
+        RestatementRefused: no reason, or no key of the export on that date at all (nothing to restate).
+    """
+    if not (reason or "").strip():
+        raise RestatementRefused(f'a restatement of {export} on {business_date} needs a reason (--reason "...")')
+    records = ledger.records(export=export, date_from=business_date, date_to=business_date, tenants=tenants)
+    if not records:
+        whose = f" for tenant(s) {', '.join(tenants)}" if tenants else ""
+        raise RestatementRefused(f"the ledger has no key of {export} on {business_date}{whose}: nothing to restate")
+    report = RequestReport()
+    for record in records:
+        try:
+            report.requested.append(
+                ledger.request_restatement(record.logical_key, reason=reason, requested_by=requested_by)
+            )
+        except RestatementRefused as exc:
+            report.refused.append((record.logical_key, str(exc)))
+    return report
+
+
+def published_revisions(
+    ledger: ExportLedger, logical_keys: Sequence[str] = (), *, export: str | None = None
+) -> dict[str, Restatement]:
+    """Per key (of ``logical_keys``, or every key of ``export``), the request whose revision is the key's newest
+    published one; keys never restated are absent.
+
+    One read of the requests table (never of every key): a published request's revision row was written in the
+    transaction that closed it, so the newest published request names the key's newest revision.
+    """
+    newest: dict[str, Restatement] = {}
+    for request in ledger.restatements(export=export, logical_keys=logical_keys, open_only=False):
+        known = newest.get(request.logical_key)
+        if request.outcome == "published" and (known is None or request.revision > known.revision):
+            newest[request.logical_key] = request
+    return newest
+
+
+def current_revisions(ledger: ExportLedger, logical_keys: Sequence[str]) -> dict[str, int]:
+    """Each key's newest recorded revision (1 for a key never restated), in one read."""
+    if not logical_keys:
+        return {}
+    published = published_revisions(ledger, logical_keys)
+    return {key: published[key].revision if key in published else 1 for key in logical_keys}
+
+
+def records_of(ledger: ExportLedger, requests: Sequence[Restatement]) -> dict[str, ExportRecord]:
+    """The ledger records of the requests' keys, by key: one read per export and business date, not one per key."""
+    by_day: dict[tuple[str, dt.date], set[str]] = {}
+    for request in requests:
+        by_day.setdefault((request.export, request.business_date), set()).add(request.tenant)
+    found: dict[str, ExportRecord] = {}
+    for (export, day), tenants in sorted(by_day.items()):
+        for record in ledger.records(export=export, date_from=day, date_to=day, tenants=sorted(tenants)):
+            found[record.logical_key] = record
+    return found
+
+
+def stale_reason(record: DriftRecord) -> str:
+    """The reason recorded for an automatic restatement: ``source changed: +A -R ~C rows`` (``~?``: unknown)."""
+    changed = "?" if record.rows_changed is None else record.rows_changed
+    return f"source changed: +{record.rows_added} -{record.rows_removed} ~{changed} rows"
+
+
+def restate_stale(
+    ledger: ExportLedger, stale: Sequence[DriftRecord], *, requested_by: str = DRIFT_REQUESTER
+) -> RequestReport:
+    """Records a request, with :func:`stale_reason`, for each of ``stale`` (keys drift just found stale, of exports
+    that declare ``restate_stale``). A key that already has an open request, or is no longer completed, is left as
+    it is and reported refused: the request under way, or the operator's decision, stands."""
+    report = RequestReport()
+    for record in stale:
+        try:
+            report.requested.append(
+                ledger.request_restatement(record.logical_key, reason=stale_reason(record), requested_by=requested_by)
+            )
+        except RestatementRefused as exc:
+            report.refused.append((record.logical_key, str(exc)))
+    return report
+
+
+def asset_name_for(ledger: ExportLedger, record: ExportRecord) -> tuple[str, bool]:
+    """The Dagster asset that exports ``record``'s key, as far as the ledger can tell, and whether it is certain.
+
+    The attempt that completed the key names it: an attempt id is ``<run id>/<step key>``, and an export asset's step
+    is the asset (:func:`export_ledger.keys.attempt_id`). Without that (an attempt id of another form), tenants in the
+    export's own zone are the asset named like the export and tenants elsewhere ``<export>__<zone slug>``
+    (:func:`export_ledger.tenants.tenant_groups`); the ledger does not record which zone is the export's own, so the
+    zone most tenants' calendar contracts name is taken for it (a guess, said so) unless they all name one.
+    """
+    _, sep, step = (record.committed_attempt or "").partition("/")
+    if sep and step and "/" not in step and (step == record.export or step.startswith(f"{record.export}__")):
+        return step, True
+    export, zone = record.export, record.timezone
+    zones = [contract.get("timezone") for contract in ledger.tenant_contracts(export).values()]
+    wide = ledger.recorded_contract(export)
+    if wide is not None and wide.get("timezone") == zone:
+        return export, True
+    if wide is not None:
+        zones.append(wide.get("timezone"))
+    counts = {z: zones.count(z) for z in set(zones) if z is not None}
+    if set(counts) <= {zone}:
+        return export, True
+    most = max(counts.values())
+    own = counts.get(zone) == most and list(counts.values()).count(most) == 1
+    return (export if own else f"{export}__{zone_slug(zone)}"), False
+
+
+def materialize_command(asset: str, partition: str) -> str:
+    """The command that materializes one partition of an export's asset in process (what the CLI prints)."""
+    return f"dagster asset materialize -f definitions.py --select {asset} --partition {partition}"
+
+
+def restating(record: ExportRecord, request: Restatement | None) -> bool:
+    """A completed key with an open request: its next claim restates it, so the export asset must read it."""
+    return request is not None and record.state is ExportState.COMPLETED

@@ -378,3 +378,17 @@ def test_a_v4_ledger_reads_as_revision_1_then_upgrades_to_v5_and_restates(ledger
     assert schema_version(sa.create_engine(ledger_url)) == SCHEMA_VERSION == 5
     request = writer.request_restatement(key, reason="corrected", requested_by="ops")
     assert request.revision == 2 and [r.revision for r in writer.revisions(key)] == [1]
+
+
+def test_a_restatement_nobody_publishes_is_escalated_with_its_way_out(ledger, destination, clock) -> None:
+    key = key_for(DAY)
+    first_export(ledger, destination, key)
+    ledger.request_restatement(str(key), reason="late rows", requested_by="ops")
+    assert ledger.needs_attention(dt.timedelta(hours=6)) == []
+    clock.advance(hours=7)
+    ((record, why),) = ledger.needs_attention(dt.timedelta(hours=6))
+    assert record.logical_key == str(key) and record.state is ExportState.COMPLETED
+    assert "restatement to revision 2 requested 7:00:00 ago and not published" in why
+    assert f"export-ledger restate --withdraw {key}" in why
+    ledger.withdraw_restatement(str(key), operator="ops", reason="not needed")
+    assert ledger.needs_attention(dt.timedelta(hours=6)) == []

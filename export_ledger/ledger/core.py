@@ -851,6 +851,35 @@ class ExportLedger(RetentionMixin, ContractsMixin, DriftMixin, RestatementsMixin
             if record.state is ExportState.FAILED and record.updated_at >= horizon and spent < (max_attempts or 0):
                 continue  # an operator sent it back with its reruns restored: not escalated yet
             found.append((record, self._attention_reason(record, now, horizon, max_attempts, spent)))
+        return sorted(found + self._unpublished_restatements(horizon, now), key=lambda item: item[0].logical_key)
+
+    def _unpublished_restatements(self, horizon: dt.datetime, now: dt.datetime) -> list[tuple[ExportRecord, str]]:
+        """Completed keys whose restatement was requested before ``horizon`` and never claimed: the run that should
+        publish it was never launched, or failed before it reached the key (a source that cannot be read)."""
+        query = (
+            sa.select(*RUN_COLUMNS, export_restatements.c.revision.label("pending_revision"),
+                      export_restatements.c.requested_at.label("pending_since"))
+            .join(export_restatements, export_restatements.c.logical_key == export_runs.c.logical_key)
+            .where(
+                export_restatements.c.closed_at.is_(None),
+                export_restatements.c.requested_at < horizon,
+                export_runs.c.state == ExportState.COMPLETED.value,
+            )
+        )  # fmt: skip
+        with self.atomic(read_only=True) as conn:
+            if not self._has_revisions(conn):
+                return []
+            rows = list(conn.execute(query))
+        found = []
+        for row in rows:
+            values = {column.name: row._mapping[column.name] for column in RUN_COLUMNS}
+            record = ExportRecord(**{**values, "state": ExportState(values["state"])})
+            since = str(now - row.pending_since).split(".")[0]
+            found.append((
+                record,
+                f"restatement to revision {row.pending_revision} requested {since} ago and not published: materialize "
+                f"the partition, or withdraw it (export-ledger restate --withdraw {record.logical_key} --reason ...)",
+            ))  # fmt: skip
         return found
 
     @staticmethod
@@ -862,7 +891,7 @@ class ExportLedger(RetentionMixin, ContractsMixin, DriftMixin, RestatementsMixin
         if record.state is ExportState.FAILED and max_attempts is not None and spent >= max_attempts:
             return (
                 f"failed {spent} time(s): automatic reruns are spent; fix the cause and rerun the "
-                "partition, or resolve it (export-ledger resolve)"
+                "partition, or resolve it (export-ledger resolve; a restatement: export-ledger restate --withdraw)"
             )
         since = now - record.updated_at
         return f"{record.state.value} for {str(since).split('.')[0]}: longer than allowed"

@@ -194,6 +194,11 @@ def test_a_changed_source_makes_its_key_stale_with_counts_until_the_source_is_re
             1,
         )
         assert ledger.get(record.logical_key).state.value == "completed", "a stale key stays completed"
+        (observed,) = [e for e in found.result.asset_events if isinstance(e, dg.AssetObservation)]
+        assert (observed.asset_key, observed.partition) == (dg.AssetKey("orders"), record.business_date.isoformat())
+        assert observed.metadata["stale"].value is True and observed.metadata["rows_added"].value == 1
+        seen = instance.fetch_observations(dg.AssetKey("orders"), limit=5).records
+        assert [r.partition_key for r in seen] == [record.business_date.isoformat()], "the partition's page shows it"
 
         again = tick(defs, instance, found.cursor, sensor_name="drift_sensor")
         assert again.check_evaluations == [], "the verdict is reported when the set of stale keys changes"
@@ -220,6 +225,8 @@ def test_a_changed_source_makes_its_key_stale_with_counts_until_the_source_is_re
         cleared = tick(defs, instance, again.cursor, sensor_name="drift_sensor")
         (evaluation,) = cleared.check_evaluations
         assert evaluation.passed is True and evaluation.metadata["stale_keys"].value == 0
+        (observed,) = [e for e in cleared.result.asset_events if isinstance(e, dg.AssetObservation)]
+        assert observed.partition == record.business_date.isoformat() and observed.metadata["stale"].value is False
         assert ledger.open_drift() == []
         code, out = _cli(capsys, "--ledger-url", environ["EXPORTS_LEDGER_URL"], "status", "--state", "stale")
         assert code == 0 and "no stale exports" in out

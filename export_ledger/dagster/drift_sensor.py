@@ -111,6 +111,46 @@ def build_drift_sensor(
                 ),
                 cursor=cursor,
             )
-        return dg.SensorResult(asset_events=drift_check_evaluations(checked, stale), cursor=cursor)
+        events = [*drift_check_evaluations(checked, stale), *_partition_observations(checked, stale, report, book)]
+        return dg.SensorResult(asset_events=events, cursor=cursor)
 
     return drift_sensor
+
+
+def _partition_observations(
+    exports: Sequence[ExportSpec], stale: Sequence[DriftRecord], report, book: ExportLedger
+) -> list[dg.AssetObservation]:
+    """One observation on the partition of each key this tick found stale, or cleared: so the partition's own page
+    in the UI says it (``stale`` with the counts, or ``stale: false``). Counts and the key only, never values."""
+    specs = {spec.name: spec for spec in exports}
+    opened = set(report.changes.opened)
+    observations = []
+    for record in stale:
+        if record.logical_key in opened and record.export in specs:
+            observations.append(
+                dg.AssetObservation(
+                    asset_key=dg.AssetKey(_asset_of(specs[record.export], record.tenant)),
+                    partition=record.business_date.isoformat(),
+                    metadata={
+                        "stale": True,
+                        "logical_key": record.logical_key,
+                        "rows_added": record.rows_added,
+                        "rows_removed": record.rows_removed,
+                        "rows_changed": dg.MetadataValue.text(
+                            "unknown" if record.rows_changed is None else str(record.rows_changed)
+                        ),
+                        "remedy": dg.MetadataValue.text(f"export-ledger restate {record.logical_key} --reason ..."),
+                    },
+                )
+            )
+    for key in report.changes.cleared:
+        found = book.get(key)
+        if found is not None and found.export in specs:
+            observations.append(
+                dg.AssetObservation(
+                    asset_key=dg.AssetKey(_asset_of(specs[found.export], found.tenant)),
+                    partition=found.business_date.isoformat(),
+                    metadata={"stale": False, "logical_key": key},
+                )
+            )
+    return observations

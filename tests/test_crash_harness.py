@@ -24,6 +24,7 @@ each named point once per destination.
 from __future__ import annotations
 
 import datetime as dt
+import os
 import random
 import signal
 import statistics
@@ -37,7 +38,15 @@ from pathlib import Path
 import boto3
 import pytest
 from harness.forkserver import CHILD_ERROR, ForkServer
-from harness.protocol import AttemptSpec, build_destination, logical_key, run_attempt, survey, violations
+from harness.protocol import (
+    INVARIANTS,
+    AttemptSpec,
+    build_destination,
+    logical_key,
+    run_attempt,
+    survey,
+    violations,
+)
 from s3_support import Fault
 
 from assets.invoices import EXPORT_NAME
@@ -51,8 +60,13 @@ pytest_plugins = ["harness.fixtures"]  # the shared fork server (fixture fork_se
 
 CHILD_LEASE_SECONDS = 30
 PAST_THE_LEASE = CHILD_LEASE_SECONDS + 5  # where the reconciler's and the retry's clock stand
-RANDOM_TRIALS = 300
+RANDOM_TRIALS = int(os.environ.get("EXPORTS_CRASH_TRIALS", "300"))
 NAMED_REPEATS = 4
+RESTATE_RANDOM_TRIALS = int(os.environ.get("EXPORTS_CRASH_RESTATE_TRIALS", "60"))
+RESTATE_NAMED_REPEATS = 2
+#: The sample source's cadence for each revision (revision r uses CADENCES[(r - 1) % 3]): a restatement reads a
+#: source that changed, so each revision's bytes differ from the one it supersedes.
+CADENCES = (15, 30, 20)
 FIRST_DATE = dt.date(2026, 1, 1)
 SEED = 20261129
 
@@ -82,7 +96,33 @@ EXPECTED_LANDING = {
         "after_commit": "completed",
     },
 }
-INVARIANTS = ("duplicate_exports", "visible_partial", "completed_without_export", "not_completed", "effects_not_one")
+FIRST_EXPORT_POINTS = tuple(point for point in POINTS if point != "after_current")  # it fires on restatements only
+
+# What a kill at each named point of a restatement (revision N + 1 of a completed key) leaves. "current": the
+# pointer names revision N + 1, the ledger does not record it yet.
+EXPECTED_RESTATE_LANDING = {
+    "local": {
+        "after_claim": "claimed",
+        "after_stage": "staged",
+        "after_publish": "published",
+        "after_current": "current",
+        "before_commit": "current",
+        "after_commit": "completed",
+    },
+    "s3": {
+        "after_claim": "claimed",
+        "after_stage": "claimed",
+        "after_publish": "published",
+        "after_current": "current",
+        "before_commit": "current",
+        "after_commit": "completed",
+    },
+}
+# The destinations whose restatements the harness runs. S3 (move_current by a conditional write) and the ledger
+# table's revisions are being built on branch restate-dest: when it lands, add "s3" here (its survey already reads
+# `.../date=D/revision=N/` and `.../date=D/_current.json`); "sql" also needs `_survey_sql` to read the table's
+# revisions and current pointer, and its row in EXPECTED_RESTATE_LANDING.
+RESTATING = ("local",)
 
 
 @dataclass
@@ -211,26 +251,64 @@ class CrashHarness:
         return rng.uniform(0.45 * typical, 1.05 * typical)
 
     def landing(self, key: str, business_date: str) -> str:
-        """What a kill left for one key, read from the ledger and the destination."""
+        """What a kill left for one key, read from the ledger and the destination. For a restatement of revision N:
+        ``requested`` (not claimed yet: N current), ``claimed``, ``staged``, ``published`` (N + 1 beside N, N
+        current), ``current`` (the pointer names N + 1, the ledger does not record it yet), ``completed``."""
         record = self.ledger.get(key)
         found = self.survey(business_date)
         if record is None:
             return "no_claim"
+        request = self.ledger.open_restatements([key]).get(key)
         if record.state is ExportState.COMPLETED:
-            return "completed"
+            return "requested" if request is not None else "completed"
         if record.state is not ExportState.IN_PROGRESS:
             return f"unexpected_{record.state.value}"
-        if found.exports.get(key):
+        pending = request.revision if request is not None else 1
+        if pending >= 2 and found.current(key) == pending:
+            return "current"
+        if found.at(key, pending):
             return "published"
         staged = found.hidden_for(business_date)
         return "staged" if staged else "claimed"
 
-    def trial(self, index: int, *, kill_after: float | None = None, point: str | None = None, mode: str = "io_manager"):
+    def restated_key(self, name: str, business_date: str, revisions: int) -> int:
+        """Completes a key at revision ``revisions`` in this process (its first export, then each restatement), and
+        records the request for the next revision; returns that revision."""
+        for revision in range(1, revisions + 1):
+            if revision >= 2:
+                self.ledger.request_restatement(
+                    str(logical_key("acme", business_date)), reason=f"setup {revision}", requested_by="crash-harness"
+                )
+            spec = self.spec(f"{name}-setup{revision}", business_date, cadence_minutes=cadence(revision))
+            done = run_attempt(replace(spec, result_path=None))
+            assert done["status"] == "exported", f"setting up revision {revision} of {business_date}: {done}"
+        key = str(logical_key("acme", business_date))
+        self.ledger.request_restatement(key, reason="late invoices", requested_by="crash-harness")
+        return revisions + 1
+
+    def trial(
+        self,
+        index: int,
+        *,
+        kill_after: float | None = None,
+        point: str | None = None,
+        mode: str = "io_manager",
+        restate_from: int | None = None,
+    ):
+        """One key, one kill, reconciliation, a fresh attempt, the checks. With ``restate_from`` N, the key is first
+        completed at revision N (in this process) with a request recorded, and the killed attempt restates it."""
         business_date = (FIRST_DATE + dt.timedelta(days=index)).isoformat()
         key = str(logical_key("acme", business_date))
         self.keys.append(key)
         name = f"{index:04d}"
-        spec = self.spec(name, business_date, mode=mode, failpoints=f"{point}=kill" if point else "")
+        revision = 1
+        if restate_from is not None:
+            clock = time.monotonic()
+            revision = self.restated_key(name, business_date, restate_from)
+            self.tally.lap("setup", clock)
+        kind = "restate " if revision >= 2 else ""
+        failpoints = f"{point}=kill" if point else ""
+        spec = self.spec(name, business_date, mode=mode, failpoints=failpoints, cadence_minutes=cadence(revision))
 
         clock = time.monotonic()
         outcome = self.server.run(spec, kill_after=kill_after, timeout=60)
@@ -244,28 +322,31 @@ class CrashHarness:
             self.tally.anomalies.append(f"{key}: the attempt failed instead of dying: {outcome.result}")
         landed = self.landing(key, business_date)
         if point is None:
-            self.tally.trials["random"] += 1
-            self.tally.landed[landed] += 1
+            self.tally.trials[f"{kind}random"] += 1
+            self.tally.landed[f"{kind}{landed}"] += 1
         else:
-            self.tally.trials[f"named:{point}"] += 1
-            self.tally.landed_named[f"{point}->{landed}"] += 1
-            expected = EXPECTED_LANDING[self.kind][point]
+            self.tally.trials[f"{kind}named:{point}"] += 1
+            self.tally.landed_named[f"{kind}{point}->{landed}"] += 1
+            expected = (EXPECTED_RESTATE_LANDING if revision >= 2 else EXPECTED_LANDING)[self.kind][point]
             if landed != expected:
                 self.tally.anomalies.append(f"{key}: a kill at {point} left {landed}, expected {expected}")
             if expected != "completed" and not (outcome.killed and not outcome.killed_by_harness):
                 self.tally.anomalies.append(f"{key}: the failpoint {point}=kill did not kill the child: {outcome}")
         self.check("after the kill", key, business_date, final=False)
+        if revision >= 2:
+            # The revision it supersedes stays current until the new one is published and made current.
+            self.check_current(key, business_date, revision if landed in ("current", "completed") else revision - 1)
         clock = self.tally.lap("checks", clock)
 
         report = reconcile_batch(
             self.ledger, self.destination, limit=10, after=None, reconciler=f"crash-harness/{name}"
         )
         for finding in report.findings:
-            self.tally.verdicts[finding.verdict.value] += 1
+            self.tally.verdicts[f"{kind}{finding.verdict.value}"] += 1
             if finding.record.logical_key != key:
                 self.tally.anomalies.append(f"reconciling {key} found another stuck key {finding.record.logical_key}")
         if not report.findings:
-            self.tally.verdicts["nothing stuck"] += 1
+            self.tally.verdicts[f"{kind}nothing stuck"] += 1
         record = self.ledger.get(key)
         if record is not None and record.state is ExportState.IN_PROGRESS:
             self.tally.anomalies.append(f"{key}: still in_progress after reconciling past its lease")
@@ -288,12 +369,25 @@ class CrashHarness:
             )
         finally:
             tempfile.tempdir = saved_tempdir
-        self.tally.retries[retry["status"]] += 1
+        self.tally.retries[f"{kind}{retry['status']}"] += 1
         clock = self.tally.lap("retry", clock)
         if retry["status"] == "failed":
             self.tally.anomalies.append(f"{key}: the fresh attempt failed: {retry['error_class']}: {retry['error']}")
         self.check("after the fresh attempt", key, business_date, final=True)
+        self.check_current(key, business_date, revision)
+        recorded = [row.revision for row in self.ledger.revisions(key)]
+        if recorded != list(range(1, revision + 1)):
+            self.tally.anomalies.append(f"{key}: revisions {recorded} recorded, expected 1..{revision}")
         self.tally.lap("checks", clock)
+
+    def check_current(self, key: str, business_date: str, revision: int) -> None:
+        """A reader following the key's pointer finds ``revision``, published whole (the invariants check the rest)."""
+        found = self.survey(business_date)
+        if found.current(key) != revision or len(found.at(key, revision)) != 1:
+            self.tally.anomalies.append(
+                f"{key}: the current revision is {found.current(key)} ({len(found.at(key, found.current(key)))} "
+                f"intact), expected revision {revision}"
+            )
 
     def finish(self) -> None:
         """The whole destination at the end: every trial's key completed once, nothing else visible."""
@@ -313,6 +407,11 @@ class CrashHarness:
         if self.s3_client is not None:
             self.s3_client.close()
         dispose_engines()
+
+
+def cadence(revision: int) -> int:
+    """The sample source's cadence (minutes) as it is when ``revision`` is exported."""
+    return CADENCES[(revision - 1) % len(CADENCES)]
 
 
 def s3_staging_files(folder: Path) -> list[Path]:
@@ -345,12 +444,32 @@ def assert_clean(tally: Tally) -> None:
 @pytest.mark.parametrize("harness", ["local", "sql", "s3"], indirect=True)
 def test_a_kill_at_each_named_point_is_reconciled_and_retried_to_one_export(harness):
     started = time.monotonic()
-    for index, point in enumerate(POINTS):
+    for index, point in enumerate(FIRST_EXPORT_POINTS):
         harness.trial(index, point=point)
     harness.finish()
     print(harness.tally.report(time.monotonic() - started))
     assert_clean(harness.tally)
+    assert sum(harness.tally.landed_named.values()) == len(FIRST_EXPORT_POINTS)
+
+
+def restating(kinds):
+    """``kinds`` as parameters, those whose restatements the harness does not run yet skipped with the reason."""
+    return [
+        pytest.param(kind, marks=() if kind in RESTATING else pytest.mark.skip(reason=f"{kind}: no restatements yet"))
+        for kind in kinds
+    ]
+
+
+@pytest.mark.parametrize("harness", restating(["local", "sql", "s3"]), indirect=True)
+def test_a_restatement_killed_at_each_named_point_leaves_one_current_revision_and_is_finished(harness):
+    started = time.monotonic()
+    for index, point in enumerate(POINTS):
+        harness.trial(index, point=point, restate_from=1 + index % 2)  # revision 2 of 1, or revision 3 of 2
+    harness.finish()
+    print(harness.tally.report(time.monotonic() - started))
+    assert_clean(harness.tally)
     assert sum(harness.tally.landed_named.values()) == len(POINTS)
+    assert harness.tally.retries["restate failed"] == 0
 
 
 @pytest.mark.slow
@@ -368,7 +487,11 @@ def test_sigkill_anywhere_300_times_per_destination_never_duplicates_tears_or_lo
     started = time.monotonic()
     rng = random.Random(f"{SEED}-{harness.tally.destination}")
     # One kill per point through the whole Dagster job (about 1 s a child under load), the rest through the I/O manager.
-    named = [(point, "job" if repeat == 0 else "io_manager") for point in POINTS for repeat in range(NAMED_REPEATS)]
+    named = [
+        (point, "job" if repeat == 0 else "io_manager")
+        for point in FIRST_EXPORT_POINTS
+        for repeat in range(NAMED_REPEATS)
+    ]
     index = 0
     for point, mode in named:  # the named points first: their dates are early partitions the job accepts
         harness.trial(index, point=point, mode=mode)
@@ -389,6 +512,35 @@ def test_sigkill_anywhere_300_times_per_destination_never_duplicates_tears_or_lo
         f"random kills should land in every state the protocol passes through ({sorted(reachable)}): "
         f"{dict(harness.tally.landed)}"
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("harness", restating(["local", "sql", "s3"]), indirect=True)
+def test_sigkill_anywhere_in_restatements_leaves_exactly_one_current_revision(harness):
+    """Restatements of revision 1, 2 or 3, killed at each named point twice and then at random moments."""
+    started = time.monotonic()
+    rng = random.Random(f"{SEED}-restate-{harness.tally.destination}")
+    index = 0
+    for point in POINTS:
+        for _ in range(RESTATE_NAMED_REPEATS):
+            harness.trial(index, point=point, restate_from=1 + index % 3)
+            index += 1
+    harness.calibrate(runs=3)
+    for number in range(RESTATE_RANDOM_TRIALS):
+        if number % 20 == 19:
+            harness.calibrate()
+        harness.trial(index, kill_after=harness.random_delay(rng), restate_from=1 + index % 3)
+        index += 1
+    harness.finish()
+    print(harness.tally.report(time.monotonic() - started))
+
+    assert harness.tally.trials["restate random"] >= RESTATE_RANDOM_TRIALS
+    assert_clean(harness.tally)
+    landed = {name.removeprefix("restate ") for name in harness.tally.landed}
+    # The window between the pointer's move and the commit is too short to be hit reliably at random; the named
+    # points cover it.
+    reachable = set(EXPECTED_RESTATE_LANDING[harness.kind].values()) - {"current"}
+    assert reachable <= landed, f"random kills should land in every state a restatement passes through: {landed}"
 
 
 def test_a_killed_s3_attempt_leaves_no_staged_customer_data_behind(fork_server, tmp_path, s3_bucket, s3_server):

@@ -24,8 +24,10 @@ each named point once per destination.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import tempfile
@@ -51,7 +53,9 @@ from s3_support import Fault
 
 from assets.invoices import EXPORT_NAME
 from export_ledger.destinations import ExportTarget
+from export_ledger.destinations.base import CURRENT_NAME
 from export_ledger.failpoints import POINTS
+from export_ledger.frames import MANIFEST_NAME
 from export_ledger.ledger import ExportLedger, dispose_engines, utc_now
 from export_ledger.ledger.schema import ExportState
 from export_ledger.reconcile import reconcile_batch
@@ -608,3 +612,51 @@ def test_a_retry_completes_a_key_whose_killed_s3_attempt_left_its_data_object_wi
     finally:
         release.set()
         crash.close()
+
+
+def test_the_invariants_see_a_wrong_pointer_a_damaged_revision_and_an_unrecorded_one(tmp_path):
+    """The checks the harness relies on, each shown failing on a destination damaged by hand (no fork server)."""
+    ledger_url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+    spec = AttemptSpec(ledger_url, {"kind": "local", "root": str(tmp_path / "good")}, "2026-02-01", "first")
+    assert run_attempt(spec)["status"] == "exported"
+    ledger = ExportLedger(ledger_url)
+    key = spec.logical_key
+    ledger.request_restatement(key, reason="late invoices", requested_by="test")
+    assert run_attempt(replace(spec, run_id="second", cadence_minutes=30))["status"] == "exported"
+    try:
+
+        def damaged(name: str, change) -> dict[str, list]:
+            root = tmp_path / name
+            shutil.copytree(tmp_path / "good", root)
+            change(root / EXPORT_NAME / "tenant=acme" / "date=2026-02-01")
+            found = survey({"kind": "local", "root": str(root)}, ledger_url)
+            return {name: items for name, items in violations(ledger, found, [key], final=True).items() if items}
+
+        assert damaged("untouched", lambda folder: None) == {}
+
+        def pointer_to_3(folder):
+            values = json.loads((folder / CURRENT_NAME).read_text())
+            (folder / CURRENT_NAME).write_text(json.dumps({**values, "revision": 3, "path": "revision=3"}))
+
+        found = damaged("pointer", pointer_to_3)
+        assert set(found) == {"current_not_one", "completed_without_export"}, found
+
+        def torn_revision_1(folder):
+            (folder / "data.csv").write_bytes(b"invoice_id\n")
+
+        found = damaged("torn", torn_revision_1)
+        assert {"visible_partial", "revision_chain_broken", "revisions_not_recorded"} <= set(found), found
+
+        found = damaged("no-pointer", lambda folder: (folder / CURRENT_NAME).unlink())
+        assert set(found) == {"completed_without_export"}, found
+
+        def unrecorded_revision_3(folder):
+            shutil.copytree(folder / "revision=2", folder / "revision=3")
+            manifest = json.loads((folder / "revision=2" / MANIFEST_NAME).read_text())
+            third = {**manifest, "revision": 3, "supersedes_revision": 2, "supersedes_sha256": manifest["sha256"]}
+            (folder / "revision=3" / MANIFEST_NAME).write_text(json.dumps(third))
+
+        found = damaged("unrecorded", unrecorded_revision_3)
+        assert set(found) == {"revisions_not_recorded"}, found
+    finally:
+        dispose_engines()

@@ -7,18 +7,27 @@ Each trial is one logical key (tenant ``acme``, its own business date) in one le
 1. a fresh child process (forked by :mod:`harness.forkserver`, so it starts in ~20 ms instead of ~2.5 s) runs one
    attempt and is SIGKILLed, after a random delay drawn over the attempt's measured duration, or by the failpoint
    ``<point>=kill``;
-2. what the kill left is classified (no claim / claimed / staged / published / completed) and checked;
+2. what the kill left is classified (no claim / claimed / staged / published / current / completed) and checked;
 3. ``reconcile_batch`` runs with the same destination, on a ledger whose clock stands past the dead attempt's lease;
 4. a fresh attempt runs to completion in this process;
 5. the invariants are checked against the ledger and the destination itself (folder tree, bucket listing on the
-   server, tables): no duplicate export, no visible partial export, no ``completed`` record without its published
-   export, and finally every key ``completed`` with exactly one recorded effect (one ``completed`` or ``repaired``
-   attempt row).
+   server, tables; see :func:`harness.protocol.violations`): no duplicate export of a revision, no visible partial
+   export, exactly one current revision per key (the pointer names a published, whole revision), every earlier
+   revision still whole and superseded by the next with its sha256, the ledger's revisions exactly what is published,
+   no ``completed`` record without its revision current, and finally every key ``completed`` with one recorded
+   effect (one ``completed`` or ``repaired`` attempt row) per revision.
 
-The slow test runs 300 random-moment trials per destination plus 4 named-point kills at each of the 5 points (one of
-them through the whole Dagster job, ``execute_in_process`` in the child) and prints its trial count and tallies; the
-ledger-table destination runs once more in PostgreSQL (100 random trials). The default run keeps a smoke version:
-each named point once per destination.
+A restatement trial first completes its key at revision N (1, 2 or 3, in this process) and records a request; the
+killed child then restates it (revision N + 1, from a source whose cadence changed), and the checks add that revision
+N stays current until N + 1 is published and made current, and that the key ends at revision N + 1. First exports
+never reach ``after_current`` (it follows the pointer's move), so only restatement trials are killed there.
+
+The slow tier runs ``EXPORTS_CRASH_TRIALS`` random-moment trials per destination (300 by default) plus 4 named-point
+kills at each of the 5 points of a first export (one of them through the whole Dagster job, ``execute_in_process`` in
+the child), the ledger-table destination once more in PostgreSQL (100 random trials), and restatements on the
+destinations that keep revisions (``RESTATING``): 2 kills at each of the 6 points and
+``EXPORTS_CRASH_RESTATE_TRIALS`` random ones (60 by default). Each prints its trial count and tallies. The default
+run keeps a smoke version: each named point once per destination, for a first export and for a restatement.
 """
 
 from __future__ import annotations

@@ -22,9 +22,10 @@ killed child then restates it (revision N + 1, from a source whose cadence chang
 N stays current until N + 1 is published and made current, and that the key ends at revision N + 1. First exports
 never reach ``after_current`` (it follows the pointer's move), so only restatement trials are killed there.
 
-The slow tier runs ``EXPORTS_CRASH_TRIALS`` random-moment trials per destination (300 by default) plus 4 named-point
-kills at each of the 5 points of a first export (one of them through the whole Dagster job, ``execute_in_process`` in
-the child), the ledger-table destination once more in PostgreSQL (100 random trials), and restatements on the
+The slow tier runs ``EXPORTS_CRASH_TRIALS`` random-moment trials per destination (150 by default; 300 until the
+restatements came, when CI's marked tiers had grown to 25 minutes) plus 4 named-point kills at each of the 5 points
+of a first export (one of them through the whole Dagster job, ``execute_in_process`` in the child), the ledger-table
+destination once more in PostgreSQL (``EXPORTS_CRASH_TRIALS_POSTGRES``, 50 random trials), and restatements on the
 destinations that keep revisions (``RESTATING``): 2 kills at each of the 6 points and
 ``EXPORTS_CRASH_RESTATE_TRIALS`` random ones (60 by default). Each prints its trial count and tallies. The default
 run keeps a smoke version: each named point once per destination, for a first export and for a restatement.
@@ -73,7 +74,10 @@ pytest_plugins = ["harness.fixtures"]  # the shared fork server (fixture fork_se
 
 CHILD_LEASE_SECONDS = 30
 PAST_THE_LEASE = CHILD_LEASE_SECONDS + 5  # where the reconciler's and the retry's clock stand
-RANDOM_TRIALS = int(os.environ.get("EXPORTS_CRASH_TRIALS", "300"))
+# CI's counts keep the crash harness and the simulation within about 5 minutes together on 2 cores (the marked tiers
+# took 25 minutes): 150 random trials per destination still land kills in every state each protocol passes through.
+RANDOM_TRIALS = int(os.environ.get("EXPORTS_CRASH_TRIALS", "150"))
+POSTGRES_RANDOM_TRIALS = int(os.environ.get("EXPORTS_CRASH_TRIALS_POSTGRES", "50"))
 NAMED_REPEATS = 4
 RESTATE_RANDOM_TRIALS = int(os.environ.get("EXPORTS_CRASH_RESTATE_TRIALS", "60"))
 RESTATE_NAMED_REPEATS = 2
@@ -492,11 +496,13 @@ def test_a_restatement_killed_at_each_named_point_leaves_one_current_revision_an
         ("local", RANDOM_TRIALS),
         ("sql", RANDOM_TRIALS),
         ("s3", RANDOM_TRIALS),
-        pytest.param("sql-postgres", 100, marks=pytest.mark.postgres),  # beyond the 300 on SQLite, within the budget
+        pytest.param("sql-postgres", POSTGRES_RANDOM_TRIALS, marks=pytest.mark.postgres),  # beyond those on SQLite
     ],
     indirect=["harness"],
 )
-def test_sigkill_anywhere_300_times_per_destination_never_duplicates_tears_or_loses_an_export(harness, random_trials):
+def test_sigkill_at_random_moments_on_every_destination_never_duplicates_tears_or_loses_an_export(
+    harness, random_trials
+):
     started = time.monotonic()
     rng = random.Random(f"{SEED}-{harness.tally.destination}")
     # One kill per point through the whole Dagster job (about 1 s a child under load), the rest through the I/O manager.
@@ -550,10 +556,11 @@ def test_sigkill_anywhere_in_restatements_leaves_exactly_one_current_revision(ha
     assert harness.tally.trials["restate random"] >= RESTATE_RANDOM_TRIALS
     assert_clean(harness.tally)
     landed = {name.removeprefix("restate ") for name in harness.tally.landed}
-    # The window between the pointer's move and the commit is too short to be hit reliably at random; the named
-    # points cover it.
-    reachable = set(EXPECTED_RESTATE_LANDING[harness.kind].values()) - {"current"}
-    assert reachable <= landed, f"random kills should land in every state a restatement passes through: {landed}"
+    # Before the claim, inside the protocol and after it: each state inside is reached by a few percent of random
+    # kills only (published 2 and current 7 of 60 here), so each one is asserted by the named points instead.
+    assert {"requested", "completed"} <= landed and landed & {"claimed", "staged", "published", "current"}, (
+        f"random kills should land before, inside and after a restatement's protocol: {landed}"
+    )
 
 
 def test_a_killed_s3_attempt_leaves_no_staged_customer_data_behind(fork_server, tmp_path, s3_bucket, s3_server):

@@ -469,15 +469,7 @@ def test_a_kill_at_each_named_point_is_reconciled_and_retried_to_one_export(harn
     assert sum(harness.tally.landed_named.values()) == len(FIRST_EXPORT_POINTS)
 
 
-def restating(kinds):
-    """``kinds`` as parameters, those whose restatements the harness does not run yet skipped with the reason."""
-    return [
-        pytest.param(kind, marks=() if kind in RESTATING else pytest.mark.skip(reason=f"{kind}: no restatements yet"))
-        for kind in kinds
-    ]
-
-
-@pytest.mark.parametrize("harness", restating(["local", "sql", "s3"]), indirect=True)
+@pytest.mark.parametrize("harness", RESTATING, indirect=True)
 def test_a_restatement_killed_at_each_named_point_leaves_one_current_revision_and_is_finished(harness):
     started = time.monotonic()
     for index, point in enumerate(POINTS):
@@ -534,7 +526,7 @@ def test_sigkill_at_random_moments_on_every_destination_never_duplicates_tears_o
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("harness", restating(["local", "sql", "s3"]), indirect=True)
+@pytest.mark.parametrize("harness", RESTATING, indirect=True)
 def test_sigkill_anywhere_in_restatements_leaves_exactly_one_current_revision(harness):
     """Restatements of revision 1, 2 or 3, killed at each named point twice and then at random moments."""
     started = time.monotonic()
@@ -561,6 +553,34 @@ def test_sigkill_anywhere_in_restatements_leaves_exactly_one_current_revision(ha
     assert {"requested", "completed"} <= landed and landed & {"claimed", "staged", "published", "current"}, (
         f"random kills should land before, inside and after a restatement's protocol: {landed}"
     )
+
+
+@pytest.mark.parametrize("harness", RESTATING, indirect=True)
+def test_racing_restatements_in_separate_processes_publish_one_revision(harness):
+    """Three processes restate one key at once (released together from a gate): one revision 2, current, recorded
+    once; the others find it completed or held, and nothing is published twice."""
+    business_date = FIRST_DATE.isoformat()
+    key = str(logical_key("acme", business_date))
+    harness.keys.append(key)
+    harness.restated_key("race", business_date, 1)
+    specs = [harness.spec(f"racer-{n}", business_date, cadence_minutes=cadence(2)) for n in range(3)]
+    pids, gate = harness.server.spawn(specs, gated=True)
+    harness.server.release(gate)
+    outcomes = harness.server.wait(pids)
+    statuses = sorted(
+        (outcome.result["status"], outcome.result["error_class"]) if outcome.result else ("died", str(outcome))
+        for outcome in outcomes.values()
+    )
+    print(f"racing restatements: {statuses}")
+    harness.check("after the race", key, business_date, final=True)
+    harness.check_current(key, business_date, 2)
+    harness.finish()
+
+    assert_clean(harness.tally)
+    # The losers are refused while the winner holds the key, or find it completed (with revision 2, not restated).
+    losers = [status for status in statuses if status != ("exported", None)]
+    assert len(losers) == 2 and set(losers) <= {("already_completed", None), ("failed", "LeaseHeld")}, statuses
+    assert [row.revision for row in harness.ledger.revisions(key)] == [1, 2]
 
 
 def test_a_killed_s3_attempt_leaves_no_staged_customer_data_behind(fork_server, tmp_path, s3_bucket, s3_server):

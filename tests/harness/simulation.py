@@ -87,9 +87,8 @@ class Attempt(threading.Thread):
         self.fate: str | None = None  # crash | raise, set by the scheduler before resuming
         self.outcome: str | None = None
         self.done = False
-        self.restating = sim.restatements and str(key) in sim.ledger.open_restatements(
-            [str(key)]
-        )  # its next write may move the pointer
+        # A restatement's attempt: after publishing, its next write moves the key's current pointer.
+        self.restating = sim.restatements and str(key) in sim.ledger.open_restatements([str(key)])
 
     def run(self) -> None:
         self.turn.wait()
@@ -144,7 +143,9 @@ class Simulation:
     """One seeded schedule over ``destination`` and ``ledger_url``; :meth:`run` returns a :class:`Report`.
 
     ``fault(kind)`` arms one destination fault for the next write (the caller's own per destination; None disarms),
-    and ``survey(keys)`` returns the exports the destination holds for those keys as ``{logical key: [sha256, ...]}``.
+    and ``survey(keys)`` returns what the destination holds for those keys as ``{logical key: Seen}``. With
+    ``restatements`` (a destination that keeps revisions), schedules restate keys; ``pointer_fault_kinds`` are the
+    faults armed for a restatement's move of the current pointer.
     """
 
     def __init__(

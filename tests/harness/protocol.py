@@ -28,6 +28,7 @@ from definitions import build_definitions
 from export_ledger.calendar import window_for
 from export_ledger.dagster import LedgerResource
 from export_ledger.destinations import Destination, ExportTarget, LocalDestination
+from export_ledger.destinations.base import CURRENT_NAME
 from export_ledger.destinations.table import SqlTableDestination
 from export_ledger.failpoints import ENV_VAR as FAILPOINTS
 from export_ledger.frames import MANIFEST_NAME, Manifest, ManifestError, validate_frame, write_table
@@ -221,24 +222,43 @@ def warm_up() -> None:
 
 @dataclass
 class Published:
-    """One export a reader can see: its manifest and whether the data it names is there, intact."""
+    """One export a reader can see: its manifest and whether the data it names is there, intact.
+
+    ``revision`` is the revision its place says (``date=D`` is revision 1, ``date=D/revision=N`` revision N); a
+    manifest that names another revision is not intact.
+    """
 
     where: str
     manifest: Manifest | None
     intact: bool
     problem: str = ""
+    revision: int = 1
+
+
+@dataclass
+class Pointer:
+    """A key's current pointer (``date=D/_current.json``) as a reader reads it."""
+
+    where: str
+    logical_key: str
+    revision: int
+    sha256: str | None
+    path: str
 
 
 @dataclass
 class Survey:
     """Everything visible at a destination, plus what the protocol hides from readers.
 
-    ``exports`` maps logical keys to every visible export of that key (more than one is a duplicate); ``partial`` lists
-    visible things that are not a whole export; ``hidden`` lists leftovers readers never see by protocol (local
-    staging folders, S3 data objects without a manifest); ``rows`` counts SQL rows per logical key.
+    ``exports`` maps logical keys to every visible export of that key, one per published revision (two of one
+    revision are a duplicate); ``pointers`` maps logical keys to their current pointer (none: revision 1 is current);
+    ``partial`` lists visible things that are not a whole export (or an unreadable pointer); ``hidden`` lists
+    leftovers readers never see by protocol (local staging folders and pointer temp files, S3 data objects without a
+    manifest); ``rows`` counts SQL rows per logical key.
     """
 
     exports: dict[str, list[Published]] = field(default_factory=dict)
+    pointers: dict[str, Pointer] = field(default_factory=dict)
     partial: list[str] = field(default_factory=list)
     hidden: list[str] = field(default_factory=list)
     rows: Counter = field(default_factory=Counter)
@@ -249,8 +269,43 @@ class Survey:
             return
         self.exports.setdefault(published.manifest.logical_key, []).append(published)
 
+    def add_pointer(self, where: str, payload: bytes) -> None:
+        """Reads a pointer the way an outside reader does; one that does not parse is a visible defect."""
+        try:
+            values = json.loads(payload)
+            pointer = Pointer(
+                where, str(values["logical_key"]), values["revision"], values.get("sha256"), values.get("path", "")
+            )
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+            self.partial.append(f"{where}: a current pointer that is not a JSON object with a key and a revision")
+            return
+        if not isinstance(pointer.revision, int) or pointer.revision < 1:
+            self.partial.append(f"{where}: a current pointer naming revision {pointer.revision!r}")
+            return
+        if pointer.logical_key in self.pointers:
+            self.partial.append(f"{where}: a second current pointer for {pointer.logical_key}")
+            return
+        self.pointers[pointer.logical_key] = pointer
+
+    def current(self, key: str) -> int:
+        """The key's current revision as a reader resolves it: the pointer's, or 1 without one."""
+        pointer = self.pointers.get(key)
+        return 1 if pointer is None else pointer.revision
+
+    def at(self, key: str, revision: int) -> list[Published]:
+        """The key's visible exports of one revision (one, or none; more is a duplicate)."""
+        return [p for p in self.exports.get(key, []) if p.revision == revision]
+
     def hidden_for(self, business_date: str) -> list[str]:
         return [item for item in self.hidden if f"date={business_date}" in item]
+
+
+def revision_of(name: str) -> int | None:
+    """N for a folder named ``revision=N`` (N >= 2), else None."""
+    prefix, _, number = name.partition("=")
+    if prefix != "revision" or not number.isdigit() or int(number) < 2 or str(int(number)) != number:
+        return None
+    return int(number)
 
 
 def survey(destination_spec: dict, ledger_url: str, *, s3_client=None, only: ExportTarget | None = None) -> Survey:
@@ -266,6 +321,11 @@ def survey(destination_spec: dict, ledger_url: str, *, s3_client=None, only: Exp
     if kind == "sql":
         return _survey_sql(ledger_url, destination_spec["table"], only)
     raise ValueError(kind)
+
+
+#: Leftovers of dead attempts in a tenant's or key's folder that readers never see: staging folders (of revision 1
+#: beside the key's folder, of a revision N inside it) and a current pointer's temporary file.
+LOCAL_LEFTOVERS = (".staging-", ".current-")
 
 
 def _survey_local(root: Path, only: ExportTarget | None) -> Survey:
@@ -284,38 +344,52 @@ def _survey_local(root: Path, only: ExportTarget | None) -> Survey:
                 paths.extend(sorted(entry.rglob("*")))
     for path in paths:
         relative = path.relative_to(root)
-        if any(part.startswith(".") for part in relative.parts):
-            if path.parent.name.startswith("tenant=") and path.name.startswith(".staging-"):
+        parts = relative.parts
+        if any(part.startswith(".") for part in parts):
+            if path.name.startswith(LOCAL_LEFTOVERS) and path.parent.name.startswith(("tenant=", "date=")):
                 found.hidden.append(str(relative))
-            continue  # readers ignore dot-folders and everything in them
-        depth = len(relative.parts)
+            continue  # readers ignore dot-names and everything in them (the pointer's lock file among them)
+        depth = len(parts)
         if depth < 3:
             if not path.is_dir():
                 found.partial.append(f"{relative}: a file where an export folder belongs")
             continue
         if depth == 3:
-            found.add(_local_export(path, str(relative)))
+            found.add(_local_export(path, str(relative), 1))
+        elif depth == 4 and path.name == CURRENT_NAME:
+            if path.is_file():
+                found.add_pointer(str(relative), path.read_bytes())
+            else:
+                found.partial.append(f"{relative}: a current pointer that is not a file")
+        elif depth == 4 and revision_of(path.name) is not None and path.is_dir():
+            found.add(_local_export(path, str(relative), revision_of(path.name)))
+        elif depth == 5 and revision_of(parts[3]) is not None and path.parent.is_dir():
+            continue  # a revision's own files, checked with it
         elif depth > 4 or not path.parent.is_dir():
             found.partial.append(f"{relative}: stray entry")
     return found
 
 
-def _local_export(folder: Path, where: str) -> Published:
+def _local_export(folder: Path, where: str, revision: int) -> Published:
     if not folder.is_dir():
-        return Published(where, None, False, "not a folder")
-    names = {p.name for p in folder.iterdir()}
+        return Published(where, None, False, "not a folder", revision)
+    names = {p.name for p in folder.iterdir() if not p.name.startswith(".")}
+    if revision == 1:  # the key's folder also holds its later revisions and its current pointer
+        names = {name for name in names if name != CURRENT_NAME and revision_of(name) is None}
     if MANIFEST_NAME not in names:
-        return Published(where, None, False, f"folder without a manifest ({sorted(names)})")
+        return Published(where, None, False, f"folder without a manifest ({sorted(names)})", revision)
     try:
         manifest = Manifest.from_json((folder / MANIFEST_NAME).read_bytes(), where)
     except ManifestError as exc:
-        return Published(where, None, False, str(exc))
+        return Published(where, None, False, str(exc), revision)
     if names != {MANIFEST_NAME, manifest.data_file}:
-        return Published(where, manifest, False, f"unexpected files {sorted(names)}")
+        return Published(where, manifest, False, f"unexpected files {sorted(names)}", revision)
+    if manifest.revision != revision:
+        return Published(where, manifest, False, f"manifest of revision {manifest.revision} in this place", revision)
     payload = (folder / manifest.data_file).read_bytes()
     if hashlib.sha256(payload).hexdigest() != manifest.sha256:
-        return Published(where, manifest, False, "data file does not match its manifest's sha256")
-    return Published(where, manifest, True)
+        return Published(where, manifest, False, "data file does not match its manifest's sha256", revision)
+    return Published(where, manifest, True, revision=revision)
 
 
 def _survey_s3(client, bucket: str, prefix: str, only: ExportTarget | None) -> Survey:
@@ -332,6 +406,13 @@ def _survey_s3(client, bucket: str, prefix: str, only: ExportTarget | None) -> S
             folders.setdefault(folder, set()).add(name)
     for folder, names in sorted(folders.items()):
         where = f"s3://{bucket}/{folder}/"
+        if CURRENT_NAME in names:  # the key's current pointer, in the key's folder beside revision 1's objects
+            names.discard(CURRENT_NAME)
+            found.add_pointer(f"{where}{CURRENT_NAME}", _s3_body(client, bucket, f"{folder}/{CURRENT_NAME}"))
+            if not names:
+                found.partial.append(f"{where}: a current pointer without revision 1 beside it")
+                continue
+        revision = revision_of(folder.rpartition("/")[2]) or 1
         objects = {name: client.get_object(Bucket=bucket, Key=f"{folder}/{name}") for name in names}
         bodies = {name: obj["Body"].read() for name, obj in objects.items()}
         torn = [
@@ -347,7 +428,7 @@ def _survey_s3(client, bucket: str, prefix: str, only: ExportTarget | None) -> S
         try:
             manifest = Manifest.from_json(bodies[MANIFEST_NAME], where)
         except ManifestError as exc:
-            found.add(Published(where, None, False, str(exc)))
+            found.add(Published(where, None, False, str(exc), revision))
             continue
         # Data objects the manifest does not name are orphans of failed or fenced attempts: readers never see them
         # (they read what the manifest names), so they are hidden leftovers, not partial exports.
@@ -355,12 +436,18 @@ def _survey_s3(client, bucket: str, prefix: str, only: ExportTarget | None) -> S
         found.hidden.extend(f"{where}{name}" for name in orphans)
         torn = [name for name in torn if name not in orphans]
         if names - set(orphans) != {MANIFEST_NAME, manifest.data_file}:
-            found.add(Published(where, manifest, False, f"objects {sorted(names)}"))
+            found.add(Published(where, manifest, False, f"objects {sorted(names)}", revision))
         elif torn or hashlib.sha256(bodies[manifest.data_file]).hexdigest() != manifest.sha256:
-            found.add(Published(where, manifest, False, "data object does not match its manifest's sha256"))
+            found.add(Published(where, manifest, False, "data object does not match its manifest's sha256", revision))
+        elif manifest.revision != revision:
+            found.add(Published(where, manifest, False, f"manifest of revision {manifest.revision} here", revision))
         else:
-            found.add(Published(where, manifest, True))
+            found.add(Published(where, manifest, True, revision=revision))
     return found
+
+
+def _s3_body(client, bucket: str, key: str) -> bytes:
+    return client.get_object(Bucket=bucket, Key=key)["Body"].read()
 
 
 def _survey_sql(ledger_url: str, table: str, only: ExportTarget | None) -> Survey:
@@ -419,36 +506,146 @@ def _survey_sql(ledger_url: str, table: str, only: ExportTarget | None) -> Surve
 # -- invariants ---------------------------------------------------------------------------------------------------
 
 
+#: Every list :func:`violations` returns, in the order the harnesses report them.
+INVARIANTS = (
+    "duplicate_exports",
+    "visible_partial",
+    "current_not_one",
+    "revision_chain_broken",
+    "revisions_not_recorded",
+    "completed_without_export",
+    "not_completed",
+    "effects_not_one",
+)
+
+
 def violations(ledger: ExportLedger, found: Survey, keys: list[str] | None = None, *, final: bool) -> dict[str, list]:
     """The crash and race invariants, as lists of offending keys or things (every list must be empty).
+
+    * ``duplicate_exports``: two visible exports of one revision of a key.
+    * ``visible_partial``: something a reader sees that is not a whole export, or a pointer that does not read.
+    * ``current_not_one``: a key with exports whose current revision (the pointer's, or 1 without one) is not exactly
+      one intact export of that revision, named as the pointer says (key, sha256, place).
+    * ``revision_chain_broken``: a published revision N >= 2 whose manifest does not supersede revision N - 1 with
+      N - 1's sha256, or whose revision N - 1 is not there, intact (earlier revisions stay readable).
+    * ``revisions_not_recorded``: the ledger's ``revisions()`` and the published revisions disagree: a recorded
+      revision not published (or with other bytes), a published one neither recorded nor the key's pending
+      restatement (while the key is not completed), a recorded revision N + 1 that does not supersede N's sha256.
+    * ``completed_without_export``: a ``completed`` record whose revision is not the current one, or whose sha256 is
+      not the current export's.
+    * ``not_completed`` (final): a key not ``completed``, or completed with its restatement still open.
+    * ``effects_not_one`` (final): not exactly one recorded effect (a ``completed`` or ``repaired`` attempt row) per
+      recorded revision.
 
     Args:
         found: What the destination shows: all of it when ``keys`` is None, else at least those keys' places.
         keys: The logical keys to check; None checks every key in the ledger against a survey of everything.
-        final: After the last attempt: every key must be completed with exactly one recorded effect.
+        final: After the last attempt: every key must be completed, its restatement done, one effect per revision.
     """
     if keys is None:
         records = {r.logical_key: r for r in ledger.records()}
         keys = sorted(records)
     else:
         records = {key: ledger.get(key) for key in keys}
-    problems: dict[str, list] = {
-        "duplicate_exports": [k for k, exports in found.exports.items() if len(exports) > 1],
-        "visible_partial": list(found.partial),
-        "completed_without_export": [],
-        "not_completed": [],
-        "effects_not_one": [],
-    }
+    requests = ledger.open_restatements(keys)
+    problems: dict[str, list] = {name: [] for name in INVARIANTS}
+    problems["duplicate_exports"] = [
+        f"{k}: revision {n}"
+        for k, exports in found.exports.items()
+        for n, count in Counter(p.revision for p in exports).items()
+        if count > 1
+    ]
+    problems["visible_partial"] = list(found.partial)
     for key in keys:
         record = records.get(key)
-        if record is not None and record.state is ExportState.COMPLETED:
-            exports = found.exports.get(key, [])
-            if not any(p.manifest.sha256 == record.sha256 for p in exports):
-                problems["completed_without_export"].append(key)
+        exports = found.exports.get(key, [])
+        current = found.current(key)
+        problems["current_not_one"].extend(_current_problems(found, key))
+        problems["revision_chain_broken"].extend(_chain_problems(found, key))
+        recorded = ledger.revisions(key)
+        pending = requests.get(key)
+        completed = record is not None and record.state is ExportState.COMPLETED
+        problems["revisions_not_recorded"].extend(_recording_problems(key, exports, recorded, pending, completed))
+        if completed:
+            ledger_current = recorded[-1] if recorded else None
+            at_current = found.at(key, current)
+            if ledger_current is None or ledger_current.revision != current:
+                problems["completed_without_export"].append(
+                    f"{key}: completed at revision {ledger_current.revision if ledger_current else None}, "
+                    f"the destination's current revision is {current}"
+                )
+            elif not any(p.manifest.sha256 == record.sha256 for p in at_current):
+                problems["completed_without_export"].append(f"{key}: revision {current} is not the recorded export")
         if final:
-            if record is None or record.state is not ExportState.COMPLETED:
+            if not completed:
                 problems["not_completed"].append(f"{key}: {record.state.value if record else 'no record'}")
+            elif pending is not None:
+                problems["not_completed"].append(f"{key}: completed with revision {pending.revision} still requested")
             effects = [a for a in ledger.attempts(key) if a.outcome in EFFECTS]
-            if len(effects) != 1:
-                problems["effects_not_one"].append(f"{key}: {[a.outcome.value for a in effects]}")
+            if len(effects) != max(len(recorded), 1):
+                problems["effects_not_one"].append(
+                    f"{key}: {[a.outcome.value for a in effects]} for {len(recorded)} revision(s)"
+                )
+    return problems
+
+
+def _current_problems(found: Survey, key: str) -> list[str]:
+    exports = found.exports.get(key, [])
+    pointer = found.pointers.get(key)
+    if not exports:
+        return [f"{key}: a current pointer without any export"] if pointer is not None else []
+    current = found.current(key)
+    at_current = found.at(key, current)
+    if len(at_current) != 1:
+        return [f"{key}: the current revision {current} has {len(at_current)} intact export(s)"]
+    if pointer is None:
+        return []
+    (published,) = at_current
+    expected_path = "." if current == 1 else f"revision={current}"
+    if (pointer.sha256, pointer.path) != (published.manifest.sha256, expected_path):
+        return [f"{key}: the pointer names {pointer.path} {str(pointer.sha256)[:12]}, the export is {expected_path} "
+                f"{published.manifest.sha256[:12]}"]  # fmt: skip
+    return []
+
+
+def _chain_problems(found: Survey, key: str) -> list[str]:
+    problems = []
+    for published in found.exports.get(key, []):
+        manifest, revision = published.manifest, published.revision
+        if revision == 1:
+            if (manifest.supersedes_revision, manifest.supersedes_sha256) != (None, None):
+                problems.append(f"{key}: revision 1 supersedes something")
+            continue
+        before = found.at(key, revision - 1)
+        if len(before) != 1:
+            problems.append(f"{key}: revision {revision} is published, revision {revision - 1} is not intact beside it")
+        elif (manifest.supersedes_revision, manifest.supersedes_sha256) != (revision - 1, before[0].manifest.sha256):
+            problems.append(
+                f"{key}: revision {revision}'s manifest supersedes {manifest.supersedes_revision} "
+                f"{str(manifest.supersedes_sha256)[:12]}, not revision {revision - 1} {before[0].manifest.sha256[:12]}"
+            )
+    return problems
+
+
+def _recording_problems(key: str, exports: list[Published], recorded: list, pending, completed: bool) -> list[str]:
+    problems = []
+    published = {p.revision: p.manifest.sha256 for p in exports}
+    for row in recorded:
+        if published.get(row.revision) != row.sha256:
+            problems.append(f"{key}: revision {row.revision} is recorded but not published with its sha256")
+        if row.revision >= 2:
+            before = next((r for r in recorded if r.revision == row.revision - 1), None)
+            if before is None or (row.supersedes_revision, row.supersedes_sha256) != (before.revision, before.sha256):
+                problems.append(
+                    f"{key}: recorded revision {row.revision} does not supersede revision {row.revision - 1}"
+                )
+    if [row.revision for row in recorded] != list(range(1, len(recorded) + 1)):
+        problems.append(f"{key}: recorded revisions {[row.revision for row in recorded]}")
+    known = {row.revision for row in recorded}
+    # A restatement published but not yet recorded (its attempt died) waits for reconciliation: never once completed.
+    waiting = {pending.revision} if pending is not None and not completed else set()
+    for revision in sorted(set(published) - known - waiting):
+        if revision == 1 and not recorded and not completed:
+            continue  # a first export published, its completion not yet recorded
+        problems.append(f"{key}: revision {revision} is published but not recorded")
     return problems

@@ -11,14 +11,20 @@ attempt hands control back to the scheduler, which decides from the seed what ha
 * tick the sensor: reconcile stuck keys from the destination's evidence, then rerun failed keys with reruns left;
 * inject a destination fault on the next write (S3: through the fault proxy; local and ledger table: a failure at
   the write itself);
-* change the source (late data), so a retry may carry other bytes than a dead attempt left behind.
+* change the source (late data), so a retry may carry other bytes than a dead attempt left behind;
+* request a restatement of a completed key (where the destination keeps revisions): the source changes and the key's
+  next attempts race to publish revision N + 1 beside N and move its current pointer (a fault can hit that move).
 
 Then faults stop: paused attempts wake up (and must be fenced), the clock passes every lease, and the sensor ticks and
 reruns until nothing changes. The checks:
 
-* safety, after every step: at most one export per key at the destination, a published export never replaced, no
-  ``completed`` record without its export (same sha256);
-* liveness, at the end: every key ``completed``, or escalated to a person (:meth:`ExportLedger.needs_attention`).
+* safety, after every step: a published revision never replaced; exactly one current revision per key, published
+  and whole, and the pointer never moves back; revision N + 1 supersedes N with N's sha256, and N stays published;
+  one ledger revision row per published revision (a published one not yet recorded only while its restatement is
+  under way); no ``completed`` record without its revision current (same sha256);
+* liveness, at the end: every key ``completed`` with its restatement done (the requested partition is materialized
+  once more, as an operator would), or escalated to a person (:meth:`ExportLedger.needs_attention`); one effect
+  row per revision.
 
 A failing schedule is reported with its seed; ``replay(seed, ...)`` runs exactly that schedule again.
 """
@@ -81,6 +87,8 @@ class Attempt(threading.Thread):
         self.fate: str | None = None  # crash | raise, set by the scheduler before resuming
         self.outcome: str | None = None
         self.done = False
+        # A restatement's attempt: after publishing, its next write moves the key's current pointer.
+        self.restating = sim.restatements and str(key) in sim.ledger.open_restatements([str(key)])
 
     def run(self) -> None:
         self.turn.wait()
@@ -128,26 +136,42 @@ class Report:
     seed: int
     steps: list[str] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
+    revisions: dict[str, int] = field(default_factory=dict)  # each key's current revision at the end
 
 
 class Simulation:
     """One seeded schedule over ``destination`` and ``ledger_url``; :meth:`run` returns a :class:`Report`.
 
     ``fault(kind)`` arms one destination fault for the next write (the caller's own per destination; None disarms),
-    and ``survey(keys)`` returns the exports the destination holds for those keys as ``{logical key: [sha256, ...]}``.
+    and ``survey(keys)`` returns what the destination holds for those keys as ``{logical key: Seen}``. With
+    ``restatements`` (a destination that keeps revisions), schedules restate keys; ``pointer_fault_kinds`` are the
+    faults armed for a restatement's move of the current pointer.
     """
 
-    def __init__(self, seed: int, *, ledger_url: str, destination, fault, survey, fault_kinds) -> None:
+    def __init__(
+        self,
+        seed: int,
+        *,
+        ledger_url: str,
+        destination,
+        fault,
+        survey,
+        fault_kinds,
+        restatements: bool = False,
+        pointer_fault_kinds=(),
+    ) -> None:
         self.seed = seed
         self.rng = random.Random(seed)
         self.clock = Clock(dt.datetime(2026, 3, 9, 9, 30, tzinfo=UTC) + dt.timedelta(days=seed))
         self.ledger = ExportLedger(ledger_url, lease_ttl=TTL, clock=self.clock)
         self.destination = destination
         self.fault, self.survey, self.fault_kinds = fault, survey, fault_kinds
+        self.restatements, self.pointer_fault_kinds = restatements, tuple(pointer_fault_kinds)
+        self.current_seen: dict[str, int] = {}  # the highest current revision seen per key: it never moves back
         self.back = threading.Event()
         self.attempts: list[Attempt] = []
         self.versions: dict[str, int] = {}
-        self.first_export: dict[str, str] = {}
+        self.first_export: dict[tuple[str, int], str] = {}  # (key, revision) -> the sha256 first seen there
         self.report = Report(seed)
         day = dt.date(2026, 1, 1) + dt.timedelta(days=seed % 3000)
         tenants = [f"s{seed}a", f"s{seed}b"][: self.rng.choice((1, 1, 2))]
@@ -156,7 +180,8 @@ class Simulation:
     # -- the world ---------------------------------------------------------------------------------------------
 
     def frame(self, key: LogicalKey, version: int) -> pd.DataFrame:
-        """Three events of the key's window; a later version (late data) adds one, so its bytes differ."""
+        """Three events of the key's window; a later version (late data, a restatement) adds one and changes the
+        values, so each version's bytes differ."""
         start = pd.Timestamp(key.window.start_utc)
         times = [start + pd.Timedelta(hours=h) for h in range(3 + min(version, 1))]
         return pd.DataFrame(
@@ -164,9 +189,14 @@ class Simulation:
                 "event_id": [f"{key.tenant}-{i}" for i in range(len(times))],
                 "tenant": [key.tenant] * len(times),
                 "at": pd.DatetimeIndex(times).as_unit("us"),
-                "value": [1.5] * len(times),
+                "value": [1.5 + version] * len(times),
             }
         )
+
+    @property
+    def _writing(self) -> tuple[str, ...]:
+        """The points after which an attempt's next step may change the destination."""
+        return ("after_stage", "after_claim", "after_publish") if self.restatements else ("after_stage", "after_claim")
 
     def _hook(self, point: str) -> None:
         current = threading.current_thread()
@@ -209,30 +239,73 @@ class Simulation:
             fate = None
             if faults and self.rng.random() < 0.1:
                 fate = self.rng.choice(("crash", "raise"))
-            publishing = attempt.point in ("after_stage", "after_claim")
+            publishing = attempt.point in self._writing
             self._step(attempt, fate)
             self._check(published=publishing)
 
     # -- the checks --------------------------------------------------------------------------------------------
 
     def _check(self, *, published: bool = True) -> None:
-        """Safety now. The destination is read when a step may have published (``published``) or a key says it is
-        completed; otherwise nothing there can have changed since the last look."""
+        """Safety now. The destination is read when a step may have published or moved a pointer (``published``) or
+        a key says it is completed; otherwise nothing there can have changed since the last look."""
         records = {str(key): self.ledger.get(str(key)) for key in self.keys}
         completed = any(r is not None and r.state is ExportState.COMPLETED for r in records.values())
-        exports = self.survey(self.keys) if published or completed else {}
+        if not (published or completed):
+            return
+        seen = self.survey(self.keys)
+        requests = self.ledger.open_restatements(list(records)) if self.restatements else {}
         for key in self.keys:
             name = str(key)
-            found = exports.get(name, [])
-            if len(found) > 1:
-                self._violation(f"{name}: {len(found)} exports at the destination")
-            if found:
-                first = self.first_export.setdefault(name, found[0])
-                if found[0] != first:
-                    self._violation(f"{name}: the published export was replaced ({first[:12]} -> {found[0][:12]})")
+            found = seen.get(name)
             record = records[name]
-            if record is not None and record.state is ExportState.COMPLETED and record.sha256 not in found:
-                self._violation(f"{name}: completed in the ledger without its export at the destination")
+            if found is None:
+                if record is not None and record.state is ExportState.COMPLETED:
+                    self._violation(f"{name}: completed in the ledger without its export at the destination")
+                continue
+            for revision, sha in found.revisions.items():
+                first = self.first_export.setdefault((name, revision), sha)
+                if sha != first:
+                    self._violation(f"{name}: revision {revision} was replaced ({first[:12]} -> {sha[:12]})")
+                if sha.startswith("torn:"):
+                    self._violation(f"{name}: revision {revision} does not match its manifest")
+                elif sha.startswith("misplaced:"):
+                    self._violation(f"{name}: revision {revision}'s place holds another revision's or key's manifest")
+            for (key_name, revision), _ in self.first_export.items():
+                if key_name == name and revision not in found.revisions:
+                    self._violation(f"{name}: revision {revision} was published and is gone")
+            current = found.current
+            if current not in found.revisions:
+                self._violation(f"{name}: the current pointer names revision {current}, which is not published")
+            if current < self.current_seen.get(name, 1):
+                self._violation(f"{name}: the current pointer moved back to {current}")
+            self.current_seen[name] = max(current, self.current_seen.get(name, 1))
+            for revision, supersedes in found.supersedes.items():
+                if revision >= 2 and supersedes != (revision - 1, found.revisions.get(revision - 1)):
+                    self._violation(f"{name}: revision {revision} supersedes {supersedes}, not revision {revision - 1}")
+            is_completed = record is not None and record.state is ExportState.COMPLETED
+            # Only revision 1 published, no pointer, no request: its record's sha256 is checked below; the rows are
+            # read (one more query per key and step) only for a key that has been restated or is being restated.
+            restated = set(found.revisions) != {1} or current != 1 or name in requests
+            rows = self.ledger.revisions(name) if self.restatements and restated else []
+            if rows:
+                for row in rows:
+                    if found.revisions.get(row.revision) != row.sha256:
+                        self._violation(f"{name}: revision {row.revision} is recorded, not published with its sha256")
+                    if row.revision >= 2 and (row.supersedes_revision, row.supersedes_sha256) != (
+                        row.revision - 1,
+                        rows[row.revision - 2].sha256,
+                    ):
+                        self._violation(f"{name}: recorded revision {row.revision} does not supersede its predecessor")
+                pending = requests.get(name)
+                waiting = {pending.revision} if pending is not None and not is_completed else set()
+                stray = set(found.revisions) - {row.revision for row in rows} - waiting
+                if stray:
+                    self._violation(f"{name}: revisions {sorted(stray)} published but neither recorded nor under way")
+            if is_completed:
+                if record.sha256 != found.revisions.get(current):
+                    self._violation(f"{name}: completed in the ledger without its export current at the destination")
+                if rows and rows[-1].revision != current:
+                    self._violation(f"{name}: completed at revision {rows[-1].revision}, current is {current}")
 
     def _violation(self, text: str) -> None:
         if text not in self.report.violations:
@@ -254,6 +327,13 @@ class Simulation:
 
     def _schedule(self) -> None:
         rng = self.rng
+        if self.restatements and rng.random() < 0.5:
+            # A restatement schedule: the keys were exported (once or twice) before, and are restated now; the
+            # schedule's attempts race to publish the next revision.
+            for key in self.keys:
+                for _ in range(rng.choice((1, 1, 2))):
+                    self._finish(self._start(key), faults=False)
+                    self._request(key)
         for key in self.keys:
             self._start(key)
         for _ in range(MAX_STEPS):
@@ -268,8 +348,13 @@ class Simulation:
                     kind = rng.choice(self.fault_kinds)
                     self.fault(kind)
                     self.report.steps.append(f"fault {kind} on {attempt.name}'s publish")
+                elif fate is None and attempt.point == "after_publish" and attempt.restating and rng.random() < 0.3:
+                    if self.pointer_fault_kinds:
+                        kind = rng.choice(self.pointer_fault_kinds)
+                        self.fault(kind)
+                        self.report.steps.append(f"fault {kind} on {attempt.name}'s pointer move")
                 self.report.steps.append(f"{attempt.name}@{attempt.point} -> {fate or 'go'}")
-                publishing = attempt.point in ("after_stage", "after_claim")  # the next step may publish or write
+                publishing = attempt.point in self._writing  # the next step may publish, write or move a pointer
                 self._step(attempt, fate)
                 self._check(published=publishing)
                 continue
@@ -288,10 +373,26 @@ class Simulation:
                 self._tick(rerun=False)
                 self._check(published=False)
                 continue
+            elif self.restatements and roll < 0.95:
+                done = [
+                    k for k in self.keys if getattr(self.ledger.get(str(k)), "state", None) is ExportState.COMPLETED
+                ]
+                if done and self._request(rng.choice(done)):
+                    self._check(published=False)
             else:
                 key = rng.choice(self.keys)
                 self.versions[str(key)] = self.versions.get(str(key), 0) + 1
                 self.report.steps.append(f"late data for {key.tenant}")
+
+    def _request(self, key: LogicalKey) -> bool:
+        """An operator restates ``key`` (the source was corrected) if it is completed with no request open."""
+        record = self.ledger.get(str(key))
+        if record is None or record.state is not ExportState.COMPLETED or self.ledger.open_restatements([str(key)]):
+            return False
+        request = self.ledger.request_restatement(str(key), reason="corrected", requested_by="sim")
+        self.versions[str(key)] = self.versions.get(str(key), 0) + 1
+        self.report.steps.append(f"restate {key.tenant} to revision {request.revision}")
+        return True
 
     def _quiesce(self) -> None:
         self.fault(None)
@@ -302,6 +403,13 @@ class Simulation:
             self.clock.now += TTL + dt.timedelta(seconds=1)
             self._tick(rerun=True)
             self._check()
+            if self.restatements:  # a restated partition is materialized once more, as an operator would
+                requests = self.ledger.open_restatements([str(k) for k in self.keys])
+                for key in self.keys:
+                    record = self.ledger.get(str(key))
+                    if str(key) in requests and record.state is ExportState.COMPLETED:
+                        self._finish(self._start(key), faults=False)
+                        self._check()
             if [self.ledger.get(str(k)) for k in self.keys] == before:
                 break
         bases = self.ledger.rerun_bases([str(k) for k in self.keys])
@@ -320,25 +428,53 @@ class Simulation:
                     f"{key}: {record.state.value} (token {record.fencing_token}), neither done nor escalated"
                 )
             if record.state is ExportState.COMPLETED:
+                self.report.revisions[str(key)] = self.ledger.current_revision(str(key)).revision
+                if self.restatements and self.ledger.open_restatements([str(key)]):
+                    self._violation(f"{key}: completed with its restatement still open after quiescence")
+                revisions = len(self.ledger.revisions(str(key)))
                 effects = [a for a in self.ledger.attempts(str(key)) if a.outcome.value in ("completed", "repaired")]
-                if len(effects) != 1:
-                    self._violation(f"{key}: {len(effects)} attempt rows record an effect, not one")
+                if len(effects) != revisions:
+                    self._violation(f"{key}: {len(effects)} attempt rows record an effect for {revisions} revision(s)")
 
 
-def survey_through(destination, keys) -> dict[str, list[str]]:
-    """What the destination holds for ``keys``, through its own probe and read (the path readers take):
-    ``{logical key: [sha256]}``; a data file that does not match its manifest shows as ``torn:<sha256>``."""
-    found: dict[str, list[str]] = {}
+@dataclass
+class Seen:
+    """One key at a destination as a reader finds it: ``revisions`` maps each published revision to its sha256
+    (``torn:<sha256>`` when the data does not match its manifest), ``supersedes`` to what its manifest supersedes,
+    and ``current`` is the revision the key's pointer names (1 without one)."""
+
+    current: int
+    revisions: dict[int, str] = field(default_factory=dict)
+    supersedes: dict[int, tuple[int | None, str | None]] = field(default_factory=dict)
+
+
+def survey_through(destination, keys, *, revisions: bool = False) -> dict[str, Seen]:
+    """What the destination holds for ``keys``, through its own probe, read and current pointer (the path readers
+    take). With ``revisions``, revision 2, 3, ... are probed until one is absent (and the one after, so a gap shows).
+    """
+    found: dict[str, Seen] = {}
     for key in keys:
-        target = target_of(key)
-        manifest = destination.probe(target)
-        if manifest is None:
-            continue
-        data = destination.read_data(target, manifest)
-        sha = manifest.sha256 if hashlib.sha256(data).hexdigest() == manifest.sha256 else "torn:" + manifest.sha256
-        found.setdefault(manifest.logical_key, []).append(sha)
+        seen = Seen(destination.current(target_of(key)) if revisions else 1)
+        revision, misses = 1, 0
+        while misses < 2 and (revision == 1 or revisions):
+            target = target_of(key, revision)
+            manifest = destination.probe(target)
+            if manifest is None:
+                misses += 1
+            else:
+                data = destination.read_data(target, manifest)
+                good = hashlib.sha256(data).hexdigest() == manifest.sha256
+                seen.revisions[revision] = manifest.sha256 if good else "torn:" + manifest.sha256
+                seen.supersedes[revision] = (manifest.supersedes_revision, manifest.supersedes_sha256)
+                if manifest.revision != revision or manifest.logical_key != str(key):
+                    seen.revisions[revision] = f"misplaced:{manifest.sha256}"
+            revision += 1
+            if revision == 2 and not seen.revisions:
+                break  # nothing published: no revision can be
+        if seen.revisions or seen.current != 1:
+            found[str(key)] = seen
     return found
 
 
-def target_of(key: LogicalKey) -> ExportTarget:
-    return ExportTarget(key.export, key.tenant, key.window.business_date.isoformat())
+def target_of(key: LogicalKey, revision: int = 1) -> ExportTarget:
+    return ExportTarget(key.export, key.tenant, key.window.business_date.isoformat(), revision)

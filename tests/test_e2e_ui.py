@@ -17,6 +17,7 @@ selenium the browser test does the same. ``EXPORTS_SCREENSHOT_TO=<path>`` also s
 from __future__ import annotations
 
 import datetime as dt
+import json
 import math
 import os
 import re
@@ -180,7 +181,7 @@ class Stack:
     def ledger(self) -> ExportLedger:
         return ExportLedger(self.ledger_url)
 
-    def launch_partition(self, partition: str, asset: str = ASSET, **tags: str) -> str:
+    def launch_partition(self, partition: str, asset: str = ASSET, run_config: dict | None = None, **tags: str) -> str:
         data = self.gql(
             """mutation($params: ExecutionParams!) { launchRun(executionParams: $params) {
                  __typename ... on LaunchRunSuccess { run { runId } } ... on Error { message } } }""",
@@ -196,6 +197,7 @@ class Stack:
                         {"key": key, "value": value} for key, value in {"dagster/partition": partition, **tags}.items()
                     ]
                 },
+                **({"runConfigData": run_config} if run_config is not None else {}),
             },
         )["launchRun"]
         assert data["__typename"] == "LaunchRunSuccess", data
@@ -372,6 +374,43 @@ def test_one_partition_launched_through_graphql_exports_each_tenant_once(stack: 
         assert record.state is ExportState.COMPLETED, record
         assert record.committed_attempt == f"{run_id}/{ASSET}", "the run's step is the attempt that committed"
         assert (stack.exports / ASSET / f"tenant={record.tenant}" / f"date={partition}" / "_manifest.json").is_file()
+
+
+@pytest.mark.postgres
+def test_a_partition_restated_from_the_launchpad_config_publishes_revision_2_with_its_reason(stack: Stack):
+    partition = "2026-03-10"
+    first = stack.wait_for_run(stack.launch_partition(partition))
+    assert first["status"] == "SUCCESS"
+    reason = "invoices of 10 March corrected upstream"
+    config = {"ops": {ASSET: {"config": {"restate_reason": reason}}}}
+    run_id = stack.launch_partition(partition, run_config=config)
+    run = stack.wait_for_run(run_id)
+    assert run["status"] == "SUCCESS", "\n".join(stack.messages(run_id)[-15:])
+
+    ledger = stack.ledger()
+    records = _records_by_date(ledger, [partition])
+    assert sorted(records) == [(partition, tenant) for tenant in sorted(TENANTS)]
+    for record in records.values():
+        revisions = ledger.revisions(record.logical_key)
+        assert [(r.revision, r.reason) for r in revisions] == [(1, "first export"), (2, reason)]
+        assert revisions[1].requested_by == run_id and revisions[1].published_by == f"{run_id}/{ASSET}"
+        folder = stack.exports / ASSET / f"tenant={record.tenant}" / f"date={partition}"
+        assert json.loads((folder / "_current.json").read_text())["revision"] == 2
+        assert (folder / "_manifest.json").is_file() and (folder / "revision=2" / "_manifest.json").is_file()
+    events = stack.gql(
+        """query($partitions: [String!], $asset: [String!]!) { assetOrError(assetKey: {path: $asset}) {
+             ... on Asset { assetMaterializations(partitions: $partitions) { runId
+               metadataEntries { label ... on JsonMetadataEntry { jsonString } ... on IntMetadataEntry { intValue } }
+             } } } }""",
+        partitions=[partition],
+        asset=[ASSET],
+    )["assetOrError"]["assetMaterializations"]
+    (restated,) = [e for e in events if e["runId"] == run_id]
+    entries = {entry["label"]: entry for entry in restated["metadataEntries"]}
+    assert entries["restated_keys"]["intValue"] == len(TENANTS)
+    named = json.loads(entries["revisions"]["jsonString"])
+    assert {value["revision"] for value in named.values()} == {2}
+    assert {value["reason"] for value in named.values()} == {reason}
 
 
 @pytest.mark.postgres

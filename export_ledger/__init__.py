@@ -46,6 +46,9 @@ from export_ledger.ledger import (
     ExportRecord,
     ExportState,
     LedgerError,
+    Restatement,
+    RestatementRefused,
+    Revision,
     UtcDateTime,
     redact_url,
 )
@@ -56,7 +59,7 @@ from export_ledger.sources import CallableSource, ExportSource, SqlSource
 from export_ledger.spec import ExportSpec
 from export_ledger.tenants import Tenant, TenantGroup
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "MANIFEST_NAME",
@@ -81,6 +84,9 @@ __all__ = [
     "ExportState",
     "ExportTarget",
     "ExportWindow",
+    "Restatement",
+    "RestatementRefused",
+    "Revision",
     "FrameBatches",
     "FrameError",
     "InvalidIdentifier",

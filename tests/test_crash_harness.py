@@ -135,11 +135,8 @@ EXPECTED_RESTATE_LANDING = {
         "after_commit": "completed",
     },
 }
-# The destinations whose restatements the harness runs. S3 (move_current by a conditional write) and the ledger
-# table's revisions are being built on branch restate-dest: when it lands, add "s3" here (its survey already reads
-# `.../date=D/revision=N/` and `.../date=D/_current.json`); "sql" also needs `_survey_sql` to read the table's
-# revisions and current pointer, and its row in EXPECTED_RESTATE_LANDING.
-RESTATING = ("local",)
+# The destinations whose restatements the harness runs: every destination that keeps revisions.
+RESTATING = ("local", "s3")
 
 
 @dataclass
@@ -246,13 +243,17 @@ class CrashHarness:
             if found:
                 self.tally.anomalies.append(f"{key} {stage}: {name} {found}")
 
-    def calibrate(self, runs: int = 1) -> None:
+    def calibrate(self, runs: int = 1, *, restate: bool = False) -> None:
         """Times whole, uncrashed attempts (fork to exit): random kills are drawn over their recent median, which
-        follows the load of the shared machine (the same attempt takes 0.1 s or 0.5 s)."""
+        follows the load of the shared machine (the same attempt takes 0.1 s or 0.5 s). With ``restate``, the attempts
+        timed are restatements (revision 2 of a key completed here), which take longer than a first export on S3 (a
+        pointer read and a conditional write more)."""
         for _ in range(runs):
             number = self.tally.trials["calibration"]
             day = (dt.date(2027, 6, 1) + dt.timedelta(days=number)).isoformat()
-            outcome = self.server.run(self.spec(f"calibration-{number}", day))
+            name = f"calibration-{number}"
+            revision = self.restated_key(name, day, 1) if restate else 1
+            outcome = self.server.run(self.spec(name, day, cadence_minutes=cadence(revision)))
             assert outcome.exit_code == 0, f"calibration attempt failed: {outcome}"
             self.durations.append(outcome.elapsed)
             self.keys.append(str(logical_key("acme", day)))
@@ -536,10 +537,10 @@ def test_sigkill_anywhere_in_restatements_leaves_exactly_one_current_revision(ha
         for _ in range(RESTATE_NAMED_REPEATS):
             harness.trial(index, point=point, restate_from=1 + index % 3)
             index += 1
-    harness.calibrate(runs=3)
+    harness.calibrate(runs=3, restate=True)
     for number in range(RESTATE_RANDOM_TRIALS):
         if number % 20 == 19:
-            harness.calibrate()
+            harness.calibrate(restate=True)
         harness.trial(index, kill_after=harness.random_delay(rng), restate_from=1 + index % 3)
         index += 1
     harness.finish()

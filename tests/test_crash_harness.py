@@ -134,9 +134,19 @@ EXPECTED_RESTATE_LANDING = {
         "before_commit": "current",
         "after_commit": "completed",
     },
+    # Revision N + 1's rows, its manifest and the pointer row's move commit with the ledger's record: the attempt
+    # never reaches after_stage, after_publish or after_current, and a kill at before_commit rolls all of it back.
+    "sql": {
+        "after_claim": "claimed",
+        "after_stage": "completed",
+        "after_publish": "completed",
+        "after_current": "completed",
+        "before_commit": "claimed",
+        "after_commit": "completed",
+    },
 }
 # The destinations whose restatements the harness runs: every destination that keeps revisions.
-RESTATING = ("local", "s3")
+RESTATING = ("local", "s3", "sql")
 
 
 @dataclass

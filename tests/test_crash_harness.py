@@ -26,8 +26,9 @@ The slow tier runs ``EXPORTS_CRASH_TRIALS`` random-moment trials per destination
 restatements came, when CI's marked tiers had grown to 25 minutes) plus 4 named-point kills at each of the 5 points
 of a first export (one of them through the whole Dagster job, ``execute_in_process`` in the child), the ledger-table
 destination once more in PostgreSQL (``EXPORTS_CRASH_TRIALS_POSTGRES``, 50 random trials), and restatements on the
-destinations that keep revisions (``RESTATING``): 2 kills at each of the 6 points and
-``EXPORTS_CRASH_RESTATE_TRIALS`` random ones (60 by default). Each prints its trial count and tallies. The default
+destinations that keep revisions (``RESTATING``: all three): 2 kills at each of the 6 points and
+``EXPORTS_CRASH_RESTATE_TRIALS`` random ones (60 by default; on S3 ``EXPORTS_CRASH_RESTATE_TRIALS_S3``, 30), a
+quarter of them early and a quarter late in the restatement's life. Each prints its trial count and tallies. The default
 run keeps a smoke version: each named point once per destination, for a first export and for a restatement.
 """
 

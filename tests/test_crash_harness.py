@@ -40,6 +40,7 @@ import os
 import random
 import shutil
 import signal
+import sqlite3
 import statistics
 import tempfile
 import threading
@@ -726,5 +727,56 @@ def test_the_invariants_see_a_wrong_pointer_a_damaged_revision_and_an_unrecorded
 
         found = damaged("unrecorded", unrecorded_revision_3)
         assert set(found) == {"revisions_not_recorded"}, found
+    finally:
+        dispose_engines()
+
+
+def test_the_invariants_see_a_ledger_tables_wrong_pointer_and_torn_revision(tmp_path):
+    """The ledger table's survey, shown failing on tables damaged by hand: its pointer row is the current pointer,
+    its kept revisions the published ones."""
+    good = tmp_path / "good.sqlite3"
+    table = {"kind": "sql", "table": "exported_invoices"}
+    spec = AttemptSpec(f"sqlite:///{good}", table, "2026-02-01", "first")
+    assert run_attempt(spec)["status"] == "exported"
+    key = spec.logical_key
+    ExportLedger(spec.ledger_url).request_restatement(key, reason="late invoices", requested_by="test")
+    assert run_attempt(replace(spec, run_id="second", cadence_minutes=30))["status"] == "exported"
+    dispose_engines()
+    try:
+
+        def damaged(name: str, statement: str, *params) -> dict[str, list]:
+            copy = tmp_path / f"{name}.sqlite3"
+            shutil.copy(good, copy)
+            with sqlite3.connect(copy) as conn:
+                conn.execute(statement, params)
+            url = f"sqlite:///{copy}"
+            found = survey(table, url)
+            return {
+                name: items for name, items in violations(ExportLedger(url), found, [key], final=True).items() if items
+            }
+
+        assert damaged("untouched", "SELECT 1") == {}
+
+        found = damaged(
+            "pointer-back",
+            "UPDATE exported_invoices_manifests SET manifest = "
+            "(SELECT manifest FROM exported_invoices_revisions WHERE revision = 1)",
+        )
+        assert set(found) == {"completed_without_export"}, found
+
+        found = damaged(
+            "pointer-unkept", "UPDATE exported_invoices_manifests SET manifest = replace(manifest, '\"revision\"', ?)",
+            '"revision_note": "edited", "revision"',
+        )  # fmt: skip
+        assert set(found) == {"visible_partial", "completed_without_export"}, found
+
+        found = damaged("torn", "DELETE FROM exported_invoices WHERE logical_key = ? AND row_number = 0", key)
+        assert {"visible_partial", "revision_chain_broken", "revisions_not_recorded"} <= set(found), found
+
+        found = damaged(
+            "stray-rows", "UPDATE exported_invoices SET logical_key = ? WHERE logical_key = ? AND row_number = 0",
+            f"{key}#x", key,
+        )  # fmt: skip
+        assert "visible_partial" in found and any(f"{key}#x" in item for item in found["visible_partial"]), found
     finally:
         dispose_engines()

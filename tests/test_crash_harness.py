@@ -26,8 +26,9 @@ The slow tier runs ``EXPORTS_CRASH_TRIALS`` random-moment trials per destination
 restatements came, when CI's marked tiers had grown to 25 minutes) plus 4 named-point kills at each of the 5 points
 of a first export (one of them through the whole Dagster job, ``execute_in_process`` in the child), the ledger-table
 destination once more in PostgreSQL (``EXPORTS_CRASH_TRIALS_POSTGRES``, 50 random trials), and restatements on the
-destinations that keep revisions (``RESTATING``): 2 kills at each of the 6 points and
-``EXPORTS_CRASH_RESTATE_TRIALS`` random ones (60 by default). Each prints its trial count and tallies. The default
+destinations that keep revisions (``RESTATING``: all three): 2 kills at each of the 6 points and
+``EXPORTS_CRASH_RESTATE_TRIALS`` random ones (60 by default; on S3 ``EXPORTS_CRASH_RESTATE_TRIALS_S3``, 30), a
+quarter of them early and a quarter late in the restatement's life. Each prints its trial count and tallies. The default
 run keeps a smoke version: each named point once per destination, for a first export and for a restatement.
 """
 
@@ -39,6 +40,7 @@ import os
 import random
 import shutil
 import signal
+import sqlite3
 import statistics
 import tempfile
 import threading
@@ -80,6 +82,9 @@ RANDOM_TRIALS = int(os.environ.get("EXPORTS_CRASH_TRIALS", "150"))
 POSTGRES_RANDOM_TRIALS = int(os.environ.get("EXPORTS_CRASH_TRIALS_POSTGRES", "50"))
 NAMED_REPEATS = 4
 RESTATE_RANDOM_TRIALS = int(os.environ.get("EXPORTS_CRASH_RESTATE_TRIALS", "60"))
+# An S3 restatement trial takes about 0.5 s here (a pointer read and a conditional write more, through moto), 4 times
+# a local one: fewer of them keep the slow tier within its budget.
+S3_RESTATE_RANDOM_TRIALS = int(os.environ.get("EXPORTS_CRASH_RESTATE_TRIALS_S3", "30"))
 RESTATE_NAMED_REPEATS = 2
 #: The sample source's cadence for each revision (revision r uses CADENCES[(r - 1) % 3]): a restatement reads a
 #: source that changed, so each revision's bytes differ from the one it supersedes.
@@ -134,12 +139,19 @@ EXPECTED_RESTATE_LANDING = {
         "before_commit": "current",
         "after_commit": "completed",
     },
+    # Revision N + 1's rows, its manifest and the pointer row's move commit with the ledger's record: the attempt
+    # never reaches after_stage, after_publish or after_current, and a kill at before_commit rolls all of it back.
+    "sql": {
+        "after_claim": "claimed",
+        "after_stage": "completed",
+        "after_publish": "completed",
+        "after_current": "completed",
+        "before_commit": "claimed",
+        "after_commit": "completed",
+    },
 }
-# The destinations whose restatements the harness runs. S3 (move_current by a conditional write) and the ledger
-# table's revisions are being built on branch restate-dest: when it lands, add "s3" here (its survey already reads
-# `.../date=D/revision=N/` and `.../date=D/_current.json`); "sql" also needs `_survey_sql` to read the table's
-# revisions and current pointer, and its row in EXPECTED_RESTATE_LANDING.
-RESTATING = ("local",)
+# The destinations whose restatements the harness runs: every destination that keeps revisions.
+RESTATING = ("local", "s3", "sql")
 
 
 @dataclass
@@ -246,13 +258,17 @@ class CrashHarness:
             if found:
                 self.tally.anomalies.append(f"{key} {stage}: {name} {found}")
 
-    def calibrate(self, runs: int = 1) -> None:
+    def calibrate(self, runs: int = 1, *, restate: bool = False) -> None:
         """Times whole, uncrashed attempts (fork to exit): random kills are drawn over their recent median, which
-        follows the load of the shared machine (the same attempt takes 0.1 s or 0.5 s)."""
+        follows the load of the shared machine (the same attempt takes 0.1 s or 0.5 s). With ``restate``, the attempts
+        timed are restatements (revision 2 of a key completed here), which take longer than a first export on S3 (a
+        pointer read and a conditional write more)."""
         for _ in range(runs):
             number = self.tally.trials["calibration"]
             day = (dt.date(2027, 6, 1) + dt.timedelta(days=number)).isoformat()
-            outcome = self.server.run(self.spec(f"calibration-{number}", day))
+            name = f"calibration-{number}"
+            revision = self.restated_key(name, day, 1) if restate else 1
+            outcome = self.server.run(self.spec(name, day, cadence_minutes=cadence(revision)))
             assert outcome.exit_code == 0, f"calibration attempt failed: {outcome}"
             self.durations.append(outcome.elapsed)
             self.keys.append(str(logical_key("acme", day)))
@@ -266,6 +282,18 @@ class CrashHarness:
         if rng.random() < 0.25:
             return rng.uniform(0.0, 1.3 * typical)
         return rng.uniform(0.45 * typical, 1.05 * typical)
+
+    def stratified_delay(self, rng: random.Random, number: int) -> float:
+        """A random moment of a restatement's life: one trial in four early (before and around the claim), one in
+        four late (around and after the commit), the others drawn as :meth:`random_delay` draws them. A restatement on
+        S3 claims its key in its first ~15% and commits in its last few percent (a local one spends its first half
+        before the claim): drawn over the whole life alone, a few dozen kills reach both ends too rarely to assert."""
+        typical = statistics.median(self.durations)
+        if number % 4 == 0:
+            return rng.uniform(0.0, 0.35 * typical)
+        if number % 4 == 1:
+            return rng.uniform(0.85 * typical, 1.4 * typical)
+        return self.random_delay(rng)
 
     def landing(self, key: str, business_date: str) -> str:
         """What a kill left for one key, read from the ledger and the destination. For a restatement of revision N:
@@ -526,9 +554,14 @@ def test_sigkill_at_random_moments_on_every_destination_never_duplicates_tears_o
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("harness", RESTATING, indirect=True)
-def test_sigkill_anywhere_in_restatements_leaves_exactly_one_current_revision(harness):
-    """Restatements of revision 1, 2 or 3, killed at each named point twice and then at random moments."""
+@pytest.mark.parametrize(
+    ("harness", "random_trials"),
+    [(kind, S3_RESTATE_RANDOM_TRIALS if kind == "s3" else RESTATE_RANDOM_TRIALS) for kind in RESTATING],
+    indirect=["harness"],
+)
+def test_sigkill_anywhere_in_restatements_leaves_exactly_one_current_revision(harness, random_trials):
+    """Restatements of revision 1, 2 or 3, killed at each named point twice and then at random moments (stratified
+    over the restatement's life)."""
     started = time.monotonic()
     rng = random.Random(f"{SEED}-restate-{harness.tally.destination}")
     index = 0
@@ -536,20 +569,20 @@ def test_sigkill_anywhere_in_restatements_leaves_exactly_one_current_revision(ha
         for _ in range(RESTATE_NAMED_REPEATS):
             harness.trial(index, point=point, restate_from=1 + index % 3)
             index += 1
-    harness.calibrate(runs=3)
-    for number in range(RESTATE_RANDOM_TRIALS):
+    harness.calibrate(runs=3, restate=True)
+    for number in range(random_trials):
         if number % 20 == 19:
-            harness.calibrate()
-        harness.trial(index, kill_after=harness.random_delay(rng), restate_from=1 + index % 3)
+            harness.calibrate(restate=True)
+        harness.trial(index, kill_after=harness.stratified_delay(rng, number), restate_from=1 + index % 3)
         index += 1
     harness.finish()
     print(harness.tally.report(time.monotonic() - started))
 
-    assert harness.tally.trials["restate random"] >= RESTATE_RANDOM_TRIALS
+    assert harness.tally.trials["restate random"] >= random_trials
     assert_clean(harness.tally)
     landed = {name.removeprefix("restate ") for name in harness.tally.landed}
     # Before the claim, inside the protocol and after it: each state inside is reached by a few percent of random
-    # kills only (published 2 and current 7 of 60 here), so each one is asserted by the named points instead.
+    # kills only (local: published 2 and current 7 of 60), so each one is asserted by the named points instead.
     assert {"requested", "completed"} <= landed and landed & {"claimed", "staged", "published", "current"}, (
         f"random kills should land before, inside and after a restatement's protocol: {landed}"
     )
@@ -694,5 +727,56 @@ def test_the_invariants_see_a_wrong_pointer_a_damaged_revision_and_an_unrecorded
 
         found = damaged("unrecorded", unrecorded_revision_3)
         assert set(found) == {"revisions_not_recorded"}, found
+    finally:
+        dispose_engines()
+
+
+def test_the_invariants_see_a_ledger_tables_wrong_pointer_and_torn_revision(tmp_path):
+    """The ledger table's survey, shown failing on tables damaged by hand: its pointer row is the current pointer,
+    its kept revisions the published ones."""
+    good = tmp_path / "good.sqlite3"
+    table = {"kind": "sql", "table": "exported_invoices"}
+    spec = AttemptSpec(f"sqlite:///{good}", table, "2026-02-01", "first")
+    assert run_attempt(spec)["status"] == "exported"
+    key = spec.logical_key
+    ExportLedger(spec.ledger_url).request_restatement(key, reason="late invoices", requested_by="test")
+    assert run_attempt(replace(spec, run_id="second", cadence_minutes=30))["status"] == "exported"
+    dispose_engines()
+    try:
+
+        def damaged(name: str, statement: str, *params) -> dict[str, list]:
+            copy = tmp_path / f"{name}.sqlite3"
+            shutil.copy(good, copy)
+            with sqlite3.connect(copy) as conn:
+                conn.execute(statement, params)
+            url = f"sqlite:///{copy}"
+            found = survey(table, url)
+            return {
+                name: items for name, items in violations(ExportLedger(url), found, [key], final=True).items() if items
+            }
+
+        assert damaged("untouched", "SELECT 1") == {}
+
+        found = damaged(
+            "pointer-back",
+            "UPDATE exported_invoices_manifests SET manifest = "
+            "(SELECT manifest FROM exported_invoices_revisions WHERE revision = 1)",
+        )
+        assert set(found) == {"completed_without_export"}, found
+
+        found = damaged(
+            "pointer-unkept", "UPDATE exported_invoices_manifests SET manifest = replace(manifest, '\"revision\"', ?)",
+            '"revision_note": "edited", "revision"',
+        )  # fmt: skip
+        assert set(found) == {"visible_partial", "completed_without_export"}, found
+
+        found = damaged("torn", "DELETE FROM exported_invoices WHERE logical_key = ? AND row_number = 0", key)
+        assert {"visible_partial", "revision_chain_broken", "revisions_not_recorded"} <= set(found), found
+
+        found = damaged(
+            "stray-rows", "UPDATE exported_invoices SET logical_key = ? WHERE logical_key = ? AND row_number = 0",
+            f"{key}#x", key,
+        )  # fmt: skip
+        assert "visible_partial" in found and any(f"{key}#x" in item for item in found["visible_partial"]), found
     finally:
         dispose_engines()

@@ -254,7 +254,7 @@ class Survey:
     revision are a duplicate); ``pointers`` maps logical keys to their current pointer (none: revision 1 is current);
     ``partial`` lists visible things that are not a whole export (or an unreadable pointer); ``hidden`` lists
     leftovers readers never see by protocol (local staging folders and pointer temp files, S3 data objects without a
-    manifest); ``rows`` counts SQL rows per logical key.
+    manifest); ``rows`` counts SQL rows per row key (a revision's, for a ledger table).
     """
 
     exports: dict[str, list[Published]] = field(default_factory=dict)
@@ -451,6 +451,9 @@ def _s3_body(client, bucket: str, key: str) -> bytes:
 
 
 def _survey_sql(ledger_url: str, table: str, only: ExportTarget | None) -> Survey:
+    """The ledger table as a reader reads it: every revision's manifest (``<table>_revisions`` once a key was
+    restated, else the manifests row), the rows of each under its row key, and the key's current pointer (the
+    ``<table>_manifests`` row, holding the current revision's manifest)."""
     found = Survey()
     engine = ledger_engine(ledger_url)
     with engine.connect().execution_options(ledger_read_only=True) as conn:
@@ -460,47 +463,80 @@ def _survey_sql(ledger_url: str, table: str, only: ExportTarget | None) -> Surve
             if any(present):
                 found.partial.append(f"sql:{table}: rows table and manifests table do not exist together")
             return found
+        restated = inspector.has_table(f"{table}_revisions")  # made at the table's first restatement
         # Only the columns read here, named as the README describes the layout (no reflection: a check per trial).
         rows_table = sa.table(table, sa.column("logical_key"))
-        manifests = sa.table(
-            f"{table}_manifests",
-            *(sa.column(c) for c in ("export", "tenant", "business_date", "logical_key", "manifest")),
-        )
+        place = ("export", "tenant", "business_date")
+        manifests = sa.table(f"{table}_manifests", *(sa.column(c) for c in (*place, "logical_key", "manifest")))
+        revisions = sa.table(f"{table}_revisions", *(sa.column(c) for c in (*place, "revision", "row_key", "manifest")))
         counts = sa.select(rows_table.c.logical_key, sa.func.count()).group_by(rows_table.c.logical_key)
         listing = sa.select(manifests)
+        kept = sa.select(revisions)
         if only is not None:
             key = str(logical_key(only.tenant, only.business_date))
-            counts = counts.where(rows_table.c.logical_key == key)
-            listing = listing.where(
-                manifests.c.export == only.export,
-                manifests.c.tenant == only.tenant,
-                manifests.c.business_date == only.business_date,
-            )
-        rows = Counter({key: count for key, count in conn.execute(counts)})
-        manifest_rows = list(conn.execute(listing))
-    found.rows = rows
-    destination = SqlTableDestination(url=ledger_url, table=table)
-    keys_with_manifest = set()
-    for row in manifest_rows:
-        where = f"sql:{table}/{row.export}/tenant={row.tenant}/date={row.business_date}"
-        manifest = Manifest.from_json(row.manifest.encode(), where)
-        keys_with_manifest.add(manifest.logical_key)
-        target = ExportTarget(row.export, row.tenant, row.business_date)
-        payload = destination.read_data(target, manifest)
-        if rows[manifest.logical_key] != manifest.row_count:
-            found.add(
-                Published(
-                    where, manifest, False, f"{rows[manifest.logical_key]} rows, manifest says {manifest.row_count}"
+            counts = counts.where(
+                sa.or_(
+                    rows_table.c.logical_key == key,
+                    rows_table.c.logical_key.startswith(f"{key}#revision=", autoescape=True),
                 )
             )
-        elif hashlib.sha256(payload).hexdigest() != manifest.sha256:
-            found.add(Published(where, manifest, False, "rows do not match the manifest's sha256"))
+            listing = listing.where(*(manifests.c[c] == getattr(only, c) for c in place))
+            kept = kept.where(*(revisions.c[c] == getattr(only, c) for c in place))
+        rows = Counter({row_key: count for row_key, count in conn.execute(counts)})  # per row key
+        pointer_rows = list(conn.execute(listing))
+        revision_rows = list(conn.execute(kept)) if restated else []
+    found.rows = rows
+    destination = SqlTableDestination(url=ledger_url, table=table)
+    by_place: dict[tuple, list] = {}
+    for row in revision_rows:
+        by_place.setdefault((row.export, row.tenant, row.business_date), []).append(row)
+    row_keys_read = set()
+    for pointer_row in pointer_rows:
+        place_of = (pointer_row.export, pointer_row.tenant, pointer_row.business_date)
+        where = f"sql:{table}/{pointer_row.export}/tenant={pointer_row.tenant}/date={pointer_row.business_date}"
+        pointer = Manifest.from_json(pointer_row.manifest.encode(), where)
+        kept_rows = sorted(by_place.pop(place_of, []), key=lambda r: r.revision)
+        # A key never restated: its manifests row is revision 1's manifest. A restated key: every revision's
+        # manifest is in <table>_revisions, and the pointer must hold one of them, byte for byte.
+        listed = [(r.revision, r.row_key, r.manifest) for r in kept_rows] or [(1, pointer_row.logical_key, None)]
+        if kept_rows and pointer_row.manifest not in {r.manifest for r in kept_rows if r.revision == pointer.revision}:
+            found.partial.append(f"{where}: the current pointer holds a manifest no kept revision holds")
+        elif not kept_rows and pointer.revision != 1:
+            found.partial.append(f"{where}: the current pointer names revision {pointer.revision}, none is kept")
         else:
-            found.add(Published(where, manifest, True))
-    for key, count in rows.items():
-        if key not in keys_with_manifest:
-            found.partial.append(f"sql:{table}: {count} rows of {key} without a manifest row")  # visible to readers
+            path = "." if pointer.revision == 1 else f"revision={pointer.revision}"
+            found.pointers[pointer.logical_key] = Pointer(
+                where, pointer.logical_key, pointer.revision, pointer.sha256, path
+            )
+        for revision, row_key, text in listed:
+            at = where if revision == 1 else f"{where}/revision={revision}"
+            manifest = pointer if text is None else Manifest.from_json(text.encode(), at)
+            row_keys_read.add(row_key)
+            if manifest.revision != revision or row_key != sql_row_key(manifest.logical_key, revision):
+                found.add(Published(at, manifest, False, f"revision {manifest.revision} kept as {revision}", revision))
+                continue
+            target = ExportTarget(pointer_row.export, pointer_row.tenant, pointer_row.business_date, revision)
+            payload = destination.read_data(target, manifest)
+            if rows[row_key] != manifest.row_count:
+                problem = f"{rows[row_key]} rows, manifest says {manifest.row_count}"
+                found.add(Published(at, manifest, False, problem, revision))
+            elif hashlib.sha256(payload).hexdigest() != manifest.sha256:
+                found.add(Published(at, manifest, False, "rows do not match the manifest's sha256", revision))
+            else:
+                found.add(Published(at, manifest, True, revision=revision))
+    for place_of, orphans in by_place.items():
+        found.partial.append(f"sql:{table}_revisions: revisions {[r.revision for r in orphans]} of {place_of} "
+                             "without a current pointer")  # fmt: skip
+    for row_key, count in rows.items():
+        if row_key not in row_keys_read:
+            found.partial.append(f"sql:{table}: {count} rows of {row_key} without a manifest")  # visible to readers
     return found
+
+
+def sql_row_key(key: str, revision: int) -> str:
+    """The ledger table's rows of one revision are keyed by the logical key (revision 1, as 0.3.0 wrote them) or
+    ``<logical key>#revision=<N>`` (export_ledger/destinations/table.py's module docstring)."""
+    return key if revision == 1 else f"{key}#revision={revision}"
 
 
 # -- invariants ---------------------------------------------------------------------------------------------------

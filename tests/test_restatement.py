@@ -392,3 +392,34 @@ def test_a_restatement_nobody_publishes_is_escalated_with_its_way_out(ledger, de
     assert f"export-ledger restate --withdraw {key}" in why
     ledger.withdraw_restatement(str(key), operator="ops", reason="not needed")
     assert ledger.needs_attention(dt.timedelta(hours=6)) == []
+
+
+def test_a_stalled_restatement_that_wakes_after_a_newer_revision_never_moves_the_pointer_back(
+    ledger, destination, clock
+) -> None:
+    from export_ledger.destinations.base import PointerMoved
+    from export_ledger.ledger import FencedOut
+    from export_ledger.protocol import _KeyExport
+
+    key = key_for(DAY)
+    first_export(ledger, destination, key)
+    root = Path(destination.root)
+    ledger.request_restatement(str(key), reason="late rows", requested_by="ops")
+    # Attempt A publishes revision 2, then stalls before moving the pointer; its lease runs out.
+    stalled = ledger.claim(key, "run-A/export")
+    exporter = _KeyExport(ledger, destination, SCHEMA, "csv", lambda level, message: None)
+    target = ExportTarget(key.export, key.tenant, DAY.isoformat(), 2)
+    _, published = exporter._publish(stalled, item(key, corrected(key)), target)
+    clock.advance(minutes=16)
+    # B takes over, records A's revision 2; then revision 3 is requested and published.
+    assert export_key(ledger, destination, SCHEMA, item(key), "run-B/export").status == "repaired"
+    ledger.request_restatement(str(key), reason="more late rows", requested_by="ops")
+    assert export_key(ledger, destination, SCHEMA, item(key, corrected(key)), "run-C/export").status == "exported"
+    assert current_of(root, key)[0] == 3
+    # A wakes: its move from revision 1 to 2 is refused, and it can record nothing.
+    with pytest.raises(PointerMoved, match="points at revision 3, not at revision 1"):
+        exporter._move_current(stalled, target, published)
+    with pytest.raises(FencedOut):
+        ledger.mark_conflict(stalled, RuntimeError("pointer moved"))
+    assert current_of(root, key)[0] == 3 and ledger.get(str(key)).state is ExportState.COMPLETED
+    assert [r.revision for r in ledger.revisions(str(key))] == [1, 2, 3]

@@ -130,6 +130,8 @@ def validate_frame(
         FrameError: missing columns, nulls in required fields, wrong types, events outside the window, duplicate ids.
     """
     _check_rows(frame, schema, window, what, tenant)
+    if frame.empty:
+        return schema.arrow_schema().empty_table()  # a day without events: typed by the schema, whatever the dtypes
     times = frame[schema.time_column]
     ids = list(schema.id_columns)
     hashes = id_hashes(frame, ids)
@@ -167,6 +169,8 @@ def _check_rows(frame: object, schema: ExportSchema, window: ExportWindow, what:
         raise FrameError(f"{what}: source frame is missing required columns {missing}")
     for name, kind in schema.columns.items():
         series = frame[name]
+        if series.empty:
+            continue  # no rows, no wrong values: a source's empty result often comes untyped (dtype object)
         if name not in schema.nullable:
             nulls = int(series.isna().sum())
             if nulls:

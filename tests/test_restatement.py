@@ -423,3 +423,13 @@ def test_a_stalled_restatement_that_wakes_after_a_newer_revision_never_moves_the
         ledger.mark_conflict(stalled, RuntimeError("pointer moved"))
     assert current_of(root, key)[0] == 3 and ledger.get(str(key)).state is ExportState.COMPLETED
     assert [r.revision for r in ledger.revisions(str(key))] == [1, 2, 3]
+
+
+def test_an_empty_untyped_source_result_exports_an_empty_revision(ledger, destination) -> None:
+    # A SQL source's empty result comes back with dtype object columns: no value is of the wrong kind, so it exports.
+    key = key_for(DAY)
+    empty = pd.DataFrame({name: pd.Series([], dtype=object) for name in SCHEMA.columns})
+    assert export_key(ledger, destination, SCHEMA, item(key, empty), "run-1/export").row_count == 0
+    ledger.request_restatement(str(key), reason="late rows", requested_by="ops")
+    result = export_key(ledger, destination, SCHEMA, item(key, corrected(key)), "run-2/export")
+    assert result.row_count == len(corrected(key)) and current_of(Path(destination.root), key)[0] == 2

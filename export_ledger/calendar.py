@@ -126,8 +126,13 @@ def _local_date(instant: dt.datetime, zone: ZoneInfo) -> dt.date:
     return instant.astimezone(zone).date()
 
 
+@functools.lru_cache(maxsize=32_768)
 def _start_of_day(day: dt.date, zone: ZoneInfo) -> dt.datetime:
-    """Earliest UTC instant whose local date in ``zone`` is ``day`` or later."""
+    """Earliest UTC instant whose local date in ``zone`` is ``day`` or later.
+
+    Cached: every boundary is the end of one window and the start of the next, and sensors and backfills ask for the
+    same days again and again (a pure function of the day and the zone's rules, which a ZoneInfo never changes).
+    """
     midnight = dt.datetime(day.year, day.month, day.day)
     # fold=0 maps a repeated midnight to its first occurrence, and a skipped midnight to the instant the clock jumped
     # (the offset before the gap applies), which is the first instant after it.

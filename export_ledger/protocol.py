@@ -453,14 +453,7 @@ class _KeyExport:
             raise ExportConflict(
                 f"{location}: data file sha256 {actual} does not match its manifest ({manifest.sha256})"
             )
-        return CompletionEvidence(
-            location,
-            manifest.sha256,
-            manifest.row_count,
-            manifest.attempt_id,
-            manifest.fencing_token,
-            revision=manifest.revision,
-        )
+        return CompletionEvidence.published(location, manifest)
 
 
 #: Keys claimed together in one ledger transaction, and completed together in one more, by :func:`export_batch`.

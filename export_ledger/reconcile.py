@@ -75,14 +75,7 @@ def judge(record: ExportRecord, manifest: Manifest | None, data_sha256: str | No
             f"{location} holds data with sha256 {manifest.sha256}, but attempt {record.lease_owner} wrote "
             f"{record.sha256}",
         )
-    evidence = CompletionEvidence(
-        location,
-        manifest.sha256,
-        manifest.row_count,
-        manifest.attempt_id,
-        manifest.fencing_token,
-        revision=manifest.revision,
-    )
+    evidence = CompletionEvidence.published(location, manifest)
     return Finding(record, Verdict.COMPLETED, f"published by attempt {manifest.attempt_id} at {location}", evidence)
 
 

@@ -61,9 +61,7 @@ def _acceptable(destination: Destination, record: ExportRecord, revision: int = 
             destination.move_current(target, manifest, supersedes=revision - 1)
         except ExportLedgerError as exc:
             raise LedgerError(f"cannot accept {record.logical_key}: {exc}") from None
-    return CompletionEvidence(
-        location, manifest.sha256, manifest.row_count, manifest.attempt_id, manifest.fencing_token, revision=revision
-    )
+    return CompletionEvidence.published(location, manifest)
 
 
 def resolve_key(

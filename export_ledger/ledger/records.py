@@ -133,6 +133,19 @@ class CompletionEvidence:
     source_fingerprint: str | None = None
     revision: int = 1
 
+    @classmethod
+    def published(cls, location: str, manifest) -> CompletionEvidence:
+        """The evidence of an export found published at ``location``, from its manifest (a repair, reconciliation,
+        an operator's acceptance): no source fingerprint, since the source was not read."""
+        return cls(
+            location,
+            manifest.sha256,
+            manifest.row_count,
+            manifest.attempt_id,
+            manifest.fencing_token,
+            revision=manifest.revision,
+        )
+
 
 @dataclass(frozen=True)
 class Restatement:

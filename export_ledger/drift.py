@@ -267,8 +267,7 @@ def stale_digest(records: Sequence[DriftRecord]) -> str:
 
 def describe(record: DriftRecord) -> str:
     """``+added -removed ~changed`` (``~?`` when changes are unknown)."""
-    changed = "?" if record.rows_changed is None else record.rows_changed
-    return f"+{record.rows_added} -{record.rows_removed} ~{changed}"
+    return record.changes
 
 
 __all__ = [

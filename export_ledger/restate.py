@@ -55,14 +55,18 @@ def request_for_date(
     if not records:
         whose = f" for tenant(s) {', '.join(tenants)}" if tenants else ""
         raise RestatementRefused(f"the ledger has no key of {export} on {business_date}{whose}: nothing to restate")
+    return request_each(ledger, [(record.logical_key, reason) for record in records], requested_by=requested_by)
+
+
+def request_each(ledger: ExportLedger, wanted: Sequence[tuple[str, str]], *, requested_by: str) -> RequestReport:
+    """Records a request for each ``(logical key, reason)``, each in its own transaction: a key the ledger refuses
+    (not completed, a request already open) is reported with the ledger's why, and the others are still requested."""
     report = RequestReport()
-    for record in records:
+    for logical_key, reason in wanted:
         try:
-            report.requested.append(
-                ledger.request_restatement(record.logical_key, reason=reason, requested_by=requested_by)
-            )
+            report.requested.append(ledger.request_restatement(logical_key, reason=reason, requested_by=requested_by))
         except RestatementRefused as exc:
-            report.refused.append((record.logical_key, str(exc)))
+            report.refused.append((logical_key, str(exc)))
     return report
 
 
@@ -105,8 +109,7 @@ def records_of(ledger: ExportLedger, requests: Sequence[Restatement]) -> dict[st
 
 def stale_reason(record: DriftRecord) -> str:
     """The reason recorded for an automatic restatement: ``source changed: +A -R ~C rows`` (``~?``: unknown)."""
-    changed = "?" if record.rows_changed is None else record.rows_changed
-    return f"source changed: +{record.rows_added} -{record.rows_removed} ~{changed} rows"
+    return f"source changed: {record.changes} rows"
 
 
 def restate_stale(
@@ -115,15 +118,9 @@ def restate_stale(
     """Records a request, with :func:`stale_reason`, for each of ``stale`` (keys drift just found stale, of exports
     that declare ``restate_stale``). A key that already has an open request, or is no longer completed, is left as
     it is and reported refused: the request under way, or the operator's decision, stands."""
-    report = RequestReport()
-    for record in stale:
-        try:
-            report.requested.append(
-                ledger.request_restatement(record.logical_key, reason=stale_reason(record), requested_by=requested_by)
-            )
-        except RestatementRefused as exc:
-            report.refused.append((record.logical_key, str(exc)))
-    return report
+    return request_each(
+        ledger, [(record.logical_key, stale_reason(record)) for record in stale], requested_by=requested_by
+    )
 
 
 def asset_name_for(ledger: ExportLedger, record: ExportRecord) -> tuple[str, bool]:

@@ -25,7 +25,7 @@ from export_ledger.ledger import (
     RestatementRefused,
 )
 from export_ledger.protocol import ExportBatch, ExportItem, ExportResult, target_for
-from export_ledger.restate import current_revisions
+from export_ledger.restate import current_revisions, request_each
 from export_ledger.spec import ExportSpec
 from export_ledger.tenants import TenantGroup, zone_slug
 
@@ -233,18 +233,20 @@ def _request_restatements(
         tenants=tenants,
     )
     days = {parse_business_date(p) for p in partition_keys}
-    requested, left = [], []
-    for record in records:
-        if record.business_date not in days:
-            continue
-        if record.state is not ExportState.COMPLETED:
-            left.append(f"{record.logical_key} is {record.state.value}: exported by this run, not restated")
-            continue
-        try:
-            book.request_restatement(record.logical_key, reason=config.restate_reason, requested_by=context.run.run_id)
-            requested.append(record.logical_key)
-        except RestatementRefused as exc:  # an open request already: it stands, with its own reason
-            left.append(str(exc))
+    ours = [record for record in records if record.business_date in days]
+    left = [
+        f"{r.logical_key} is {r.state.value}: exported by this run, not restated"
+        for r in ours
+        if r.state is not ExportState.COMPLETED
+    ]
+    # A key with an open request already is refused by the ledger: that request stands, with its own reason.
+    report = request_each(
+        book,
+        [(r.logical_key, config.restate_reason) for r in ours if r.state is ExportState.COMPLETED],
+        requested_by=context.run.run_id,
+    )
+    requested = [request.logical_key for request in report.requested]
+    left += [why for _, why in report.refused]
     context.log.info(
         f"restatement requested for {len(requested)} key(s) ({config.restate_reason.strip()!r}): "
         f"{', '.join(requested[:5])}{', ...' if len(requested) > 5 else ''}"

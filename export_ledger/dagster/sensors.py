@@ -55,6 +55,14 @@ def sensor_result(
     return requests, events, _notes(report)
 
 
+def _still_exported_by(spec: ExportSpec, record: ExportRecord) -> bool:
+    """Whether ``spec`` still exports ``record``'s key: the tenant is declared, in the zone the key was claimed in."""
+    return (
+        record.tenant in spec.tenants
+        and spec.calendar_for(record.tenant).zone_on(record.business_date) == record.timezone
+    )
+
+
 def rerun_requests(
     failed: Sequence[ExportRecord],
     exports: Mapping[str, ExportSpec],
@@ -77,10 +85,7 @@ def rerun_requests(
             continue
         if record.fencing_token - (bases or {}).get(record.logical_key, 0) >= max_attempts:
             continue  # escalated: needs_attention names it, a person decides
-        if (
-            record.tenant not in spec.tenants
-            or spec.calendar_for(record.tenant).zone_on(record.business_date) != record.timezone
-        ):
+        if not _still_exported_by(spec, record):
             log.warning(
                 f"{record.logical_key} is failed but its tenant or zone is no longer {spec.name}'s; not rerun "
                 "(it is escalated once it waits longer than allowed)"
@@ -130,10 +135,7 @@ def restatement_requests(
         spec = exports.get(request.export)
         if record is None or spec is None or record.state is not ExportState.COMPLETED:
             continue
-        if (
-            record.tenant not in spec.tenants
-            or spec.calendar_for(record.tenant).zone_on(record.business_date) != record.timezone
-        ):
+        if not _still_exported_by(spec, record):
             log.warning(
                 f"{record.logical_key} has an open restatement but its tenant or zone is no longer {spec.name}'s; not "
                 "launched (withdraw it: export-ledger restate --withdraw)"

@@ -539,13 +539,9 @@ class ExportLedger(RetentionMixin, ContractsMixin, DriftMixin, RestatementsMixin
         )
         if not moved:
             raise InvalidTransition(f"{record.logical_key} changed while it was being claimed")
-        if request is None:
-            return Claim(
-                record.logical_key, attempt_id, token, record.window, now, expires, record.state, record.tz_database
-            )
         return Claim(
             record.logical_key, attempt_id, token, record.window, now, expires, record.state, record.tz_database,
-            revision=request.revision, supersedes=self._supersedes(conn, request),
+            **self._restating(conn, request),
         )  # fmt: skip
 
     @staticmethod
@@ -690,10 +686,7 @@ class ExportLedger(RetentionMixin, ContractsMixin, DriftMixin, RestatementsMixin
             )  # fmt: skip
             if not moved:
                 raise InvalidTransition(f"{logical_key} changed while an operator was taking it; look again")
-            request = self._open_requests(conn, [logical_key]).get(logical_key)
-            restating = (
-                {} if request is None else dict(revision=request.revision, supersedes=self._supersedes(conn, request))
-            )
+            restating = self._restating(conn, self._open_requests(conn, [logical_key]).get(logical_key))
         return Claim(
             logical_key, operator, token, record.window, now, expires, record.state, record.tz_database, **restating
         )

@@ -42,6 +42,12 @@ class DriftRecord:
     def from_row(cls, row: sa.Row) -> DriftRecord:
         return cls(**dict(row._mapping))
 
+    @property
+    def changes(self) -> str:
+        """``+added -removed ~changed`` (``~?`` when changes are unknown)."""
+        changed = "?" if self.rows_changed is None else self.rows_changed
+        return f"+{self.rows_added} -{self.rows_removed} ~{changed}"
+
 
 @dataclass(frozen=True)
 class DriftFinding:

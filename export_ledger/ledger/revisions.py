@@ -200,6 +200,13 @@ class RestatementsMixin:
         query = sa.select(export_restatements).where(export_restatements.c.logical_key.in_(list(logical_keys)), _OPEN)
         return {row.logical_key: Restatement.from_row(row) for row in conn.execute(query)}
 
+    def _restating(self, conn: Connection, request: Restatement | None) -> dict:
+        """A claim's revision fields: none for a first export (revision 1), else the revision the open request
+        publishes and the one it supersedes."""
+        if request is None:
+            return {}
+        return dict(revision=request.revision, supersedes=self._supersedes(conn, request))
+
     def _supersedes(self, conn: Connection, request: Restatement) -> tuple[int, str]:
         """The revision a request supersedes and its sha256 (its row was written at the latest at the request)."""
         sha256 = conn.execute(

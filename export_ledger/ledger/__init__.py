@@ -1,9 +1,13 @@
-"""The export ledger, split by concern: ``schema`` (tables), ``store`` (engines, schema version and upgrades),
-``transitions`` (every state change, declared once), ``records`` (what reads return), ``core`` (claims,
-completions, reconciliation), ``retention``, ``contracts`` and ``drift``. Plain Python; nothing here imports Dagster.
+"""The export ledger, one class per concern behind a thin facade (:class:`ExportLedger`): ``claims``, ``completions``,
+``queries``, ``attention``, ``restatements``, ``contracts``, ``retention``, ``drift`` and ``operators``. Underneath:
+``schema`` (tables), ``store`` (engines, the one clock, schema version and the explicit upgrade through alembic),
+``transitions`` (every state change, declared once, and the one lease predicate), ``selection`` (which transition a
+claim takes: pure functions) and ``records`` (what reads return). Plain Python; nothing here imports Dagster.
 """
 
-from export_ledger.ledger.core import DEFAULT_LEASE_TTL, ExportLedger, utc_now
+from export_ledger.ledger.attention import AttentionSummary, Escalation, PartitionWork
+from export_ledger.ledger.completions import Finish
+from export_ledger.ledger.core import DEFAULT_LEASE_TTL, DEFAULT_MAX_ATTEMPTS, ExportLedger, utc_now
 from export_ledger.ledger.drift import DriftChanges, DriftFinding, DriftRecord
 from export_ledger.ledger.errors import (
     BelowLowWater,
@@ -15,8 +19,13 @@ from export_ledger.ledger.errors import (
     LeaseHeld,
     LedgerError,
     LedgerUnavailable,
+    LiveLease,
     NeedsReconciliation,
+    OperatorResolution,
+    ResolutionRefused,
     RestatementRefused,
+    SchemaOutdated,
+    WindowNotOver,
     short_error,
 )
 from export_ledger.ledger.records import (
@@ -26,19 +35,29 @@ from export_ledger.ledger.records import (
     CompletionEvidence,
     DaySummary,
     ExportRecord,
-    Resolution,
     Restatement,
     Revision,
 )
+from export_ledger.ledger.retention import PrunePlan
 from export_ledger.ledger.schema import SCHEMA_VERSION, AttemptOutcome, ExportState, UtcDateTime
-from export_ledger.ledger.store import dispose_engines, ledger_engine, redact_url, schema_version, upgrade
+from export_ledger.ledger.store import (
+    database_now,
+    dispose_engines,
+    ledger_engine,
+    redact_url,
+    schema_version,
+    upgrade,
+    upgrade_url,
+)
 
 __all__ = [
     "DEFAULT_LEASE_TTL",
+    "DEFAULT_MAX_ATTEMPTS",
     "SCHEMA_VERSION",
     "AlreadyCompleted",
     "AttemptOutcome",
     "AttemptRecord",
+    "AttentionSummary",
     "BelowLowWater",
     "Claim",
     "CompletionEvidence",
@@ -49,25 +68,35 @@ __all__ = [
     "DriftFinding",
     "DriftRecord",
     "EmptyWindow",
+    "Escalation",
     "ExportLedger",
     "ExportRecord",
     "ExportState",
     "FencedOut",
+    "Finish",
     "InvalidTransition",
     "LeaseHeld",
     "LedgerError",
     "LedgerUnavailable",
+    "LiveLease",
     "NeedsReconciliation",
-    "Resolution",
+    "OperatorResolution",
+    "PartitionWork",
+    "PrunePlan",
+    "ResolutionRefused",
     "Restatement",
     "RestatementRefused",
     "Revision",
+    "SchemaOutdated",
     "UtcDateTime",
+    "WindowNotOver",
+    "database_now",
     "dispose_engines",
     "ledger_engine",
     "redact_url",
     "schema_version",
     "short_error",
     "upgrade",
+    "upgrade_url",
     "utc_now",
 ]

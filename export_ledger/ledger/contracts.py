@@ -1,9 +1,14 @@
-"""Calendar contracts: what each export's history depends on, recorded once and changed only by an operator.
+"""Calendar contracts: what each tenant's history depends on, recorded once and changed only by an operator.
 
-A contract is kept per tenant (its row's JSON names the tenant): moving one tenant to another zone is refused for
-that tenant alone until accepted, and the others keep running. Rows without a tenant are export-wide: written by
-releases before per-tenant zones and by an operator accepting for a whole export; they apply to every tenant, and
-the latest row that applies to a tenant is the one in force.
+A contract is kept per tenant (its row's JSON names the tenant). Rows without a tenant are export-wide: written by
+releases before per-tenant zones and by an operator accepting for a whole export; they apply to every tenant, and the
+latest row that applies to a tenant is the one in force.
+
+The contract is checked **at claim, in the claim's transaction** (:meth:`Contracts.decide_in`, called by
+:mod:`export_ledger.ledger.claims`): an attempt that computed its windows with one contract cannot claim a key after an
+operator accepted another, so a zone move accepted while a run is in flight cannot cut a day twice. A tenant refused
+this way gets an open row in ``export_contract_refusals``, escalated to a person until an operator accepts a contract
+(:meth:`Contracts.accept`) or the code goes back to the recorded one (the next claim closes it).
 """
 
 from __future__ import annotations
@@ -16,150 +21,172 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from export_ledger.ledger.errors import MESSAGE_LIMIT, ContractChanged
-from export_ledger.ledger.schema import export_contracts, export_runs
+from export_ledger.ledger.schema import export_contract_refusals, export_contracts, export_runs
+
+#: The first schema version that keeps contract refusals.
+REFUSALS_SCHEMA_VERSION = 6
 
 
-class ContractsMixin:
-    """The ledger's calendar-contract methods (mixed into :class:`~export_ledger.ledger.ExportLedger`)."""
+class Contracts:
+    """The calendar contracts of :class:`~export_ledger.ledger.ExportLedger`."""
 
-    def recorded_contract(self, export: str) -> dict | None:
-        """The export-wide contract in force (recorded by releases before per-tenant zones, or accepted for a whole
-        export), or None."""
-        with self.atomic(read_only=True) as conn:
-            wide, _ = self._contracts_in_force(conn, export)
-        return None if wide is None else json.loads(wide[1])
+    def __init__(self, ledger) -> None:
+        self.ledger = ledger
 
-    def check_contract(self, export: str, contract: dict, *, tenant: str | None = None) -> None:
-        """Records the contract at the first materialization; afterwards refuses any other one. Without ``tenant``,
-        the export-wide contract (every tenant in one zone); with it, that tenant's (see :meth:`check_contracts`).
+    # -- at claim ----------------------------------------------------------------------------------------------
 
-        Raises:
-            ContractChanged: naming the recorded and the new contract, until an operator accepts the new one.
+    def decide_in(
+        self, conn: Connection, contracts: Mapping[tuple[str, str], Mapping], now: dt.datetime
+    ) -> dict[tuple[str, str], ContractChanged]:
+        """Inside a claim's transaction: records each tenant's contract at its first claim, compares the others with
+        the one in force, keeps the refusals open (and closes those that match again). Returns the refusals, by
+        ``(export, tenant)``.
+
+        On PostgreSQL two first claims of one export must not both record theirs: when a contract is to be recorded,
+        the transaction first takes an advisory lock on the export's name (before any row lock, so that claims never
+        wait for each other in two orders), then decides again. SQLite's ``BEGIN IMMEDIATE`` already serializes.
         """
-        if tenant is not None:
-            refused = self.check_contracts(export, {tenant: contract})
-            if refused:
-                raise refused[tenant]
-            return
-        wanted = json.dumps(contract, sort_keys=True)
-        with self.atomic() as conn:
-            wide, _ = self._contracts_in_force(conn, export)
-            if wide is None and conn.dialect.name == "postgresql":
-                conn.execute(sa.select(sa.func.pg_advisory_xact_lock(sa.func.hashtext(export))))
-                wide, _ = self._contracts_in_force(conn, export)
-            if wide is None:
-                conn.execute(
-                    export_contracts.insert().values(
-                        export=export, contract=wanted, recorded_at=self.now(), reason="first materialization"
-                    )
-                )
-                return
-        if wide[1] != wanted:
-            raise ContractChanged(
-                f"the calendar contract of {export} changed: the ledger recorded {wide[1]}, the code now says "
-                f"{wanted}. Changing the zone or start date is a business change: every materialization is refused "
-                f"until an operator runs: {accept_command(export, contract, None)}"
-            )
-
-    def check_contracts(self, export: str, contracts: Mapping[str, dict]) -> dict[str, ContractChanged]:
-        """Per tenant: records the contract at the tenant's first materialization, afterwards compares with the one in
-        force. Returns the refusals (tenant -> error naming the command that accepts the change); the rest may run.
-
-        A tenant the ledger holds no key of has no history to protect: an export-wide contract that disagrees with it
-        (a new tenant in another zone) does not refuse it; its own contract is recorded instead.
-        """
-        if not contracts:
-            return {}
-        with self.atomic() as conn:
-            inserts, refusals = self._contract_decisions(conn, export, contracts)
+        by_export: dict[str, dict[str, Mapping]] = {}
+        for (export, tenant), contract in contracts.items():
+            by_export.setdefault(export, {})[tenant] = contract
+        refusals: dict[tuple[str, str], ContractChanged] = {}
+        for export, wanted in sorted(by_export.items()):
+            inserts, refused = self._decisions(conn, export, wanted)
             if inserts and conn.dialect.name == "postgresql":
-                # Two first materializations at once must not both record theirs: serialize them on the export's
-                # name (SQLite's BEGIN IMMEDIATE already does), then decide again.
                 conn.execute(sa.select(sa.func.pg_advisory_xact_lock(sa.func.hashtext(export))))
-                inserts, refusals = self._contract_decisions(conn, export, contracts)
+                inserts, refused = self._decisions(conn, export, wanted)
             if inserts:
-                now = self.now()
                 conn.execute(
                     export_contracts.insert(),
-                    [
-                        {"export": export, "contract": text, "recorded_at": now, "reason": "first materialization"}
-                        for text in inserts
-                    ],
+                    [{"export": export, "contract": t, "recorded_at": now, "reason": "first claim"} for t in inserts],
                 )
+            self._keep_refusals(conn, export, wanted, refused, now)
+            refusals.update({(export, tenant): error for tenant, (error, _) in refused.items()})
         return refusals
 
-    def _contract_decisions(
-        self, conn: Connection, export: str, contracts: Mapping[str, dict]
-    ) -> tuple[list[str], dict[str, ContractChanged]]:
-        wide, own = self._contracts_in_force(conn, export)
-        inserts, refusals, unsure = [], {}, []
-        for tenant, contract in contracts.items():
-            wanted = json.dumps(contract, sort_keys=True)
+    def _decisions(
+        self, conn: Connection, export: str, wanted: Mapping[str, Mapping]
+    ) -> tuple[list[str], dict[str, tuple[ContractChanged, str]]]:
+        """The contracts to record and the refusals (tenant -> (error, recorded JSON))."""
+        wide, own = _in_force(conn, export)
+        inserts, refused, unsure = [], {}, []
+        for tenant, contract in wanted.items():
+            text = canonical(contract)
             mine = own.get(tenant)
             recorded = mine if mine is not None and (wide is None or mine[0] > wide[0]) else wide
             if recorded is None:
                 inserts.append(_tenant_row(contract, tenant))
-            elif recorded[1] != wanted:
+            elif recorded[1] != text:
                 unsure.append((tenant, contract, recorded[1], mine is None))
-        with_keys = self._tenants_with_keys(conn, export, [t for t, _, _, wide_only in unsure if wide_only])
+        # A tenant the ledger holds no key of has no history to protect: an export-wide contract that disagrees with
+        # it (a new tenant in another zone) does not refuse it; its own contract is recorded instead.
+        with_keys = _tenants_with_keys(conn, export, [t for t, _, _, wide_only in unsure if wide_only])
         for tenant, contract, recorded, wide_only in unsure:
             if wide_only and tenant not in with_keys:
                 inserts.append(_tenant_row(contract, tenant))
             else:
-                refusals[tenant] = _changed(export, tenant, recorded, contract)
-        return inserts, refusals
+                refused[tenant] = (changed(export, tenant, recorded, contract), recorded)
+        return inserts, refused
 
-    def _contracts_in_force(
-        self, conn: Connection, export: str
-    ) -> tuple[tuple[int, str] | None, dict[str, tuple[int, str]]]:
-        """The latest export-wide contract and each tenant's latest own one, as (row id, canonical JSON)."""
-        wide, own = None, {}
-        rows = conn.execute(
-            sa.select(export_contracts.c.id, export_contracts.c.contract)
-            .where(export_contracts.c.export == export)
-            .order_by(export_contracts.c.id)
-        )
-        for row_id, text in rows:
-            contract = json.loads(text)
-            tenant = contract.pop("tenant", None)
-            entry = (row_id, json.dumps(contract, sort_keys=True))
-            if tenant is None:
-                wide = entry
+    def _keep_refusals(
+        self,
+        conn: Connection,
+        export: str,
+        wanted: Mapping[str, Mapping],
+        refused: Mapping[str, tuple[ContractChanged, str]],
+        now: dt.datetime,
+    ) -> None:
+        """One open refusal row per refused tenant (its count and last time raised); a tenant whose code matches
+        the recorded contract again has its open row closed."""
+        if not self.ledger.supports(REFUSALS_SCHEMA_VERSION):
+            return
+        table = export_contract_refusals
+        open_rows = {
+            row.tenant: row
+            for row in conn.execute(
+                sa.select(table.c.id, table.c.tenant).where(
+                    table.c.export == export, table.c.tenant.in_(list(wanted)), table.c.closed_at.is_(None)
+                )
+            )
+        }
+        matching = [row.id for tenant, row in open_rows.items() if tenant not in refused]
+        if matching:
+            conn.execute(table.update().where(table.c.id.in_(matching), table.c.closed_at.is_(None)).values(closed_at=now))
+        for tenant, (_, recorded) in sorted(refused.items()):
+            text = canonical(wanted[tenant])
+            if tenant in open_rows:
+                conn.execute(
+                    table.update()
+                    .where(table.c.id == open_rows[tenant].id, table.c.closed_at.is_(None))
+                    .values(wanted=text, recorded=recorded, last_refused_at=now, refusals=table.c.refusals + 1)
+                )
             else:
-                own[tenant] = entry
-        return wide, own
+                conn.execute(
+                    table.insert().values(
+                        export=export, tenant=tenant, recorded=recorded, wanted=text, first_refused_at=now,
+                        last_refused_at=now, refusals=1, closed_at=None,
+                    )
+                )  # fmt: skip
 
-    def _tenants_with_keys(self, conn: Connection, export: str, tenants: list[str]) -> set[str]:
-        if not tenants:
-            return set()
-        query = (
-            sa.select(export_runs.c.tenant)
-            .where(export_runs.c.export == export, export_runs.c.tenant.in_(tenants))
-            .distinct()
-        )
-        return set(conn.execute(query).scalars())
+    # -- reads ---------------------------------------------------------------------------------------------------
 
-    def contract_in_force(self, export: str, tenant: str) -> dict | None:
+    def recorded(self, export: str) -> dict | None:
+        """The export-wide contract in force (recorded by releases before per-tenant zones, or accepted for a whole
+        export), or None."""
+        with self.ledger.atomic(read_only=True) as conn:
+            wide, _ = _in_force(conn, export)
+        return None if wide is None else json.loads(wide[1])
+
+    def in_force(self, export: str, tenant: str) -> dict | None:
         """The contract that applies to ``tenant`` (its own or the export-wide one, whichever is later), or None."""
-        with self.atomic(read_only=True) as conn:
-            wide, own = self._contracts_in_force(conn, export)
+        with self.ledger.atomic(read_only=True) as conn:
+            wide, own = _in_force(conn, export)
         mine = own.get(tenant)
         recorded = mine if mine is not None and (wide is None or mine[0] > wide[0]) else wide
         return None if recorded is None else json.loads(recorded[1])
 
     def tenant_contracts(self, export: str) -> dict[str, dict]:
         """Each tenant's own contract in force, where no later export-wide one supersedes it."""
-        with self.atomic(read_only=True) as conn:
-            wide, own = self._contracts_in_force(conn, export)
+        with self.ledger.atomic(read_only=True) as conn:
+            wide, own = _in_force(conn, export)
         return {t: json.loads(text) for t, (row_id, text) in own.items() if wide is None or row_id > wide[0]}
 
-    def accept_contract(self, export: str, contract: dict, reason: str, *, tenant: str | None = None) -> None:
+    def history(self, export: str) -> list[dict]:
+        query = sa.select(export_contracts).where(export_contracts.c.export == export).order_by(export_contracts.c.id)
+        with self.ledger.atomic(read_only=True) as conn:
+            return [
+                {"contract": json.loads(r.contract), "recorded_at": r.recorded_at, "reason": r.reason}
+                for r in conn.execute(query)
+            ]
+
+    def refusals(self, *, exports=(), limit: int = 100) -> list[dict]:
+        """Open refusals (a tenant whose code names another contract than the one in force), oldest first."""
+        if not self.ledger.supports(REFUSALS_SCHEMA_VERSION):
+            return []
+        table = export_contract_refusals
+        query = sa.select(table).where(table.c.closed_at.is_(None))
+        if exports:
+            query = query.where(table.c.export.in_(list(exports)))
+        query = query.order_by(table.c.first_refused_at, table.c.id).limit(limit)
+        with self.ledger.atomic(read_only=True) as conn:
+            return [dict(row._mapping) for row in conn.execute(query)]
+
+    # -- an operator's acceptance ---------------------------------------------------------------------------------
+
+    def accept(self, export: str, contract: Mapping, reason: str, *, tenant: str | None = None) -> None:
         """Records ``contract`` as the one in force for ``tenant`` of ``export`` (every tenant when None), with the
-        operator's reason."""
+        operator's reason; closes the tenant's (or every tenant's) open refusal.
+
+        Raises:
+            ValueError: no reason.
+            ContractChanged: a declared move would re-cut a day the ledger already holds in the old zone.
+        """
         if not reason or not reason.strip():
             raise ValueError("accepting a contract change needs a reason")
-        text = json.dumps(contract, sort_keys=True) if tenant is None else _tenant_row(contract, tenant)
-        with self.atomic() as conn:
+        text = canonical(contract) if tenant is None else _tenant_row(contract, tenant)
+        ledger = self.ledger
+        with ledger.atomic() as conn:
+            now = ledger.now(conn)
             for move in contract.get("moves", ()):
                 # The day of a move starts at the old zone's midnight and ends at the new one's; if the ledger already
                 # holds it (or a later day) in the old zone, the windows around the move would no longer tile.
@@ -179,24 +206,55 @@ class ContractsMixin:
                     )
             conn.execute(
                 export_contracts.insert().values(
-                    export=export, contract=text, recorded_at=self.now(), reason=reason.strip()[:MESSAGE_LIMIT]
+                    export=export, contract=text, recorded_at=now, reason=reason.strip()[:MESSAGE_LIMIT]
                 )
             )
-
-    def contract_history(self, export: str) -> list[dict]:
-        query = sa.select(export_contracts).where(export_contracts.c.export == export).order_by(export_contracts.c.id)
-        with self.atomic(read_only=True) as conn:
-            return [
-                {"contract": json.loads(r.contract), "recorded_at": r.recorded_at, "reason": r.reason}
-                for r in conn.execute(query)
-            ]
+            if ledger.supports(REFUSALS_SCHEMA_VERSION):
+                table = export_contract_refusals
+                closing = table.update().where(table.c.export == export, table.c.closed_at.is_(None))
+                if tenant is not None:
+                    closing = closing.where(table.c.tenant == tenant)
+                conn.execute(closing.values(closed_at=now))
 
 
-def _tenant_row(contract: dict, tenant: str) -> str:
+def canonical(contract: Mapping) -> str:
+    """A contract's canonical JSON: what the ledger stores and compares."""
+    return json.dumps(dict(contract), sort_keys=True)
+
+
+def _in_force(conn: Connection, export: str) -> tuple[tuple[int, str] | None, dict[str, tuple[int, str]]]:
+    """The latest export-wide contract and each tenant's latest own one, as (row id, canonical JSON)."""
+    wide, own = None, {}
+    rows = conn.execute(
+        sa.select(export_contracts.c.id, export_contracts.c.contract)
+        .where(export_contracts.c.export == export)
+        .order_by(export_contracts.c.id)
+    )
+    for row_id, text in rows:
+        contract = json.loads(text)
+        tenant = contract.pop("tenant", None)
+        entry = (row_id, canonical(contract))
+        if tenant is None:
+            wide = entry
+        else:
+            own[tenant] = entry
+    return wide, own
+
+
+def _tenants_with_keys(conn: Connection, export: str, tenants: list[str]) -> set[str]:
+    if not tenants:
+        return set()
+    query = (
+        sa.select(export_runs.c.tenant).where(export_runs.c.export == export, export_runs.c.tenant.in_(tenants)).distinct()
+    )
+    return set(conn.execute(query).scalars())
+
+
+def _tenant_row(contract: Mapping, tenant: str) -> str:
     return json.dumps({**contract, "tenant": tenant}, sort_keys=True)
 
 
-def accept_command(export: str, contract: dict, tenant: str | None) -> str:
+def accept_command(export: str, contract: Mapping, tenant: str | None) -> str:
     """The command an operator runs to accept ``contract`` (for one tenant, or export-wide)."""
     parts = [f"export-ledger accept-contract --export {export}"]
     if tenant is not None:
@@ -207,8 +265,9 @@ def accept_command(export: str, contract: dict, tenant: str | None) -> str:
     return " ".join(parts)
 
 
-def _changed(export: str, tenant: str, recorded: str, contract: dict) -> ContractChanged:
-    wanted = json.dumps(contract, sort_keys=True)
+def changed(export: str, tenant: str, recorded: str, contract: Mapping) -> ContractChanged:
+    """The refusal of ``tenant``'s claims while its code names ``contract`` and the ledger holds ``recorded``."""
+    wanted = canonical(contract)
     hint = ""
     if json.loads(recorded).get("timezone") != contract.get("timezone") and not contract.get("moves"):
         hint = (
@@ -217,6 +276,6 @@ def _changed(export: str, tenant: str, recorded: str, contract: dict) -> Contrac
         )
     return ContractChanged(
         f"the calendar contract of {export} for tenant {tenant} changed: the ledger recorded {recorded}, the code now "
-        f"says {wanted}. Changing a zone or the start date is a business change: this tenant's materializations are "
-        f"refused (the other tenants run) until an operator runs: {accept_command(export, contract, tenant)}.{hint}"
+        f"says {wanted}. Changing a zone or the start date is a business change: this tenant's claims are refused "
+        f"(the other tenants run) until an operator runs: {accept_command(export, contract, tenant)}.{hint}"
     )

@@ -1,7 +1,8 @@
 """The ledger's side of drift detection: stored source fingerprints and the ``export_drift`` records.
 
-Which keys are stale is decided in :mod:`export_ledger.drift`; this mixin only reads fingerprints and records, and
-writes findings, each batch in one transaction. Everything here needs schema version 4: on an older ledger opened
+Which keys are stale is decided in :mod:`export_ledger.drift`; this class only reads fingerprints and records, and
+writes findings, each batch in one transaction. A record is opened by an INSERT that the partial unique index keeps to
+one open record per key, and closed only by the declared :data:`~export_ledger.ledger.transitions.CLEAR_DRIFT`. Everything here needs schema version 4: on an older ledger opened
 for reading, reads return nothing (no key can be stale before fingerprints existed) and writes are refused.
 """
 
@@ -13,10 +14,10 @@ from dataclasses import dataclass
 
 import sqlalchemy as sa
 
+from export_ledger.ledger import transitions as T
 from export_ledger.ledger.errors import LedgerError
 from export_ledger.ledger.records import ExportRecord
-from export_ledger.ledger.schema import RUN_COLUMNS, ExportState, export_drift, export_runs
-from export_ledger.ledger.store import schema_version
+from export_ledger.ledger.schema import ExportState, export_drift, export_runs
 
 #: The first schema version with fingerprints and drift records.
 DRIFT_SCHEMA_VERSION = 4
@@ -68,13 +69,19 @@ class DriftChanges:
     cleared: list[str]
 
 
-class DriftMixin:
+class _Raced(Exception):
+    """A drift record this pass meant to close was closed by another pass first."""
+
+
+class Drift:
     """Fingerprints and drift records of :class:`~export_ledger.ledger.ExportLedger`."""
+
+    def __init__(self, ledger) -> None:
+        self.ledger = ledger
 
     def has_drift_schema(self) -> bool:
         """Whether the ledger's schema has fingerprints and drift records (version 4 or later)."""
-        with self.atomic(read_only=True) as conn:
-            return schema_version(conn) >= DRIFT_SCHEMA_VERSION
+        return self.ledger.supports(DRIFT_SCHEMA_VERSION)
 
     def fingerprints(self, logical_keys: Sequence[str]) -> dict[str, str | None]:
         """The stored source fingerprint of each key (None: none recorded: a repaired or older key)."""
@@ -83,7 +90,7 @@ class DriftMixin:
         query = sa.select(export_runs.c.logical_key, export_runs.c.source_fingerprint).where(
             export_runs.c.logical_key.in_(list(logical_keys))
         )
-        with self.atomic(read_only=True) as conn:
+        with self.ledger.atomic(read_only=True) as conn:
             found = {key: fingerprint for key, fingerprint in conn.execute(query)}
         return {key: found.get(key) for key in logical_keys}
 
@@ -96,26 +103,85 @@ class DriftMixin:
             return []
         runs = export_runs.c
         horizon = sa.or_(*(sa.and_(runs.export == name, runs.business_date >= day) for name, day in date_from.items()))
-        query = sa.select(*RUN_COLUMNS).where(runs.state == ExportState.COMPLETED.value, horizon)
+        query = sa.select(*self.ledger.run_columns).where(runs.state == ExportState.COMPLETED.value, horizon)
         if after is not None:
             query = query.where(runs.logical_key > after)
-        with self.atomic(read_only=True) as conn:
+        with self.ledger.atomic(read_only=True) as conn:
             rows = conn.execute(query.order_by(runs.logical_key).limit(limit))
             return [ExportRecord.from_row(row) for row in rows]
 
-    def open_drift(self, *, export: str | None = None, logical_keys: Sequence[str] = ()) -> list[DriftRecord]:
-        """Open drift records (stale keys), in logical key order; none on a ledger older than version 4."""
+    def open_records(
+        self,
+        *,
+        export: str | None = None,
+        exports: Sequence[str] = (),
+        tenants: Sequence[str] = (),
+        logical_keys: Sequence[str] = (),
+        limit: int | None = None,
+        after: str | None = None,
+        date_from: dt.date | None = None,
+        date_to: dt.date | None = None,
+    ) -> list[DriftRecord]:
+        """Open drift records (stale keys), in logical key order; ``limit`` and ``after`` (a logical key) page. None
+        on a ledger older than version 4."""
         if not self.has_drift_schema():
             return []
+        query = self._open_query(export, exports, tenants, logical_keys)
+        if date_from is not None:
+            query = query.where(export_drift.c.business_date >= date_from)
+        if date_to is not None:
+            query = query.where(export_drift.c.business_date <= date_to)
+        if after is not None:
+            query = query.where(export_drift.c.logical_key > after)
+        query = query.order_by(export_drift.c.logical_key)
+        if limit is not None:
+            query = query.limit(limit)
+        with self.ledger.atomic(read_only=True) as conn:
+            return [DriftRecord.from_row(row) for row in conn.execute(query)]
+
+    def open_count(self, *, export: str | None = None, tenants: Sequence[str] = ()) -> tuple[int, int, int]:
+        """How many keys are stale, and their rows added and removed: counted by the database."""
+        if not self.has_drift_schema():
+            return 0, 0, 0
+        query = sa.select(
+            sa.func.count(), sa.func.coalesce(sa.func.sum(export_drift.c.rows_added), 0),
+            sa.func.coalesce(sa.func.sum(export_drift.c.rows_removed), 0),
+        ).where(export_drift.c.cleared_at.is_(None))  # fmt: skip
+        if export is not None:
+            query = query.where(export_drift.c.export == export)
+        if tenants:
+            query = query.where(export_drift.c.tenant.in_(list(tenants)))
+        with self.ledger.atomic(read_only=True) as conn:
+            count, added, removed = conn.execute(query).one()
+        return int(count), int(added), int(removed)
+
+    def open_summary(self, *, exports: Sequence[str] = ()) -> dict[str, tuple[int, int]]:
+        """Per export, how many keys are stale and the newest open record's id (one grouped read)."""
+        if not self.has_drift_schema():
+            return {}
+        query = sa.select(export_drift.c.export, sa.func.count(), sa.func.max(export_drift.c.id)).where(
+            export_drift.c.cleared_at.is_(None)
+        )
+        if exports:
+            query = query.where(export_drift.c.export.in_(list(exports)))
+        with self.ledger.atomic(read_only=True) as conn:
+            rows = conn.execute(query.group_by(export_drift.c.export)).all()
+        return {export: (int(count), int(newest)) for export, count, newest in rows}
+
+    @staticmethod
+    def _open_query(export, exports, tenants, logical_keys) -> sa.Select:
         query = sa.select(export_drift).where(export_drift.c.cleared_at.is_(None))
         if export is not None:
             query = query.where(export_drift.c.export == export)
+        if exports:
+            query = query.where(export_drift.c.export.in_(list(exports)))
+        if tenants:
+            query = query.where(export_drift.c.tenant.in_(list(tenants)))
         if logical_keys:
             query = query.where(export_drift.c.logical_key.in_(list(logical_keys)))
-        with self.atomic(read_only=True) as conn:
-            return [DriftRecord.from_row(row) for row in conn.execute(query.order_by(export_drift.c.logical_key))]
+        return query
 
-    def record_drift(self, stale: Sequence[DriftFinding], matching: Sequence[str]) -> DriftChanges:
+    def record(self, stale: Sequence[DriftFinding], matching: Sequence[str]) -> DriftChanges:
         """Records one drift pass in one transaction: opens a record for each newly stale key, replaces an open
         record whose counts or source changed (closed, and a new one opened: records are never rewritten), and clears
         the open record of each key in ``matching`` (its source matches its export again).
@@ -128,16 +194,16 @@ class DriftMixin:
         for _ in range(2):
             try:
                 return self._record_drift_once(stale, matching)
-            except sa.exc.IntegrityError:
+            except (sa.exc.IntegrityError, _Raced):
                 continue
         raise LedgerError("could not record drift: another pass kept recording the same keys")
 
     def _record_drift_once(self, stale: Sequence[DriftFinding], matching: Sequence[str]) -> DriftChanges:
-        now = self.now()
         keys = [f.record.logical_key for f in stale] + list(matching)
         opened: list[str] = []
         cleared: list[str] = []
-        with self.atomic() as conn:
+        with self.ledger.atomic() as conn:
+            now = self.ledger.now(conn)
             current = {
                 row.logical_key: row
                 for row in conn.execute(
@@ -180,12 +246,9 @@ class DriftMixin:
                 if key in current:
                     close.append(current[key].id)
                     cleared.append(key)
-            if close:
-                conn.execute(
-                    export_drift.update()
-                    .where(export_drift.c.id.in_(close), export_drift.c.cleared_at.is_(None))
-                    .values(cleared_at=now)
-                )
+            closing = sorted(set(close))
+            if len(closing) != T.close_many(conn, T.CLEAR_DRIFT, closing, now):
+                raise _Raced()  # another pass closed one first: rolled back and decided again by record()
             if inserts:
                 conn.execute(export_drift.insert(), inserts)
         return DriftChanges(opened=opened, cleared=cleared)

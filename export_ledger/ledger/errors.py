@@ -15,6 +15,10 @@ class LedgerUnavailable(LedgerError):
     """The ledger database cannot be reached or opened."""
 
 
+class SchemaOutdated(LedgerUnavailable):
+    """The ledger's schema is older than this release writes: it must be upgraded explicitly first."""
+
+
 class LeaseHeld(LedgerError):
     """Another attempt holds a live lease on the key."""
 
@@ -68,3 +72,11 @@ class LiveLease(LedgerError):
 
 class RestatementRefused(LedgerError):
     """A restatement cannot be requested (or withdrawn) for this key now; the message says why."""
+
+
+class WindowNotOver(LedgerError):
+    """The key's window has not ended yet by the ledger's clock: exporting it now would miss its last rows."""
+
+
+class ResolutionRefused(LedgerError):
+    """An operator's resolution was refused after the key was held; the key is back in the state it was in."""

@@ -34,17 +34,22 @@ class ExportRecord:
     fencing_token: int
     created_at: dt.datetime
     updated_at: dt.datetime
+    #: Export claims since the key's last operator resolution or restatement request (schema version 6; None when
+    #: the read did not select it).
+    claim_count: int | None = None
 
     @classmethod
     def from_row(cls, row: sa.Row) -> ExportRecord:
-        values = dict(row._mapping)
-        values.pop("source_fingerprint", None)  # read on its own (ExportLedger.fingerprints): absent before v4
+        values = {name: value for name, value in row._mapping.items() if name in _RECORD_FIELDS}
         values["state"] = ExportState(values["state"])
         return cls(**values)
 
     @property
     def window(self) -> ExportWindow:
         return ExportWindow(self.business_date, self.timezone, self.window_start_utc, self.window_end_utc)
+
+
+_RECORD_FIELDS = frozenset(ExportRecord.__dataclass_fields__)
 
 
 @dataclass(frozen=True)
@@ -84,10 +89,17 @@ class Claim:
     lease_expires_at: dt.datetime
     previous_state: ExportState | None
     tz_database: str
-    #: The revision this claim publishes: 1 for a key's first export, N + 1 for a restatement of revision N.
+    #: The revision this claim publishes: 1 for a key's first export, the open request's revision for a
+    #: restatement (one more than any revision the key ever had or was asked for).
     revision: int = 1
-    #: For a restatement, the current revision it supersedes and that revision's sha256.
+    #: For a restatement, the key's current recorded revision, which it supersedes, and that revision's sha256.
     supersedes: tuple[int, str] | None = None
+
+    @property
+    def superseded_revision(self) -> int:
+        """The revision the destination's pointer must name before this claim commits: the recorded current one for
+        a restatement, 0 (nothing) for a first export."""
+        return self.supersedes[0] if self.supersedes else 0
 
 
 @dataclass(frozen=True)
@@ -105,16 +117,6 @@ class DaySummary:
     keys: int  # tenants with a row that day
     completed: int
     rows: int = 0  # rows exported by that day's completed keys
-
-
-@dataclass(frozen=True)
-class Resolution:
-    """Reconciliation's verdict on one stuck key, to be applied by :meth:`ExportLedger.resolve_many`."""
-
-    record: ExportRecord
-    state: ExportState
-    detail: str
-    evidence: CompletionEvidence | None = None
 
 
 @dataclass(frozen=True)

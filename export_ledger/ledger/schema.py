@@ -93,6 +93,9 @@ export_runs = sa.Table(
     # Schema version 4: what the key's source held when it completed (export_ledger.fingerprint): counts and
     # digests, never values. NULL for keys completed before version 4 and for keys repaired from a manifest.
     sa.Column("source_fingerprint", sa.String(120)),
+    # Schema version 6: export claims since the key's last operator resolution or restatement request (a claim that
+    # only holds the key, by reconciliation or an operator, does not count). Automatic reruns stop at a limit of it.
+    sa.Column("claim_count", sa.Integer, nullable=False, server_default="0"),
     sa.UniqueConstraint("export", "tenant", "timezone", "business_date", name="uq_export_runs_business_day"),
     _in("state", ExportState),
     sa.CheckConstraint("window_end_utc >= window_start_utc", name="ck_window_ordered"),
@@ -110,6 +113,9 @@ export_runs = sa.Table(
     sa.Index("ix_export_runs_state_key", "state", "logical_key"),
     sa.Index("ix_export_runs_export_date", "export", "business_date"),
     sa.Index("ix_export_runs_committed_attempt", "committed_attempt"),
+    # Schema version 6: pages of failed and stuck keys per export and partition read this index, not every row.
+    sa.Index("ix_export_runs_state_export_date", "state", "export", "business_date", "timezone"),
+    sa.Index("ix_export_runs_state_updated", "state", "updated_at"),
 )
 
 export_attempts = sa.Table(
@@ -229,6 +235,8 @@ export_restatements = sa.Table(
         postgresql_where=sa.text("closed_at IS NULL"),
     ),
     sa.Index("ix_export_restatements_export", "export", "closed_at"),
+    # Schema version 6: a revision number is given once per key, to one request, whatever became of it.
+    sa.Index("uq_export_restatements_key_revision", "logical_key", "revision", unique=True),
 )
 
 # Every published revision of a key, append-only. Keys never restated have no row: their one revision is the
@@ -253,12 +261,37 @@ export_revisions = sa.Table(
     sa.CheckConstraint("revision >= 1", name="ck_revision_positive"),
 )
 
+# Schema version 6: a tenant whose calendar contract in code differs from the one the ledger holds is refused at
+# claim; the refusal is kept here (one open row per tenant) so that it is escalated to a person until an operator
+# accepts a contract (which closes it) or the code goes back to the recorded one (the next claim closes it).
+export_contract_refusals = sa.Table(
+    "export_contract_refusals",
+    metadata,
+    sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=True),
+    sa.Column("export", sa.String(63), nullable=False),
+    sa.Column("tenant", sa.String(63), nullable=False),
+    sa.Column("recorded", sa.Text, nullable=False),  # canonical JSON of the contract in force
+    sa.Column("wanted", sa.Text, nullable=False),  # canonical JSON of the contract the code asked for
+    sa.Column("first_refused_at", UtcDateTime, nullable=False),
+    sa.Column("last_refused_at", UtcDateTime, nullable=False),
+    sa.Column("refusals", sa.Integer, nullable=False),
+    sa.Column("closed_at", UtcDateTime),
+    sa.Index(
+        "uq_export_contract_refusals_open",
+        "export",
+        "tenant",
+        unique=True,
+        sqlite_where=sa.text("closed_at IS NULL"),
+        postgresql_where=sa.text("closed_at IS NULL"),
+    ),
+)
+
 #: export_runs' columns before schema version 4: what every read selects, so a read-only open of a version 3 ledger
 #: (which has no source_fingerprint) reads as it is. The fingerprint is read on its own, where it is needed.
-RUN_COLUMNS = tuple(column for column in export_runs.c if column.name != "source_fingerprint")
+RUN_COLUMNS = tuple(column for column in export_runs.c if column.name not in ("source_fingerprint", "claim_count"))
 
 # The schema's version history (see export_ledger.ledger.store): one row per version reached, never changed.
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 export_ledger_schema = sa.Table(
     "export_ledger_schema",
     metadata,

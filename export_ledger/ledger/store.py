@@ -1,51 +1,51 @@
-"""Where the ledger lives: one engine per URL per process, the schema's version, and its explicit upgrade path.
+"""Where the ledger lives: one engine per URL per process, the ledger's clock, the schema's version and its explicit
+upgrade.
 
-Opening a ledger to write creates its tables on an empty database and upgrades an older schema in one transaction;
-opening it to read (``export-ledger status``, ``attempts``) never creates or alters anything, on any backend.
+Opening a ledger to write creates its tables on an empty database and refuses an older schema: upgrading is an
+explicit step (:func:`upgrade`, ``export-ledger upgrade``), one alembic revision per schema version
+(:mod:`export_ledger.ledger.migrations`). Opening it to read (``export-ledger status``, ``attempts``) never creates or
+alters anything, on any backend, and reads an older schema as it is.
 
 Schema versions:
 
-* 1: ``export_runs``, ``export_attempts``, ``export_low_water``, ``export_contracts`` (release 0.1.0; no version
-  table: a database with ``export_runs`` and no ``export_ledger_schema`` is version 1).
-* 2: adds ``export_ledger_schema``, which records the version and when each upgrade ran. Every other table is
-  unchanged, so version 1 data is read as it is.
-* 3: adds ``export_operator_log`` (operators' decisions: prunes that close dates, key resolutions).
-* 4: adds the nullable ``export_runs.source_fingerprint`` (what the source held at completion) and ``export_drift``
-  (keys whose source changed since). Reads select the version 3 columns, so a version 3 ledger reads as it is.
-* 5: adds ``export_restatements`` (requests to publish a new revision of a completed key) and ``export_revisions``
-  (every published revision). Keys never restated need no row: a version 4 ledger reads as it is.
+* 1: ``export_runs``, ``export_attempts``, ``export_low_water``, ``export_contracts`` (release 0.1.0).
+* 2: ``export_ledger_schema``, which records the version and when each upgrade ran.
+* 3: ``export_operator_log`` (operators' decisions: prunes that close dates, key resolutions).
+* 4: ``export_runs.source_fingerprint`` and ``export_drift`` (keys whose source changed since).
+* 5: ``export_restatements`` and ``export_revisions``.
+* 6: ``export_runs.claim_count``, unique revision numbers per key, ``export_contract_refusals``, partition indexes.
+
+**One clock.** Every decision that involves time reads :func:`database_now` inside the deciding transaction:
+PostgreSQL's ``now()`` (the server's clock, the same for every worker whatever its own clock says), or the host's
+clock on SQLite (every process that opens a SQLite file runs on the host that holds it).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
 import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine, make_url
 
-from export_ledger.errors import SECRET_NAME
-from export_ledger.ledger.errors import LedgerUnavailable
-from export_ledger.ledger.schema import (
-    SCHEMA_VERSION,
-    export_drift,
-    export_ledger_schema,
-    export_operator_log,
-    export_restatements,
-    export_revisions,
-    export_runs,
-    metadata,
-)
+from export_ledger.errors import SECRET_NAME, safe_message
+from export_ledger.ledger.errors import LedgerUnavailable, SchemaOutdated
+from export_ledger.ledger.schema import SCHEMA_VERSION, export_ledger_schema, export_runs, metadata
 
 UTC = dt.timezone.utc
+#: The table in which alembic keeps the ledger's revision. Not alembic's default ``alembic_version``: a ledger may
+#: share its database with Dagster's own storage, which has that table.
+VERSION_TABLE = "export_ledger_alembic"
+MIGRATIONS = Path(__file__).with_name("migrations")
 
 
 def redact_url(url: str) -> str:
     """The URL for messages: the password of its userinfo and every query parameter named like a secret
-    (password, secret, token, key, sig) replaced by ``***``."""
+    (password, secret, token, key, sig) replaced by ``***``. A path that is not a URL is returned as it is."""
+    if "://" not in url and not url.startswith("sqlite:"):
+        return url  # a plain path (``./var/ledger.sqlite3``) holds no secret and must stay readable
     try:
         parsed = make_url(url)
     except Exception:  # an unparsable URL is reported by its scheme only
@@ -54,8 +54,21 @@ def redact_url(url: str) -> str:
     return parsed.set(query=query).render_as_string(hide_password=True).replace("%2A%2A%2A", "***")
 
 
+def database_now(conn: Connection) -> dt.datetime:
+    """The ledger's clock, read inside ``conn``'s transaction: PostgreSQL's ``now()`` (the server's clock, fixed for
+    the transaction), the host's clock on SQLite. Always UTC-aware."""
+    if conn.dialect.name == "postgresql":
+        value = conn.execute(_NOW).scalar_one()
+        if value.tzinfo is None:  # a timestamptz always comes back aware; a misconfigured driver must not pass
+            raise LedgerUnavailable("the ledger's database returned a naive time for now(); refusing to use it")
+        return value.astimezone(UTC)
+    return dt.datetime.now(UTC)
+
+
+_NOW = sa.select(sa.func.now())
+_VERSION_NUM = sa.select(sa.column("version_num")).select_from(sa.table(VERSION_TABLE))
 _engines: dict[str, Engine] = {}
-_ready: set[str] = set()  # URLs whose schema this process has created or upgraded to SCHEMA_VERSION
+_ready: set[str] = set()  # URLs whose schema this process has found (or created) at SCHEMA_VERSION
 _engines_lock = threading.Lock()
 
 
@@ -88,7 +101,10 @@ def _engine(url: str, *, make_folder: bool) -> Engine:
     try:
         parsed = make_url(url)
     except Exception as exc:
-        raise LedgerUnavailable(f"invalid ledger URL {redact_url(url)!r}: {type(exc).__name__}") from None
+        raise LedgerUnavailable(
+            f"invalid ledger URL {redact_url(url)!r}: {type(exc).__name__}; write an SQLAlchemy URL, for example "
+            "sqlite:///var/ledger.sqlite3 or postgresql+psycopg2://user@host:5432/db"
+        ) from None
     if make_folder and parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
         folder = Path(parsed.database).expanduser().resolve().parent
         try:
@@ -101,7 +117,7 @@ def _engine(url: str, *, make_folder: bool) -> Engine:
         # A file has no connection to lose: pinging it before every transaction only costs time.
         engine = sa.create_engine(parsed, pool_pre_ping=parsed.get_backend_name() != "sqlite", hide_parameters=True)
     except Exception as exc:
-        raise LedgerUnavailable(f"cannot open ledger {redact_url(url)!r}: {type(exc).__name__}") from None
+        raise LedgerUnavailable(f"cannot open ledger {redact_url(url)!r}: {safe_message(exc)}") from None
     if engine.dialect.name == "sqlite":
         _configure_sqlite(engine)
     _engines[url] = engine
@@ -111,15 +127,15 @@ def _engine(url: str, *, make_folder: bool) -> Engine:
 def ledger_engine(url: str, *, read_only: bool = False) -> Engine:
     """One engine per URL per process.
 
-    To write (the default), the schema is created on an empty database and an older one is upgraded, once per
-    process. To read, nothing is created or changed: a database without a ledger, or with a newer schema than this
-    release knows, is refused with a message.
+    To write (the default), the schema is created on an empty database; an older schema is refused, naming the
+    command that upgrades it, and so is a newer one. To read, nothing is created or changed: a database without a
+    ledger, or with a newer schema than this release knows, is refused with a message; an older one reads as it is.
     """
     with _engines_lock:
         engine = _engine(url, make_folder=not read_only)
         if url in _ready:
             return engine
-        with _unavailable_as_error(url):
+        with unavailable_as_error(url):
             version = schema_version(engine)
         if version > SCHEMA_VERSION:
             raise LedgerUnavailable(
@@ -132,14 +148,22 @@ def ledger_engine(url: str, *, read_only: bool = False) -> Engine:
                     f"{redact_url(url)!r} holds no export ledger (no export_runs table); a read never creates one"
                 )
             return engine  # an older schema reads as it is: upgrades only add
-        with _unavailable_as_error(url):
-            upgrade(engine)
+        if version == 0:
+            with unavailable_as_error(url):
+                upgrade(engine)
+        elif version < SCHEMA_VERSION:
+            raise SchemaOutdated(
+                f"the ledger at {redact_url(url)!r} has schema version {version}; this release writes version "
+                f"{SCHEMA_VERSION}. Upgrade it once, explicitly: export-ledger upgrade --ledger-url <that URL> "
+                "(reads still work on the older version)"
+            )
         _ready.add(url)
         return engine
 
 
-class _unavailable_as_error:
-    """Turns a connection failure into :class:`LedgerUnavailable` naming the ledger (password hidden)."""
+class unavailable_as_error:
+    """Turns a connection failure into :class:`LedgerUnavailable` naming the ledger (password hidden) and the
+    driver's error class; the driver's own words are withheld (they can quote statement values)."""
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -149,91 +173,108 @@ class _unavailable_as_error:
 
     def __exit__(self, kind, exc, _tb) -> bool:
         if isinstance(exc, sa.exc.OperationalError):
-            first = str(exc.orig).strip().splitlines()[0] if str(exc.orig).strip() else ""
             raise LedgerUnavailable(
-                f"cannot reach the ledger at {redact_url(self.url)!r}: {exc.orig.__class__.__name__}: {first}"
+                f"cannot reach the ledger at {redact_url(self.url)!r}: {exc.orig.__class__.__name__} "
+                "(the driver's message is withheld: it can quote statement values)"
+            ) from None
+        if isinstance(exc, ModuleNotFoundError):
+            raise LedgerUnavailable(
+                f"cannot open the ledger at {redact_url(self.url)!r}: its database driver is not installed "
+                f"({exc.name}); for PostgreSQL write postgresql+psycopg2:// (psycopg2 is installed with export-ledger)"
             ) from None
         return False
 
 
 def schema_version(engine_or_connection: Engine | Connection) -> int:
-    """0 for a database without a ledger, 1 for a ledger made before versions were recorded, else the recorded one."""
+    """0 for a database without a ledger, 1 for a ledger made before versions were recorded, else the version its
+    alembic revision (or, before 0.5.0, its ``export_ledger_schema`` table) records. Only reads."""
     inspector = sa.inspect(engine_or_connection)
+    if isinstance(engine_or_connection, Engine):
+        with engine_or_connection.connect() as conn:
+            return _version_in(conn, inspector)
+    return _version_in(engine_or_connection, inspector)
+
+
+def _version_in(conn: Connection, inspector) -> int:
+    if inspector.has_table(VERSION_TABLE):
+        revision = conn.execute(_VERSION_NUM).scalar()
+        if revision:
+            return int(revision.removeprefix("v"))
     if inspector.has_table(export_ledger_schema.name):
-        if isinstance(engine_or_connection, Engine):
-            with engine_or_connection.connect() as conn:
-                return _recorded_version(conn)
-        return _recorded_version(engine_or_connection)
+        value = conn.execute(sa.select(sa.func.max(export_ledger_schema.c.version))).scalar()
+        return int(value or 1)
     return 1 if inspector.has_table(export_runs.name) else 0
 
 
-def _recorded_version(conn: Connection) -> int:
-    value = conn.execute(sa.select(sa.func.max(export_ledger_schema.c.version))).scalar()
-    return int(value or 1)
-
-
-def _v1_to_v2(conn: Connection) -> None:
-    export_ledger_schema.create(conn, checkfirst=True)
-
-
-def _v2_to_v3(conn: Connection) -> None:
-    export_operator_log.create(conn, checkfirst=True)
-
-
-# A constant statement (no values): SQLAlchemy Core has no ALTER TABLE construct. Both backends accept it, and
-# adding a nullable column without a default rewrites no row.
-_ADD_SOURCE_FINGERPRINT = sa.text("ALTER TABLE export_runs ADD COLUMN source_fingerprint VARCHAR(120)")
-
-
-def _v3_to_v4(conn: Connection) -> None:
-    columns = {column["name"] for column in sa.inspect(conn).get_columns(export_runs.name)}
-    if "source_fingerprint" not in columns:
-        conn.execute(_ADD_SOURCE_FINGERPRINT)
-    export_drift.create(conn, checkfirst=True)
-
-
-def _v4_to_v5(conn: Connection) -> None:
-    export_restatements.create(conn, checkfirst=True)
-    export_revisions.create(conn, checkfirst=True)
-
-
-# Each step takes the schema from version N to N + 1 and only adds: older data stays readable as it is.
-UPGRADES: dict[int, Callable[[Connection], None]] = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4, 4: _v4_to_v5}
-
-
 def upgrade(engine: Engine) -> list[int]:
-    """Brings the ledger's schema to :data:`SCHEMA_VERSION`; returns the versions it upgraded to (empty: nothing to do).
+    """Brings the ledger's schema to :data:`SCHEMA_VERSION`; returns the versions it upgraded to (empty: nothing to
+    do). The explicit step behind ``export-ledger upgrade``.
 
-    An empty database gets every table at once. Each upgrade runs in one transaction with its version row, so a
-    failed upgrade leaves the previous version intact. Two processes upgrading at once: the loser's version row
-    collides with the winner's, and it finds the work done when it looks again.
+    An empty database gets every table at once, stamped at the newest revision. An older one runs each alembic
+    revision from its version on, in one transaction (both backends run DDL transactionally), so a failed upgrade
+    leaves the previous version intact. A ledger upgraded by a release before 0.5.0 has no alembic revision yet: it is
+    stamped at the version its ``export_ledger_schema`` records first. Two processes creating one empty ledger at
+    once: the loser's tables collide with the winner's, and it finds the work done when it looks again.
     """
-    done: list[int] = []
+    from alembic.migration import MigrationContext
+    from alembic.runtime.environment import EnvironmentContext
+
+    script, config = _scripts()
     for _ in range(3):
+        done: list[int] = []
         try:
             with engine.begin() as conn:
                 version = schema_version(conn)
                 if version == 0:
                     metadata.create_all(conn)
-                    _stamp(conn, SCHEMA_VERSION, "created")
+                    conn.execute(
+                        export_ledger_schema.insert().values(
+                            version=SCHEMA_VERSION, applied_at=dt.datetime.now(UTC), note="created"
+                        )
+                    )
+                    MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE}).stamp(script, "head")
                     return [SCHEMA_VERSION]
-                while version < SCHEMA_VERSION:
-                    UPGRADES[version](conn)
-                    version += 1
-                    _stamp(conn, version, f"upgraded from {version - 1}")
-                    done.append(version)
+                if version >= SCHEMA_VERSION:
+                    return []
+                context = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
+                if context.get_current_revision() is None:
+                    context.stamp(script, f"v{version}")  # upgraded by an earlier release, without alembic
+
+                def steps(revision, _context):
+                    return script._upgrade_revs("head", revision)
+
+                with EnvironmentContext(config, script, fn=steps, destination_rev="head") as environment:
+                    environment.configure(connection=conn, version_table=VERSION_TABLE)
+                    environment.run_migrations()
+                done = list(range(version + 1, SCHEMA_VERSION + 1))
             return done
         except (sa.exc.IntegrityError, sa.exc.ProgrammingError):
-            done = []  # another process created or upgraded the same tables first; look again
+            continue  # another process created or upgraded the same tables first; look again
         except sa.exc.OperationalError as exc:
             if "already exists" not in str(exc.orig):
                 raise
-            done = []
     raise LedgerUnavailable("could not upgrade the ledger's schema: it kept changing under concurrent upgrades")
 
 
-def _stamp(conn: Connection, version: int, note: str) -> None:
-    conn.execute(export_ledger_schema.insert().values(version=version, applied_at=dt.datetime.now(UTC), note=note))
+def _scripts():
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    return ScriptDirectory.from_config(config), config
+
+
+def upgrade_url(url: str) -> list[int]:
+    """:func:`upgrade` of the ledger at ``url`` (what ``export-ledger upgrade`` runs); the process's engine for it is
+    then ready to write."""
+    with _engines_lock:
+        engine = _engine(url, make_folder=True)
+    with unavailable_as_error(url):
+        done = upgrade(engine)
+    with _engines_lock:
+        _ready.add(url)
+    return done
 
 
 def dispose_engines() -> None:

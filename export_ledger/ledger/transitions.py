@@ -1,20 +1,43 @@
-"""Every transition of a logical key, declared once: from which states, to which state, which attempt outcome it
-records, and what guards it. Claim, complete, fail, reconciliation and the operator commands all go through
-:func:`apply`, so a guard is written in one place and cannot drift between two copies of it.
+"""Every transition the ledger makes, declared once, with the one lease predicate.
+
+A key's transitions (:data:`TRANSITIONS`) say from which states, to which state, which attempt outcome they record,
+how they count claims, and what guards them; :func:`apply` runs one as a single guarded ``UPDATE ... WHERE
+logical_key = :key AND state IN (...) AND fencing_token = :token [AND lease_owner = :owner] [AND the lease expired]``.
+Restatement requests and drift records change the same way (:data:`REQUEST_TRANSITIONS`, :data:`DRIFT_TRANSITIONS`,
+:func:`close`): a guarded ``UPDATE`` that must match exactly one open row, else a domain error. Which transition a
+claim takes is decided by the pure :func:`export_ledger.ledger.selection.select_claim`.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import functools
 from dataclasses import dataclass
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from export_ledger.ledger.errors import InvalidTransition
-from export_ledger.ledger.schema import AttemptOutcome, ExportState, export_runs
+from export_ledger.ledger.schema import AttemptOutcome, ExportState, export_drift, export_restatements, export_runs
 
 S = ExportState
+
+
+# -- the one lease predicate -------------------------------------------------------------------------------------
+
+
+def lease_live(expires_at: dt.datetime | None, now: dt.datetime) -> bool:
+    """A lease is live while its expiry is strictly after now; at its expiry instant it has ended."""
+    return expires_at is not None and expires_at > now
+
+
+def lease_expired_sql(now) -> sa.ColumnElement:
+    """:func:`lease_live`'s negation in SQL, for ``export_runs`` rows (``now``: a time, or a bind parameter, typed by
+    the column)."""
+    return export_runs.c.lease_expires_at <= now
+
+
+# -- a key's transitions -----------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -26,8 +49,11 @@ class Transition:
         from_states: States the key may be in; empty for the first claim (no row yet).
         to_state: The state the key is in afterwards.
         outcome: The attempt outcome recorded with the move (None: the attempt's row comes later).
-        owner_guard: The attempt moving the key must hold its lease (``lease_owner`` matches).
-        expired_guard: A key found ``in_progress`` moves only once its lease has expired (never from a live lease).
+        owner_guard: The party moving the key must hold its lease (``lease_owner`` matches).
+        expired_guard: A key found ``in_progress`` moves only once its lease has ended (never from a live lease).
+        claims: How ``claim_count`` (export claims since the last resolution or request) moves: ``keep``, ``add``
+            (one more export claim), ``one`` (the first claim of a restatement) or ``reset`` (an operator restored
+            the automatic reruns).
         guard: The rule in words, for the README and for errors.
     """
 
@@ -37,115 +63,126 @@ class Transition:
     outcome: AttemptOutcome | None
     owner_guard: bool = False
     expired_guard: bool = False
+    claims: str = "keep"
     guard: str = "the fencing token read is still the key's"
+
+    @functools.cached_property
+    def statement(self) -> sa.Update:
+        """Built once, executed with parameters: building a Core statement on every call cost more than running it."""
+        conditions = [
+            export_runs.c.logical_key == sa.bindparam("g_key"),
+            export_runs.c.state.in_(sa.bindparam("g_states", expanding=True)),
+            export_runs.c.fencing_token == sa.bindparam("g_token"),
+        ]
+        if self.owner_guard:
+            conditions.append(export_runs.c.lease_owner == sa.bindparam("g_owner"))
+        if self.expired_guard:
+            # Only an in_progress row carries a lease to wait for; any other state passes this guard.
+            conditions.append(
+                sa.or_(export_runs.c.state != S.IN_PROGRESS.value, lease_expired_sql(sa.bindparam("g_now")))
+            )
+        statement = export_runs.update().where(*conditions)
+        counts = {
+            "keep": None,
+            "add": export_runs.c.claim_count + 1,
+            "one": sa.literal(1),
+            "reset": sa.literal(0),
+        }[self.claims]
+        return statement if counts is None else statement.values(claim_count=counts)
 
 
 CLAIM_FIRST = Transition(
-    "claim", (), S.IN_PROGRESS, None, guard="no row for the key's business day; not below the low-water mark"
+    "claim", (), S.IN_PROGRESS, None, claims="one",
+    guard="no row for the key's business day; its window has ended; not below the low-water mark; the tenant's "
+    "calendar contract is the one in force",
+)  # fmt: skip
+CLAIM_RETRY = Transition(
+    "claim", (S.FAILED,), S.IN_PROGRESS, None, claims="add", guard="token matches; the token is incremented"
 )
-CLAIM_RETRY = Transition("claim", (S.FAILED,), S.IN_PROGRESS, None, guard="token matches; the token is incremented")
 TAKE_OVER = Transition(
     "take over",
     (S.IN_PROGRESS,),
     S.IN_PROGRESS,
     AttemptOutcome.ABANDONED,  # recorded for the holder whose lease ran out
     expired_guard=True,
-    guard="the holder's lease expired; token matches and is incremented",
+    claims="add",
+    guard="the holder's lease has ended; token matches and is incremented",
 )
-COMPLETE = Transition(
-    "complete", (S.IN_PROGRESS,), S.COMPLETED, AttemptOutcome.COMPLETED, owner_guard=True,
-    guard="the attempt holds the lease with this token; the destination's evidence is recorded",
-)  # fmt: skip
-REPAIR = Transition(
-    "repair", (S.IN_PROGRESS,), S.COMPLETED, AttemptOutcome.REPAIRED, owner_guard=True,
-    guard="the attempt holds the lease; an earlier attempt's published export is recorded instead of a new one",
-)  # fmt: skip
-FAIL = Transition("fail", (S.IN_PROGRESS,), S.FAILED, AttemptOutcome.FAILED, owner_guard=True)
-MARK_REMOTE_UNKNOWN = Transition(
-    "mark remote_unknown", (S.IN_PROGRESS,), S.REMOTE_UNKNOWN, AttemptOutcome.REMOTE_UNKNOWN, owner_guard=True
-)
-MARK_CONFLICT = Transition("mark conflict", (S.IN_PROGRESS,), S.CONFLICT, AttemptOutcome.CONFLICT, owner_guard=True)
-RECONCILE_COMPLETED = Transition(
-    "reconcile to completed", (S.REMOTE_UNKNOWN, S.IN_PROGRESS), S.COMPLETED, AttemptOutcome.REPAIRED,
-    expired_guard=True, guard="the destination holds this key's export, intact",
-)  # fmt: skip
-RECONCILE_ABSENT = Transition(
-    "reconcile to failed", (S.REMOTE_UNKNOWN, S.IN_PROGRESS), S.FAILED, AttemptOutcome.FAILED,
-    expired_guard=True, guard="the destination holds nothing for the key",
-)  # fmt: skip
-RECONCILE_CONFLICT = Transition(
-    "reconcile to conflict", (S.REMOTE_UNKNOWN, S.IN_PROGRESS), S.CONFLICT, AttemptOutcome.CONFLICT,
-    expired_guard=True, guard="the destination holds something else at the key's place",
-)  # fmt: skip
-
 RESTATE = Transition(
     "restate",
     (S.COMPLETED,),
     S.IN_PROGRESS,
     None,  # the attempt's row is written when its outcome is known, as for any claim
+    claims="one",
     guard="an open restatement request for the key; token matches and is incremented; the current revision stays "
-    "published and current until the new one is",
+    "published and current until the new one is committed",
 )
-WITHDRAW_RESTATEMENT = Transition(
-    "withdraw restatement",
-    (S.FAILED,),
-    S.COMPLETED,
-    None,  # an operator's decision: recorded in export_operator_log and on the closed request
-    guard="an operator withdraws the open request; the key is completed again with its current revision's evidence",
+RECONCILE_HOLD = Transition(
+    "reconcile hold",
+    (S.REMOTE_UNKNOWN, S.IN_PROGRESS),
+    S.IN_PROGRESS,
+    None,  # the reconciler's row is written with its verdict; an expired holder's `abandoned` row at once
+    expired_guard=True,
+    guard="reconciliation takes a stuck key (remote_unknown, or a lease that has ended) with a new token, so that "
+    "it can fence the destination before judging it",
 )
 OPERATOR_HOLD = Transition(
     "operator hold",
     (S.CONFLICT, S.FAILED, S.REMOTE_UNKNOWN, S.IN_PROGRESS),
     S.IN_PROGRESS,
-    None,  # the operator's row is written when the resolution ends (completed, or failed after a discard)
+    None,  # the operator's row is written when the resolution ends
     expired_guard=True,
-    guard="an operator takes the lease to resolve the key; never from a live lease; token matches and is incremented",
+    guard="an operator takes the key to resolve it; never from a live lease; token matches and is incremented",
 )
+RENEW = Transition(
+    "renew", (S.IN_PROGRESS,), S.IN_PROGRESS, None, owner_guard=True,
+    guard="the party still holds the lease with this token; its lease is extended from the ledger's now",
+)  # fmt: skip
+COMPLETE = Transition(
+    "complete", (S.IN_PROGRESS,), S.COMPLETED, AttemptOutcome.COMPLETED, owner_guard=True,
+    guard="the party holds the lease with this token; its own committed export is recorded",
+)  # fmt: skip
+REPAIR = Transition(
+    "repair", (S.IN_PROGRESS,), S.COMPLETED, AttemptOutcome.REPAIRED, owner_guard=True,
+    guard="the party holds the lease; an export an earlier attempt committed (the pointer names it) is recorded",
+)  # fmt: skip
+WITHDRAW = Transition(
+    "withdraw restatement", (S.IN_PROGRESS,), S.COMPLETED, AttemptOutcome.REPAIRED, owner_guard=True,
+    guard="an operator holds the key, and the pointer still names the recorded revision: it is recorded again",
+)  # fmt: skip
+FAIL = Transition("fail", (S.IN_PROGRESS,), S.FAILED, AttemptOutcome.FAILED, owner_guard=True)
+FAIL_RESTORED = Transition(
+    "fail, reruns restored", (S.IN_PROGRESS,), S.FAILED, AttemptOutcome.FAILED, owner_guard=True, claims="reset",
+    guard="an operator discarded the destination's content: the key is exported again with its reruns restored",
+)  # fmt: skip
+MARK_REMOTE_UNKNOWN = Transition(
+    "mark remote_unknown", (S.IN_PROGRESS,), S.REMOTE_UNKNOWN, AttemptOutcome.REMOTE_UNKNOWN, owner_guard=True
+)
+MARK_CONFLICT = Transition("mark conflict", (S.IN_PROGRESS,), S.CONFLICT, AttemptOutcome.CONFLICT, owner_guard=True)
 
-#: Every transition, in the order a key usually meets them (the README's state table is written from this).
+#: Every transition of a key, in the order a key usually meets them (the README's state table is written from this).
 TRANSITIONS = (
     CLAIM_FIRST,
     CLAIM_RETRY,
     TAKE_OVER,
+    RESTATE,
+    RECONCILE_HOLD,
+    OPERATOR_HOLD,
+    RENEW,
     COMPLETE,
     REPAIR,
+    WITHDRAW,
     FAIL,
+    FAIL_RESTORED,
     MARK_REMOTE_UNKNOWN,
     MARK_CONFLICT,
-    RECONCILE_COMPLETED,
-    RECONCILE_ABSENT,
-    RECONCILE_CONFLICT,
-    RESTATE,
-    WITHDRAW_RESTATEMENT,
-    OPERATOR_HOLD,
 )
 
-#: Reconciliation's transition for each state a verdict leads to.
-RECONCILE_TO = {t.to_state: t for t in (RECONCILE_COMPLETED, RECONCILE_ABSENT, RECONCILE_CONFLICT)}
-
-
-def _statement(owner: bool, expired: bool) -> sa.Update:
-    conditions = [
-        export_runs.c.logical_key == sa.bindparam("g_key"),
-        export_runs.c.state.in_(sa.bindparam("g_states", expanding=True)),
-        export_runs.c.fencing_token == sa.bindparam("g_token"),
-    ]
-    if owner:
-        conditions.append(export_runs.c.lease_owner == sa.bindparam("g_owner"))
-    if expired:
-        # Only an in_progress row carries a lease to wait for; any other state passes this guard.
-        conditions.append(
-            sa.or_(
-                export_runs.c.state != S.IN_PROGRESS.value,
-                export_runs.c.lease_expires_at < sa.bindparam("g_now"),
-            )
-        )
-    return export_runs.update().where(*conditions)
-
-
-# Built once, executed with parameters: building a Core statement on every call cost more than executing it.
-_STATEMENTS = {(o, e): _statement(o, e) for o in (False, True) for e in (False, True)}
-_RETURNING = {flags: statement.returning(*export_runs.c) for flags, statement in _STATEMENTS.items()}
+#: The transitions that finish a held key (the owner-guarded ones), by the state they lead to.
+FINISHING = (COMPLETE, REPAIR, WITHDRAW, FAIL, FAIL_RESTORED, MARK_REMOTE_UNKNOWN, MARK_CONFLICT)
+#: What puts a held key back in the state it was in, when its holder gives up (a refused resolution, a reconciler
+#: that could not reach the destination): each is a truthful finishing transition from that state's point of view.
+BACK_TO = {S.FAILED: FAIL, S.CONFLICT: MARK_CONFLICT, S.REMOTE_UNKNOWN: MARK_REMOTE_UNKNOWN}
 
 
 def apply(
@@ -168,9 +205,9 @@ def apply(
     if not states or not set(states) <= set(transition.from_states):
         raise InvalidTransition(f"{transition.name} does not start from {[s.value for s in states]}")
     if transition.owner_guard and owner is None:
-        raise InvalidTransition(f"{transition.name} needs the attempt that holds the lease")
+        raise InvalidTransition(f"{transition.name} needs the party that holds the lease")
     if transition.expired_guard and now is None:
-        raise InvalidTransition(f"{transition.name} needs the current time to check the lease")
+        raise InvalidTransition(f"{transition.name} needs the ledger's time to check the lease")
     parameters = {
         "g_key": logical_key,
         "g_states": [s.value for s in states],
@@ -182,7 +219,76 @@ def apply(
         parameters["g_owner"] = owner
     if transition.expired_guard:
         parameters["g_now"] = now
-    flags = (transition.owner_guard, transition.expired_guard)
     if returning:
-        return conn.execute(_RETURNING[flags], parameters).first()
-    return conn.execute(_STATEMENTS[flags], parameters).rowcount == 1
+        return conn.execute(_returning(transition), parameters).first()
+    return conn.execute(transition.statement, parameters).rowcount == 1
+
+
+@functools.lru_cache(maxsize=None)
+def _returning(transition: Transition) -> sa.Update:
+    return transition.statement.returning(*export_runs.c)
+
+
+# -- requests and drift records ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RowTransition:
+    """One allowed move of a restatement request or a drift record: an open row closed, guarded so that it matches
+    that row only while it is open.
+
+    Attributes:
+        name: What the move is called in messages.
+        table: ``export_restatements`` or ``export_drift``.
+        closed_column: The column that is NULL while the row is open (``closed_at``, ``cleared_at``).
+        outcome: The request's outcome afterwards (``published``, ``withdrawn``); None for drift records.
+    """
+
+    name: str
+    table: sa.Table
+    closed_column: str
+    outcome: str | None = None
+
+    @functools.cached_property
+    def statement(self) -> sa.Update:
+        closed = self.table.c[self.closed_column]
+        statement = self.table.update().where(self.table.c.id == sa.bindparam("g_id"), closed.is_(None))
+        values = {self.closed_column: sa.bindparam("g_now")}
+        if self.outcome is not None:
+            values["outcome"] = sa.literal(self.outcome)
+        return statement.values(**values)
+
+    @functools.cached_property
+    def many(self) -> sa.Update:
+        """The same move for a list of rows (``g_ids``), each still guarded by being open."""
+        closed = self.table.c[self.closed_column]
+        statement = self.table.update().where(
+            self.table.c.id.in_(sa.bindparam("g_ids", expanding=True)), closed.is_(None)
+        )
+        values = {self.closed_column: sa.bindparam("g_now")}
+        if self.outcome is not None:
+            values["outcome"] = sa.literal(self.outcome)
+        return statement.values(**values)
+
+
+PUBLISH_REQUEST = RowTransition("publish restatement", export_restatements, "closed_at", "published")
+WITHDRAW_REQUEST = RowTransition("withdraw restatement", export_restatements, "closed_at", "withdrawn")
+CLEAR_DRIFT = RowTransition("clear drift", export_drift, "cleared_at")
+
+#: Opening a request or a drift record is an INSERT guarded by a partial unique index (one open row per key).
+REQUEST_TRANSITIONS = (PUBLISH_REQUEST, WITHDRAW_REQUEST)
+DRIFT_TRANSITIONS = (CLEAR_DRIFT,)
+
+
+def close(conn: Connection, transition: RowTransition, row_id: int, now: dt.datetime) -> None:
+    """Closes one open row; raises :class:`InvalidTransition` when it is not open (someone closed it meanwhile)."""
+    if conn.execute(transition.statement, {"g_id": row_id, "g_now": now}).rowcount != 1:
+        raise InvalidTransition(f"{transition.name}: row {row_id} of {transition.table.name} is not open")
+
+
+def close_many(conn: Connection, transition: RowTransition, row_ids: list[int], now: dt.datetime) -> int:
+    """Closes whichever of ``row_ids`` are still open; returns how many were. For sweeps that may meet rows another
+    pass closed first (a drift pass clearing records a restatement cleared)."""
+    if not row_ids:
+        return 0
+    return conn.execute(transition.many, {"g_ids": list(row_ids), "g_now": now}).rowcount

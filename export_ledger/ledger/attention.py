@@ -1,0 +1,336 @@
+"""What needs doing, a bounded page at a time: stuck keys to reconcile, partitions to rerun or to restate, and
+escalations for a person.
+
+Every read here takes a ``limit`` and continues ``after`` a cursor, filters by the caller's exports (two code
+locations sharing a ledger see only their own), and counts in the database: a sensor tick costs what it acts on, not
+what the ledger holds, and binds a fixed number of parameters whatever the backlog.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import sqlalchemy as sa
+
+from export_ledger.ledger import transitions as T
+from export_ledger.ledger.contracts import accept_command
+from export_ledger.ledger.records import ExportRecord
+from export_ledger.ledger.schema import ExportState, export_restatements, export_runs
+
+S = ExportState
+#: Keys listed per group (an asset) in a summary; the counts are exact.
+LISTED = 20
+
+
+@dataclass(frozen=True)
+class PartitionWork:
+    """One (export, business date, zone) with keys to rerun or to restate: one run of one zone's asset.
+
+    ``digest`` changes whenever the situation does (a new failure raises a key's token; a new request has a new id)
+    and stays the same while it does not, so a run key built from it launches each situation once.
+    """
+
+    export: str
+    business_date: dt.date
+    timezone: str
+    keys: int
+    digest: str
+
+    @property
+    def cursor(self) -> str:
+        return f"{self.export}|{self.business_date.isoformat()}|{self.timezone}"
+
+
+@dataclass(frozen=True)
+class Escalation:
+    """Something that waits for a person, with why and the way out.
+
+    ``record`` is the key's row (None for a tenant refused by its calendar contract, which has no key to show).
+    """
+
+    export: str
+    tenant: str
+    timezone: str | None
+    logical_key: str | None
+    state: str
+    since: dt.datetime
+    why: str
+    record: ExportRecord | None = None
+
+    @property
+    def name(self) -> str:
+        return self.logical_key or f"{self.export}/{self.tenant}"
+
+
+@dataclass(frozen=True)
+class AttentionSummary:
+    """Escalations counted per group (export and zone: one Dagster asset), with the first :data:`LISTED` of each, and
+    a digest that changes when the escalated set does."""
+
+    total: int
+    digest: str
+    groups: dict[tuple[str, str | None], tuple[int, list[Escalation]]] = field(default_factory=dict)
+
+
+class Attention:
+    """The pages of work and escalations of :class:`~export_ledger.ledger.ExportLedger`."""
+
+    def __init__(self, ledger) -> None:
+        self.ledger = ledger
+
+    # -- reconciliation ----------------------------------------------------------------------------------------
+
+    def stuck(self, *, limit: int, after: str | None = None, exports: Sequence[str] = ()) -> list[ExportRecord]:
+        """Keys that need reconciling, in key order after ``after``: ``remote_unknown``, and ``in_progress`` whose
+        lease has ended (a crashed or stalled party). Each of the two reads walks an index on state."""
+        _check_limit(limit)
+        runs = export_runs.c
+        rows = []
+        with self.ledger.atomic(read_only=True) as conn:
+            now = self.ledger.now(conn)
+            for condition in (
+                runs.state == S.REMOTE_UNKNOWN.value,
+                sa.and_(runs.state == S.IN_PROGRESS.value, T.lease_expired_sql(now)),
+            ):
+                query = self._keys(condition, exports)
+                if after is not None:
+                    query = query.where(runs.logical_key > after)
+                rows.extend(conn.execute(query.order_by(runs.logical_key).limit(limit)))
+        records = sorted((ExportRecord.from_row(r) for r in rows), key=lambda r: r.logical_key)
+        return records[:limit]
+
+    # -- reruns and restatements, a partition at a time ----------------------------------------------------------
+
+    def failed_partitions(
+        self, *, max_attempts: int, limit: int, after: str | None = None, exports: Sequence[str] = ()
+    ) -> list[PartitionWork]:
+        """Partitions holding ``failed`` keys with automatic reruns left (fewer than ``max_attempts`` export claims
+        since their last resolution or request), after the cursor ``after``. Every failed key of a partition counts,
+        whichever page it falls on, so one partition is one run however many of its keys failed."""
+        _check_limit(limit)
+        runs = export_runs.c
+        condition = sa.and_(runs.state == S.FAILED.value, runs.claim_count < max_attempts)
+        query = sa.select(
+            runs.export, runs.business_date, runs.timezone, sa.func.count().label("keys"),
+            sa.func.sum(runs.fencing_token).label("tokens"), sa.func.max(runs.fencing_token).label("newest"),
+        ).where(condition)  # fmt: skip
+        return self._partitions(query, exports, after, limit, lambda r: f"{r.keys}:{r.tokens}:{r.newest}")
+
+    def restating_partitions(
+        self, *, limit: int, after: str | None = None, exports: Sequence[str] = ()
+    ) -> list[PartitionWork]:
+        """Partitions holding ``completed`` keys with an open restatement request: the run that publishes them. The
+        digest names the partition's open requests (their count and lowest and highest ids)."""
+        _check_limit(limit)
+        runs = export_runs.c
+        requests = export_restatements.c
+        query = (
+            sa.select(
+                runs.export, runs.business_date, runs.timezone, sa.func.count().label("keys"),
+                sa.func.min(requests.id).label("low"), sa.func.max(requests.id).label("high"),
+            )
+            .select_from(export_runs.join(export_restatements, requests.logical_key == runs.logical_key))
+            .where(runs.state == S.COMPLETED.value, requests.closed_at.is_(None))
+        )  # fmt: skip
+        return self._partitions(query, exports, after, limit, lambda r: f"{r.keys}:{r.low}:{r.high}")
+
+    def _partitions(self, query: sa.Select, exports, after, limit, situation) -> list[PartitionWork]:
+        runs = export_runs.c
+        if exports:
+            query = query.where(runs.export.in_(list(exports)))
+        if after is not None:
+            export, day, zone = after.split("|", 2)
+            position = sa.tuple_(runs.export, runs.business_date, runs.timezone)
+            start = sa.tuple_(sa.literal(export), sa.literal(dt.date.fromisoformat(day), sa.Date), sa.literal(zone))
+            query = query.where(position > start)
+        query = (
+            query.group_by(runs.export, runs.business_date, runs.timezone)
+            .order_by(runs.export, runs.business_date, runs.timezone)
+            .limit(limit)
+        )
+        with self.ledger.atomic(read_only=True) as conn:
+            rows = list(conn.execute(query))
+        return [
+            PartitionWork(
+                r.export, r.business_date, r.timezone, int(r.keys),
+                hashlib.sha256(situation(r).encode()).hexdigest()[:16],
+            )
+            for r in rows
+        ]  # fmt: skip
+
+    # -- escalations -------------------------------------------------------------------------------------------
+
+    def _escalated(self, now: dt.datetime, stuck_after: dt.timedelta, max_attempts: int | None) -> sa.ColumnElement:
+        runs = export_runs.c
+        horizon = now - stuck_after
+        conditions = [
+            runs.state == S.CONFLICT.value,
+            sa.and_(runs.state.in_([S.FAILED.value, S.REMOTE_UNKNOWN.value]), runs.updated_at <= horizon),
+            sa.and_(
+                runs.state == S.IN_PROGRESS.value, T.lease_expired_sql(now), runs.updated_at <= horizon
+            ),
+        ]
+        if max_attempts is not None and self.ledger.supports(6):
+            conditions.append(sa.and_(runs.state == S.FAILED.value, runs.claim_count >= max_attempts))
+        return sa.or_(*conditions)
+
+    def _pending_requests(self, now: dt.datetime, stuck_after: dt.timedelta) -> sa.Select:
+        """Completed keys whose restatement was requested longer than ``stuck_after`` ago and never claimed: the run
+        that should publish it was never launched, or failed before it reached the key."""
+        runs = export_runs.c
+        return (
+            sa.select(*self.ledger.run_columns, export_restatements.c.revision.label("pending_revision"),
+                      export_restatements.c.requested_at.label("pending_since"))  # fmt: skip
+            .select_from(export_runs.join(export_restatements, export_restatements.c.logical_key == runs.logical_key))
+            .where(
+                export_restatements.c.closed_at.is_(None),
+                export_restatements.c.requested_at <= now - stuck_after,
+                runs.state == S.COMPLETED.value,
+            )
+        )
+
+    def needs_attention(
+        self,
+        stuck_after: dt.timedelta,
+        *,
+        max_attempts: int | None = 3,
+        exports: Sequence[str] = (),
+        limit: int = 100,
+        after: str | None = None,
+    ) -> list[Escalation]:
+        """What waits for a person, a page of at most ``limit`` in key order after ``after``: keys in ``conflict``;
+        ``failed`` with their automatic reruns spent; ``failed``, ``remote_unknown`` or abandoned ``in_progress``
+        longer than ``stuck_after``; restatements requested longer ago and never published; and (on the first page)
+        tenants refused by their calendar contract. Every key that is not completed ends here or completed."""
+        _check_limit(limit)
+        ledger = self.ledger
+        runs = export_runs.c
+        with ledger.atomic(read_only=True) as conn:
+            now = ledger.now(conn)
+            keys = self._keys(self._escalated(now, stuck_after, max_attempts), exports)
+            pending = self._pending_requests(now, stuck_after)
+            if exports:
+                pending = pending.where(runs.export.in_(list(exports)))
+            if after is not None:
+                keys = keys.where(runs.logical_key > after)
+                pending = pending.where(runs.logical_key > after)
+            key_rows = list(conn.execute(keys.order_by(runs.logical_key).limit(limit)))
+            pending_rows = list(conn.execute(pending.order_by(runs.logical_key).limit(limit)))
+        found = [self._escalation(ExportRecord.from_row(row), now, max_attempts) for row in key_rows]
+        found += [_pending_escalation(row, now) for row in pending_rows]
+        found.sort(key=lambda e: e.logical_key)
+        found = found[:limit]
+        if after is None:
+            found = self._refusals(exports, limit) + found
+        return found[:limit]
+
+    def summary(
+        self, stuck_after: dt.timedelta, *, max_attempts: int | None = 3, exports: Sequence[str] = ()
+    ) -> AttentionSummary:
+        """Escalations per (export, zone), counted by the database, with the first :data:`LISTED` of each group; a
+        refused tenant counts in the group of the zone its code names."""
+        ledger = self.ledger
+        runs = export_runs.c
+        groups: dict[tuple[str, str | None], tuple[int, list[Escalation]]] = {}
+        parts: list[str] = []
+        with ledger.atomic(read_only=True) as conn:
+            now = ledger.now(conn)
+            for source in (self._keys(self._escalated(now, stuck_after, max_attempts), exports),
+                           self._pending_requests(now, stuck_after)):  # fmt: skip
+                if exports:
+                    source = source.where(runs.export.in_(list(exports)))
+                counted = source.with_only_columns(
+                    runs.export, runs.timezone, sa.func.count().label("keys"),
+                    sa.func.max(runs.updated_at).label("latest"), sa.func.sum(runs.fencing_token).label("tokens"),
+                ).group_by(runs.export, runs.timezone)  # fmt: skip
+                for row in conn.execute(counted):
+                    count, listed = groups.get((row.export, row.timezone), (0, []))
+                    groups[(row.export, row.timezone)] = (count + int(row.keys), listed)
+                    parts.append(f"{row.export}|{row.timezone}|{row.keys}|{row.latest}|{row.tokens}")
+            ranked = self._keys(self._escalated(now, stuck_after, max_attempts), exports).add_columns(
+                sa.func.row_number().over(partition_by=(runs.export, runs.timezone), order_by=runs.logical_key)
+                .label("rank")
+            ).subquery()  # fmt: skip
+            first = sa.select(ranked).where(ranked.c.rank <= LISTED).order_by(ranked.c.logical_key)
+            for row in conn.execute(first):
+                groups[(row.export, row.timezone)][1].append(
+                    self._escalation(ExportRecord.from_row(row), now, max_attempts)
+                )
+            pending = self._pending_requests(now, stuck_after)
+            if exports:
+                pending = pending.where(runs.export.in_(list(exports)))
+            for row in conn.execute(pending.order_by(runs.logical_key).limit(LISTED)):
+                listed = groups[(row.export, row.timezone)][1]
+                if len(listed) < LISTED:
+                    listed.append(_pending_escalation(row, now))
+        for refusal in self._refusals(exports, LISTED * 10):
+            group = (refusal.export, refusal.timezone)
+            count, listed = groups.get(group, (0, []))
+            groups[group] = (count + 1, listed + [refusal] if len(listed) < LISTED else listed)
+            parts.append(f"{refusal.export}|{refusal.tenant}|refused|{refusal.since}")
+        total = sum(count for count, _ in groups.values())
+        digest = hashlib.sha256("\n".join(sorted(parts)).encode()).hexdigest()[:16]
+        return AttentionSummary(total, digest, groups)
+
+    def _refusals(self, exports: Sequence[str], limit: int) -> list[Escalation]:
+        found = []
+        for row in self.ledger.contracts.refusals(exports=exports, limit=limit):
+            wanted = json.loads(row["wanted"])
+            found.append(
+                Escalation(
+                    row["export"], row["tenant"], wanted.get("timezone"), None, "refused", row["first_refused_at"],
+                    f"calendar contract changed in code, refused {row['refusals']} time(s): the ledger recorded "
+                    f"{row['recorded']}, the code says {row['wanted']}; accept it (recorded) with: "
+                    f"{accept_command(row['export'], wanted, row['tenant'])}, or restore the recorded contract in code",
+                )
+            )  # fmt: skip
+        return found
+
+    def _escalation(self, record: ExportRecord, now: dt.datetime, max_attempts: int | None) -> Escalation:
+        return Escalation(
+            record.export, record.tenant, record.timezone, record.logical_key, record.state.value, record.updated_at,
+            attention_reason(record, now, max_attempts), record,
+        )  # fmt: skip
+
+    def _keys(self, condition: sa.ColumnElement, exports: Sequence[str]) -> sa.Select:
+        query = sa.select(*self.ledger.run_columns).where(condition)
+        if exports:
+            query = query.where(export_runs.c.export.in_(list(exports)))
+        return query
+
+
+def attention_reason(record: ExportRecord, now: dt.datetime, max_attempts: int | None) -> str:
+    """Why ``record`` waits for a person, and the way out."""
+    if record.state is S.CONFLICT:
+        return "conflict: the destination holds something else; resolve it (export-ledger resolve)"
+    spent = record.claim_count if record.claim_count is not None else record.fencing_token
+    if record.state is S.FAILED and max_attempts is not None and spent >= max_attempts:
+        return (
+            f"failed {spent} time(s): automatic reruns are spent; fix the cause and rerun the partition, or resolve "
+            "it (export-ledger resolve; a restatement: export-ledger restate --withdraw)"
+        )
+    since = now - record.updated_at
+    return f"{record.state.value} for {str(since).split('.')[0]}: longer than allowed"
+
+
+def _pending_escalation(row: sa.Row, now: dt.datetime) -> Escalation:
+    record = ExportRecord.from_row(row)
+    since = str(now - row.pending_since).split(".")[0]
+    return Escalation(
+        record.export, record.tenant, record.timezone, record.logical_key, "restating", row.pending_since,
+        f"restatement to revision {row.pending_revision} requested {since} ago and not published: materialize the "
+        f"partition, or withdraw it (export-ledger restate --withdraw {record.logical_key} --reason ...)",
+        record,
+    )  # fmt: skip
+
+
+def _check_limit(limit: int) -> None:
+    if limit <= 0:
+        raise ValueError(f"limit must be positive, got {limit}")
+
+
+__all__ = ["Attention", "AttentionSummary", "Escalation", "PartitionWork", "attention_reason"]

@@ -1,0 +1,205 @@
+"""Reads of keys and attempts. Each read is one statement in a read transaction (SQLite begins it deferred, so a read
+never waits behind a running export), and every read a sensor tick or the CLI makes takes a ``limit``."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+
+from export_ledger.keys import LogicalKey
+from export_ledger.ledger.records import AttemptRecord, DaySummary, ExportRecord
+from export_ledger.ledger.schema import (
+    ExportState,
+    export_attempts,
+    export_contracts,
+    export_runs,
+)
+
+
+class Queries:
+    """Reads of :class:`~export_ledger.ledger.ExportLedger`."""
+
+    def __init__(self, ledger) -> None:
+        self.ledger = ledger
+
+    def _select(self) -> sa.Select:
+        return sa.select(*self.ledger.run_columns)
+
+    def get(self, logical_key: str) -> ExportRecord | None:
+        query = self._select().where(export_runs.c.logical_key == logical_key)
+        with self.ledger.atomic(read_only=True) as conn:
+            row = conn.execute(query).first()
+        return ExportRecord.from_row(row) if row else None
+
+    def find(self, key: LogicalKey) -> ExportRecord | None:
+        """The record for the key's business day, whatever window start it was first claimed with."""
+        query = self._select().where(
+            export_runs.c.export == key.export,
+            export_runs.c.tenant == key.tenant,
+            export_runs.c.timezone == key.window.timezone,
+            export_runs.c.business_date == key.window.business_date,
+        )
+        with self.ledger.atomic(read_only=True) as conn:
+            row = conn.execute(query).first()
+        return ExportRecord.from_row(row) if row else None
+
+    def records(
+        self,
+        *,
+        export: str | None = None,
+        tenant: str | None = None,
+        date_from: dt.date | None = None,
+        date_to: dt.date | None = None,
+        states: Sequence[ExportState] = (),
+        limit: int | None = None,
+        offset: int = 0,
+        tenants: Sequence[str] = (),
+        business_dates: Sequence[dt.date] = (),
+        timezone: str | None = None,
+        exports: Sequence[str] = (),
+    ) -> list[ExportRecord]:
+        """Keys matching every filter given, by export, business date and tenant; ``limit`` and ``offset`` page."""
+        query = self._select()
+        runs = export_runs.c
+        if export is not None:
+            query = query.where(runs.export == export)
+        if exports:
+            query = query.where(runs.export.in_(list(exports)))
+        if tenant is not None:
+            query = query.where(runs.tenant == tenant)
+        if tenants:
+            query = query.where(runs.tenant.in_(list(tenants)))
+        if business_dates:
+            query = query.where(runs.business_date.in_(list(business_dates)))
+        if timezone is not None:
+            query = query.where(runs.timezone == timezone)
+        if date_from is not None:
+            query = query.where(runs.business_date >= date_from)
+        if date_to is not None:
+            query = query.where(runs.business_date <= date_to)
+        if states:
+            query = query.where(runs.state.in_([s.value for s in states]))
+        query = query.order_by(runs.export, runs.business_date, runs.tenant)
+        if limit is not None:
+            query = query.limit(limit)
+        if offset:
+            query = query.offset(offset)
+        with self.ledger.atomic(read_only=True) as conn:
+            return [ExportRecord.from_row(row) for row in conn.execute(query)]
+
+    def count(self, *, export: str | None = None, states: Sequence[ExportState] = ()) -> int:
+        """How many keys (of ``export``, in ``states``) the ledger holds: counted by the database."""
+        query = sa.select(sa.func.count()).select_from(export_runs)
+        if export is not None:
+            query = query.where(export_runs.c.export == export)
+        if states:
+            query = query.where(export_runs.c.state.in_([s.value for s in states]))
+        with self.ledger.atomic(read_only=True) as conn:
+            return int(conn.execute(query).scalar_one())
+
+    def exports(self) -> list[str]:
+        """Every export name the ledger has a key or a calendar contract of, sorted (one name a row: bounded by the
+        number of exports)."""
+        with self.ledger.atomic(read_only=True) as conn:
+            names = set(conn.execute(sa.select(export_runs.c.export).distinct()).scalars())
+            names |= set(conn.execute(sa.select(export_contracts.c.export).distinct()).scalars())
+        return sorted(names)
+
+    def day_summaries(
+        self, *, export: str, timezone: str | None, days: Sequence[dt.date], tenants: Sequence[str]
+    ) -> dict[dt.date, DaySummary]:
+        """Per business day, how ``tenants``' keys stand (in ``timezone``; None: whatever their zone): counted in the
+        database, so a tick that looks at a hundred days of a thousand tenants reads a hundred rows. Days with no key
+        are absent."""
+        if not days or not tenants:
+            return {}
+        state = export_runs.c.state
+        completed = state == ExportState.COMPLETED.value
+        query = (
+            sa.select(
+                export_runs.c.business_date,
+                sa.func.count().label("keys"),
+                sa.func.sum(sa.case((completed, 1), else_=0)).label("completed"),
+                sa.func.sum(sa.case((completed, export_runs.c.row_count), else_=0)).label("rows"),
+            )
+            .where(
+                export_runs.c.export == export,
+                export_runs.c.business_date.in_(list(days)),
+                export_runs.c.tenant.in_(list(tenants)),
+            )
+            .group_by(export_runs.c.business_date)
+        )
+        if timezone is not None:
+            query = query.where(export_runs.c.timezone == timezone)
+        with self.ledger.atomic(read_only=True) as conn:
+            return {
+                row.business_date: DaySummary(row.business_date, int(row.keys), int(row.completed), int(row.rows or 0))
+                for row in conn.execute(query)
+            }
+
+    def first_records(
+        self, *, export: str, timezone: str | None, days: Sequence[dt.date], tenants: Sequence[str], per_day: int
+    ) -> dict[dt.date, list[ExportRecord]]:
+        """The first ``per_day`` records of each day (by tenant id) among ``tenants``: what an event lists, read
+        without loading a day of a thousand tenants (one windowed query, ``ROW_NUMBER`` per day)."""
+        if not days or not tenants:
+            return {}
+        rank = (
+            sa.func.row_number()
+            .over(partition_by=export_runs.c.business_date, order_by=export_runs.c.tenant)
+            .label("day_rank")
+        )
+        ranked = sa.select(*self.ledger.run_columns, rank).where(
+            export_runs.c.export == export,
+            export_runs.c.business_date.in_(list(days)),
+            export_runs.c.tenant.in_(list(tenants)),
+        )
+        if timezone is not None:
+            ranked = ranked.where(export_runs.c.timezone == timezone)
+        ranked = ranked.subquery()
+        query = (
+            sa.select(*(ranked.c[c.name] for c in self.ledger.run_columns))
+            .where(ranked.c.day_rank <= per_day)
+            .order_by(ranked.c.business_date, ranked.c.tenant)
+        )
+        found: dict[dt.date, list[ExportRecord]] = {}
+        with self.ledger.atomic(read_only=True) as conn:
+            for row in conn.execute(query):
+                record = ExportRecord.from_row(row)
+                found.setdefault(record.business_date, []).append(record)
+        return found
+
+    def attempts(self, logical_key: str, *, limit: int | None = None) -> list[AttemptRecord]:
+        """A key's attempts, oldest first (the last ``limit`` of them when given)."""
+        query = sa.select(export_attempts).where(export_attempts.c.logical_key == logical_key)
+        if limit is not None:
+            newest = query.order_by(export_attempts.c.id.desc()).limit(limit).subquery()
+            query = sa.select(newest).order_by(newest.c.id)
+        else:
+            query = query.order_by(export_attempts.c.id)
+        with self.ledger.atomic(read_only=True) as conn:
+            return [AttemptRecord.from_row(row) for row in conn.execute(query)]
+
+    def attempt_count(self, logical_key: str) -> int:
+        query = sa.select(sa.func.count()).where(export_attempts.c.logical_key == logical_key)
+        with self.ledger.atomic(read_only=True) as conn:
+            return int(conn.execute(query).scalar_one())
+
+    def all_attempts(self) -> list[AttemptRecord]:
+        """Every attempt of every key (tests and harnesses: unbounded by design)."""
+        with self.ledger.atomic(read_only=True) as conn:
+            rows = conn.execute(sa.select(export_attempts).order_by(export_attempts.c.id))
+            return [AttemptRecord.from_row(row) for row in rows]
+
+    def committed_by(self, attempt: str, *, limit: int = 1000) -> list[ExportRecord]:
+        """Keys an attempt completed (its other keys, when one of them is being reconciled), at most ``limit``."""
+        query = (
+            self._select()
+            .where(export_runs.c.committed_attempt == attempt)
+            .order_by(export_runs.c.logical_key)
+            .limit(limit)
+        )
+        with self.ledger.atomic(read_only=True) as conn:
+            return [ExportRecord.from_row(r) for r in conn.execute(query)]

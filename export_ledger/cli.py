@@ -70,9 +70,8 @@ from export_ledger.ledger import (
     Restatement,
     Revision,
     dispose_engines,
-    ledger_engine,
     redact_url,
-    upgrade,
+    upgrade_url,
 )
 from export_ledger.ledger.core import DEFAULT_MAX_ATTEMPTS
 from export_ledger.restate import (
@@ -81,8 +80,13 @@ from export_ledger.restate import (
     published_revisions,
     records_of,
     request_for_date,
+    withdraw,
 )
 from export_ledger.settings import LEDGER_URL_ENV, Settings
+
+#: Rows a CLI read returns unless ``--limit`` says otherwise: every read is bounded, whatever the ledger holds.
+STATUS_LIMIT = 500
+ATTEMPTS_LIMIT = 200
 from export_ledger.tenants import zone_slug
 
 PROG = "export-ledger"
@@ -177,7 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(found by the drift sensor or `export-ledger drift`), with counts of rows added, removed and changed; "
         "'restating': keys with an open restatement request, with the revision it publishes and why",
     )
-    status.add_argument("--limit", type=_positive_int_arg, metavar="N", help="at most N exports")
+    status.add_argument(
+        "--limit", type=_positive_int_arg, metavar="N", default=STATUS_LIMIT,
+        help=f"at most N rows (default {STATUS_LIMIT}; every read is bounded, a longer list says how to page)",
+    )  # fmt: skip
+    status.add_argument("--offset", type=int, default=0, metavar="N", help="skip the first N rows (paging)")
     status.add_argument(
         "--needs-attention",
         action="store_true",
@@ -434,13 +442,14 @@ def _status(ledger: ExportLedger, args: argparse.Namespace) -> str:
         return _stale(ledger, args)
     if RESTATING in args.states:
         return _restating(ledger, args)
-    records = ledger.records(
+    records = ledger.queries.records(
         export=args.export,
         tenant=args.tenant,
         date_from=args.date_from,
         date_to=args.date_to,
         states=[ExportState(value) for value in args.states],
         limit=args.limit,
+        offset=args.offset,
     )
     # One read of the export's requests, not of every key: most keys were never restated (revision 1).
     published = published_revisions(ledger, export=args.export) if records else {}
@@ -478,20 +487,24 @@ def _status(ledger: ExportLedger, args: argparse.Namespace) -> str:
                 revision.get(record.logical_key, ""),  # shown where restated (> 1): the current revision
             )
         )
-    return _table(headers, rows)
+    return _table(headers, rows) + _more(len(records), args)
+
+
+def _more(shown: int, args: argparse.Namespace) -> str:
+    """The line that says a read stopped at its limit, and how to see the rest."""
+    if shown < args.limit:
+        return ""
+    return f"\n(the first {shown} rows from {args.offset}; --offset {args.offset + shown} shows the next ones)"
 
 
 def _restating(ledger: ExportLedger, args: argparse.Namespace) -> str:
     """Keys with an open restatement request: the revision it publishes, who asked, when and why."""
     if len(set(args.states)) > 1:
         raise UsageError("--state restating lists keys with an open restatement only; it cannot be combined")
-    requests = [
-        r
-        for r in ledger.restatements(export=args.export)
-        if (args.tenant is None or r.tenant == args.tenant)
-        and (args.date_from is None or r.business_date >= args.date_from)
-        and (args.date_to is None or r.business_date <= args.date_to)
-    ][: args.limit]
+    requests = ledger.restatements.requests(
+        export=args.export, tenants=[args.tenant] if args.tenant else (), date_from=args.date_from,
+        date_to=args.date_to, limit=args.limit,
+    )  # fmt: skip
     states = {key: r.state.value for key, r in records_of(ledger, requests).items()}
     if args.json:
         return _dump([{**_request_json(r), "state": states.get(r.logical_key)} for r in requests])
@@ -515,13 +528,10 @@ def _stale(ledger: ExportLedger, args: argparse.Namespace) -> str:
     """Completed keys with an open drift record: counts of rows added, removed and changed (never values)."""
     if len(set(args.states)) > 1:
         raise UsageError("--state stale lists stale keys only; it cannot be combined with other states")
-    stale = [
-        r
-        for r in ledger.open_drift(export=args.export)
-        if (args.tenant is None or r.tenant == args.tenant)
-        and (args.date_from is None or r.business_date >= args.date_from)
-        and (args.date_to is None or r.business_date <= args.date_to)
-    ][: args.limit]
+    stale = ledger.drift.open_records(
+        export=args.export, tenants=[args.tenant] if args.tenant else (), date_from=args.date_from,
+        date_to=args.date_to, limit=args.limit,
+    )  # fmt: skip
     if args.json:
         return _dump([_drift_json(r) for r in stale])
     if not stale:
@@ -675,21 +685,32 @@ def _drift(ledger: ExportLedger, args: argparse.Namespace) -> str:
 
 
 def _needs_attention(ledger: ExportLedger, args: argparse.Namespace) -> str:
-    found = ledger.needs_attention(dt.timedelta(hours=args.stuck_after_hours), max_attempts=args.max_attempts)
-    found = [(r, why) for r, why in found if args.export in (None, r.export) and args.tenant in (None, r.tenant)]
+    found = ledger.attention.needs_attention(
+        dt.timedelta(hours=args.stuck_after_hours), max_attempts=args.max_attempts,
+        exports=[args.export] if args.export else (), limit=args.limit,
+    )  # fmt: skip
+    found = [e for e in found if args.tenant in (None, e.tenant)]
     if args.json:
-        return _dump([{**_record_json(r), "needs_attention": why} for r, why in found])
+        return _dump(
+            [
+                {**(_record_json(e.record) if e.record else {"export": e.export, "tenant": e.tenant}),
+                 "state": e.state, "needs_attention": e.why}
+                for e in found
+            ]
+        )  # fmt: skip
     if not found:
         return "no export key needs attention"
-    rows = [(r.logical_key, r.state.value, r.fencing_token, _short_time(r.updated_at), why) for r, why in found]
-    return _table(("LOGICAL KEY", "STATE", "CLAIMS", "SINCE", "WHY, AND THE WAY OUT"), rows)
+    rows = [
+        (e.name, e.state, e.record.claim_count if e.record else None, _short_time(e.since), e.why) for e in found
+    ]
+    return _table(("LOGICAL KEY", "STATE", "CLAIMS", "SINCE", "WHY, AND THE WAY OUT"), rows) + _more(len(found), args)
 
 
 def _attempts(ledger: ExportLedger, args: argparse.Namespace) -> str:
-    record = ledger.get(args.logical_key)
+    record = ledger.queries.get(args.logical_key)
     if record is None:
         raise CliError(f"unknown logical key {args.logical_key!r}: the ledger has no export with it")
-    attempts = ledger.attempts(record.logical_key)
+    attempts = ledger.queries.attempts(record.logical_key, limit=ATTEMPTS_LIMIT)
     if args.json:
         return _dump([_attempt_json(attempt) for attempt in attempts])
     if not attempts:
@@ -708,7 +729,9 @@ def _attempts(ledger: ExportLedger, args: argparse.Namespace) -> str:
         )
         for attempt in attempts
     ]
-    return _table(headers, rows)
+    total = ledger.queries.attempt_count(record.logical_key) if len(attempts) == ATTEMPTS_LIMIT else len(attempts)
+    note = f"\n(the last {ATTEMPTS_LIMIT} of {total} attempts)" if total > len(attempts) else ""
+    return _table(headers, rows) + note
 
 
 def _configured_destination(args: argparse.Namespace, ledger: ExportLedger):
@@ -723,7 +746,7 @@ def _known_export(ledger: ExportLedger, export: str | None) -> None:
     """Refuses an export name the ledger has never seen, listing those it knows (a typo is not an empty result)."""
     if export is None:
         return
-    known = ledger.exports()
+    known = ledger.queries.exports()
     if export not in known:
         listed = ", ".join(known) if known else "none yet"
         raise CliError(f"the ledger knows no export named {export!r} (known: {listed})")
@@ -788,12 +811,12 @@ def _prune(ledger: ExportLedger, args: argparse.Namespace) -> str:
     if args.close_unexported and not (args.reason and args.reason.strip()):
         raise UsageError("--close-unexported needs --reason: closing dates never exported is recorded")
     if args.yes:
-        plans = ledger.prune(
+        plans = ledger.retention.prune(
             args.older_than, export=args.export, close_unexported=args.close_unexported, operator=args.operator,
             reason=args.reason,
         )  # fmt: skip
     else:
-        plans = ledger.prune_plan(args.older_than, export=args.export, close_unexported=args.close_unexported)
+        plans = ledger.retention.plan(args.older_than, export=args.export, close_unexported=args.close_unexported)
     if args.json:
         return _dump(
             [
@@ -801,6 +824,7 @@ def _prune(ledger: ExportLedger, args: argparse.Namespace) -> str:
                     "export": p.export, "applied": args.yes, "pruned": p.pruned, "low_water_date": _date(p.mark),
                     "previous_low_water_date": _date(p.previous_mark), "blocked_by": _date(p.blocked_by),
                     "unexported_dates": [d.isoformat() for d in p.unexported],
+                    "unexported_count": p.unexported_count,
                 }
                 for p in plans
             ]
@@ -808,7 +832,7 @@ def _prune(ledger: ExportLedger, args: argparse.Namespace) -> str:
     if not plans:
         return "nothing to prune"
     rows = [
-        (p.export, p.pruned, _date(p.previous_mark), _date(p.mark), _date(p.blocked_by), len(p.unexported))
+        (p.export, p.pruned, _date(p.previous_mark), _date(p.mark), _date(p.blocked_by), p.unexported_count)
         for p in plans
     ]
     headers = ("EXPORT", "COMPLETED RECORDS PRUNED", "MARK BEFORE", "MARK AFTER", "STOPPED BY", "DATES NEVER EXPORTED")
@@ -818,8 +842,8 @@ def _prune(ledger: ExportLedger, args: argparse.Namespace) -> str:
             lines.append(f"{p.export}: the mark stops at {p.blocked_by}, which still has a key not completed")
         if p.unexported and not p.closes_unexported:
             lines.append(
-                f"{p.export}: {len(p.unexported)} date(s) from {p.unexported[0]} have no key at all and stay open; "
-                '--close-unexported --reason "..." closes them (recorded)'
+                f"{p.export}: {p.unexported_count} date(s) from {p.unexported[0]} have a tenant with no key at all and "
+                'stay open; --close-unexported --reason "..." closes them (recorded)'
             )
     if not args.yes:
         lines.append("dry run: nothing changed; add --yes to apply")
@@ -853,7 +877,9 @@ def _restate(ledger: ExportLedger, args: argparse.Namespace) -> str:
         raise UsageError("--export and --tenant go with --date; a LOGICAL_KEY names its export and tenant")
     reason = args.reason or ""
     if args.withdraw:
-        record = ledger.withdraw_restatement(args.logical_key, operator=args.operator, reason=reason)
+        record = withdraw(
+            ledger, _configured_destination(args, ledger), args.logical_key, operator=args.operator, reason=reason
+        )
         if args.json:
             return _dump([{"logical_key": record.logical_key, "withdrawn": True, "state": record.state.value}])
         return f"{record.logical_key}: restatement withdrawn; {record.state.value}, its current revision unchanged"
@@ -869,7 +895,7 @@ def _restate(ledger: ExportLedger, args: argparse.Namespace) -> str:
             more = f" ({len(refused) - 1} more key(s) refused too)" if len(refused) > 1 else ""
             raise CliError(f"{why}{more}")
     else:
-        request = ledger.request_restatement(args.logical_key, reason=reason, requested_by=args.operator)
+        request = ledger.restatements.request(args.logical_key, reason=reason, requested_by=args.operator)
         requested, refused = [request], []
     args.unresolved = bool(refused)  # some keys of the date were refused: scripts must see it
     commands = _materialize_commands(ledger, requested)
@@ -903,9 +929,9 @@ def _materialize_commands(ledger: ExportLedger, requests: Sequence[Restatement])
 
 
 def _revisions(ledger: ExportLedger, args: argparse.Namespace) -> str:
-    revisions = ledger.revisions(args.logical_key)
+    revisions = ledger.restatements.revisions(args.logical_key)
     if not revisions:
-        record = ledger.get(args.logical_key)
+        record = ledger.queries.get(args.logical_key)
         if record is None:
             raise CliError(f"unknown logical key {args.logical_key!r}: the ledger has no export with it")
         return f"{record.logical_key} has no published revision yet (state {record.state.value})"
@@ -938,16 +964,16 @@ def _accept_contract(ledger: ExportLedger, args: argparse.Namespace) -> str:
     except ExportLedgerError as exc:
         raise UsageError(str(exc)) from None
     if args.tenant is None:
-        elsewhere = sorted(t for t, c in ledger.tenant_contracts(args.export).items() if c["timezone"] != args.timezone)
+        elsewhere = sorted(t for t, c in ledger.contracts.tenant_contracts(args.export).items() if c["timezone"] != args.timezone)
         if elsewhere:
             raise UsageError(
                 f"{args.export} has tenants in other zones than {args.timezone} ({', '.join(elsewhere[:5])}"
                 f"{', ...' if len(elsewhere) > 5 else ''}): accept per tenant with --tenant"
             )
-        before = ledger.recorded_contract(args.export)
+        before = ledger.contracts.recorded(args.export)
     else:
-        before = ledger.contract_in_force(args.export, args.tenant)
-    ledger.accept_contract(args.export, contract, args.reason, tenant=args.tenant)
+        before = ledger.contracts.in_force(args.export, args.tenant)
+    ledger.contracts.accept(args.export, contract, args.reason, tenant=args.tenant)
     scope = args.export if args.tenant is None else f"{args.export}, tenant {args.tenant}"
     if args.json:
         return _dump(
@@ -965,7 +991,7 @@ def _accept_contract(ledger: ExportLedger, args: argparse.Namespace) -> str:
 
 
 def _upgrade(ledger: ExportLedger, args: argparse.Namespace) -> str:
-    done = upgrade(ledger_engine(ledger.url, read_only=True))
+    done = upgrade_url(ledger.url)
     if args.json:
         return _dump([{"upgraded_to": version} for version in done])
     return "the ledger's schema is current" if not done else f"upgraded the ledger's schema to version {done[-1]}"

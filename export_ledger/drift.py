@@ -31,7 +31,13 @@ import numpy as np
 import pandas as pd
 
 from export_ledger.calendar import load_zone
-from export_ledger.destinations.base import Destination, ExportTarget, TransactionalDestination
+from export_ledger.destinations.base import (
+    Destination,
+    ExportTarget,
+    TransactionalDestination,
+    Verdict,
+    place_of_location,
+)
 from export_ledger.errors import safe_message
 from export_ledger.fingerprint import Fingerprint, id_hashes, version_hashes
 from export_ledger.frames import ExportSchema, FrameBatches, _to_arrow, read_table
@@ -147,12 +153,12 @@ def _published(
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Per-row hashes of the export as published (its current ``revision``, read through the destination and
     checked against the ledger's sha256)."""
-    target = target_for_record(record).at_revision(revision)
-    manifest = destination.probe(target)
-    if manifest is None:
-        raise LookupError(f"{destination.location(target)} holds no export for {record.logical_key}")
-    payload = destination.read_data(target, manifest)
-    if hashlib.sha256(payload).hexdigest() != record.sha256:
+    target = target_for_record(record).at_revision(revision, place_of_location(record.location))
+    seen = destination.verify_recorded(target, logical_key=record.logical_key, sha256=record.sha256)
+    if seen.verdict is not Verdict.PUBLISHED:
+        raise LookupError(f"{record.logical_key}: {seen.detail}")
+    payload = destination.read_data(target, seen.manifest)
+    if hashlib.sha256(payload).hexdigest() != record.sha256:  # read twice: it must not have changed between
         raise LookupError(f"{destination.location(target)} does not hold the export the ledger recorded (sha256)")
     schema = spec.schema
     # A ledger table hands its rows back as CSV, whatever the export's file format.
@@ -228,8 +234,8 @@ def drift_pass(
     now = now or ledger.now()
     by_name = {spec.name: spec for spec in specs if spec.source is not None and spec.name in destinations}
     since = {name: horizon(spec, now, lookback_days) for name, spec in by_name.items()}
-    records = ledger.completed_since(since, limit=limit, after=after)
-    stored = ledger.fingerprints([r.logical_key for r in records])
+    records = ledger.drift.completed_since(since, limit=limit, after=after)
+    stored = ledger.drift.fingerprints([r.logical_key for r in records])
     report = DriftReport(next_after=records[-1].logical_key if len(records) == limit else None)
     for record in records:
         spec = by_name[record.export]
@@ -246,22 +252,20 @@ def drift_pass(
             report.matching.append(record.logical_key)
         else:
             report.stale.append(finding)
-    report.changes = ledger.record_drift(report.stale, report.matching)
+    report.changes = ledger.drift.record(report.stale, report.matching)
     automatic = {name for name, spec in by_name.items() if spec.restate_stale}
     newly = set(report.changes.opened)
     # Only keys this pass newly found stale (or stale differently): a request withdrawn by an operator is not asked
     # for again while the drift stays the same.
-    wanted = [r for r in ledger.open_drift(logical_keys=sorted(newly)) if r.export in automatic] if newly else []
+    wanted = [r for r in ledger.drift.open_records(logical_keys=sorted(newly)) if r.export in automatic] if newly else []
     report.restatements = restate_stale(ledger, wanted, requested_by=requested_by)
     return report
 
 
-def stale_digest(records: Sequence[DriftRecord]) -> str:
-    """A short digest of the open drift records (keys and counts): changes exactly when the stale set does."""
-    text = "\n".join(
-        f"{r.logical_key}:{r.rows_added}:{r.rows_removed}:{r.rows_changed}"
-        for r in sorted(records, key=lambda r: r.logical_key)
-    )
+def stale_digest(summary: Mapping[str, tuple[int, int]]) -> str:
+    """A short digest of the open drift records, from the ledger's count and newest record id per export: records are
+    never rewritten (a change closes one and opens another), so it changes exactly when the stale set does."""
+    text = "\n".join(f"{export}:{count}:{newest}" for export, (count, newest) in sorted(summary.items()))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -14,8 +14,9 @@ import signal
 import time
 
 ENV_VAR = "EXPORTS_FAILPOINTS"
-#: In the order an attempt meets them; ``after_current`` only on a restatement (its revision was made current).
-POINTS = ("after_claim", "after_stage", "after_publish", "after_current", "before_commit", "after_commit")
+#: In the order an attempt meets them: claimed; staged at its place (invisible); committed (the pointer names it:
+#: visible); before and after the ledger records it.
+POINTS = ("after_claim", "after_stage", "after_publish", "before_commit", "after_commit")
 ACTIONS = ("raise", "crash", "kill", "pause:SECONDS")
 
 

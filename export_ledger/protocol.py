@@ -1,18 +1,22 @@
-"""The write protocol for one logical key: the one function the I/O manager, the benchmarks and the harnesses call.
+"""The write protocol for logical keys: the one function the I/O manager, the benchmarks and the harnesses call.
 
-For each key: claim it (lease + fencing token), look for an export an earlier attempt published and never recorded
-(repair it from its manifest), otherwise validate the frame against the window recorded at the first claim, stage,
-publish atomically, and only then record completion. On a transactional destination the rows and the completion
-record commit in one transaction instead. Data and completion metadata become visible together; a key already
-completed is skipped with no new effect. Plain Python, no Dagster.
+For each key (docs/protocol.md): **claim** it in the ledger (a lease and a fencing token, on the ledger's clock,
+refused unless its window has ended and its calendar contract is the one in force); **fence** the destination with
+the token when anyone held the key before; **verify** what the key's pointer names (an earlier attempt's commit is
+recorded as a repair, never written twice); otherwise **read** the source (after the claim: a source failure is this
+key's, recorded as ``failed`` with its details withheld), validate it against the window recorded at the first claim,
+**sweep** places no pointer can ever name, **stage** the revision at this attempt's own place, **commit** it with the
+pointer's compare-and-swap (the one step that changes what readers see, refused to a fenced attempt), and only then
+**record** completion. On a transactional destination the rows and the completion record commit in one transaction
+instead. Plain Python, no Dagster.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import pandas as pd
@@ -25,12 +29,13 @@ from export_ledger.destinations.base import (
     DestinationConflict,
     DestinationError,
     ExportTarget,
-    PublishedElsewhere,
-    PublishingDestination,
+    Fenced,
     PublishOutcomeUnknown,
     TransactionalDestination,
+    Verdict,
 )
-from export_ledger.errors import safe_message
+from export_ledger.destinations.publishing import PublishingDestination
+from export_ledger.errors import ExportLedgerError, safe_message
 from export_ledger.fingerprint import Fingerprint
 from export_ledger.frames import (
     ExportSchema,
@@ -58,30 +63,40 @@ _log = logging.getLogger("export_ledger")
 
 
 class ExportConflict(DestinationConflict):
-    """The destination holds a different export at this key's location; an operator must look."""
+    """The destination holds a different export at this key's place; an operator must look."""
 
 
 class ExportBatchFailed(DestinationError):
-    """Several keys of one run failed; each is named with its error, and every other key was still exported."""
+    """Keys of one run failed; each is named with its error (in the library's own words), and every other key was
+    still exported."""
 
 
 class ExportOutcomeUnknown(DestinationError):
     """The destination may or may not hold the export; the key is ``remote_unknown`` until reconciled."""
 
 
+#: A key's rows: a DataFrame (validated whole), batches (validated, written and hashed batch by batch), a reader
+#: called after the key is claimed (the source is read only for a key that is exported), or None (found completed
+#: when the run was planned: nothing read).
+Rows = pd.DataFrame | FrameBatches | Callable[[], pd.DataFrame] | None
+
+
 @dataclass(frozen=True)
 class ExportItem:
     """One logical key to export.
 
-    ``frame`` is the key's rows: one DataFrame (validated whole, sorted if needed), or
-    :class:`~export_ledger.frames.FrameBatches` (validated, written and hashed batch by batch with bounded memory;
-    the rows must arrive in file order, see :func:`~export_ledger.frames.validate_batches`), or None when the key was
-    found completed and nothing was read.
+    Attributes:
+        key: The key.
+        partition_key: The Dagster partition it belongs to.
+        frame: Its rows (see :data:`Rows`).
+        contract: The tenant's calendar contract the key's window was computed with; the claim is refused unless it
+            is the one the ledger holds in force (None: not checked).
     """
 
     key: LogicalKey
     partition_key: str
-    frame: pd.DataFrame | FrameBatches | None
+    frame: Rows
+    contract: Mapping | None = None
 
     @classmethod
     def streamed(
@@ -92,13 +107,15 @@ class ExportItem:
         schema: ExportSchema,
         *,
         batch_rows: int = DEFAULT_BATCH_ROWS,
+        contract: Mapping | None = None,
     ) -> ExportItem:
         """An item whose rows are read from ``source`` in batches of ``batch_rows`` while they are exported.
 
         Nothing is read until the export runs (and never for a key found completed).
         """
         start, end = key.window.start_utc, key.window.end_utc
-        return cls(key, partition_key, FrameBatches(_LazyBatches(source, key.tenant, start, end, schema, batch_rows)))
+        batches = FrameBatches(_LazyBatches(source, key.tenant, start, end, schema, batch_rows))
+        return cls(key, partition_key, batches, contract)
 
 
 @dataclass(frozen=True)
@@ -132,23 +149,29 @@ class ExportResult:
     sha256: str
     row_count: int
     committed_attempt: str
-    #: The revision this attempt published or repaired (N + 1 for a restatement); 1 for ``already_completed``,
-    #: whose current revision is not looked up (the ledger's ``current_revision`` has it).
+    #: The revision this attempt published or repaired (the restatement's for a restatement); 1 for
+    #: ``already_completed``, whose current revision is not looked up (the ledger's ``current_revision`` has it).
     revision: int = 1
 
     @classmethod
     def of(cls, record: ExportRecord, partition_key: str, status: str, revision: int = 1) -> ExportResult:
         return cls(
-            record.logical_key,
-            partition_key,
-            record.tenant,
-            status,
-            record.location,
-            record.sha256,
-            record.row_count,
-            record.committed_attempt,
-            revision,
-        )
+            record.logical_key, partition_key, record.tenant, status, record.location, record.sha256,
+            record.row_count, record.committed_attempt, revision,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class KeyFailure:
+    """One key of a run that was not exported, and why (``message``: in the library's own words; ``error``: the
+    exception itself, for callers that branch on its class)."""
+
+    logical_key: str
+    partition_key: str
+    tenant: str
+    error_class: str
+    message: str
+    error: Exception = field(repr=False, compare=False, default=None)
 
 
 @dataclass
@@ -158,10 +181,11 @@ class ExportBatch:
     schema: ExportSchema
     items: list[ExportItem]
     results: list[ExportResult] = field(default_factory=list)
+    failures: list[KeyFailure] = field(default_factory=list)
 
 
-def target_for(key: LogicalKey, revision: int = 1) -> ExportTarget:
-    return ExportTarget(key.export, key.tenant, key.window.business_date.isoformat(), revision)
+def target_for(key: LogicalKey, revision: int = 1, place: str | None = None) -> ExportTarget:
+    return ExportTarget(key.export, key.tenant, key.window.business_date.isoformat(), revision, place)
 
 
 def _same_window(claim: Claim, key: LogicalKey) -> bool:
@@ -186,21 +210,21 @@ def export_key(
     Args:
         ledger: The ledger that decides who may export the key.
         destination: Where the export is published (or written, for a transactional destination).
-        schema: The export's columns and rules; the frame is validated against it and the key's window.
-        item: The key and its source frame (None when the caller found it completed and read nothing).
+        schema: The export's columns and rules; the rows are validated against it and the key's window.
+        item: The key and its rows.
         attempt: This attempt's id (a Dagster run id and step key).
         file_format: ``csv`` or ``parquet``.
         log: ``log(level, message)``; default the ``export_ledger`` logger.
 
     Returns:
-        What happened: ``exported``, ``repaired`` (an earlier attempt's export was recorded) or
+        What happened: ``exported``, ``repaired`` (an earlier attempt's commit was recorded) or
         ``already_completed``.
 
     Raises:
         ExportOutcomeUnknown: the destination may hold the export; the key is ``remote_unknown`` until reconciled.
         ExportConflict: the destination holds something else at the key's place; the key is ``conflict``.
-        LedgerError: the ledger refused the claim (held lease, unknown outcome, conflict, below the low-water mark)
-            or this attempt lost its lease before committing (``FencedOut``).
+        LedgerError: the ledger refused the claim (held lease, unknown outcome, conflict, below the low-water mark,
+            a window not over, a changed contract) or this attempt lost the key before recording (``FencedOut``).
         Any other error: the key is ``failed`` (safe to retry) and the error is raised again.
     """
     data_file_name(file_format)
@@ -220,7 +244,10 @@ class _KeyExport:
     log: Callable[[str, str], None]
 
     def run(self, item: ExportItem, attempt: str) -> ExportResult:
-        outcome = self.ledger.claim(item.key, attempt)
+        contracts = None if item.contract is None else {(item.key.export, item.key.tenant): item.contract}
+        (outcome,) = self.ledger.claims.claim_many([item.key], attempt, contracts=contracts)
+        if isinstance(outcome, LedgerError):
+            raise outcome
         if isinstance(outcome, AlreadyCompleted):
             return self.skipped(outcome, item)
         claim = outcome
@@ -229,7 +256,7 @@ class _KeyExport:
             record = effect  # a transactional destination recorded it with its rows
         else:
             failpoints.reach("before_commit")
-            record = self.ledger.complete(claim, effect)
+            record = self.ledger.completions.complete(claim, effect)
         failpoints.reach("after_commit")
         return self.result(record, item, status, attempt, claim.revision)
 
@@ -255,44 +282,25 @@ class _KeyExport:
         """Everything between a key's claim and its completion record: the repair, publish or transactional write.
 
         Returns the status and either the committed record (a transactional destination commits rows and record
-        together) or the evidence of the published export, still to be recorded. A failure is recorded on the key
-        (``failed``, ``conflict`` or ``remote_unknown``) and raised again.
+        together) or the evidence of the committed export, still to be recorded. A failure is recorded on the key
+        (``failed``, ``conflict``, ``remote_unknown``, or the ``fenced`` row of an attempt that lost the key) and
+        raised again.
         """
-        ledger = self.ledger
+        completions = self.ledger.completions
         target = target_for(item.key, claim.revision)
         try:
             failpoints.reach("after_claim")
             if not _same_window(claim, item.key):
                 raise LedgerError(
                     f"{claim.logical_key} was first claimed for [{utc_iso(claim.window.start_utc)}, "
-                    f"{utc_iso(claim.window.end_utc)}) but this attempt read its source for "
+                    f"{utc_iso(claim.window.end_utc)}) but this attempt computed "
                     f"[{utc_iso(item.key.window.start_utc)}, {utc_iso(item.key.window.end_utc)}); nothing exported"
                 )
-            existing = self.destination.probe(target)
             if isinstance(self.destination, TransactionalDestination):
-                if existing is not None:
-                    raise ExportConflict(
-                        f"{self.destination.location(target)} already holds {existing.logical_key} although the "
-                        f"ledger has no completion for {claim.logical_key}"
-                    )
                 return "exported", self._write_in_transaction(claim, item, target)
-            if existing is not None:
-                evidence = self._evidence_from(existing, claim, target)
-                self.log(
-                    "warning",
-                    f"{claim.logical_key} was published by attempt {existing.attempt_id} but never recorded; "
-                    "recording it from its manifest instead of writing a second copy",
-                )
-                self._move_current(claim, target, existing)
-                return "repaired", evidence
-            evidence, manifest = self._publish(claim, item, target)
-            self._move_current(claim, target, manifest)
-            # Publishing can meet another attempt's export (a fenced owner's late upload): that is a repair.
-            return ("exported" if evidence.attempt_id == claim.attempt_id else "repaired"), evidence
+            return self._publish(claim, item, target)
         except PublishOutcomeUnknown as exc:
-            ledger.mark_remote_unknown(
-                claim, exc, sha256=getattr(exc, "intended_sha256", None), location=self.destination.location(target)
-            )
+            completions.mark_remote_unknown(claim, exc, sha256=exc.sha256, location=exc.location)
             raise ExportOutcomeUnknown(
                 f"{claim.logical_key}: the outcome at the destination is unknown ({exc}). The key is now "
                 "remote_unknown; reconciliation (the reconciliation sensor, or `export-ledger reconcile`) will resolve "
@@ -301,90 +309,79 @@ class _KeyExport:
             ) from exc
         except FencedOut:
             raise  # this attempt no longer owns the key: it records nothing more
+        except Fenced as exc:
+            # Another party fenced the destination: the ledger took the key from this attempt (its finish is then
+            # refused, recording `fenced`), or the fence came from a token the ledger never issued: a conflict.
+            completions.mark_conflict(claim, exc)
+            raise
         except DestinationConflict as exc:
             # Never retried blindly: an operator must look at the destination.
-            ledger.mark_conflict(claim, exc, location=self.destination.location(target))
+            completions.mark_conflict(claim, exc, location=getattr(exc, "location", None))
             raise
         except Exception as exc:
-            ledger.fail(claim, exc)
+            completions.fail(claim, exc)
             raise
 
-    def _move_current(self, claim: Claim, target: ExportTarget, manifest: Manifest) -> None:
-        """A restatement's revision is published: the key's current pointer moves to it before the ledger records
-        it, so a completed revision is always the current one. A move whose outcome is unknown hands the key to
-        reconciliation (which moves it again, idempotently); a pointer someone else moved is a conflict."""
-        if claim.revision == 1:
-            return
-        assert claim.supersedes is not None
-        try:
-            self.destination.move_current(target, manifest, supersedes=claim.supersedes[0])
-            failpoints.reach("after_current")
-        except DestinationConflict:
-            raise
-        except PublishOutcomeUnknown as exc:
-            exc.intended_sha256 = manifest.sha256
-            raise
-        except Exception as exc:
-            # The revision is published: the key is not `failed` (nothing published) but unrecorded.
-            unrecorded = PublishOutcomeUnknown(
-                f"published {self.destination.location(target)}, then could not make it current ({safe_message(exc)})"
-            )
-            unrecorded.intended_sha256 = manifest.sha256
-            raise unrecorded from exc
-
-    def _publish(self, claim: Claim, item: ExportItem, target: ExportTarget) -> tuple[CompletionEvidence, Manifest]:
+    def _publish(self, claim: Claim, item: ExportItem, target: ExportTarget) -> tuple[str, CompletionEvidence]:
         destination = self.destination
         if not isinstance(destination, PublishingDestination):
             raise DestinationError(f"{destination.describe()} cannot publish exports")
-        if item.frame is None:
-            raise LedgerError(
-                f"{claim.logical_key} was completed when the asset planned this run but is claimable now; "
-                "rerun to read its source"
+        token, superseded = claim.fencing_token, claim.superseded_revision
+        if token > 1:
+            pointer = destination.fence(target, token, logical_key=claim.logical_key)
+        else:
+            pointer = destination.pointer(target)
+        verification = destination.verify(
+            target, logical_key=claim.logical_key, superseded=superseded, pointer=pointer
+        )
+        if verification.verdict is Verdict.PUBLISHED:
+            manifest = verification.manifest
+            self.log(
+                "warning",
+                f"{claim.logical_key} was committed by attempt {manifest.attempt_id} but never recorded; recording it "
+                "from its manifest instead of writing a second copy",
             )
+            return "repaired", CompletionEvidence.published(verification.location, manifest)
+        if verification.verdict is Verdict.CONFLICT:
+            raise ExportConflict(f"{claim.logical_key}: {verification.detail}")
         fingerprint = Fingerprint(self.schema.id_columns, self.schema.version_column)
         table = self._validated(claim, item, fingerprint)
-        destination.discard_abandoned(target, claim.fencing_token, min_age=self.ledger.lease_ttl)
-        template = self._manifest_template(claim, item)
-        staged = destination.stage(target, table, self.file_format, template)
-        try:
-            failpoints.reach("after_stage")
-            published = destination.publish(staged)
-        except PublishedElsewhere as exc:
-            destination.discard(staged)
-            return self._evidence_from(exc.manifest, claim, target), exc.manifest
-        except PublishOutcomeUnknown as exc:
-            exc.intended_sha256 = staged.manifest.sha256
-            destination.discard(staged)
-            raise
-        except Exception:
-            destination.discard(staged)
-            raise
+        destination.sweep(target, token, pointer)
+        staged = destination.stage(target, token, table, self.file_format, self._manifest_template(claim, item))
+        failpoints.reach("after_stage")
+        destination.commit(staged, token, superseded=superseded)
+        location = destination.location(staged.target)
         try:
             failpoints.reach("after_publish")
         except Exception as exc:
-            # The export is at the destination now: this key is not `failed` (nothing published) but unrecorded.
-            # remote_unknown hands it to reconciliation, which records it from the destination's evidence.
-            unrecorded = PublishOutcomeUnknown(
-                f"published {destination.location(target)}, then failed before recording it ({safe_message(exc)})"
-            )
-            unrecorded.intended_sha256 = published.sha256
-            raise unrecorded from exc
+            # The export is visible now: this key is not `failed` (nothing visible) but unrecorded. remote_unknown
+            # hands it to reconciliation, which records it from the destination's evidence.
+            raise PublishOutcomeUnknown(
+                f"committed {location}, then failed before recording it ({safe_message(exc)})",
+                sha256=staged.manifest.sha256, location=location,
+            ) from exc  # fmt: skip
         evidence = CompletionEvidence(
-            location=destination.location(target),
-            sha256=published.sha256,
-            row_count=published.row_count,
-            attempt_id=published.attempt_id,
-            fencing_token=published.fencing_token,
+            location=location,
+            sha256=staged.manifest.sha256,
+            row_count=staged.manifest.row_count,
+            attempt_id=claim.attempt_id,
+            fencing_token=token,
             # The stream (if any) was written whole by now: the fingerprint covers every row published.
             source_fingerprint=fingerprint.encode(),
-            revision=published.revision,
+            revision=claim.revision,
         )
-        return evidence, published
+        return "exported", evidence
 
     def _write_in_transaction(self, claim: Claim, item: ExportItem, target: ExportTarget) -> ExportRecord:
         """Rows and completion record in one ledger transaction: both commit or neither."""
-        if item.frame is None:
-            raise LedgerError(f"{claim.logical_key} was planned as completed but is claimable now; rerun it")
+        existing = self.destination.verify(
+            target, logical_key=claim.logical_key, superseded=claim.superseded_revision
+        )
+        if existing.verdict is not Verdict.ABSENT:
+            raise ExportConflict(
+                f"{claim.logical_key}: {existing.detail} although the ledger has no completion of revision "
+                f"{claim.revision}"
+            )
         fingerprint = Fingerprint(self.schema.id_columns, self.schema.version_column)
         table = self._validated(claim, item, fingerprint)
         if isinstance(table, TableStream):
@@ -397,27 +394,29 @@ class _KeyExport:
         def effect(connection) -> CompletionEvidence:
             written = self.destination.write_in_transaction(connection, target, table, template)
             failpoints.reach("before_commit")  # inside the transaction: a failure here rolls the rows back too
-            location = self.destination.location(target)
             return CompletionEvidence(
-                location,
-                written.sha256,
-                written.row_count,
-                claim.attempt_id,
-                claim.fencing_token,
-                source_fingerprint=fingerprint.encode(),
-                revision=written.revision,
-            )
+                self.destination.location(target), written.sha256, written.row_count, claim.attempt_id,
+                claim.fencing_token, source_fingerprint=fingerprint.encode(), revision=written.revision,
+            )  # fmt: skip
 
-        return self.ledger.complete_within(claim, effect)
+        return self.ledger.completions.complete_within(claim, effect)
 
     def _validated(self, claim: Claim, item: ExportItem, fingerprint: Fingerprint) -> pa.Table | TableStream:
-        """The item's rows checked against the schema and the claim's window: a whole table for a DataFrame, a stream
-        of validated tables (checked while they are written) for :class:`~export_ledger.frames.FrameBatches`.
+        """The item's rows, read now if they are read lazily, checked against the schema and the claim's window: a
+        whole table for a DataFrame, a stream of validated tables (checked while they are written) for batches.
         ``fingerprint`` accumulates the rows' source fingerprint (complete once a stream has been written)."""
+        rows = item.frame
+        if rows is None:
+            raise LedgerError(
+                f"{claim.logical_key} was completed when the asset planned this run but is claimable now; "
+                "rerun to read its source"
+            )
+        if callable(rows) and not isinstance(rows, (pd.DataFrame, FrameBatches)):
+            rows = rows()  # the source is read here, after the claim: its failure is this key's alone
         checks = dict(what=claim.logical_key, tenant=item.key.tenant, fingerprint=fingerprint)
-        if isinstance(item.frame, FrameBatches):
-            return validate_batches(item.frame, self.schema, claim.window, **checks)
-        return validate_frame(item.frame, self.schema, claim.window, **checks)
+        if isinstance(rows, FrameBatches):
+            return validate_batches(rows, self.schema, claim.window, **checks)
+        return validate_frame(rows, self.schema, claim.window, **checks)
 
     def _manifest_template(self, claim: Claim, item: ExportItem) -> Manifest:
         return Manifest.build(
@@ -435,32 +434,13 @@ class _KeyExport:
             supersedes=claim.supersedes,
         )
 
-    def _evidence_from(self, manifest: Manifest, claim: Claim, target: ExportTarget) -> CompletionEvidence:
-        """Turns a manifest found at the target into completion evidence, after checking it is this key's export."""
-        location = self.destination.location(target)
-        if manifest.logical_key != claim.logical_key:
-            raise ExportConflict(
-                f"{location} holds the export of {manifest.logical_key}, not {claim.logical_key}; "
-                "refusing to overwrite it or to record it as this key"
-            )
-        if manifest.revision != target.revision:
-            raise ExportConflict(
-                f"{location} holds revision {manifest.revision} of {claim.logical_key}, not revision "
-                f"{target.revision}; refusing to record it as this revision"
-            )
-        actual = hashlib.sha256(self.destination.read_data(target, manifest)).hexdigest()
-        if actual != manifest.sha256:
-            raise ExportConflict(
-                f"{location}: data file sha256 {actual} does not match its manifest ({manifest.sha256})"
-            )
-        return CompletionEvidence.published(location, manifest)
-
 
 #: Keys claimed together in one ledger transaction, and completed together in one more, by :func:`export_batch`.
-#: Bounded because every lease of a group starts at the group's claim: a group must be exported within the lease
-#: (15 minutes by default) or reconciliation may take its last keys back, and a crash before a group's completion
-#: commit leaves at most this many keys to be repaired from their manifests.
+#: Bounded because every lease of a group starts at the group's claim (it is renewed as the group goes, see
+#: :data:`RENEW_AFTER`), and a crash before a group's completion commit leaves at most this many keys to be repaired.
 DEFAULT_GROUP_SIZE = 50
+#: The share of the lease after which the rest of a group's leases are renewed before the next key's source is read.
+RENEW_AFTER = 0.5
 
 
 def export_batch(
@@ -474,84 +454,95 @@ def export_batch(
     group_size: int = DEFAULT_GROUP_SIZE,
 ) -> list[ExportResult]:
     """:func:`export_key` for every key of a run, in order. One key's failure is that key's: every other key is
-    still exported, and then the failures are raised together (one error as itself, several as
-    :class:`ExportBatchFailed` naming each key). A lost ledger stops at once: nothing else could be recorded.
+    still exported; the failures are kept in ``batch.failures`` and then raised together (a library error as
+    itself when it is the only one, else :class:`ExportBatchFailed` naming each key, in the library's own words:
+    a source's or driver's message is withheld, it may quote customer data). A lost ledger stops at once.
 
     A run of several keys works in groups of ``group_size``: the group's keys are claimed in one ledger transaction
-    (:meth:`~export_ledger.ledger.ExportLedger.claim_many`: a lease and fencing token per key, as one by one), then
-    each key is repaired, published or written, and the completions of the group's published keys are recorded in
-    one more transaction (:meth:`~export_ledger.ledger.ExportLedger.complete_many`). Every guarantee of
-    :func:`export_key` holds per key: a crash between a publish and its group's commit leaves the key ``in_progress``
-    with its export published, which the next claim repairs from the manifest (never a second copy); a key whose
-    lease was taken over is fenced, alone; refused, already-completed and failed keys are reported as one by one.
-    The failpoints fire per key at the same places (``before_commit`` after the key's publish, ``after_commit``
-    after its group's commit). A single key, and each streamed key (:class:`~export_ledger.frames.FrameBatches`,
-    claimed right before it is read so that its lease covers its own export only), go through :func:`export_key`'s
-    path one by one.
+    (a lease and fencing token per key, as one by one), then each key is repaired, published or written (its source
+    read after the claim), and the completions of the group's committed keys are recorded in one more transaction.
+    Every guarantee of :func:`export_key` holds per key. A single key, and each streamed key
+    (:class:`~export_ledger.frames.FrameBatches`, claimed right before it is read so that its lease covers its own
+    export only), go through :func:`export_key`'s path one by one.
     """
     if group_size < 1:
         raise ValueError(f"group_size must be at least 1, got {group_size}")
     data_file_name(file_format)
     log = log or _default_log
-    failures: list[tuple[str, Exception]] = []
     exporter = _KeyExport(ledger, destination, batch.schema, file_format, log)
     group: list[ExportItem] = []
     for position, item in enumerate(batch.items):
         if len(batch.items) > 1 and not isinstance(item.frame, FrameBatches):
             group.append(item)
             if len(group) == group_size or position == len(batch.items) - 1:
-                batch.results.extend(_export_group(exporter, group, attempt, failures))
+                batch.results.extend(_export_group(exporter, group, attempt, batch.failures))
                 group = []
             continue
-        # A single key, or a streamed one: claimed alone, right before it is read. A streamed key is large by
-        # nature (minutes of reading), so a lease taken with a group's could run out before its turn came, while
-        # one ledger commit is nothing beside its export.
+        # A single key, or a streamed one: claimed alone, right before it is read.
         if group:
-            batch.results.extend(_export_group(exporter, group, attempt, failures))
+            batch.results.extend(_export_group(exporter, group, attempt, batch.failures))
             group = []
         try:
             batch.results.append(exporter.run(item, attempt))
         except LedgerUnavailable:
             raise
         except Exception as exc:
-            log("error", f"{item.key}: {safe_message(exc)}")
-            failures.append((str(item.key), exc))
-    if len(failures) == 1:
-        raise failures[0][1]
-    if failures:
-        summary = "; ".join(f"{key}: {safe_message(exc)}" for key, exc in failures)
-        raise ExportBatchFailed(f"{len(failures)} of {len(batch.items)} export keys failed ({summary})") from failures[
-            0
-        ][1]
+            _failed(log, batch.failures, item, exc)
+    _raise_failures(batch)
     return batch.results
 
 
+def _failed(log, failures: list[KeyFailure], item: ExportItem, exc: Exception) -> None:
+    message = safe_message(exc)
+    log("error", f"{item.key}: {message}")
+    failures.append(KeyFailure(str(item.key), item.partition_key, item.key.tenant, type(exc).__name__, message, exc))
+
+
+def _raise_failures(batch: ExportBatch) -> None:
+    failures = batch.failures
+    if not failures:
+        return
+    if len(failures) == 1 and isinstance(failures[0].error, ExportLedgerError):
+        # The library's own words are safe to show; what it was raised from (a driver's, a source's) may not be.
+        error = failures[0].error
+        error.__cause__, error.__suppress_context__ = None, True
+        raise error
+    summary = "; ".join(f"{f.logical_key}: {f.message}" for f in failures[:20])
+    more = f" (and {len(failures) - 20} more)" if len(failures) > 20 else ""
+    raise ExportBatchFailed(f"{len(failures)} of {len(batch.items)} export keys failed ({summary}{more})") from None
+
+
 def _export_group(
-    exporter: _KeyExport, group: list[ExportItem], attempt: str, failures: list[tuple[str, Exception]]
+    exporter: _KeyExport, group: list[ExportItem], attempt: str, failures: list[KeyFailure]
 ) -> list[ExportResult]:
     """One group of :func:`export_batch`: one claim transaction, the keys' effects, one completion transaction.
 
-    Returns the group's results in item order; appends each failed key, with its error, to ``failures``.
+    Returns the group's results in item order; appends each failed key to ``failures``.
     """
-    ledger, log = exporter.ledger, exporter.log
+    ledger = exporter.ledger
     results: dict[int, ExportResult] = {}
     unrecorded: list[tuple[int, Claim, str, CompletionEvidence]] = []
     recorded: list[tuple[int, str, ExportRecord]] = []
-
-    def failed(i: int, exc: Exception) -> None:
-        log("error", f"{group[i].key}: {safe_message(exc)}")
-        failures.append((str(group[i].key), exc))
-
-    outcomes = ledger.claim_many([item.key for item in group], attempt)
+    contracts = {(i.key.export, i.key.tenant): i.contract for i in group if i.contract is not None}
+    outcomes = ledger.claims.claim_many([item.key for item in group], attempt, contracts=contracts or None)
+    claims: dict[int, Claim] = {}
     for i, (item, outcome) in enumerate(zip(group, outcomes, strict=True)):
         if isinstance(outcome, AlreadyCompleted):
             results[i] = exporter.skipped(outcome, item)
-            continue
-        if isinstance(outcome, LedgerError):
-            failed(i, outcome)
-            continue
+        elif isinstance(outcome, LedgerError):
+            _failed(exporter.log, failures, item, outcome)
+        else:
+            claims[i] = outcome
+    started = time.monotonic()  # only decides when to renew; the ledger's clock decides what a lease is
+    for i in sorted(claims):
+        if time.monotonic() - started > exporter.ledger.lease_ttl.total_seconds() * RENEW_AFTER:
+            claims = _renewed(ledger, claims, i, group, failures, exporter)
+            started = time.monotonic()
+            if i not in claims:
+                continue
+        claim, item = claims[i], group[i]
         try:
-            status, effect = exporter.effect(outcome, item)
+            status, effect = exporter.effect(claim, item)
             if isinstance(effect, ExportRecord):
                 recorded.append((i, status, effect))
                 continue
@@ -559,22 +550,34 @@ def _export_group(
         except LedgerUnavailable:
             raise
         except Exception as exc:
-            failed(i, exc)
+            _failed(exporter.log, failures, item, exc)
             continue
-        unrecorded.append((i, outcome, status, effect))
+        unrecorded.append((i, claim, status, effect))
 
-    # Until this commit the group's exports are published and not recorded: the case repair already handles.
-    committed = ledger.complete_many([(claim, evidence) for _, claim, _, evidence in unrecorded])
+    # Until this commit the group's exports are committed and not recorded: the case a repair already handles.
+    committed = ledger.completions.complete_many([(claim, evidence) for _, claim, _, evidence in unrecorded])
     for (i, _, status, _), record in zip(unrecorded, committed, strict=True):
         if isinstance(record, FencedOut):
-            failed(i, record)
+            _failed(exporter.log, failures, group[i], record)
         else:
             recorded.append((i, status, record))
     for i, status, record in sorted(recorded, key=lambda entry: entry[0]):
         try:
             failpoints.reach("after_commit")
         except Exception as exc:
-            failed(i, exc)
+            _failed(exporter.log, failures, group[i], exc)
             continue
         results[i] = exporter.result(record, group[i], status, attempt, outcomes[i].revision)
     return [results[i] for i in sorted(results)]
+
+
+def _renewed(ledger, claims: dict[int, Claim], start: int, group, failures, exporter) -> dict[int, Claim]:
+    """The group's claims from ``start`` on, their leases renewed; a claim lost meanwhile is that key's failure."""
+    waiting = [i for i in sorted(claims) if i >= start]
+    kept = {i: claims[i] for i in claims if i < start}
+    for i, renewed in zip(waiting, ledger.claims.renew_many([claims[i] for i in waiting]), strict=True):
+        if isinstance(renewed, FencedOut):
+            _failed(exporter.log, failures, group[i], renewed)
+        else:
+            kept[i] = renewed
+    return kept

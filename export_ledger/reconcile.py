@@ -1,27 +1,23 @@
-"""Reconciliation: decide what happened to stuck keys from the destination's own evidence.
+"""Reconciliation: decide what happened to stuck keys from the destination's own evidence (docs/protocol.md).
 
 Plain Python; the Dagster sensor (:mod:`export_ledger.dagster.sensors`) and ``export-ledger reconcile`` are thin
-wrappers.
+wrappers. A key is stuck when it is ``remote_unknown``, or ``in_progress`` with a lease that has ended (a crashed or
+stalled party, on any destination). Reconciliation is a party that never publishes:
 
-A key is stuck when its outcome is ``remote_unknown``, or when it is ``in_progress`` with an expired lease (a
-crashed or stalled attempt, on any destination). For each, the destination is probed:
-
-* a manifest for this key whose data matches it (and matches what the attempt meant to write, when the ledger
-  knows that) → ``completed`` from that evidence, and one materialization event for the partition;
-* nothing there → ``failed``: safe to retry, and the sensor requests a run for the partition;
-* something else there → ``conflict``: never overwritten, an operator decides;
-* the destination cannot be reached → unchanged, tried again later.
-
-A key under restatement is judged the same way at its new revision's place: found published, the key's current
-pointer is moved to it (idempotently: the attempt may have moved it before dying) before the revision is recorded;
-found absent, the key is ``failed`` with its current revision untouched, and rerun.
+1. it **holds** the key in the ledger with a new fencing token (an ended holder is recorded ``abandoned``);
+2. it **fences** the destination with that token, so that no earlier party, however late it wakes, can change what
+   readers see from here on;
+3. it **judges** what the key's pointer names (:meth:`~export_ledger.destinations.Destination.verify`): the revision
+   the key was publishing, intact (and what the attempt meant to commit, when the ledger knows it) → ``completed``;
+   the revision it supersedes → ``failed``, safe to rerun, since nothing of it is visible or can become visible;
+   anything else → ``conflict``; a destination that cannot be reached → ``remote_unknown``, looked at again next time;
+4. it **records** the verdict, guarded by its token.
 """
 
 from __future__ import annotations
 
 import enum
-import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from export_ledger.destinations.base import (
@@ -30,81 +26,67 @@ from export_ledger.destinations.base import (
     DestinationError,
     DestinationUnreachable,
     ExportTarget,
+    Fenced,
 )
+from export_ledger.destinations.base import Verdict as DestinationVerdict
+from export_ledger.destinations.publishing import PublishingDestination
 from export_ledger.errors import ManifestError
-from export_ledger.frames import Manifest
-from export_ledger.ledger import CompletionEvidence, ExportLedger, ExportRecord, ExportState, Resolution, Restatement
+from export_ledger.ledger import Claim, CompletionEvidence, ExportLedger, ExportRecord, ExportState, Finish
+from export_ledger.ledger import transitions as T
 
 
 class Verdict(str, enum.Enum):
     """What the destination's evidence says about one stuck key."""
 
     COMPLETED = "completed"  # this key's export is there, intact
-    ABSENT = "absent"  # nothing is there: the write never landed
+    ABSENT = "absent"  # nothing of it is visible: the write never landed (and is fenced now)
     CONFLICT = "conflict"  # something else is there
     UNREACHABLE = "unreachable"  # the destination could not be asked
 
 
-_NEXT_STATE = {
-    Verdict.COMPLETED: ExportState.COMPLETED,
-    Verdict.ABSENT: ExportState.FAILED,
-    Verdict.CONFLICT: ExportState.CONFLICT,
-}
-
-
 @dataclass(frozen=True)
 class Finding:
+    """Reconciliation's verdict on one key; ``record`` is the key as found stuck (before the hold)."""
+
     record: ExportRecord
     verdict: Verdict
     detail: str
     evidence: CompletionEvidence | None = None
 
 
-def judge(record: ExportRecord, manifest: Manifest | None, data_sha256: str | None, location: str) -> Finding:
-    """The verdict on one stuck key from what the destination holds. Pure: no I/O."""
-    if manifest is None:
-        return Finding(record, Verdict.ABSENT, f"nothing is published at {location}")
-    if manifest.logical_key != record.logical_key:
-        return Finding(record, Verdict.CONFLICT, f"{location} holds the export of {manifest.logical_key}")
-    if data_sha256 != manifest.sha256:
-        return Finding(record, Verdict.CONFLICT, f"{location}: data sha256 {data_sha256} does not match its manifest")
-    if record.sha256 is not None and manifest.sha256 != record.sha256:
-        return Finding(
-            record,
-            Verdict.CONFLICT,
-            f"{location} holds data with sha256 {manifest.sha256}, but attempt {record.lease_owner} wrote "
-            f"{record.sha256}",
-        )
-    evidence = CompletionEvidence.published(location, manifest)
-    return Finding(record, Verdict.COMPLETED, f"published by attempt {manifest.attempt_id} at {location}", evidence)
-
-
 def target_of(record: ExportRecord, revision: int = 1) -> ExportTarget:
     return ExportTarget(record.export, record.tenant, record.business_date.isoformat(), revision)
 
 
-def examine(destination: Destination, record: ExportRecord, request: Restatement | None = None) -> Finding:
-    """Probes the destination for one stuck key (at the revision its open restatement ``request`` publishes, if
-    any) and judges what it finds; a restatement found published is made current before it is judged completed."""
-    target = target_of(record, request.revision if request is not None else 1)
-    location = destination.location(target)
+def examine(destination: Destination, record: ExportRecord, claim: Claim) -> Finding:
+    """Fences the destination with the hold's token and judges what the key's pointer names, against the revision
+    the key was publishing (``claim.revision``) and the one it supersedes."""
+    target = target_of(record, claim.revision)
     try:
-        manifest = destination.probe(target)
-        data_sha256 = None
-        if manifest is not None and manifest.logical_key == record.logical_key:
-            data_sha256 = hashlib.sha256(destination.read_data(target, manifest)).hexdigest()
-        finding = judge(record, manifest, data_sha256, location)
-        if finding.verdict is Verdict.COMPLETED and manifest.revision != target.revision:
-            return Finding(record, Verdict.CONFLICT, f"{location} holds revision {manifest.revision}")
-        if finding.verdict is Verdict.COMPLETED and request is not None:
-            destination.move_current(target, manifest, supersedes=request.revision - 1)
+        checks = dict(logical_key=record.logical_key, superseded=claim.superseded_revision, expected_sha256=record.sha256)
+        if isinstance(destination, PublishingDestination):
+            pointer = destination.fence(target, claim.fencing_token, logical_key=record.logical_key)
+            verification = destination.verify(target, pointer=pointer, **checks)
+        else:
+            verification = destination.verify(target, **checks)
     except DestinationUnreachable as exc:
         return Finding(record, Verdict.UNREACHABLE, str(exc))
     except (ManifestError, DestinationConflict) as exc:
         return Finding(record, Verdict.CONFLICT, str(exc))
     except DestinationError as exc:
-        return Finding(record, Verdict.UNREACHABLE, str(exc))
-    return finding
+        # Fenced above a fresh token (one the ledger never issued), a pointer that kept changing, a refused write.
+        return Finding(record, Verdict.UNREACHABLE if _passing(exc) else Verdict.CONFLICT, str(exc))
+    if verification.verdict is DestinationVerdict.PUBLISHED:
+        evidence = CompletionEvidence.published(verification.location, verification.manifest)
+        return Finding(record, Verdict.COMPLETED, verification.detail, evidence)
+    if verification.verdict is DestinationVerdict.ABSENT:
+        return Finding(record, Verdict.ABSENT, verification.detail)
+    return Finding(record, Verdict.CONFLICT, verification.detail)
+
+
+def _passing(exc: DestinationError) -> bool:
+    """A failure that says nothing about what the destination holds (a write that could not be sent)."""
+    return not isinstance(exc, Fenced)
 
 
 @dataclass
@@ -113,9 +95,9 @@ class ReconcileReport:
 
     findings: list[Finding] = field(default_factory=list)
     resolved: list[tuple[Finding, ExportRecord]] = field(default_factory=list)  # transitions that happened
-    changed_meanwhile: list[Finding] = field(default_factory=list)  # an attempt moved the key first: untouched
+    changed_meanwhile: list[ExportRecord] = field(default_factory=list)  # a party moved the key first: untouched
     next_after: str | None = None  # cursor for the next batch; None starts again from the first stuck key
-    unknown_exports: set[str] = field(default_factory=set)  # stuck keys of exports with no destination given: untouched
+    unknown_exports: set[str] = field(default_factory=set)  # stuck keys of exports with no destination given
 
     @property
     def unreachable(self) -> list[Finding]:
@@ -133,33 +115,47 @@ def reconcile_batch(
     after: str | None,
     reconciler: str,
 ) -> ReconcileReport:
-    """Reconciles at most ``limit`` stuck keys after ``after`` (key order), applying each verdict to the ledger.
+    """Reconciles at most ``limit`` stuck keys after ``after`` (key order): hold, fence, judge, record.
 
-    Successive calls with ``after=report.next_after`` walk every stuck key once before starting over, so thousands
-    of stuck keys are worked through fairly, a bounded batch at a time. ``destination`` is one destination for
-    every export, or one per export name; a stuck key of an export missing from that mapping is left unchanged and
-    named in ``report.unknown_exports``.
+    Successive calls with ``after=report.next_after`` walk every stuck key once before starting over. ``destination``
+    is one destination for every export, or one per export name: then only those exports' keys are read (another
+    code location's stuck keys, in a shared ledger, are its own), and ``report.unknown_exports`` stays empty.
     """
-    records = ledger.stuck(limit=limit, after=after)
+    exports: Sequence[str] = sorted(destination) if isinstance(destination, Mapping) else ()
+    records = ledger.attention.stuck(limit=limit, after=after, exports=exports)
     report = ReconcileReport(next_after=records[-1].logical_key if len(records) == limit else None)
-    requests = ledger.open_restatements([record.logical_key for record in records])
-    decided = []
-    for record in records:
-        if isinstance(destination, Mapping):
-            if record.export not in destination:
-                report.unknown_exports.add(record.export)
-                continue
-            finding = examine(destination[record.export], record, requests.get(record.logical_key))
-        else:
-            # Destination I/O first, outside the ledger's write transaction.
-            finding = examine(destination, record, requests.get(record.logical_key))
+    if not records:
+        return report
+    held = ledger.claims.hold_many(records, reconciler)
+    finishes: list[Finish] = []
+    for record, claim in zip(records, held, strict=True):
+        if claim is None:
+            report.changed_meanwhile.append(record)
+            continue
+        chosen = destination[record.export] if isinstance(destination, Mapping) else destination
+        finding = examine(chosen, record, claim)  # destination I/O, outside any ledger transaction
         report.findings.append(finding)
-        if finding.verdict is not Verdict.UNREACHABLE:
-            decided.append(finding)
-    resolutions = [Resolution(f.record, _NEXT_STATE[f.verdict], f.detail, f.evidence) for f in decided]
-    for finding, updated in zip(decided, ledger.resolve_many(resolutions, reconciler=reconciler), strict=True):
-        if updated is None:
-            report.changed_meanwhile.append(finding)
+        finishes.append(_finish(finding, claim))
+    outcomes = ledger.completions.finish_many(finishes)
+    decided = {f.record.logical_key: f for f in report.findings}
+    for item, outcome in zip(finishes, outcomes, strict=True):
+        finding = decided[item.claim.logical_key]
+        if isinstance(outcome, ExportRecord):
+            if finding.verdict is not Verdict.UNREACHABLE:
+                report.resolved.append((finding, outcome))
         else:
-            report.resolved.append((finding, updated))
+            report.changed_meanwhile.append(finding.record)
     return report
+
+
+def _finish(finding: Finding, claim: Claim) -> Finish:
+    note = ("Reconciliation", finding.detail)
+    record = finding.record
+    if finding.verdict is Verdict.COMPLETED:
+        return Finish(claim, T.REPAIR, finding.evidence, note=note)
+    if finding.verdict is Verdict.ABSENT:
+        return Finish(claim, T.FAIL, note=note)
+    if finding.verdict is Verdict.CONFLICT:
+        return Finish(claim, T.MARK_CONFLICT, note=note, location=record.location)
+    # Unreachable: the outcome stays unknown, with what the attempt meant to commit kept for the next look.
+    return Finish(claim, T.MARK_REMOTE_UNKNOWN, note=note, sha256=record.sha256, location=record.location)

@@ -1,20 +1,32 @@
 """An operator's way out for an escalated key: accept what the destination holds, or discard it and export again.
 
-Plain Python, behind ``export-ledger resolve``. Both go through the ledger's transitions: the operator first takes
-the key's lease (:meth:`ExportLedger.hold`; refused while a live attempt holds it, and raising the fencing token so no
-earlier attempt can commit), then acts, then records the outcome with who and why in the attempts table and the
-operator log.
+Plain Python, behind ``export-ledger resolve``. Both go through the ledger's transitions and the destination's fence
+(docs/protocol.md): the operator first holds the key (:meth:`~export_ledger.ledger.claims.Claims.hold`; refused while
+a live lease holds it, and raising the fencing token), fences the destination with that token, so that no earlier
+party can change it any more, then acts, then records the outcome with who and why in the attempts table and the
+operator log. A resolution that is refused or fails after the hold puts the key back in the state it was in, with a
+row saying why and a line in the operator log: a key is never left held by an operator who gave up.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
-from export_ledger.destinations.base import Destination, ExportTarget
-from export_ledger.errors import ExportLedgerError, ManifestError
-from export_ledger.ledger import CompletionEvidence, ExportLedger, ExportRecord, LedgerError
+from export_ledger.destinations.base import Destination, ExportTarget, Verdict, place_of_location
+from export_ledger.destinations.publishing import Pointer, PublishingDestination
+from export_ledger.errors import safe_message
+from export_ledger.ledger import (
+    CompletionEvidence,
+    ExportLedger,
+    ExportRecord,
+    ExportState,
+    Finish,
+    LedgerError,
+    ResolutionRefused,
+)
+from export_ledger.ledger import transitions as T
 from export_ledger.ledger.errors import OperatorResolution
+from export_ledger.ledger.operators import append_in
 
 ACCEPT = "accept-destination"
 DISCARD = "discard-destination"
@@ -28,40 +40,16 @@ class Resolved:
     detail: str
 
 
-def _target(record: ExportRecord, revision: int = 1) -> ExportTarget:
-    return ExportTarget(record.export, record.tenant, record.business_date.isoformat(), revision)
+def _target(record: ExportRecord, revision: int = 1, place: str | None = None) -> ExportTarget:
+    return ExportTarget(record.export, record.tenant, record.business_date.isoformat(), revision, place)
 
 
-def _acceptable(destination: Destination, record: ExportRecord, revision: int = 1) -> CompletionEvidence:
-    """The destination's export of this key (at the revision a restatement under way publishes), checked: its
-    manifest names the key and the revision, and its data matches."""
-    target = _target(record, revision)
-    location = destination.location(target)
-    try:
-        manifest = destination.probe(target)
-    except (ManifestError, ExportLedgerError) as exc:
-        raise LedgerError(f"cannot accept {record.logical_key}: {exc}") from None
-    if manifest is None:
-        raise LedgerError(f"cannot accept {record.logical_key}: nothing is published at {location}")
-    if manifest.logical_key != record.logical_key:
-        raise LedgerError(
-            f"cannot accept {record.logical_key}: {location} holds the export of {manifest.logical_key}; "
-            "discard it instead (--discard-destination) once sure"
-        )
-    if manifest.revision != revision:
-        raise LedgerError(
-            f"cannot accept {record.logical_key}: {location} holds revision {manifest.revision}, "
-            f"not revision {revision}"
-        )
-    actual = hashlib.sha256(destination.read_data(target, manifest)).hexdigest()
-    if actual != manifest.sha256:
-        raise LedgerError(f"cannot accept {record.logical_key}: the data at {location} does not match its manifest")
-    if revision > 1:
-        try:
-            destination.move_current(target, manifest, supersedes=revision - 1)
-        except ExportLedgerError as exc:
-            raise LedgerError(f"cannot accept {record.logical_key}: {exc}") from None
-    return CompletionEvidence.published(location, manifest)
+def recorded_pointer(ledger: ExportLedger, destination: PublishingDestination, record: ExportRecord) -> Pointer:
+    """The pointer that names the key's recorded current revision (nothing, for a key never completed)."""
+    current = ledger.restatements.current_revision(record.logical_key)
+    if current is None:
+        return Pointer.nothing()
+    return destination.pointer_to(_target(record, current.revision, place_of_location(current.location)))
 
 
 def resolve_key(
@@ -70,45 +58,73 @@ def resolve_key(
     """Resolves one key that needs a person.
 
     Args:
-        action: ``accept-destination`` (record the export the destination holds for the key as completed) or
-            ``discard-destination`` (move aside or delete what is at the key's place; the key becomes ``failed`` and
-            is exported again by the next run, with its automatic reruns restored).
+        action: ``accept-destination`` (record the revision the destination's pointer names for the key, once it is
+            verified: its manifest names the key and the revision, and its data matches) or ``discard-destination``
+            (set the pointer back to the revision the ledger records, or nothing, and delete the unrecorded places;
+            the key becomes ``failed`` and is exported again by the next run, with its automatic reruns restored).
         operator: Who decided (recorded).
         reason: Why (recorded; required).
 
-    A key whose restatement is under way is resolved at the revision it publishes: accepting records that revision
-    (and makes it current), discarding removes only that revision's place; the revisions before stay as they are.
+    A key whose restatement is under way is resolved at the revision it publishes: accepting records that revision,
+    discarding removes only that revision's places; the revisions before stay as they are.
 
     Raises:
-        LiveLease: an attempt holds a live lease on the key.
-        LedgerError: the key is unknown or completed, or (accept) the destination holds nothing acceptable.
+        LiveLease: a live lease holds the key.
+        ResolutionRefused: the destination holds nothing acceptable, or the action failed; the key is back in the
+            state it was in.
+        LedgerError: the key is unknown or completed.
     """
     if action not in (ACCEPT, DISCARD):
         raise ValueError(f"unknown resolution {action!r}: expected {ACCEPT} or {DISCARD}")
     if not reason or not reason.strip():
         raise ValueError("a resolution needs a reason")
-    record = ledger.get(logical_key)
+    record = ledger.queries.get(logical_key)
     if record is None:
         raise LedgerError(f"unknown logical key {logical_key!r}: the ledger has no export with it")
-    request = ledger.open_restatements([logical_key]).get(logical_key)
-    revision = request.revision if request is not None else 1
-    if action == ACCEPT and revision == 1:
-        _acceptable(destination, record)  # look before taking the key: nothing changes if there is nothing to accept
-    claim = ledger.hold(logical_key, operator)
-    if action == ACCEPT:
-        try:
-            evidence = _acceptable(destination, record, claim.revision)  # again, now that no attempt can change it
-        except LedgerError as exc:
-            ledger.mark_conflict(claim, OperatorResolution(f"{operator}: {exc}"))
-            raise
-        note = OperatorResolution(f"{operator} accepted the destination's export: {reason.strip()}")
-        updated = ledger.complete(claim, evidence, note=note)
-        detail = f"recorded the export at {evidence.location} (attempt {evidence.attempt_id})"
-    else:
-        removed = destination.discard_target(_target(record, claim.revision))
-        what = ", ".join(removed) if removed else "nothing"
-        note = OperatorResolution(f"{operator} discarded the destination's content ({what}): {reason.strip()}")
-        updated = ledger.fail(claim, note)
-        detail = f"discarded {what}; the key is failed and is exported again by its next run"
-    ledger.log_operator(operator, action, detail, reason, export=record.export, logical_key=logical_key)
+    claim = ledger.claims.hold(logical_key, operator)
+    target = _target(record, claim.revision)
+
+    def log(conn, now, _item) -> None:
+        append_in(conn, now, operator, action, detail, reason, export=record.export, logical_key=logical_key)
+
+    try:
+        if isinstance(destination, PublishingDestination):
+            pointer = destination.fence(target, claim.fencing_token, logical_key=logical_key)
+        if action == ACCEPT:
+            checks = dict(logical_key=logical_key, superseded=claim.superseded_revision)
+            if isinstance(destination, PublishingDestination):
+                checks["pointer"] = pointer
+            verification = destination.verify(target, **checks)
+            if verification.verdict is not Verdict.PUBLISHED:
+                raise ResolutionRefused(f"cannot accept {logical_key}: {verification.detail}")
+            evidence = CompletionEvidence.published(verification.location, verification.manifest)
+            detail = f"recorded the export at {evidence.location} (attempt {evidence.attempt_id})"
+            note = (OperatorResolution.__name__, f"{operator} accepted the destination's export: {reason.strip()}")
+            updated = ledger.completions.finish(Finish(claim, T.REPAIR, evidence, note=note), then=log)
+        else:
+            if isinstance(destination, PublishingDestination):
+                restore = recorded_pointer(ledger, destination, record)
+                removed = destination.discard(
+                    target, claim.fencing_token, logical_key=logical_key, restore=restore
+                )
+            else:
+                removed = destination.discard_target(target)
+            what = ", ".join(removed) if removed else "nothing"
+            detail = f"discarded {what}; the key is failed and is exported again by its next run"
+            note = (OperatorResolution.__name__, f"{operator} discarded the destination's content ({what}): "
+                                                 f"{reason.strip()}")  # fmt: skip
+            updated = ledger.completions.finish(Finish(claim, T.FAIL_RESTORED, note=note), then=log)
+    except Exception as exc:
+        refused = exc if isinstance(exc, ResolutionRefused) else ResolutionRefused(
+            f"{action} of {logical_key} failed: {safe_message(exc)}"
+        )  # fmt: skip
+        detail = f"refused: {refused}"
+        back = record.state.value if record.state is not ExportState.IN_PROGRESS else "remote_unknown"
+        ledger.completions.release(
+            claim, record, (OperatorResolution.__name__, f"{operator}: {refused}; the key is back to {back}"),
+            then=lambda conn, now, item: append_in(
+                conn, now, operator, f"{action}-refused", detail, reason, export=record.export, logical_key=logical_key
+            ),
+        )  # fmt: skip
+        raise refused from None
     return Resolved(updated, detail)

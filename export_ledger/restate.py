@@ -17,7 +17,22 @@ import datetime as dt
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from export_ledger.ledger import DriftRecord, ExportLedger, ExportRecord, ExportState, Restatement, RestatementRefused
+from export_ledger.destinations.base import Destination, ExportTarget, Verdict, place_of_location
+from export_ledger.destinations.publishing import PublishingDestination
+from export_ledger.errors import safe_message
+from export_ledger.ledger import (
+    CompletionEvidence,
+    DriftRecord,
+    ExportLedger,
+    ExportRecord,
+    ExportState,
+    Finish,
+    Restatement,
+    RestatementRefused,
+)
+from export_ledger.ledger import transitions as T
+from export_ledger.ledger.errors import OperatorResolution
+from export_ledger.ledger.operators import append_in
 from export_ledger.tenants import zone_slug
 
 #: Who records the requests of ``restate_stale`` exports.
@@ -51,7 +66,7 @@ def request_for_date(
     """
     if not (reason or "").strip():
         raise RestatementRefused(f'a restatement of {export} on {business_date} needs a reason (--reason "...")')
-    records = ledger.records(export=export, date_from=business_date, date_to=business_date, tenants=tenants)
+    records = ledger.queries.records(export=export, date_from=business_date, date_to=business_date, tenants=tenants)
     if not records:
         whose = f" for tenant(s) {', '.join(tenants)}" if tenants else ""
         raise RestatementRefused(f"the ledger has no key of {export} on {business_date}{whose}: nothing to restate")
@@ -64,7 +79,7 @@ def request_each(ledger: ExportLedger, wanted: Sequence[tuple[str, str]], *, req
     report = RequestReport()
     for logical_key, reason in wanted:
         try:
-            report.requested.append(ledger.request_restatement(logical_key, reason=reason, requested_by=requested_by))
+            report.requested.append(ledger.restatements.request(logical_key, reason=reason, requested_by=requested_by))
         except RestatementRefused as exc:
             report.refused.append((logical_key, str(exc)))
     return report
@@ -80,7 +95,7 @@ def published_revisions(
     transaction that closed it, so the newest published request names the key's newest revision.
     """
     newest: dict[str, Restatement] = {}
-    for request in ledger.restatements(export=export, logical_keys=logical_keys, open_only=False):
+    for request in ledger.restatements.requests(export=export, logical_keys=logical_keys, open_only=False):
         known = newest.get(request.logical_key)
         if request.outcome == "published" and (known is None or request.revision > known.revision):
             newest[request.logical_key] = request
@@ -102,7 +117,7 @@ def records_of(ledger: ExportLedger, requests: Sequence[Restatement]) -> dict[st
         by_day.setdefault((request.export, request.business_date), set()).add(request.tenant)
     found: dict[str, ExportRecord] = {}
     for (export, day), tenants in sorted(by_day.items()):
-        for record in ledger.records(export=export, date_from=day, date_to=day, tenants=sorted(tenants)):
+        for record in ledger.queries.records(export=export, date_from=day, date_to=day, tenants=sorted(tenants)):
             found[record.logical_key] = record
     return found
 
@@ -136,8 +151,8 @@ def asset_name_for(ledger: ExportLedger, record: ExportRecord) -> tuple[str, boo
     if sep and step and "/" not in step and (step == record.export or step.startswith(f"{record.export}__")):
         return step, True
     export, zone = record.export, record.timezone
-    zones = [contract.get("timezone") for contract in ledger.tenant_contracts(export).values()]
-    wide = ledger.recorded_contract(export)
+    zones = [contract.get("timezone") for contract in ledger.contracts.tenant_contracts(export).values()]
+    wide = ledger.contracts.recorded(export)
     if wide is not None and wide.get("timezone") == zone:
         return export, True
     if wide is not None:
@@ -158,3 +173,85 @@ def materialize_command(asset: str, partition: str) -> str:
 def restating(record: ExportRecord, request: Restatement | None) -> bool:
     """A completed key with an open request: its next claim restates it, so the export asset must read it."""
     return request is not None and record.state is ExportState.COMPLETED
+
+
+def withdraw(ledger: ExportLedger, destination: Destination, logical_key: str, *, operator: str, reason: str
+             ) -> ExportRecord:  # fmt: skip
+    """Withdraws a key's open restatement: the way out of a restatement that cannot succeed (or was asked by mistake).
+
+    A ``completed`` key whose request was never claimed: the request is closed. A ``failed`` one: the operator holds
+    the key, fences the destination, and the key is completed again at its recorded revision **only if the
+    destination's pointer still names that revision**; a pointer naming the withdrawn revision (published and never
+    recorded) is refused, with the resolutions to run, and the key goes back to ``failed``. The withdrawn revision's
+    number is never given to a later request. Recorded in ``export_operator_log``.
+
+    Raises:
+        RestatementRefused: no reason or no open request; the key is held or its outcome unknown (reconciliation
+            decides first); the pointer names the withdrawn revision.
+    """
+    if not (reason or "").strip():
+        raise RestatementRefused(f"withdrawing the restatement of {logical_key} needs a reason")
+    record = ledger.queries.get(logical_key)
+    request = ledger.restatements.open_requests([logical_key]).get(logical_key)
+    if record is None or request is None:
+        raise RestatementRefused(f"{logical_key} has no open restatement to withdraw")
+    if record.state is ExportState.COMPLETED:
+        return ledger.restatements.withdraw_unclaimed(logical_key, operator=operator, reason=reason)
+    if record.state is not ExportState.FAILED:
+        raise RestatementRefused(
+            f"{logical_key} is {record.state.value}: its restatement is under way; withdraw it once it has failed "
+            "(reconciliation decides an unknown outcome first)"
+        )
+    claim = ledger.claims.hold(logical_key, operator)
+    current = ledger.restatements.current_revision(logical_key)
+    target = ExportTarget(record.export, record.tenant, record.business_date.isoformat(), claim.revision)
+    try:
+        checks = dict(logical_key=logical_key, superseded=claim.superseded_revision)
+        if isinstance(destination, PublishingDestination):
+            checks["pointer"] = destination.fence(target, claim.fencing_token, logical_key=logical_key)
+        seen = destination.verify(target, **checks)
+        if seen.verdict is not Verdict.ABSENT:
+            raise RestatementRefused(
+                f"{logical_key}: {seen.detail}; the withdrawn revision {request.revision} may be what readers see. "
+                f"Record it (export-ledger resolve {logical_key} --accept-destination --reason ...) or remove it "
+                f"(--discard-destination) first"
+            )
+        evidence = CompletionEvidence(
+            current.location, current.sha256, current.row_count, current.published_by, claim.fencing_token,
+            revision=current.revision,
+        )  # fmt: skip
+        note = (OperatorResolution.__name__, f"{operator} withdrew revision {request.revision}: {reason.strip()}")
+        return ledger.completions.finish(
+            Finish(claim, T.WITHDRAW, evidence, note=note),
+            then=lambda conn, now, item: ledger.restatements.withdraw_in(conn, logical_key, now, operator, reason),
+        )
+    except Exception as exc:
+        refused = exc if isinstance(exc, RestatementRefused) else RestatementRefused(
+            f"withdrawing {logical_key} failed: {safe_message(exc)}"
+        )  # fmt: skip
+        ledger.completions.release(
+            claim, record, (OperatorResolution.__name__, f"{operator}: {refused}; the key is back to failed"),
+            then=lambda conn, now, item: append_in(
+                conn, now, operator, "withdraw-refused", str(refused), reason, export=record.export,
+                logical_key=logical_key,
+            ),
+        )  # fmt: skip
+        raise refused from None
+
+
+__all__ = [
+    "DRIFT_REQUESTER",
+    "RequestReport",
+    "asset_name_for",
+    "current_revisions",
+    "materialize_command",
+    "place_of_location",
+    "published_revisions",
+    "records_of",
+    "request_each",
+    "request_for_date",
+    "restate_stale",
+    "restating",
+    "stale_reason",
+    "withdraw",
+]

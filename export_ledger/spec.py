@@ -136,9 +136,11 @@ class ExportSpec:
                 tenant_calendar(tenant, self.timezone, self.start_date)  # a bad zone or move fails here
             groups = tenant_groups(self.name, self.timezone, self.schedule_time, declared)
             if self.source is None and len(groups) > 1:
+                moved = [t.id for t in declared if t.moves]
+                why = f" (tenants {', '.join(moved)} moved: their days before a move are another zone's)" if moved else ""
                 raise ConfigurationError(
                     "rows from an asset of your own come in one partitions definition, so in one zone; tenants in "
-                    f"{[g.timezone for g in groups]} need a source (or one export per zone)"
+                    f"{[g.timezone for g in groups]}{why} need a source (or one export per zone)"
                 )
             for group in groups:
                 if group.schedule_time is not None:
@@ -173,12 +175,25 @@ class ExportSpec:
         """The tenant's declaration; raises KeyError for a tenant the export does not have."""
         return self._tenants[tenant_id]
 
-    def group_of(self, tenant_id: str) -> TenantGroup:
-        """The group (Dagster asset) that exports ``tenant_id``."""
+    def group_of(self, tenant_id: str, day: dt.date | None = None) -> TenantGroup:
+        """The group (Dagster asset) that exports ``tenant_id`` on business date ``day`` (None: from its last move
+        on). Raises KeyError for a tenant the export does not have."""
+        calendar = self.calendar_for(tenant_id)
+        group = self.group_of_zone(calendar.zone_on(day) if day is not None else calendar.timezone)
+        if group is None or tenant_id not in group.tenants:
+            raise KeyError(tenant_id)
+        return group
+
+    def group_of_zone(self, zone: str) -> TenantGroup | None:
+        """The group (Dagster asset) whose partitions are ``zone``'s days, or None."""
         for group in self._groups:
-            if tenant_id in group.tenants:
+            if group.timezone == zone:
                 return group
-        raise KeyError(tenant_id)
+        return None
+
+    def exports_key(self, tenant_id: str, day: dt.date, zone: str) -> bool:
+        """Whether this export still exports ``tenant_id`` on ``day`` in ``zone`` (the zone its key was claimed in)."""
+        return tenant_id in self._tenants and self.calendar_for(tenant_id).zone_on(day) == zone
 
     def calendar_for(self, tenant_id: str) -> ExportCalendar:
         """The tenant's calendar: its zone (or the export's), the export's start date, its earlier zones."""

@@ -1,8 +1,11 @@
 """Tenants with business days of their own: a zone (and a nightly time) per tenant, grouped for Dagster.
 
 Plain Python, no Dagster. An export declares its tenants as plain ids (every tenant in the export's zone) or as
-:class:`Tenant` values (or a mapping ``id -> zone``); :func:`tenant_groups` then puts the tenants that share a zone
-together, because one Dagster partitions definition has one zone and one run exports one business date of one zone.
+:class:`Tenant` values (or a mapping ``id -> zone``); :func:`tenant_groups` then puts together the tenants whose
+business day is one zone's **on each date**, because one Dagster partitions definition has one zone and one run
+exports one business date of one zone. A tenant that moved zones belongs to its earlier zone's group for the dates
+before the move, and to its new zone's from the move on: every date of a tenant is exported by the asset whose
+partitions are that date's windows, so no run asks for a day that has not ended in the tenant's own zone.
 
 Example:
     >>> groups = tenant_groups("orders", "America/New_York", "04:30",
@@ -13,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import datetime as dt
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -51,15 +55,17 @@ class Tenant:
 
 @dataclass(frozen=True)
 class TenantGroup:
-    """The tenants of one export that share a zone: in Dagster one asset, one partitions definition, one job and one
-    nightly schedule.
+    """The tenants of one export whose business day is one zone's (on some dates): in Dagster one asset, one
+    partitions definition, one job and one nightly schedule.
 
     Attributes:
         export: The export's name.
         asset_name: ``export`` for the export's own zone, else ``<export>__<zone slug>`` (``orders__asia_kolkata``).
-        timezone: The zone of the group's partitions (each tenant's current zone).
+        timezone: The zone of the group's partitions.
         schedule_time: Local ``HH:MM`` of the group's nightly run, or None for no schedule.
-        tenants: The tenant ids, in declaration order.
+        tenants: Every tenant that is in the zone on some date, in declaration order.
+        spans: Per tenant, the business dates it is in the zone: ``(first, last)``, ``None`` for "from the calendar's
+            start" and "still".
     """
 
     export: str
@@ -67,6 +73,22 @@ class TenantGroup:
     timezone: str
     schedule_time: str | None
     tenants: tuple[str, ...]
+    spans: tuple[tuple[str, dt.date | None, dt.date | None], ...] = ()
+
+    def tenants_on(self, day: dt.date) -> tuple[str, ...]:
+        """The tenants whose business day ``day`` is this zone's."""
+        if not self.spans:
+            return self.tenants
+        return tuple(
+            tenant for tenant, first, last in self.spans if (first is None or first <= day) and (last is None or day <= last)
+        )
+
+    @property
+    def last_date(self) -> dt.date | None:
+        """The group's last business date when every tenant has moved away from its zone; None while one is in it."""
+        if not self.spans or any(last is None for _, _, last in self.spans):
+            return None
+        return max(last for _, _, last in self.spans)
 
 
 def as_tenants(tenants: Sequence[str | Tenant] | Mapping[str, str | Tenant | None]) -> tuple[Tenant, ...]:
@@ -104,22 +126,28 @@ def zone_slug(zone: str) -> str:
 def tenant_groups(
     export: str, timezone: str, schedule_time: str | None, tenants: Sequence[Tenant]
 ) -> tuple[TenantGroup, ...]:
-    """Groups ``tenants`` by zone: the export's own zone first (named like the export, so an export that gains a
-    tenant elsewhere keeps its asset), then the others by zone name.
+    """Groups ``tenants`` by the zone of each of their business dates: the export's own zone first (named like the
+    export, so an export that gains a tenant elsewhere keeps its asset), then the others by zone name. A tenant that
+    moved is in its earlier zone's group until the day before its move.
 
     Raises:
-        ConfigurationError: two tenants of one zone ask for different nightly times, or two zones' names would
-            make the same asset name.
+        ConfigurationError: two tenants of one zone ask for different nightly times (tenants in it today; a tenant
+            that left the zone does not vote), or two zones' names would make the same asset name.
     """
-    by_zone: dict[str, list[Tenant]] = {}
+    by_zone: dict[str, list[tuple[Tenant, dt.date | None, dt.date | None]]] = {}
     for tenant in tenants:
-        by_zone.setdefault(tenant.timezone or timezone, []).append(tenant)
+        first: dt.date | None = None
+        for move in tenant.moves:
+            by_zone.setdefault(move.from_zone, []).append((tenant, first, move.on_date - dt.timedelta(days=1)))
+            first = move.on_date
+        by_zone.setdefault(tenant.timezone or timezone, []).append((tenant, first, None))
     groups, names = [], {}
     for zone in sorted(by_zone, key=lambda z: (z != timezone, z)):
         members = by_zone[zone]
-        times = {t.schedule_time or schedule_time for t in members}
+        voting = [t for t, _, last in members if last is None] or [t for t, _, _ in members]
+        times = {t.schedule_time or schedule_time for t in voting}
         if len(times) > 1:
-            shown = ", ".join(f"{t.id} at {t.schedule_time or schedule_time}" for t in members)
+            shown = ", ".join(f"{t.id} at {t.schedule_time or schedule_time}" for t in voting)
             raise ConfigurationError(
                 f"tenants of {zone} share one nightly run (one partition of one asset), but ask for different times: "
                 f"{shown}; give them one schedule_time"
@@ -128,7 +156,9 @@ def tenant_groups(
         if name in names:
             raise ConfigurationError(f"zones {names[name]} and {zone} would both be the asset {name!r}")
         names[name] = zone
-        groups.append(TenantGroup(export, name, zone, times.pop(), tuple(t.id for t in members)))
+        ids = tuple(dict.fromkeys(t.id for t, _, _ in members))
+        spans = tuple((t.id, first, last) for t, first, last in members)
+        groups.append(TenantGroup(export, name, zone, times.pop(), ids, spans))
     return tuple(groups)
 
 

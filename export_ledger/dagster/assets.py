@@ -2,7 +2,7 @@
 ``no_stuck_exports`` and ``source_unchanged`` checks."""
 
 import datetime as dt
-import hashlib
+import functools
 import warnings
 from collections.abc import Iterator, Sequence
 
@@ -12,20 +12,21 @@ import pandas as pd
 from export_ledger.calendar import ExportCalendar, parse_business_date, utc_iso
 from export_ledger.dagster.io_manager import LISTED_KEYS, status_command
 from export_ledger.dagster.partitions import dagster_disagreement, partitions_def
-from export_ledger.destinations import Destination
+from export_ledger.destinations import Destination, Verdict, place_of_location
 from export_ledger.drift import describe
 from export_ledger.frames import FrameBatches
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger import (
-    ContractChanged,
+    AttentionSummary,
     DriftRecord,
+    Escalation,
     ExportLedger,
     ExportRecord,
     ExportState,
     RestatementRefused,
 )
 from export_ledger.protocol import ExportBatch, ExportItem, ExportResult, target_for
-from export_ledger.restate import current_revisions, request_each
+from export_ledger.restate import request_each
 from export_ledger.spec import ExportSpec
 from export_ledger.tenants import TenantGroup, zone_slug
 
@@ -79,7 +80,7 @@ def build_export_asset(
     group = group or _only_group(spec)
     destination_key, io_manager_key = resource_keys(spec)
     calendar = ExportCalendar(group.timezone, spec.start_date)
-    partitions = partitions_def(calendar)
+    partitions = partitions_def(calendar, group.last_date)
     calendars = {tenant: spec.calendar_for(tenant) for tenant in group.tenants}
     contracts = {tenant: calendars[tenant].contract() for tenant in group.tenants}
     several = len(spec.groups) > 1
@@ -105,39 +106,37 @@ def build_export_asset(
         book = getattr(context.resources, LEDGER_KEY).get_ledger()
         destination = getattr(context.resources, destination_key).get_destination()
         restate_tenants = _restate_tenants(config, group)  # a bad config is refused before anything is done
-        # A changed zone or start date is refused unaccepted, per tenant: the others still run.
-        refused = book.check_contracts(spec.name, contracts)
-        if len(refused) == len(group.tenants):
-            raise _refusal(refused)
-        tenants = [t for t in group.tenants if t not in refused]
-        items: list[ExportItem] = []
         partition_keys = sorted(context.partition_keys)
+        first, last = parse_business_date(partition_keys[0]), parse_business_date(partition_keys[-1])
         if restate_tenants is not None:
-            _request_restatements(
-                context, book, spec.name, partition_keys, [t for t in restate_tenants if t in tenants], config
-            )
+            _request_restatements(context, book, spec.name, partition_keys, restate_tenants, config)
         # One read for the whole run instead of one per key: a 31-day chunk of 10 tenants is 1 query, not 310.
         known = {
             (r.tenant, r.timezone, r.business_date): r
-            for r in book.records(
+            for r in book.queries.records(
                 export=spec.name,
-                date_from=parse_business_date(partition_keys[0]),
-                date_to=parse_business_date(partition_keys[-1]),
-                tenants=tenants if len(tenants) < len(spec.tenants) else (),
+                date_from=first,
+                date_to=last,
+                tenants=group.tenants if len(group.tenants) < len(spec.tenants) else (),
             )
         }
         # A completed key with an open restatement request is read again: its claim publishes the next revision.
-        # The export's open requests in one read (they are few), not an IN list of every key of a 31-day chunk.
-        restating = {r.logical_key for r in book.restatements(export=spec.name)}
+        restating = {
+            r.logical_key
+            for r in book.restatements.requests(export=spec.name, date_from=first, date_to=last)
+        }
+        items: list[ExportItem] = []
         for partition_key in partition_keys:
+            day = parse_business_date(partition_key)
             window = calendar.window(partition_key)
             disagreement = dagster_disagreement(window, partitions.time_window_for_partition_key(partition_key))
             if disagreement:
                 context.log.warning(disagreement)
-            planned_skips, skipped_day, restated = [], [], []
-            for tenant in tenants:
-                same = calendars[tenant] == calendar  # no moves: the group's window is the tenant's
-                tenant_window = window if same else calendars[tenant].window(partition_key)
+            planned_skips, skipped_day, restated, here = [], [], [], []
+            # The tenants whose business day this date is in this zone: a tenant that moved is exported by its
+            # earlier zone's asset for the days before its move, whose windows end with that zone's days.
+            for tenant in group.tenants_on(day):
+                tenant_window = window if calendars[tenant] == calendar else calendars[tenant].window(partition_key)
                 if tenant_window.is_empty:
                     # The zone skipped this calendar day; its empty window has no logical key of its own (it would
                     # share the next day's window start), and no event belongs to it.
@@ -149,25 +148,28 @@ def build_export_asset(
                     key = LogicalKey(spec.name, tenant, record.window)  # the first claim's window is authoritative
                 if record is not None and record.state is ExportState.COMPLETED:
                     if record.logical_key not in restating:
-                        items.append(ExportItem(key, partition_key, None))
+                        here.append(ExportItem(key, partition_key, None, contracts[tenant]))
                         planned_skips.append(tenant)
                         continue
                     restated.append(tenant)
                 if spec.stream_rows:
                     # Read while it is exported, batch by batch: nothing of it is held here.
-                    items.append(
-                        ExportItem.streamed(key, partition_key, spec.source, spec.schema, batch_rows=spec.stream_rows)
-                    )
+                    here.append(
+                        ExportItem.streamed(
+                            key, partition_key, spec.source, spec.schema, batch_rows=spec.stream_rows,
+                            contract=contracts[tenant],
+                        )
+                    )  # fmt: skip
                     continue
-                frame = spec.read(tenant, key.window.start_utc, key.window.end_utc)
-                items.append(ExportItem(key, partition_key, frame))
+                # Read after the key is claimed: a source failing for one tenant fails that tenant's key alone.
+                reader = functools.partial(spec.read, tenant, key.window.start_utc, key.window.end_utc)
+                here.append(ExportItem(key, partition_key, reader, contracts[tenant]))
+            items.extend(here)
             if skipped_day:
                 context.log.warning(
                     f"{partition_key} does not exist in {calendar.timezone}: empty window, nothing to export for "
                     f"{len(skipped_day)} tenant(s)"
                 )
-            here = [i for i in items if i.partition_key == partition_key]
-            read = [i for i in here if isinstance(i.frame, pd.DataFrame)]  # streamed keys are counted as exported
             # Bounded: counts, and the first LISTED_KEYS keys; every key is in the ledger (status_command).
             context.add_asset_metadata(
                 {
@@ -178,8 +180,6 @@ def build_export_asset(
                     "window_hours": window.duration.total_seconds() / 3600,
                     "partition_keys_count": len(here),
                     "partition_logical_keys": dg.MetadataValue.json([str(i.key) for i in here[:LISTED_KEYS]]),
-                    "source_rows_total": sum(len(i.frame) for i in read),
-                    "source_rows": dg.MetadataValue.json({i.key.tenant: len(i.frame) for i in read[:LISTED_KEYS]}),
                     "tenants_skipped_already_completed": dg.MetadataValue.json(planned_skips[:LISTED_KEYS]),
                     "tenants_restated": dg.MetadataValue.json(restated[:LISTED_KEYS]),
                     "streamed_keys": sum(isinstance(i.frame, FrameBatches) for i in here),
@@ -191,8 +191,6 @@ def build_export_asset(
         yield dg.Output(batch)
         # The I/O manager has published and recorded every key by now: check what actually landed.
         yield export_check(spec, book, destination, batch.results, asset_key=group.asset_name)
-        if refused:
-            raise _refusal(refused)  # after the others: the run fails, naming each refused tenant and the way out
 
     return _export
 
@@ -224,9 +222,9 @@ def _request_restatements(
     config: ExportRunConfig,
 ) -> None:
     """Records the run config's restatement requests (asked by the run's id) before the run plans what it reads."""
-    if not tenants:  # every listed tenant was refused (its calendar contract changed): the run fails naming them
+    if not tenants:
         return
-    records = book.records(
+    records = book.queries.records(
         export=export,
         date_from=parse_business_date(partition_keys[0]),
         date_to=parse_business_date(partition_keys[-1]),
@@ -278,14 +276,6 @@ def _description(spec: ExportSpec, group: TenantGroup) -> str:
     )
 
 
-def _refusal(refused: dict[str, ContractChanged]) -> ContractChanged:
-    if len(refused) == 1:
-        return next(iter(refused.values()))
-    return ContractChanged(
-        f"{len(refused)} tenants refused: " + " | ".join(str(refused[t]) for t in sorted(refused)[:5])
-    )
-
-
 def export_check(
     spec: ExportSpec,
     ledger: ExportLedger,
@@ -294,23 +284,23 @@ def export_check(
     *,
     asset_key: str | None = None,
 ) -> dg.AssetCheckResult:
-    """Each key of the run: completed in the ledger, its current revision's file's sha256 the ledger's, its row count
-    the source's."""
+    """Each key of the run: completed in the ledger, its current recorded revision intact where it was recorded
+    (:meth:`~export_ledger.destinations.Destination.verify_recorded`: its manifest names the key, its data's sha256
+    is the ledger's), and its row count the source's."""
     problems: list[str] = []
-    revisions = current_revisions(ledger, [r.logical_key for r in results])
     for result in results:
-        record = ledger.get(result.logical_key)
+        record = ledger.queries.get(result.logical_key)
         if record is None or record.state is not ExportState.COMPLETED:
             problems.append(f"{result.logical_key}: not completed in the ledger")
             continue
-        target = target_for(LogicalKey(record.export, record.tenant, record.window), revisions[record.logical_key])
-        manifest = destination.probe(target)
-        if manifest is None:
-            problems.append(f"{record.logical_key}: no manifest at {record.location}")
+        current = ledger.restatements.current_revision(record.logical_key)
+        target = target_for(
+            LogicalKey(record.export, record.tenant, record.window), current.revision, place_of_location(current.location)
+        )
+        seen = destination.verify_recorded(target, logical_key=record.logical_key, sha256=current.sha256)
+        if seen.verdict is not Verdict.PUBLISHED:
+            problems.append(f"{record.logical_key}: {seen.detail}")
             continue
-        actual = hashlib.sha256(destination.read_data(target, manifest)).hexdigest()
-        if actual != record.sha256:
-            problems.append(f"{record.logical_key}: file sha256 {actual[:12]}... != ledger {record.sha256[:12]}...")
         expected_rows = spec.count(record.tenant, record.window_start_utc, record.window_end_utc)
         if expected_rows is not None and record.row_count != expected_rows:
             problems.append(f"{record.logical_key}: exported {record.row_count} rows, source has {expected_rows}")
@@ -319,45 +309,57 @@ def export_check(
         asset_key=asset_key or spec.name,
         passed=not problems,
         severity=dg.AssetCheckSeverity.ERROR,
-        metadata={"keys_checked": len(results), "problems": dg.MetadataValue.json(problems)},
+        metadata={"keys_checked": len(results), "problems": dg.MetadataValue.json(problems[:LISTED_KEYS])},
         description="exported row counts equal the source's for each window; each file's sha256 equals the ledger's",
     )
 
 
 def stuck_check_evaluation(
-    asset_key: dg.AssetKey, stuck: list[ExportRecord], stuck_after: dt.timedelta
+    asset_key: dg.AssetKey, count: int, escalations: Sequence[Escalation], stuck_after: dt.timedelta
 ) -> dg.AssetCheckEvaluation:
-    """The ``no_stuck_exports`` verdict for one export: fails while any key stays unresolved beyond ``stuck_after``."""
+    """The ``no_stuck_exports`` verdict for one export asset: fails while any of its keys (``count`` of them, the
+    first ``escalations`` listed) waits for a person."""
     return dg.AssetCheckEvaluation(
         asset_key=asset_key,
         check_name=STUCK_CHECK_NAME,
-        passed=not stuck,
+        passed=count == 0,
         severity=dg.AssetCheckSeverity.ERROR,
         metadata={
-            "stuck_keys": len(stuck),
+            "stuck_keys": count,
             "threshold_hours": stuck_after.total_seconds() / 3600,
             "first_keys": dg.MetadataValue.json(
-                [
-                    {"logical_key": r.logical_key, "state": r.state.value, "since": utc_iso(r.updated_at)}
-                    for r in stuck[:20]
-                ]
+                [{"logical_key": e.name, "state": e.state, "since": utc_iso(e.since)} for e in escalations[:LISTED_KEYS]]
             ),
+            "every_key": dg.MetadataValue.text("export-ledger status --needs-attention"),
         },
         description=(
             f"no key needs a person: none in conflict, none failed with its automatic reruns spent, none failed, "
-            f"remote_unknown or abandoned in_progress longer than {stuck_after}"
+            f"remote_unknown or abandoned in_progress longer than {stuck_after}, no tenant refused by its calendar"
         ),
     )
 
 
+def asset_groups(spec: ExportSpec, summary: AttentionSummary) -> dict[str, tuple[int, list[Escalation]]]:
+    """A summary's escalations of one export by asset: a key counts on the asset of the zone it was claimed in; a key
+    of a zone the export no longer has is reported on its first asset (never dropped)."""
+    by_asset: dict[str, tuple[int, list[Escalation]]] = {group.asset_name: (0, []) for group in spec.groups}
+    for (export, zone), (count, listed) in summary.groups.items():
+        if export != spec.name:
+            continue
+        group = spec.group_of_zone(zone) if zone is not None else None
+        name = (group or spec.groups[0]).asset_name
+        before, shown = by_asset[name]
+        by_asset[name] = (before + count, (shown + listed)[:LISTED_KEYS])
+    return by_asset
+
+
 def build_stuck_check(
-    export: str, stuck_after: dt.timedelta, *, asset_name: str | None = None, tenants: Sequence[str] | None = None
+    spec: ExportSpec, stuck_after: dt.timedelta, *, asset_name: str | None = None, max_attempts: int = 3
 ) -> dg.AssetChecksDefinition:
-    """``no_stuck_exports`` of one export's asset (``asset_name``, default the export's; for ``tenants`` only, default
-    every tenant) on demand from the UI; the reconciliation sensor reports the same verdict each time the set of
-    stuck keys changes."""
-    asset_name = asset_name or export
-    members = None if tenants is None else set(tenants)
+    """``no_stuck_exports`` of one export's asset (``asset_name``, default the export's) on demand from the UI; the
+    reconciliation sensor reports the same verdict each time the set of escalated keys changes. Counted in the
+    ledger, whatever the backlog."""
+    asset_name = asset_name or spec.name
 
     @dg.asset_check(
         asset=asset_name,
@@ -366,9 +368,10 @@ def build_stuck_check(
         required_resource_keys={LEDGER_KEY},
     )
     def _no_stuck_exports(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
-        attention = getattr(context.resources, LEDGER_KEY).get_ledger().needs_attention(stuck_after)
-        mine = [r for r, _ in attention if r.export == export and (members is None or r.tenant in members)]
-        evaluation = stuck_check_evaluation(dg.AssetKey(asset_name), mine, stuck_after)
+        ledger = getattr(context.resources, LEDGER_KEY).get_ledger()
+        summary = ledger.attention.summary(stuck_after, max_attempts=max_attempts, exports=[spec.name])
+        count, listed = asset_groups(spec, summary)[asset_name]
+        evaluation = stuck_check_evaluation(dg.AssetKey(asset_name), count, listed, stuck_after)
         return dg.AssetCheckResult(
             passed=evaluation.passed,
             severity=evaluation.severity,
@@ -379,17 +382,21 @@ def build_stuck_check(
     return _no_stuck_exports
 
 
-def drift_check_evaluation(asset_key: dg.AssetKey, stale: Sequence[DriftRecord]) -> dg.AssetCheckEvaluation:
-    """The ``source_unchanged`` verdict for one export asset: fails while any of its keys is stale (counts only)."""
+def drift_check_evaluation(
+    asset_key: dg.AssetKey, stale: Sequence[DriftRecord], counts: tuple[int, int, int] | None = None
+) -> dg.AssetCheckEvaluation:
+    """The ``source_unchanged`` verdict for one export asset: fails while any of its keys is stale (counts only:
+    ``counts`` is (keys, rows added, rows removed) as the ledger counted them; default: those of ``stale``)."""
+    keys, added, removed = counts or (len(stale), sum(r.rows_added for r in stale), sum(r.rows_removed for r in stale))
     return dg.AssetCheckEvaluation(
         asset_key=asset_key,
         check_name=DRIFT_CHECK_NAME,
-        passed=not stale,
+        passed=keys == 0,
         severity=dg.AssetCheckSeverity.WARN,
         metadata={
-            "stale_keys": len(stale),
-            "rows_added": sum(r.rows_added for r in stale),
-            "rows_removed": sum(r.rows_removed for r in stale),
+            "stale_keys": keys,
+            "rows_added": added,
+            "rows_removed": removed,
             "first_keys": dg.MetadataValue.json(
                 [
                     {
@@ -425,9 +432,10 @@ def build_drift_check(
         required_resource_keys={LEDGER_KEY},
     )
     def _source_unchanged(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
-        stale = getattr(context.resources, LEDGER_KEY).get_ledger().open_drift(export=export)
-        mine = [r for r in stale if members is None or r.tenant in members]
-        evaluation = drift_check_evaluation(dg.AssetKey(asset_name), mine)
+        drift = getattr(context.resources, LEDGER_KEY).get_ledger().drift
+        tenants = sorted(members) if members is not None else ()
+        listed = drift.open_records(export=export, tenants=tenants, limit=LISTED_KEYS)
+        evaluation = drift_check_evaluation(dg.AssetKey(asset_name), listed, drift.open_count(export=export, tenants=tenants))
         return dg.AssetCheckResult(
             passed=evaluation.passed,
             severity=evaluation.severity,

@@ -22,6 +22,7 @@ from export_ledger.dagster.resources import DestinationResource, LedgerResource
 from export_ledger.dagster.schedules import build_nightly_schedule
 from export_ledger.dagster.sensors import build_reconciliation_sensor, job_selection
 from export_ledger.destinations import Destination, destination_from
+from export_ledger.destinations.registry import scheme_of
 from export_ledger.drift import DEFAULT_DRIFT_BATCH, DEFAULT_LOOKBACK_DAYS
 from export_ledger.errors import ConfigurationError
 from export_ledger.settings import LEDGER_URL_ENV, Settings
@@ -110,7 +111,7 @@ def ledgered_definitions(
             destination=resource,
             file_format=spec.file_format,
             export=spec.name,
-            tenants_by_asset=json.dumps({g.asset_name: list(g.tenants) for g in spec.groups}),
+            tenants_by_asset=json.dumps({g.asset_name: _members(g) for g in spec.groups}),
             columns=dict(spec.schema.columns),
             time_column=spec.schema.time_column,
             id_columns=list(spec.schema.id_columns),
@@ -125,11 +126,7 @@ def ledgered_definitions(
         for group in spec.groups:
             if spec.source is not None:
                 definitions.append(build_export_asset(spec, pool=pool, backfill_policy=policy, group=group))
-            checks.append(
-                build_stuck_check(
-                    spec.name, stuck_after, asset_name=group.asset_name, tenants=group.tenants if several else None
-                )
-            )
+            checks.append(build_stuck_check(spec, stuck_after, asset_name=group.asset_name))
             if spec.source is not None:  # only an export with a source can be read again
                 checks.append(
                     build_drift_check(
@@ -169,15 +166,16 @@ def ledgered_definitions(
         )
 
 
+def _members(group) -> list:
+    """A group's tenants for the I/O manager's config: ``[tenant, first date or null, last date or null]``."""
+    return [[tenant, first and first.isoformat(), last and last.isoformat()] for tenant, first, last in group.spans]
+
+
 def _pool_kind(spec: Destination | str) -> str:
     """exports-local, exports-s3 or exports-ledger-table: one pool family per destination kind."""
     if isinstance(spec, Destination):
         return spec.pool
-    if spec.startswith("s3://"):
-        return "exports-s3"
-    if spec.startswith("ledger-table:"):
-        return "exports-ledger-table"
-    return "exports-local"
+    return scheme_of(spec).load().pool
 
 
 def _destination_resource(

@@ -21,29 +21,34 @@ from collections.abc import Sequence
 import dagster as dg
 
 from export_ledger.dagster.assets import LEDGER_KEY, drift_check_evaluation, resource_keys
+from export_ledger.dagster.io_manager import LISTED_KEYS
 from export_ledger.drift import DEFAULT_DRIFT_BATCH, DEFAULT_LOOKBACK_DAYS, describe, drift_pass, stale_digest
 from export_ledger.ledger import DriftRecord, ExportLedger
 from export_ledger.spec import ExportSpec
 
-_NOTHING_STALE = stale_digest([])
+_NOTHING_STALE = stale_digest({})
 
 
-def drift_check_evaluations(
-    exports: Sequence[ExportSpec], stale: Sequence[DriftRecord]
-) -> list[dg.AssetCheckEvaluation]:
-    """One ``source_unchanged`` verdict per export asset; each stale key counts on its tenant's asset (a tenant no
-    longer declared, on the export's first asset: it is never dropped)."""
+def drift_check_evaluations(exports: Sequence[ExportSpec], book: ExportLedger) -> list[dg.AssetCheckEvaluation]:
+    """One ``source_unchanged`` verdict per export asset, counted in the ledger (one count per asset) with the first
+    stale keys listed; an asset of several zones counts its tenants' keys."""
     evaluations = []
     for spec in exports:
-        mine = [r for r in stale if r.export == spec.name]
+        several = len(spec.groups) > 1
         for group in spec.groups:
-            ours = [r for r in mine if _asset_of(spec, r.tenant) == group.asset_name]
-            evaluations.append(drift_check_evaluation(dg.AssetKey(group.asset_name), ours))
+            tenants = list(group.tenants) if several else []
+            listed = book.drift.open_records(export=spec.name, tenants=tenants, limit=LISTED_KEYS)
+            counts = book.drift.open_count(export=spec.name, tenants=tenants)
+            evaluations.append(drift_check_evaluation(dg.AssetKey(group.asset_name), listed, counts))
     return evaluations
 
 
-def _asset_of(spec: ExportSpec, tenant: str) -> str:
-    return spec.group_of(tenant).asset_name if tenant in spec.tenants else spec.groups[0].asset_name
+def _asset_of(spec: ExportSpec, record: DriftRecord) -> str:
+    """The asset of a stale key's partition: its tenant's zone on that date (a tenant no longer declared: the export's
+    first asset, so it is never dropped)."""
+    if record.tenant not in spec.tenants:
+        return spec.groups[0].asset_name
+    return spec.group_of(record.tenant, record.business_date).asset_name
 
 
 def build_drift_sensor(
@@ -94,24 +99,23 @@ def build_drift_sensor(
             )
         for key, why in report.restatements.refused:
             context.log.info(f"{key}: stale, no restatement requested: {why}")
-        names = {spec.name for spec in checked}
-        stale = [r for r in book.open_drift() if r.export in names]
-        for record in stale:
-            if record.logical_key in report.changes.opened:
-                context.log.warning(
-                    f"{record.logical_key} is stale: its source changed since export ({describe(record)})"
-                )
-        digest = stale_digest(stale)
+        names = sorted(spec.name for spec in checked)
+        opened = book.drift.open_records(logical_keys=report.changes.opened) if report.changes.opened else []
+        for record in opened:
+            context.log.warning(f"{record.logical_key} is stale: its source changed since export ({describe(record)})")
+        summary = book.drift.open_summary(exports=names)
+        digest = stale_digest(summary)
         cursor = json.dumps({"after": report.next_after, "stale_digest": digest})
         if digest == state.get("stale_digest", _NOTHING_STALE):
             return dg.SensorResult(
                 skip_reason=(
                     f"{report.checked} key(s) checked, {len(report.stale)} stale, {len(report.unchecked)} not "
-                    f"checked; {len(stale)} stale key(s) in all, unchanged since the last report"
+                    f"checked; {sum(c for c, _ in summary.values())} stale key(s) in all, unchanged since the last "
+                    "report"
                 ),
                 cursor=cursor,
             )
-        events = [*drift_check_evaluations(checked, stale), *_partition_observations(checked, stale, report, book)]
+        events = [*drift_check_evaluations(checked, book), *_partition_observations(checked, opened, report, book)]
         return dg.SensorResult(asset_events=events, cursor=cursor)
 
     return drift_sensor
@@ -129,7 +133,7 @@ def _partition_observations(
         if record.logical_key in opened and record.export in specs:
             observations.append(
                 dg.AssetObservation(
-                    asset_key=dg.AssetKey(_asset_of(specs[record.export], record.tenant)),
+                    asset_key=dg.AssetKey(_asset_of(specs[record.export], record)),
                     partition=record.business_date.isoformat(),
                     metadata={
                         "stale": True,
@@ -144,11 +148,11 @@ def _partition_observations(
                 )
             )
     for key in report.changes.cleared:
-        found = book.get(key)
+        found = book.queries.get(key)
         if found is not None and found.export in specs:
             observations.append(
                 dg.AssetObservation(
-                    asset_key=dg.AssetKey(_asset_of(specs[found.export], found.tenant)),
+                    asset_key=dg.AssetKey(_asset_of(specs[found.export], found)),
                     partition=found.business_date.isoformat(),
                     metadata={"stale": False, "logical_key": key},
                 )

@@ -15,7 +15,7 @@ import pandas as pd
 
 from export_ledger.calendar import ExportCalendar
 from export_ledger.dagster.resources import DestinationResource, LedgerResource
-from export_ledger.destinations import DestinationError, ExportTarget
+from export_ledger.destinations import DestinationError, ExportTarget, Verdict, place_of_location
 from export_ledger.errors import FrameError
 from export_ledger.frames import ExportSchema, read_table
 from export_ledger.keys import LogicalKey, attempt_id
@@ -33,7 +33,8 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
         file_format: ``csv`` (default) or ``parquet``.
         export: The export's name (default: the asset's name).
         tenants: The tenants whose committed exports ``load_input`` returns (and a frame output is split into).
-        tenants_by_asset: JSON object of asset name -> its tenants; wins over ``tenants`` where set. This is what
+        tenants_by_asset: JSON object of asset name -> its tenants (ids, or ``[id, first date, last date]`` for a
+            tenant in the asset's zone on those dates only); wins over ``tenants`` where set. This is what
             :func:`~export_ledger.dagster.ledgered_definitions` passes: one config value however many tenants, since
             Dagster processes every resource's config once per job (40 zones of 1,000 tenants would pay for a
             1,000-item list 40 times when the code location loads).
@@ -111,14 +112,17 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
         if not isinstance(times.dtype, pd.DatetimeTZDtype):
             raise FrameError(f"{what}: column {schema.time_column!r} must hold timezone-aware timestamps")
         items, placed = [], 0
+        # Checked at claim, in the claim's transaction: the calendar these windows were cut with must be the one the
+        # ledger holds for each tenant (recorded at its first claim), so a changed zone is refused, not exported.
+        contract = calendar.contract()
         for partition_key in sorted(context.asset_partition_keys):
             window = calendar.window(partition_key)
             in_window = (times >= window.start_utc) & (times < window.end_utc)
-            for tenant in self._tenants_of(context.asset_key.path[-1]):
+            for tenant in self._tenants_of(context.asset_key.path[-1], window.business_date):
                 rows = frame[in_window & (frame[schema.tenant_column] == tenant)]
                 placed += len(rows)
                 if not window.is_empty:
-                    items.append(ExportItem(LogicalKey(export, tenant, window), partition_key, rows))
+                    items.append(ExportItem(LogicalKey(export, tenant, window), partition_key, rows, contract))
         if placed != len(frame):
             raise FrameError(
                 f"{what}: {len(frame) - placed} row(s) belong to no configured tenant or fall outside the run's "
@@ -126,10 +130,16 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
             )
         return ExportBatch(schema, items)
 
-    def _tenants_of(self, asset_name: str) -> list[str]:
-        if self.tenants_by_asset:
-            return json.loads(self.tenants_by_asset).get(asset_name, [])
-        return list(self.tenants)
+    def _tenants_of(self, asset_name: str, day=None) -> list[str]:
+        """The asset's tenants (on business date ``day``, when given)."""
+        if not self.tenants_by_asset:
+            return list(self.tenants)
+        found = []
+        for member in json.loads(self.tenants_by_asset).get(asset_name, []):
+            tenant, first, last = member if isinstance(member, list) else (member, None, None)
+            if day is None or ((first is None or first <= day.isoformat()) and (last is None or day.isoformat() <= last)):
+                found.append(tenant)
+        return found
 
     def load_input(self, context: dg.InputContext) -> pd.DataFrame:
         """Each (partition, tenant)'s current revision, and only a committed one: the newest revision the ledger
@@ -140,7 +150,7 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
         attempt died) is not: reconciliation records it first. A key never completed is refused.
         """
         export = self.export or context.asset_key.path[-1]
-        tenants = self._tenants_of(context.asset_key.path[-1])
+        tenants = self._tenants_of(context.asset_key.path[-1])  # narrowed per date below
         ledger = self.ledger.get_ledger()
         destination = self.destination.get_destination()
         frames = []
@@ -151,9 +161,9 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
             raise DestinationError(f"no tenants configured for loading {export}")
         for partition_key in partition_keys:
             day = pd.Timestamp(partition_key).date()
-            for tenant in tenants:
-                records = ledger.records(export=export, tenant=tenant, date_from=day, date_to=day)
-                current = ledger.current_revision(records[0].logical_key) if len(records) == 1 else None
+            for tenant in self._tenants_of(context.asset_key.path[-1], day):
+                records = ledger.queries.records(export=export, tenant=tenant, date_from=day, date_to=day)
+                current = ledger.restatements.current_revision(records[0].logical_key) if len(records) == 1 else None
                 if current is None:
                     state = (
                         records[0].state.value
@@ -170,29 +180,30 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
     def _read_revision(
         self, destination, record: ExportRecord, current: Revision, partition_key: str, context: dg.InputContext
     ) -> pd.DataFrame:
-        """One key's ``current`` revision (a row of the ledger's revisions), checked against its sha256."""
-        target = ExportTarget(record.export, record.tenant, partition_key).at_revision(current.revision)
-        pointer = destination.current(target)
+        """One key's ``current`` revision (the newest the ledger recorded), read where it was recorded and checked
+        against its sha256 (:meth:`~export_ledger.destinations.Destination.verify_recorded`)."""
+        target = ExportTarget(record.export, record.tenant, partition_key, current.revision,
+                              place_of_location(current.location))  # fmt: skip
+        pointer = destination.current_revision(target)
         if pointer != current.revision:
-            # Moved ahead by a restatement not yet recorded (reconciliation records it), or behind: the ledger's
-            # recorded revision is the one whose checksum is known.
+            # Ahead: a restatement committed and not yet recorded (reconciliation records it). The ledger's recorded
+            # revision is the one whose checksum is known.
             context.log.warning(
                 f"{record.logical_key}: the destination's current pointer says revision {pointer}, the ledger's "
                 f"newest recorded revision is {current.revision}; reading revision {current.revision}"
             )
-        manifest = destination.probe(target)
-        if manifest is None or manifest.sha256 != current.sha256 or manifest.revision != current.revision:
+        seen = destination.verify_recorded(target, logical_key=record.logical_key, sha256=current.sha256)
+        if seen.verdict is not Verdict.PUBLISHED:
             raise DestinationError(
-                f"{record.logical_key} revision {current.revision} is recorded in the ledger but "
-                f"{destination.location(target)} does not hold the export it recorded"
+                f"{record.logical_key} revision {current.revision} is recorded in the ledger but {seen.detail}"
             )
-        payload = destination.read_data(target, manifest)
+        payload = destination.read_data(target, seen.manifest)
         if hashlib.sha256(payload).hexdigest() != current.sha256:
             raise DestinationError(
                 f"{destination.location(target)}: data file does not match the ledger's sha256 for revision "
                 f"{current.revision}"
             )
-        file_format = "parquet" if manifest.data_file.endswith(".parquet") else "csv"
+        file_format = "parquet" if seen.manifest.data_file.endswith(".parquet") else "csv"
         return read_table(payload, file_format)
 
 

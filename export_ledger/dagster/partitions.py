@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import datetime as dt
+
 import dagster as dg
 
 from export_ledger.calendar import ExportCalendar, ExportWindow
 
 
-def partitions_def(calendar: ExportCalendar) -> dg.DailyPartitionsDefinition:
-    """Daily partitions whose keys are the calendar's business dates."""
-    return dg.DailyPartitionsDefinition(start_date=calendar.start_date, timezone=calendar.timezone)
+def partitions_def(calendar: ExportCalendar, last_date: dt.date | None = None) -> dg.DailyPartitionsDefinition:
+    """Daily partitions whose keys are the calendar's business dates (up to ``last_date`` when given: a zone every
+    tenant has moved away from)."""
+    end = None if last_date is None else (last_date + dt.timedelta(days=1)).isoformat()
+    return dg.DailyPartitionsDefinition(start_date=calendar.start_date, timezone=calendar.timezone, end_date=end)
 
 
 def calendar_of(definition: dg.TimeWindowPartitionsDefinition) -> ExportCalendar:

@@ -8,8 +8,8 @@ import datetime as dt
 
 import dagster as dg
 
-from export_ledger.destinations import Destination, LocalDestination, destination_from
-from export_ledger.ledger import ExportLedger, utc_now
+from export_ledger.destinations import Destination, destination_from
+from export_ledger.ledger import ExportLedger
 
 
 class LedgerResource(dg.ConfigurableResource):
@@ -26,9 +26,10 @@ class LedgerResource(dg.ConfigurableResource):
     lease_ttl_seconds: int = 900
     allow_below_low_water: bool = False
 
-    def clock(self) -> dt.datetime:
-        """The ledger's notion of now. Tests subclass this resource to control it."""
-        return utc_now()
+    def clock(self) -> dt.datetime | None:
+        """A test's clock; None in production: the ledger's own (the PostgreSQL server's, the host's on SQLite).
+        Tests subclass this resource to return a controlled time."""
+        return None
 
     def get_ledger(self) -> ExportLedger:
         if self.lease_ttl_seconds <= 0:
@@ -36,7 +37,7 @@ class LedgerResource(dg.ConfigurableResource):
         return ExportLedger(
             self.url,
             lease_ttl=dt.timedelta(seconds=self.lease_ttl_seconds),
-            clock=self.clock,
+            clock=self.clock if self.clock() is not None else None,
             allow_below_low_water=self.allow_below_low_water,
         )
 
@@ -80,23 +81,5 @@ class DestinationResource(dg.ConfigurableResource):
     @classmethod
     def of(cls, destination: Destination) -> "DestinationResource":
         """The resource for a destination built in Python (tests, scripts)."""
-        if isinstance(destination, LocalDestination):
-            return cls(spec=destination.root)
-        from export_ledger.destinations.table import SqlTableDestination
-
-        if isinstance(destination, SqlTableDestination):
-            return cls(spec=f"ledger-table:{destination.table}", ledger_url=destination.url)
-        from export_ledger.destinations.s3 import S3Destination
-
-        if isinstance(destination, S3Destination):
-            return cls(
-                spec=f"s3://{destination.bucket}/{destination.prefix}".rstrip("/"),
-                endpoint_url=destination.endpoint_url,
-                region_name=destination.region_name,
-                access_key_id=destination.access_key_id,
-                secret_access_key=destination.secret_access_key,
-                session_token=destination.session_token,
-                connect_timeout_seconds=destination.connect_timeout_seconds,
-                read_timeout_seconds=destination.read_timeout_seconds,
-            )
-        raise TypeError(f"no resource for destination {type(destination).__name__}; pass its spec instead")
+        spec, settings = destination.spec()
+        return cls(spec=spec, ledger_url=getattr(destination, "url", ""), **settings)

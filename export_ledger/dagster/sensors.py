@@ -1,31 +1,113 @@
-"""The reconciliation sensor: finds stuck keys of every export and resolves them from the destination's evidence.
+"""The reconciliation sensor: finds stuck keys of this code location's exports and resolves them from the
+destination's evidence, reruns failed partitions, launches restatements, and escalates what needs a person.
 
-The decisions live in :mod:`export_ledger.reconcile` (plain Python); this module turns a report into Dagster's
-vocabulary: materialization events for keys found completed, run requests for partitions whose write never
-landed, a failing asset check while keys stay stuck too long, and a skip reason that says why nothing happened.
+The decisions live in :mod:`export_ledger.reconcile` and :mod:`export_ledger.ledger.attention` (plain Python); this
+module turns them into Dagster's vocabulary. Every read of a tick is a bounded page of this code location's exports
+(another code location sharing the ledger sees only its own), so a tick costs what it acts on, whatever the backlog.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
 
 import dagster as dg
 
 from export_ledger.calendar import ExportCalendar, utc_iso
-from export_ledger.dagster.assets import LEDGER_KEY, resource_keys, stuck_check_evaluation
+from export_ledger.dagster.assets import LEDGER_KEY, asset_groups, resource_keys, stuck_check_evaluation
 from export_ledger.dagster.io_manager import LISTED_KEYS, status_command
 from export_ledger.errors import CalendarError
-from export_ledger.ledger import ExportLedger, ExportRecord, ExportState, Restatement
-from export_ledger.ledger.core import DEFAULT_MAX_ATTEMPTS
+from export_ledger.ledger import DEFAULT_MAX_ATTEMPTS, ExportLedger, ExportState, PartitionWork, Restatement
 from export_ledger.reconcile import ReconcileReport, reconcile_batch
-from export_ledger.restate import published_revisions, records_of
+from export_ledger.restate import published_revisions
 from export_ledger.spec import ExportSpec
 from export_ledger.tenants import TenantGroup
 
-_NOTHING_STUCK = hashlib.sha256(b"").hexdigest()[:16]
+#: The tag that names the situation a rerun was launched for: runs that failed before claiming anything leave the
+#: situation as it was, and are counted by it, so that such a partition still gets its automatic reruns.
+SITUATION_TAG = "export-ledger/rerun-of"
+
+
+def _asset_for(spec: ExportSpec, work: PartitionWork, log) -> TenantGroup | None:
+    """The asset (zone) whose partition ``work`` is, or None (logged) when this code location has none."""
+    group = spec.group_of_zone(work.timezone)
+    day = work.business_date
+    if group is None or day < spec.calendar.first_date or (group.last_date is not None and day > group.last_date):
+        log.warning(
+            f"{work.export} has keys on {day.isoformat()} in {work.timezone} to rerun or restate, but no asset of this "
+            "code location exports that zone on that date; they are escalated once they wait longer than allowed"
+        )
+        return None
+    try:
+        ExportCalendar(group.timezone, spec.start_date).window(day.isoformat())
+    except CalendarError as exc:
+        log.error(f"partition {day.isoformat()} of {group.asset_name} not launched: {exc}")
+        return None
+    return group
+
+
+def rerun_requests(
+    failed: Sequence[PartitionWork],
+    exports: Mapping[str, ExportSpec],
+    *,
+    log,
+    finished: Callable[[str], int] = lambda situation: 0,
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+) -> list[dg.RunRequest]:
+    """One run request per partition holding ``failed`` keys with automatic reruns left.
+
+    The run key names the partition's situation (a digest of its failed keys and their tokens): a key is ``failed``
+    with a given token at most once (every claim raises it), so a new failure always brings a new run key, while the
+    same situation seen again on the next tick repeats it and Dagster launches nothing twice. A run that failed before
+    it claimed anything (its code location did not load, a resource failed) leaves the situation as it was:
+    ``finished(situation)`` counts such runs, and the run key takes a generation from it, up to ``max_attempts``.
+    """
+    requests = []
+    for work in failed:
+        spec = exports.get(work.export)
+        group = _asset_for(spec, work, log) if spec is not None else None
+        if group is None:
+            continue
+        partition = work.business_date.isoformat()
+        situation = f"{group.asset_name}/{partition}/{work.digest}"
+        generation = finished(situation)
+        if generation >= max_attempts:
+            continue  # its runs keep failing before they claim: escalated once it waits longer than allowed
+        requests.append(
+            dg.RunRequest(
+                partition_key=partition,
+                run_key=f"rerun/{situation}" + (f"/g{generation}" if generation else ""),
+                job_name=f"{group.asset_name}_job",
+                tags={"export-ledger/reconciled": "true", SITUATION_TAG: situation},
+            )
+        )
+    return requests
+
+
+def restatement_requests(
+    pending: Sequence[PartitionWork], exports: Mapping[str, ExportSpec], *, log
+) -> list[dg.RunRequest]:
+    """One run request per partition (of one zone's asset) holding ``completed`` keys with open restatement requests:
+    the run's claims restate every such key of the partition, however many tenants it has (one run, not one per page
+    of keys). The run key names the partition's open requests: a request is launched once, and a new one brings a new
+    key."""
+    requests = []
+    for work in pending:
+        spec = exports.get(work.export)
+        group = _asset_for(spec, work, log) if spec is not None else None
+        if group is None:
+            continue
+        partition = work.business_date.isoformat()
+        requests.append(
+            dg.RunRequest(
+                partition_key=partition,
+                run_key=f"restate/{group.asset_name}/{partition}/{work.digest}",
+                job_name=f"{group.asset_name}_job",
+                tags={"export-ledger/restatement": "true"},
+            )
+        )
+    return requests
 
 
 def sensor_result(
@@ -35,129 +117,14 @@ def sensor_result(
     exports: Mapping[str, ExportSpec],
     materialized: Callable[[dg.AssetKey, Sequence[str]], set[str]],
     log,
-    failed: Sequence[ExportRecord] = (),
-    max_attempts: int = DEFAULT_MAX_ATTEMPTS,
-) -> tuple[list[dg.RunRequest], list[dg.AssetMaterialization], list[str]]:
-    """Run requests, materialization events and notes from one reconciliation pass over every export.
-
-    ``failed`` are ``failed`` keys the tick looked at (besides those reconciliation just found failed): each partition
-    holding one is rerun while the key has had fewer than ``max_attempts`` claims, whatever its siblings are doing
-    (the ledger refuses what a rerun may not touch); past that the key is escalated, not rerun.
-    """
+) -> tuple[list[dg.AssetMaterialization], list[str]]:
+    """Materialization events and notes from one reconciliation pass over this code location's exports."""
     events: list[dg.AssetMaterialization] = []
     for name, spec in exports.items():
         mine = ReconcileReport(resolved=[(f, r) for f, r in report.resolved if r.export == name])
         if mine.resolved:
             events.extend(_materializations(mine, ledger=ledger, spec=spec, materialized=materialized, log=log))
-    candidates = [*(r for _, r in report.resolved if r.state is ExportState.FAILED), *failed]
-    bases = ledger.rerun_bases(sorted({r.logical_key for r in candidates}))
-    requests = rerun_requests(candidates, exports, max_attempts=max_attempts, bases=bases, log=log)
-    return requests, events, _notes(report)
-
-
-def _still_exported_by(spec: ExportSpec, record: ExportRecord) -> bool:
-    """Whether ``spec`` still exports ``record``'s key: the tenant is declared, in the zone the key was claimed in."""
-    return (
-        record.tenant in spec.tenants
-        and spec.calendar_for(record.tenant).zone_on(record.business_date) == record.timezone
-    )
-
-
-def rerun_requests(
-    failed: Sequence[ExportRecord],
-    exports: Mapping[str, ExportSpec],
-    *,
-    max_attempts: int,
-    log,
-    bases: Mapping[str, int] | None = None,
-) -> list[dg.RunRequest]:
-    """One run request per partition holding a ``failed`` key with automatic reruns left (fewer than
-    ``max_attempts`` claims since its last operator resolution, whose token ``bases`` gives).
-
-    The run key names each such key with its fencing token (``tenant@token``). A key is ``failed`` with a given
-    token at most once (every claim raises it), so a new failure always brings a new run key, while the same
-    situation seen again on the next tick repeats the key and Dagster launches nothing twice.
-    """
-    by_partition: dict[tuple[str, str], dict[str, int]] = {}
-    for record in failed:
-        spec = exports.get(record.export)
-        if spec is None or record.state is not ExportState.FAILED:
-            continue
-        if record.fencing_token - (bases or {}).get(record.logical_key, 0) >= max_attempts:
-            continue  # escalated: needs_attention names it, a person decides
-        if not _still_exported_by(spec, record):
-            log.warning(
-                f"{record.logical_key} is failed but its tenant or zone is no longer {spec.name}'s; not rerun "
-                "(it is escalated once it waits longer than allowed)"
-            )
-            continue
-        partition = record.business_date.isoformat()
-        try:
-            spec.calendar_for(record.tenant).window(partition)
-        except CalendarError as exc:
-            log.error(f"partition {partition!r} of {spec.name} not rerun: {exc}")
-            continue
-        asset_name = spec.group_of(record.tenant).asset_name  # the asset (zone) that exports this tenant
-        by_partition.setdefault((asset_name, partition), {})[record.tenant] = record.fencing_token
-    requests = []
-    for (asset_name, partition), tokens in sorted(by_partition.items()):
-        situation = ",".join(f"{tenant}@{token}" for tenant, token in sorted(tokens.items()))
-        digest = hashlib.sha256(situation.encode()).hexdigest()[:16]
-        requests.append(
-            dg.RunRequest(
-                partition_key=partition,
-                run_key=f"rerun/{asset_name}/{partition}/{digest}",
-                job_name=f"{asset_name}_job",
-                tags={"export-ledger/reconciled": "true"},
-            )
-        )
-    return requests
-
-
-def restatement_requests(
-    pending: Sequence[Restatement],
-    records: Mapping[str, ExportRecord],
-    exports: Mapping[str, ExportSpec],
-    *,
-    log,
-) -> list[dg.RunRequest]:
-    """One run request per partition (of one zone's asset) holding a ``completed`` key with an open restatement
-    request: the run's claim restates every such key of the partition.
-
-    A request nobody materializes would otherwise stay open for good. The run key names the partition's open requests
-    (``restate/<asset>/<partition>/<request id>``, with a digest of the others when there are several): a request is
-    launched once, and a new request brings a new key. A key whose restatement is under way, failed or unknown is
-    left to the rest of the sensor (the run in flight, the reruns of failed keys, reconciliation).
-    """
-    by_partition: dict[tuple[str, str], list[int]] = {}
-    for request in pending:
-        record = records.get(request.logical_key)
-        spec = exports.get(request.export)
-        if record is None or spec is None or record.state is not ExportState.COMPLETED:
-            continue
-        if not _still_exported_by(spec, record):
-            log.warning(
-                f"{record.logical_key} has an open restatement but its tenant or zone is no longer {spec.name}'s; not "
-                "launched (withdraw it: export-ledger restate --withdraw)"
-            )
-            continue
-        partition = record.business_date.isoformat()
-        by_partition.setdefault((spec.group_of(record.tenant).asset_name, partition), []).append(request.id)
-    requests = []
-    for (asset_name, partition), ids in sorted(by_partition.items()):
-        ids.sort()
-        suffix = str(ids[0])
-        if len(ids) > 1:
-            suffix += "-" + hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:12]
-        requests.append(
-            dg.RunRequest(
-                partition_key=partition,
-                run_key=f"restate/{asset_name}/{partition}/{suffix}",
-                job_name=f"{asset_name}_job",
-                tags={"export-ledger/restatement": "true"},
-            )
-        )
-    return requests
+    return events, _notes(report)
 
 
 def _materializations(
@@ -174,24 +141,29 @@ def _materializations(
     export = spec.name
     touched: dict[str, set[str]] = {}  # asset name -> partitions
     restated: dict[str, dict[str, dict[str, int]]] = {}  # asset name -> partition -> key -> revision published
+
+    def asset(zone: str) -> str | None:
+        group = spec.group_of_zone(zone)
+        return group.asset_name if group is not None else None
+
     for finding, record in report.resolved:
-        if record.tenant in spec.tenants:
-            touched.setdefault(spec.group_of(record.tenant).asset_name, set()).add(record.business_date.isoformat())
+        name = asset(record.timezone)
+        if name is not None:
+            touched.setdefault(name, set()).add(record.business_date.isoformat())
             if record.state is ExportState.COMPLETED and finding.evidence is not None and finding.evidence.revision > 1:
                 # A restatement whose run died after publishing: the partition was materialized before (its earlier
                 # revision), but this revision never was.
-                partitions = restated.setdefault(spec.group_of(record.tenant).asset_name, {})
+                partitions = restated.setdefault(name, {})
                 partitions.setdefault(record.business_date.isoformat(), {})[record.logical_key] = (
                     finding.evidence.revision
                 )
         if record.state is ExportState.COMPLETED and finding.record.lease_owner:
             # The attempt that left this key unknown may have completed other keys before its run failed: those
             # partitions were never recorded as materialized either.
-            for other in ledger.committed_by(finding.record.lease_owner):
-                if other.export == export and other.tenant in spec.tenants:
-                    touched.setdefault(spec.group_of(other.tenant).asset_name, set()).add(
-                        other.business_date.isoformat()
-                    )
+            for other in ledger.queries.committed_by(finding.record.lease_owner, limit=1000):
+                other_asset = asset(other.timezone)
+                if other.export == export and other_asset is not None:
+                    touched.setdefault(other_asset, set()).add(other.business_date.isoformat())
         elif record.state is ExportState.CONFLICT:
             log.error(f"{record.logical_key}: conflict at the destination, nothing overwritten: {finding.detail}")
     events = []
@@ -199,15 +171,10 @@ def _materializations(
         if group.asset_name in touched:
             events.extend(
                 _group_materializations(
-                    group,
-                    touched[group.asset_name],
-                    ledger,
-                    spec,
-                    materialized,
-                    log,
+                    group, touched[group.asset_name], ledger, spec, materialized, log,
                     restated.get(group.asset_name, {}),
                 )
-            )
+            )  # fmt: skip
     return events
 
 
@@ -220,37 +187,35 @@ def _group_materializations(
     log,
     restated: Mapping[str, Mapping[str, int]] | None = None,
 ) -> list[dg.AssetMaterialization]:
-    export, tenants = spec.name, group.tenants
+    export = spec.name
     restated = restated or {}
     calendar = ExportCalendar(group.timezone, spec.start_date)
     asset_key = dg.AssetKey(group.asset_name)
-    # A tenant that moved zones has keys of its earlier zone: count keys by tenant and date, whatever their zone.
-    zone = None if any(spec.tenant(t).moves for t in tenants) else group.timezone
     days: dict[str, dt.date] = {}
     for partition in sorted(touched):
         try:
             days[partition] = calendar.window(partition).business_date  # Dagster does not validate partition keys
         except CalendarError as exc:
             log.error(f"partition {partition!r} not recorded: {exc}")
-    # One grouped read for every touched day, over the group's tenants only: a tick costs what it touched.
-    summaries = ledger.day_summaries(export=export, timezone=zone, days=list(days.values()), tenants=tenants)
-    complete = []
-    for partition, day in days.items():
-        summary = summaries.get(day)
-        if summary is not None and summary.completed == len(tenants):
-            complete.append(partition)
-
+    # One grouped read for every touched day, over the group's zone and tenants: a tick costs what it touched.
+    summaries = ledger.queries.day_summaries(
+        export=export, timezone=group.timezone, days=list(days.values()), tenants=group.tenants
+    )
+    complete = [
+        partition
+        for partition, day in days.items()
+        if (summary := summaries.get(day)) is not None and summary.completed == len(group.tenants_on(day)) > 0
+    ]
     events = []
     seen = materialized(asset_key, complete)
     # Their run failed on some key: Dagster never recorded them (or never this revision of a restated key).
     unrecorded = [p for p in complete if p not in seen or p in restated]
     reasons = published_revisions(ledger, sorted({key for p in unrecorded for key in restated.get(p, {})}))
     if unrecorded:
-        # Counts come from the grouped read above; only the listed keys are read (a day of 1,000 tenants is 1,000
-        # rows, and a tick touching 100 such days would otherwise read 100,000 records to show 20 keys of each).
-        listed = ledger.first_records(
-            export=export, timezone=zone, days=[days[p] for p in unrecorded], tenants=tenants, per_day=LISTED_KEYS
-        )
+        listed = ledger.queries.first_records(
+            export=export, timezone=group.timezone, days=[days[p] for p in unrecorded], tenants=group.tenants,
+            per_day=LISTED_KEYS,
+        )  # fmt: skip
         for partition in unrecorded:
             summary, shown = summaries[days[partition]], listed.get(days[partition], [])
             events.append(
@@ -265,7 +230,7 @@ def _group_materializations(
                         "paths": dg.MetadataValue.json({r.logical_key: r.location for r in shown}),
                         "committed_attempts": dg.MetadataValue.json(sorted({r.committed_attempt for r in shown})),
                         "every_key": dg.MetadataValue.text(status_command(export, [partition])),
-                        **_revision_metadata(restated.get(partition, {}), reasons),
+                        **_revision_metadata(ledger, restated.get(partition, {}), reasons),
                     },
                     description="recorded by reconciliation from the destination's evidence",
                 )
@@ -273,18 +238,21 @@ def _group_materializations(
     return events
 
 
-def _revision_metadata(revisions: Mapping[str, int], reasons: Mapping[str, Restatement]) -> dict:
+def _revision_metadata(
+    ledger: ExportLedger, revisions: Mapping[str, int], reasons: Mapping[str, Restatement]
+) -> dict:
     """``restated_keys`` and ``revisions`` of a partition's event, as a run's materialization names them."""
     if not revisions:
         return {}
     shown = sorted(revisions.items())[:LISTED_KEYS]
+    current = {key: ledger.restatements.current_revision(key) for key, _ in shown}
     return {
         "restated_keys": len(revisions),
         "revisions": dg.MetadataValue.json(
             {
                 key: {
                     "revision": revision,
-                    "supersedes": revision - 1,
+                    "supersedes": current[key].supersedes_revision if current[key] is not None else None,
                     "reason": reasons[key].reason if key in reasons else None,
                     "requested_by": reasons[key].requested_by if key in reasons else None,
                 }
@@ -298,19 +266,14 @@ def _notes(report: ReconcileReport) -> list[str]:
     notes = []
     if report.unreachable:
         notes.append(
-            f"destination unreachable for {len(report.unreachable)} stuck key(s), left unchanged: "
+            f"destination unreachable for {len(report.unreachable)} stuck key(s), left remote_unknown: "
             f"{report.unreachable[0].detail}"
         )
     conflicts = report.resolved_to(ExportState.CONFLICT)
     if conflicts:
         notes.append(f"{len(conflicts)} key(s) found in conflict at the destination; an operator must resolve them")
     if report.changed_meanwhile:
-        notes.append(f"{len(report.changed_meanwhile)} key(s) changed by an attempt meanwhile, left to it")
-    if report.unknown_exports:
-        notes.append(
-            f"{len(report.unknown_exports)} stuck key(s) belong to exports this code location does not declare "
-            f"({', '.join(sorted(report.unknown_exports))}); left unchanged"
-        )
+        notes.append(f"{len(report.changed_meanwhile)} key(s) changed by another party meanwhile, left to it")
     return notes
 
 
@@ -329,6 +292,17 @@ def _materialized(instance: dg.DagsterInstance, asset_key: dg.AssetKey, partitio
     return found
 
 
+def _finished_reruns(instance: dg.DagsterInstance, limit: int) -> Callable[[str], int]:
+    """How many runs launched for a rerun situation have ended without success (at most ``limit`` are read)."""
+    ended = [dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED]
+
+    def count(situation: str) -> int:
+        runs = instance.get_run_records(filters=dg.RunsFilter(tags={SITUATION_TAG: situation}, statuses=ended), limit=limit)
+        return len(runs)
+
+    return count
+
+
 def build_reconciliation_sensor(
     exports: Sequence[ExportSpec],
     jobs: Sequence[dg.UnresolvedAssetJobDefinition],
@@ -338,19 +312,20 @@ def build_reconciliation_sensor(
     max_attempts: int = DEFAULT_MAX_ATTEMPTS,
     minimum_interval_seconds: int = 60,
 ) -> dg.SensorDefinition:
-    """One sensor for every export of the code location. Each tick:
+    """One sensor for every export of the code location. Each tick, on this code location's exports only:
 
-    1. reconciles at most ``batch_size`` stuck keys from their destination's evidence;
-    2. reruns the partitions of at most ``batch_size`` ``failed`` keys (while a key has had fewer than
-       ``max_attempts`` claims), each step continuing where the previous tick stopped;
-    3. launches the partitions of at most ``batch_size`` completed keys with an open restatement request
-       (:func:`restatement_requests`), so that a recorded request is always published;
-    4. escalates every key that needs a person (:meth:`ExportLedger.needs_attention`): an error in the log each tick,
-       and ``no_stuck_exports`` failing for its export while it lasts.
+    1. reconciles at most ``batch_size`` stuck keys from their destination's evidence (hold, fence, judge, record);
+    2. reruns at most ``batch_size`` partitions holding ``failed`` keys with automatic reruns left (one run per
+       partition, whatever its number of failed keys), continuing where the previous tick stopped;
+    3. launches at most ``batch_size`` partitions holding completed keys with an open restatement request, so that a
+       recorded request is always published;
+    4. escalates everything that needs a person (:meth:`~export_ledger.ledger.attention.Attention.summary`, counted in
+       the ledger): an error in the log each tick, and ``no_stuck_exports`` failing for its asset while it lasts.
     """
     if batch_size <= 0:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     by_name = {spec.name: spec for spec in exports}
+    names = sorted(by_name)
     destination_keys = {spec.name: resource_keys(spec)[0] for spec in exports}
 
     @dg.sensor(
@@ -359,7 +334,8 @@ def build_reconciliation_sensor(
         minimum_interval_seconds=minimum_interval_seconds,
         default_status=dg.DefaultSensorStatus.RUNNING,
         required_resource_keys={LEDGER_KEY, *destination_keys.values()},
-        description="Resolves remote_unknown and abandoned in_progress exports from the destination's evidence.",
+        description="Resolves remote_unknown and abandoned in_progress exports from the destination's evidence, "
+        "reruns failed partitions, publishes requested restatements, and escalates what needs a person.",
     )
     def reconciliation_sensor(context: dg.SensorEvaluationContext, **_resources) -> dg.SensorResult:
         # Resources come from context.resources; a direct call (tests) also passes them by key, unused here.
@@ -375,59 +351,48 @@ def build_reconciliation_sensor(
             after=state.get("after"),
             reconciler=f"reconciliation_sensor@{utc_iso(book.now())}",
         )
-        failed = book.failed(limit=batch_size, after=state.get("failed_after"), max_attempts=max_attempts)
-        # Open restatement requests, a page per tick (in key order, continuing where the last tick stopped).
-        pending = [
-            r for r in book.restatements() if r.export in by_name and r.logical_key > (state.get("restate_after") or "")
-        ]
-        pending = pending[:batch_size]
-        restate_after = pending[-1].logical_key if len(pending) == batch_size else None
-        requests, events, notes = sensor_result(
+        attention = book.attention
+        failed = attention.failed_partitions(
+            max_attempts=max_attempts, limit=batch_size, after=state.get("failed_after"), exports=names
+        )
+        pending = attention.restating_partitions(limit=batch_size, after=state.get("restate_after"), exports=names)
+        events, notes = sensor_result(
             report,
             ledger=book,
             exports=by_name,
             materialized=lambda key, partitions: _materialized(context.instance, key, partitions),
             log=context.log,
-            failed=failed,
-            max_attempts=max_attempts,
         )
-        requests += restatement_requests(pending, records_of(book, pending), by_name, log=context.log)
+        finished = _finished_reruns(context.instance, max_attempts)
+        requests = rerun_requests(failed, by_name, log=context.log, finished=finished, max_attempts=max_attempts)
+        requests += restatement_requests(pending, by_name, log=context.log)
 
-        attention = [(r, why) for r, why in book.needs_attention(stuck_after, max_attempts=max_attempts)]
-        stuck = [r for r, _ in attention if r.export in by_name]
-        stuck_keys = sorted(r.logical_key for r in stuck)
-        digest = hashlib.sha256("\n".join(stuck_keys).encode()).hexdigest()[:16]
+        summary = attention.summary(stuck_after, max_attempts=max_attempts, exports=names)
         checks = []
-        if attention:
-            shown = "; ".join(f"{r.logical_key}: {why}" for r, why in attention[:10])
-            context.log.error(f"{len(attention)} export key(s) need attention (export-ledger status "
+        if summary.total:
+            first = attention.needs_attention(stuck_after, max_attempts=max_attempts, exports=names, limit=10)
+            shown = "; ".join(f"{e.name}: {e.why}" for e in first)
+            context.log.error(f"{summary.total} export key(s) need attention (export-ledger status "
                               f"--needs-attention): {shown}")  # fmt: skip
-        if digest != state.get("stuck_digest", _NOTHING_STUCK):
-            # Only when the set changes: one verdict per export.
-            for name, spec in by_name.items():
-                mine = [r for r in stuck if r.export == name]
-                for group in spec.groups:
-                    # A tenant no longer declared is reported on the export's first asset: it is never dropped.
-                    ours = [r for r in mine if _asset_of(spec, r.tenant) == group.asset_name]
-                    checks.append(stuck_check_evaluation(dg.AssetKey(group.asset_name), ours, stuck_after))
+        if summary.digest != state.get("stuck_digest"):
+            # Only when the escalated set changes: one verdict per asset (asset events are not deduplicated).
+            for spec in by_name.values():
+                for asset_name, (count, listed) in asset_groups(spec, summary).items():
+                    checks.append(stuck_check_evaluation(dg.AssetKey(asset_name), count, listed, stuck_after))
 
-        failed_after = failed[-1].logical_key if len(failed) == batch_size else None
         cursor = json.dumps(
             {
                 "after": report.next_after,
-                "failed_after": failed_after,
-                "restate_after": restate_after,
-                "stuck_digest": digest,
+                "failed_after": failed[-1].cursor if len(failed) == batch_size else None,
+                "restate_after": pending[-1].cursor if len(pending) == batch_size else None,
+                "stuck_digest": summary.digest,
             }
         )
         if not requests and not events and not checks:
             looked = len(report.findings)
-            reason = (
-                "; ".join(notes)
-                if notes
-                else (
-                    f"no stuck export keys ({looked} examined, {len(failed)} failed, {len(pending)} open restatements)"
-                )
+            reason = "; ".join(notes) or (
+                f"no stuck export keys ({looked} examined, {len(failed)} partition(s) with failed keys, "
+                f"{len(pending)} with open restatements, {summary.total} escalated)"
             )
             return dg.SensorResult(skip_reason=reason, cursor=cursor)
         for note in notes:
@@ -435,10 +400,6 @@ def build_reconciliation_sensor(
         return dg.SensorResult(run_requests=requests, asset_events=[*events, *checks], cursor=cursor)
 
     return reconciliation_sensor
-
-
-def _asset_of(spec: ExportSpec, tenant: str) -> str:
-    return spec.group_of(tenant).asset_name if tenant in spec.tenants else spec.groups[0].asset_name
 
 
 def job_selection(asset_name: str, *, drift_check: bool = False) -> dg.AssetSelection:

@@ -1,28 +1,28 @@
-"""Where exports go: two kinds of destination, each with a few small hooks. Plain Python, no Dagster.
+"""Where exports go: what every destination answers, and the verdict on what it holds. Plain Python, no Dagster.
 
-A *publishing* destination (a local folder, an object store) follows this protocol, driven by
-:func:`export_ledger.protocol.export_key`:
+Two kinds of destination:
 
-1. ``probe``: is an export for this key already published? (repair after a crash, never a second copy)
-2. ``stage``: write the data file (hashed while written) and the manifest somewhere invisible to readers;
-3. ``publish``: make both visible in one atomic step, refusing to replace anything already there;
-4. the protocol then records completion in the ledger.
+* A *publishing* destination (a local folder, an object store) is one template,
+  :class:`~export_ledger.destinations.publishing.PublishingDestination`, over five small hooks of an
+  :class:`~export_ledger.destinations.store.ObjectStore` (get, put-if-absent, put-if-match, list, delete). Per key it
+  holds one pointer (``date=D/_current.json``) and places (``date=D/r<revision>-t<token>/``); readers see only what the
+  pointer names, and the pointer is fenced (docs/protocol.md).
+* A *transactional* destination lives in the ledger's own database: ``write_in_transaction`` writes the rows with the
+  ledger's connection, inside the transaction that records completion, so effect and record commit together.
 
-A *transactional* destination lives in the ledger's own database: ``write_in_transaction`` writes the rows with the
-ledger's connection, inside the transaction that records completion, so effect and record commit together.
+Both answer :meth:`Destination.verify`: the one function that says what is published for a key and whether it is the
+export the caller expects. The protocol, reconciliation, an operator's resolution, the asset check and ``load_input``
+all ask it.
 """
 
 from __future__ import annotations
 
-import datetime as dt
-import json
+import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-import pyarrow as pa
-
 from export_ledger.errors import ExportLedgerError
-from export_ledger.frames import Manifest, TableStream
+from export_ledger.frames import Manifest
 
 
 class DestinationError(ExportLedgerError, RuntimeError):
@@ -30,7 +30,14 @@ class DestinationError(ExportLedgerError, RuntimeError):
 
 
 class PublishOutcomeUnknown(DestinationError):
-    """The publish step may or may not have taken effect; only the destination's evidence can tell."""
+    """A write may or may not have taken effect; only the destination's evidence can tell.
+
+    ``sha256`` and ``location`` say what the write meant to make visible (reconciliation compares them)."""
+
+    def __init__(self, message: str, *, sha256: str | None = None, location: str | None = None) -> None:
+        super().__init__(message)
+        self.sha256 = sha256
+        self.location = location
 
 
 class DestinationUnreachable(DestinationError):
@@ -41,170 +48,211 @@ class DestinationConflict(DestinationError):
     """The destination holds something else where this export belongs; it is never overwritten."""
 
 
-class PublishedElsewhere(DestinationError):
-    """Another attempt's export already sits at the target; it is never replaced."""
+class PointerMoved(DestinationConflict):
+    """The key's pointer is at neither the revision this party supersedes nor the one it publishes."""
 
-    def __init__(self, message: str, manifest: Manifest) -> None:
+
+class Fenced(DestinationError):
+    """The key's pointer carries a fence above this party's token: a newer party holds the key, and this one can no
+    longer change what readers see.
+
+    ``fence`` is the pointer's fence."""
+
+    def __init__(self, message: str, *, fence: int) -> None:
         super().__init__(message)
-        self.manifest = manifest
+        self.fence = fence
 
 
 @dataclass(frozen=True)
 class ExportTarget:
-    """Where one revision of one logical export lives: ``<export>/tenant=<tenant>/date=<YYYY-MM-DD>`` for revision 1
-    (what every first export writes), ``.../date=<YYYY-MM-DD>/revision=<N>`` for a restatement's revision N."""
+    """One key of one export at a destination, and (for a revision already committed) the place it is at.
+
+    Attributes:
+        export, tenant, business_date: The key's folder, ``<export>/tenant=<tenant>/date=<YYYY-MM-DD>``.
+        revision: The revision concerned (1 for a first export).
+        place: The folder of that revision inside the key's: ``r<revision>-t<token>`` for exports of release 0.5 and
+            later, ``.`` (the key's folder itself) for a revision 1 of 0.4.0 or earlier, ``revision=<N>`` for their
+            restatements. None: not known yet (the pointer says).
+    """
 
     export: str
     tenant: str
     business_date: str
     revision: int = 1
+    place: str | None = None
 
     @property
     def parts(self) -> tuple[str, str, str]:
-        """The key's folder (revision 1's place, and where the key's current pointer lives)."""
+        """The key's folder: where its pointer lives, and its places."""
         return (self.export, f"tenant={self.tenant}", f"date={self.business_date}")
 
-    @property
-    def revision_part(self) -> str | None:
-        """The revision's folder inside the key's, or None for revision 1."""
-        return None if self.revision == 1 else f"revision={self.revision}"
+    def at_revision(self, revision: int, place: str | None = None) -> ExportTarget:
+        return ExportTarget(self.export, self.tenant, self.business_date, revision, place)
 
-    def at_revision(self, revision: int) -> ExportTarget:
-        return ExportTarget(self.export, self.tenant, self.business_date, revision)
+    def at_place(self, place: str | None) -> ExportTarget:
+        return ExportTarget(self.export, self.tenant, self.business_date, self.revision, place)
 
 
-#: The name of a key's current pointer, in the key's folder: ``{"revision": N, "sha256": ..., "logical_key": ...}``.
-#: Absent, the current revision is 1 (the key's folder itself): exports never restated need no pointer.
-CURRENT_NAME = "_current.json"
+def place_name(revision: int, token: int) -> str:
+    """The place one party (``token``) publishes ``revision`` at: written by that party only."""
+    return f"r{revision}-t{token}"
 
 
-class PointerMoved(DestinationConflict):
-    """The key's current pointer is not at the revision this restatement supersedes: never moved over it."""
+def parse_place(place: str) -> tuple[int, int] | None:
+    """``(revision, token)`` of a place named by :func:`place_name`; None for any other name."""
+    if not place.startswith("r") or "-t" not in place:
+        return None
+    revision, _, token = place[1:].partition("-t")
+    if not (revision.isdigit() and token.isdigit()):
+        return None
+    return int(revision), int(token)
 
 
-def pointer_payload(target: ExportTarget, manifest: Manifest) -> bytes:
-    """The current pointer's content: the revision, its folder (relative to the key's) and sha256, the data file's
-    name and the key (for a reader's check). Every publishing destination writes these bytes.
-
-    Example:
-        ``{"data_file": "data.csv", "logical_key": "...", "path": "revision=2", "revision": 2, "sha256": "..."}``
-    """
-    values = {
-        "logical_key": manifest.logical_key,
-        "revision": target.revision,
-        "path": target.revision_part or ".",
-        "sha256": manifest.sha256,
-        "data_file": manifest.data_file,
-    }
-    return (json.dumps(values, indent=2, sort_keys=True) + "\n").encode("utf-8")
+def place_of_location(location: str) -> str:
+    """The place a recorded location names: its last path segment; a key folder (``date=...``) is the place ``.``
+    (a revision 1 written by 0.4.0 or earlier)."""
+    last = location.rstrip("/").rsplit("/", 1)[-1]
+    return "." if last.startswith("date=") else last
 
 
-def pointer_revision(payload: bytes, where: str) -> int:
-    """The revision a current pointer's bytes name; ``where`` names the pointer in the error.
+class Verdict(str, enum.Enum):
+    """What a destination holds for a key, against what a party expects."""
 
-    Raises:
-        DestinationError: the bytes are not a pointer, or name no valid revision.
-    """
-    try:
-        revision = json.loads(payload)["revision"]
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
-        raise DestinationError(f"current pointer {where} is not a JSON object with a revision") from None
-    if not isinstance(revision, int) or isinstance(revision, bool) or revision < 1:
-        raise DestinationError(f"current pointer {where} names revision {revision!r}")
-    return revision
+    PUBLISHED = "published"  # the revision expected is current, intact, and this key's
+    ABSENT = "absent"  # nothing of the revision expected is visible: the pointer names the superseded one
+    CONFLICT = "conflict"  # anything else: never overwritten, a person looks
 
 
 @dataclass(frozen=True)
-class StagedExport:
-    """An export written but not yet visible."""
+class Verification:
+    """:meth:`Destination.verify`'s answer.
 
-    target: ExportTarget
-    manifest: Manifest
-    handle: str
+    Attributes:
+        verdict: See :class:`Verdict`.
+        detail: Why, in words (names paths and revisions, never data).
+        manifest: The published revision's manifest (``PUBLISHED``).
+        location: Where the published revision is (``PUBLISHED``), as the ledger records it.
+        fence: The pointer's fence (publishing destinations; 0 otherwise).
+    """
+
+    verdict: Verdict
+    detail: str
+    manifest: Manifest | None = None
+    location: str | None = None
+    fence: int = 0
+
+
+def judge(
+    *,
+    logical_key: str,
+    revision: int,
+    superseded: int,
+    pointer_revision: int,
+    manifest: Manifest | None,
+    data_sha256: str | None,
+    pointer_sha256: str | None,
+    where: str,
+    expected_sha256: str | None = None,
+) -> Verification:
+    """The verdict on one key from what its pointer and the place it names hold. Pure: no I/O.
+
+    Args:
+        logical_key: The key expected.
+        revision: The revision the caller publishes (or published).
+        superseded: The revision it supersedes (0: a first export).
+        pointer_revision: The revision the key's pointer names (0: nothing).
+        manifest: The manifest of the place the pointer names (None: missing or not read).
+        data_sha256: The sha256 of that place's data file (None: missing).
+        pointer_sha256: The sha256 the pointer names.
+        where: The place, for messages.
+        expected_sha256: What the caller meant to commit, when it knows (an unknown outcome's).
+    """
+    if pointer_revision == superseded:
+        return Verification(Verdict.ABSENT, f"nothing of revision {revision} is published at {where}")
+    if pointer_revision != revision:
+        return Verification(
+            Verdict.CONFLICT,
+            f"{where}: the key's pointer names revision {pointer_revision}, neither revision {revision} nor the "
+            f"revision {superseded} it supersedes",
+        )
+    if manifest is None:
+        return Verification(Verdict.CONFLICT, f"{where}: the pointer names a place without a readable manifest")
+    if manifest.logical_key != logical_key:
+        return Verification(Verdict.CONFLICT, f"{where} holds the export of {manifest.logical_key}, not {logical_key}")
+    if manifest.revision != revision:
+        return Verification(Verdict.CONFLICT, f"{where} holds revision {manifest.revision}, not revision {revision}")
+    if data_sha256 is None:
+        return Verification(Verdict.CONFLICT, f"{where}: its manifest names data file {manifest.data_file}, which is "
+                                              "missing")  # fmt: skip
+    if data_sha256 != manifest.sha256 or (pointer_sha256 is not None and pointer_sha256 != manifest.sha256):
+        return Verification(
+            Verdict.CONFLICT, f"{where}: data sha256 {data_sha256} does not match its manifest ({manifest.sha256})"
+        )
+    if expected_sha256 is not None and manifest.sha256 != expected_sha256:
+        return Verification(
+            Verdict.CONFLICT,
+            f"{where} holds data with sha256 {manifest.sha256}, but the attempt meant to commit {expected_sha256}",
+        )
+    return Verification(Verdict.PUBLISHED, f"published by attempt {manifest.attempt_id} at {where}", manifest, where)
 
 
 class Destination(ABC):
-    """What every destination answers: where a key's export is, whether it is there, and its bytes."""
+    """What every destination answers: where a key's export is, what is published for it, and its bytes."""
 
     #: The Dagster concurrency pool kind exports to this destination run in (each destination kind has its own).
     pool: str = "exports"
 
     @abstractmethod
     def location(self, target: ExportTarget) -> str:
-        """Where the committed export for ``target`` is, as recorded in the ledger."""
+        """Where the export of ``target`` (at its place) is, as recorded in the ledger."""
 
     @abstractmethod
-    def probe(self, target: ExportTarget) -> Manifest | None:
-        """The manifest published at ``target``, or None when nothing is published there."""
+    def verify(
+        self,
+        target: ExportTarget,
+        *,
+        logical_key: str,
+        superseded: int,
+        expected_sha256: str | None = None,
+    ) -> Verification:
+        """What is published for ``target``'s key, judged against revision ``target.revision`` superseding
+        ``superseded`` (see :func:`judge`); the data is hashed as it is read, never held whole.
+
+        Raises:
+            DestinationUnreachable: the destination cannot say.
+        """
+
+    @abstractmethod
+    def verify_recorded(self, target: ExportTarget, *, logical_key: str, sha256: str) -> Verification:
+        """Whether the revision the ledger recorded (``target`` at its place) is intact: its manifest names the key
+        and revision, and its data's sha256 is ``sha256``. ``PUBLISHED`` when it is, else ``CONFLICT``.
+
+        Raises:
+            DestinationUnreachable: the destination cannot say.
+        """
 
     @abstractmethod
     def read_data(self, target: ExportTarget, manifest: Manifest) -> bytes:
-        """The committed data file's bytes."""
+        """The data file of ``target`` (at its place), whole: for callers that need the rows (``load_input``,
+        drift). Verification never uses it."""
+
+    @abstractmethod
+    def current_revision(self, target: ExportTarget) -> int:
+        """The revision the key's pointer names (0: nothing published)."""
 
     def describe(self) -> str:
         """A description safe for logs: no credentials."""
         return type(self).__name__
 
-    @abstractmethod
-    def discard_target(self, target: ExportTarget) -> list[str]:
-        """Removes whatever is at the key's place (an operator decided it is not to be kept); returns what."""
-
-    def current(self, target: ExportTarget) -> int:
-        """The key's current revision as the destination's pointer says (1 when there is no pointer)."""
-        return 1
-
-    def move_current(self, target: ExportTarget, manifest: Manifest, *, supersedes: int) -> None:
-        """Moves the key's current pointer from revision ``supersedes`` to ``target.revision`` (whose published
-        manifest is ``manifest``), atomically: readers see the old revision or the new one, never neither.
-
-        Idempotent: a pointer already at ``target.revision`` is left as it is (an earlier attempt moved it and died).
-
-        Raises:
-            PointerMoved: the pointer is at neither revision (someone else moved it); nothing is changed.
-            PublishOutcomeUnknown: the move may or may not have taken effect.
-            DestinationError: the pointer was not moved.
-        """
-        raise DestinationError(f"{self.describe()} does not support restatements (no current pointer)")
-
-
-class PublishingDestination(Destination):
-    """A destination outside the ledger's database: stage invisibly, publish atomically, never replace."""
-
-    @abstractmethod
-    def stage(
-        self, target: ExportTarget, table: pa.Table | TableStream, file_format: str, manifest: Manifest
-    ) -> StagedExport:
-        """Writes data and manifest where readers cannot see them; ``manifest`` gets the sha256 and row count.
-
-        ``table`` is a whole table, or a stream of validated tables to write batch by batch with
-        :func:`~export_ledger.frames.write_rows`; a stream that fails validation raises from the write, and the
-        partly staged export must then be removed before the error goes on.
-        """
-
-    @abstractmethod
-    def publish(self, staged: StagedExport) -> Manifest:
-        """Makes a staged export visible atomically.
-
-        Raises:
-            PublishedElsewhere: the target already holds an export (never replaced).
-            PublishOutcomeUnknown: the export may or may not be visible.
-            DestinationError: nothing was published.
-        """
-
-    @abstractmethod
-    def discard(self, staged: StagedExport) -> None:
-        """Removes a staged export that will not be published."""
-
-    def discard_abandoned(
-        self, target: ExportTarget, below_token: int, *, min_age: dt.timedelta = dt.timedelta(0)
-    ) -> int:
-        """Removes what attempts with a lower fencing token staged and never published; returns how many."""
-        return 0
-
 
 class TransactionalDestination(Destination):
-    """A destination inside the ledger's own database: rows and completion record commit in one transaction."""
+    """A destination inside the ledger's own database: rows and completion record commit in one transaction, so
+    there is no unknown outcome and nothing to fence outside the ledger."""
 
     @abstractmethod
-    def write_in_transaction(self, connection, target: ExportTarget, table: pa.Table, manifest: Manifest) -> Manifest:
+    def write_in_transaction(self, connection, target: ExportTarget, table, manifest: Manifest) -> Manifest:
         """Writes the export with the ledger's connection, inside the completion transaction."""
+
+    @abstractmethod
+    def discard_target(self, target: ExportTarget) -> list[str]:
+        """Removes what is at the key's place (an operator decided); returns what."""

@@ -1,32 +1,33 @@
-"""The local filesystem destination: one folder per export, published with one atomic ``rename``."""
+"""A local folder as an object store: the five hooks over files, with the durability a crash needs.
+
+Every object is created by writing a temporary file beside it, fsyncing it, and ``link``-ing it to its name (which
+fails if the name exists, so nothing is ever replaced), then fsyncing the folder. The pointer's compare-and-swap is
+done under an advisory lock of the key (``flock`` on a file in ``<root>/.export-ledger/locks/``, never inside a
+published folder): read, compare the content's digest with the version given, write a temporary file, fsync,
+``rename`` over the pointer (readers see the old one or the new one), fsync the folder. Readers take no lock.
+"""
 
 from __future__ import annotations
 
-import datetime as dt
+import contextlib
 import fcntl
+import hashlib
 import os
-import shutil
 import stat
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
-import pyarrow as pa
+from export_ledger.destinations.base import DestinationError, DestinationUnreachable, PublishOutcomeUnknown
+from export_ledger.destinations.publishing import PublishingDestination
+from export_ledger.destinations.registry import Scheme
+from export_ledger.destinations.store import AlreadyExists, Blob, ObjectStore, PreconditionFailed, Upload
 
-from export_ledger.destinations.base import (
-    CURRENT_NAME,
-    DestinationError,
-    ExportTarget,
-    PointerMoved,
-    PublishedElsewhere,
-    PublishingDestination,
-    PublishOutcomeUnknown,
-    StagedExport,
-    pointer_payload,
-    pointer_revision,
-)
-from export_ledger.frames import MANIFEST_NAME, Manifest, TableStream, write_rows
+_PUBLISHED_MODE = stat.S_IRUSR | stat.S_IWUSR | stat.S_IRGRP | stat.S_IROTH  # 0644: mkstemp's 0600 is too tight
+_CHUNK = 1 << 20
+#: Where the store keeps what is not an export: its locks. Readers ignore dot folders.
+_INTERNAL = ".export-ledger"
 
 
 def _fsync_path(path: Path) -> None:
@@ -37,205 +38,224 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-_PUBLISHED_MODE = stat.S_IRUSR | stat.S_IWUSR | stat.S_IRGRP | stat.S_IROTH  # 0644: mkstemp's 0600 is too tight
+def _temporary(final: Path) -> Path:
+    return final.parent / f".tmp-{final.name}-{os.getpid()}-{time.monotonic_ns()}"
+
+
+@dataclass(frozen=True)
+class LocalStore(ObjectStore):
+    """A folder whose files are the objects (names are paths under ``root``)."""
+
+    root: Path
+
+    def _path(self, name: str) -> Path:
+        return self.root / name
+
+    def url(self, name: str) -> str:
+        return str(self._path(name)) if name else str(self.root)
+
+    def describe(self) -> str:
+        return f"local:{self.root}"
+
+    def get(self, name: str) -> Blob | None:
+        data = self.read(name)
+        return None if data is None else Blob(data, hashlib.sha256(data).hexdigest())
+
+    def read(self, name: str) -> bytes | None:
+        path = self._path(name)
+        try:
+            return path.read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            raise DestinationUnreachable(f"cannot read {path}: {exc.strerror}") from None
+
+    def digest(self, name: str) -> str | None:
+        path = self._path(name)
+        digest = hashlib.sha256()
+        try:
+            with open(path, "rb") as handle:
+                while chunk := handle.read(_CHUNK):
+                    digest.update(chunk)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            raise DestinationUnreachable(f"cannot read {path}: {exc.strerror}") from None
+        return digest.hexdigest()
+
+    def _folder(self, path: Path) -> None:
+        """Creates ``path``'s missing folders, each made durable in its parent."""
+        missing = []
+        folder = path.parent
+        while not folder.exists():
+            missing.append(folder)
+            folder = folder.parent
+        for folder in reversed(missing):
+            try:
+                folder.mkdir(mode=0o755)
+            except FileExistsError:
+                continue
+            except OSError as exc:
+                raise DestinationError(
+                    f"cannot write to export destination {self.root}: {exc.strerror} ({folder})"
+                ) from None
+            _fsync_path(folder.parent)
+
+    def _create(self, temporary: Path, final: Path) -> None:
+        """Links the fsynced ``temporary`` to ``final`` (never over an existing file), then makes it durable."""
+        try:
+            os.chmod(temporary, _PUBLISHED_MODE)
+            os.link(temporary, final)
+        except FileExistsError:
+            raise AlreadyExists(f"{final} exists") from None
+        except OSError as exc:
+            raise DestinationError(f"cannot create {final}: {exc.strerror}") from None
+        finally:
+            temporary.unlink(missing_ok=True)
+        try:
+            _fsync_path(final.parent)
+        except OSError as exc:
+            raise PublishOutcomeUnknown(f"created {final} but could not fsync its folder: {exc.strerror}") from None
+
+    def put_if_absent(self, name: str, data: bytes) -> None:
+        final = self._path(name)
+        self._folder(final)
+        temporary = _temporary(final)
+        try:
+            with open(temporary, "xb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+        except OSError as exc:
+            temporary.unlink(missing_ok=True)
+            raise DestinationError(f"cannot write {final}: {exc.strerror}") from None
+        try:
+            self._create(temporary, final)
+        except AlreadyExists:
+            if self.read(name) != data:
+                raise
+            # The same bytes: an earlier write of this very object (it is created by one party only).
+
+    def upload(self, name: str) -> Upload:
+        final = self._path(name)
+        self._folder(final)
+        return _LocalUpload(self, final)
+
+    @contextlib.contextmanager
+    def _locked(self, name: str):
+        locks = self.root / _INTERNAL / "locks"
+        try:
+            locks.mkdir(parents=True, exist_ok=True)
+            lock = os.open(locks / f"{hashlib.sha256(name.encode()).hexdigest()[:32]}.lock", os.O_RDWR | os.O_CREAT,
+                           0o644)  # fmt: skip
+        except OSError as exc:
+            raise DestinationError(f"cannot lock {self._path(name)}: {exc.strerror}") from None
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # writers of one object wait for each other; readers never take it
+            yield
+        finally:
+            os.close(lock)
+
+    def put_if_match(self, name: str, data: bytes, tag: str | None) -> str:
+        final = self._path(name)
+        self._folder(final)
+        with self._locked(name):
+            found = self.get(name)
+            if (found.tag if found is not None else None) != tag:
+                raise PreconditionFailed(f"{final} is not at the version read")
+            temporary = _temporary(final)
+            try:
+                with open(temporary, "xb") as handle:
+                    handle.write(data)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                os.chmod(temporary, _PUBLISHED_MODE)
+                os.rename(temporary, final)  # atomic: readers see the old object or the new one
+            except OSError as exc:
+                temporary.unlink(missing_ok=True)
+                raise DestinationError(f"cannot write {final}: {exc.strerror}") from None
+            try:
+                _fsync_path(final.parent)
+            except OSError as exc:
+                # The rename happened; whether it survives a power cut is what nobody can say.
+                raise PublishOutcomeUnknown(f"wrote {final} but could not fsync its folder: {exc.strerror}") from None
+        return hashlib.sha256(data).hexdigest()
+
+    def list(self, prefix: str) -> list[str]:
+        folder = self._path(prefix)
+        names = []
+        try:
+            for dirpath, dirnames, filenames in os.walk(folder):
+                dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+                base = Path(dirpath).relative_to(self.root).as_posix()
+                names.extend(f"{base}/{f}" for f in filenames if not f.startswith(".tmp-"))
+        except OSError as exc:
+            raise DestinationUnreachable(f"cannot list {folder}: {exc.strerror}") from None
+        return sorted(names)
+
+    def delete(self, name: str) -> None:
+        path = self._path(name)
+        try:
+            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a place's folder goes with its last object
+                path.parent.rmdir()
+            _fsync_path(path.parent if path.parent.exists() else path.parent.parent)
+        except OSError as exc:
+            raise DestinationError(f"cannot delete {path}: {exc.strerror}") from None
+
+
+class _LocalUpload(Upload):
+    def __init__(self, store: LocalStore, final: Path) -> None:
+        self.store, self.final = store, final
+        self.temporary = _temporary(final)
+        try:
+            self.handle: BinaryIO = open(self.temporary, "xb")
+        except OSError as exc:
+            raise DestinationError(
+                f"cannot write to export destination {store.root}: {exc.strerror} ({final.parent})"
+            ) from None
+
+    def commit(self) -> None:
+        try:
+            self.handle.flush()
+            os.fsync(self.handle.fileno())
+            self.handle.close()
+        except OSError as exc:
+            self.abort()
+            raise DestinationError(f"cannot write {self.final}: {exc.strerror}") from None
+        self.store._create(self.temporary, self.final)
+
+    def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            self.handle.close()
+        self.temporary.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
 class LocalDestination(PublishingDestination):
-    """Exports as directories under ``root``, published with one atomic ``rename`` of a fsynced staging directory.
+    """Exports under a folder ``root``: the publishing template (docs/protocol.md) over :class:`LocalStore`.
 
-    Staging directories are named ``.staging-...`` beside their target (same filesystem, so the rename is atomic)
-    and are ignored by readers.
-
-    A restatement's revision N is published the same way at ``date=<D>/revision=<N>``, beside the revisions before
-    it, and the key's current pointer ``date=<D>/_current.json`` then moves to it with one atomic ``rename`` of a
-    fsynced file (under an advisory lock, with a check of where it points first, so a lost update is refused).
-    """
+    Runs on several hosts only on a shared filesystem with working ``flock`` (an NFS mount without locks is not
+    enough: the pointer's compare-and-swap depends on the lock)."""
 
     root: str
     pool = "exports-local"
 
-    def _root(self) -> Path:
-        return Path(self.root).expanduser().resolve()
+    @property
+    def store(self) -> LocalStore:
+        return LocalStore(Path(self.root).expanduser().resolve())
 
-    def _key_dir(self, target: ExportTarget) -> Path:
-        return self._root().joinpath(*target.parts)
+    @staticmethod
+    def check_spec(spec: str) -> str | None:
+        return None  # any path; a URL-like spec no destination takes is refused by the registry
 
-    def _target_dir(self, target: ExportTarget) -> Path:
-        folder = self._key_dir(target)
-        return folder if target.revision_part is None else folder / target.revision_part
+    @classmethod
+    def from_spec(cls, spec: str, *, ledger_url: str, credentials) -> LocalDestination:
+        return cls(root=spec)
 
-    def location(self, target: ExportTarget) -> str:
-        return str(self._target_dir(target))
+    def spec(self) -> tuple[str, dict]:
+        """The spec and settings that build this destination again."""
+        return self.root, {}
 
-    def describe(self) -> str:
-        return f"local:{self._root()}"
 
-    def probe(self, target: ExportTarget) -> Manifest | None:
-        manifest_path = self._target_dir(target) / MANIFEST_NAME
-        try:
-            payload = manifest_path.read_bytes()
-        except (FileNotFoundError, NotADirectoryError):
-            return None  # nothing was ever published there
-        except OSError as exc:
-            raise DestinationError(f"cannot read {manifest_path}: {exc.strerror}") from None
-        return Manifest.from_json(payload, str(manifest_path))
-
-    def stage(
-        self, target: ExportTarget, table: pa.Table | TableStream, file_format: str, manifest: Manifest
-    ) -> StagedExport:
-        final = self._target_dir(target)
-        parent = final.parent
-        try:
-            parent.mkdir(parents=True, exist_ok=True)
-            staging = Path(tempfile.mkdtemp(prefix=f".staging-{final.name}-t{manifest.fencing_token}-", dir=parent))
-        except OSError as exc:
-            raise DestinationError(
-                f"cannot write to export destination {self._root()}: {exc.strerror or exc} ({exc.filename or parent})"
-            ) from None
-        try:
-            data_path = staging / manifest.data_file
-            with open(data_path, "xb") as handle:
-                sha256, row_count = write_rows(table, file_format, handle)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.chmod(data_path, _PUBLISHED_MODE)
-            complete = Manifest(**{**manifest.__dict__, "sha256": sha256, "row_count": row_count})
-            manifest_path = staging / MANIFEST_NAME
-            with open(manifest_path, "xb") as handle:
-                handle.write(complete.to_json())
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.chmod(manifest_path, _PUBLISHED_MODE)
-            os.chmod(staging, 0o755)
-            _fsync_path(staging)
-        except BaseException as exc:
-            shutil.rmtree(staging, ignore_errors=True)
-            if isinstance(exc, OSError):
-                raise DestinationError(f"cannot stage export in {parent}: {exc.strerror or exc}") from None
-            raise
-        return StagedExport(target, complete, str(staging))
-
-    def publish(self, staged: StagedExport) -> Manifest:
-        final = self._target_dir(staged.target)
-        staging = Path(staged.handle)
-        try:
-            # rename(2) of a directory onto a non-empty directory fails, so an existing export is never replaced.
-            # An empty directory at the target (never made by this protocol) would be replaced; refuse it first.
-            if final.exists():
-                existing = self.probe(staged.target)
-                if existing is not None:
-                    raise PublishedElsewhere(f"an export is already published at {final}", existing)
-                raise DestinationError(f"{final} exists without a manifest; refusing to publish over it")
-            os.rename(staging, final)
-        except OSError as exc:
-            existing = self.probe(staged.target)
-            if existing is not None:
-                raise PublishedElsewhere(f"an export is already published at {final}", existing) from None
-            raise DestinationError(f"cannot publish to {final}: {exc.strerror or exc}") from None
-        try:
-            _fsync_path(final.parent)
-        except OSError as exc:
-            # The rename happened; whether it survives a power cut is what we cannot say.
-            raise PublishOutcomeUnknown(f"published {final} but could not fsync its folder: {exc.strerror}") from None
-        return staged.manifest
-
-    def discard(self, staged: StagedExport) -> None:
-        shutil.rmtree(staged.handle, ignore_errors=True)
-
-    def discard_target(self, target: ExportTarget) -> list[str]:
-        """Moves whatever is at the key's place aside, into ``.discarded-date=...-<time>`` beside it (readers ignore
-        dot folders; the evidence is kept for the operator to delete); returns what was there."""
-        final = self._target_dir(target)
-        if not final.exists():
-            return []
-        names = sorted(p.name for p in final.iterdir()) if final.is_dir() else [final.name]
-        aside = final.parent / f".discarded-{final.name}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
-        try:
-            os.rename(final, aside)
-            _fsync_path(final.parent)
-        except OSError as exc:
-            raise DestinationError(f"cannot move {final} aside: {exc.strerror or exc}") from None
-        return names
-
-    def discard_abandoned(
-        self, target: ExportTarget, below_token: int, *, min_age: dt.timedelta = dt.timedelta(0)
-    ) -> int:
-        """Removes staging folders that earlier attempts (lower fencing tokens) left behind when they died."""
-        parent = self._target_dir(target).parent
-        removed = 0
-        if not parent.is_dir():
-            return 0
-        prefix = f".staging-{self._target_dir(target).name}-t"
-        for entry in parent.iterdir():
-            if not entry.name.startswith(prefix):
-                continue
-            token_text = entry.name[len(prefix) :].split("-", 1)[0]
-            if token_text.isdigit() and int(token_text) < below_token:
-                # Move it out of the way first, atomically, then delete what was moved. The old attempt may be alive
-                # (its lease merely expired) and rename this very folder into place at any moment: either our rename
-                # wins (its publish then fails, nothing published) or its rename wins (ours fails: the folder is
-                # now a published export, and it is left alone). Never delete inside a folder we did not move.
-                trash = parent / f".trash-{entry.name}-{os.getpid()}-{time.monotonic_ns()}"
-                try:
-                    os.rename(entry, trash)
-                except OSError:
-                    continue
-                shutil.rmtree(trash, ignore_errors=True)
-                removed += 1
-        return removed
-
-    def current(self, target: ExportTarget) -> int:
-        pointer = self._key_dir(target) / CURRENT_NAME
-        try:
-            payload = pointer.read_bytes()
-        except (FileNotFoundError, NotADirectoryError):
-            return 1
-        except OSError as exc:
-            raise DestinationError(f"cannot read {pointer}: {exc.strerror}") from None
-        return pointer_revision(payload, str(pointer))
-
-    def move_current(self, target: ExportTarget, manifest: Manifest, *, supersedes: int) -> None:
-        folder = self._key_dir(target)
-        pointer = folder / CURRENT_NAME
-        try:
-            lock = os.open(folder / ".current.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise DestinationError(f"cannot lock {folder}'s current pointer: {exc.strerror or exc}") from None
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # movers of one key wait for each other; readers never take it
-            now = self.current(target)
-            if now == target.revision:
-                return  # an earlier attempt moved it and died before recording: nothing to do
-            if now != supersedes:
-                raise PointerMoved(
-                    f"{pointer} points at revision {now}, not at revision {supersedes} which revision "
-                    f"{target.revision} supersedes; it is not moved"
-                )
-            payload = pointer_payload(target, manifest)
-            temporary = folder / f".current-{os.getpid()}-{time.monotonic_ns()}"
-            try:
-                with open(temporary, "xb") as handle:
-                    handle.write(payload)
-                    handle.flush()
-                    os.fsync(handle.fileno())
-                os.chmod(temporary, _PUBLISHED_MODE)
-                os.rename(temporary, pointer)  # atomic: readers see the old pointer or the new one
-            except OSError as exc:
-                temporary.unlink(missing_ok=True)
-                raise DestinationError(f"cannot move {pointer}: {exc.strerror or exc}") from None
-            try:
-                _fsync_path(folder)
-            except OSError as exc:
-                raise PublishOutcomeUnknown(
-                    f"moved {pointer} to revision {target.revision} but could not fsync its folder: {exc.strerror}"
-                ) from None
-        finally:
-            os.close(lock)
-
-    def read_data(self, target: ExportTarget, manifest: Manifest) -> bytes:
-        path = self._target_dir(target) / manifest.data_file
-        try:
-            return path.read_bytes()
-        except OSError as exc:
-            raise DestinationError(f"cannot read committed export {path}: {exc.strerror}") from None
+SCHEME = Scheme("", "LocalDestination", "a folder path")

@@ -19,6 +19,7 @@ import functools
 import hashlib
 import io
 import json
+import re
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -30,9 +31,15 @@ from export_ledger.destinations.base import (
     ExportTarget,
     PointerMoved,
     TransactionalDestination,
+    Verdict,
+    Verification,
+    judge,
 )
+from export_ledger.destinations.registry import Scheme
+from export_ledger.errors import ManifestError
 from export_ledger.frames import Manifest, write_table
 from export_ledger.ledger.schema import UtcDateTime
+from export_ledger.ledger.schema import metadata as ledger_metadata
 from export_ledger.ledger.store import ledger_engine, redact_url
 
 _KINDS = {
@@ -43,6 +50,9 @@ _KINDS = {
     pa.bool_(): ("bool", sa.Boolean),
 }
 _ARROW = {sql_kind: arrow for arrow, (sql_kind, _) in _KINDS.items()}
+_TABLE_RE = re.compile(r"[a-z_][a-z0-9_]{0,52}")
+# The ledger's own tables, and the manifest tables a ledger-table destination would add beside them.
+_LEDGER_TABLES = {*ledger_metadata.tables, *(f"{name}_manifests" for name in ledger_metadata.tables)}
 
 
 def _manifest_table(name: str, metadata: sa.MetaData | None = None) -> sa.Table:
@@ -141,8 +151,26 @@ class SqlTableDestination(TransactionalDestination):
     pool = "exports-ledger-table"
 
     def location(self, target: ExportTarget) -> str:
-        parts = (*target.parts, target.revision_part) if target.revision_part else target.parts
+        parts = (*target.parts, f"revision={target.revision}") if target.revision > 1 else target.parts
         return f"sql:{self.table_for(target.export)}/{'/'.join(parts)}"
+
+    @staticmethod
+    def check_spec(spec: str) -> str | None:
+        table = spec.removeprefix("ledger-table:")
+        if not _TABLE_RE.fullmatch(table.replace("{export}", "x")) or table in _LEDGER_TABLES:
+            return (
+                f"{table!r} is not a valid table name, or is one of the ledger's own tables "
+                f"({', '.join(sorted(ledger_metadata.tables))})"
+            )
+        return None
+
+    @classmethod
+    def from_spec(cls, spec: str, *, ledger_url: str, credentials) -> SqlTableDestination:
+        return cls(url=ledger_url, table=spec.removeprefix("ledger-table:"))
+
+    def spec(self) -> tuple[str, dict]:
+        """The spec and settings that build this destination again."""
+        return f"ledger-table:{self.table}", {}
 
     def describe(self) -> str:
         return f"sql:{self.table} in {redact_url(self.url)}"
@@ -357,30 +385,52 @@ class SqlTableDestination(TransactionalDestination):
         row = self._manifest_row(target)
         if row is None:
             return None
-        if Manifest.from_json(row.manifest.encode("utf-8"), self.location(target)).revision == target.revision:
+        manifest = self._manifest_of(row, target)
+        if manifest is not None and manifest.revision == target.revision:
             return row
         return self._revision_row(target)
 
-    def probe(self, target: ExportTarget) -> Manifest | None:
-        row = self._published(target)
-        return None if row is None else Manifest.from_json(row.manifest.encode("utf-8"), self.location(target))
+    def _manifest_of(self, row, target: ExportTarget) -> Manifest | None:
+        try:
+            return Manifest.from_json(row.manifest.encode("utf-8"), self.location(target))
+        except ManifestError:
+            return None
 
-    def current(self, target: ExportTarget) -> int:
+    def current_revision(self, target: ExportTarget) -> int:
         row = self._manifest_row(target)
         if row is None:
-            return 1
-        return Manifest.from_json(row.manifest.encode("utf-8"), self.location(target)).revision
+            return 0
+        manifest = self._manifest_of(row, target)
+        return manifest.revision if manifest is not None else -1
 
-    def move_current(self, target: ExportTarget, manifest: Manifest, *, supersedes: int) -> None:
-        """The pointer row moves only inside the completion transaction (:meth:`write_in_transaction`): here a
-        pointer already at ``target.revision`` is confirmed, anything else refused."""
-        now = self.current(target)
-        if now == target.revision:
-            return
-        raise PointerMoved(
-            f"{self.location(target)}: the key's current revision is {now}; a ledger table's pointer moves only in "
-            f"the transaction that writes revision {target.revision}, not afterwards"
-        )
+    def verify(
+        self, target: ExportTarget, *, logical_key: str, superseded: int, expected_sha256: str | None = None
+    ) -> Verification:
+        """The pointer row's revision judged like a publishing destination's pointer. Rows and their record commit
+        together, so a revision published and not recorded cannot exist: only a conflict or nothing."""
+        row = self._manifest_row(target)
+        manifest = self._manifest_of(row, target) if row is not None else None
+        revision = 0 if row is None else (manifest.revision if manifest is not None else -1)
+        data_sha256 = None
+        if manifest is not None and revision == target.revision:
+            data_sha256 = hashlib.sha256(self.read_data(target, manifest)).hexdigest()
+        return judge(
+            logical_key=logical_key, revision=target.revision, superseded=superseded, pointer_revision=revision,
+            manifest=manifest, data_sha256=data_sha256, pointer_sha256=None, where=self.location(target),
+            expected_sha256=expected_sha256,
+        )  # fmt: skip
+
+    def verify_recorded(self, target: ExportTarget, *, logical_key: str, sha256: str) -> Verification:
+        row = self._published(target)
+        where = self.location(target)
+        if row is None:
+            return Verification(Verdict.CONFLICT, f"{where} holds no export")
+        manifest = self._manifest_of(row, target)
+        data_sha256 = hashlib.sha256(self.read_data(target, manifest)).hexdigest() if manifest else None
+        return judge(
+            logical_key=logical_key, revision=target.revision, superseded=-1, pointer_revision=target.revision,
+            manifest=manifest, data_sha256=data_sha256, pointer_sha256=None, where=where, expected_sha256=sha256,
+        )  # fmt: skip
 
     def read_data(self, target: ExportTarget, manifest: Manifest) -> bytes:
         row = self._published(target)
@@ -397,3 +447,6 @@ class SqlTableDestination(TransactionalDestination):
             records = [dict(r._mapping) for r in conn.execute(query)]
         schema = pa.schema([(name, _ARROW[kind]) for name, kind in columns.items()])
         return _serialize(pa.Table.from_pylist(records, schema=schema))
+
+
+SCHEME = Scheme("ledger-table:", "SqlTableDestination", "ledger-table:<table>")

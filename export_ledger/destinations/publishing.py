@@ -1,0 +1,406 @@
+"""The destination's half of the protocol, written once for every publishing destination (docs/protocol.md).
+
+Per key, at ``<export>/tenant=<tenant>/date=<YYYY-MM-DD>/``:
+
+* ``_current.json``, **the pointer**: the only object that ever changes, and only by compare-and-swap on the version
+  read (:meth:`~export_ledger.destinations.store.ObjectStore.put_if_match`). It names the current revision's place
+  and carries the **fence**: the highest token that wrote it. A party with token ``t`` writes the pointer only from a
+  version whose fence is at most ``t``, so once the fence reaches ``f`` no party below ``f`` can change what readers
+  see, whatever its lease or its clock says.
+* **places** ``r<revision>-t<token>/``, each holding ``_manifest.json`` and its data file, written object by object
+  with put-if-absent by the one party holding that token, and invisible until the pointer names them.
+
+Readers read the pointer, then the manifest and the data file it names, and check the data's sha256. Layouts of
+release 0.4.0 and earlier read the same way: no pointer and a ``_manifest.json`` in the key's folder is revision 1 at
+place ``.``; a pointer without a fence (0.4.0's restatements) names ``revision=<N>/`` with fence 0. The first write of
+this release (a fence or a commit) replaces either with a pointer of this format naming the same revision.
+
+A store is five hooks (:class:`~export_ledger.destinations.store.ObjectStore`); a destination class only says which
+store (:class:`~export_ledger.destinations.local.LocalDestination`, :class:`~export_ledger.destinations.s3.S3Destination`).
+"""
+
+from __future__ import annotations
+
+import json
+from abc import abstractmethod
+from dataclasses import dataclass, replace
+
+import pyarrow as pa
+
+from export_ledger.destinations.base import (
+    Destination,
+    DestinationError,
+    ExportTarget,
+    Fenced,
+    PointerMoved,
+    PublishOutcomeUnknown,
+    Verdict,
+    Verification,
+    judge,
+    parse_place,
+    place_name,
+)
+from export_ledger.destinations.store import AlreadyExists, ObjectStore, PreconditionFailed
+from export_ledger.errors import ManifestError
+from export_ledger.frames import MANIFEST_NAME, Manifest, TableStream, data_file_name, write_rows
+
+#: The key's pointer, in the key's folder.
+POINTER_NAME = "_current.json"
+POINTER_FORMAT = 2
+#: Compare-and-swap rounds before a pointer that keeps changing is given up on (each lost round is another party's
+#: successful write, so this is only ever reached when several parties raise the fence at once).
+_ROUNDS = 8
+
+
+@dataclass(frozen=True)
+class Pointer:
+    """The key's pointer as read: what readers see.
+
+    Attributes:
+        fence: The highest token that wrote it (0: written by 0.4.0 or earlier, or absent).
+        revision: The current revision (0: nothing published).
+        place: Its place (None when nothing is published).
+        sha256, row_count, data_file: The current revision's data (``data_file`` relative to its place).
+        logical_key: The key.
+        tag: The store's version tag of the pointer object; None when there is none (absent, or a legacy revision 1
+            without a pointer): a write must then create it.
+    """
+
+    fence: int
+    revision: int
+    place: str | None
+    sha256: str | None = None
+    row_count: int | None = None
+    data_file: str | None = None
+    logical_key: str | None = None
+    tag: str | None = None
+
+    @classmethod
+    def nothing(cls) -> Pointer:
+        return cls(0, 0, None)
+
+    def payload(self) -> bytes:
+        values: dict = {"format": POINTER_FORMAT, "fence": self.fence, "revision": self.revision}
+        if self.logical_key is not None:
+            values["logical_key"] = self.logical_key
+        if self.revision:
+            values.update(
+                path=self.place,
+                manifest=_join(self.place, MANIFEST_NAME),
+                data_file=_join(self.place, self.data_file),
+                sha256=self.sha256,
+                row_count=self.row_count,
+            )
+        return (json.dumps(values, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+    @classmethod
+    def parse(cls, payload: bytes, tag: str, where: str) -> Pointer:
+        try:
+            values = json.loads(payload)
+            revision = values["revision"]
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+            raise DestinationError(f"pointer {where} is not a JSON object with a revision") from None
+        fence = values.get("fence", 0)
+        if not _count(revision) or not _count(fence):
+            raise DestinationError(f"pointer {where} names revision {revision!r} with fence {fence!r}")
+        if revision == 0:
+            return cls(fence, 0, None, logical_key=values.get("logical_key"), tag=tag)
+        place = values.get("path")
+        data_file = values.get("data_file")
+        if not isinstance(place, str) or not isinstance(data_file, str):
+            raise DestinationError(f"pointer {where} names revision {revision} without its path and data file")
+        prefix = "" if place == "." else f"{place}/"
+        return cls(
+            fence, revision, place, values.get("sha256"), values.get("row_count"), data_file.removeprefix(prefix),
+            values.get("logical_key"), tag,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StagedExport:
+    """A revision written at its place and not yet committed: invisible to readers."""
+
+    target: ExportTarget
+    manifest: Manifest
+
+
+class PublishingDestination(Destination):
+    """A destination outside the ledger's database, the same template over any store: fence, verify, stage, sweep,
+    commit, discard (docs/protocol.md)."""
+
+    @property
+    @abstractmethod
+    def store(self) -> ObjectStore:
+        """The store this destination publishes to."""
+
+    # -- layout --------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def key_folder(target: ExportTarget) -> str:
+        return "/".join(target.parts)
+
+    def _in_place(self, target: ExportTarget, place: str, name: str) -> str:
+        return f"{self.key_folder(target)}/{_join(place, name)}"
+
+    def location(self, target: ExportTarget) -> str:
+        if target.place is None:
+            raise DestinationError(f"{self.key_folder(target)}: revision {target.revision} has no place yet")
+        folder = self.key_folder(target) if target.place == "." else f"{self.key_folder(target)}/{target.place}"
+        return self.store.url(folder + "/")
+
+    def describe(self) -> str:
+        return self.store.describe()
+
+    # -- the pointer ---------------------------------------------------------------------------------------------
+
+    def pointer(self, target: ExportTarget) -> Pointer:
+        """What the key's readers see now (a legacy revision 1 without a pointer reads as one at place ``.``)."""
+        name = f"{self.key_folder(target)}/{POINTER_NAME}"
+        found = self.store.get(name)
+        if found is not None:
+            return Pointer.parse(found.data, found.tag, self.store.url(name))
+        legacy = self._manifest(target, ".")
+        if legacy is None:
+            return Pointer.nothing()
+        return Pointer(0, legacy.revision, ".", legacy.sha256, legacy.row_count, legacy.data_file, legacy.logical_key)
+
+    def current_revision(self, target: ExportTarget) -> int:
+        return self.pointer(target).revision
+
+    def pointer_to(self, target: ExportTarget) -> Pointer:
+        """The pointer that names ``target`` (a recorded revision, at its place), as its manifest describes it."""
+        manifest = self._manifest(target, target.place or ".")
+        if manifest is None:
+            raise DestinationError(f"{self.location(target)} holds no manifest: it cannot be made current again")
+        return Pointer(0, target.revision, target.place, manifest.sha256, manifest.row_count, manifest.data_file,
+                       manifest.logical_key)  # fmt: skip
+
+    def fence(self, target: ExportTarget, token: int, *, logical_key: str) -> Pointer:
+        """Raises the pointer's fence to ``token``, keeping what it names: from now on no party with a lower token
+        can change what the key's readers see. Returns the pointer as fenced.
+
+        Raises:
+            Fenced: the pointer's fence is already above ``token``.
+            PublishOutcomeUnknown: the write's outcome is unknown (nothing readers see changed either way).
+        """
+        name = f"{self.key_folder(target)}/{POINTER_NAME}"
+        for _ in range(_ROUNDS):
+            current = self.pointer(target)
+            if current.fence > token:
+                raise self._fenced(target, current, token)
+            if current.fence == token and current.tag is not None:
+                return current
+            fenced = replace(current, fence=token, logical_key=current.logical_key or logical_key)
+            try:
+                tag = self.store.put_if_match(name, fenced.payload(), current.tag)
+            except PreconditionFailed:
+                continue  # another party wrote the pointer since it was read: read it again
+            return replace(fenced, tag=tag)
+        raise DestinationError(f"{self.store.url(name)} kept changing while it was being fenced")
+
+    def _fenced(self, target: ExportTarget, pointer: Pointer, token: int) -> Fenced:
+        return Fenced(
+            f"{self.store.url(self.key_folder(target) + '/' + POINTER_NAME)} is fenced at token {pointer.fence}, "
+            f"above this party's {token}: a newer party holds the key, and nothing of this one is made visible",
+            fence=pointer.fence,
+        )
+
+    # -- verdicts ------------------------------------------------------------------------------------------------
+
+    def verify(
+        self,
+        target: ExportTarget,
+        *,
+        logical_key: str,
+        superseded: int,
+        expected_sha256: str | None = None,
+        pointer: Pointer | None = None,
+    ) -> Verification:
+        pointer = pointer or self.pointer(target)
+        manifest = data_sha256 = None
+        where = self.key_folder(target)
+        if pointer.revision not in (0, superseded) and pointer.place is not None:
+            where = self.location(target.at_place(pointer.place))
+            if pointer.revision == target.revision:
+                manifest, data_sha256 = self._read_place(target, pointer.place)
+        verification = judge(
+            logical_key=logical_key, revision=target.revision, superseded=superseded,
+            pointer_revision=pointer.revision, manifest=manifest, data_sha256=data_sha256,
+            pointer_sha256=pointer.sha256, where=where, expected_sha256=expected_sha256,
+        )  # fmt: skip
+        return replace(verification, fence=pointer.fence)
+
+    def verify_recorded(self, target: ExportTarget, *, logical_key: str, sha256: str) -> Verification:
+        if target.place is None:
+            raise DestinationError(f"{self.key_folder(target)}: a recorded revision needs its place")
+        manifest, data_sha256 = self._read_place(target, target.place)
+        where = self.location(target)
+        verification = judge(
+            logical_key=logical_key, revision=target.revision, superseded=-1, pointer_revision=target.revision,
+            manifest=manifest, data_sha256=data_sha256, pointer_sha256=None, where=where, expected_sha256=sha256,
+        )  # fmt: skip
+        return verification
+
+    def _manifest(self, target: ExportTarget, place: str) -> Manifest | None:
+        name = self._in_place(target, place, MANIFEST_NAME)
+        found = self.store.get(name)
+        if found is None:
+            return None
+        return Manifest.from_json(found.data, self.store.url(name))
+
+    def _read_place(self, target: ExportTarget, place: str) -> tuple[Manifest | None, str | None]:
+        """A place's manifest (None: missing or unreadable) and its data file's sha256, hashed as a stream."""
+        try:
+            manifest = self._manifest(target, place)
+        except ManifestError:
+            return None, None
+        if manifest is None:
+            return None, None
+        return manifest, self.store.digest(self._in_place(target, place, manifest.data_file))
+
+    def read_data(self, target: ExportTarget, manifest: Manifest) -> bytes:
+        name = self._in_place(target, target.place or ".", manifest.data_file)
+        data = self.store.read(name)
+        if data is None:
+            raise DestinationError(f"{self.store.url(name)} is missing although its manifest exists")
+        return data
+
+    # -- publishing ----------------------------------------------------------------------------------------------
+
+    def stage(
+        self, target: ExportTarget, token: int, table: pa.Table | TableStream, file_format: str, manifest: Manifest
+    ) -> StagedExport:
+        """Writes revision ``target.revision`` at this party's own place (data file, then manifest), durably and
+        invisibly; ``manifest`` gets the data's sha256 and row count. A stream that fails validation raises from the
+        write, and nothing of it is left."""
+        self.store.check_conditions()
+        place = place_name(target.revision, token)
+        data_file = data_file_name(file_format)
+        upload = self.store.upload(self._in_place(target, place, data_file))
+        try:
+            sha256, row_count = write_rows(table, file_format, upload.handle)
+            upload.commit()
+        except BaseException:
+            upload.abort()
+            raise
+        complete = replace(manifest, sha256=sha256, row_count=row_count, data_file=data_file)
+        try:
+            self.store.put_if_absent(self._in_place(target, place, MANIFEST_NAME), complete.to_json())
+        except AlreadyExists:
+            raise DestinationError(
+                f"{self.location(target.at_place(place))} already holds another manifest: a place is written by one "
+                "party only; nothing was published"
+            ) from None
+        return StagedExport(target.at_place(place), complete)
+
+    def commit(self, staged: StagedExport, token: int, *, superseded: int) -> Pointer:
+        """Makes the staged revision current: the one step that changes what readers see. Idempotent (a pointer that
+        already names this place is success).
+
+        Raises:
+            Fenced: the pointer's fence is above ``token``: nothing of this party is visible.
+            PointerMoved: the pointer names neither ``superseded`` nor this place: a conflict.
+            PublishOutcomeUnknown: the write's outcome is unknown.
+            DestinationError: the write certainly did not happen.
+        """
+        target, manifest = staged.target, staged.manifest
+        name = f"{self.key_folder(target)}/{POINTER_NAME}"
+        for _ in range(_ROUNDS):
+            current = self.pointer(target)
+            if current.place == target.place:
+                return current  # an earlier send of this commit landed
+            if current.fence > token:
+                raise self._fenced(target, current, token)
+            if current.revision != superseded:
+                raise PointerMoved(
+                    f"{self.store.url(name)} names revision {current.revision}, not revision {superseded} which "
+                    f"revision {target.revision} supersedes; it is not moved"
+                )
+            committed = Pointer(
+                token, target.revision, target.place, manifest.sha256, manifest.row_count, manifest.data_file,
+                manifest.logical_key,
+            )  # fmt: skip
+            try:
+                tag = self.store.put_if_match(name, committed.payload(), current.tag)
+            except PreconditionFailed:
+                continue
+            except PublishOutcomeUnknown as exc:
+                exc.sha256, exc.location = manifest.sha256, self.location(target)
+                raise
+            return replace(committed, tag=tag)
+        raise DestinationError(f"{self.store.url(name)} kept changing while revision {target.revision} was committed")
+
+    def sweep(self, target: ExportTarget, token: int, pointer: Pointer) -> int:
+        """Deletes the places no pointer ever named and none can: a token below ``token`` (fenced by now) and a
+        revision above the pointer's (the pointer never moves back). Returns how many places were removed."""
+        if token <= 1:
+            return 0  # a first claim: nobody held the key before
+        doomed = []
+        for place, names in self._places(target).items():
+            parsed = parse_place(place)
+            if parsed is not None and parsed[1] < token and parsed[0] > pointer.revision:
+                doomed.append(names)
+        for names in doomed:
+            self._delete_all(names)
+        return len(doomed)
+
+    def _places(self, target: ExportTarget) -> dict[str, list[str]]:
+        """Every object of the key's folder, by place (``.`` for the objects of the folder itself, the pointer
+        excepted)."""
+        folder = self.key_folder(target) + "/"
+        places: dict[str, list[str]] = {}
+        for name in self.store.list(folder):
+            relative = name[len(folder) :]
+            if relative == POINTER_NAME:
+                continue
+            place, sep, _ = relative.partition("/")
+            places.setdefault(place if sep else ".", []).append(name)
+        return places
+
+    def _delete_all(self, names: list[str]) -> None:
+        # The manifest first: a place is never left as a manifest without its data.
+        for name in sorted(names, key=lambda n: not n.endswith("/" + MANIFEST_NAME) and n != MANIFEST_NAME):
+            self.store.delete(name)
+
+    def discard(self, target: ExportTarget, token: int, *, logical_key: str, restore: Pointer) -> list[str]:
+        """An operator's discard (after fencing with ``token``): the pointer goes back to ``restore`` (the revision
+        the ledger records, or nothing), and the places of ``target.revision`` (the unrecorded one), and whatever
+        other unrecorded place the pointer named, are deleted. Returns the places removed."""
+        name = f"{self.key_folder(target)}/{POINTER_NAME}"
+        for _ in range(_ROUNDS):
+            current = self.pointer(target)
+            if current.fence > token:
+                raise self._fenced(target, current, token)
+            if (current.revision, current.place) == (restore.revision, restore.place) and current.tag is not None:
+                break
+            back = replace(restore, fence=token, logical_key=logical_key, tag=None)
+            try:
+                self.store.put_if_match(name, back.payload(), current.tag)
+            except PreconditionFailed:
+                continue
+            break
+        else:
+            raise DestinationError(f"{self.store.url(name)} kept changing while it was being set back")
+        removed = []
+        for place, names in sorted(self._places(target).items()):
+            if place == restore.place:
+                continue
+            parsed = parse_place(place)
+            revision = parsed[0] if parsed else (current.revision if place == current.place else None)
+            if revision == target.revision or place == current.place:
+                self._delete_all(names)
+                removed.append(place)
+        return removed
+
+
+def _join(place: str | None, name: str | None) -> str | None:
+    if name is None:
+        return None
+    return name if place in (None, ".") else f"{place}/{name}"
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+__all__ = ["POINTER_NAME", "Pointer", "PublishingDestination", "StagedExport", "Verdict"]

@@ -1,0 +1,101 @@
+"""The five hooks a publishing destination is made of: an object store (a local folder, S3, ...).
+
+Names are ``/``-separated paths relative to the store's root. Each operation is atomic on one object; nothing spans
+two. What a failed operation means is part of the contract, because a database transaction cannot commit a remote
+write:
+
+* a read that cannot tell raises :class:`~export_ledger.destinations.base.DestinationUnreachable`;
+* a write that certainly did not happen raises :class:`~export_ledger.destinations.base.DestinationError`;
+* a write that may have happened raises :class:`~export_ledger.destinations.base.PublishOutcomeUnknown`;
+* a condition that did not hold raises :class:`AlreadyExists` or :class:`PreconditionFailed` (nothing written).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from export_ledger.destinations.base import DestinationError
+
+
+class AlreadyExists(DestinationError):
+    """``put_if_absent`` found the object there already, with other bytes than the ones given."""
+
+
+class PreconditionFailed(DestinationError):
+    """``put_if_match`` found the object at another version than the one given (or present when asked absent)."""
+
+
+@dataclass(frozen=True)
+class Blob:
+    """An object's bytes and the store's version tag of them (an ETag, a content digest)."""
+
+    data: bytes
+    tag: str
+
+
+class Upload(ABC):
+    """A new object written as a stream (a data file), created at its name only by :meth:`commit`, if absent."""
+
+    handle: BinaryIO
+
+    @abstractmethod
+    def commit(self) -> None:
+        """Makes the written bytes the object, durably, refusing to replace one (raises :class:`AlreadyExists`)."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Drops what was written; nothing is created."""
+
+
+class ObjectStore(ABC):
+    """The hooks: :meth:`get`, :meth:`put_if_absent` (and :meth:`upload` for streams), :meth:`put_if_match`,
+    :meth:`list`, :meth:`delete`; plus :meth:`digest` and :meth:`read` of an object's bytes, and the startup check
+    that the store really honours the conditions."""
+
+    @abstractmethod
+    def url(self, name: str) -> str:
+        """Where ``name`` is, for the ledger and for messages (never a credential)."""
+
+    @abstractmethod
+    def get(self, name: str) -> Blob | None:
+        """The object's bytes and version tag; None when it does not exist. For small objects (pointers,
+        manifests)."""
+
+    @abstractmethod
+    def digest(self, name: str) -> str | None:
+        """The sha256 of the object's bytes, read as a stream (never held whole); None when it does not exist."""
+
+    @abstractmethod
+    def read(self, name: str) -> bytes | None:
+        """The object's bytes, whole; None when it does not exist."""
+
+    @abstractmethod
+    def put_if_absent(self, name: str, data: bytes) -> None:
+        """Creates the object; an object already there with the same bytes is success (a resend of one's own that
+        landed), with other bytes :class:`AlreadyExists`."""
+
+    @abstractmethod
+    def upload(self, name: str) -> Upload:
+        """A stream to create the object ``name`` (see :class:`Upload`)."""
+
+    @abstractmethod
+    def put_if_match(self, name: str, data: bytes, tag: str | None) -> str:
+        """Replaces the object if it is still at version ``tag`` (``None``: creates it if absent); returns the new
+        version's tag. Raises :class:`PreconditionFailed` when the condition does not hold."""
+
+    @abstractmethod
+    def list(self, prefix: str) -> list[str]:
+        """Every object name under ``prefix`` (a folder, ending in ``/``), at any depth."""
+
+    @abstractmethod
+    def delete(self, name: str) -> None:
+        """Deletes the object (absent: nothing to do)."""
+
+    def check_conditions(self) -> None:
+        """Refuses a store that ignores the conditions (a second create accepted, a stale version accepted), before
+        its first write. Stores that implement the conditions themselves need no check."""
+
+    def describe(self) -> str:
+        return self.url("")

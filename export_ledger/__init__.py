@@ -59,7 +59,7 @@ from export_ledger.sources import CallableSource, ExportSource, SqlSource
 from export_ledger.spec import ExportSpec
 from export_ledger.tenants import Tenant, TenantGroup
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 __all__ = [
     "MANIFEST_NAME",

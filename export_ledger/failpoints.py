@@ -13,6 +13,8 @@ import os
 import signal
 import time
 
+from export_ledger.errors import ExportLedgerError
+
 ENV_VAR = "EXPORTS_FAILPOINTS"
 #: In the order an attempt meets them: claimed; staged at its place (invisible); committed (the pointer names it:
 #: visible); before and after the ledger records it.
@@ -20,7 +22,7 @@ POINTS = ("after_claim", "after_stage", "after_publish", "before_commit", "after
 ACTIONS = ("raise", "crash", "kill", "pause:SECONDS")
 
 
-class InjectedFailure(RuntimeError):
+class InjectedFailure(ExportLedgerError, RuntimeError):
     """An ordinary failure injected at a named point."""
 
 

@@ -157,5 +157,9 @@ def _finish(finding: Finding, claim: Claim) -> Finish:
         return Finish(claim, T.FAIL, note=note)
     if finding.verdict is Verdict.CONFLICT:
         return Finish(claim, T.MARK_CONFLICT, note=note, location=record.location)
-    # Unreachable: the outcome stays unknown, with what the attempt meant to commit kept for the next look.
-    return Finish(claim, T.MARK_REMOTE_UNKNOWN, note=note, sha256=record.sha256, location=record.location)
+    # Unreachable: the outcome stays unknown, with what the attempt meant to commit kept for the next look, and the
+    # key's "stuck since" kept too: a destination down for hours must escalate the key, not keep it young.
+    return Finish(
+        claim, T.MARK_REMOTE_UNKNOWN, note=note, sha256=record.sha256, location=record.location,
+        since=record.updated_at,
+    )  # fmt: skip

@@ -38,6 +38,9 @@ class Finish:
             (``Reconciliation``, ``OperatorResolution``).
         location: For ``remote_unknown`` and ``conflict``: where the attempt wrote, or found something else.
         sha256: For ``remote_unknown``: what the attempt meant to commit (reconciliation compares with it).
+        since: Keep the key's ``updated_at`` (when it last changed meaningfully: "stuck since") at this time instead
+            of now: a holder that gives a key back unchanged (a reconciler that could not reach the destination, a
+            refused resolution) must not restart the clock that escalates it.
     """
 
     claim: Claim
@@ -47,6 +50,7 @@ class Finish:
     note: tuple[str, str] | None = None
     location: str | None = None
     sha256: str | None = None
+    since: dt.datetime | None = None
 
     def check(self) -> None:
         transition, claim, evidence = self.transition, self.claim, self.evidence
@@ -63,7 +67,7 @@ class Finish:
                 )
 
     def values(self, now: dt.datetime) -> dict:
-        values: dict = dict(lease_owner=None, lease_expires_at=None, updated_at=now)
+        values: dict = dict(lease_owner=None, lease_expires_at=None, updated_at=self.since or now)
         if self.transition is T.MARK_REMOTE_UNKNOWN:
             # The key keeps the party whose write is in doubt: reconciliation looks for its evidence.
             values.update(lease_owner=self.claim.attempt_id, sha256=self.sha256, location=self.location)
@@ -268,7 +272,10 @@ class Completions:
         ``in_progress`` (a lease that had ended) goes to ``remote_unknown``: nobody knows what its holder did."""
         transition = T.BACK_TO.get(record.state, T.MARK_REMOTE_UNKNOWN)
         return self.finish(
-            Finish(claim, transition, note=note, sha256=record.sha256, location=record.location), then=then
+            Finish(
+                claim, transition, note=note, sha256=record.sha256, location=record.location, since=record.updated_at
+            ),
+            then=then,
         )
 
 

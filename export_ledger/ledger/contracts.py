@@ -128,6 +128,12 @@ class Contracts:
                     )
                 )  # fmt: skip
 
+    def check(self, contracts: Mapping[tuple[str, str], Mapping]) -> dict[tuple[str, str], ContractChanged]:
+        """:meth:`decide_in` in a transaction of its own: records first contracts, returns the refusals (kept open
+        for escalation). Claims check the contract themselves; this is for a caller that wants to know before."""
+        with self.ledger.atomic() as conn:
+            return self.decide_in(conn, contracts, self.ledger.now(conn))
+
     # -- reads ---------------------------------------------------------------------------------------------------
 
     def recorded(self, export: str) -> dict | None:

@@ -78,7 +78,6 @@ def _configure_sqlite(engine: Engine) -> None:
         # Take over transaction control from pysqlite so that BEGIN IMMEDIATE below is the only BEGIN.
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute("PRAGMA synchronous=FULL")
         cursor.execute("PRAGMA busy_timeout=30000")
         cursor.execute("PRAGMA foreign_keys=ON")
@@ -90,8 +89,13 @@ def _configure_sqlite(engine: Engine) -> None:
         # Readers begin deferred, so `status` never waits behind a running export.
         if connection.get_execution_options().get("ledger_read_only"):
             connection.exec_driver_sql("BEGIN")
-        else:
-            connection.exec_driver_sql("BEGIN IMMEDIATE")
+            return
+        if not connection.info.get("wal"):
+            # WAL on the first write only (it changes the file's header): a process that only reads a ledger never
+            # writes a byte of it, whatever its journal mode.
+            connection.exec_driver_sql("PRAGMA journal_mode=WAL")
+            connection.info["wal"] = True
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 def _engine(url: str, *, make_folder: bool) -> Engine:
@@ -188,11 +192,11 @@ class unavailable_as_error:
 def schema_version(engine_or_connection: Engine | Connection) -> int:
     """0 for a database without a ledger, 1 for a ledger made before versions were recorded, else the version its
     alembic revision (or, before 0.5.0, its ``export_ledger_schema`` table) records. Only reads."""
-    inspector = sa.inspect(engine_or_connection)
     if isinstance(engine_or_connection, Engine):
-        with engine_or_connection.connect() as conn:
-            return _version_in(conn, inspector)
-    return _version_in(engine_or_connection, inspector)
+        # A read transaction of its own: on SQLite a plain connection would begin a writer's transaction.
+        with engine_or_connection.connect().execution_options(ledger_read_only=True) as conn:
+            return _version_in(conn, sa.inspect(conn))
+    return _version_in(engine_or_connection, sa.inspect(engine_or_connection))
 
 
 def _version_in(conn: Connection, inspector) -> int:

@@ -1,0 +1,200 @@
+"""The destination's half of the protocol, one contract suite for every publishing destination (docs/protocol.md).
+
+The same tests run on the local folder and on S3 (moto's server on 127.0.0.1): the pointer is fenced and moved only
+by compare-and-swap, places are invisible until the pointer names them, the verdict is the same function everywhere,
+the sweep deletes only what no pointer can name, and an operator's discard behaves the same on both.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pytest
+from builders import key_for
+
+from export_ledger.destinations import (
+    POINTER_NAME,
+    ExportTarget,
+    Fenced,
+    LocalDestination,
+    Pointer,
+    PointerMoved,
+    Verdict,
+    place_name,
+)
+from export_ledger.frames import MANIFEST_NAME, Manifest
+
+KEY = key_for()
+LOGICAL_KEY = str(KEY)
+TABLE = pa.table({"invoice_id": ["a", "b"], "amount": [1.0, 2.0]})
+
+
+@pytest.fixture(params=["local", "s3"])
+def destination(request, tmp_path):
+    if request.param == "local":
+        return LocalDestination(str(tmp_path / "exports"))
+    from export_ledger.destinations.s3 import S3Destination
+
+    endpoint = request.getfixturevalue("s3_server")
+    bucket = request.getfixturevalue("s3_bucket")
+    return S3Destination(
+        bucket=bucket, prefix="contract", endpoint_url=endpoint, access_key_id="testing", secret_access_key="testing"
+    )
+
+
+def target(revision: int = 1) -> ExportTarget:
+    return ExportTarget(KEY.export, KEY.tenant, KEY.window.business_date.isoformat(), revision)
+
+
+def manifest(token: int, revision: int = 1, logical_key: str = LOGICAL_KEY) -> Manifest:
+    return Manifest.build(
+        logical_key=logical_key, export=KEY.export, tenant=KEY.tenant, window=KEY.window, row_count=0, sha256="",
+        attempt_id=f"run-{token}/invoice_export", fencing_token=token, data_file="data.csv", tz_database="test",
+        revision=revision, supersedes=(revision - 1, "ab" * 32) if revision > 1 else None,
+    )  # fmt: skip
+
+
+def publish(destination, token: int, revision: int = 1, superseded: int = 0, logical_key: str = LOGICAL_KEY):
+    staged = destination.stage(target(revision), token, TABLE, "csv", manifest(token, revision, logical_key))
+    destination.commit(staged, token, superseded=superseded)
+    return staged
+
+
+def reader_sees(destination) -> tuple[int, str | None]:
+    """What a reader outside the library sees: the pointer's revision and the manifest's attempt it names."""
+    folder = destination.key_folder(target())
+    found = destination.store.get(f"{folder}/{POINTER_NAME}")
+    if found is None:
+        return 0, None
+    pointer = json.loads(found.data)
+    if pointer["revision"] == 0:
+        return 0, None
+    named = destination.store.get(f"{folder}/{pointer['manifest']}")
+    return pointer["revision"], json.loads(named.data)["attempt_id"]
+
+
+def test_a_staged_revision_is_invisible_until_its_commit(destination):
+    staged = destination.stage(target(), 1, TABLE, "csv", manifest(1))
+    assert reader_sees(destination) == (0, None), "a place is invisible until the pointer names it"
+    assert destination.verify(target(), logical_key=LOGICAL_KEY, superseded=0).verdict is Verdict.ABSENT
+    destination.commit(staged, 1, superseded=0)
+    assert reader_sees(destination) == (1, "run-1/invoice_export")
+    seen = destination.verify(target(), logical_key=LOGICAL_KEY, superseded=0)
+    assert seen.verdict is Verdict.PUBLISHED and seen.manifest.fencing_token == 1
+    assert seen.location == destination.location(target().at_place(place_name(1, 1)))
+
+
+def test_a_commit_is_idempotent_and_a_second_party_cannot_commit_the_same_revision(destination):
+    first = publish(destination, 1)
+    destination.commit(first, 1, superseded=0)  # a resend of one's own commit: success, nothing changes
+    other = destination.stage(target(), 2, TABLE, "csv", manifest(2))
+    with pytest.raises(PointerMoved):
+        destination.commit(other, 2, superseded=0)
+    assert reader_sees(destination) == (1, "run-1/invoice_export"), "a published revision is never replaced"
+
+
+def test_once_fenced_no_lower_token_changes_what_readers_see(destination):
+    stale = destination.stage(target(), 1, TABLE, "csv", manifest(1))  # a paused attempt staged its revision
+    fenced = destination.fence(target(), 2, logical_key=LOGICAL_KEY)  # a newer party holds the key now
+    assert (fenced.fence, fenced.revision) == (2, 0)
+    with pytest.raises(Fenced):
+        destination.commit(stale, 1, superseded=0)
+    with pytest.raises(Fenced):
+        destination.fence(target(), 1, logical_key=LOGICAL_KEY)
+    assert reader_sees(destination) == (0, None), "the stale attempt's revision never became visible"
+    assert destination.fence(target(), 2, logical_key=LOGICAL_KEY).fence == 2, "fencing again is idempotent"
+
+
+def test_a_fence_keeps_what_the_pointer_names(destination):
+    publish(destination, 1)
+    fenced = destination.fence(target(), 5, logical_key=LOGICAL_KEY)
+    assert (fenced.fence, fenced.revision, fenced.place) == (5, 1, place_name(1, 1))
+    assert reader_sees(destination) == (1, "run-1/invoice_export")
+
+
+def test_a_restatement_commits_only_from_the_revision_it_supersedes(destination):
+    publish(destination, 1)
+    publish(destination, 3, revision=2, superseded=1)
+    assert reader_sees(destination) == (2, "run-3/invoice_export")
+    late = destination.stage(target(3), 4, TABLE, "csv", manifest(4, revision=3))
+    with pytest.raises(PointerMoved):
+        destination.commit(late, 4, superseded=1), "a pointer found elsewhere is a conflict, never moved back"
+    seen = destination.verify(target(3), logical_key=LOGICAL_KEY, superseded=1)
+    assert seen.verdict is Verdict.CONFLICT
+
+
+def test_the_verdict_is_conflict_for_another_keys_export_or_data_that_does_not_match(destination):
+    publish(destination, 1, logical_key="invoice_export/other/2026-03-08T05:00:00Z")
+    seen = destination.verify(target(), logical_key=LOGICAL_KEY, superseded=0)
+    assert seen.verdict is Verdict.CONFLICT and "other" in seen.detail
+
+
+def test_a_manifest_without_its_data_is_a_conflict_not_an_unreachable_store(destination):
+    publish(destination, 1)
+    destination.store.delete(f"{destination.key_folder(target())}/{place_name(1, 1)}/data.csv")
+    seen = destination.verify(target(), logical_key=LOGICAL_KEY, superseded=0)
+    assert seen.verdict is Verdict.CONFLICT and "missing" in seen.detail
+
+
+def test_an_expected_sha256_other_than_the_committed_one_is_a_conflict(destination):
+    publish(destination, 1)
+    seen = destination.verify(target(), logical_key=LOGICAL_KEY, superseded=0, expected_sha256="00" * 32)
+    assert seen.verdict is Verdict.CONFLICT
+
+
+def test_the_sweep_deletes_only_places_no_pointer_can_ever_name(destination):
+    publish(destination, 1)
+    orphan_old = destination.stage(target(1), 2, TABLE, "csv", manifest(2))  # never committed, revision 1
+    orphan_new = destination.stage(target(2), 3, TABLE, "csv", manifest(3, revision=2))  # fenced restatement
+    mine_later = destination.stage(target(2), 6, TABLE, "csv", manifest(6, revision=2))  # a higher token's
+    pointer = destination.fence(target(2), 5, logical_key=LOGICAL_KEY)
+    removed = destination.sweep(target(2), 5, pointer)
+    places = set(destination._places(target()))
+    assert removed == 1 and orphan_new.target.place not in places, "revision 2 by token 3: fenced, never current"
+    assert {place_name(1, 1), orphan_old.target.place, mine_later.target.place} <= places, (
+        "the current place, a place of a revision the pointer has passed, and a higher token's place are kept"
+    )
+    assert reader_sees(destination) == (1, "run-1/invoice_export")
+
+
+def test_a_first_claim_sweeps_nothing(destination):
+    destination.stage(target(), 1, TABLE, "csv", manifest(1))
+    assert destination.sweep(target(), 1, destination.pointer(target())) == 0
+
+
+def test_discarding_an_unrecorded_revision_sets_the_pointer_back_to_the_recorded_one_on_every_destination(destination):
+    """One implementation: local and S3 both put the pointer back to what the ledger records and delete the rest."""
+    publish(destination, 1)
+    publish(destination, 2, revision=2, superseded=1)  # committed, never recorded by the ledger
+    recorded = destination.pointer_to(target(1).at_place(place_name(1, 1)))
+    destination.fence(target(2), 3, logical_key=LOGICAL_KEY)
+    removed = destination.discard(target(2), 3, logical_key=LOGICAL_KEY, restore=recorded)
+    assert removed == [place_name(2, 2)]
+    assert reader_sees(destination) == (1, "run-1/invoice_export"), "readers are back on the recorded revision"
+    assert destination.verify(target(2), logical_key=LOGICAL_KEY, superseded=1).verdict is Verdict.ABSENT
+
+
+def test_discarding_a_first_export_in_conflict_leaves_nothing_published(destination):
+    publish(destination, 1, logical_key="invoice_export/other/2026-03-08T05:00:00Z")
+    destination.fence(target(), 2, logical_key=LOGICAL_KEY)
+    removed = destination.discard(target(), 2, logical_key=LOGICAL_KEY, restore=Pointer.nothing())
+    assert removed == [place_name(1, 1)] and reader_sees(destination) == (0, None)
+
+
+def test_a_legacy_revision_1_without_a_pointer_reads_as_revision_1_and_its_first_fence_keeps_it(destination):
+    folder = destination.key_folder(target())
+    legacy = manifest(1)
+    data = b"invoice_id,amount\na,1\n"
+    import hashlib
+
+    legacy = Manifest(**{**legacy.__dict__, "sha256": hashlib.sha256(data).hexdigest(), "row_count": 1})
+    destination.store.put_if_absent(f"{folder}/data.csv", data)
+    destination.store.put_if_absent(f"{folder}/{MANIFEST_NAME}", legacy.to_json())
+    pointer = destination.pointer(target())
+    assert (pointer.revision, pointer.place, pointer.tag) == (1, ".", None)
+    seen = destination.verify(target(), logical_key=LOGICAL_KEY, superseded=0)
+    assert seen.verdict is Verdict.PUBLISHED and seen.location == destination.location(target().at_place("."))
+    fenced = destination.fence(target(), 2, logical_key=LOGICAL_KEY)
+    assert (fenced.revision, fenced.place, fenced.fence) == (1, ".", 2)
+    assert json.loads(destination.store.get(f"{folder}/{POINTER_NAME}").data)["format"] == 2

@@ -14,7 +14,9 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
+import time
 from dataclasses import dataclass
 
 #: Subnets are /30s inside 10.231.X.0/24, X chosen per run among those no address or route of this machine uses.
@@ -59,7 +61,7 @@ class TestHost:
         return f"w{self.index}"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -70,12 +72,21 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_leftovers() -> list[str]:
-    """Deletes namespaces and host-side links of earlier runs whose pytest process is gone; returns their names."""
+    """Deletes namespaces and host-side links of earlier runs whose pytest process is gone (a run killed before its
+    teardown), after SIGKILLing the processes still inside those namespaces (a worker left stopped cannot notice
+    that its test is gone); returns what it removed."""
     removed = []
     for line in ip("netns", "list", check=False).stdout.splitlines():
         name = line.split()[0] if line.strip() else ""
         match = _LEFTOVER.match(name)
-        if match and not _pid_alive(int(match.group(1))):
+        if match and not pid_alive(int(match.group(1))):
+            for pid in ip("netns", "pids", name, check=False).stdout.split():
+                for signum in (signal.SIGCONT, signal.SIGKILL):
+                    try:
+                        os.kill(int(pid), signum)
+                    except ProcessLookupError:
+                        pass
+                removed.append(f"process {pid} in {name}")
             ip("netns", "del", name, check=False)
             removed.append(name)
     for line in ip("-o", "link", "show", check=False).stdout.splitlines():
@@ -84,7 +95,7 @@ def remove_leftovers() -> list[str]:
             continue
         name = parts[1].strip().split("@")[0]
         match = _LEFTOVER.match(name)
-        if match and not _pid_alive(int(match.group(1))):
+        if match and not pid_alive(int(match.group(1))):
             ip("link", "del", name, check=False)
             removed.append(name)
     return removed
@@ -157,9 +168,14 @@ class Network:
             result = ip("netns", "del", namespace, check=False)
             if result.returncode != 0 and "No such file" not in result.stderr:
                 errors.append(f"ip netns del {namespace}: {result.stderr.strip()}")
-            if ip("link", "show", "dev", host_if, check=False).returncode == 0:
+            # Deleting the namespace destroys the pair asynchronously: give it a moment before deleting it here.
+            for _ in range(40):
+                if ip("link", "show", "dev", host_if, check=False).returncode != 0:
+                    break
+                time.sleep(0.05)
+            else:
                 result = ip("link", "del", host_if, check=False)
-                if result.returncode != 0:
+                if result.returncode != 0 and "Cannot find device" not in result.stderr:
                     errors.append(f"ip link del {host_if}: {result.stderr.strip()}")
         self._made.clear()
         return errors

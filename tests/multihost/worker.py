@@ -9,7 +9,8 @@ exporting each through the library's write protocol (:func:`export_ledger.protoc
 :class:`~export_ledger.ExportLedger` on the shared PostgreSQL ledger and
 :class:`~export_ledger.destinations.s3.S3Destination` on the shared bucket), with a short lease. Refused and failed
 keys are tried again on the next pass; a key is done once an attempt reports it exported, repaired or already
-completed. It stops between two keys once the stop file exists.
+completed. It stops between two keys once the stop file exists (or once the test process is gone, or after ``max_seconds``:
+a worker never outlives a test that was killed before its teardown).
 
 The ledger's clock is the library's default (the process's own clock), so each worker decides leases with its own
 faked time: that is what the test puts under pressure. The journal (one JSON object a line) records each claim with
@@ -157,6 +158,18 @@ def s3_destination(s3: dict) -> S3Destination:
     )
 
 
+def add_latency(destination: S3Destination, low: float, high: float, rng: random.Random) -> None:
+    """Every request of this destination's S3 client waits ``low`` to ``high`` seconds before it is sent: network
+    latency between the test hosts and the store, which the veth pairs do not have (and this kernel has no netem).
+    It widens the windows between two requests of one export (a data object and its manifest) as a real network
+    does. Reaches into the destination's private client: the one place its requests can be hooked."""
+
+    def delay(**_) -> None:
+        time.sleep(rng.uniform(low, high))
+
+    destination._s3().meta.events.register("before-send.s3", delay)
+
+
 def run_worker(config: dict) -> int:
     name = config["name"]
     journal = Journal(config["journal"], name, config["clock_offset_seconds"])
@@ -165,16 +178,32 @@ def run_worker(config: dict) -> int:
     )
     destination = s3_destination(config["s3"])
     rng = random.Random(config["seed"])
+    if config["s3"].get("latency_seconds"):
+        add_latency(destination, *config["s3"]["latency_seconds"], random.Random(config["seed"] + 1))
     stop = Path(config["stop_file"])
     low, high = config["read_seconds"]
     pending = {str(key): key for key in logical_keys(config)}
     journal.write("start", pid=os.getpid(), keys=len(pending), faked_time=time.time())
     attempts = 0
-    while not stop.exists():
+    give_up = time.monotonic() + config.get("max_seconds", 600)
+
+    def told_to_stop() -> bool:
+        # The stop file; or the test is gone (killed before its teardown ran), or the run far outlived its budget.
+        if stop.exists() or time.monotonic() > give_up:
+            return True
+        try:
+            os.kill(config["test_pid"], 0)
+        except ProcessLookupError:
+            return True
+        except (KeyError, PermissionError):
+            pass
+        return False
+
+    while not told_to_stop():
         order = sorted(pending.values(), key=str)
         rng.shuffle(order)
         for key in order:
-            if stop.exists():
+            if told_to_stop():
                 break
             attempts += 1
             attempt = f"{name}/a{attempts}"
@@ -264,11 +293,16 @@ def _record_dict(record) -> dict:
     }
 
 
-def holders(url: str, export: str) -> dict[str, str]:
-    """``{logical key: lease owner}`` of the export's ``in_progress`` keys."""
+def holders(url: str, export: str) -> dict[str, dict]:
+    """The export's ``in_progress`` keys: ``{logical key: {"owner", "token", "tenant", "business_date"}}``."""
     ledger = ExportLedger(url)
     return {
-        record.logical_key: record.lease_owner
+        record.logical_key: {
+            "owner": record.lease_owner,
+            "token": record.fencing_token,
+            "tenant": record.tenant,
+            "business_date": record.business_date.isoformat(),
+        }
         for record in ledger.records(export=export, states=[ExportState.IN_PROGRESS])
     }
 

@@ -24,7 +24,6 @@ import signal
 import time
 
 import pytest
-
 from multihost import survey
 from multihost import worker as adapter
 from multihost.cluster import EXPORT, Cluster, ReconcileLoop
@@ -87,7 +86,8 @@ def test_three_hosts_with_skewed_clocks_cut_links_and_paused_workers_export_ever
     print(f"\nseed {seed} (replay: EXPORTS_MULTIHOST_SEED={seed})")
     print(
         f"{len(adapter.key_names(cluster.config))} keys ({len(DATES)} dates x 2 tenants), lease {LEASE_SECONDS:.0f}s, "
-        "workers: " + ", ".join(
+        "workers: "
+        + ", ".join(
             f"w{h.index} in {h.namespace} at {h.ns_addr} (clock {offset / 60:+.0f} min)"
             for h, offset in zip(cluster.network.hosts, CLOCK_OFFSETS, strict=True)
         )

@@ -217,7 +217,9 @@ class Cluster:
         for worker in self.workers:
             while not any(e["event"] == "start" for e in self._read_journal(worker)):
                 if worker.process.poll() is not None:
-                    raise RuntimeError(f"{worker.name} exited with {worker.process.returncode}: {self.log_tail(worker)}")
+                    raise RuntimeError(
+                        f"{worker.name} exited with {worker.process.returncode}: {self.log_tail(worker)}"
+                    )
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{worker.name} did not start in {timeout:.0f}s: {self.log_tail(worker)}")
                 time.sleep(0.1)
@@ -384,7 +386,9 @@ class ReconcileLoop:
     locked, and the fault schedule must still be able to continue that worker)."""
 
     def __init__(self, cluster: Cluster, interval: float = 1.0) -> None:
-        self.reconciler = adapter.Reconciler(cluster.host_ledger_url, cluster.host_s3, lease_seconds=cluster.lease_seconds)
+        self.reconciler = adapter.Reconciler(
+            cluster.host_ledger_url, cluster.host_s3, lease_seconds=cluster.lease_seconds
+        )
         self.interval = interval
         self.passes = 0
         self.errors: list[str] = []

@@ -181,13 +181,22 @@ def _resolve(client, bucket: str, view: KeyView) -> None:
         manifest = MANIFEST if place == "." else f"{place}/{MANIFEST}"
         data = pointer.get("data_file")
         view.current = _reach(
-            client, bucket, base, place, manifest, None if data is None else (data if place == "." else f"{place}/{data}")
+            client,
+            bucket,
+            base,
+            place,
+            manifest,
+            None if data is None else (data if place == "." else f"{place}/{data}"),
         )
         view.reachable.append(view.current)
     # The 0.4 layout keeps every revision readable: the key folder's manifest and each revision=N/ manifest.
     places = ["."] if MANIFEST in view.objects else []
     places += sorted(
-        {name.split("/")[0] for name in view.objects if _OLD_PLACE.match(name.split("/")[0]) and name.endswith(MANIFEST)}
+        {
+            name.split("/")[0]
+            for name in view.objects
+            if _OLD_PLACE.match(name.split("/")[0]) and name.endswith(MANIFEST)
+        }
     )
     for place in places:
         if view.current is not None and view.current.place == place:
@@ -322,6 +331,10 @@ def check(
     records = {r["logical_key"]: r for r in ledger["records"]}
     by_day = {(r["export"], r["tenant"], r["business_date"]): r for r in records.values()}
     _check_reader(found, bucket, views, by_day)
+    seen_days = {view.day for view in views.values()}
+    for day, record in sorted(by_day.items()):
+        if record["state"] == "completed" and day not in seen_days:
+            found.add("ledger_mismatch", f"{'/'.join(day)}: completed in the ledger, but its key folder is empty")
     _check_duplicates(found, views, records, ledger["attempts"], journal)
     _check_leases(found, journal, lease_seconds)
     _check_settled(found, expected, records, ledger["escalated"])
@@ -400,6 +413,13 @@ def _check_current(found: Findings, view: KeyView, name: str) -> None:
     if view.layout == "v2" and pointer.get("fence") is not None and manifest.get("fencing_token") is not None:
         if manifest["fencing_token"] > pointer["fence"]:
             disagreements.append(f"the manifest's token {manifest['fencing_token']} is above the fence")
+    if view.layout == "v2" and isinstance(manifest.get("data_file"), str):
+        # The pointer names the data object for readers; the manifest names its own, relative to its place (or,
+        # spelled as the pointer does, to the key folder).
+        named = manifest["data_file"]
+        own = {named, named if current.place == "." else f"{current.place}/{named}"}
+        if pointer.get("data_file") not in own:
+            disagreements.append(f"data file {pointer.get('data_file')} vs the manifest's {named}")
     if disagreements:
         found.add("two_current", f"{name}: the pointer and the manifest it names disagree: {', '.join(disagreements)}")
 

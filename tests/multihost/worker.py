@@ -9,8 +9,8 @@ exporting each through the library's write protocol (:func:`export_ledger.protoc
 :class:`~export_ledger.ExportLedger` on the shared PostgreSQL ledger and
 :class:`~export_ledger.destinations.s3.S3Destination` on the shared bucket), with a short lease. Refused and failed
 keys are tried again on the next pass; a key is done once an attempt reports it exported, repaired or already
-completed. It stops between two keys once the stop file exists (or once the test process is gone, or after ``max_seconds``:
-a worker never outlives a test that was killed before its teardown).
+completed. It stops between two keys once the stop file exists (or once the test process is gone, or after
+``max_seconds``: a worker never outlives a test that was killed before its teardown).
 
 The ledger's clock is the library's default (the process's own clock), so each worker decides leases with its own
 faked time: that is what the test puts under pressure. The journal (one JSON object a line) records each claim with
@@ -262,7 +262,8 @@ class Reconciler:
         self.after: str | None = None
 
     def pass_once(self, limit: int = 50) -> dict:
-        """One batch; ``{"resolved": [[key, state], ...], "findings", "unreachable", "changed_meanwhile", "wrapped"}``."""
+        """One batch: ``{"resolved": [[key, state], ...], "findings", "unreachable", "changed_meanwhile",
+        "wrapped"}`` (``wrapped``: the walk reached the last stuck key and starts again next time)."""
         report = reconcile_batch(self.ledger, self.destination, limit=limit, after=self.after, reconciler=self.name)
         self.after = report.next_after
         return {

@@ -5,14 +5,17 @@ key exported once, and the ledger agrees with them.
 Each test host is a network namespace joined to the host by a veth pair (:mod:`multihost.netns`). The workers reach
 PostgreSQL through a forwarder and moto's S3 server directly, both on the host side of their pair
 (:mod:`multihost.services`). Each worker runs under Debian's ``faketime`` with its own offset: +20 minutes, -20
-minutes, none. A seeded schedule (printed; ``EXPORTS_MULTIHOST_SEED`` replays one) cuts links and SIGSTOPs workers
-in the middle of exports while the host runs reconciliation passes. Then the faults stop, the workers go on until
+minutes, none; every S3 request of a worker waits 30 to 120 ms before it is sent (latency the veth pairs lack). A
+seeded schedule (printed) cuts links and SIGSTOPs workers in the middle of exports while the host runs reconciliation
+passes; ``EXPORTS_MULTIHOST_SEED`` replays the schedule and the workers' random choices, not the interleaving of real
+processes, so a finding may take a few runs of its seed to come back. Then the faults stop, the workers go on until
 every key is settled (or a deadline), stop, and reconciliation runs until a round changes nothing. The survey
 (:mod:`multihost.survey`) then reads the bucket as readers do, in the 0.4 layout or protocol version 2's, and
 compares it with the ledger and the workers' journals.
 
-Needs root, ``ip`` (iproute2) and ``faketime``; skips without them, except with ``CI=true``, where it fails. About
-two minutes.
+Needs root, ``ip`` (iproute2), ``faketime`` and the PostgreSQL server; skips without them, except with ``CI=true``,
+where it fails. 70 to 110 s on the 2-core test machine (the longer when a key never settles and the wait for it runs
+out). The survey itself is tested on its own, everywhere, in test_multihost_survey.py.
 """
 
 from __future__ import annotations

@@ -238,6 +238,7 @@ def test_the_survey_reads_both_layouts_and_finds_each_kind_of_problem(bucket):
     assert len(problems["duplicate"]) == 2 and all(p.startswith(key) for p in problems["duplicate"])
     assert len(problems["live_lease_taken"]) == 2
     assert "took over token 2 4.0s before" in problems["live_lease_taken"][0]
+    assert problems["live_lease_taken"][0].endswith("and then exported")
     assert "w3/a2 (token 1) was fenced out 2.9s before" in problems["live_lease_taken"][1]
     assert sorted(p.split(":")[0] for p in problems["unsettled"]) == [
         "mh_export/acme/2026-01-06T05",  # failed, its reruns not spent

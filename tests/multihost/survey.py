@@ -336,7 +336,6 @@ def check(
         if record["state"] == "completed" and day not in seen_days:
             found.add("ledger_mismatch", f"{'/'.join(day)}: completed in the ledger, but its key folder is empty")
     _check_duplicates(found, views, records, ledger["attempts"], journal)
-    _check_leases(found, journal, lease_seconds)
     _check_settled(found, expected, records, ledger["escalated"])
     states = Counter(r["state"] for r in records.values())
     results = Counter(e["status"] for e in journal if e["event"] == "result")
@@ -355,11 +354,12 @@ def check(
             "objects readers never see": sum(len(v.hidden()) for v in views.values()),
             "claims journaled": sum(1 for e in journal if e["event"] == "claim"),
             "results journaled": dict(sorted(results.items())),
-            "errors journaled": dict(sorted(errors.items())),
+            "attempts ended by an error (refusals included)": dict(sorted(errors.items())),
             "refusals journaled": dict(sorted(refused.items())),
             "attempt rows": dict(sorted(Counter(a["outcome"] for a in ledger["attempts"]).items())),
         }
     )
+    _check_leases(found, journal, lease_seconds)
     return found
 
 
@@ -498,12 +498,13 @@ def _check_duplicates(found: Findings, views: dict[str, KeyView], records: dict,
 def _check_leases(found: Findings, journal: list, lease_seconds: float) -> None:
     """Leases judged by one clock (the host's): the journals' true times."""
     claims = defaultdict(dict)  # key -> token -> claim event
-    ends = {}  # attempt -> the time its export_key call returned or raised
+    ends = {}  # attempt -> the event its export_key call ended with (a result or an error)
     for event in journal:
         if event["event"] == "claim":
             claims[event["key"]][event["token"]] = event
         elif event["event"] in ("result", "error"):
             ends[event["attempt"]] = event
+    taken = exported_after = fenced = 0
     for key, by_token in claims.items():
         for token, claim in sorted(by_token.items()):
             taker = by_token.get(token + 1)
@@ -519,23 +520,30 @@ def _check_leases(found: Findings, journal: list, lease_seconds: float) -> None:
                 holder_end = ends.get(claim["attempt"])
                 takeover = holder_end is None or holder_end["t"] > taker["after"]
             if takeover and taker["after"] < expiry - LEASE_MARGIN_SECONDS:
+                taken += 1
+                outcome = ends.get(taker["attempt"], {})
+                exported_after += outcome.get("status") in ("exported", "repaired")
                 found.add(
                     "live_lease_taken",
                     f"{key}: {taker['attempt']} ({taker['worker']}) took over token {token + 1} "
                     f"{expiry - taker['after']:.1f}s before the lease of {claim['attempt']} (token {token}) ran out "
-                    "by the host's clock",
+                    f"by the host's clock, and then {outcome.get('status') or outcome.get('error_class') or 'stopped'}",
                 )
     for key, by_token in claims.items():
         for token, claim in by_token.items():
             end = ends.get(claim["attempt"])
             if end is not None and end["event"] == "error" and end["error_class"] in FENCED_ERRORS:
                 if end["t"] < claim["before"] + lease_seconds - LEASE_MARGIN_SECONDS:
+                    fenced += 1
                     found.add(
                         "live_lease_taken",
                         f"{key}: {claim['attempt']} (token {token}) was fenced out "
                         f"{claim['before'] + lease_seconds - end['t']:.1f}s before its own lease ran out by the "
                         "host's clock",
                     )
+    found.counts["live leases taken over by a worker"] = taken
+    found.counts["... after which the taker exported or repaired the key"] = exported_after
+    found.counts["attempts fenced out inside their own lease"] = fenced
 
 
 def _check_settled(found: Findings, expected: dict, records: dict, escalated: dict) -> None:

@@ -19,6 +19,19 @@ started with), so the host can judge leases by one clock afterwards.
 
 Host side: :func:`prepare_ledger`, :class:`Reconciler` (``reconcile_batch`` passes), :func:`holders`,
 :func:`snapshot` and :func:`dispose`.
+
+Porting to a reworked API, what the rest of the test relies on:
+
+* the journal's ``claim`` events (token, true times ``before``/``after``, ``previous_state``: ``in_progress`` for a
+  takeover) come from :class:`JournaledLedger`, which wraps whatever call takes a key's lease; without
+  ``previous_state`` the survey falls back to the holder's own journal;
+* ``result`` events carry the result's status (``exported``, ``repaired``, ``already_completed``), location,
+  sha256, committed attempt and revision; ``error`` events the exception's class (a fenced attempt's class is in
+  ``survey.FENCED_ERRORS``);
+* :func:`snapshot` returns each record as plain data (``revision``: the key's current recorded revision, 1 today),
+  the attempt rows, and the keys the ledger escalates;
+* the ledger's clock: today the process's own (faked) clock is passed implicitly; once the ledger reads its
+  server's clock, nothing here changes but that the skew stops mattering.
 """
 
 from __future__ import annotations

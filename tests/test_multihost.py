@@ -37,6 +37,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.process, pytest.mark.postgres]
 
 #: +20 minutes, -20 minutes, none: the skews the issue reproduced with (a lease is a few seconds here).
 CLOCK_OFFSETS = (20 * 60.0, -20 * 60.0, 0.0)
+#: Other offsets, in seconds, comma-separated (``0,0,0`` tells clock defects apart from the others).
+OFFSETS_ENV = "EXPORTS_MULTIHOST_CLOCK_OFFSETS"
 LEASE_SECONDS = 5.0
 DATES = [(dt.date(2026, 1, 5) + dt.timedelta(days=i)).isoformat() for i in range(30)]
 FAULT_PHASE_SECONDS = 55.0
@@ -63,7 +65,8 @@ def cluster(tmp_path, postgres_admin_url):
     if reason is not None:
         _unavailable(reason)
     seed = int(os.environ.get("EXPORTS_MULTIHOST_SEED") or random.SystemRandom().randrange(1, 10**6))
-    made = Cluster(tmp_path, postgres_admin_url, CLOCK_OFFSETS, LEASE_SECONDS, DATES, seed)
+    offsets = tuple(float(x) for x in os.environ[OFFSETS_ENV].split(",")) if os.environ.get(OFFSETS_ENV) else None
+    made = Cluster(tmp_path, postgres_admin_url, offsets or CLOCK_OFFSETS, LEASE_SECONDS, DATES, seed)
     # Processes in sessions of their own and namespaces outlive a killed pytest: on SIGTERM, tear down first.
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:
@@ -84,7 +87,7 @@ def test_three_hosts_with_skewed_clocks_cut_links_and_paused_workers_export_ever
     began = time.monotonic()
     seed = cluster.seed
     schedule = draw_schedule(
-        seed, workers=len(CLOCK_OFFSETS), phase_seconds=FAULT_PHASE_SECONDS, lease_seconds=LEASE_SECONDS
+        seed, workers=len(cluster.offsets), phase_seconds=FAULT_PHASE_SECONDS, lease_seconds=LEASE_SECONDS
     )
     print(f"\nseed {seed} (replay: EXPORTS_MULTIHOST_SEED={seed})")
     print(
@@ -92,7 +95,7 @@ def test_three_hosts_with_skewed_clocks_cut_links_and_paused_workers_export_ever
         "workers: "
         + ", ".join(
             f"w{h.index} in {h.namespace} at {h.ns_addr} (clock {offset / 60:+.0f} min)"
-            for h, offset in zip(cluster.network.hosts, CLOCK_OFFSETS, strict=True)
+            for h, offset in zip(cluster.network.hosts, cluster.offsets, strict=True)
         )
     )
     print("fault schedule:")

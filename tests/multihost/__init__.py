@@ -12,6 +12,8 @@ Layout:
   host-side address to PostgreSQL on 127.0.0.1:5432 (so the server's loopback trust applies unchanged).
 * :mod:`.worker`: the export worker (``python -m tests.multihost.worker CONFIG``) and the host's ledger calls.
 * :mod:`.faults`: the seeded fault schedule (link cuts, pauses longer than a lease) and its executor.
+* :mod:`.cluster`: one run's whole setup (hosts, servers, schema, bucket, workers) and its teardown, and the host's
+  reconciliation loop.
 * :mod:`.survey`: the bucket as readers see it (the 0.4 layout and protocol version 2's pointer and places), and
   the checks against the ledger and the workers' journals.
 """

@@ -12,8 +12,8 @@ keys are tried again on the next pass; a key is done once an attempt reports it 
 completed. It stops between two keys once the stop file exists (or once the test process is gone, or after
 ``max_seconds``: a worker never outlives a test that was killed before its teardown).
 
-The ledger's clock is the library's default (the process's own clock), so each worker decides leases with its own
-faked time: that is what the test puts under pressure. The journal (one JSON object a line) records each claim with
+The ledger's clock is the library's default: the PostgreSQL server's (``now()`` in each deciding transaction), so a
+worker's faked time decides nothing: that is what the test puts under pressure. The journal (one JSON object a line) records each claim with
 its fencing token and each outcome, stamped with the **true** time (the faked clock minus the offset the worker was
 started with), so the host can judge leases by one clock afterwards.
 
@@ -30,8 +30,7 @@ Porting to a reworked API, what the rest of the test relies on:
   ``survey.FENCED_ERRORS``);
 * :func:`snapshot` returns each record as plain data (``revision``: the key's current recorded revision, 1 today),
   the attempt rows, and the keys the ledger escalates;
-* the ledger's clock: today the process's own (faked) clock is passed implicitly; once the ledger reads its
-  server's clock, nothing here changes but that the skew stops mattering.
+* the ledger's clock: the server's, never passed in: the skew must not matter.
 """
 
 from __future__ import annotations
@@ -130,33 +129,33 @@ class Journal:
 
 
 class JournaledLedger(ExportLedger):
-    """The library's ledger, journaling every claim (token, true times around it) and every refused claim."""
+    """The library's ledger, journaling every claim (token, true times around it) and every refused claim: its
+    claims concern's ``claim_many`` (the one call that takes a key's lease) is wrapped."""
 
     def __init__(self, url: str, *, journal: Journal, **kwargs) -> None:
         super().__init__(url, **kwargs)
         self.journal = journal
+        claim_many = self.claims.claim_many
 
-    def claim(self, key, attempt_id):
-        before = self.journal.true_now()
-        try:
-            outcome = super().claim(key, attempt_id)
-        except LedgerError as exc:
-            self.journal.write(
-                "refused", key=str(key), attempt=attempt_id, error_class=type(exc).__name__, error=str(exc)[:300]
-            )
-            raise
-        if isinstance(outcome, Claim):
-            self.journal.write(
-                "claim",
-                key=outcome.logical_key,
-                attempt=attempt_id,
-                token=outcome.fencing_token,
-                before=round(before, 4),
-                after=round(self.journal.true_now(), 4),
-                revision=outcome.revision,
-                previous_state=outcome.previous_state.value if outcome.previous_state else None,
-            )
-        return outcome
+        def journaled(keys, attempt_id, **options):
+            before = self.journal.true_now()
+            outcomes = claim_many(keys, attempt_id, **options)
+            after = self.journal.true_now()
+            for key, outcome in zip(keys, outcomes, strict=True):
+                if isinstance(outcome, LedgerError):
+                    self.journal.write(
+                        "refused", key=str(key), attempt=attempt_id, error_class=type(outcome).__name__,
+                        error=str(outcome)[:300],
+                    )  # fmt: skip
+                elif isinstance(outcome, Claim):
+                    self.journal.write(
+                        "claim", key=outcome.logical_key, attempt=attempt_id, token=outcome.fencing_token,
+                        before=round(before, 4), after=round(after, 4), revision=outcome.revision,
+                        previous_state=outcome.previous_state.value if outcome.previous_state else None,
+                    )  # fmt: skip
+            return outcomes
+
+        self.claims.claim_many = journaled
 
 
 def s3_destination(s3: dict) -> S3Destination:
@@ -180,7 +179,7 @@ def add_latency(destination: S3Destination, low: float, high: float, rng: random
     def delay(**_) -> None:
         time.sleep(rng.uniform(low, high))
 
-    destination._s3().meta.events.register("before-send.s3", delay)
+    destination.store._s3().meta.events.register("before-send.s3", delay)
 
 
 def run_worker(config: dict) -> int:
@@ -288,7 +287,7 @@ class Reconciler:
         }
 
 
-def _record_dict(record) -> dict:
+def _record_dict(record, record_revision: int) -> dict:
     return {
         "logical_key": record.logical_key,
         "export": record.export,
@@ -302,7 +301,7 @@ def _record_dict(record) -> dict:
         "lease_owner": record.lease_owner,
         "lease_expires_at": record.lease_expires_at.timestamp() if record.lease_expires_at else None,
         "fencing_token": record.fencing_token,
-        "revision": getattr(record, "current_revision", None) or 1,
+        "revision": record_revision,
         "updated_at": record.updated_at.timestamp(),
     }
 
@@ -317,7 +316,7 @@ def holders(url: str, export: str) -> dict[str, dict]:
             "tenant": record.tenant,
             "business_date": record.business_date.isoformat(),
         }
-        for record in ledger.records(export=export, states=[ExportState.IN_PROGRESS])
+        for record in ledger.queries.records(export=export, states=[ExportState.IN_PROGRESS])
     }
 
 
@@ -328,7 +327,7 @@ def snapshot(url: str, export: str) -> dict:
     spent. ``stuck_after`` is a day, so that waiting alone escalates nothing within the test.
     """
     ledger = ExportLedger(url)
-    records = ledger.records(export=export)
+    records = ledger.queries.records(export=export)
     attempts = [
         {
             "logical_key": row.logical_key,
@@ -339,14 +338,23 @@ def snapshot(url: str, export: str) -> dict:
             "started_at": row.started_at.timestamp(),
             "finished_at": row.finished_at.timestamp(),
         }
-        for row in ledger.all_attempts()
+        for row in ledger.queries.all_attempts()
     ]
     escalated = {
-        record.logical_key: reason
-        for record, reason in ledger.needs_attention(dt.timedelta(days=1), max_attempts=MAX_ATTEMPTS)
-        if record.export == export
+        escalation.name: escalation.why
+        for escalation in ledger.attention.needs_attention(
+            dt.timedelta(days=1), max_attempts=MAX_ATTEMPTS, exports=[export], limit=10_000
+        )
     }
-    return {"records": [_record_dict(r) for r in records], "attempts": attempts, "escalated": escalated}
+    revisions = {}
+    for record in records:
+        current = ledger.restatements.current_revision(record.logical_key)
+        revisions[record.logical_key] = current.revision if current is not None else 1
+    return {
+        "records": [_record_dict(r, revisions[r.logical_key]) for r in records],
+        "attempts": attempts,
+        "escalated": escalated,
+    }
 
 
 def dispose() -> None:

@@ -347,6 +347,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--withdraw", action="store_true",
         help="withdraw LOGICAL_KEY's open request instead (the key keeps its current revision)",
     )  # fmt: skip
+    restate.add_argument(
+        "--destination", metavar="SPEC",
+        help="with --withdraw: the key's destination, which is fenced and looked at first "
+        "(default: EXPORTS_DESTINATION, else ./var/exports)",
+    )  # fmt: skip
     restate.add_argument("--reason", help="why (required; kept with the revision for good)")
     restate.add_argument("--operator", default=_default_operator(), help="who asks (default: this user@host)")
     restate.set_defaults(handler=_restate)

@@ -53,6 +53,7 @@ from export_ledger.ledger import (
     CompletionEvidence,
     ExportLedger,
     ExportRecord,
+    ExportState,
     FencedOut,
     LedgerError,
     LedgerUnavailable,
@@ -242,6 +243,7 @@ class _KeyExport:
     schema: ExportSchema
     file_format: str
     log: Callable[[str, str], None]
+    _fenced_predecessor: bool = field(default=True, init=False, repr=False)
 
     def run(self, item: ExportItem, attempt: str) -> ExportResult:
         contracts = None if item.contract is None else {(item.key.export, item.key.tenant): item.contract}
@@ -288,6 +290,9 @@ class _KeyExport:
         """
         completions = self.ledger.completions
         target = target_for(item.key, claim.revision)
+        # A takeover's predecessor is not fenced until this attempt's fence lands: before that, nobody knows what it
+        # did or will still do, so this attempt's failure cannot say "nothing is visible" (docs/protocol.md, step 2).
+        self._fenced_predecessor = claim.previous_state is not ExportState.IN_PROGRESS
         try:
             failpoints.reach("after_claim")
             if not _same_window(claim, item.key):
@@ -297,6 +302,7 @@ class _KeyExport:
                     f"[{utc_iso(item.key.window.start_utc)}, {utc_iso(item.key.window.end_utc)}); nothing exported"
                 )
             if isinstance(self.destination, TransactionalDestination):
+                self._fenced_predecessor = True  # its effect and record commit in one ledger transaction: fenced there
                 return "exported", self._write_in_transaction(claim, item, target)
             return self._publish(claim, item, target)
         except PublishOutcomeUnknown as exc:
@@ -319,7 +325,10 @@ class _KeyExport:
             completions.mark_conflict(claim, exc, location=getattr(exc, "location", None))
             raise
         except Exception as exc:
-            completions.fail(claim, exc)
+            if self._fenced_predecessor:
+                completions.fail(claim, exc)
+            else:
+                completions.mark_remote_unknown(claim, exc)  # reconciliation holds, fences and judges it
             raise
 
     def _publish(self, claim: Claim, item: ExportItem, target: ExportTarget) -> tuple[str, CompletionEvidence]:
@@ -329,6 +338,7 @@ class _KeyExport:
         token, superseded = claim.fencing_token, claim.superseded_revision
         if token > 1:
             pointer = destination.fence(target, token, logical_key=claim.logical_key)
+            self._fenced_predecessor = True
         else:
             pointer = destination.pointer(target)
         verification = destination.verify(
@@ -343,7 +353,7 @@ class _KeyExport:
             )
             return "repaired", CompletionEvidence.published(verification.location, manifest)
         if verification.verdict is Verdict.CONFLICT:
-            raise ExportConflict(f"{claim.logical_key}: {verification.detail}")
+            raise ExportConflict(f"{claim.logical_key}: {verification.detail}", location=verification.location)
         fingerprint = Fingerprint(self.schema.id_columns, self.schema.version_column)
         table = self._validated(claim, item, fingerprint)
         destination.sweep(target, token, pointer)
@@ -380,7 +390,8 @@ class _KeyExport:
         if existing.verdict is not Verdict.ABSENT:
             raise ExportConflict(
                 f"{claim.logical_key}: {existing.detail} although the ledger has no completion of revision "
-                f"{claim.revision}"
+                f"{claim.revision}",
+                location=existing.location,
             )
         fingerprint = Fingerprint(self.schema.id_columns, self.schema.version_column)
         table = self._validated(claim, item, fingerprint)

@@ -26,8 +26,14 @@ from export_ledger.dagster import ledgered_definitions
 from export_ledger.drift import compare
 from export_ledger.fingerprint import Fingerprint, of_frame, parse
 from export_ledger.frames import ExportSchema, FrameBatches, validate_batches, validate_frame
-from export_ledger.ledger import SCHEMA_VERSION, ExportLedger, dispose_engines, schema_version
-from export_ledger.ledger.store import UPGRADES, _stamp
+from export_ledger.ledger import (
+    SCHEMA_VERSION,
+    ExportLedger,
+    SchemaOutdated,
+    dispose_engines,
+    schema_version,
+    upgrade_url,
+)
 
 QUERY = (
     "SELECT order_id, tenant, placed_at, total, version FROM orders WHERE tenant = :tenant AND placed_at >= :start "
@@ -174,8 +180,8 @@ def test_a_changed_source_makes_its_key_stale_with_counts_until_the_source_is_re
     with dg.instance_for_test() as instance:
         _export(defs, instance)
         ledger = ExportLedger(environ["EXPORTS_LEDGER_URL"])
-        (record,) = ledger.records()
-        stored = ledger.fingerprints([record.logical_key])[record.logical_key]
+        (record,) = ledger.queries.records()
+        stored = ledger.drift.fingerprints([record.logical_key])[record.logical_key]
         assert parse(stored).rows == 5 and parse(stored).versions is not None, "fingerprint stored at completion"
 
         quiet = tick(defs, instance, sensor_name="drift_sensor")
@@ -186,14 +192,14 @@ def test_a_changed_source_makes_its_key_stale_with_counts_until_the_source_is_re
         (evaluation,) = found.check_evaluations
         assert evaluation.check_name == "source_unchanged" and evaluation.passed is False
         assert evaluation.asset_key == dg.AssetKey("orders") and evaluation.metadata["stale_keys"].value == 1
-        (drift,) = ledger.open_drift()
+        (drift,) = ledger.drift.open_records()
         assert (drift.logical_key, drift.rows_added, drift.rows_removed, drift.rows_changed) == (
             record.logical_key,
             1,
             1,
             1,
         )
-        assert ledger.get(record.logical_key).state.value == "completed", "a stale key stays completed"
+        assert ledger.queries.get(record.logical_key).state.value == "completed", "a stale key stays completed"
         (observed,) = [e for e in found.result.asset_events if isinstance(e, dg.AssetObservation)]
         assert (observed.asset_key, observed.partition) == (dg.AssetKey("orders"), record.business_date.isoformat())
         assert observed.metadata["stale"].value is True and observed.metadata["rows_added"].value == 1
@@ -202,7 +208,7 @@ def test_a_changed_source_makes_its_key_stale_with_counts_until_the_source_is_re
 
         again = tick(defs, instance, found.cursor, sensor_name="drift_sensor")
         assert again.check_evaluations == [], "the verdict is reported when the set of stale keys changes"
-        assert len(ledger.open_drift()) == 1
+        assert len(ledger.drift.open_records()) == 1
 
         code, out = _cli(capsys, "--ledger-url", environ["EXPORTS_LEDGER_URL"], "status", "--state", "stale")
         assert code == 0 and record.logical_key in out and "restatement" in out
@@ -227,7 +233,7 @@ def test_a_changed_source_makes_its_key_stale_with_counts_until_the_source_is_re
         assert evaluation.passed is True and evaluation.metadata["stale_keys"].value == 0
         (observed,) = [e for e in cleared.result.asset_events if isinstance(e, dg.AssetObservation)]
         assert observed.partition == record.business_date.isoformat() and observed.metadata["stale"].value is False
-        assert ledger.open_drift() == []
+        assert ledger.drift.open_records() == []
         code, out = _cli(capsys, "--ledger-url", environ["EXPORTS_LEDGER_URL"], "status", "--state", "stale")
         assert code == 0 and "no stale exports" in out
         assert _run_check(defs, instance).passed is True
@@ -288,50 +294,89 @@ def test_export_ledger_drift_runs_one_pass_from_the_declared_specs(tmp_path, cap
 # -- schema version 4 ------------------------------------------------------------------------------------------------
 
 
-def _v3_ledger(url: str) -> None:
+def _ledger_at(url: str, version: int) -> None:
+    """A ledger as a release before 0.5.0 left it at schema ``version``: release 0.1.0's (tests/test_library.py),
+    upgraded by the alembic revisions up to ``version`` (each freezes its tables as that version had them), without
+    the alembic revision table those releases did not have: only ``export_ledger_schema`` says its version."""
+    from alembic.config import Config
+    from alembic.runtime.environment import EnvironmentContext
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
     from test_library import _v1_ledger
 
+    from export_ledger.ledger.store import MIGRATIONS, VERSION_TABLE
+
     _v1_ledger(url)
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    script = ScriptDirectory.from_config(config)
     engine = sa.create_engine(url)
     with engine.begin() as conn:
-        for version in (1, 2):
-            UPGRADES[version](conn)
-            _stamp(conn, version + 1, f"upgraded from {version}")
+        MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE}).stamp(script, "v1")
+        with EnvironmentContext(
+            config, script, fn=lambda revision, _: script._upgrade_revs(f"v{version}", revision),
+            destination_rev=f"v{version}",
+        ) as environment:  # fmt: skip
+            environment.configure(connection=conn, version_table=VERSION_TABLE)
+            environment.run_migrations()
+        conn.execute(sa.text(f"DROP TABLE {VERSION_TABLE}"))
     engine.dispose()
+    assert schema_version(sa.create_engine(url)) == version, f"the ledger is at schema {version}"
 
 
-def test_a_v3_ledger_reads_unchanged_then_upgrades_to_v4_keeping_every_row(ledger_url, capsys) -> None:
-    _v3_ledger(ledger_url)
+def test_a_v3_ledger_reads_unchanged_refuses_writes_and_upgrades_explicitly_keeping_every_row(
+    ledger_url, capsys
+) -> None:
+    _ledger_at(ledger_url, 3)
     reader = ExportLedger(ledger_url, read_only=True)
     assert schema_version(sa.create_engine(ledger_url)) == 3
-    before = [(r.logical_key, r.state.value, r.row_count, r.sha256, r.fencing_token) for r in reader.records()]
-    assert len(before) == 2 and reader.open_drift() == [], "a v3 ledger reads as it is, with nothing stale"
+    before = [(r.logical_key, r.state.value, r.row_count, r.sha256, r.fencing_token) for r in reader.queries.records()]
+    assert len(before) == 2 and reader.drift.open_records() == [], "a v3 ledger reads as it is, with nothing stale"
     code, out = _cli(capsys, "--ledger-url", ledger_url, "status", "--state", "stale")
     assert code == 0 and "no stale exports" in out
     assert schema_version(sa.create_engine(ledger_url)) == 3, "reading never upgrades"
     dispose_engines()
 
+    with pytest.raises(SchemaOutdated, match="export-ledger upgrade"):
+        ExportLedger(ledger_url)
+    assert schema_version(sa.create_engine(ledger_url)) == 3, "opening to write never upgrades on its own"
+    assert upgrade_url(ledger_url) == [4, 5, 6], "the explicit upgrade runs each revision from 3 on"
     writer = ExportLedger(ledger_url)
-    assert schema_version(sa.create_engine(ledger_url)) == SCHEMA_VERSION == 5
-    after = [(r.logical_key, r.state.value, r.row_count, r.sha256, r.fencing_token) for r in writer.records()]
+    assert schema_version(sa.create_engine(ledger_url)) == SCHEMA_VERSION == 6
+    after = [(r.logical_key, r.state.value, r.row_count, r.sha256, r.fencing_token) for r in writer.queries.records()]
     assert after == before
-    assert set(writer.fingerprints([key for key, *_ in before]).values()) == {None}, "old keys have no fingerprint"
-    assert writer.open_drift() == []
-    assert [a.outcome.value for a in writer.attempts("invoice_export/acme/2026-03-08T05:00:00Z")] == ["completed"]
+    fingerprints = writer.drift.fingerprints([key for key, *_ in before])
+    assert set(fingerprints.values()) == {None}, "old keys have no fingerprint"
+    assert writer.drift.open_records() == []
+    attempts = writer.queries.attempts("invoice_export/acme/2026-03-08T05:00:00Z")
+    assert [a.outcome.value for a in attempts] == ["completed"]
 
 
 def test_each_stale_key_fails_source_unchanged_on_its_own_tenants_asset(tmp_path) -> None:
     from export_ledger.dagster import drift_check_evaluations
-    from export_ledger.ledger import DriftRecord
+    from export_ledger.destinations import LocalDestination
+    from export_ledger.keys import LogicalKey
+    from export_ledger.ledger import DriftFinding
+    from export_ledger.protocol import ExportItem, export_key
 
     spec = _spec(tmp_path / "shop.sqlite3", tenants={"acme": None, "kolkata": "Asia/Kolkata"})
-    stale = DriftRecord(
-        1, "orders/kolkata/x", "orders", "kolkata", _day(), dt.datetime.now(dt.timezone.utc), 2, 0, 1, "fp1", None
-    )
-    verdicts = {e.asset_key.to_user_string(): e for e in drift_check_evaluations([spec], [stale])}
+    ledger = ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    kolkata = spec.group_of("kolkata")
+    window = spec.calendar_for("kolkata").window(_day().isoformat())
+    frame = pd.DataFrame(
+        {"order_id": ["o1"], "tenant": ["kolkata"], "placed_at": [pd.Timestamp(window.start_utc)], "total": [1.0]}
+    ).assign(version=1)
+    key = LogicalKey("orders", "kolkata", window)
+    item = ExportItem(key, _day().isoformat(), frame)
+    export_key(ledger, LocalDestination(str(tmp_path / "x")), spec.schema, item, "r/1")
+    (record,) = ledger.queries.records()
+    ledger.drift.record([DriftFinding(record, 2, 0, 1, "fp1 rows=3 ids=0000000000000000 versions=-")], [])
+
+    # Counted in the ledger per asset (a bounded read of its own tenants' records), never from a list in memory.
+    verdicts = {e.asset_key.to_user_string(): e for e in drift_check_evaluations([spec], ledger)}
     assert set(verdicts) == {group.asset_name for group in spec.groups} and len(verdicts) == 2
-    kolkata = spec.group_of("kolkata").asset_name
-    assert verdicts[kolkata].passed is False and verdicts[kolkata].metadata["stale_keys"].value == 1
+    (failing,) = [e for name, e in verdicts.items() if name == kolkata.asset_name]
+    assert failing.passed is False and failing.metadata["stale_keys"].value == 1
     assert verdicts[spec.group_of("acme").asset_name].passed is True
 
 
@@ -349,14 +394,14 @@ def test_pruning_a_stale_key_closes_its_drift_record(tmp_path) -> None:
     ).assign(version=1)
     key = LogicalKey("orders", "acme", window)
     export_key(ledger, LocalDestination(str(tmp_path / "x")), spec.schema, ExportItem(key, "2026-03-10", frame), "r/1")
-    (record,) = ledger.records()
-    opened = ledger.record_drift([DriftFinding(record, 1, 0, 0, "fp1 rows=2 ids=0000000000000000 versions=-")], [])
-    assert opened.opened == [record.logical_key] and len(ledger.open_drift()) == 1
-    again = ledger.record_drift([DriftFinding(record, 1, 0, 0, "fp1 rows=2 ids=0000000000000000 versions=-")], [])
-    assert again.opened == [] and len(ledger.open_drift()) == 1, "the same drift seen again records nothing"
+    (record,) = ledger.queries.records()
+    opened = ledger.drift.record([DriftFinding(record, 1, 0, 0, "fp1 rows=2 ids=0000000000000000 versions=-")], [])
+    assert opened.opened == [record.logical_key] and len(ledger.drift.open_records()) == 1
+    again = ledger.drift.record([DriftFinding(record, 1, 0, 0, "fp1 rows=2 ids=0000000000000000 versions=-")], [])
+    assert again.opened == [] and len(ledger.drift.open_records()) == 1, "the same drift seen again records nothing"
 
-    ledger.prune(30, export="orders")
-    assert ledger.records() == [] and ledger.open_drift() == [], "a pruned key is no longer stale"
+    ledger.retention.prune(30, export="orders")
+    assert ledger.queries.records() == [] and ledger.drift.open_records() == [], "a pruned key is no longer stale"
 
 
 def test_drift_reads_a_ledger_table_export_back_to_count_the_changes(tmp_path) -> None:

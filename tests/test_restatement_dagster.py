@@ -24,7 +24,7 @@ from pipeline_helpers import failure_message, tick
 from test_drift import _day, _environ, _late_deleted_and_updated, _source, _spec
 
 from export_ledger.dagster import ledgered_definitions
-from export_ledger.destinations.base import CURRENT_NAME
+from export_ledger.destinations.publishing import POINTER_NAME
 from export_ledger.failpoints import ENV_VAR as FAILPOINTS
 from export_ledger.frames import MANIFEST_NAME, Manifest
 from export_ledger.keys import LogicalKey
@@ -74,16 +74,27 @@ class Shop:
         )
 
     def key(self, tenant: str = "acme") -> str:
-        (record,) = self.ledger.records(tenant=tenant)
+        (record,) = self.ledger.queries.records(tenant=tenant)
         return record.logical_key
 
+    def key_folder(self, tenant: str = "acme") -> Path:
+        return self.root / "orders" / f"tenant={tenant}" / f"date={self.day}"
+
     def folder(self, revision: int = 1, tenant: str = "acme") -> Path:
-        folder = self.root / "orders" / f"tenant={tenant}" / f"date={self.day}"
-        return folder if revision == 1 else folder / f"revision={revision}"
+        """The place of ``revision`` the key's ledger record names (``r<revision>-t<token>``: the claim that
+        published it)."""
+        (recorded,) = [r for r in self.ledger.restatements.revisions(self.key(tenant)) if r.revision == revision]
+        place = Path(recorded.location)
+        assert place.parent == self.key_folder(tenant) and place.name.startswith(f"r{revision}-t"), recorded.location
+        return place
 
     def pointer(self, tenant: str = "acme") -> int:
-        path = self.folder(1, tenant) / CURRENT_NAME
-        return json.loads(path.read_text())["revision"] if path.exists() else 1
+        """The revision the key's pointer names: what readers see (0: nothing)."""
+        return json.loads((self.key_folder(tenant) / POINTER_NAME).read_text())["revision"]
+
+    def current_place(self, tenant: str = "acme") -> Path:
+        """The place the key's pointer names."""
+        return self.key_folder(tenant) / json.loads((self.key_folder(tenant) / POINTER_NAME).read_text())["path"]
 
     def load(self) -> pd.DataFrame:
         """What a downstream asset of ``orders`` gets for the day (the I/O manager's ``load_input``)."""
@@ -113,7 +124,7 @@ def _rows(out: str) -> dict[str, list[str]]:
 
 
 def _key_of(shop: Shop, logical_key: str) -> LogicalKey:
-    record = shop.ledger.get(logical_key)
+    record = shop.ledger.queries.get(logical_key)
     return LogicalKey(record.export, record.tenant, record.window)
 
 
@@ -146,16 +157,17 @@ def test_a_stale_key_restated_from_the_cli_publishes_revision_2_beside_revision_
 
     _late_deleted_and_updated(shop.db, shop.spec)
     found = tick(shop.defs, instance, sensor_name="drift_sensor")
-    (drift,) = shop.ledger.open_drift()
+    (drift,) = shop.ledger.drift.open_records()
     assert (drift.rows_added, drift.rows_removed, drift.rows_changed) == (1, 1, 1), "stale with the right counts"
-    assert shop.ledger.open_restatements([key]) == {}, "restate_stale is off: drift alone requests nothing"
+    assert shop.ledger.restatements.open_requests([key]) == {}, "restate_stale is off: drift alone requests nothing"
 
     code, out, _ = _cli(capsys, "--ledger-url", shop.url, "restate", key, "--reason", REASON, "--operator", "ops")
     assert code == 0, out
     assert _rows(out)[key] == ["revision 2", "requested"]
     assert f"materialize: dagster asset materialize -f definitions.py --select orders --partition {shop.day}" in out
     assert "reconciliation sensor" in out
-    assert shop.ledger.get(key).state is ExportState.COMPLETED and shop.pointer() == 1, "recorded first, nothing moved"
+    assert shop.ledger.queries.get(key).state is ExportState.COMPLETED, "recorded first"
+    assert shop.pointer() == 1, "nothing moved"
 
     code, out, _ = _cli(capsys, "--ledger-url", shop.url, "status", "--state", "restating", "--json")
     (pending,) = json.loads(out)
@@ -173,7 +185,7 @@ def test_a_stale_key_restated_from_the_cli_publishes_revision_2_beside_revision_
     checks = result.get_asset_check_evaluations()
     assert [c.passed for c in checks] == [True], "the run's check reads the current revision's file"
 
-    assert shop.pointer() == 2
+    assert shop.pointer() == 2 and shop.current_place() == shop.folder(2), "readers see the revision recorded"
     manifest, _ = read_revision(shop.folder(2))
     assert (manifest.revision, manifest.supersedes_revision, manifest.supersedes_sha256) == (
         2,
@@ -188,7 +200,7 @@ def test_a_stale_key_restated_from_the_cli_publishes_revision_2_beside_revision_
     assert event.metadata["revisions"].value == {
         key: {"revision": 2, "supersedes": 1, "reason": REASON, "requested_by": "ops"}
     }
-    assert shop.ledger.open_drift() == [], "the new revision was read from the source as it is: not stale"
+    assert shop.ledger.drift.open_records() == [], "the new revision was read from the source as it is: not stale"
     (verdict,) = tick(shop.defs, instance, found.cursor, sensor_name="drift_sensor").check_evaluations
     assert verdict.passed and verdict.metadata["stale_keys"].value == 0, "source_unchanged passes again"
 
@@ -233,7 +245,9 @@ def test_restate_refuses_without_a_reason_a_key_not_completed_and_a_second_open_
     assert code == 2 and "not both" in err
     code, _, err = _cli(capsys, "--ledger-url", url, "restate", "--date", shop.day, "--reason", "x")
     assert code == 2 and "--date needs --export" in err
-    code, _, err = _cli(capsys, "--ledger-url", url, "restate", "--withdraw", key, "--reason", "no longer needed")
+    # A withdrawal looks at the key's destination (it holds the key and fences the pointer before judging it).
+    withdrawal = ("--ledger-url", url, "restate", "--withdraw", key, "--destination", str(shop.root))
+    code, _, err = _cli(capsys, *withdrawal, "--reason", "no longer needed")
     assert code == 1 and "no open restatement to withdraw" in err
 
     assert _cli(capsys, "--ledger-url", url, "restate", key, "--reason", REASON)[0] == 0
@@ -243,19 +257,19 @@ def test_restate_refuses_without_a_reason_a_key_not_completed_and_a_second_open_
     # A restatement that fails after its claim leaves the key failed with revision 1 current.
     monkeypatch.setenv(FAILPOINTS, "after_stage=raise")
     assert not shop.run().success
-    assert shop.ledger.get(key).state is ExportState.FAILED and shop.pointer() == 1
+    assert shop.ledger.queries.get(key).state is ExportState.FAILED and shop.pointer() == 1
     code, _, err = _cli(capsys, "--ledger-url", url, "restate", key, "--reason", "again")
     assert code == 1 and "already has an open restatement" in err
-    code, out, _ = _cli(capsys, "--ledger-url", url, "restate", "--withdraw", key, "--reason", "source is gone")
+    code, out, _ = _cli(capsys, *withdrawal, "--reason", "source is gone")
     assert code == 0 and "withdrawn" in out
-    assert shop.ledger.get(key).state is ExportState.COMPLETED
+    assert shop.ledger.queries.get(key).state is ExportState.COMPLETED
     assert _cli(capsys, "--ledger-url", url, "status", "--state", "restating")[1].strip() == "no open restatements"
 
     # A key that is not completed (its first export failed) is refused, named.
     earlier = (_day() - dt.timedelta(days=1)).isoformat()
     assert not shop.run(partition=earlier).success
     monkeypatch.delenv(FAILPOINTS)
-    (failed,) = shop.ledger.records(states=[ExportState.FAILED])
+    (failed,) = shop.ledger.queries.records(states=[ExportState.FAILED])
     code, _, err = _cli(capsys, "--ledger-url", url, "restate", failed.logical_key, "--reason", "x")
     assert code == 1 and "is failed: only a completed key is restated" in err
     by_date = ("restate", "--export", "orders", "--date", earlier, "--reason", "x")
@@ -285,7 +299,7 @@ def test_a_restatement_from_the_launchpad_needs_its_reason_and_is_asked_by_the_r
     assert not no_reason.success and "given without restate_reason" in failure_message(no_reason)
     stranger = shop.run(_restate(REASON, ["acme", "nobody"]))
     assert not stranger.success and "['nobody'] are not tenants of the asset orders" in failure_message(stranger)
-    assert shop.ledger.restatements(open_only=False) == [], "a refused config records nothing"
+    assert shop.ledger.restatements.requests(open_only=False) == [], "a refused config records nothing"
 
     _late_deleted_and_updated(shop.db, shop.spec)
     result = shop.run(_restate(REASON, ["acme"]))
@@ -296,14 +310,14 @@ def test_a_restatement_from_the_launchpad_needs_its_reason_and_is_asked_by_the_r
     }
     assert event.metadata["tenants_restated"].value == ["acme"]
     assert event.metadata["tenants_skipped_already_completed"].value == ["globex"]
-    (first, second) = shop.ledger.revisions(acme)
+    (first, second) = shop.ledger.restatements.revisions(acme)
     assert (second.revision, second.reason, second.requested_by) == (2, REASON, result.run_id)
     assert second.published_by.startswith(result.run_id)
-    assert [r.revision for r in shop.ledger.revisions(globex)] == [1], "only the listed tenant is restated"
+    assert [r.revision for r in shop.ledger.restatements.revisions(globex)] == [1], "only the listed tenant is restated"
     assert shop.pointer("acme") == 2 and shop.pointer("globex") == 1
 
     # Every tenant of the partition when none is listed; an open request elsewhere stands with its own reason.
-    shop.ledger.request_restatement(globex, reason="operator's reason", requested_by="ops")
+    shop.ledger.restatements.request(globex, reason="operator's reason", requested_by="ops")
     everyone = shop.run(_restate("second correction"))
     assert everyone.success, failure_message(everyone)
     revisions = materialization(everyone).metadata["revisions"].value
@@ -321,11 +335,11 @@ def test_restate_stale_is_requested_by_the_drift_sensor_and_launched_by_the_reco
     assert shop.run().success
     key = shop.key()
     quiet = tick(shop.defs, instance)
-    assert quiet.result.run_requests == [] and "0 open restatements" in quiet.skip_message
+    assert quiet.result.run_requests == [] and "0 with open restatements" in quiet.skip_message
 
     _late_deleted_and_updated(shop.db, shop.spec)
     drift = tick(shop.defs, instance, sensor_name="drift_sensor")
-    request = shop.ledger.open_restatements([key])[key]
+    request = shop.ledger.restatements.open_requests([key])[key]
     assert (request.revision, request.reason, request.requested_by) == (
         2,
         "source changed: +1 -1 ~1 rows",
@@ -335,8 +349,9 @@ def test_restate_stale_is_requested_by_the_drift_sensor_and_launched_by_the_reco
 
     launch = tick(shop.defs, instance, quiet.cursor)
     (run_request,) = launch.result.run_requests
+    (work,) = shop.ledger.attention.restating_partitions(limit=10)  # the partition's open requests, digested
     assert (run_request.run_key, run_request.job_name, run_request.partition_key) == (
-        f"restate/orders/{shop.day}/{request.id}",
+        f"restate/orders/{shop.day}/{work.digest}",
         "orders_job",
         shop.day,
     )
@@ -347,20 +362,22 @@ def test_restate_stale_is_requested_by_the_drift_sensor_and_launched_by_the_reco
     result = shop.run(tags=run_request.tags)
     assert result.success, failure_message(result)
     assert materialization(result).metadata["revisions"].value[key]["reason"] == "source changed: +1 -1 ~1 rows"
-    assert [r.revision for r in shop.ledger.revisions(key)] == [1, 2] and shop.pointer() == 2
+    assert [r.revision for r in shop.ledger.restatements.revisions(key)] == [1, 2] and shop.pointer() == 2
     assert tick(shop.defs, instance, again.cursor).result.run_requests == [], "published: nothing more to launch"
     tick(shop.defs, instance, drift.cursor, sensor_name="drift_sensor")
-    assert shop.ledger.open_drift() == [] and shop.ledger.restatements() == []
+    assert shop.ledger.drift.open_records() == [] and shop.ledger.restatements.requests() == []
 
     # A withdrawn automatic request is not asked for again while the drift stays the same.
     with sqlite3.connect(shop.db) as conn:
         conn.execute("UPDATE orders SET version = 3 WHERE order_id = 'o1'")
     third = tick(shop.defs, instance, sensor_name="drift_sensor")
-    assert shop.ledger.open_restatements([key])[key].reason == "source changed: +0 -0 ~1 rows"
-    code, _, _ = _cli(capsys, "--ledger-url", shop.url, "restate", "--withdraw", key, "--reason", "known, harmless")
+    assert shop.ledger.restatements.open_requests([key])[key].reason == "source changed: +0 -0 ~1 rows"
+    withdrawal = ("--ledger-url", shop.url, "restate", "--withdraw", key, "--destination", str(shop.root))
+    code, _, _ = _cli(capsys, *withdrawal, "--reason", "known, harmless")
     assert code == 0
     tick(shop.defs, instance, third.cursor, sensor_name="drift_sensor")
-    assert shop.ledger.restatements() == [] and len(shop.ledger.open_drift()) == 1, "stale, left to the operator"
+    assert shop.ledger.restatements.requests() == [], "not asked for again"
+    assert len(shop.ledger.drift.open_records()) == 1, "stale, left to the operator"
 
 
 def test_restating_a_date_requests_each_completed_key_and_the_sensor_launches_each_zones_partition_once(
@@ -383,10 +400,11 @@ def test_restating_a_date_requests_each_completed_key_and_the_sensor_launches_ea
     assert f"--select orders__asia_kolkata --partition {shop.day}" in out, "the other zone's asset"
 
     # The asset is named by the attempt that completed the key; without one of that form, guessed from the zones.
-    unnamed = {t: dataclasses.replace(shop.ledger.get(shop.key(t)), committed_attempt="operator") for t in tenants}
+    records = {t: shop.ledger.queries.get(shop.key(t)) for t in tenants}
+    unnamed = {t: dataclasses.replace(record, committed_attempt="operator") for t, record in records.items()}
     assert asset_name_for(shop.ledger, unnamed["acme"]) == ("orders", False)
     assert asset_name_for(shop.ledger, unnamed["kolkata"]) == ("orders__asia_kolkata", False)
-    assert asset_name_for(shop.ledger, shop.ledger.get(shop.key("kolkata"))) == ("orders__asia_kolkata", True)
+    assert asset_name_for(shop.ledger, shop.ledger.queries.get(shop.key("kolkata"))) == ("orders__asia_kolkata", True)
 
     launch = tick(shop.defs, instance)
     runs = sorted((r.job_name, r.partition_key) for r in launch.result.run_requests)
@@ -394,7 +412,7 @@ def test_restating_a_date_requests_each_completed_key_and_the_sensor_launches_ea
     for run_request in launch.result.run_requests:
         result = shop.run(job=run_request.job_name, partition=run_request.partition_key, tags=run_request.tags)
         assert result.success, failure_message(result)
-    assert shop.ledger.restatements() == []
+    assert shop.ledger.restatements.requests() == []
     assert {t: shop.pointer(t) for t in tenants} == dict.fromkeys(tenants, 2)
 
 
@@ -411,24 +429,24 @@ def test_load_input_returns_the_current_revision_while_a_restatement_is_under_wa
     assert set(shop.load()["order_id"]) == revision_1
 
     _late_deleted_and_updated(shop.db, shop.spec)
-    shop.ledger.request_restatement(key, reason=REASON, requested_by="ops")
+    shop.ledger.restatements.request(key, reason=REASON, requested_by="ops")
     assert shop.run().success
     revision_2 = {"o1", "o2", "o3", "o4", "late"}
     assert set(shop.load()["order_id"]) == revision_2
 
     _source(shop.db, shop.spec)  # back to revision 1's rows: revision 3 would hold them again
-    shop.ledger.request_restatement(key, reason="revert the billing fix", requested_by="ops")
-    claim = shop.ledger.claim(_key_of(shop, key), "someone/else")
+    shop.ledger.restatements.request(key, reason="revert the billing fix", requested_by="ops")
+    claim = shop.ledger.claims.claim(_key_of(shop, key), "someone/else")
     assert claim.revision == 3
     assert set(shop.load()["order_id"]) == revision_2, "under way: the current revision is still 2"
-    shop.ledger.fail(claim, RuntimeError("source timed out"))
+    shop.ledger.completions.fail(claim, RuntimeError("source timed out"))
     assert set(shop.load()["order_id"]) == revision_2, "failed: revision 2 is still current"
 
-    # Revision 3 published and its pointer moved, but never recorded: the ledger's revision 2 is read until then.
-    monkeypatch.setenv(FAILPOINTS, "after_current=raise")
+    # Revision 3 committed (the pointer names it), but never recorded: the ledger's revision 2 is read until then.
+    monkeypatch.setenv(FAILPOINTS, "after_publish=raise")
     assert not shop.run().success
     monkeypatch.delenv(FAILPOINTS)
-    assert shop.ledger.get(key).state is ExportState.REMOTE_UNKNOWN and shop.pointer() == 3
+    assert shop.ledger.queries.get(key).state is ExportState.REMOTE_UNKNOWN and shop.pointer() == 3
     assert set(shop.load()["order_id"]) == revision_2
 
     reconciled = tick(shop.defs, instance)  # reconciliation finds revision 3 published and records it
@@ -437,8 +455,8 @@ def test_load_input_returns_the_current_revision_while_a_restatement_is_under_wa
     assert event.metadata["revisions"].value == {
         key: {"revision": 3, "supersedes": 2, "reason": "revert the billing fix", "requested_by": "ops"}
     }
-    assert shop.ledger.get(key).state is ExportState.COMPLETED
-    assert [r.revision for r in shop.ledger.revisions(key)] == [1, 2, 3]
+    assert shop.ledger.queries.get(key).state is ExportState.COMPLETED
+    assert [r.revision for r in shop.ledger.restatements.revisions(key)] == [1, 2, 3]
     assert set(shop.load()["order_id"]) == revision_1
 
 
@@ -459,7 +477,7 @@ def test_export_ledger_drift_requests_the_restatements_of_restate_stale_exports(
     _late_deleted_and_updated(shop.db, shop.spec)
     code, out, _ = _cli(capsys, *drift, "--operator", "ops@desk")
     assert code == 0 and "1 restatement(s) requested" in out
-    request = shop.ledger.open_restatements([key])[key]
+    request = shop.ledger.restatements.open_requests([key])[key]
     assert (request.reason, request.requested_by) == ("source changed: +1 -1 ~1 rows", "export-ledger drift (ops@desk)")
     code, out, _ = _cli(capsys, *drift)
     assert code == 0 and "restatement(s) requested" not in out, "the same drift asks once"

@@ -1,13 +1,15 @@
 """Restatements on the S3 and ledger-table destinations: revision N beside N - 1, one current pointer per key.
 
-S3 runs on the moto server (behind the fault proxy where a test breaks or races a request); its pointer is the
-``_current.json`` object, moved by a conditional write. The ledger table runs on SQLite and PostgreSQL; its pointer is
-the key's ``<table>_manifests`` row, moved in the completion transaction. Either way a reader sees exactly one intact
-current revision, revision 1 stays readable, and the ledger records revisions 1 and 2.
+S3 runs on the moto server (behind the fault proxy where a test breaks or races a request); each revision is at the
+place of the claim that wrote it (``r<revision>-t<token>/``) and the ``_current.json`` pointer, written only by a
+conditional write on the version read, makes it current (docs/protocol.md). The ledger table runs on SQLite and
+PostgreSQL; its pointer is the key's ``<table>_manifests`` row, moved in the completion transaction. Either way a
+reader sees exactly one intact current revision, revision 1 stays readable, and the ledger records revisions 1 and 2.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import hashlib
 import json
@@ -16,29 +18,31 @@ import boto3
 import pytest
 import sqlalchemy as sa
 
-from export_ledger.destinations.base import CURRENT_NAME, ExportTarget, PointerMoved
+from export_ledger.destinations.base import ExportTarget, Fenced, PointerMoved, Verdict
+from export_ledger.destinations.publishing import POINTER_NAME, Pointer, StagedExport
 from export_ledger.destinations.s3 import S3Destination
 from export_ledger.destinations.table import SqlTableDestination
 from export_ledger.failpoints import ENV_VAR as FAILPOINTS
 from export_ledger.failpoints import SimulatedCrash
 from export_ledger.frames import MANIFEST_NAME, Manifest, validate_frame
-from export_ledger.ledger import ExportLedger, ExportState
-from export_ledger.protocol import ExportOutcomeUnknown, export_key
+from export_ledger.ledger import ExportLedger, ExportState, LedgerError
+from export_ledger.protocol import ExportOutcomeUnknown, _KeyExport, export_key
 from export_ledger.reconcile import reconcile_batch
+from export_ledger.resolve import resolve_key
 from tests.builders import key_for
-from tests.test_batched_ledger import SCHEMA
+from tests.test_batched_ledger import SCHEMA, orders
 from tests.test_restatement import DAY, corrected, item
 
 PREFIX = "exports"
 TABLE = "restated_orders"
 
 
-def target_of(key, revision: int = 1) -> ExportTarget:
-    return ExportTarget(key.export, key.tenant, key.window.business_date.isoformat(), revision)
+def target_of(key, revision: int = 1, place: str | None = None) -> ExportTarget:
+    return ExportTarget(key.export, key.tenant, key.window.business_date.isoformat(), revision, place)
 
 
 def restate(ledger, destination, key, run_id: str = "run-2/export"):
-    ledger.request_restatement(str(key), reason="invoice amounts corrected", requested_by="ops")
+    ledger.restatements.request(str(key), reason="invoice amounts corrected", requested_by="ops")
     return export_key(ledger, destination, SCHEMA, item(key, corrected(key)), run_id)
 
 
@@ -81,20 +85,30 @@ def objects(s3, bucket: str, key) -> dict[str, bytes]:
 
 
 def s3_current(s3, bucket: str, key) -> tuple[int, Manifest, bytes]:
-    """What an outside reader does: follow ``_current.json`` (absent: revision 1 in the key's folder), read the
-    revision's manifest and the data it names, and check the data against the manifest's sha256."""
+    """What an outside reader does: follow ``_current.json`` to the manifest and the data it names, and check the
+    data against the manifest's sha256."""
     stored = objects(s3, bucket, key)
-    pointer = json.loads(stored[CURRENT_NAME]) if CURRENT_NAME in stored else {"revision": 1, "path": "."}
-    folder = "" if pointer["path"] == "." else f"{pointer['path']}/"
-    manifest = Manifest.from_json(stored[f"{folder}{MANIFEST_NAME}"], "moto")
-    data = stored[f"{folder}{manifest.data_file}"]
-    assert hashlib.sha256(data).hexdigest() == manifest.sha256, "the current revision's data matches its manifest"
-    assert manifest.revision == pointer["revision"], "the pointer names the revision its folder holds"
+    pointer = json.loads(stored[POINTER_NAME])
+    manifest = Manifest.from_json(stored[pointer["manifest"]], "moto")
+    data = stored[pointer["data_file"]]
+    assert hashlib.sha256(data).hexdigest() == manifest.sha256 == pointer["sha256"], "the current data is intact"
+    assert manifest.revision == pointer["revision"], "the pointer names the revision its place holds"
     return pointer["revision"], manifest, data
 
 
-def revision_names(stored: dict[str, bytes]) -> list[str]:
-    return sorted({name.split("/", 1)[0] for name in stored if name.startswith("revision=")})
+def place_names(stored: dict[str, bytes]) -> list[str]:
+    """The key's places (``r<revision>-t<token>``), committed or not."""
+    return sorted({name.split("/", 1)[0] for name in stored if "/" in name})
+
+
+def stage_revision(destination, key, revision: int, token: int, supersedes: Manifest) -> StagedExport:
+    """Writes ``revision`` at the place of ``token`` (invisible until committed), as that party would."""
+    manifest = dataclasses.replace(
+        supersedes, revision=revision, supersedes_revision=supersedes.revision, supersedes_sha256=supersedes.sha256,
+        fencing_token=token,
+    )  # fmt: skip
+    table = validate_frame(corrected(key), SCHEMA, key.window, what=str(key))
+    return destination.stage(target_of(key, revision), token, table, "csv", manifest)
 
 
 def test_s3_restating_publishes_revision_2_beside_revision_1_and_moves_the_pointer(s3, s3_bucket, s3_server, s3_ledger):
@@ -102,165 +116,226 @@ def test_s3_restating_publishes_revision_2_beside_revision_1_and_moves_the_point
     key = key_for(DAY)
     assert export_key(s3_ledger, destination, SCHEMA, item(key), "run-1/export").status == "exported"
     _, original_manifest, original = s3_current(s3, s3_bucket, key)
-    assert CURRENT_NAME not in objects(s3, s3_bucket, key), "a key never restated needs no pointer"
+    first = json.loads(objects(s3, s3_bucket, key)[POINTER_NAME])
+    assert (first["revision"], first["path"], first["fence"]) == (1, "r1-t1", 1), "revision 1 is committed too"
 
     result = restate(s3_ledger, destination, key)
     assert result.status == "exported" and result.row_count == len(corrected(key))
 
     revision, manifest, data = s3_current(s3, s3_bucket, key)
-    assert revision == 2 and destination.current(target_of(key)) == 2
+    assert revision == 2 and destination.current_revision(target_of(key)) == 2
     assert (manifest.revision, manifest.supersedes_revision, manifest.supersedes_sha256) == (
         2,
         1,
         original_manifest.sha256,
     )
     stored = objects(s3, s3_bucket, key)
-    assert revision_names(stored) == ["revision=2"]
-    pointer = json.loads(stored[CURRENT_NAME])
+    assert place_names(stored) == ["r1-t1", "r2-t2"]
+    pointer = json.loads(stored[POINTER_NAME])
     assert pointer == {
+        "format": 2,
+        "fence": 2,
         "logical_key": str(key),
         "revision": 2,
-        "path": "revision=2",
+        "path": "r2-t2",
+        "manifest": f"r2-t2/{MANIFEST_NAME}",
+        "data_file": f"r2-t2/{manifest.data_file}",
         "sha256": manifest.sha256,
-        "data_file": manifest.data_file,
+        "row_count": manifest.row_count,
     }
     # Revision 1 is still where it was, byte for byte, and readable through the destination.
-    assert Manifest.from_json(stored[MANIFEST_NAME], "moto") == original_manifest
-    assert stored[original_manifest.data_file] == original
-    assert destination.probe(target_of(key)) == original_manifest
-    assert destination.read_data(target_of(key), original_manifest) == original
-    assert destination.read_data(target_of(key, 2), manifest) == data
+    assert Manifest.from_json(stored[f"r1-t1/{MANIFEST_NAME}"], "moto") == original_manifest
+    assert stored[f"r1-t1/{original_manifest.data_file}"] == original
+    seen = destination.verify_recorded(
+        target_of(key, 1, "r1-t1"), logical_key=str(key), sha256=original_manifest.sha256
+    )
+    assert seen.verdict is Verdict.PUBLISHED and seen.manifest == original_manifest
+    assert destination.read_data(target_of(key, 1, "r1-t1"), original_manifest) == original
+    assert destination.read_data(target_of(key, 2, "r2-t2"), manifest) == data
 
-    record = s3_ledger.get(str(key))
+    record = s3_ledger.queries.get(str(key))
     assert record.state is ExportState.COMPLETED and record.sha256 == manifest.sha256
-    assert record.location == f"s3://{s3_bucket}/{key_prefix(key)}revision=2/"
-    assert [(r.revision, r.sha256) for r in s3_ledger.revisions(str(key))] == [
+    assert record.location == f"s3://{s3_bucket}/{key_prefix(key)}r2-t2/"
+    assert [(r.revision, r.sha256) for r in s3_ledger.restatements.revisions(str(key))] == [
         (1, original_manifest.sha256),
         (2, manifest.sha256),
     ]
 
 
-def test_s3_pointer_refuses_a_stale_move_and_leaves_one_already_there_alone(s3, s3_bucket, s3_server, s3_ledger):
+def test_s3_pointer_refuses_a_stale_commit_and_leaves_one_already_there_alone(s3, s3_bucket, s3_server, s3_ledger):
     destination = s3_destination(s3_bucket, s3_server)
     key = key_for(DAY)
     export_key(s3_ledger, destination, SCHEMA, item(key), "run-1/export")
+    _, first, _ = s3_current(s3, s3_bucket, key)
     restate(s3_ledger, destination, key)
     _, manifest, _ = s3_current(s3, s3_bucket, key)
-    pointer_key = f"{key_prefix(key)}{CURRENT_NAME}"
+    pointer_key = f"{key_prefix(key)}{POINTER_NAME}"
     before = s3.head_object(Bucket=s3_bucket, Key=pointer_key)
 
-    with pytest.raises(PointerMoved, match="points at revision 2, not at revision 1 which revision 3 supersedes"):
-        destination.move_current(target_of(key, 3), manifest, supersedes=1)
-    destination.move_current(target_of(key, 2), manifest, supersedes=1)  # already there: nothing to do
+    # A party that still believes revision 1 is current: its revision 3 is staged (invisible) and never committed.
+    stale = stage_revision(destination, key, 3, 5, first)
+    with pytest.raises(PointerMoved, match="names revision 2, not revision 1 which revision 3 supersedes"):
+        destination.commit(stale, 5, superseded=1)
+    # Revision 2's commit sent again (as after an unknown outcome): already there, so nothing is written.
+    again = destination.commit(StagedExport(target_of(key, 2, "r2-t2"), manifest), 2, superseded=1)
+    assert (again.revision, again.place) == (2, "r2-t2")
 
     after = s3.head_object(Bucket=s3_bucket, Key=pointer_key)
     assert (after["ETag"], after["LastModified"]) == (before["ETag"], before["LastModified"]), "never rewritten"
-    assert destination.current(target_of(key)) == 2
+    assert destination.current_revision(target_of(key)) == 2
 
 
 @pytest.mark.parametrize(
-    ("interloper_revision", "outcome"),
-    [(3, "refused"), (2, "idempotent")],
-    ids=["another-revision-won", "same-revision-won"],
+    "interloper",
+    ["another-revision-won", "a-newer-token-fenced-it", "the-same-commit-landed"],
 )
 def test_s3_pointer_written_between_read_and_write_is_never_overwritten(
-    s3, s3_bucket, s3_ledger, fault_proxy, interloper_revision, outcome
+    s3, s3_bucket, s3_ledger, fault_proxy, interloper
 ):
-    """A real lost-update race: the interloper writes the pointer when the proxy holds the mover's conditional PUT
-    (after the mover read the pointer, before its write reaches the store); the store answers 412."""
+    """A real lost-update race: the interloper writes the pointer when the proxy holds the committer's conditional
+    PUT (after the committer read the pointer, before its write reaches the store); the store answers 412, and the
+    committer judges the pointer it reads again."""
     destination = s3_destination(s3_bucket, fault_proxy.endpoint_url)
     key = key_for(DAY)
     export_key(s3_ledger, destination, SCHEMA, item(key), "run-1/export")
-    manifest = destination.probe(target_of(key))
-    pointer_key = f"{key_prefix(key)}{CURRENT_NAME}"
-    interloper = json.dumps({"revision": interloper_revision, "path": f"revision={interloper_revision}"}).encode()
+    _, first, _ = s3_current(s3, s3_bucket, key)
+    staged = stage_revision(destination, key, 2, 2, first)  # the committer: token 2, revision 2 superseding 1
+    committed = Pointer(2, 2, "r2-t2", staged.manifest.sha256, staged.manifest.row_count, "data.csv", str(key))
+    written = {
+        "another-revision-won": dataclasses.replace(committed, fence=1, revision=3, place="r3-t1"),
+        "a-newer-token-fenced-it": Pointer(3, 1, "r1-t1", first.sha256, first.row_count, "data.csv", str(key)),
+        "the-same-commit-landed": committed,
+    }[interloper].payload()
+    pointer_key = f"{key_prefix(key)}{POINTER_NAME}"
     raced = []
 
     def interlope(method: str, path: str) -> bool:
         if method == "PUT" and path.endswith(f"/{pointer_key}") and not raced:
-            s3.put_object(Bucket=s3_bucket, Key=pointer_key, Body=interloper)
+            s3.put_object(Bucket=s3_bucket, Key=pointer_key, Body=written)
             raced.append(path)
-        return False  # no fault: the mover's PUT is forwarded as sent
+        return False  # no fault: the committer's PUT is forwarded as sent
 
-    destination.check_conditional_updates()  # its probe PUTs are not the race
     fault_proxy.inject("error_500", count=None, when=interlope)
-    if outcome == "refused":
-        with pytest.raises(PointerMoved, match="points at revision 3, not at revision 1"):
-            destination.move_current(target_of(key, 2), manifest, supersedes=1)
+    if interloper == "another-revision-won":
+        with pytest.raises(PointerMoved, match="names revision 3, not revision 1"):
+            destination.commit(staged, 2, superseded=1)
+    elif interloper == "a-newer-token-fenced-it":
+        with pytest.raises(Fenced, match="fenced at token 3, above this party's 2"):
+            destination.commit(staged, 2, superseded=1)
     else:
-        destination.move_current(target_of(key, 2), manifest, supersedes=1)
-    assert raced, "the mover's PUT met the race"
-    assert s3.get_object(Bucket=s3_bucket, Key=pointer_key)["Body"].read() == interloper, "the interloper's stays"
+        assert destination.commit(staged, 2, superseded=1).place == "r2-t2", "an earlier send landed: success"
+    assert raced, "the committer's PUT met the race"
+    assert s3.get_object(Bucket=s3_bucket, Key=pointer_key)["Body"].read() == written, "the interloper's stays"
 
 
-@pytest.mark.parametrize("point", ["after_publish", "after_current", "before_commit"])
-def test_s3_restatement_killed_after_publishing_ends_with_one_current_revision(
+@pytest.mark.parametrize("point", ["after_stage", "after_publish", "before_commit"])
+def test_s3_restatement_killed_after_writing_ends_with_one_current_revision(
     s3, s3_bucket, s3_server, s3_ledger, clock, monkeypatch, point
 ):
     destination = s3_destination(s3_bucket, s3_server)
     key = key_for(DAY)
     export_key(s3_ledger, destination, SCHEMA, item(key), "run-1/export")
     _, original_manifest, original = s3_current(s3, s3_bucket, key)
-    s3_ledger.request_restatement(str(key), reason="late rows", requested_by="ops")
+    s3_ledger.restatements.request(str(key), reason="late rows", requested_by="ops")
     monkeypatch.setenv(FAILPOINTS, f"{point}=crash")
     with pytest.raises(SimulatedCrash):
         export_key(s3_ledger, destination, SCHEMA, item(key, corrected(key)), "run-2/export")
     monkeypatch.delenv(FAILPOINTS)
 
+    committed = point != "after_stage"  # staged is invisible; after_publish is after the pointer's commit
     revision, _, _ = s3_current(s3, s3_bucket, key)  # readers see one intact revision, whatever was reached
-    assert revision == (1 if point == "after_publish" else 2)
+    assert revision == (2 if committed else 1)
     clock.advance(minutes=16)
     reconcile_batch(s3_ledger, destination, limit=10, after=None, reconciler="test")
+    if not committed:
+        assert s3_ledger.queries.get(str(key)).state is ExportState.FAILED, "nothing visible: failed, and rerun"
+        assert export_key(s3_ledger, destination, SCHEMA, item(key, corrected(key)), "run-3/export").status == (
+            "exported"
+        )
 
-    record = s3_ledger.get(str(key))
+    record = s3_ledger.queries.get(str(key))
     revision, manifest, _ = s3_current(s3, s3_bucket, key)
     assert record.state is ExportState.COMPLETED and record.sha256 == manifest.sha256
     assert revision == 2 and manifest.supersedes_sha256 == original_manifest.sha256
-    assert [r.revision for r in s3_ledger.revisions(str(key))] == [1, 2]
+    assert [r.revision for r in s3_ledger.restatements.revisions(str(key))] == [1, 2]
     stored = objects(s3, s3_bucket, key)
-    assert revision_names(stored) == ["revision=2"]
-    assert stored[original_manifest.data_file] == original, "revision 1 is untouched"
+    # Tokens: revision 1's 1, the dead attempt 2, reconciliation's hold 3, the rerun 4 (which swept the dead place).
+    assert place_names(stored) == ["r1-t1", "r2-t2" if committed else "r2-t4"]
+    assert stored[f"r1-t1/{original_manifest.data_file}"] == original, "revision 1 is untouched"
 
 
 @pytest.mark.parametrize("fault", ["error_503", "cut_before_response"])
-def test_s3_pointer_write_with_an_unknown_outcome_is_remote_unknown_and_reconciled(
+def test_s3_pointer_commit_with_an_unknown_outcome_is_remote_unknown_and_reconciled(
     s3, s3_bucket, s3_ledger, fault_proxy, fault
 ):
     destination = s3_destination(s3_bucket, fault_proxy.endpoint_url)
     key = key_for(DAY)
     export_key(s3_ledger, destination, SCHEMA, item(key), "run-1/export")
-    s3_ledger.request_restatement(str(key), reason="late rows", requested_by="ops")
-    fault_proxy.inject(fault, method="PUT", path_suffix=f"/{CURRENT_NAME}")
-    with pytest.raises(ExportOutcomeUnknown, match="may or may not have moved"):
+    s3_ledger.restatements.request(str(key), reason="late rows", requested_by="ops")
+    pointer_puts = []
+
+    def the_commit(_method: str, path: str) -> bool:
+        pointer_puts.append(path)
+        return len(pointer_puts) == 2  # the restatement's first pointer write is its fence (token 2), then its commit
+
+    fault_proxy.inject(fault, method="PUT", path_suffix=f"/{POINTER_NAME}", when=the_commit)
+    with pytest.raises(ExportOutcomeUnknown, match="may or may not exist"):
         export_key(s3_ledger, destination, SCHEMA, item(key, corrected(key)), "run-2/export")
-    assert fault_proxy.remaining == 0, "the pointer's PUT met the fault"
-    assert s3_ledger.get(str(key)).state is ExportState.REMOTE_UNKNOWN
-    # 503: never forwarded, so revision 1 is still current; a cut response: the move landed.
-    assert s3_current(s3, s3_bucket, key)[0] == (1 if fault == "error_503" else 2)
+    assert fault_proxy.remaining == 0, "the commit's PUT met the fault"
+    assert s3_ledger.queries.get(str(key)).state is ExportState.REMOTE_UNKNOWN
+    # 503: never forwarded, so revision 1 is still current; a cut response: the commit landed.
+    landed = fault == "cut_before_response"
+    assert s3_current(s3, s3_bucket, key)[0] == (2 if landed else 1)
 
     report = reconcile_batch(s3_ledger, destination, limit=10, after=None, reconciler="test")
-    assert [r.state for r in report.resolved_to(ExportState.COMPLETED)] == [ExportState.COMPLETED]
+    if landed:
+        assert [r.state for r in report.resolved_to(ExportState.COMPLETED)] == [ExportState.COMPLETED]
+    else:
+        # The commit never landed and is fenced now (token 3): nothing of it can become visible, so it is rerun.
+        assert [r.state for r in report.resolved_to(ExportState.FAILED)] == [ExportState.FAILED]
+        assert export_key(s3_ledger, destination, SCHEMA, item(key, corrected(key)), "run-3/export").status == (
+            "exported"
+        )
     revision, manifest, _ = s3_current(s3, s3_bucket, key)
-    assert revision == 2 and s3_ledger.get(str(key)).sha256 == manifest.sha256
-    assert [r.revision for r in s3_ledger.revisions(str(key))] == [1, 2]
+    assert revision == 2 and s3_ledger.queries.get(str(key)).sha256 == manifest.sha256
+    assert [r.revision for r in s3_ledger.restatements.revisions(str(key))] == [1, 2]
 
 
-def test_s3_discarding_revision_1_keeps_later_revisions_and_the_pointer(s3, s3_bucket, s3_server, s3_ledger):
+def test_s3_discarding_an_unrecorded_revision_keeps_every_recorded_one_and_sets_the_pointer_back(
+    s3, s3_bucket, s3_server, s3_ledger, clock
+):
+    """Replaces 0.4's discard of revision 1 beside a current revision 2 and its orphan sweep by age: in protocol v2
+    nothing a recorded revision names is ever deleted, and only what no pointer can ever name is swept."""
     destination = s3_destination(s3_bucket, s3_server)
     key = key_for(DAY)
     export_key(s3_ledger, destination, SCHEMA, item(key), "run-1/export")
-    first = destination.probe(target_of(key))
     restate(s3_ledger, destination, key)
-    later = {name: body for name, body in objects(s3, s3_bucket, key).items() if "/" in name or name == CURRENT_NAME}
-    assert len(later) == 3, "revision 2's manifest and data, and the pointer"
+    recorded = objects(s3, s3_bucket, key)
+    assert place_names(recorded) == ["r1-t1", "r2-t2"]
+    with pytest.raises(LedgerError, match="completed"):
+        resolve_key(s3_ledger, destination, str(key), action="discard-destination", operator="ops", reason="x")
+    pointer = destination.pointer(target_of(key))
+    assert destination.sweep(target_of(key), 99, pointer) == 0, "recorded revisions are never swept"
 
-    assert destination.discard_abandoned(target_of(key), below_token=99) == 0, "revision 1's data is its manifest's"
-    with pytest.raises(Exception, match="is revision 2, the key's current one"):
-        destination.discard_target(target_of(key, 2))
-    removed = destination.discard_target(target_of(key))
+    # Revision 3 committed by an attempt that died before recording it; an operator discards it.
+    s3_ledger.restatements.request(str(key), reason="more late rows", requested_by="ops")
+    claim = s3_ledger.claims.claim(key, "run-3/export")
+    exporter = _KeyExport(s3_ledger, destination, SCHEMA, "csv", lambda level, message: None)
+    exporter._publish(claim, item(key, orders(key)), target_of(key, 3))
+    assert s3_current(s3, s3_bucket, key)[0] == 3
+    clock.advance(minutes=16)
+    resolved = resolve_key(
+        s3_ledger, destination, str(key), action="discard-destination", operator="ops", reason="wrong source"
+    )
+    assert resolved.record.state is ExportState.FAILED
 
-    assert sorted(removed) == sorted([MANIFEST_NAME, first.data_file])
-    assert objects(s3, s3_bucket, key) == later, "only revision 1's own objects were deleted"
+    stored = objects(s3, s3_bucket, key)
+    assert place_names(stored) == ["r1-t1", "r2-t2"], "only revision 3's place was deleted"
+    assert {n: b for n, b in stored.items() if n != POINTER_NAME} == {
+        n: b for n, b in recorded.items() if n != POINTER_NAME
+    }, "revisions 1 and 2, byte for byte"
+    after = json.loads(stored[POINTER_NAME])
+    assert (after["revision"], after["path"], after["fence"]) == (2, "r2-t2", 4), "set back, fenced by the operator"
     assert s3_current(s3, s3_bucket, key)[0] == 2
 
 
@@ -289,41 +364,50 @@ def row_keys(ledger_url: str) -> dict[str, int]:
         engine.dispose()
 
 
-def verified(destination, target) -> tuple[Manifest, bytes]:
-    manifest = destination.probe(target)
-    assert manifest is not None, f"revision {target.revision} is published"
-    data = destination.read_data(target, manifest)
-    assert hashlib.sha256(data).hexdigest() == manifest.sha256, f"revision {target.revision} reads as written"
-    return manifest, data
+def verified(ledger, destination, key, revision: int = 1) -> tuple[Manifest, bytes]:
+    """The recorded ``revision``, checked against the ledger's record of it, and its data as the destination reads
+    it back."""
+    (recorded,) = [r for r in ledger.restatements.revisions(str(key)) if r.revision == revision]
+    target = target_of(key, revision)
+    seen = destination.verify_recorded(target, logical_key=str(key), sha256=recorded.sha256)
+    assert seen.verdict is Verdict.PUBLISHED, f"revision {revision} is published: {seen.detail}"
+    data = destination.read_data(target, seen.manifest)
+    assert hashlib.sha256(data).hexdigest() == seen.manifest.sha256, f"revision {revision} reads as written"
+    return seen.manifest, data
+
+
+def holds_no(destination, key, revision: int) -> bool:
+    seen = destination.verify_recorded(target_of(key, revision), logical_key=str(key), sha256="0" * 64)
+    return seen.verdict is Verdict.CONFLICT and "holds no export" in seen.detail
 
 
 def test_table_restatement_keeps_every_revision_and_moves_the_manifest_row(ledger, table_destination, ledger_url):
     key = key_for(DAY)
     assert export_key(ledger, table_destination, SCHEMA, item(key), "run-1/export").status == "exported"
-    first, first_data = verified(table_destination, target_of(key))
+    first, first_data = verified(ledger, table_destination, key)
     assert not sa.inspect(sa.create_engine(ledger_url)).has_table(f"{TABLE}_revisions"), "made only when restated"
-    assert table_destination.probe(target_of(key, 2)) is None
+    assert holds_no(table_destination, key, 2)
 
     assert restate(ledger, table_destination, key).status == "exported"
-    second, _ = verified(table_destination, target_of(key, 2))
+    second, _ = verified(ledger, table_destination, key, 2)
     assert (second.revision, second.supersedes_revision, second.supersedes_sha256) == (2, 1, first.sha256)
-    assert table_destination.current(target_of(key)) == 2
-    assert verified(table_destination, target_of(key)) == (first, first_data), "revision 1 is still readable"
-    record = ledger.get(str(key))
+    assert table_destination.current_revision(target_of(key)) == 2
+    assert verified(ledger, table_destination, key) == (first, first_data), "revision 1 is still readable"
+    record = ledger.queries.get(str(key))
     assert record.state is ExportState.COMPLETED and record.sha256 == second.sha256
     assert record.location == table_destination.location(target_of(key, 2)) and record.location.endswith("revision=2")
 
     # A second restatement: revision 3 beside both, revision 1's copy is not made twice.
     assert restate(ledger, table_destination, key, "run-3/export").status == "exported"
-    third, _ = verified(table_destination, target_of(key, 3))
+    third, _ = verified(ledger, table_destination, key, 3)
     assert (third.supersedes_revision, third.supersedes_sha256) == (2, second.sha256)
-    assert verified(table_destination, target_of(key, 2))[0] == second
+    assert verified(ledger, table_destination, key, 2)[0] == second
     assert row_keys(ledger_url) == {
         str(key): first.row_count,
         f"{key}#revision=2": second.row_count,
         f"{key}#revision=3": third.row_count,
     }
-    assert [r.revision for r in ledger.revisions(str(key))] == [1, 2, 3]
+    assert [r.revision for r in ledger.restatements.revisions(str(key))] == [1, 2, 3]
     with pytest.raises(Exception, match="restated key"):
         table_destination.discard_target(target_of(key))
 
@@ -332,7 +416,7 @@ def test_table_pointer_refuses_a_stale_revision_and_writes_nothing(ledger, table
     key = key_for(DAY)
     export_key(ledger, table_destination, SCHEMA, item(key), "run-1/export")
     restate(ledger, table_destination, key)
-    first = table_destination.probe(target_of(key))
+    first, _ = verified(ledger, table_destination, key)
     before = row_keys(ledger_url)
 
     # A writer that still believes revision 1 is current: refused inside its transaction, which then rolls back.
@@ -344,13 +428,15 @@ def test_table_pointer_refuses_a_stale_revision_and_writes_nothing(ledger, table
             table_destination.write_in_transaction(conn, target_of(key, 3), table, stale)
     finally:
         engine.dispose()
-    assert row_keys(ledger_url) == before and table_destination.probe(target_of(key, 3)) is None
-    assert table_destination.current(target_of(key)) == 2
+    assert row_keys(ledger_url) == before and holds_no(table_destination, key, 3)
+    assert table_destination.current_revision(target_of(key)) == 2
 
-    second = table_destination.probe(target_of(key, 2))
-    table_destination.move_current(target_of(key, 2), second, supersedes=1)  # already there: confirmed
-    with pytest.raises(PointerMoved, match="current revision is 2"):
-        table_destination.move_current(target_of(key, 3), second, supersedes=2)
+    # The pointer row judged as a publishing destination's pointer: revision 2 is there; revision 3 superseding 1 is
+    # a conflict (neither what it publishes nor what it supersedes).
+    confirmed = table_destination.verify(target_of(key, 2), logical_key=str(key), superseded=1)
+    assert confirmed.verdict is Verdict.PUBLISHED
+    stale_view = table_destination.verify(target_of(key, 3), logical_key=str(key), superseded=1)
+    assert stale_view.verdict is Verdict.CONFLICT and "names revision 2" in stale_view.detail
 
 
 def test_table_restatement_killed_before_commit_leaves_revision_1_current_and_is_rerun(
@@ -359,37 +445,45 @@ def test_table_restatement_killed_before_commit_leaves_revision_1_current_and_is
     key = key_for(DAY)
     export_key(ledger, table_destination, SCHEMA, item(key), "run-1/export")
     before = row_keys(ledger_url)
-    ledger.request_restatement(str(key), reason="late rows", requested_by="ops")
+    ledger.restatements.request(str(key), reason="late rows", requested_by="ops")
     monkeypatch.setenv(FAILPOINTS, "before_commit=crash")
     with pytest.raises(SimulatedCrash):
         export_key(ledger, table_destination, SCHEMA, item(key, corrected(key)), "run-2/export")
     monkeypatch.delenv(FAILPOINTS)
-    assert row_keys(ledger_url) == before and table_destination.current(target_of(key)) == 1, "all rolled back"
-    assert table_destination.probe(target_of(key, 2)) is None
+    assert row_keys(ledger_url) == before and table_destination.current_revision(target_of(key)) == 1, (
+        "all rolled back"
+    )
+    assert holds_no(table_destination, key, 2)
 
     clock.advance(minutes=16)
     reconcile_batch(ledger, table_destination, limit=10, after=None, reconciler="test")
-    assert ledger.get(str(key)).state is ExportState.FAILED
+    assert ledger.queries.get(str(key)).state is ExportState.FAILED
     assert export_key(ledger, table_destination, SCHEMA, item(key, corrected(key)), "run-3/export").status == (
         "exported"
     )
-    assert table_destination.current(target_of(key)) == 2
-    assert [r.revision for r in ledger.revisions(str(key))] == [1, 2]
+    assert table_destination.current_revision(target_of(key)) == 2
+    assert [r.revision for r in ledger.restatements.revisions(str(key))] == [1, 2]
 
 
-def test_s3_pointer_is_never_moved_on_a_store_that_fails_the_conditional_update_check(
-    s3, s3_bucket, s3_ledger, fault_proxy
+def test_s3_pointer_is_never_written_on_a_store_that_fails_the_conditional_update_check(
+    s3, s3_bucket, s3_server, s3_ledger, fault_proxy
 ):
-    destination = s3_destination(s3_bucket, fault_proxy.endpoint_url)
     key = key_for(DAY)
-    export_key(s3_ledger, destination, SCHEMA, item(key), "run-1/export")
-    manifest = destination.probe(target_of(key))
+    export_key(s3_ledger, s3_destination(s3_bucket, s3_server), SCHEMA, item(key), "run-1/export")
+    # Another process (the proxy's endpoint: a store this process has not checked yet) restates the key.
+    destination = s3_destination(s3_bucket, fault_proxy.endpoint_url)
+    pointer = objects(s3, s3_bucket, key)[POINTER_NAME]
     fault_proxy.inject("error_403", method="PUT", when=lambda _method, path: ".export-ledger-probe/" in path)
-    with pytest.raises(Exception, match="the store refused the check .* honours conditional updates \\(If-Match\\)"):
-        destination.move_current(target_of(key, 2), manifest, supersedes=1)
-    assert destination.current(target_of(key)) == 1
-    sent = [r.method for r in fault_proxy.history if r.path.endswith(CURRENT_NAME)]
-    assert "PUT" not in sent, "no pointer write was sent"
-    # Not remembered as checked: once the store answers, the check passes and the pointer moves.
-    destination.move_current(target_of(key, 2), manifest, supersedes=1)
-    assert destination.current(target_of(key)) == 2
+    s3_ledger.restatements.request(str(key), reason="late rows", requested_by="ops")
+    with pytest.raises(Exception, match="the store refused the check that s3://.* honours conditional writes"):
+        export_key(s3_ledger, destination, SCHEMA, item(key, corrected(key)), "run-2/export")
+    sent = [r.method for r in fault_proxy.history if r.path.endswith(POINTER_NAME)]
+    assert "PUT" not in sent, "no pointer write (neither fence nor commit) was sent before the store was checked"
+    assert objects(s3, s3_bucket, key)[POINTER_NAME] == pointer
+    assert s3_ledger.queries.get(str(key)).state is ExportState.FAILED and destination.current_revision(
+        target_of(key)
+    ) == 1
+    # Not remembered as checked: once the store answers, the check passes and the restatement is committed.
+    fault_proxy.clear()
+    assert export_key(s3_ledger, destination, SCHEMA, item(key, corrected(key)), "run-3/export").status == "exported"
+    assert destination.current_revision(target_of(key)) == 2

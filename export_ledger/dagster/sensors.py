@@ -9,6 +9,7 @@ module turns them into Dagster's vocabulary. Every read of a tick is a bounded p
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
 
@@ -24,6 +25,8 @@ from export_ledger.restate import published_revisions
 from export_ledger.spec import ExportSpec
 from export_ledger.tenants import TenantGroup
 
+#: The digest of an empty escalated set: a cursor that never saw an escalation saw this one.
+NOTHING_ESCALATED = hashlib.sha256(b"").hexdigest()[:16]
 #: The tag that names the situation a rerun was launched for: runs that failed before claiming anything leave the
 #: situation as it was, and are counted by it, so that such a partition still gets its automatic reruns.
 SITUATION_TAG = "export-ledger/rerun-of"
@@ -157,14 +160,15 @@ def _materializations(
                 partitions.setdefault(record.business_date.isoformat(), {})[record.logical_key] = (
                     finding.evidence.revision
                 )
-        if record.state is ExportState.COMPLETED and finding.record.lease_owner:
-            # The attempt that left this key unknown may have completed other keys before its run failed: those
-            # partitions were never recorded as materialized either.
+        if finding.record.lease_owner and record.state in (ExportState.COMPLETED, ExportState.FAILED):
+            # The attempt that left this key stuck may have completed other keys before its run failed: those
+            # partitions were never recorded as materialized either (whatever became of this key: a failed one is
+            # rerun, and the rerun records only its own partition).
             for other in ledger.queries.committed_by(finding.record.lease_owner, limit=1000):
                 other_asset = asset(other.timezone)
                 if other.export == export and other_asset is not None:
                     touched.setdefault(other_asset, set()).add(other.business_date.isoformat())
-        elif record.state is ExportState.CONFLICT:
+        if record.state is ExportState.CONFLICT:
             log.error(f"{record.logical_key}: conflict at the destination, nothing overwritten: {finding.detail}")
     events = []
     for group in spec.groups:
@@ -374,7 +378,7 @@ def build_reconciliation_sensor(
             shown = "; ".join(f"{e.name}: {e.why}" for e in first)
             context.log.error(f"{summary.total} export key(s) need attention (export-ledger status "
                               f"--needs-attention): {shown}")  # fmt: skip
-        if summary.digest != state.get("stuck_digest"):
+        if summary.digest != state.get("stuck_digest", NOTHING_ESCALATED):
             # Only when the escalated set changes: one verdict per asset (asset events are not deduplicated).
             for spec in by_name.values():
                 for asset_name, (count, listed) in asset_groups(spec, summary).items():

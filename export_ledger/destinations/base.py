@@ -45,7 +45,13 @@ class DestinationUnreachable(DestinationError):
 
 
 class DestinationConflict(DestinationError):
-    """The destination holds something else where this export belongs; it is never overwritten."""
+    """The destination holds something else where this export belongs; it is never overwritten.
+
+    ``location`` says where (the place the key's pointer names, or the key's folder), when known."""
+
+    def __init__(self, message: str, *, location: str | None = None) -> None:
+        super().__init__(message)
+        self.location = location
 
 
 class PointerMoved(DestinationConflict):
@@ -131,7 +137,8 @@ class Verification:
         verdict: See :class:`Verdict`.
         detail: Why, in words (names paths and revisions, never data).
         manifest: The published revision's manifest (``PUBLISHED``).
-        location: Where the published revision is (``PUBLISHED``), as the ledger records it.
+        location: Where the published revision is (``PUBLISHED``), as the ledger records it; for ``CONFLICT``, where
+            the conflicting content is.
         fence: The pointer's fence (publishing destinations; 0 otherwise).
     """
 

@@ -183,6 +183,7 @@ class PublishingDestination(Destination):
             Fenced: the pointer's fence is already above ``token``.
             PublishOutcomeUnknown: the write's outcome is unknown (nothing readers see changed either way).
         """
+        self.store.check_conditions()  # no conditional write goes to a store that ignores the conditions
         name = f"{self.key_folder(target)}/{POINTER_NAME}"
         for _ in range(_ROUNDS):
             current = self.pointer(target)
@@ -228,6 +229,9 @@ class PublishingDestination(Destination):
             pointer_revision=pointer.revision, manifest=manifest, data_sha256=data_sha256,
             pointer_sha256=pointer.sha256, where=where, expected_sha256=expected_sha256,
         )  # fmt: skip
+        if verification.verdict is Verdict.CONFLICT:
+            where = where if where != self.key_folder(target) else self.location(target.at_place("."))
+            return replace(verification, fence=pointer.fence, location=where)
         return replace(verification, fence=pointer.fence)
 
     def verify_recorded(self, target: ExportTarget, *, logical_key: str, sha256: str) -> Verification:
@@ -303,6 +307,7 @@ class PublishingDestination(Destination):
             PublishOutcomeUnknown: the write's outcome is unknown.
             DestinationError: the write certainly did not happen.
         """
+        self.store.check_conditions()
         target, manifest = staged.target, staged.manifest
         name = f"{self.key_folder(target)}/{POINTER_NAME}"
         for _ in range(_ROUNDS):
@@ -312,10 +317,12 @@ class PublishingDestination(Destination):
             if current.fence > token:
                 raise self._fenced(target, current, token)
             if current.revision != superseded:
-                raise PointerMoved(
+                moved = PointerMoved(
                     f"{self.store.url(name)} names revision {current.revision}, not revision {superseded} which "
                     f"revision {target.revision} supersedes; it is not moved"
                 )
+                moved.location = self.location(target.at_place("."))
+                raise moved
             committed = Pointer(
                 token, target.revision, target.place, manifest.sha256, manifest.row_count, manifest.data_file,
                 manifest.logical_key,
@@ -366,6 +373,7 @@ class PublishingDestination(Destination):
         """An operator's discard (after fencing with ``token``): the pointer goes back to ``restore`` (the revision
         the ledger records, or nothing), and the places of ``target.revision`` (the unrecorded one), and whatever
         other unrecorded place the pointer named, are deleted. Returns the places removed."""
+        self.store.check_conditions()
         name = f"{self.key_folder(target)}/{POINTER_NAME}"
         for _ in range(_ROUNDS):
             current = self.pointer(target)

@@ -243,14 +243,18 @@ class Attention:
                            self._pending_requests(now, stuck_after)):  # fmt: skip
                 if exports:
                     source = source.where(runs.export.in_(list(exports)))
+                # A hold that gives a key back unchanged keeps its updated_at and its claim count (holds are not
+                # claims), so the digest changes when the escalated situation does, not on every reconciliation tick.
                 counted = source.with_only_columns(
                     runs.export, runs.timezone, sa.func.count().label("keys"),
-                    sa.func.max(runs.updated_at).label("latest"), sa.func.sum(runs.fencing_token).label("tokens"),
+                    sa.func.max(runs.updated_at).label("latest"),
+                    sa.func.sum(runs.claim_count if self.ledger.supports(6) else runs.fencing_token).label("tokens"),
+                    sa.func.max(runs.state).label("state"),
                 ).group_by(runs.export, runs.timezone)  # fmt: skip
                 for row in conn.execute(counted):
                     count, listed = groups.get((row.export, row.timezone), (0, []))
                     groups[(row.export, row.timezone)] = (count + int(row.keys), listed)
-                    parts.append(f"{row.export}|{row.timezone}|{row.keys}|{row.latest}|{row.tokens}")
+                    parts.append(f"{row.export}|{row.timezone}|{row.keys}|{row.latest}|{row.tokens}|{row.state}")
             ranked = self._keys(self._escalated(now, stuck_after, max_attempts), exports).add_columns(
                 sa.func.row_number().over(partition_by=(runs.export, runs.timezone), order_by=runs.logical_key)
                 .label("rank")

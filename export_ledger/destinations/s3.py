@@ -259,8 +259,8 @@ class S3Store(ObjectStore):
             return
         _, _, errors = _boto()
         client = self._s3()
-        key = self._probe_key()
         try:
+            key = self._probe_key()
             etag = client.put_object(Bucket=self.bucket, Key=key, Body=b"1", IfNoneMatch="*")["ETag"]
             try:
                 self._must_refuse(client, key, b"2", {"IfNoneMatch": "*"}, "a second conditional create "
@@ -272,12 +272,16 @@ class S3Store(ObjectStore):
                 client.delete_object(Bucket=self.bucket, Key=key)
         except errors.ClientError as exc:
             status = self._status(exc)
-            refused = "the store refused" if status is not None and 400 <= status < 500 else "cannot do"
-            raise DestinationError(
-                f"{refused} the check that s3://{self.bucket} honours conditional writes: {self._describe_error(exc)}"
+            if status is not None and 400 <= status < 500:
+                raise DestinationError(
+                    f"the store refused the check that s3://{self.bucket} honours conditional writes: "
+                    f"{self._describe_error(exc)}"
+                ) from None
+            raise DestinationUnreachable(
+                f"cannot do the check that s3://{self.bucket} honours conditional writes: {self._describe_error(exc)}"
             ) from None
         except errors.BotoCoreError as exc:
-            raise DestinationError(
+            raise DestinationUnreachable(
                 f"cannot check that s3://{self.bucket} honours conditional writes: {self._describe_error(exc)}"
             ) from None
         _CONDITIONS_CHECKED.add(where)

@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 LOOPBACK = "127.0.0.1"
 _MAX_HEAD_BYTES = 64 * 1024
 _JOIN_TIMEOUT_SECONDS = 5.0
+# connect_timeout: the kernel answers a loopback connect in microseconds, so one unanswered this long was dropped
+# (roomy for a loaded machine: it is paid once per injection).
+_BLACK_HOLE_PROBE_SECONDS = 0.5
+_BLACK_HOLE_MAX_QUEUE = 16
 
 
 def start_s3_server() -> tuple[ThreadedMotoServer, str]:
@@ -68,6 +72,7 @@ class Fault(enum.StrEnum):
     ERROR_503 = "error_503"  # answer 503 ServiceUnavailable without forwarding
     ERROR_403 = "error_403"  # answer 403 AccessDenied without forwarding (the store refused the request)
     REFUSE = "refuse"  # stop listening (connects are refused) and close open connections, until clear()
+    CONNECT_TIMEOUT = "connect_timeout"  # never accept (connects time out), close open connections, until clear()
 
 
 _ERRORS = {
@@ -233,6 +238,7 @@ class FaultProxy:
             proxy.inject(Fault.DROP_BEFORE_FORWARD, method="PUT")  # the next PUT only
             proxy.inject("error_503", count=None)  # every request until clear()
             proxy.inject("refuse")  # connects refused until clear()
+            proxy.inject("connect_timeout")  # connects time out until clear(): nothing is ever sent
             proxy.clear()
     """
 
@@ -248,6 +254,7 @@ class FaultProxy:
         self._plan: _Plan | None = None
         self._port = 0
         self._listener: socket.socket | None = None
+        self._black_hole: list[socket.socket] = []  # connect_timeout: a listener that never accepts, and its queue
         self._accept_thread: threading.Thread | None = None
         self._clients: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()
@@ -268,6 +275,7 @@ class FaultProxy:
         """Close every socket and join every thread; raises if a thread is still running."""
         self._stopping.set()
         self._close_listener()
+        self._close_black_hole()
         with self._lock:
             clients, threads = list(self._clients), list(self._threads)
         for client in clients:
@@ -308,20 +316,22 @@ class FaultProxy:
 
         A request matches when its method equals ``method``, its decoded path (no query) ends with ``path_suffix``
         and ``when(method, path)`` is true; omitted conditions always hold. A new call replaces the previous plan.
-        ``refuse`` takes no condition: it stops listening at once and lasts until :meth:`clear`.
+        ``refuse`` and ``connect_timeout`` take no condition: they apply to connections, at once, until :meth:`clear`.
         """
         fault = Fault(fault)
         if fault is Fault.NONE:
             self.clear()
             return
-        if fault is Fault.REFUSE:
+        if fault in (Fault.REFUSE, Fault.CONNECT_TIMEOUT):
             if method or path_suffix or when:
-                raise ValueError("refuse applies to connections: it takes no request condition")
+                raise ValueError(f"{fault} applies to connections: it takes no request condition")
             self._close_listener()
             with self._lock:
                 clients = list(self._clients)
             for client in clients:  # idle keep-alive connections would otherwise still be served
                 _close_quietly(client)
+            if fault is Fault.CONNECT_TIMEOUT and not self._black_hole:
+                self._open_black_hole()
             return
         if count is not None and count < 1:
             raise ValueError(f"count must be at least 1 or None, got {count}")
@@ -338,9 +348,11 @@ class FaultProxy:
             self._plan = _Plan(fault, count, matches, delay)
 
     def clear(self) -> None:
-        """Back to ``none``: forget the plan, and listen again on the same port after ``refuse``."""
+        """Back to ``none``: forget the plan, and listen again on the same port after ``refuse`` or
+        ``connect_timeout``."""
         with self._lock:
             self._plan = None
+        self._close_black_hole()
         if self._listener is None and not self._stopping.is_set():
             self._open_listener()
 
@@ -401,6 +413,33 @@ class FaultProxy:
             _close_quietly(listener)  # shutdown() wakes the blocked accept() on Linux
         if thread is not None:
             thread.join(_JOIN_TIMEOUT_SECONDS)
+
+    def _open_black_hole(self) -> None:
+        """Listens on the port with an accept queue of one and never accepts, then fills the queue: the kernel drops
+        every further SYN, so a client's connect gets no answer and times out, and nothing is ever sent (a connect
+        timeout, as a black-holed route or an overloaded store gives). Connections are queued until one times out,
+        so the queue is known to be full whatever the kernel rounds the backlog up to."""
+        hole = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        hole.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        hole.bind((LOOPBACK, self._port))
+        hole.listen(0)
+        self._black_hole = [hole]
+        for _ in range(_BLACK_HOLE_MAX_QUEUE):
+            filler = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            filler.settimeout(_BLACK_HOLE_PROBE_SECONDS)
+            try:
+                filler.connect((LOOPBACK, self._port))
+            except TimeoutError:
+                filler.close()
+                return  # the queue is full: this connect got no answer, and neither will the client's
+            self._black_hole.append(filler)  # queued: the queue had room for it
+        self._close_black_hole()
+        raise RuntimeError(f"port {self._port} still accepts connects after {_BLACK_HOLE_MAX_QUEUE} queued ones")
+
+    def _close_black_hole(self) -> None:
+        sockets, self._black_hole = self._black_hole, []
+        for sock in sockets:
+            sock.close()
 
     def _accept_loop(self, listener: socket.socket) -> None:
         while True:

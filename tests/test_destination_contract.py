@@ -145,17 +145,23 @@ def test_an_expected_sha256_other_than_the_committed_one_is_a_conflict(destinati
 
 def test_the_sweep_deletes_only_places_no_pointer_can_ever_name(destination):
     publish(destination, 1)
-    orphan_old = destination.stage(target(1), 2, TABLE, "csv", manifest(2))  # never committed, revision 1
-    orphan_new = destination.stage(target(2), 3, TABLE, "csv", manifest(3, revision=2))  # fenced restatement
-    mine_later = destination.stage(target(2), 6, TABLE, "csv", manifest(6, revision=2))  # a higher token's
-    pointer = destination.fence(target(2), 5, logical_key=LOGICAL_KEY)
-    removed = destination.sweep(target(2), 5, pointer)
+    never_current = destination.stage(target(1), 2, TABLE, "csv", manifest(2))  # revision 1, another place
+    publish(destination, 3, revision=2, superseded=1)
+    earlier_orphan = never_current.target.place
+    fenced = destination.stage(target(3), 4, TABLE, "csv", manifest(4, revision=3))  # a fenced restatement
+    same_revision = destination.stage(target(2), 5, TABLE, "csv", manifest(5, revision=2))  # lost to r2-t3
+    higher = destination.stage(target(3), 9, TABLE, "csv", manifest(9, revision=3))  # a higher token's
+    pointer = destination.fence(target(3), 6, logical_key=LOGICAL_KEY)
+    removed = destination.sweep(target(3), 6, pointer)
     places = set(destination._places(target()))
-    assert removed == 1 and orphan_new.target.place not in places, "revision 2 by token 3: fenced, never current"
-    assert {place_name(1, 1), orphan_old.target.place, mine_later.target.place} <= places, (
-        "the current place, a place of a revision the pointer has passed, and a higher token's place are kept"
+    assert removed == 2 and not {fenced.target.place, same_revision.target.place} & places, (
+        "a revision above the pointer's, and the pointer's revision at another place, can never be current"
     )
-    assert reader_sees(destination) == (1, "run-1/invoice_export")
+    assert {place_name(1, 1), place_name(2, 3), earlier_orphan, higher.target.place} <= places, (
+        "the current place, every place of an earlier revision (one of them is that revision, readable for good) "
+        "and a higher token's place are kept"
+    )
+    assert reader_sees(destination) == (2, "run-3/invoice_export")
 
 
 def test_a_first_claim_sweeps_nothing(destination):

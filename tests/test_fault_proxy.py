@@ -13,7 +13,13 @@ import time
 import boto3
 import pytest
 from botocore.config import Config
-from botocore.exceptions import ClientError, ConnectionClosedError, EndpointConnectionError, ReadTimeoutError
+from botocore.exceptions import (
+    ClientError,
+    ConnectionClosedError,
+    ConnectTimeoutError,
+    EndpointConnectionError,
+    ReadTimeoutError,
+)
 from s3_support import Fault, FaultProxy
 
 ONE_ATTEMPT = Config(retries={"total_max_attempts": 1}, connect_timeout=5, read_timeout=4)  # roomy under load
@@ -136,6 +142,35 @@ def test_refuse_raises_endpoint_connection_error_until_cleared(client, direct, f
     assert fault_proxy.port == port, "the proxy listens again on the same port"
     client.put_object(Bucket=s3_bucket, Key="part-0.parquet", Body=b"rows")
     assert stored_body(direct, s3_bucket, "part-0.parquet") == b"rows"
+
+
+def test_connect_timeout_raises_connect_timeout_error_and_nothing_is_sent_until_cleared(
+    direct, fault_proxy, s3_bucket, s3_credentials
+):
+    impatient = Config(retries={"total_max_attempts": 1}, connect_timeout=1, read_timeout=4)
+    client = boto3.client("s3", endpoint_url=fault_proxy.endpoint_url, config=impatient, **s3_credentials)
+    client.head_bucket(Bucket=s3_bucket)  # leaves a kept-alive connection in the client's pool
+    port = fault_proxy.port
+    fault_proxy.inject("connect_timeout")
+
+    with pytest.raises(ConnectTimeoutError) as excinfo:
+        client.put_object(Bucket=s3_bucket, Key="part-0.parquet", Body=b"rows")
+
+    assert type(excinfo.value) is ConnectTimeoutError, "neither a refused connection nor a lost answer"
+    assert not isinstance(excinfo.value, EndpointConnectionError), "botocore tells it apart from a refused connect"
+    assert fault_proxy.seen["PUT"] == 0, "the request never reached the proxy: nothing was sent"
+    assert stored_body(direct, s3_bucket, "part-0.parquet") is None
+    fault_proxy.clear()
+    assert fault_proxy.port == port, "the proxy listens again on the same port"
+    client.put_object(Bucket=s3_bucket, Key="part-0.parquet", Body=b"rows")
+    assert stored_body(direct, s3_bucket, "part-0.parquet") == b"rows"
+    client.close()
+
+
+def test_connection_faults_take_no_request_condition(fault_proxy):
+    for fault in ("refuse", "connect_timeout"):
+        with pytest.raises(ValueError, match="applies to connections"):
+            fault_proxy.inject(fault, method="PUT")
 
 
 def test_error_hits_only_the_next_request_on_a_kept_alive_connection(client, direct, fault_proxy, s3_bucket):

@@ -3,7 +3,9 @@
 Each tick is evaluated with ``build_sensor_context(instance=...)`` and its asset events are then recorded with
 ``instance.report_runless_asset_event``, as the daemon does, so that what the UI would show (materialized partitions)
 is read back from the instance. Stuck keys come from real faults: the S3 destination behind the fault proxy, or
-failpoints on the local destination (in process, and SIGKILL in a subprocess).
+failpoints on the local destination (in process, and SIGKILL in a subprocess). Reconciliation holds each stuck key
+with a new token, fences the key's pointer with it, then judges what the pointer names: the attempt's commit (the
+pointer PUT) landed, or it did not.
 """
 
 from __future__ import annotations
@@ -18,11 +20,21 @@ from pathlib import Path
 import boto3
 import dagster as dg
 import pytest
-from pipeline_helpers import failure_message, ledger_at, make_defs, published_dirs, run_partition, run_range, tick
+from pipeline_helpers import (
+    failure_message,
+    ledger_at,
+    make_defs,
+    places,
+    published_dirs,
+    run_partition,
+    run_range,
+    tick,
+)
 from s3_support import Fault
 
 from export_ledger import cli
 from export_ledger.calendar import window_for
+from export_ledger.destinations import POINTER_NAME, place_of_location
 from export_ledger.destinations.s3 import S3Destination
 from export_ledger.failpoints import ENV_VAR as FAILPOINTS
 from export_ledger.frames import MANIFEST_NAME
@@ -81,8 +93,8 @@ def make_remote_unknown(tmp_path, dates, tenant: str = "acme") -> list[str]:
     keys = []
     for day in dates:
         key = LogicalKey("invoice_export", tenant, window_for(day, ZONE))
-        claim = ledger.claim(key, f"lost-run-{day.isoformat()}/invoice_export")
-        ledger.mark_remote_unknown(claim, TimeoutError("the PUT got no answer"))
+        claim = ledger.claims.claim(key, f"lost-run-{day.isoformat()}/invoice_export")
+        ledger.completions.mark_remote_unknown(claim, TimeoutError("the PUT got no answer"))
         keys.append(str(key))
     return keys
 
@@ -90,24 +102,25 @@ def make_remote_unknown(tmp_path, dates, tenant: str = "acme") -> list[str]:
 # -- remote_unknown -----------------------------------------------------------------------------------------------
 
 
-def test_an_unknown_outcome_whose_manifest_landed_is_completed_and_materialized_exactly_once(
+def test_an_unknown_outcome_whose_commit_landed_is_completed_and_materialized_exactly_once(
     tmp_path, instance, s3_bucket, fault_proxy
 ):
     defs = make_defs(tmp_path, destination=s3_destination(s3_bucket, fault_proxy.endpoint_url))
-    fault_proxy.inject(Fault.CUT_BEFORE_RESPONSE, method="PUT", path_suffix=MANIFEST_NAME)
+    fault_proxy.inject(Fault.CUT_BEFORE_RESPONSE, method="PUT", path_suffix=POINTER_NAME)
     assert not run_partition(defs, instance, PARTITION).success
     ledger = ledger_at(tmp_path)
-    assert ledger.get(KEY).state is ExportState.REMOTE_UNKNOWN
+    assert ledger.queries.get(KEY).state is ExportState.REMOTE_UNKNOWN
 
     first = tick(defs, instance)
 
-    record = ledger.get(KEY)
-    assert record.state is ExportState.COMPLETED, "the manifest and data at the destination are this key's export"
+    record = ledger.queries.get(KEY)
+    assert record.state is ExportState.COMPLETED, "the pointer names this key's export, intact: it is recorded"
+    assert record.fencing_token == 2, "recorded under reconciliation's hold: the token it fenced the pointer with"
     assert not first.result.run_requests, "nothing to rerun"
     (event,) = first.materializations
     assert event.partition == PARTITION and event.metadata["logical_keys"].value == [KEY]
     assert event.metadata["sha256"].value == {KEY: record.sha256}
-    assert [a.outcome for a in ledger.attempts(KEY)] == [AttemptOutcome.REMOTE_UNKNOWN, AttemptOutcome.REPAIRED]
+    assert [a.outcome for a in ledger.queries.attempts(KEY)] == [AttemptOutcome.REMOTE_UNKNOWN, AttemptOutcome.REPAIRED]
     assert partition_status(defs, instance, PARTITION) == dg.AssetPartitionStatus.MATERIALIZED
 
     cursor = first.cursor
@@ -128,11 +141,11 @@ def test_an_unknown_outcome_with_nothing_published_is_failed_and_rerun_with_a_ne
     for _ in range(2):  # the first rerun is unlucky too: a second failure of the same partition
         fault_proxy.inject(Fault.DROP_BEFORE_FORWARD, method="PUT", path_suffix=".csv")
         assert not run_partition(defs, instance, PARTITION).success
-        assert ledger.get(KEY).state is ExportState.REMOTE_UNKNOWN
+        assert ledger.queries.get(KEY).state is ExportState.REMOTE_UNKNOWN
 
         result = tick(defs, instance)
 
-        assert ledger.get(KEY).state is ExportState.FAILED, "nothing at the destination: safe to retry"
+        assert ledger.queries.get(KEY).state is ExportState.FAILED, "nothing at the destination: safe to retry"
         (request,) = result.result.run_requests
         assert request.partition_key == PARTITION
         assert request.run_key and PARTITION in request.run_key
@@ -144,10 +157,12 @@ def test_an_unknown_outcome_with_nothing_published_is_failed_and_rerun_with_a_ne
     assert run_keys[0] != run_keys[1], "Dagster never relaunches a run key: each failure needs a new one"
     rerun = run_partition(defs, instance, PARTITION)
     assert rerun.success, failure_message(rerun)
-    assert ledger.get(KEY).state is ExportState.COMPLETED
+    assert ledger.queries.get(KEY).state is ExportState.COMPLETED
     listing = s3.list_objects_v2(Bucket=s3_bucket, Prefix=folder(PARTITION) + "/")["Contents"]
-    names = sorted(o["Key"].rsplit("/", 1)[1] for o in listing)
-    assert names[0] == MANIFEST_NAME and len(names) == 2 and names[1].startswith("data-t"), "one export: its objects"
+    names = sorted(o["Key"].removeprefix(folder(PARTITION) + "/") for o in listing)
+    place = place_of_location(ledger.queries.get(KEY).location)
+    assert place == f"r1-t{ledger.queries.get(KEY).fencing_token}", "the rerun's own place"
+    assert names == [POINTER_NAME, f"{place}/{MANIFEST_NAME}", f"{place}/data.csv"], "one export: pointer and place"
     assert materialized(instance, PARTITION) == 1
 
 
@@ -167,17 +182,17 @@ def test_a_second_failure_of_a_partition_gets_a_new_run_key(tmp_path, instance, 
     drop_data_of("acme")  # acme's write is lost; globex, the next key of the run, is still exported
     assert not run_partition(defs, instance, PARTITION).success
     ledger = ledger_at(tmp_path)
-    assert ledger.get("invoice_export/globex/2026-03-08T05:00:00Z").state is ExportState.COMPLETED
+    assert ledger.queries.get("invoice_export/globex/2026-03-08T05:00:00Z").state is ExportState.COMPLETED
     (first,) = tick(defs, instance).result.run_requests
     drop_data_of("acme")  # the requested rerun loses acme's write again
     assert not run_partition(defs, instance, first.partition_key).success
-    assert ledger.get("invoice_export/acme/2026-03-08T05:00:00Z").state is ExportState.REMOTE_UNKNOWN
+    assert ledger.queries.get("invoice_export/acme/2026-03-08T05:00:00Z").state is ExportState.REMOTE_UNKNOWN
 
     (second,) = tick(defs, instance).result.run_requests
     assert second.partition_key == PARTITION
     assert second.run_key != first.run_key, "the partition's second failure must be rerun too"
     assert run_partition(defs, instance, second.partition_key).success
-    assert {r.state for r in ledger.records()} == {ExportState.COMPLETED}
+    assert {r.state for r in ledger.queries.records()} == {ExportState.COMPLETED}
 
 
 def test_a_different_export_at_the_destination_is_a_conflict_logged_and_never_rerun(
@@ -187,21 +202,26 @@ def test_a_different_export_at_the_destination_is_a_conflict_logged_and_never_re
     assert run_partition(defs, instance, "2026-03-07").success
     fault_proxy.inject(Fault.CUT_BEFORE_RESPONSE, method="PUT", path_suffix=".csv")
     assert not run_partition(defs, instance, PARTITION).success
-    # Someone else's export where this key's belongs: the manifest of another logical key.
-    planted = s3.get_object(Bucket=s3_bucket, Key=f"{folder('2026-03-07')}/{MANIFEST_NAME}")["Body"].read()
-    s3.put_object(Bucket=s3_bucket, Key=f"{folder(PARTITION)}/{MANIFEST_NAME}", Body=planted)
+    # Someone else's export where this key's belongs: a pointer naming the export of another logical key.
+    for name in (POINTER_NAME, f"r1-t1/{MANIFEST_NAME}"):
+        body = s3.get_object(Bucket=s3_bucket, Key=f"{folder('2026-03-07')}/{name}")["Body"].read()
+        s3.put_object(Bucket=s3_bucket, Key=f"{folder(PARTITION)}/{name}", Body=body)
+    planted = s3.get_object(Bucket=s3_bucket, Key=f"{folder(PARTITION)}/r1-t1/{MANIFEST_NAME}")["Body"].read()
+    pointer = json.loads(s3.get_object(Bucket=s3_bucket, Key=f"{folder(PARTITION)}/{POINTER_NAME}")["Body"].read())
 
     result = tick(defs, instance)
 
     ledger = ledger_at(tmp_path)
-    assert ledger.get(KEY).state is ExportState.CONFLICT
+    assert ledger.queries.get(KEY).state is ExportState.CONFLICT
     assert not result.result.run_requests, "a conflict is never rerun: an operator decides"
     assert result.materializations == []
     assert any(KEY in e and "conflict" in e and "nothing overwritten" in e for e in result.errors()), result.errors()
     assert [e.passed for e in result.check_evaluations] == [False], "a conflict is escalated at once"
     assert any(KEY in e and "resolve" in e for e in result.errors()), "the error says how out: export-ledger resolve"
-    current = s3.get_object(Bucket=s3_bucket, Key=f"{folder(PARTITION)}/{MANIFEST_NAME}")["Body"].read()
+    current = s3.get_object(Bucket=s3_bucket, Key=f"{folder(PARTITION)}/r1-t1/{MANIFEST_NAME}")["Body"].read()
     assert current == planted, "the object found there is left as it is"
+    fenced = json.loads(s3.get_object(Bucket=s3_bucket, Key=f"{folder(PARTITION)}/{POINTER_NAME}")["Body"].read())
+    assert fenced == {**pointer, "fence": 2}, "the pointer still names what it named: reconciliation only fenced it"
     refused = run_partition(defs, instance, PARTITION)
     assert f"{KEY} is in conflict" in failure_message(refused), "retries are refused until an operator resolves it"
     assert materialized(instance, PARTITION) == 0
@@ -216,26 +236,34 @@ def test_one_tenants_unknown_outcome_does_not_stop_the_others_and_reconciliation
     fault_proxy.inject(
         Fault.CUT_BEFORE_RESPONSE,
         method="PUT",
-        path_suffix=MANIFEST_NAME,
+        path_suffix=POINTER_NAME,
         when=lambda _method, path: "tenant=acme/" in path,
     )
     assert not run_partition(defs, instance, PARTITION).success
     ledger = ledger_at(tmp_path)
     globex = "invoice_export/globex/2026-03-08T05:00:00Z"
-    assert ledger.get(KEY).state is ExportState.REMOTE_UNKNOWN
-    assert ledger.get(globex).state is ExportState.COMPLETED, "acme's unknown outcome does not stop globex's export"
+    assert ledger.queries.get(KEY).state is ExportState.REMOTE_UNKNOWN
+    assert ledger.queries.get(globex).state is ExportState.COMPLETED, (
+        "acme's unknown outcome does not stop globex's export"
+    )
     assert partition_status(defs, instance, PARTITION) is not dg.AssetPartitionStatus.MATERIALIZED
 
     result = tick(defs, instance)
-    assert ledger.get(KEY).state is ExportState.COMPLETED
+    assert ledger.queries.get(KEY).state is ExportState.COMPLETED
     assert result.result.run_requests == [], "every tenant is completed: nothing to rerun"
     assert [e.partition for e in result.result.asset_events] == [PARTITION]
     assert partition_status(defs, instance, PARTITION) is dg.AssetPartitionStatus.MATERIALIZED
     assert tick(defs, instance).result.asset_events == [], "recorded once, not again on the next tick"
 
 
+# The unknown outcome's write: the commit itself (it landed unanswered: reconciliation completes the key), or the
+# manifest before it (the commit was never sent: the key is failed and rerun).
+UNANSWERED = {"commit": POINTER_NAME, "manifest": MANIFEST_NAME}
+
+
+@pytest.mark.parametrize("unanswered", list(UNANSWERED))
 def test_a_range_run_reconciled_for_its_unknown_key_still_exports_the_partitions_it_never_reached(
-    tmp_path, instance, s3_bucket, fault_proxy
+    tmp_path, instance, s3_bucket, fault_proxy, unanswered
 ):
     defs = make_defs(
         tmp_path, destination=s3_destination(s3_bucket, fault_proxy.endpoint_url), max_partitions_per_run=None
@@ -243,7 +271,7 @@ def test_a_range_run_reconciled_for_its_unknown_key_still_exports_the_partitions
     fault_proxy.inject(
         Fault.CUT_BEFORE_RESPONSE,
         method="PUT",
-        path_suffix=MANIFEST_NAME,
+        path_suffix=UNANSWERED[unanswered],
         when=lambda _method, path: f"date={PARTITION}/" in path,
     )
     assert not run_range(defs, instance, "2026-03-07", "2026-03-09").success
@@ -251,15 +279,20 @@ def test_a_range_run_reconciled_for_its_unknown_key_still_exports_the_partitions
     result = tick(defs, instance)
     for request in result.result.run_requests:
         run_partition(defs, instance, request.partition_key)
+    tick(defs, instance, result.cursor)
 
     ledger = ledger_at(tmp_path)
-    assert [(r.business_date.isoformat(), r.state) for r in ledger.records()] == [
+    assert [(r.business_date.isoformat(), r.state) for r in ledger.queries.records()] == [
         ("2026-03-07", ExportState.COMPLETED),
         ("2026-03-08", ExportState.COMPLETED),
         ("2026-03-09", ExportState.COMPLETED),
     ], "every partition of the range is exported once reconciliation is done"
-    statuses = [partition_status(defs, instance, p) for p in ("2026-03-07", "2026-03-08", "2026-03-09")]
-    assert statuses == [dg.AssetPartitionStatus.MATERIALIZED] * 3
+    partitions = ("2026-03-07", "2026-03-08", "2026-03-09")
+    statuses = [partition_status(defs, instance, p) for p in partitions]
+    assert statuses == [dg.AssetPartitionStatus.MATERIALIZED] * 3, (
+        "the partitions the failed range run completed are recorded too, whatever became of its unknown key"
+    )
+    assert [materialized(instance, p) for p in partitions] == [1, 1, 1], "each recorded exactly once"
 
 
 def test_an_abandoned_attempt_is_judged_by_its_own_export_not_by_an_earlier_attempts_checksum(
@@ -281,31 +314,95 @@ def test_an_abandoned_attempt_is_judged_by_its_own_export_not_by_an_earlier_atte
 
     tick(corrected, instance)
 
-    assert clocked_ledger.get_ledger().get(KEY).state is ExportState.COMPLETED, (
+    assert clocked_ledger.get_ledger().queries.get(KEY).state is ExportState.COMPLETED, (
         "the destination holds the abandoned attempt's own intact export: record it"
     )
 
 
-def test_an_unreachable_destination_leaves_keys_unchanged_and_the_skip_reason_says_so(
+def test_an_unreachable_destination_leaves_keys_remote_unknown_and_the_skip_reason_says_so(
     tmp_path, instance, s3_bucket, fault_proxy
 ):
     defs = make_defs(tmp_path, destination=s3_destination(s3_bucket, fault_proxy.endpoint_url))
-    fault_proxy.inject(Fault.CUT_BEFORE_RESPONSE, method="PUT", path_suffix=MANIFEST_NAME)
+    fault_proxy.inject(Fault.CUT_BEFORE_RESPONSE, method="PUT", path_suffix=POINTER_NAME)
     assert not run_partition(defs, instance, PARTITION).success
     ledger = ledger_at(tmp_path)
-    attempts_before = ledger.attempts(KEY)
+    before = ledger.queries.get(KEY)
+    attempts_before = ledger.queries.attempts(KEY)
 
     fault_proxy.inject(Fault.REFUSE)
     unreachable = tick(defs, instance)
 
-    assert ledger.get(KEY).state is ExportState.REMOTE_UNKNOWN, "no evidence, no decision"
-    assert ledger.attempts(KEY) == attempts_before
+    after = ledger.queries.get(KEY)
+    assert after.state is ExportState.REMOTE_UNKNOWN, "no evidence, no decision: still waiting for one"
+    assert (after.sha256, after.location) == (before.sha256, before.location), (
+        "what the attempt meant to commit is kept"
+    )
+    assert after.fencing_token == before.fencing_token + 1, "the hold took a token, whatever it then could not see"
+    attempts = ledger.queries.attempts(KEY)
+    assert attempts[:-1] == attempts_before, "the attempts before are kept as they were"
+    assert attempts[-1].outcome is AttemptOutcome.REMOTE_UNKNOWN and attempts[-1].attempt_id.startswith(
+        "reconciliation_sensor@"
+    ), "the hold's own attempt found the destination unreachable"
     assert unreachable.result.asset_events == [] and not unreachable.result.run_requests
-    assert "destination unreachable" in unreachable.skip_message and "left unchanged" in unreachable.skip_message
+    assert "destination unreachable" in unreachable.skip_message and "left remote_unknown" in unreachable.skip_message
 
     fault_proxy.clear()
     assert len(tick(defs, instance, unreachable.cursor).materializations) == 1
-    assert ledger.get(KEY).state is ExportState.COMPLETED, "resolved on the first tick that reaches the store"
+    assert ledger.queries.get(KEY).state is ExportState.COMPLETED, "resolved on the first tick that reaches the store"
+
+
+def test_an_abandoned_key_on_an_unreachable_destination_becomes_remote_unknown_until_the_store_answers(
+    tmp_path, instance, monkeypatch, clocked_ledger, clock, s3_bucket, fault_proxy
+):
+    defs = make_defs(tmp_path, ledger=clocked_ledger, destination=s3_destination(s3_bucket, fault_proxy.endpoint_url))
+    monkeypatch.setenv(FAILPOINTS, "before_commit=raise")  # committed at the destination, never recorded
+    assert not run_partition(defs, instance, PARTITION).success
+    monkeypatch.delenv(FAILPOINTS)
+    clock.advance(seconds=clocked_ledger.lease_ttl_seconds + 1)
+    ledger = clocked_ledger.get_ledger()
+
+    fault_proxy.inject(Fault.REFUSE)
+    unreachable = tick(defs, instance)
+
+    record = ledger.queries.get(KEY)
+    assert record.state is ExportState.REMOTE_UNKNOWN, (
+        "held from its dead holder, then not judged: nobody knows what the holder did, so not in_progress any more"
+    )
+    outcomes = [a.outcome for a in ledger.queries.attempts(KEY)]
+    assert outcomes == [AttemptOutcome.ABANDONED, AttemptOutcome.REMOTE_UNKNOWN], "the hold's attempt saw nothing"
+    assert "destination unreachable" in unreachable.skip_message and "left remote_unknown" in unreachable.skip_message
+
+    fault_proxy.clear()
+    reached = tick(defs, instance, unreachable.cursor)
+    assert ledger.queries.get(KEY).state is ExportState.COMPLETED, "the pointer names the holder's intact export"
+    assert [e.partition for e in reached.materializations] == [PARTITION]
+    outcomes = [a.outcome for a in ledger.queries.attempts(KEY)]
+    assert outcomes == [AttemptOutcome.ABANDONED, AttemptOutcome.REMOTE_UNKNOWN, AttemptOutcome.REPAIRED]
+
+
+def test_a_committed_manifest_without_its_data_is_a_conflict_escalated_at_once_not_an_unreachable_store(
+    tmp_path, instance, s3, s3_bucket, fault_proxy
+):
+    defs = make_defs(tmp_path, destination=s3_destination(s3_bucket, fault_proxy.endpoint_url))
+    fault_proxy.inject(Fault.CUT_BEFORE_RESPONSE, method="PUT", path_suffix=POINTER_NAME)
+    assert not run_partition(defs, instance, PARTITION).success
+    ledger = ledger_at(tmp_path)
+    place = place_of_location(ledger.queries.get(KEY).location)
+    s3.delete_object(Bucket=s3_bucket, Key=f"{folder(PARTITION)}/{place}/data.csv")  # what readers see lost its data
+    manifest = s3.get_object(Bucket=s3_bucket, Key=f"{folder(PARTITION)}/{place}/{MANIFEST_NAME}")["Body"].read()
+
+    result = tick(defs, instance)
+
+    assert ledger.queries.get(KEY).state is ExportState.CONFLICT, "the store answered: what it holds is not an export"
+    assert "unreachable" not in result.skip_message, "the store was reached: nothing waits for it to come back"
+    assert [e.passed for e in result.check_evaluations] == [False], "a conflict is escalated at once"
+    assert any(KEY in e and "conflict" in e and "missing" in e for e in result.errors()), result.errors()
+    assert not result.result.run_requests and result.materializations == []
+    current = s3.get_object(Bucket=s3_bucket, Key=f"{folder(PARTITION)}/{place}/{MANIFEST_NAME}")["Body"].read()
+    assert current == manifest, "nothing is overwritten or deleted: an operator decides"
+    judged = ledger.queries.get(KEY)
+    tick(defs, instance, result.cursor)
+    assert ledger.queries.get(KEY) == judged, "judged once: a conflict is not stuck, no later tick holds it again"
 
 
 # -- bounded batches ----------------------------------------------------------------------------------------------
@@ -319,24 +416,27 @@ def test_a_bounded_batch_walks_every_stuck_key_once_per_cycle_following_its_curs
     keys = make_remote_unknown(tmp_path, days)
     ledger = ledger_at(tmp_path)
 
-    def examined_since(start: int) -> list[str]:
-        """Business dates whose manifest the store was asked for since request number ``start``."""
-        return [
-            Path(r.path).parent.name.removeprefix("date=") for r in fault_proxy.history[start:] if r.method == "GET"
-        ]
+    def tokens() -> dict[str, int]:
+        return {r.logical_key: r.fencing_token for r in ledger.queries.records()}
+
+    def held_since(before: dict[str, int]) -> list[str]:
+        """Business dates of the keys held since ``before`` (reconciliation holds each key it examines: a new token)."""
+        records = ledger.queries.records()
+        return sorted(r.business_date.isoformat() for r in records if r.fencing_token > before[r.logical_key])
 
     fault_proxy.inject(Fault.ERROR_503, method="GET", count=None)  # every key stays stuck while the store answers 503
     cursor, cycle = None, []
     for _ in range(4):
-        start = len(fault_proxy.history)
+        before, asked = tokens(), len(fault_proxy.history)
         result = tick(defs, instance, cursor)
         assert result.cursor != cursor, "the cursor moves every tick"
         cursor = result.cursor
-        cycle.append(examined_since(start))
+        cycle.append(held_since(before))
         assert "destination unreachable" in result.skip_message
+        assert len(fault_proxy.history) > asked, "the store was asked, and answered 503"
     iso = [d.isoformat() for d in days]
     assert cycle == [iso[:10], iso[10:20], iso[20:], iso[:10]], "ten keys a tick, in key order, then round again"
-    assert all(r.state is ExportState.REMOTE_UNKNOWN for r in ledger.records())
+    assert all(r.state is ExportState.REMOTE_UNKNOWN for r in ledger.queries.records())
 
     fault_proxy.clear()
     requested = []
@@ -347,7 +447,7 @@ def test_a_bounded_batch_walks_every_stuck_key_once_per_cycle_following_its_curs
         requested += result.result.run_requests
     assert sorted(r.partition_key for r in requested) == iso, "every stuck key examined once, rerun once"
     assert len({r.run_key for r in requested}) == 25
-    assert {ledger.get(k).state for k in keys} == {ExportState.FAILED}
+    assert {ledger.queries.get(k).state for k in keys} == {ExportState.FAILED}
     again = tick(defs, instance, cursor).result.run_requests
     assert {r.run_key for r in again} <= {r.run_key for r in requested}, "the same failures repeat their run keys"
 
@@ -369,18 +469,18 @@ def test_an_attempt_that_died_after_publishing_is_completed_once_its_lease_expir
     assert not run_partition(defs, instance, PARTITION).success
     monkeypatch.delenv(FAILPOINTS)
     ledger = clocked_ledger.get_ledger()
-    assert ledger.get(KEY).state is ExportState.IN_PROGRESS
+    assert ledger.queries.get(KEY).state is ExportState.IN_PROGRESS
 
     live = tick(defs, instance)
-    assert ledger.get(KEY).state is ExportState.IN_PROGRESS, "a live lease is never taken from its holder"
+    assert ledger.queries.get(KEY).state is ExportState.IN_PROGRESS, "a live lease is never taken from its holder"
     assert "no stuck export keys" in live.skip_message
 
     clock.advance(seconds=clocked_ledger.lease_ttl_seconds + 1)
     expired = tick(defs, instance, live.cursor)
 
-    assert ledger.get(KEY).state is ExportState.COMPLETED
+    assert ledger.queries.get(KEY).state is ExportState.COMPLETED
     assert [e.partition for e in expired.materializations] == [PARTITION]
-    assert [a.outcome for a in ledger.attempts(KEY)] == [AttemptOutcome.ABANDONED, AttemptOutcome.REPAIRED]
+    assert [a.outcome for a in ledger.queries.attempts(KEY)] == [AttemptOutcome.ABANDONED, AttemptOutcome.REPAIRED]
     assert materialized(instance, PARTITION) == 1
 
 
@@ -396,7 +496,7 @@ def test_an_attempt_that_died_before_publishing_is_failed_and_rerun_once_its_lea
     result = tick(defs, instance)
 
     ledger = clocked_ledger.get_ledger()
-    assert ledger.get(KEY).state is ExportState.FAILED
+    assert ledger.queries.get(KEY).state is ExportState.FAILED
     assert [r.partition_key for r in result.result.run_requests] == [PARTITION]
     assert run_partition(defs, instance, PARTITION).success
     assert len(published_dirs(tmp_path / "exports")) == 1
@@ -425,16 +525,17 @@ def test_a_process_killed_after_publishing_is_reconciled_from_the_local_export(
     )
     assert child.returncode == -9, f"the export process should have been killed:\n{child.stderr[-2000:]}"
     ledger = clocked_ledger.get_ledger()
-    assert ledger.get(KEY).state is ExportState.IN_PROGRESS
-    (published,) = published_dirs(tmp_path / "exports")
+    assert ledger.queries.get(KEY).state is ExportState.IN_PROGRESS
+    (published,) = places(tmp_path / "exports")
+    assert published_dirs(tmp_path / "exports") == [published.parent], "committed: its pointer names it"
 
     clock.now = dt.datetime.now(UTC) + dt.timedelta(seconds=clocked_ledger.lease_ttl_seconds + 60)
     result = tick(make_defs(tmp_path, ledger=clocked_ledger), instance)
 
-    record = ledger.get(KEY)
+    record = ledger.queries.get(KEY)
     assert record.state is ExportState.COMPLETED and record.location == str(published)
     assert [e.partition for e in result.materializations] == [PARTITION]
-    assert [a.outcome for a in ledger.attempts(KEY)] == [AttemptOutcome.ABANDONED, AttemptOutcome.REPAIRED]
+    assert [a.outcome for a in ledger.queries.attempts(KEY)] == [AttemptOutcome.ABANDONED, AttemptOutcome.REPAIRED]
 
 
 # -- the no_stuck_exports check -----------------------------------------------------------------------------------
@@ -449,7 +550,7 @@ def test_keys_stuck_too_long_fail_the_no_stuck_exports_check_until_they_clear(
         destination=s3_destination(s3_bucket, fault_proxy.endpoint_url),
         stuck_after=dt.timedelta(hours=1),
     )
-    fault_proxy.inject(Fault.CUT_BEFORE_RESPONSE, method="PUT", path_suffix=MANIFEST_NAME)
+    fault_proxy.inject(Fault.CUT_BEFORE_RESPONSE, method="PUT", path_suffix=POINTER_NAME)
     assert not run_partition(defs, instance, PARTITION).success
     fault_proxy.inject(Fault.REFUSE)  # the store stays out of reach: the key stays stuck
 
@@ -472,7 +573,7 @@ def test_keys_stuck_too_long_fail_the_no_stuck_exports_check_until_they_clear(
     cleared = tick(defs, instance, still.cursor)
     (evaluation,) = cleared.check_evaluations
     assert evaluation.passed is True and evaluation.metadata["stuck_keys"].value == 0
-    assert clocked_ledger.get_ledger().get(KEY).state is ExportState.COMPLETED
+    assert clocked_ledger.get_ledger().queries.get(KEY).state is ExportState.COMPLETED
     assert cleared.errors() == []
 
 
@@ -499,7 +600,7 @@ def test_export_ledger_reconcile_lists_the_keys_it_resolved(
     tmp_path, instance, s3_bucket, fault_proxy, cli_env, capsys
 ):
     defs = make_defs(tmp_path, destination=s3_destination(s3_bucket, fault_proxy.endpoint_url))
-    fault_proxy.inject(Fault.CUT_BEFORE_RESPONSE, method="PUT", path_suffix=MANIFEST_NAME)
+    fault_proxy.inject(Fault.CUT_BEFORE_RESPONSE, method="PUT", path_suffix=POINTER_NAME)  # the commit lands
     assert not run_partition(defs, instance, "2026-03-07").success
     fault_proxy.inject(Fault.DROP_BEFORE_FORWARD, method="PUT", path_suffix=".csv")
     assert not run_partition(defs, instance, PARTITION).success
@@ -515,7 +616,8 @@ def test_export_ledger_reconcile_lists_the_keys_it_resolved(
     assert lines == {landed: ["remote_unknown", "completed"], lost: ["remote_unknown", "failed"]}, out
     assert f"--partition {PARTITION}" in out, "the operator is told which partition to rerun"
     ledger = ledger_at(tmp_path)
-    assert ledger.get(landed).state is ExportState.COMPLETED and ledger.get(lost).state is ExportState.FAILED
+    assert ledger.queries.get(landed).state is ExportState.COMPLETED
+    assert ledger.queries.get(lost).state is ExportState.FAILED
 
     assert cli.main(["reconcile", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == [], "nothing is stuck any more"
@@ -525,7 +627,7 @@ def test_export_ledger_reconcile_exits_1_when_the_destination_is_unreachable(
     tmp_path, instance, s3_bucket, fault_proxy, cli_env, capsys
 ):
     defs = make_defs(tmp_path, destination=s3_destination(s3_bucket, fault_proxy.endpoint_url))
-    fault_proxy.inject(Fault.CUT_BEFORE_RESPONSE, method="PUT", path_suffix=MANIFEST_NAME)
+    fault_proxy.inject(Fault.CUT_BEFORE_RESPONSE, method="PUT", path_suffix=POINTER_NAME)
     assert not run_partition(defs, instance, PARTITION).success
     fault_proxy.inject(Fault.REFUSE)
     capsys.readouterr()
@@ -537,7 +639,7 @@ def test_export_ledger_reconcile_exits_1_when_the_destination_is_unreachable(
     assert SECRET not in out + err
     assert KEY in out and "unchanged" in out
     assert "could not be reached" in out, out
-    assert ledger_at(tmp_path).get(KEY).state is ExportState.REMOTE_UNKNOWN
+    assert ledger_at(tmp_path).queries.get(KEY).state is ExportState.REMOTE_UNKNOWN
 
 
 def test_a_day_is_summarised_in_the_database_and_only_its_listed_keys_are_read(sqlite_url):
@@ -550,13 +652,15 @@ def test_a_day_is_summarised_in_the_database_and_only_its_listed_keys_are_read(s
     days = [dt.date(2026, 3, 7), dt.date(2026, 3, 8)]
     for day in days:
         for i, tenant in enumerate(tenants):
-            claim = ledger.claim(key_for(day, tenant=tenant), f"run-{day}/step")
+            claim = ledger.claims.claim(key_for(day, tenant=tenant), f"run-{day}/step")
             if i < 25:  # five tenants of each day stay in progress
-                ledger.complete(claim, evidence_for(claim, row_count=i))
-    summaries = ledger.day_summaries(export="invoice_export", timezone=None, days=days, tenants=tenants)
+                ledger.completions.complete(claim, evidence_for(claim, row_count=i))
+    summaries = ledger.queries.day_summaries(export="invoice_export", timezone=None, days=days, tenants=tenants)
     assert {d: (s.keys, s.completed, s.rows) for d, s in summaries.items()} == {
         day: (30, 25, sum(range(25))) for day in days
     }, "counts and rows come from one grouped read"
-    listed = ledger.first_records(export="invoice_export", timezone=None, days=days, tenants=tenants, per_day=20)
+    listed = ledger.queries.first_records(
+        export="invoice_export", timezone=None, days=days, tenants=tenants, per_day=20
+    )
     assert {d: [r.tenant for r in rs] for d, rs in listed.items()} == {day: tenants[:20] for day in days}
-    assert ledger.first_records(export="invoice_export", timezone=None, days=days, tenants=[], per_day=20) == {}
+    assert ledger.queries.first_records(export="invoice_export", timezone=None, days=days, tenants=[], per_day=20) == {}

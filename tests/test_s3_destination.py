@@ -1,15 +1,18 @@
 """The S3 destination end to end: a moto server behind the fault proxy, the pipeline through Dagster's public APIs.
 
-Every fault the proxy knows is applied to the data PUT and to the manifest PUT. Right after the failed run the
-ledger must say what is known (``failed`` when nothing can have been written, ``remote_unknown`` when the write may
-have landed); reconciliation (the sensor) and at most one rerun must then end with exactly the key's two objects in
-the bucket and the key ``completed``. Objects are always read straight from the moto server, never through the proxy.
+Every fault the proxy knows is applied to each PUT of an attempt: its data object, its manifest (both in its own
+place ``r<revision>-t<token>/``) and the key's pointer ``_current.json`` (the commit, the one write readers see).
+Right after the failed run the ledger must say what is known (``failed`` when nothing was sent: a refused connection,
+a connect timeout; ``remote_unknown`` when the write may have landed); reconciliation (the sensor: hold with a new
+token, fence the pointer, judge what it names) and at most one rerun must then end with exactly the key's pointer and
+the one place it names in the bucket, and the key ``completed``. Objects are always read straight from the moto
+server, never through the proxy.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
+import dataclasses
 import hashlib
 import json
 import uuid
@@ -20,11 +23,11 @@ from urllib.parse import urlsplit
 import boto3
 import dagster as dg
 import pytest
-from pipeline_helpers import failure_message, ledger_at, make_defs, published_dirs, run_partition
+from pipeline_helpers import failure_message, ledger_at, make_defs, places, published_dirs, run_partition
 from s3_support import Fault
 
 from definitions import build_definitions
-from export_ledger.destinations import ExportTarget
+from export_ledger.destinations import POINTER_NAME, ExportTarget, Fenced, StagedExport, Verdict, place_of_location
 from export_ledger.destinations import s3 as s3_module
 from export_ledger.destinations.s3 import S3Destination
 from export_ledger.failpoints import ENV_VAR as FAILPOINTS
@@ -40,7 +43,11 @@ PREFIX = "exports"
 # A held response must outlast the client's read timeout; everything else on loopback answers far sooner.
 READ_TIMEOUT_SECONDS = 3.0  # generous: a loaded CI machine must not time out an ordinary request
 DELAY_SECONDS = 6.0
+# The kernel answers a loopback connect at once, however loaded the machine; a connect_timeout fault waits this out.
+CONNECT_TIMEOUT_SECONDS = 2.0
 UNKNOWN_OUTCOME = "the outcome at the destination is unknown"
+# The objects of the first attempt's place (token 1, revision 1).
+FIRST_PLACE = "r1-t1"
 
 
 @pytest.fixture
@@ -58,28 +65,34 @@ def s3_destination(bucket: str, endpoint_url: str, prefix: str = PREFIX) -> S3De
         endpoint_url=endpoint_url,
         access_key_id="testing",
         secret_access_key="testing",
-        connect_timeout_seconds=5.0,
+        connect_timeout_seconds=CONNECT_TIMEOUT_SECONDS,
         read_timeout_seconds=READ_TIMEOUT_SECONDS,
     )
 
 
 def stored(s3, bucket: str, folder: str = FOLDER, prefix: str = PREFIX) -> dict[str, bytes]:
-    """Object name -> bytes of everything under one key's folder on the moto server."""
-    base = f"{prefix}/{folder}/"
-    listing = s3.list_objects_v2(Bucket=bucket, Prefix=base).get("Contents", [])
-    return {item["Key"][len(base) :]: s3.get_object(Bucket=bucket, Key=item["Key"])["Body"].read() for item in listing}
+    """Object name (relative to the folder) -> bytes of everything under one folder on the moto server."""
+    base = f"{prefix}/{folder}/" if folder else f"{prefix}/"
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=base)
+    names = [item["Key"] for page in pages for item in page.get("Contents", [])]
+    return {name[len(base) :]: s3.get_object(Bucket=bucket, Key=name)["Body"].read() for name in names}
 
 
-def kinds(objects) -> list[str]:
-    """Object names with each attempt's own data object name (``data-t<token>-<hash>.csv``) shown as ``data``."""
-    return sorted("data" if name.startswith("data-t") and name.endswith(".csv") else name for name in objects)
+def place_objects(place: str) -> list[str]:
+    """The objects of one place holding a CSV export, sorted."""
+    return [f"{place}/{MANIFEST_NAME}", f"{place}/data.csv"]
+
+
+def pointer_of(objects: dict[str, bytes]) -> dict:
+    return json.loads(objects[POINTER_NAME])
 
 
 def exported_data(objects: dict[str, bytes]) -> bytes:
-    """The data object the manifest names (the export), checked against the manifest's sha256."""
-    manifest = Manifest.from_json(objects[MANIFEST_NAME], "moto")
-    payload = objects[manifest.data_file]
-    assert hashlib.sha256(payload).hexdigest() == manifest.sha256
+    """The data object the pointer names (the export readers see), checked against its manifest and the pointer."""
+    pointer = pointer_of(objects)
+    manifest = Manifest.from_json(objects[pointer["manifest"]], "moto")
+    payload = objects[pointer["data_file"]]
+    assert hashlib.sha256(payload).hexdigest() == manifest.sha256 == pointer["sha256"], "readers can verify it"
     return payload
 
 
@@ -101,35 +114,60 @@ def reconcile_tick(defs: dg.Definitions, instance: dg.DagsterInstance) -> dg.Sen
 
 
 @contextlib.contextmanager
-def refused_from(destination: S3Destination, proxy, suffix: str):
-    """Connections are refused from the moment the destination is about to send the PUT of ``suffix``.
+def cut_off_from(destination: S3Destination, proxy, suffix: str, fault: Fault):
+    """A connection fault (``refuse``, ``connect_timeout``) from the moment the destination is about to send the PUT
+    of ``suffix``.
 
-    The proxy's ``refuse`` closes its port for every request at once, which would refuse the probe's GET first. To
-    refuse one chosen PUT (for the manifest: after the data PUT succeeded), the port is closed from botocore's
-    ``before-send`` event on the destination's own client.
+    Those faults apply to every connection at once, which would fail the pointer's GET first. To hit one chosen PUT
+    (for the manifest: after the data PUT succeeded), the fault starts from botocore's ``before-send`` event on the
+    destination's own client.
     """
 
-    def close_port(request, **_):
+    def cut_off(request, **_):
         if request.method == "PUT" and urlsplit(request.url).path.endswith(suffix):
-            proxy.inject(Fault.REFUSE)
+            proxy.inject(fault)
 
-    client = destination._s3()
-    client.meta.events.register("before-send.s3.PutObject", close_port)
+    client = destination.store._s3()
+    client.meta.events.register("before-send.s3.PutObject", cut_off)
     try:
         yield
     finally:
-        client.meta.events.unregister("before-send.s3.PutObject", close_port)
+        client.meta.events.unregister("before-send.s3.PutObject", cut_off)
         proxy.clear()
+
+
+@contextlib.contextmanager
+def ignoring(destination: S3Destination, condition: str):
+    """The destination's client drops ``condition`` (``IfNoneMatch``, ``IfMatch``) from every PutObject: what a store
+    that ignores the header does with it. The startup check is forgotten before and after."""
+
+    def drop_condition(params, **_):
+        params.pop(condition, None)
+
+    client = destination.store._s3()
+    checked = (destination.endpoint_url, destination.bucket)
+    client.meta.events.register("provide-client-params.s3.PutObject", drop_condition)
+    s3_module._CONDITIONS_CHECKED.discard(checked)
+    try:
+        yield
+    finally:
+        client.meta.events.unregister("provide-client-params.s3.PutObject", drop_condition)
+        s3_module._CONDITIONS_CHECKED.discard(checked)
 
 
 # -- faults on each PUT ------------------------------------------------------------------------------------------
 
-WRITES = {"data": ".csv", "manifest": MANIFEST_NAME}  # each attempt's data object ends .csv; the manifest's name
+# An attempt's PUTs in the order it sends them (token 1 sends no fence): data and manifest in its place, then the
+# pointer. Each name is matched as a path suffix.
+WRITES = {"data": "/data.csv", "manifest": f"/{MANIFEST_NAME}", "pointer": f"/{POINTER_NAME}"}
+WRITTEN = {"data": f"{FIRST_PLACE}/data.csv", "manifest": f"{FIRST_PLACE}/{MANIFEST_NAME}", "pointer": POINTER_NAME}
 # The proxy forwards these and loses the answer: the object is written although the client never hears so.
 LANDS_ANYWAY = {Fault.CUT_BEFORE_RESPONSE, Fault.DELAY}
+# Connection faults: the request is never sent, so nothing can have been written.
+NOTHING_SENT = {Fault.REFUSE, Fault.CONNECT_TIMEOUT}
 
 
-@pytest.mark.parametrize("write", sorted(WRITES))
+@pytest.mark.parametrize("write", list(WRITES))
 @pytest.mark.parametrize(
     "fault",
     [
@@ -139,6 +177,7 @@ LANDS_ANYWAY = {Fault.CUT_BEFORE_RESPONSE, Fault.DELAY}
         Fault.ERROR_500,
         Fault.ERROR_503,
         Fault.REFUSE,
+        Fault.CONNECT_TIMEOUT,
     ],
 )
 def test_a_fault_on_a_put_is_classified_then_reconciled_to_one_completed_export(
@@ -148,8 +187,8 @@ def test_a_fault_on_a_put_is_classified_then_reconciled_to_one_completed_export(
     defs = make_defs(tmp_path, destination=destination)
     name = WRITES[write]
 
-    if fault is Fault.REFUSE:
-        with refused_from(destination, fault_proxy, name):
+    if fault in NOTHING_SENT:
+        with cut_off_from(destination, fault_proxy, name, fault):
             failed = run_partition(defs, instance, PARTITION)
     else:
         fault_proxy.inject(fault, method="PUT", path_suffix=name, count=1, delay_seconds=DELAY_SECONDS)
@@ -160,132 +199,179 @@ def test_a_fault_on_a_put_is_classified_then_reconciled_to_one_completed_export(
     assert not failed.success
     ledger = ledger_at(tmp_path)
     message = failure_message(failed)
-    if fault is Fault.REFUSE:
-        assert ledger.get(KEY).state is ExportState.FAILED, "a refused connection cannot have written anything"
+    if fault in NOTHING_SENT:
+        assert ledger.queries.get(KEY).state is ExportState.FAILED, (
+            f"{fault}: the request was never sent, so nothing can have been written (a connect timeout included)"
+        )
         assert "cannot reach the store" in message, message
     else:
-        assert ledger.get(KEY).state is ExportState.REMOTE_UNKNOWN, f"after {fault} the write may have landed or not"
+        assert ledger.queries.get(KEY).state is ExportState.REMOTE_UNKNOWN, (
+            f"after {fault} the write may have landed or not"
+        )
         assert UNKNOWN_OUTCOME in message and "remote_unknown" in message, message
         assert "reconciliation" in message and "will resolve it" in message, "the operator learns what happens next"
-    expected = (["data"] if write == "manifest" or fault in LANDS_ANYWAY else []) + (
-        [MANIFEST_NAME] if write == "manifest" and fault in LANDS_ANYWAY else []
-    )
-    assert kinds(stored(s3, s3_bucket)) == sorted(expected), "what the moto server holds right after the fault"
+    sent_before = list(WRITES)[: list(WRITES).index(write)]
+    expected = [WRITTEN[w] for w in sent_before] + ([WRITTEN[write]] if fault in LANDS_ANYWAY else [])
+    assert sorted(stored(s3, s3_bucket)) == sorted(expected), "what the moto server holds right after the fault"
     assert materializations(instance, PARTITION) == [], "a failed run materializes nothing"
 
+    committed = write == "pointer" and fault in LANDS_ANYWAY  # the pointer names the attempt's place
     tick = reconcile_tick(defs, instance)
-    if fault is Fault.REFUSE:
+    if fault in NOTHING_SENT:
         assert [r.partition_key for r in tick.run_requests] == [PARTITION], "a failed key is rerun, not reconciled"
         rerun_partitions = [PARTITION]
-    elif write == "manifest" and fault in LANDS_ANYWAY:
-        assert ledger.get(KEY).state is ExportState.COMPLETED, "the manifest landed: reconciliation records it"
+    elif committed:
+        assert ledger.queries.get(KEY).state is ExportState.COMPLETED, "the commit landed: reconciliation records it"
         assert [e.partition for e in tick.asset_events] == [PARTITION] and not tick.run_requests
         rerun_partitions = []
     else:
-        assert ledger.get(KEY).state is ExportState.FAILED, "no manifest landed: the export is absent, safe to retry"
+        assert ledger.queries.get(KEY).state is ExportState.FAILED, (
+            "the pointer never named the attempt's place: nothing of it is visible, and fenced now, nothing of it can "
+            "become visible; safe to retry"
+        )
         assert [r.partition_key for r in tick.run_requests] == [PARTITION], "reconciliation requests the rerun"
         rerun_partitions = [r.partition_key for r in tick.run_requests]
+    if fault not in NOTHING_SENT:
+        assert pointer_of(stored(s3, s3_bucket))["fence"] == 2, "reconciliation fenced the pointer with its own token"
     for partition in rerun_partitions:
         rerun = run_partition(defs, instance, partition)
         assert rerun.success, failure_message(rerun)
 
-    record = ledger.get(KEY)
+    record = ledger.queries.get(KEY)
     assert record.state is ExportState.COMPLETED
     objects = stored(s3, s3_bucket)
-    assert kinds(objects).count(MANIFEST_NAME) == 1, "exactly one manifest for the key: one export"
-    orphans = [n for n in objects if n.startswith("data-t")]
-    assert len(orphans) <= 2, "the export's data object, and at most the failed attempt's unreferenced one"
-    manifest = Manifest.from_json(objects[MANIFEST_NAME], "moto")
+    place = place_of_location(record.location)
+    assert place == (FIRST_PLACE if committed else f"r1-t{record.fencing_token}"), "the place of the recorded attempt"
+    assert sorted(objects) == [POINTER_NAME, *place_objects(place)], (
+        "the pointer and the one place it names: the failed attempt's place was swept by the next token"
+    )
+    pointer = pointer_of(objects)
+    assert (pointer["revision"], pointer["path"], pointer["fence"]) == (1, place, record.fencing_token)
+    manifest = Manifest.from_json(objects[f"{place}/{MANIFEST_NAME}"], "moto")
     assert manifest.logical_key == KEY
     assert hashlib.sha256(exported_data(objects)).hexdigest() == manifest.sha256 == record.sha256
     assert len(materializations(instance, PARTITION)) == 1, "the partition is materialized exactly once"
 
 
-# -- conditional creates ------------------------------------------------------------------------------------------
+# -- places of fenced attempts -----------------------------------------------------------------------------------
 
 
-def test_a_refused_manifest_put_leaves_an_orphan_that_never_blocks_the_retry_and_is_swept_after_a_lease(
-    tmp_path, instance, s3, s3_bucket, fault_proxy, clocked_ledger, clock
+def test_a_fenced_attempts_place_is_swept_by_the_next_token_and_never_becomes_visible(
+    tmp_path, instance, s3, s3_bucket, fault_proxy
 ):
-    # The data object landed, then the store answered 403 to the manifest: nothing is published (no manifest), the
-    # key is failed, and the retry writes a data object of its own name. (Before per-attempt names, the retry met
-    # the orphan at data.csv and put the key in conflict, with no way out.)
-    defs = make_defs(tmp_path, ledger=clocked_ledger, destination=s3_destination(s3_bucket, fault_proxy.endpoint_url))
+    # The data object landed, then the store answered 403 to the manifest: nothing is visible (no pointer names the
+    # place), and the key is failed. The retry (token 2) fences the pointer and sweeps the place of token 1 at once,
+    # with no age rule: however late its writer wakes, a token below the pointer's fence can never commit it.
+    destination = s3_destination(s3_bucket, fault_proxy.endpoint_url)
+    defs = make_defs(tmp_path, destination=destination)
     fault_proxy.inject(Fault.ERROR_403, method="PUT", path_suffix=MANIFEST_NAME, count=1)
     assert not run_partition(defs, instance, PARTITION).success
     fault_proxy.clear()
-    ledger = clocked_ledger.get_ledger()
-    assert ledger.get(KEY).state is ExportState.FAILED, "a refused manifest published nothing: safe to retry"
-    (orphan,) = stored(s3, s3_bucket)
+    ledger = ledger_at(tmp_path)
+    assert ledger.queries.get(KEY).state is ExportState.FAILED, "a refused manifest made nothing visible: safe to retry"
+    assert sorted(stored(s3, s3_bucket)) == [f"{FIRST_PLACE}/data.csv"], "token 1's place, named by no pointer"
 
     retry = run_partition(defs, instance, PARTITION)
     assert retry.success, failure_message(retry)
+    record = ledger.queries.get(KEY)
+    assert record.state is ExportState.COMPLETED and record.fencing_token == 2
     objects = stored(s3, s3_bucket)
-    assert orphan in objects, "younger than a lease: its writer might still be alive, so it is left alone"
-    assert Manifest.from_json(objects[MANIFEST_NAME], "moto").data_file != orphan
-    assert ledger.get(KEY).state is ExportState.COMPLETED
+    assert sorted(objects) == [POINTER_NAME, *place_objects("r1-t2")], (
+        "token 1's place is swept at once, not after a lease"
+    )
+    assert place_of_location(record.location) == "r1-t2"
 
-    # A later attempt on the key (an operator's discard and rerun) sweeps it once it is older than a lease.
-    destination = s3_destination(s3_bucket, fault_proxy.endpoint_url)
-    assert destination.discard_abandoned(TARGET, below_token=99, min_age=dt.timedelta(0)) == 1
-    assert orphan not in stored(s3, s3_bucket), "an unreferenced data object older than a lease is swept"
-    assert kinds(stored(s3, s3_bucket)) == [MANIFEST_NAME, "data"], "the export itself is never swept"
+    # Token 1's writer wakes now: it writes its place again, manifest and all, and commits it. The pointer's fence
+    # refuses the commit, and readers still see the retry's export.
+    winner = Manifest.from_json(objects[f"r1-t2/{MANIFEST_NAME}"], "moto")
+    late = dataclasses.replace(winner, attempt_id="late-writer/invoice_export", fencing_token=1)
+    destination.store.put_if_absent(f"{FOLDER}/{FIRST_PLACE}/data.csv", b"late rows\n")
+    destination.store.put_if_absent(f"{FOLDER}/{FIRST_PLACE}/{MANIFEST_NAME}", late.to_json())
+    with pytest.raises(Fenced) as refused:
+        destination.commit(StagedExport(TARGET.at_place(FIRST_PLACE), late), 1, superseded=0)
+    assert refused.value.fence == 2, "refused by the fence the retry raised"
+    assert stored(s3, s3_bucket)[POINTER_NAME] == objects[POINTER_NAME], "the pointer still names the retry's place"
+    seen = destination.verify(TARGET, logical_key=KEY, superseded=0, expected_sha256=record.sha256)
+    assert seen.verdict is Verdict.PUBLISHED and seen.manifest.attempt_id == winner.attempt_id, seen.detail
+    assert seen.location == record.location, "readers see the recorded export, whatever the late writer wrote"
+
+
+# -- conditional writes -------------------------------------------------------------------------------------------
 
 
 def test_a_store_that_ignores_conditional_creates_is_refused_before_anything_is_published(
     tmp_path, instance, s3, s3_bucket, fault_proxy
 ):
     destination = s3_destination(s3_bucket, fault_proxy.endpoint_url, "ignoring")
-    client = destination._s3()
-
-    def drop_condition(params, **_):
-        params.pop("IfNoneMatch", None)  # what a store that ignores the header does with it
-
-    client.meta.events.register("provide-client-params.s3.PutObject", drop_condition)
-    s3_module._CONDITIONAL_CREATES_CHECKED.discard((destination.endpoint_url, destination.bucket))
-    try:
+    with ignoring(destination, "IfNoneMatch"):
         defs = make_defs(tmp_path, destination=destination)
         result = run_partition(defs, instance, PARTITION)
-    finally:
-        client.meta.events.unregister("provide-client-params.s3.PutObject", drop_condition)
-        s3_module._CONDITIONAL_CREATES_CHECKED.discard((destination.endpoint_url, destination.bucket))
     assert not result.success
     assert "ignores conditional writes" in failure_message(result)
-    assert stored(s3, s3_bucket, prefix="ignoring") == {}, "nothing is published to such a store"
+    assert stored(s3, s3_bucket, folder="", prefix="ignoring") == {}, "nothing is written to such a store"
 
 
-def _another_keys_manifest(s3, bucket: str, tmp_path: Path, instance, endpoint_url: str) -> bytes:
+def test_a_store_that_ignores_if_match_is_refused_before_anything_is_published(
+    tmp_path, instance, s3, s3_bucket, fault_proxy
+):
+    # On such a store the pointer's compare-and-swap is a blind overwrite: two parties could both move it, and a
+    # fenced party could still change what readers see.
+    destination = s3_destination(s3_bucket, fault_proxy.endpoint_url, "ignoring")
+    defs = make_defs(tmp_path, destination=destination)
+    with ignoring(destination, "IfMatch"):
+        result = run_partition(defs, instance, PARTITION)
+    assert not result.success
+    message = failure_message(result)
+    assert "ignores conditional writes" in message and "If-Match" in message, message
+    assert ledger_at(tmp_path).queries.get(KEY).state is ExportState.FAILED, "refused before anything was sent"
+    assert stored(s3, s3_bucket, folder="", prefix="ignoring") == {}, "nothing is written to such a store"
+
+    rerun = run_partition(defs, instance, PARTITION)
+    assert rerun.success, "the refusal is not remembered: once the store honours If-Match, the key exports"
+    assert ledger_at(tmp_path).queries.get(KEY).state is ExportState.COMPLETED
+
+
+def _another_keys_export(s3, bucket: str, tmp_path: Path, instance, endpoint_url: str) -> dict[str, bytes]:
+    """The objects of another key's export (the same tenant's 2026-03-07), by name relative to its key folder."""
     other = make_defs(tmp_path / "other", destination=s3_destination(bucket, endpoint_url, "other"))
     assert run_partition(other, instance, "2026-03-07").success
-    return s3.get_object(Bucket=bucket, Key=f"other/{FOLDER.replace('03-08', '03-07')}/{MANIFEST_NAME}")["Body"].read()
+    return stored(s3, bucket, FOLDER.replace("03-08", "03-07"), prefix="other")
 
 
-CONFLICTS = ["manifest of another key"]  # another attempt's data object is an orphan, never a conflict
+CONFLICTS = [
+    "manifest of another key",  # in the key's folder: what 0.4.0 and earlier read as a revision 1
+    "pointer to another key's export",  # the pointer and the place it names, copied from another key
+]
 
 
-def _plant_conflict(kind: str, s3, bucket: str, tmp_path: Path, instance, endpoint_url: str) -> tuple[str, bytes]:
-    """Puts something that is not this key's export where its export belongs; returns its object key and bytes."""
-    key = f"{PREFIX}/{FOLDER}/{MANIFEST_NAME}"
-    body = _another_keys_manifest(s3, bucket, tmp_path, instance, endpoint_url)
-    s3.put_object(Bucket=bucket, Key=key, Body=body)
-    return key, body
+def _plant_conflict(kind: str, s3, bucket: str, tmp_path: Path, instance, endpoint_url: str) -> dict[str, bytes]:
+    """Puts something that is not this key's export where its export belongs; returns what, by name relative to the
+    key's folder."""
+    objects = _another_keys_export(s3, bucket, tmp_path, instance, endpoint_url)
+    if kind == "manifest of another key":
+        planted = {MANIFEST_NAME: objects[f"{FIRST_PLACE}/{MANIFEST_NAME}"]}
+    else:
+        planted = objects
+    for name, body in planted.items():
+        s3.put_object(Bucket=bucket, Key=f"{PREFIX}/{FOLDER}/{name}", Body=body)
+    return planted
 
 
 @pytest.mark.parametrize("kind", CONFLICTS)
 def test_a_different_object_at_the_key_is_never_overwritten_and_the_error_tells_the_operator(
     tmp_path, instance, s3, s3_bucket, fault_proxy, kind
 ):
-    planted_key, planted = _plant_conflict(kind, s3, s3_bucket, tmp_path, instance, fault_proxy.endpoint_url)
+    planted = _plant_conflict(kind, s3, s3_bucket, tmp_path, instance, fault_proxy.endpoint_url)
     defs = make_defs(tmp_path, destination=s3_destination(s3_bucket, fault_proxy.endpoint_url))
 
     for _ in range(2):  # a rerun changes nothing either
         result = run_partition(defs, instance, PARTITION)
         assert not result.success
-        assert s3.get_object(Bucket=s3_bucket, Key=planted_key)["Body"].read() == planted, "never overwritten"
+        assert stored(s3, s3_bucket) == planted, "never overwritten, and nothing written beside it"
     message = failure_message(result)
     assert f"{PREFIX}/{FOLDER}" in message, "the error names where the conflict is"
     assert "refusing to overwrite" in message, message
-    assert ledger_at(tmp_path).get(KEY).state is not ExportState.COMPLETED
+    assert ledger_at(tmp_path).queries.get(KEY).state is not ExportState.COMPLETED
 
 
 @pytest.mark.parametrize("kind", CONFLICTS)
@@ -294,7 +380,9 @@ def test_a_different_object_at_the_key_puts_the_key_in_conflict(tmp_path, instan
     defs = make_defs(tmp_path, destination=s3_destination(s3_bucket, fault_proxy.endpoint_url))
 
     assert not run_partition(defs, instance, PARTITION).success
-    assert ledger_at(tmp_path).get(KEY).state is ExportState.CONFLICT, "an operator must decide; a retry cannot help"
+    assert ledger_at(tmp_path).queries.get(KEY).state is ExportState.CONFLICT, (
+        "an operator must decide; a retry cannot help"
+    )
     rerun = run_partition(defs, instance, PARTITION)
     assert f"{KEY} is in conflict" in failure_message(rerun), "retries are refused until an operator resolves it"
 
@@ -313,32 +401,40 @@ def test_objects_carry_key_attempt_token_and_sha256_in_the_local_layout_with_the
     assert run_partition(remote, instance, PARTITION).success
 
     local_root = tmp_path / "local" / "exports"
-    local_files = sorted(str(p.relative_to(local_root).parent) for p in local_root.rglob(MANIFEST_NAME))
-    listing = s3.list_objects_v2(Bucket=s3_bucket, Prefix=f"{PREFIX}/")["Contents"]
-    remote_folders = sorted({item["Key"].removeprefix(f"{PREFIX}/").rsplit("/", 1)[0] for item in listing})
-    assert remote_folders == local_files, "same folder layout as the local destination"
+    local_names = sorted(
+        p.relative_to(local_root).as_posix()
+        for p in local_root.rglob("*")
+        if p.is_file() and not p.relative_to(local_root).parts[0].startswith(".")  # the store's locks
+    )
+    remote_objects = stored(s3, s3_bucket, folder="")
+    assert sorted(remote_objects) == local_names, "the same layout as the local destination: pointers and places"
 
     ledger = ledger_at(tmp_path / "s3")
-    for folder in published_dirs(local_root):
-        relative = folder.relative_to(local_root).as_posix()
-        local_manifest = Manifest.from_json((folder / MANIFEST_NAME).read_bytes(), str(folder))
-        objects = stored(s3, s3_bucket, relative)
-        remote_manifest = Manifest.from_json(objects[MANIFEST_NAME], relative)
+    local_places = places(local_root)
+    assert [place.parent for place in local_places] == published_dirs(local_root), "one place per key, each current"
+    for place in local_places:
+        relative = place.relative_to(local_root).as_posix()
+        key_folder, place_name = relative.rsplit("/", 1)
+        local_manifest = Manifest.from_json((place / MANIFEST_NAME).read_bytes(), str(place))
+        objects = stored(s3, s3_bucket, key_folder)
+        assert objects[POINTER_NAME] == (place.parent / POINTER_NAME).read_bytes(), (
+            "the same pointer, byte for byte: it names the place, the key, its sha256 and its fence"
+        )
+        remote_manifest = Manifest.from_json(objects[f"{place_name}/{MANIFEST_NAME}"], relative)
         differing = {k for k, v in vars(remote_manifest).items() if vars(local_manifest)[k] != v}
-        assert differing == {"attempt_id", "data_file"}, "the same manifest, by another attempt, naming its object"
-        assert remote_manifest.data_file.startswith("data-t1-"), "each attempt's data object has a name of its own"
-        assert exported_data(objects) == (folder / "data.csv").read_bytes(), "the same data, byte for byte"
-        record = ledger.get(remote_manifest.logical_key)
+        assert differing == {"attempt_id"}, "the same manifest, written by another attempt"
+        assert place_name == f"r{remote_manifest.revision}-t{remote_manifest.fencing_token}" == "r1-t1", (
+            "the place's name carries the revision and the token of the one party that wrote it"
+        )
+        assert exported_data(objects) == (place / "data.csv").read_bytes(), "the same data, byte for byte"
+        pointer = pointer_of(objects)
+        assert (pointer["logical_key"], pointer["sha256"], pointer["fence"]) == (
+            remote_manifest.logical_key, remote_manifest.sha256, remote_manifest.fencing_token,
+        ), "the pointer carries the logical key, the sha256 and the fencing token of what it names"  # fmt: skip
+        record = ledger.queries.get(remote_manifest.logical_key)
         assert record.location == f"s3://{s3_bucket}/{PREFIX}/{relative}/"
         assert record.committed_attempt == remote_manifest.attempt_id
-        for name in (remote_manifest.data_file, MANIFEST_NAME):
-            metadata = s3.head_object(Bucket=s3_bucket, Key=f"{PREFIX}/{relative}/{name}")["Metadata"]
-            assert metadata == {
-                "logical-key": remote_manifest.logical_key,
-                "attempt-id": remote_manifest.attempt_id,
-                "fencing-token": str(remote_manifest.fencing_token),
-                "sha256": remote_manifest.sha256,
-            }, f"{name} carries the logical key, attempt id, fencing token and sha256"
+        assert record.sha256 == remote_manifest.sha256 and record.fencing_token == remote_manifest.fencing_token
 
 
 def test_a_crash_before_the_ledger_commit_is_repaired_from_the_published_objects(
@@ -349,13 +445,19 @@ def test_a_crash_before_the_ledger_commit_is_repaired_from_the_published_objects
     assert not run_partition(defs, instance, PARTITION).success
     monkeypatch.delenv(FAILPOINTS)
     published = stored(s3, s3_bucket)
-    assert kinds(published) == [MANIFEST_NAME, "data"]
+    assert sorted(published) == [POINTER_NAME, *place_objects(FIRST_PLACE)], "committed, not recorded"
 
     clock.advance(seconds=clocked_ledger.lease_ttl_seconds + 1)
     assert run_partition(defs, instance, PARTITION).success
-    assert stored(s3, s3_bucket) == published, "the published objects are recorded, not written again"
+    repaired = stored(s3, s3_bucket)
+    assert {n: b for n, b in repaired.items() if n != POINTER_NAME} == {
+        n: b for n, b in published.items() if n != POINTER_NAME
+    }, "the published objects are recorded, not written again"
+    before, after = pointer_of(published), pointer_of(repaired)
+    assert after == {**before, "fence": 2}, "the takeover only raised the pointer's fence; it names the same export"
     ledger = clocked_ledger.get_ledger()
-    assert [a.outcome for a in ledger.attempts(KEY)] == [AttemptOutcome.ABANDONED, AttemptOutcome.REPAIRED]
+    assert [a.outcome for a in ledger.queries.attempts(KEY)] == [AttemptOutcome.ABANDONED, AttemptOutcome.REPAIRED]
+    assert place_of_location(ledger.queries.get(KEY).location) == FIRST_PLACE
 
 
 # -- credentials --------------------------------------------------------------------------------------------------
@@ -406,11 +508,13 @@ def test_credentials_never_appear_in_events_logs_or_output(
     fault_proxy.clear()
     tick = reconcile_tick(defs, instance)
     assert not unknown.success and not refused.success
-    assert ledger_at(tmp_path).get(KEY).state is ExportState.FAILED, "reconciliation read the store with these keys"
+    assert ledger_at(tmp_path).queries.get(KEY).state is ExportState.FAILED, (
+        "reconciliation read the store with these keys"
+    )
     for result in (ok, unknown, refused):
         texts += _texts_of(result)
     texts += [str(tick_unreachable), str(tick), repr(destination), repr(defs.resources)]
-    texts += [f"{a.error_class} {a.error_message}" for a in ledger_at(tmp_path).all_attempts()]
+    texts += [f"{a.error_class} {a.error_message}" for a in ledger_at(tmp_path).queries.all_attempts()]
     captured = capfd.readouterr()
     texts += [captured.out, captured.err]
 

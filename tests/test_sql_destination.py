@@ -17,7 +17,7 @@ from pipeline_helpers import failure_message, make_defs, run_partition
 
 from definitions import build_definitions
 from export_ledger.calendar import window_for
-from export_ledger.destinations import ExportTarget
+from export_ledger.destinations import ExportTarget, Verdict
 from export_ledger.destinations.table import SqlTableDestination
 from export_ledger.failpoints import ENV_VAR as FAILPOINTS
 from export_ledger.frames import Manifest
@@ -29,7 +29,6 @@ PARTITION = "2026-03-08"
 KEY = "invoice_export/acme/2026-03-08T05:00:00Z"
 TARGET = ExportTarget("invoice_export", "acme", PARTITION)
 TABLE = "exported_invoices"
-
 
 
 @pytest.fixture(params=["environment", "resource"])
@@ -74,17 +73,22 @@ def test_rows_land_in_the_ledger_database_together_with_their_completion_record(
 
     assert result.success, failure_message(result)
     ledger = ExportLedger(ledger_url)
-    record = ledger.get(KEY)
+    record = ledger.queries.get(KEY)
     assert record.state is ExportState.COMPLETED and record.row_count == len(_expected_frame()) == 92
     assert record.location == f"sql:{TABLE}/invoice_export/tenant=acme/date={PARTITION}"
     assert stored_rows(ledger_url) == {f"{TABLE}:{KEY}": 92, f"{TABLE}_manifests:{KEY}": 1}
-    assert [a.outcome for a in ledger.attempts(KEY)] == [AttemptOutcome.COMPLETED]
+    assert [a.outcome for a in ledger.queries.attempts(KEY)] == [AttemptOutcome.COMPLETED]
     (check,) = result.get_asset_check_evaluations()
     assert check.passed, check.metadata
 
     destination = SqlTableDestination(url=ledger_url, table=TABLE)
-    manifest = destination.probe(TARGET)
+    verification = destination.verify(TARGET, logical_key=KEY, superseded=0, expected_sha256=record.sha256)
+    assert verification.verdict is Verdict.PUBLISHED, verification.detail
+    manifest = verification.manifest
     assert isinstance(manifest, Manifest) and manifest.logical_key == KEY and manifest.sha256 == record.sha256
+    assert destination.current_revision(TARGET) == 1, "the manifest row is the key's pointer: revision 1"
+    recorded = destination.verify_recorded(TARGET, logical_key=KEY, sha256=record.sha256)
+    assert recorded.verdict is Verdict.PUBLISHED, "the recorded revision is intact where the ledger says it is"
     payload = destination.read_data(TARGET, manifest)
     assert hashlib.sha256(payload).hexdigest() == record.sha256, "what is read back is what was recorded"
 
@@ -129,14 +133,14 @@ def test_a_failure_between_rows_and_completion_record_leaves_neither_and_a_rerun
 
     assert not failed.success and "injected failure at before_commit" in failure_message(failed)
     ledger = ExportLedger(ledger_url)
-    assert ledger.get(KEY).state is ExportState.FAILED, "not completed: the transaction rolled back"
+    assert ledger.queries.get(KEY).state is ExportState.FAILED, "not completed: the transaction rolled back"
     assert stored_rows(ledger_url) == {}, "no row survives the rolled-back transaction"
 
     monkeypatch.delenv(FAILPOINTS)
     assert run_partition(sql_defs, instance, PARTITION).success
     assert run_partition(sql_defs, instance, PARTITION).success
-    record = ledger.get(KEY)
+    record = ledger.queries.get(KEY)
     assert record.state is ExportState.COMPLETED
     assert stored_rows(ledger_url) == {f"{TABLE}:{KEY}": record.row_count, f"{TABLE}_manifests:{KEY}": 1}
-    outcomes = [a.outcome for a in ledger.attempts(KEY)]
+    outcomes = [a.outcome for a in ledger.queries.attempts(KEY)]
     assert outcomes == [AttemptOutcome.FAILED, AttemptOutcome.COMPLETED, AttemptOutcome.ALREADY_COMPLETED]

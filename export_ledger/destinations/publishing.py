@@ -338,14 +338,20 @@ class PublishingDestination(Destination):
         raise DestinationError(f"{self.store.url(name)} kept changing while revision {target.revision} was committed")
 
     def sweep(self, target: ExportTarget, token: int, pointer: Pointer) -> int:
-        """Deletes the places no pointer ever named and none can: a token below ``token`` (fenced by now) and a
-        revision above the pointer's (the pointer never moves back). Returns how many places were removed."""
+        """Deletes the places no pointer ever named and none can: a token below ``token`` (fenced by now) and either
+        a revision above the pointer's (the pointer never moves back), or the pointer's own revision at another place
+        than the one it names (one place per revision is ever made current, and revision numbers are never given
+        twice). Places of earlier revisions are kept: one of them is each earlier revision, readable for good. Returns
+        how many places were removed."""
         if token <= 1:
             return 0  # a first claim: nobody held the key before
         doomed = []
         for place, names in self._places(target).items():
             parsed = parse_place(place)
-            if parsed is not None and parsed[1] < token and parsed[0] > pointer.revision:
+            if parsed is None or parsed[1] >= token:
+                continue
+            revision = parsed[0]
+            if revision > pointer.revision or (revision == pointer.revision and place != pointer.place):
                 doomed.append(names)
         for names in doomed:
             self._delete_all(names)

@@ -102,7 +102,7 @@ class Clock:
 
 @pytest.fixture
 def clock() -> Clock:
-    return Clock(dt.datetime(2026, 3, 9, 9, 30, tzinfo=UTC))
+    return Clock(dt.datetime(2026, 3, 20, 9, 30, tzinfo=UTC))  # after every window the tests export
 
 
 class ClockedLedgerResource(LedgerResource):

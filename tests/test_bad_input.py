@@ -7,7 +7,7 @@ import datetime as dt
 import dagster as dg
 import pandas as pd
 import pytest
-from pipeline_helpers import failure_message, make_defs, published_dirs, run_partition
+from pipeline_helpers import failure_message, make_defs, places, published_dirs, run_partition
 
 from definitions import build_definitions
 from export_ledger import ConfigurationError
@@ -52,9 +52,9 @@ class DoctoredSource(InvoiceSource):
 
 def _assert_nothing_committed(tmp_path):
     assert published_dirs(tmp_path / "exports") == [], "nothing may be published"
-    assert not list((tmp_path / "exports").rglob(".staging-*")), "no staging left behind"
+    assert places(tmp_path / "exports") == [], "nothing staged either: rows are validated before a place is written"
     ledger = ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
-    records = ledger.records()
+    records = ledger.queries.records()
     assert all(r.state is not ExportState.COMPLETED for r in records), "no completed record"
     return records
 
@@ -80,6 +80,37 @@ def test_bad_source_frames_are_refused_with_the_problem_named(tmp_path, instance
     assert "@example.com" not in text, "customer emails never appear in errors"
     (record,) = _assert_nothing_committed(tmp_path)
     assert record.state is ExportState.FAILED, "the attempt is recorded as failed before commit: safe to retry"
+
+
+class RaisingForGlobex(InvoiceSource):
+    """The sample source, except that reading globex's rows raises with customer data in the message."""
+
+    def count(self, tenant, start_utc, end_utc) -> int:
+        return SampleInvoiceSource().count(tenant, start_utc, end_utc)
+
+    def rows(self, tenant, start_utc, end_utc) -> pd.DataFrame:
+        if tenant == "globex":
+            raise RuntimeError("card 4111-1111-1111-1111 of leak-canary@example.org was rejected")
+        return SampleInvoiceSource().rows(tenant, start_utc, end_utc)
+
+
+def test_a_source_raising_for_one_tenant_fails_that_tenants_key_only_with_its_details_withheld(tmp_path, instance):
+    # Issue 18 (6): the source was read before any claim, so its failure aborted the run with no trace in the
+    # ledger, and its message reached the event log word for word.
+    defs = make_defs(tmp_path, tenants=["acme", "globex"], source=RaisingForGlobex())
+    result = run_partition(defs, instance, "2026-03-08")
+
+    assert not result.success
+    text = failure_message(result)
+    assert "invoice_export/globex/2026-03-08T05:00:00Z" in text, "the failed key is named"
+    assert "4111" not in text and "leak-canary" not in text, "a source's words may quote customer data: withheld"
+    assert all("leak-canary" not in str(e) for e in result.all_events)
+    ledger = ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    states = {r.tenant: r.state for r in ledger.queries.records()}
+    assert states == {"acme": ExportState.COMPLETED, "globex": ExportState.FAILED}, "the other tenant still exports"
+    (attempt,) = ledger.queries.attempts("invoice_export/globex/2026-03-08T05:00:00Z")
+    assert attempt.error_class == "RuntimeError" and "details withheld" in attempt.error_message
+    assert "leak-canary" not in attempt.error_message and "4111" not in attempt.error_message
 
 
 def test_unwritable_destination_root_fails_clearly_and_records_failure(tmp_path, instance):

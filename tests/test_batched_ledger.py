@@ -10,6 +10,7 @@ commit, repaired by the next run from the manifests (one published export per ke
 from __future__ import annotations
 
 import datetime as dt
+import json
 import threading
 from pathlib import Path
 
@@ -17,13 +18,15 @@ import pandas as pd
 import pytest
 import sqlalchemy as sa
 from builders import evidence_for, key_for
-from pipeline_helpers import published_dirs
+from pipeline_helpers import places, published_dirs
 
 from export_ledger.destinations import LocalDestination
 from export_ledger.failpoints import ENV_VAR as FAILPOINTS
 from export_ledger.failpoints import SimulatedCrash
+from export_ledger.destinations.publishing import POINTER_NAME
 from export_ledger.frames import MANIFEST_NAME, ExportSchema, Manifest
 from export_ledger.ledger import AlreadyCompleted, Claim, ExportLedger, FencedOut, LeaseHeld
+from export_ledger.ledger.completions import Completions
 from export_ledger.ledger.schema import AttemptOutcome, ExportState
 from export_ledger.protocol import ExportBatch, ExportItem, export_batch
 
@@ -55,6 +58,12 @@ def batch_of(keys) -> ExportBatch:
     return ExportBatch(SCHEMA, [ExportItem(key, key.window.business_date.isoformat(), orders(key)) for key in keys])
 
 
+def current_manifest(folder: Path) -> Manifest:
+    """The manifest of the place a key folder's pointer names: what its readers see."""
+    pointer = json.loads((folder / POINTER_NAME).read_bytes())
+    return Manifest.from_json((folder / pointer["path"] / MANIFEST_NAME).read_bytes(), str(folder))
+
+
 def commits(ledger: ExportLedger) -> list[int]:
     """A counter of the ledger's committed transactions (read-only ones included), through SQLAlchemy's events."""
     counted = [0]
@@ -74,65 +83,68 @@ def clocked(clock, sqlite_url) -> ExportLedger:
 def test_claim_many_takes_one_lease_per_key_in_one_transaction(ledger_url, clock) -> None:
     ledger = ExportLedger(ledger_url, clock=clock)
     keys = [key_for(DAY, tenant=tenant) for tenant in TENANTS]
-    retried = ledger.claim(keys[2], "run-0/export")
-    ledger.fail(retried, RuntimeError("source down"))
+    retried = ledger.claims.claim(keys[2], "run-0/export")
+    ledger.completions.fail(retried, RuntimeError("source down"))
 
     counted = commits(ledger)
-    outcomes = ledger.claim_many(keys, "run-1/export")
+    outcomes = ledger.claims.claim_many(keys, "run-1/export")
     assert counted[0] == 1, "the whole group is claimed in one transaction"
 
     assert all(isinstance(o, Claim) for o in outcomes)
     assert [o.logical_key for o in outcomes] == [str(k) for k in keys], "outcomes come back in the keys' order"
     assert [o.fencing_token for o in outcomes] == [1, 1, 2, 1, 1, 1], "each key's own token, as claim gives it"
     for outcome in outcomes:
-        record = ledger.get(outcome.logical_key)
+        record = ledger.queries.get(outcome.logical_key)
         assert record.state is ExportState.IN_PROGRESS
         assert record.lease_owner == "run-1/export" and record.fencing_token == outcome.fencing_token
         assert record.lease_expires_at == clock() + ledger.lease_ttl
     # The key retried keeps its history: one failed attempt, and nothing yet for the new one.
-    assert [a.outcome for a in ledger.attempts(str(keys[2]))] == [AttemptOutcome.FAILED]
+    assert [a.outcome for a in ledger.queries.attempts(str(keys[2]))] == [AttemptOutcome.FAILED]
 
     counted[0] = 0
-    records = ledger.complete_many([(claim, evidence_for(claim)) for claim in outcomes])
+    records = ledger.completions.complete_many([(claim, evidence_for(claim)) for claim in outcomes])
     assert counted[0] == 1, "the group's completions are recorded in one transaction"
     assert all(r.state is ExportState.COMPLETED and r.committed_attempt == "run-1/export" for r in records)
-    assert [a.outcome for a in ledger.attempts(str(keys[2]))] == [AttemptOutcome.FAILED, AttemptOutcome.COMPLETED]
+    assert [a.outcome for a in ledger.queries.attempts(str(keys[2]))] == [
+        AttemptOutcome.FAILED,
+        AttemptOutcome.COMPLETED,
+    ]
 
 
 def test_claim_many_skips_a_completed_key_and_refuses_a_held_one_without_stopping_the_others(ledger_url) -> None:
     ledger = ExportLedger(ledger_url)
     done, held, fresh = (key_for(DAY, tenant=tenant) for tenant in ("done", "held", "fresh"))
-    first = ledger.claim(done, "run-0/export")
-    ledger.complete(first, evidence_for(first))
-    ledger.claim(held, "run-other/export")
+    first = ledger.claims.claim(done, "run-0/export")
+    ledger.completions.complete(first, evidence_for(first))
+    ledger.claims.claim(held, "run-other/export")
 
-    skipped, refused, claimed = ledger.claim_many([done, held, fresh], "run-1/export")
+    skipped, refused, claimed = ledger.claims.claim_many([done, held, fresh], "run-1/export")
 
     assert isinstance(skipped, AlreadyCompleted) and skipped.record.committed_attempt == "run-0/export"
     assert isinstance(refused, LeaseHeld) and "run-other/export" in str(refused)
     assert isinstance(claimed, Claim) and claimed.fencing_token == 1
-    assert [a.outcome for a in ledger.attempts(str(done))][-1] is AttemptOutcome.ALREADY_COMPLETED
-    assert [(a.attempt_id, a.outcome) for a in ledger.attempts(str(held))] == [
+    assert [a.outcome for a in ledger.queries.attempts(str(done))][-1] is AttemptOutcome.ALREADY_COMPLETED
+    assert [(a.attempt_id, a.outcome) for a in ledger.queries.attempts(str(held))] == [
         ("run-1/export", AttemptOutcome.REFUSED)
     ], "the refused claim is recorded, as claim records it"
-    assert ledger.get(str(held)).lease_owner == "run-other/export", "the holder keeps its lease"
+    assert ledger.queries.get(str(held)).lease_owner == "run-other/export", "the holder keeps its lease"
 
 
 def test_a_concurrent_claimer_fences_one_key_of_the_group_and_the_others_commit(clocked, clock) -> None:
     keys = [key_for(DAY, tenant=tenant) for tenant in TENANTS[:3]]
-    claims = clocked.claim_many(keys, "run-1/export")
+    claims = clocked.claims.claim_many(keys, "run-1/export")
     clock.advance(minutes=16)  # run-1 stalls past its leases; another attempt takes the first key over
-    taken = clocked.claim(keys[0], "run-2/export")
+    taken = clocked.claims.claim(keys[0], "run-2/export")
     assert taken.fencing_token == 2
 
-    results = clocked.complete_many([(claim, evidence_for(claim)) for claim in claims])
+    results = clocked.completions.complete_many([(claim, evidence_for(claim)) for claim in claims])
 
     assert isinstance(results[0], FencedOut) and "run-2/export" in str(results[0])
     assert [r.state for r in results[1:]] == [ExportState.COMPLETED, ExportState.COMPLETED]
-    record = clocked.get(str(keys[0]))
+    record = clocked.queries.get(str(keys[0]))
     assert (record.state, record.lease_owner, record.fencing_token) == (ExportState.IN_PROGRESS, "run-2/export", 2)
     # One row per attempt: the takeover recorded run-1 as abandoned, so its fenced commit adds none.
-    assert [(a.attempt_id, a.outcome) for a in clocked.attempts(str(keys[0]))] == [
+    assert [(a.attempt_id, a.outcome) for a in clocked.queries.attempts(str(keys[0]))] == [
         ("run-1/export", AttemptOutcome.ABANDONED)
     ]
 
@@ -142,28 +154,29 @@ def test_export_batch_with_a_key_taken_over_mid_run_fences_that_key_only_and_the
 ) -> None:
     destination = LocalDestination(str(tmp_path / "exports"))
     keys = [key_for(DAY, tenant=tenant) for tenant in TENANTS[:3]]
-    publish = LocalDestination.publish
-    published: list[str] = []
+    commit = LocalDestination.commit
+    committed: list[str] = []
 
-    def publish_then_lose_the_first_lease(self, staged):
-        manifest = publish(self, staged)
-        published.append(manifest.logical_key)
-        if len(published) == len(keys):  # all three published; before the group commits, a takeover happens
+    def commit_then_lose_the_first_lease(self, staged, token, *, superseded):
+        pointer = commit(self, staged, token, superseded=superseded)
+        committed.append(staged.manifest.logical_key)
+        if len(committed) == len(keys):  # all three committed; before the group records them, a takeover happens
             clock.advance(minutes=16)
-            clocked.claim(keys[0], "run-2/export")
-        return manifest
+            clocked.claims.claim(keys[0], "run-2/export")
+        return pointer
 
-    monkeypatch.setattr(LocalDestination, "publish", publish_then_lose_the_first_lease)
+    monkeypatch.setattr(LocalDestination, "commit", commit_then_lose_the_first_lease)
     with pytest.raises(FencedOut, match="run-2/export"):
         export_batch(clocked, destination, batch_of(keys), "run-1/export")
-    monkeypatch.setattr(LocalDestination, "publish", publish)
+    monkeypatch.setattr(LocalDestination, "commit", commit)
 
-    assert [clocked.get(str(k)).state for k in keys] == [ExportState.IN_PROGRESS, *[ExportState.COMPLETED] * 2]
+    assert [clocked.queries.get(str(k)).state for k in keys] == [ExportState.IN_PROGRESS, *[ExportState.COMPLETED] * 2]
     clock.advance(minutes=16)  # run-2 died too; the next run takes the key over and finds run-1's export
     results = export_batch(clocked, destination, batch_of(keys), "run-3/export")
     assert [r.status for r in results] == ["repaired", "already_completed", "already_completed"]
-    assert clocked.get(str(keys[0])).committed_attempt == "run-1/export"
+    assert clocked.queries.get(str(keys[0])).committed_attempt == "run-1/export"
     assert len(published_dirs(tmp_path / "exports")) == 3, "one published export per key"
+    assert len(places(tmp_path / "exports")) == 3, "the repair wrote no second copy of the key"
 
 
 def test_a_crash_between_the_publishes_and_the_group_commit_is_repaired_by_the_next_run(
@@ -176,20 +189,17 @@ def test_a_crash_between_the_publishes_and_the_group_commit_is_repaired_by_the_n
         raise SimulatedCrash("the process died before the group's completions committed")
 
     with monkeypatch.context() as patch:
-        patch.setattr(ExportLedger, "complete_many", die)
+        patch.setattr(Completions, "complete_many", die)
         with pytest.raises(SimulatedCrash):
             export_batch(clocked, destination, batch_of(keys), "run-1/export", group_size=4)
-    # The first group of four was published, none recorded; the second group was never claimed.
+    # The first group of four was committed at the destination, none recorded; the second group was never claimed.
     first_manifests = {
         manifest.logical_key: manifest
-        for manifest in (
-            Manifest.from_json((folder / MANIFEST_NAME).read_bytes(), str(folder))
-            for folder in published_dirs(tmp_path / "exports")
-        )
+        for manifest in (current_manifest(folder) for folder in published_dirs(tmp_path / "exports"))
     }
     assert sorted(first_manifests) == sorted(str(k) for k in keys[:4])
-    assert [clocked.get(str(k)).state for k in keys[:4]] == [ExportState.IN_PROGRESS] * 4
-    assert [clocked.get(str(k)) for k in keys[4:]] == [None, None]
+    assert [clocked.queries.get(str(k)).state for k in keys[:4]] == [ExportState.IN_PROGRESS] * 4
+    assert [clocked.queries.get(str(k)) for k in keys[4:]] == [None, None]
 
     clock.advance(minutes=16)  # past the dead run's leases
     results = export_batch(clocked, destination, batch_of(keys), "run-2/export", group_size=4)
@@ -197,12 +207,12 @@ def test_a_crash_between_the_publishes_and_the_group_commit_is_repaired_by_the_n
     assert [r.status for r in results] == ["repaired"] * 4 + ["exported"] * 2
     folders = published_dirs(tmp_path / "exports")
     assert len(folders) == len(keys), "exactly one published export per key: never a second copy"
-    assert not list((tmp_path / "exports").rglob(".staging-*"))
+    assert len(places(tmp_path / "exports")) == len(keys), "the repairs wrote no second place: one place per key"
     for key in keys[:4]:
-        record = clocked.get(str(key))
+        record = clocked.queries.get(str(key))
         assert record.state is ExportState.COMPLETED
         assert record.committed_attempt == "run-1/export" and record.sha256 == first_manifests[str(key)].sha256
-        assert [(a.attempt_id, a.outcome) for a in clocked.attempts(str(key))] == [
+        assert [(a.attempt_id, a.outcome) for a in clocked.queries.attempts(str(key))] == [
             ("run-1/export", AttemptOutcome.ABANDONED),
             ("run-2/export", AttemptOutcome.REPAIRED),
         ]
@@ -218,12 +228,15 @@ def test_a_crash_at_the_before_commit_failpoint_leaves_claimed_keys_that_the_nex
         export_batch(clocked, destination, batch_of(keys), "run-1/export")
     monkeypatch.delenv(FAILPOINTS)
     assert len(published_dirs(tmp_path / "exports")) == 1, "the crash came right after the first key's publish"
-    assert [clocked.get(str(k)).state for k in keys] == [ExportState.IN_PROGRESS] * 3, "the whole group was claimed"
+    assert [clocked.queries.get(str(k)).state for k in keys] == [ExportState.IN_PROGRESS] * 3, (
+        "the whole group was claimed"
+    )
 
     clock.advance(minutes=16)
     results = export_batch(clocked, destination, batch_of(keys), "run-2/export")
     assert [r.status for r in results] == ["repaired", "exported", "exported"]
     assert len(published_dirs(tmp_path / "exports")) == 3
+    assert len(places(tmp_path / "exports")) == 3, "the first key is repaired from its place, not written again"
 
 
 def test_one_bad_key_of_a_group_fails_alone(tmp_path: Path, clocked) -> None:
@@ -237,7 +250,7 @@ def test_one_bad_key_of_a_group_fails_alone(tmp_path: Path, clocked) -> None:
     with pytest.raises(Exception, match="belong to another tenant"):
         export_batch(clocked, destination, batch, "run-1/export")
 
-    assert [clocked.get(str(k)).state for k in keys] == [
+    assert [clocked.queries.get(str(k)).state for k in keys] == [
         ExportState.COMPLETED,
         ExportState.FAILED,
         ExportState.COMPLETED,
@@ -250,7 +263,7 @@ def _claim_group(url: str, keys: list, attempt: str, start, results) -> None:
     ledger = ExportLedger(url)
     start.wait(timeout=30)
     try:
-        results[attempt] = ledger.claim_many(keys, attempt)
+        results[attempt] = ledger.claims.claim_many(keys, attempt)
     except BaseException as exc:  # the test asserts there was none
         results[attempt] = exc
 
@@ -261,10 +274,11 @@ def test_two_runs_claiming_overlapping_groups_at_once_each_key_goes_to_exactly_o
     keys = [key_for(DAY, tenant=f"r{i:02d}") for i in range(20)]
     half = ExportLedger(ledger_url)
     for key in keys[::2]:
-        half.fail(half.claim(key, "run-0/export"), RuntimeError("source down"))  # half retried, half first claims
+        # half of the keys are retried, half are first claims
+        half.completions.fail(half.claims.claim(key, "run-0/export"), RuntimeError("source down"))
     for round_index in range(3):
         for key in keys:
-            assert half.get(str(key)) is None or half.get(str(key)).state is not ExportState.IN_PROGRESS
+            assert half.queries.get(str(key)) is None or half.queries.get(str(key)).state is not ExportState.IN_PROGRESS
         results: dict = {}
         start = threading.Barrier(2)
         threads = [
@@ -281,5 +295,5 @@ def test_two_runs_claiming_overlapping_groups_at_once_each_key_goes_to_exactly_o
             outcomes = sorted(type(o).__name__ for o in (mine, theirs))
             assert outcomes == ["Claim", "LeaseHeld"], f"{key}: {outcomes}"
             winner = mine if isinstance(mine, Claim) else theirs
-            assert half.get(str(key)).lease_owner == winner.attempt_id
-            half.fail(winner, RuntimeError("next round"))
+            assert half.queries.get(str(key)).lease_owner == winner.attempt_id
+            half.completions.fail(winner, RuntimeError("next round"))

@@ -45,25 +45,25 @@ ALL_KEYS = {ACME_7, ACME_8, GLOBEX_7, GLOBEX_8, INITECH_9, PAYMENTS_ACME_8}
 def ledger_url(sqlite_url: str, clock) -> str:
     ledger = ExportLedger(sqlite_url, clock=clock)
 
-    first = ledger.claim(key("acme", 7), "run-acme-7a")
+    first = ledger.claims.claim(key("acme", 7), "run-acme-7a")
     clock.advance(minutes=1)
-    ledger.fail(first, SourceError("source timed out\x1b[31m\nafter 30 s"))
+    ledger.completions.fail(first, SourceError("source timed out\x1b[31m\nafter 30 s"))
     clock.advance(minutes=1)
-    retry = ledger.claim(key("acme", 7), "run-acme-7b")
+    retry = ledger.claims.claim(key("acme", 7), "run-acme-7b")
     with pytest.raises(LeaseHeld):
-        ledger.claim(key("acme", 7), "run-acme-7c")
+        ledger.claims.claim(key("acme", 7), "run-acme-7c")
     clock.advance(minutes=1)
-    ledger.complete(retry, evidence(retry, 42))
+    ledger.completions.complete(retry, evidence(retry, 42))
 
-    claim = ledger.claim(key("acme", 8), "run-acme-8")
-    ledger.complete(claim, evidence(claim, 7))
-    claim = ledger.claim(key("acme", 8, export="payment_export"), "run-payments-8")
-    ledger.complete(claim, evidence(claim, 3))
-    claim = ledger.claim(key("globex", 7), "run-globex-7")
-    ledger.fail(claim, ValueError("negative amount in frame"))
-    claim = ledger.claim(key("initech", 9), "run-initech-9")
-    ledger.mark_remote_unknown(claim, TimeoutError("upload timed out"))
-    ledger.claim(key("globex", 8), "run-globex-8")
+    claim = ledger.claims.claim(key("acme", 8), "run-acme-8")
+    ledger.completions.complete(claim, evidence(claim, 7))
+    claim = ledger.claims.claim(key("acme", 8, export="payment_export"), "run-payments-8")
+    ledger.completions.complete(claim, evidence(claim, 3))
+    claim = ledger.claims.claim(key("globex", 7), "run-globex-7")
+    ledger.completions.fail(claim, ValueError("negative amount in frame"))
+    claim = ledger.claims.claim(key("initech", 9), "run-initech-9")
+    ledger.completions.mark_remote_unknown(claim, TimeoutError("upload timed out"))
+    ledger.claims.claim(key("globex", 8), "run-globex-8")
     return sqlite_url
 
 
@@ -112,7 +112,7 @@ def test_status_table_shows_lease_owner_and_expiry_only_for_in_progress_exports(
     assert code == 0
     rows = {line.split()[0]: line.split() for line in out.strip().splitlines()[1:]}
     # Claimed at the fixture clock's 09:33 with the default 15-minute lease.
-    assert rows[GLOBEX_8][6:8] == ["run-globex-8", "2026-03-09T09:48:00Z"], "in_progress shows who holds the lease"
+    assert rows[GLOBEX_8][6:8] == ["run-globex-8", "2026-03-20T09:48:00Z"], "in_progress shows who holds the lease"
     for logical_key in ALL_KEYS - {GLOBEX_8}:
         assert rows[logical_key][6:8] == ["-", "-"], f"{logical_key} is not in progress and holds no lease"
 
@@ -124,7 +124,7 @@ def test_status_json_round_trips_with_utc_z_timestamps_and_plain_dates(capsys, l
     in_progress = records[GLOBEX_8]
     assert in_progress["state"] == "in_progress"
     assert in_progress["lease_owner"] == "run-globex-8"
-    assert in_progress["lease_expires_at"] == "2026-03-09T09:48:00Z", "timestamps are ISO 8601 UTC with a Z"
+    assert in_progress["lease_expires_at"] == "2026-03-20T09:48:00Z", "timestamps are ISO 8601 UTC with a Z"
     assert in_progress["business_date"] == "2026-03-08", "business dates are plain YYYY-MM-DD"
     assert in_progress["window_start_utc"] == "2026-03-08T05:00:00Z"
     completed = records[ACME_7]
@@ -177,6 +177,31 @@ def test_status_limit_keeps_the_first_exports_in_export_date_tenant_order(capsys
     assert [record["logical_key"] for record in records] == [ACME_7, GLOBEX_7]
 
 
+def test_status_offset_pages_on_and_a_full_page_says_how_to_see_the_next_one(capsys, ledger_url):
+    records = status_json(capsys, ledger_url, "--limit", "2", "--offset", "2")
+    assert [record["logical_key"] for record in records] == [ACME_8, GLOBEX_8], "the next page, in the same order"
+
+    code, out, _ = run(capsys, "--ledger-url", ledger_url, "status", "--limit", "2", "--offset", "2")
+    assert code == 0
+    assert out.strip().splitlines()[-1] == "(the first 2 rows from 2; --offset 4 shows the next ones)", (
+        "a page that stopped at its limit says how to page on"
+    )
+    code, out, _ = run(capsys, "--ledger-url", ledger_url, "status", "--limit", "3", "--offset", "4")
+    assert code == 0 and len(out.strip().splitlines()) == 3, "the header and the last two keys"
+    assert "--offset" not in out, "a page shorter than its limit is the last: it says nothing more"
+
+
+def test_status_reads_at_most_500_keys_by_default(capsys, tmp_path, clock):
+    url = f"sqlite:///{tmp_path / 'large.sqlite3'}"
+    ledger = ExportLedger(url, clock=clock)
+    ledger.claims.claim_many([key(f"t{i:03d}", 8) for i in range(501)], "run-large/invoice_export")
+
+    assert len(status_json(capsys, url)) == cli.STATUS_LIMIT == 500, "every CLI read is bounded"
+    code, out, _ = run(capsys, "--ledger-url", url, "status")
+    assert code == 0 and out.strip().endswith("--offset 500 shows the next ones)")
+    assert len(status_json(capsys, url, "--offset", "500")) == 1
+
+
 def test_status_without_matches_says_so_in_table_and_prints_an_empty_array_in_json(capsys, ledger_url):
     code, out, err = run(capsys, "--ledger-url", ledger_url, "status", "--tenant", "umbrella")
     assert (code, out.strip(), err) == (0, "no exports match", "")
@@ -197,7 +222,7 @@ def test_attempts_table_lists_one_keys_attempts_in_order_with_error_class_and_me
         assert column in header
     assert [row.split()[0] for row in rows] == ["run-acme-7a", "run-acme-7c", "run-acme-7b"], "attempts in order"
     assert [row.split()[4] for row in rows] == ["failed", "refused", "completed"]
-    assert rows[0].split()[1:4] == ["1", "2026-03-09T09:30:00Z", "2026-03-09T09:31:00Z"], "token, started, finished"
+    assert rows[0].split()[1:4] == ["1", "2026-03-20T09:30:00Z", "2026-03-20T09:31:00Z"], "token, started, finished"
     assert "SourceError" in rows[0] and "source timed out" in rows[0]
     assert "LeaseHeld" in rows[1], "a refused attempt says why"
 
@@ -221,8 +246,24 @@ def test_attempts_json_round_trips_with_outcomes_tokens_and_errors(capsys, ledge
     ]
     assert attempts[0]["error_class"] == "SourceError"
     assert attempts[0]["error_message"] == "source timed out\x1b[31m\nafter 30 s", "JSON keeps the stored message"
-    assert attempts[0]["started_at"] == "2026-03-09T09:30:00Z" and attempts[0]["finished_at"] == "2026-03-09T09:31:00Z"
+    assert attempts[0]["started_at"] == "2026-03-20T09:30:00Z" and attempts[0]["finished_at"] == "2026-03-20T09:31:00Z"
     assert attempts[2]["error_class"] is None and attempts[2]["error_message"] is None
+
+
+def test_attempts_shows_the_last_200_attempts_and_says_how_many_there_are(capsys, ledger_url, clock):
+    ledger = ExportLedger(ledger_url, clock=clock)
+    for n in range(201):  # globex's 2026-03-08 lease is live: each claim is refused, and recorded
+        with pytest.raises(LeaseHeld):
+            ledger.claims.claim(key("globex", 8), f"run-refused-{n:03d}")
+
+    code, out, _ = run(capsys, "--ledger-url", ledger_url, "attempts", GLOBEX_8)
+    assert code == 0
+    header, *rows = out.strip().splitlines()
+    assert rows[-1] == f"(the last {cli.ATTEMPTS_LIMIT} of 201 attempts)", "a bounded read says what it left out"
+    shown = [row.split()[0] for row in rows[:-1]]
+    assert shown == [f"run-refused-{n:03d}" for n in range(1, 201)], "the newest 200, oldest first"
+    code, out, _ = run(capsys, "--ledger-url", ledger_url, "attempts", GLOBEX_8, "--json")
+    assert code == 0 and [a["attempt_id"] for a in json.loads(out)] == shown, "JSON is bounded the same way"
 
 
 def test_attempts_of_a_first_attempt_still_running_says_none_finished_yet(capsys, ledger_url):

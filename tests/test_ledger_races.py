@@ -60,9 +60,9 @@ def seed_round_starts(url: str) -> None:
     for round_index, start in enumerate(ROUND_STARTS):
         if start == FRESH:
             continue
-        claim = crashed_holder.claim(round_key(round_index), seed_attempt_id(round_index))
+        claim = crashed_holder.claims.claim(round_key(round_index), seed_attempt_id(round_index))
         if start == FAILED:
-            crashed_holder.fail(claim, RuntimeError("seeded failure"))
+            crashed_holder.completions.fail(claim, RuntimeError("seeded failure"))
 
 
 def race(url: str, racer: int, barrier, results) -> None:
@@ -79,9 +79,9 @@ def race(url: str, racer: int, barrier, results) -> None:
         attempt = racer_attempt_id(racer, round_index)
         try:
             barrier.wait(BARRIER_TIMEOUT_S)
-            outcome = ledger.claim(key, attempt)
+            outcome = ledger.claims.claim(key, attempt)
             if isinstance(outcome, Claim):
-                ledger.complete(
+                ledger.completions.complete(
                     outcome,
                     CompletionEvidence(
                         location=f"file:///exports/{attempt}.parquet",
@@ -159,13 +159,13 @@ def test_racing_processes_complete_each_key_exactly_once(ledger_url, racers):
         assert len(winners) == 1, f"exactly one racer exports the {start} key {key}, got {winners}"
         winner = racer_attempt_id(winners[0], round_index)
 
-        record = ledger.get(key)
+        record = ledger.queries.get(key)
         assert record.state is ExportState.COMPLETED, f"{key} ends completed"
         assert record.committed_attempt == winner, f"{key} records the winner's export"
         expected_token = 1 if start == FRESH else 2
         assert record.fencing_token == expected_token, f"exactly one racer's claim on the {start} key {key} won"
 
-        attempts = ledger.attempts(key)
+        attempts = ledger.queries.attempts(key)
         racer_rows = [a for a in attempts if a.attempt_id != seed_attempt_id(round_index)]
         assert len(racer_rows) == racers, f"every racer on {key} leaves exactly one attempt row"
         by_attempt = {a.attempt_id: a.outcome for a in racer_rows}

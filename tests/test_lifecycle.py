@@ -18,89 +18,135 @@ UTC = dt.timezone.utc
 
 def _complete(ledger: ExportLedger, day: dt.date, tenant: str = "acme") -> None:
     key = LogicalKey("invoice_export", tenant, window_for(day, "America/New_York"))
-    claim = ledger.claim(key, f"run-{day}/invoice_export")
-    ledger.complete(claim, CompletionEvidence(f"/exports/{day}", "ab" * 32, 96, claim.attempt_id, claim.fencing_token))
+    claim = ledger.claims.claim(key, f"run-{day}/invoice_export")
+    evidence = CompletionEvidence(f"/exports/{day}", "ab" * 32, 96, claim.attempt_id, claim.fencing_token)
+    ledger.completions.complete(claim, evidence)
 
 
-def _fail(ledger: ExportLedger, day: dt.date) -> None:
-    key = LogicalKey("invoice_export", "acme", window_for(day, "America/New_York"))
-    ledger.fail(ledger.claim(key, f"run-{day}/invoice_export"), RuntimeError("source down"))
+def _fail(ledger: ExportLedger, day: dt.date, tenant: str = "acme") -> None:
+    key = LogicalKey("invoice_export", tenant, window_for(day, "America/New_York"))
+    ledger.completions.fail(ledger.claims.claim(key, f"run-{day}/invoice_export"), RuntimeError("source down"))
+
+
+#: From the clock's 2026-03-20 (09:30 UTC: the 20th in New York too), this many days back is 2026-01-05.
+TO_JAN_5 = 74
 
 
 @pytest.fixture
 def aged_ledger(ledger_url, clock):
-    """Completed keys on 2026-01-01..2026-01-10 and one failed key on 2026-01-02, seen from 2026-03-09."""
+    """Globex's keys completed on 2026-01-01..2026-01-10; acme's from 2026-01-02 on, its first one failed. Seen
+    from 2026-03-20, so that ``prune(TO_JAN_5)`` has its horizon on 2026-01-05."""
     ledger = ExportLedger(ledger_url, clock=clock)
     for offset in range(10):
         _complete(ledger, dt.date(2026, 1, 1) + dt.timedelta(days=offset), tenant="globex")
     _fail(ledger, dt.date(2026, 1, 2))
+    for offset in range(2, 10):  # acme is expected from its first key on: its other days are exported
+        _complete(ledger, dt.date(2026, 1, 1) + dt.timedelta(days=offset))
     return ledger
 
 
 def test_prune_deletes_only_old_completed_records_and_stops_the_mark_at_a_key_not_completed(aged_ledger, clock):
-    (plan,) = aged_ledger.prune(63)  # horizon 2026-01-05; acme's 2026-01-02 is failed
+    (plan,) = aged_ledger.retention.prune(TO_JAN_5)  # horizon 2026-01-05; acme's 2026-01-02 is failed
 
     assert (plan.horizon, plan.blocked_by, plan.mark) == (dt.date(2026, 1, 5), dt.date(2026, 1, 2), dt.date(2026, 1, 2))
     assert plan.pruned == 1, "only 2026-01-01 lies below a mark that may not pass the failed key"
-    assert aged_ledger.low_water("invoice_export") == dt.date(2026, 1, 2)
-    remaining = aged_ledger.records()
+    assert aged_ledger.retention.low_water("invoice_export") == dt.date(2026, 1, 2)
+    remaining = aged_ledger.queries.records()
     failed = [r for r in remaining if r.state is ExportState.FAILED]
     assert [r.business_date for r in failed] == [dt.date(2026, 1, 2)], "other states are never pruned"
-    assert all(aged_ledger.attempts(r.logical_key) for r in remaining), "kept keys keep their history"
+    assert all(aged_ledger.queries.attempts(r.logical_key) for r in remaining), "kept keys keep their history"
 
     _complete(aged_ledger, dt.date(2026, 1, 2))  # the failed key is exported after all
-    (plan,) = aged_ledger.prune(63)
-    assert (plan.mark, plan.pruned) == (dt.date(2026, 1, 5), 4), "now the mark reaches the horizon"
+    (plan,) = aged_ledger.retention.prune(TO_JAN_5)
+    assert (plan.mark, plan.pruned) == (dt.date(2026, 1, 5), 6), (
+        "now the mark reaches the horizon: both tenants' 2026-01-02..04 are pruned"
+    )
 
 
 def test_a_first_claim_below_the_low_water_mark_is_refused_unless_overridden(aged_ledger, ledger_url, clock):
-    aged_ledger.prune(63)
+    aged_ledger.retention.prune(TO_JAN_5)
     pruned_key = LogicalKey("invoice_export", "globex", window_for(dt.date(2026, 1, 1), "America/New_York"))
     with pytest.raises(BelowLowWater, match=r"below the retention low-water mark of invoice_export \(2026-01-02\)"):
-        aged_ledger.claim(pruned_key, "late-retry/invoice_export")
-    assert aged_ledger.get(str(pruned_key)) is None, "a refused claim leaves no row behind"
+        aged_ledger.claims.claim(pruned_key, "late-retry/invoice_export")
+    assert aged_ledger.queries.get(str(pruned_key)) is None, "a refused claim leaves no row behind"
 
     failed_key = LogicalKey("invoice_export", "acme", window_for(dt.date(2026, 1, 2), "America/New_York"))
-    assert aged_ledger.claim(failed_key, "retry/invoice_export").fencing_token == 2, "a key not completed stays open"
+    retry = aged_ledger.claims.claim(failed_key, "retry/invoice_export")
+    assert retry.fencing_token == 2, "a key not completed stays open"
 
     override = ExportLedger(ledger_url, clock=clock, allow_below_low_water=True)
-    assert override.claim(pruned_key, "operator/invoice_export").fencing_token == 1
+    assert override.claims.claim(pruned_key, "operator/invoice_export").fencing_token == 1
 
 
 def test_the_low_water_mark_never_moves_back(aged_ledger, clock):
-    aged_ledger.prune(63)
-    aged_ledger.prune(90)
-    assert aged_ledger.low_water("invoice_export") == dt.date(2026, 1, 2)
+    aged_ledger.retention.prune(TO_JAN_5)
+    aged_ledger.retention.prune(TO_JAN_5 + 27)  # a horizon before the mark
+    assert aged_ledger.retention.low_water("invoice_export") == dt.date(2026, 1, 2)
 
 
 def test_prune_older_than_0_never_closes_tonights_key_that_was_never_exported(ledger_url, clock):
     # Defect: the mark went to today, and tonight's key for yesterday (no record yet) was refused as BelowLowWater.
-    ledger = ExportLedger(ledger_url, clock=clock)  # now: 2026-03-09 09:30 UTC
-    ledger.check_contract("invoice_export", ExportCalendar("America/New_York", "2026-03-01").contract())
-    for day in range(1, 8):  # 2026-03-01..07 exported; 2026-03-08 (last night's) not yet
+    ledger = ExportLedger(ledger_url, clock=clock)  # now: 2026-03-20 09:30 UTC, 05:30 in New York
+    ledger.contracts.check({("invoice_export", "acme"): ExportCalendar("America/New_York", "2026-03-01").contract()})
+    for day in range(1, 19):  # 2026-03-01..18 exported; 2026-03-19 (last night's) not yet
         _complete(ledger, dt.date(2026, 3, day))
 
-    (plan,) = ledger.prune_plan(0)
-    assert plan.unexported == [dt.date(2026, 3, 8)] and plan.mark == dt.date(2026, 3, 8)
-    assert ledger.low_water("invoice_export") is None, "a plan changes nothing"
-    ledger.prune(0)
-    assert ledger.low_water("invoice_export") == dt.date(2026, 3, 8)
-    tonight = LogicalKey("invoice_export", "acme", window_for(dt.date(2026, 3, 8), "America/New_York"))
-    assert ledger.claim(tonight, "nightly/invoice_export").fencing_token == 1, "tonight's key is still exported"
+    (plan,) = ledger.retention.plan(0)
+    assert plan.unexported == [dt.date(2026, 3, 19)] and plan.mark == dt.date(2026, 3, 19)
+    assert ledger.retention.low_water("invoice_export") is None, "a plan changes nothing"
+    ledger.retention.prune(0)
+    assert ledger.retention.low_water("invoice_export") == dt.date(2026, 3, 19)
+    tonight = LogicalKey("invoice_export", "acme", window_for(dt.date(2026, 3, 19), "America/New_York"))
+    assert ledger.claims.claim(tonight, "nightly/invoice_export").fencing_token == 1, "tonight's key is still exported"
 
     with pytest.raises(ValueError, match="needs an operator and a reason"):
-        ledger.prune(0, close_unexported=True)
+        ledger.retention.prune(0, close_unexported=True)
 
 
 def test_closing_dates_never_exported_is_explicit_and_recorded(ledger_url, clock):
-    ledger = ExportLedger(ledger_url, clock=clock)
-    ledger.check_contract("invoice_export", ExportCalendar("America/New_York", "2026-03-01").contract())
+    ledger = ExportLedger(ledger_url, clock=clock)  # 2026-03-20: 13 days back is 2026-03-07
+    ledger.contracts.check({("invoice_export", "acme"): ExportCalendar("America/New_York", "2026-03-01").contract()})
     _complete(ledger, dt.date(2026, 3, 1))
-    (plan,) = ledger.prune(2, close_unexported=True, operator="ops@host", reason="those days had no sales at all")
+    (plan,) = ledger.retention.prune(
+        13, close_unexported=True, operator="ops@host", reason="those days had no sales at all"
+    )
     assert plan.mark == dt.date(2026, 3, 7) and plan.unexported[0] == dt.date(2026, 3, 2)
-    (entry,) = ledger.operator_log()
+    (entry,) = ledger.operators.entries()
     assert (entry["operator"], entry["action"]) == ("ops@host", "prune-close-unexported")
     assert "2026-03-02" in entry["detail"] and entry["reason"] == "those days had no sales at all"
+
+
+def test_a_date_one_tenant_never_exported_stops_the_mark_although_another_tenant_exported_it(ledger_url, clock):
+    # Issue 18 (8): a date counted as keyed when any tenant had a key on it, so globex's 2026-03-03 was closed.
+    ledger = ExportLedger(ledger_url, clock=clock)  # 2026-03-20: 13 days back is 2026-03-07
+    contract = ExportCalendar("America/New_York", "2026-03-01").contract()
+    ledger.contracts.check({("invoice_export", tenant): contract for tenant in ("acme", "globex")})
+    for day in (1, 2, 3, 4, 5):
+        _complete(ledger, dt.date(2026, 3, day))
+        if day != 3:
+            _complete(ledger, dt.date(2026, 3, day), tenant="globex")
+
+    (plan,) = ledger.retention.prune(13)
+
+    assert plan.unexported[0] == dt.date(2026, 3, 3), "a date is exported only once every expected tenant has a key"
+    assert (plan.mark, plan.pruned) == (dt.date(2026, 3, 3), 4), "the mark stops at globex's missing date"
+    missed = LogicalKey("invoice_export", "globex", window_for(dt.date(2026, 3, 3), "America/New_York"))
+    assert ledger.claims.claim(missed, "nightly/invoice_export").fencing_token == 1, "globex's date is still exported"
+
+
+def test_the_prune_horizon_is_the_earliest_local_date_among_the_tenants_zones(ledger_url, clock):
+    # Issue 18 (8): the horizon was a UTC date; 2026-03-20 09:30 UTC is still 2026-03-19 in Honolulu.
+    ledger = ExportLedger(ledger_url, clock=clock)
+    ledger.contracts.check(
+        {
+            ("invoice_export", "acme"): ExportCalendar("Asia/Tokyo", "2026-03-01").contract(),  # 18:30 on the 20th
+            ("invoice_export", "globex"): ExportCalendar("Pacific/Honolulu", "2026-03-01").contract(),  # 23:30, 19th
+        }
+    )
+
+    (plan,) = ledger.retention.plan(0, export="invoice_export")
+
+    assert plan.horizon == dt.date(2026, 3, 19), "a date is past only once it is past for every tenant"
 
 
 def test_prune_from_the_cli_shows_the_plan_and_changes_nothing_without_yes(tmp_path, sqlite_url, clock, capsys):
@@ -109,11 +155,11 @@ def test_prune_from_the_cli_shows_the_plan_and_changes_nothing_without_yes(tmp_p
     assert cli.main(["--ledger-url", sqlite_url, "prune", "--older-than", "30"]) == 0
     out = capsys.readouterr().out
     assert "dry run: nothing changed" in out and "invoice_export" in out
-    assert len(ledger.records()) == 1, "without --yes nothing is deleted"
+    assert len(ledger.queries.records()) == 1, "without --yes nothing is deleted"
     assert cli.main(["--ledger-url", sqlite_url, "prune", "--older-than", "30", "--yes"]) == 0
     out = capsys.readouterr().out
     assert "invoice_export" in out and "dry run" not in out
-    assert ledger.records() == []
+    assert ledger.queries.records() == []
     assert cli.main(["--ledger-url", sqlite_url, "prune", "--older-than", "-3"]) == 2
     assert "invalid number of days '-3'" in capsys.readouterr().err
     assert cli.main(["--ledger-url", sqlite_url, "prune", "--older-than", "3", "--close-unexported"]) == 2
@@ -123,7 +169,7 @@ def test_prune_from_the_cli_shows_the_plan_and_changes_nothing_without_yes(tmp_p
 def test_a_materialization_under_a_changed_timezone_is_refused_until_accepted(tmp_path, instance, monkeypatch, capsys):
     new_york = make_defs(tmp_path)
     assert run_partition(new_york, instance, "2026-03-08").success
-    assert ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}").contract_in_force("invoice_export", "acme") == (
+    assert ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}").contracts.in_force("invoice_export", "acme") == (
         ExportCalendar("America/New_York", "2026-01-01").contract()
     ), "each tenant's contract is recorded at its first materialization"
 
@@ -139,24 +185,37 @@ def test_a_materialization_under_a_changed_timezone_is_refused_until_accepted(tm
     # The operator accepts the code's contract: the CLI reads it from the code location.
     ledger_url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
     contract = ExportCalendar("America/Chicago", "2026-01-01").contract()
-    ExportLedger(ledger_url).accept_contract("invoice_export", contract, "moved the business to Chicago")
+    ExportLedger(ledger_url).contracts.accept("invoice_export", contract, "moved the business to Chicago")
     assert run_partition(chicago, instance, "2026-03-09").success
-    history = ExportLedger(ledger_url).contract_history("invoice_export")
-    assert [h["reason"] for h in history] == ["first materialization", "moved the business to Chicago"]
+    history = ExportLedger(ledger_url).contracts.history("invoice_export")
+    assert [h["reason"] for h in history] == ["first claim", "moved the business to Chicago"], (
+        "the contract is recorded at the tenant's first claim, then changed only by the operator's acceptance"
+    )
 
 
-def test_accept_contract_from_the_cli_records_the_code_contract_and_reason(sqlite_url, monkeypatch, capsys):
-    ledger = ExportLedger(sqlite_url)
+def test_accept_contract_from_the_cli_records_the_code_contract_and_reason(sqlite_url, clock, monkeypatch, capsys):
+    ledger = ExportLedger(sqlite_url, clock=clock)
     code_contract = ExportCalendar("America/New_York", "2026-01-01").contract()
-    ledger.check_contract("invoice_export", {**code_contract, "timezone": "Europe/Dublin"})  # recorded first
+    first, second = (
+        LogicalKey("invoice_export", "acme", window_for(dt.date(2026, 3, day), "America/New_York")) for day in (7, 8)
+    )
+    dublin = {**code_contract, "timezone": "Europe/Dublin"}
+    ledger.claims.claim(first, "run-1/invoice_export", contract=dublin)  # recorded at the tenant's first claim
     with pytest.raises(ContractChanged, match="Europe/Dublin"):
-        ledger.check_contract("invoice_export", code_contract)
+        ledger.claims.claim(second, "run-2/invoice_export", contract=code_contract)
+    assert ledger.queries.get(str(second)) is None, "a claim under another contract is refused before any row"
 
-    accept = ["--ledger-url", sqlite_url, "accept-contract", "--export", "invoice_export"]
+    export_wide = ["--ledger-url", sqlite_url, "accept-contract", "--export", "invoice_export"]
+    export_wide += ["--timezone", "America/New_York", "--start-date", "2026-01-01", "--reason", "zone fixed in code"]
+    assert cli.main(export_wide) == 2, "an export-wide acceptance over a tenant in another zone is refused"
+    assert "accept per tenant with --tenant" in capsys.readouterr().err
+
+    accept = ["--ledger-url", sqlite_url, "accept-contract", "--export", "invoice_export", "--tenant", "acme"]
     accept += ["--timezone", "America/New_York", "--start-date", "2026-01-01"]
     assert cli.main([*accept, "--reason", "zone fixed in code"]) == 0
-    assert "accepted for invoice_export" in capsys.readouterr().out
-    assert ledger.recorded_contract("invoice_export") == code_contract
-    ledger.check_contract("invoice_export", code_contract)  # no longer refused
-    assert ledger.contract_history("invoice_export")[-1]["reason"] == "zone fixed in code"
+    assert "accepted for invoice_export, tenant acme" in capsys.readouterr().out
+    assert ledger.contracts.in_force("invoice_export", "acme") == code_contract
+    assert ledger.contracts.check({("invoice_export", "acme"): code_contract}) == {}, "no longer refused"
+    assert ledger.claims.claim(second, "run-3/invoice_export", contract=code_contract).fencing_token == 1
+    assert ledger.contracts.history("invoice_export")[-1]["reason"] == "zone fixed in code"
     assert cli.main([*accept, "--reason", "  "]) == 2

@@ -2,8 +2,9 @@
 
 Variants, interleaved on the same frame and the same disk:
 
-* ``ledgered``: the I/O manager's ``handle_output`` for one logical key: claim, validate, staging write with
-  streaming SHA-256, fsync of data, manifest and folder, atomic rename, fsync of the parent, ledger commit.
+* ``ledgered``: the I/O manager's ``handle_output`` for one logical key (docs/protocol.md): claim, read the key's
+  pointer, validate, write the data file at the attempt's own place with streaming SHA-256 and fsync, create the
+  manifest beside it, commit the pointer (compare-and-swap, fsync), ledger commit.
 * ``pandas`` (baseline a): what a plain cron script does, ``DataFrame.to_csv`` / ``to_parquet`` and one fsync.
 * ``arrow`` (baseline b): the fastest plain write of the format found here: ``pa.Table.from_pandas`` and
   pyarrow's CSV or Parquet writer, to a Python file or to pyarrow's native file, and one fsync. Baseline (b) is
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -30,6 +32,7 @@ from assets.invoices import INVOICE_SCHEMA
 from benchmarks.common import Settings, fsync_file, interleaved, median, scratch_dir, target
 from export_ledger.calendar import ExportWindow, window_for
 from export_ledger.dagster import DestinationResource, LedgeredExportIOManager, LedgerResource
+from export_ledger.fingerprint import Fingerprint
 from export_ledger.frames import Manifest, data_file_name, validate_frame
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger import CompletionEvidence, ExportLedger, dispose_engines
@@ -177,12 +180,11 @@ class _Ledgered:
         self.last_path = Path(result.location)
 
     def clean(self) -> None:
+        """Removes the last key's folder: its place (data file and manifest, whose size is remembered) and pointer."""
         path = getattr(self, "last_path", None)
         if path is not None and path.exists():
             self.last_bytes = sum(p.stat().st_size for p in path.iterdir())
-            for entry in path.iterdir():
-                entry.unlink()
-            path.rmdir()
+            shutil.rmtree(path.parent)  # the key folder: the place and the pointer naming it
 
     def phases(self) -> dict[str, float]:
         """The I/O manager's steps for one more key, called one by one with a timer on each: where the time goes."""
@@ -197,8 +199,20 @@ class _Ledgered:
             spent[name] = time.perf_counter() - start
             return value
 
-        claim = timed("claim", lambda: ledger.claim(key, "bench-phases/invoice_export"))
-        table = timed("validate_frame", lambda: validate_frame(self.frame, INVOICE_SCHEMA, claim.window, str(key)))
+        claim = timed("claim", lambda: ledger.claims.claim(key, "bench-phases/invoice_export"))
+        target = target_for(key, claim.revision)
+        superseded = claim.superseded_revision
+        timed(
+            "verify_pointer",
+            lambda: destination.verify(target, logical_key=claim.logical_key, superseded=superseded),
+        )
+        fingerprint = Fingerprint(INVOICE_SCHEMA.id_columns, INVOICE_SCHEMA.version_column)
+        table = timed(
+            "validate_frame",
+            lambda: validate_frame(
+                self.frame, INVOICE_SCHEMA, claim.window, str(key), key.tenant, fingerprint=fingerprint
+            ),
+        )
         template = Manifest.build(
             logical_key=claim.logical_key,
             export=key.export,
@@ -210,16 +224,22 @@ class _Ledgered:
             fencing_token=claim.fencing_token,
             data_file=data_file_name(self.file_format),
             tz_database=claim.tz_database,
+            revision=claim.revision,
+            supersedes=claim.supersedes,
         )
-        target = target_for(key)
-        timed("probe", lambda: destination.probe(target))
-        staged = timed("stage_write_hash_fsync", lambda: destination.stage(target, table, self.file_format, template))
-        published = timed("publish_rename_fsync", lambda: destination.publish(staged))
+        token = claim.fencing_token
+        staged = timed(
+            "stage_write_hash_fsync",
+            lambda: destination.stage(target, token, table, self.file_format, template),
+        )
+        timed("commit_pointer_cas_fsync", lambda: destination.commit(staged, token, superseded=superseded))
+        location = destination.location(staged.target)
         evidence = CompletionEvidence(
-            destination.location(target), published.sha256, published.row_count, claim.attempt_id, claim.fencing_token
-        )
-        timed("complete", lambda: ledger.complete(claim, evidence))
-        self.last_path = Path(destination.location(target))
+            location, staged.manifest.sha256, staged.manifest.row_count, claim.attempt_id, token,
+            source_fingerprint=fingerprint.encode(), revision=claim.revision,
+        )  # fmt: skip
+        timed("complete", lambda: ledger.completions.complete(claim, evidence))
+        self.last_path = Path(location)
         self.clean()
         return spent
 

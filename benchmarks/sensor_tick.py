@@ -5,14 +5,17 @@ three years, and the sensor is built for those tenants. Rows are bulk-inserted w
 into the ledger's own tables (not through ``claim``):
 completed keys, plus 100 stuck ones on 100 distinct business dates (so each touches a partition of its own, the
 costliest case for the sensor's per-partition decisions) and spread over the tenants, half ``remote_unknown`` and half
-``in_progress`` with an expired lease. Half of the stuck keys have an intact export at the destination (they
-resolve to ``completed``), the other half have nothing (``failed``, and a run request).
+``in_progress`` with an expired lease, each last claimed with token 2. Half of the stuck keys have an intact export
+at the destination, committed by that token (its place and the key's pointer naming it: they resolve to
+``completed``), the other half have nothing (``failed``, and a run request).
 
-Two variants are timed, interleaved across the ledger sizes, with the stuck keys put back (untimed) before each:
+Two variants are timed, interleaved across the ledger sizes, with the stuck keys and their pointers put back
+(untimed) before each, so that every tick holds, fences (a pointer write), judges and records each key afresh:
 
-* ``reconcile_batch``: :func:`resources.reconcile.reconcile_batch` with the sensor's batch size (100);
+* ``reconcile_batch``: :func:`export_ledger.reconcile.reconcile_batch` with the sensor's batch size (100);
 * ``sensor``: the project's ``reconciliation_sensor`` evaluated with ``build_sensor_context``: the batch above,
-  ``needs_attention`` for the ``no_stuck_exports`` check, and the Dagster result.
+  the pages of failed and restating partitions, ``attention.summary`` for the ``no_stuck_exports`` check, and the
+  Dagster result.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import warnings
 from pathlib import Path
 
 import dagster as dg
+import pyarrow as pa
 import sqlalchemy as sa
 
 from benchmarks.common import (
@@ -37,14 +41,16 @@ from benchmarks.common import (
 from export_ledger.calendar import ExportWindow, tz_database_version, utc_iso, window_for
 from export_ledger.dagster import DestinationResource, LedgerResource
 from export_ledger.destinations import ExportTarget, LocalDestination
-from export_ledger.frames import MANIFEST_NAME, Manifest
+from export_ledger.destinations.publishing import POINTER_NAME
+from export_ledger.frames import Manifest
 from export_ledger.ledger import ExportLedger, dispose_engines, ledger_engine
 from export_ledger.ledger.schema import ExportState, export_runs
 from export_ledger.reconcile import reconcile_batch
 
 NAME = "sensor_tick"
 TIMEZONE = "America/New_York"
-START = dt.date(2026, 1, 1)
+#: 1,000 business days from here have all ended: completed keys of windows not yet over cannot exist.
+START = dt.date(2023, 1, 1)
 STUCK = 100
 DAYS = 1000  # tenants = rows / DAYS
 UTC = dt.timezone.utc
@@ -113,11 +119,15 @@ class StuckLedger:
         self.stuck_rows = [self._stuck_values(n, i, tz_db) for n, i in enumerate(self.stuck_index)]
         for values in self.stuck_rows[::2]:
             self._publish(values)
+        # What each stuck key's pointer holds before a tick (None: no pointer), put back with the rows.
+        paths = [self._pointer(values) for values in self.stuck_rows]
+        self.pointers = {path: path.read_bytes() if path.exists() else None for path in paths}
         self.reset()
 
     def _stuck_values(self, n: int, index: int, tz_db: str) -> dict:
         row = _row(index, self.days, self.windows, tz_db, self.now)
         attempt = f"crashed-{n}/invoice_export"
+        # What the attempt meant to commit (a published key's is replaced by its manifest's, see _publish).
         payload = f"invoice_id\n{row['logical_key']}\n".encode()
         row.update(
             state=ExportState.REMOTE_UNKNOWN.value if n % 4 < 2 else ExportState.IN_PROGRESS.value,
@@ -129,34 +139,46 @@ class StuckLedger:
             lease_expires_at=self.now - dt.timedelta(hours=8),
             fencing_token=2,
             updated_at=self.now - dt.timedelta(hours=9),
-            _payload=payload,
         )
         if row["state"] == ExportState.IN_PROGRESS.value:
             row["sha256"] = None  # an in_progress attempt has not said what it wrote
         return row
 
+    def _target(self, values: dict) -> ExportTarget:
+        return ExportTarget("invoice_export", values["tenant"], values["business_date"].isoformat())
+
+    def _pointer(self, values: dict) -> Path:
+        return self.root / self.destination.key_folder(self._target(values)) / POINTER_NAME
+
     def _publish(self, values: dict) -> None:
-        target = ExportTarget("invoice_export", values["tenant"], values["business_date"].isoformat())
-        folder = self.root.joinpath(*target.parts)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "data.csv").write_bytes(values["_payload"])
+        """What the crashed attempt (token 2) committed before it died, through the destination's own protocol
+        half: its place (data file and manifest) and the key's pointer naming it."""
         window = self.windows[(values["business_date"] - START).days]
-        manifest = Manifest.build(
+        template = Manifest.build(
             logical_key=values["logical_key"],
             export="invoice_export",
             tenant=values["tenant"],
             window=window,
-            row_count=1,
-            sha256=hashlib.sha256(values["_payload"]).hexdigest(),
+            row_count=0,
+            sha256="",
             attempt_id=values["lease_owner"],
             fencing_token=2,
             data_file="data.csv",
             tz_database=values["tz_database"],
         )
-        (folder / MANIFEST_NAME).write_bytes(manifest.to_json())
+        table = pa.table({"invoice_id": [values["logical_key"]]})
+        staged = self.destination.stage(self._target(values), 2, table, "csv", template)
+        self.destination.commit(staged, 2, superseded=0)
+        if values["sha256"] is not None:
+            values["sha256"] = staged.manifest.sha256  # a remote_unknown attempt said what it committed
 
     def reset(self) -> None:
-        """Puts the stuck keys back as they were (untimed)."""
+        """Puts the stuck keys and their pointers back as they were (untimed)."""
+        for path, payload in self.pointers.items():
+            if payload is None:
+                path.unlink(missing_ok=True)  # the tick's fence created it
+            else:
+                path.write_bytes(payload)  # the tick's fence raised it above the crashed attempt's token
         columns = (
             "state",
             "location",

@@ -139,7 +139,7 @@ def child(spec: dict) -> dict:
     source = SqlSource(spec["url"], spec["query"])
     window = _window()
     key = LogicalKey("invoice_export", TENANT, window)
-    ledger.records(limit=1)  # the ledger's schema exists before the clock starts
+    ledger.queries.records(limit=1)  # the ledger's schema exists before the clock starts
     began = time.perf_counter()
     if spec["variant"] == "streamed":
         item = ExportItem.streamed(key, BUSINESS_DATE.isoformat(), source, INVOICE_SCHEMA, batch_rows=spec["batch"])

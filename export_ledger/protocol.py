@@ -153,12 +153,17 @@ class ExportResult:
     #: The revision this attempt published or repaired (the restatement's for a restatement); 1 for
     #: ``already_completed``, whose current revision is not looked up (the ledger's ``current_revision`` has it).
     revision: int = 1
+    #: For a restatement, the revision it superseded (the key's recorded revision before it: not always
+    #: ``revision - 1``, since a withdrawn request's number is never given again); None otherwise.
+    supersedes: int | None = None
 
     @classmethod
-    def of(cls, record: ExportRecord, partition_key: str, status: str, revision: int = 1) -> ExportResult:
+    def of(
+        cls, record: ExportRecord, partition_key: str, status: str, revision: int = 1, supersedes: int | None = None
+    ) -> ExportResult:
         return cls(
             record.logical_key, partition_key, record.tenant, status, record.location, record.sha256,
-            record.row_count, record.committed_attempt, revision,
+            record.row_count, record.committed_attempt, revision, supersedes,
         )  # fmt: skip
 
 
@@ -260,7 +265,7 @@ class _KeyExport:
             failpoints.reach("before_commit")
             record = self.ledger.completions.complete(claim, effect)
         failpoints.reach("after_commit")
-        return self.result(record, item, status, attempt, claim.revision)
+        return self.result(record, item, status, attempt, claim)
 
     def skipped(self, outcome: AlreadyCompleted, item: ExportItem) -> ExportResult:
         record = outcome.record
@@ -270,15 +275,14 @@ class _KeyExport:
         )
         return ExportResult.of(record, item.partition_key, "already_completed")
 
-    def result(
-        self, record: ExportRecord, item: ExportItem, status: str, attempt: str, revision: int = 1
-    ) -> ExportResult:
+    def result(self, record: ExportRecord, item: ExportItem, status: str, attempt: str, claim: Claim) -> ExportResult:
         if status != "exported":
             self.log(
                 "info",
                 f"{record.logical_key} {status}: {record.row_count} rows at {record.location} (attempt {attempt})",
             )
-        return ExportResult.of(record, item.partition_key, status, revision)
+        supersedes = claim.superseded_revision if claim.revision > 1 else None
+        return ExportResult.of(record, item.partition_key, status, claim.revision, supersedes)
 
     def effect(self, claim: Claim, item: ExportItem) -> tuple[str, ExportRecord | CompletionEvidence]:
         """Everything between a key's claim and its completion record: the repair, publish or transactional write.
@@ -578,7 +582,7 @@ def _export_group(
         except Exception as exc:
             _failed(exporter.log, failures, group[i], exc)
             continue
-        results[i] = exporter.result(record, group[i], status, attempt, outcomes[i].revision)
+        results[i] = exporter.result(record, group[i], status, attempt, claims[i])
     return [results[i] for i in sorted(results)]
 
 

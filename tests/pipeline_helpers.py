@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import warnings
 from collections.abc import Sequence
@@ -13,6 +14,7 @@ import dagster as dg
 import pandas as pd
 
 from definitions import build_definitions
+from export_ledger.destinations.publishing import POINTER_NAME
 from export_ledger.frames import MANIFEST_NAME, Manifest
 from export_ledger.ledger import ExportLedger
 
@@ -55,20 +57,73 @@ def failure_message(result: dg.ExecuteInProcessResult) -> str:
     return "\n".join(parts)
 
 
+def _pointer(folder: Path) -> dict | None:
+    """The key folder's pointer (``_current.json``) as JSON, or None when it has none."""
+    path = folder / POINTER_NAME
+    return json.loads(path.read_bytes()) if path.is_file() else None
+
+
+def _current_place(folder: Path) -> Path | None:
+    """The place readers of a key folder see (docs/protocol.md): the one its pointer names, or the folder itself for
+    a legacy revision 1 (no pointer, a manifest of its own); None when nothing is published."""
+    pointer = _pointer(folder)
+    if pointer is None:
+        return folder if (folder / MANIFEST_NAME).is_file() else None
+    if not pointer.get("revision"):
+        return None
+    return folder if pointer["path"] == "." else folder / pointer["path"]
+
+
+def key_folders(root: Path) -> list[Path]:
+    """Every key folder (``<export>/tenant=<t>/date=<d>``) under ``root`` holding anything: a pointer or a place."""
+    return sorted({p.parent for p in root.rglob("date=*/*")} if root.exists() else set())
+
+
 def published_dirs(root: Path) -> list[Path]:
-    """Committed export folders (``date=...`` holding a manifest); staging folders are not published."""
-    return sorted(p.parent for p in root.rglob(MANIFEST_NAME) if not p.parent.name.startswith("."))
+    """The key folders whose pointer names a published revision: what readers see. A place no pointer names (staged
+    by an attempt that never committed) is invisible, so its folder is not listed."""
+    return [folder for folder in key_folders(root) if _current_place(folder) is not None]
+
+
+def places(root: Path) -> list[Path]:
+    """Every place (``r<revision>-t<token>`` folder) under ``root``, named by a pointer or not."""
+    return sorted(p for p in root.rglob("date=*/r*-t*") if p.is_dir()) if root.exists() else []
+
+
+def current_data_file(folder: Path) -> Path:
+    """The data file readers of a key folder get (the one its pointer names)."""
+    place = _current_place(folder)
+    assert place is not None, f"{folder}: nothing is published"
+    return place / Manifest.from_json((place / MANIFEST_NAME).read_bytes(), str(place)).data_file
+
+
+def stored_objects(root: Path) -> list[str]:
+    """Every object (file) a local destination holds under ``root``, temporary files included, relative to ``root``;
+    the store's own locks (``.export-ledger/``) are not objects."""
+    if not root.exists():
+        return []
+    return sorted(
+        str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and ".export-ledger" not in p.parts
+    )
 
 
 def read_export(folder: Path) -> tuple[Manifest, pd.DataFrame]:
-    manifest = Manifest.from_json((folder / MANIFEST_NAME).read_bytes(), str(folder))
-    payload = (folder / manifest.data_file).read_bytes()
-    assert hashlib.sha256(payload).hexdigest() == manifest.sha256, f"{folder}: data file does not match its manifest"
+    """What a reader of the key folder gets: the pointer's place, its manifest and data file (checked against the
+    manifest's and the pointer's sha256)."""
+    place = _current_place(folder)
+    assert place is not None, f"{folder}: nothing is published"
+    manifest = Manifest.from_json((place / MANIFEST_NAME).read_bytes(), str(place))
+    payload = (place / manifest.data_file).read_bytes()
+    assert hashlib.sha256(payload).hexdigest() == manifest.sha256, f"{place}: data file does not match its manifest"
+    pointer = _pointer(folder)
+    if pointer is not None:
+        assert pointer["sha256"] == manifest.sha256, f"{folder}: the pointer's sha256 is not its manifest's"
     if manifest.data_file.endswith(".parquet"):
-        frame = pd.read_parquet(folder / manifest.data_file)
+        frame = pd.read_parquet(place / manifest.data_file)
     else:
-        frame = pd.read_csv(folder / manifest.data_file)
-        frame["occurred_at"] = pd.to_datetime(frame["occurred_at"], utc=True)
+        frame = pd.read_csv(place / manifest.data_file)
+        if "occurred_at" in frame.columns:  # the invoice export's time column
+            frame["occurred_at"] = pd.to_datetime(frame["occurred_at"], utc=True)
     return manifest, frame
 
 
@@ -77,13 +132,16 @@ def ledger_at(tmp_path: Path) -> ExportLedger:
 
 
 def completed_without_export(ledger: ExportLedger) -> list[str]:
-    """Keys the ledger calls completed whose published export is missing or different: must always be empty."""
+    """Keys the ledger calls completed whose export is not what readers see (the key folder's pointer does not name
+    the recorded place, or the manifest there is missing or different): must always be empty."""
     bad = []
-    for record in ledger.records():
+    for record in ledger.queries.records():
         if record.state.value != "completed":
             continue
-        manifest_path = Path(record.location) / MANIFEST_NAME
-        if not manifest_path.is_file():
+        recorded = Path(record.location)
+        manifest_path = recorded / MANIFEST_NAME
+        folder = recorded if recorded.name.startswith("date=") else recorded.parent  # a legacy revision 1 is at "."
+        if not manifest_path.is_file() or _current_place(folder) != recorded:
             bad.append(record.logical_key)
             continue
         manifest = Manifest.from_json(manifest_path.read_bytes(), str(manifest_path))

@@ -260,11 +260,16 @@ def _tags(run: dict) -> dict[str, str]:
     return {tag["key"]: tag["value"] for tag in run["tags"]}
 
 
+def _pointer(folder: Path) -> dict:
+    """A key folder's pointer (``_current.json``): what its readers see (docs/protocol.md)."""
+    return json.loads((folder / "_current.json").read_text())
+
+
 def _records_by_date(ledger: ExportLedger, partitions: list[str]) -> dict[tuple[str, str], ExportRecord]:
     wanted = set(partitions)
     return {
         (record.business_date.isoformat(), record.tenant): record
-        for record in ledger.records(export=ASSET)
+        for record in ledger.queries.records(export=ASSET)
         if record.business_date.isoformat() in wanted
     }
 
@@ -373,7 +378,13 @@ def test_one_partition_launched_through_graphql_exports_each_tenant_once(stack: 
     for record in records.values():
         assert record.state is ExportState.COMPLETED, record
         assert record.committed_attempt == f"{run_id}/{ASSET}", "the run's step is the attempt that committed"
-        assert (stack.exports / ASSET / f"tenant={record.tenant}" / f"date={partition}" / "_manifest.json").is_file()
+        folder = stack.exports / ASSET / f"tenant={record.tenant}" / f"date={partition}"
+        pointer = _pointer(folder)
+        assert (pointer["revision"], pointer["path"], pointer["fence"]) == (1, "r1-t1", 1), (
+            "readers see the first claim's place, named by the key's pointer"
+        )
+        assert pointer["sha256"] == record.sha256 and (folder / pointer["manifest"]).is_file()
+        assert record.location == str(folder / "r1-t1"), "the ledger records the place the pointer names"
 
 
 @pytest.mark.postgres
@@ -391,12 +402,17 @@ def test_a_partition_restated_from_the_launchpad_config_publishes_revision_2_wit
     records = _records_by_date(ledger, [partition])
     assert sorted(records) == [(partition, tenant) for tenant in sorted(TENANTS)]
     for record in records.values():
-        revisions = ledger.revisions(record.logical_key)
+        revisions = ledger.restatements.revisions(record.logical_key)
         assert [(r.revision, r.reason) for r in revisions] == [(1, "first export"), (2, reason)]
         assert revisions[1].requested_by == run_id and revisions[1].published_by == f"{run_id}/{ASSET}"
         folder = stack.exports / ASSET / f"tenant={record.tenant}" / f"date={partition}"
-        assert json.loads((folder / "_current.json").read_text())["revision"] == 2
-        assert (folder / "_manifest.json").is_file() and (folder / "revision=2" / "_manifest.json").is_file()
+        pointer = _pointer(folder)
+        assert (pointer["revision"], pointer["path"], pointer["fence"]) == (2, "r2-t2", 2), (
+            "readers see revision 2 at the second claim's place"
+        )
+        assert pointer["sha256"] == record.sha256, "the pointer names the revision the ledger records"
+        assert (folder / "r1-t1" / "_manifest.json").is_file(), "revision 1 stays where it was published"
+        assert (folder / "r2-t2" / "_manifest.json").is_file()
     events = stack.gql(
         """query($partitions: [String!], $asset: [String!]!) { assetOrError(assetKey: {path: $asset}) {
              ... on Asset { assetMaterializations(partitions: $partitions) { runId
@@ -461,7 +477,7 @@ def test_backfill_runs_in_chunks_and_never_exceeds_the_pool_or_the_backfill_run_
     # The pool bounds export steps: each step's span in the ledger, first claim to last result, never overlaps
     # with more than the pool's limit of other steps.
     spans: dict[str, list[dt.datetime]] = defaultdict(list)
-    for attempt in ledger.all_attempts():
+    for attempt in ledger.queries.all_attempts():
         if attempt.attempt_id.split("/")[0] in run_ids:
             spans[attempt.attempt_id] += [attempt.started_at, attempt.finished_at]
     assert len(spans) == len(runs)
@@ -595,7 +611,7 @@ def _retry_chain(stack: Stack, run_id: str, partition: str) -> list[dict]:
             lines.append(f"{run['runId']} {run['status']} {_tags(run)}: {errors[-3:]}")
         attempts = [
             f"{a.attempt_id} {a.logical_key} {a.outcome.value} {a.started_at:%H:%M:%S.%f} {a.error_message}"
-            for a in stack.ledger().all_attempts()
+            for a in stack.ledger().queries.all_attempts()
             if partition in a.logical_key or partition in str(a.error_message)
         ]
         return "\n".join(["runs:", *lines, "attempts:", *attempts, stack.diagnostics()])
@@ -620,7 +636,7 @@ def _check_takeover(
     """The ledger after a dead attempt: retries are refused (naming it) while its lease lives; after expiry it is
     recorded as abandoned, once, and the key is exported once, by a run on the same partition. Returns the held key's
     outcomes and the run that committed it."""
-    history = ledger.attempts(held.logical_key)
+    history = ledger.queries.attempts(held.logical_key)
     outcomes = [a.outcome.value for a in history]
     abandoned = [a for a in history if a.outcome is AttemptOutcome.ABANDONED]
     assert [a.attempt_id for a in abandoned] == [dead_attempt], outcomes
@@ -688,7 +704,7 @@ def test_a_tenant_in_its_own_zone_has_its_own_asset_and_partitions(stack: Stack)
     )["assetNodeOrError"]
     assert "Asia/Kolkata" in node["partitionDefinition"]["description"], "the UI shows the zone's own partitions"
     assert node["partitionStats"]["numMaterialized"] >= 1
-    (record,) = stack.ledger().records(export=ASSET, tenant=KOLKATA_TENANT, date_from=dt.date(2026, 4, 1),
+    (record,) = stack.ledger().queries.records(export=ASSET, tenant=KOLKATA_TENANT, date_from=dt.date(2026, 4, 1),
                                       date_to=dt.date(2026, 4, 1))  # fmt: skip
     assert (record.timezone, record.state) == ("Asia/Kolkata", ExportState.COMPLETED)
     assert record.window_start_utc == dt.datetime(2026, 3, 31, 18, 30, tzinfo=dt.timezone.utc)

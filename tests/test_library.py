@@ -17,9 +17,19 @@ import pandas as pd
 import pytest
 import sqlalchemy as sa
 
+from pipeline_helpers import current_data_file
+
 from export_ledger import ConfigurationError, ExportLedgerError, ExportSpec, FrameError, SqlSource, window_for
 from export_ledger.dagster import ledgered_definitions
-from export_ledger.ledger import SCHEMA_VERSION, ExportLedger, LedgerUnavailable, dispose_engines, schema_version
+from export_ledger.ledger import (
+    SCHEMA_VERSION,
+    ExportLedger,
+    LedgerUnavailable,
+    SchemaOutdated,
+    dispose_engines,
+    schema_version,
+    upgrade_url,
+)
 
 PROJECT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -104,14 +114,15 @@ def test_two_declared_exports_share_one_ledger_and_sensor_and_get_their_own_asse
             )
             assert result.success
     ledger = ExportLedger(environ["EXPORTS_LEDGER_URL"])
-    assert ledger.exports() == ["orders", "payments"]
-    orders = ledger.records(export="orders")
+    assert ledger.queries.exports() == ["orders", "payments"]
+    orders = ledger.queries.records(export="orders")
     assert [(r.tenant, r.state.value, r.row_count) for r in orders] == [
         ("acme", "completed", 23),
         ("globex", "completed", 23),
     ]
-    assert (tmp_path / "payments" / "tenant=acme" / "date=2026-03-08" / "data.parquet").is_file()
-    assert (tmp_path / "orders" / "tenant=acme" / "date=2026-03-08" / "data.csv").is_file()
+    # Readers follow each key's pointer to its place: each export in its own format, under its own folder.
+    assert current_data_file(tmp_path / "payments" / "tenant=acme" / "date=2026-03-08").name == "data.parquet"
+    assert current_data_file(tmp_path / "orders" / "tenant=acme" / "date=2026-03-08").name == "data.csv"
 
 
 def test_composite_ids_and_nullable_columns_are_validated(tmp_path) -> None:
@@ -168,7 +179,7 @@ def test_an_asset_of_ones_own_is_exported_through_the_ledgered_io_manager(tmp_pa
         assert (
             defs.resolve_job_def("usage_job").execute_in_process(partition_key="2026-03-08", instance=instance).success
         )
-    records = ExportLedger(environ["EXPORTS_LEDGER_URL"]).records(export="usage")
+    records = ExportLedger(environ["EXPORTS_LEDGER_URL"]).queries.records(export="usage")
     assert [(r.tenant, r.state.value, r.row_count) for r in records] == [
         ("acme", "completed", 23),
         ("globex", "completed", 23),
@@ -268,21 +279,30 @@ def _v1_ledger(url: str) -> None:
     engine.dispose()
 
 
-def test_a_ledger_made_by_the_old_schema_reads_unchanged_then_upgrades_with_every_record(ledger_url) -> None:
+def test_a_ledger_made_by_the_old_schema_reads_unchanged_refuses_writes_until_upgraded_then_keeps_every_record(
+    ledger_url,
+) -> None:
     _v1_ledger(ledger_url)
     reader = ExportLedger(ledger_url, read_only=True)
     assert schema_version(sa.create_engine(ledger_url)) == 1, "a read leaves the old schema as it is"
-    before = [(r.logical_key, r.state.value, r.row_count, r.fencing_token) for r in reader.records()]
+    before = [(r.logical_key, r.state.value, r.row_count, r.fencing_token) for r in reader.queries.records()]
     assert len(before) == 2
     dispose_engines()
 
-    writer = ExportLedger(ledger_url)  # opening to write upgrades
+    with pytest.raises(SchemaOutdated, match="export-ledger upgrade"):
+        ExportLedger(ledger_url)  # opening to write names the explicit upgrade instead of running it
+    assert schema_version(sa.create_engine(ledger_url)) == 1, "a refused write-open leaves the old schema as it is"
+    dispose_engines()
+
+    assert upgrade_url(ledger_url), "the explicit upgrade has steps to run on a version 1 ledger"
+    writer = ExportLedger(ledger_url)
     assert schema_version(sa.create_engine(ledger_url)) == SCHEMA_VERSION
-    assert [(r.logical_key, r.state.value, r.row_count, r.fencing_token) for r in writer.records()] == before
-    assert [a.outcome.value for a in writer.attempts("invoice_export/acme/2026-03-08T05:00:00Z")] == ["completed"]
-    assert writer.low_water("invoice_export") == dt.date(2026, 1, 1)
-    assert writer.recorded_contract("invoice_export") == {"timezone": "America/New_York"}
-    failed = writer.records(states=[writer.records()[1].state])[0]
+    assert [(r.logical_key, r.state.value, r.row_count, r.fencing_token) for r in writer.queries.records()] == before
+    attempts = writer.queries.attempts("invoice_export/acme/2026-03-08T05:00:00Z")
+    assert [a.outcome.value for a in attempts] == ["completed"]
+    assert writer.retention.low_water("invoice_export") == dt.date(2026, 1, 1)
+    assert writer.contracts.recorded("invoice_export") == {"timezone": "America/New_York"}
+    failed = writer.queries.records(states=[writer.queries.records()[1].state])[0]
     assert failed.tenant == "globex", "the failed key is still claimable after the upgrade"
 
 
@@ -334,8 +354,9 @@ def test_a_non_editable_install_puts_only_export_ledger_in_site_packages_and_the
         run(dagster, "asset", "materialize", "-f", "shop.py", "--select", name, "--partition", "2026-03-08")
     out = run(str(venv / "bin" / "export-ledger"), "status", "--export", "orders")
     assert "orders/acme/2026-03-08T05:00:00Z" in out and "completed" in out
-    assert (work / "var" / "exports" / "orders" / "tenant=globex" / "date=2026-03-08" / "data.csv").is_file()
-    assert (work / "var" / "exports" / "payments" / "tenant=acme" / "date=2026-03-08" / "data.parquet").is_file()
+    exports = work / "var" / "exports"
+    assert current_data_file(exports / "orders" / "tenant=globex" / "date=2026-03-08").name == "data.csv"
+    assert current_data_file(exports / "payments" / "tenant=acme" / "date=2026-03-08").name == "data.parquet"
     assert (work / "var" / "ledger.sqlite3").is_file(), "the ledger lives in the working directory"
 
 
@@ -376,10 +397,10 @@ def test_every_transition_is_declared_once_and_refuses_a_state_it_does_not_start
     names = [(t.name, t.from_states, t.to_state) for t in T.TRANSITIONS]
     assert len(set(names)) == len(names), "one declaration per transition"
     ledger = ExportLedger(sqlite_url, clock=clock)
-    claim = ledger.claim(key_for_library(), "run-1/orders")
+    claim = ledger.claims.claim(key_for_library(), "run-1/orders")
     with ledger.atomic() as conn, pytest.raises(InvalidTransition, match="does not start from"):
         T.apply(conn, T.FAIL, claim.logical_key, token=1, owner="run-1/orders", values={}, states=(T.S.COMPLETED,))
-    with ledger.atomic() as conn, pytest.raises(InvalidTransition, match="needs the attempt that holds the lease"):
+    with ledger.atomic() as conn, pytest.raises(InvalidTransition, match="needs the party that holds the lease"):
         T.apply(conn, T.COMPLETE, claim.logical_key, token=1, values={})
 
 
@@ -422,7 +443,7 @@ def test_an_export_declared_to_stream_reads_its_sql_source_in_batches_through_da
     (event,) = results["orders_job"].get_asset_materialization_events()
     assert event.materialization.metadata["streamed_keys"].value == 1, "the key was read while it was exported"
     ledger = ExportLedger(environ["EXPORTS_LEDGER_URL"])
-    (a,), (b,) = ledger.records(export="orders"), ledger.records(export="orders_whole")
+    (a,), (b,) = ledger.queries.records(export="orders"), ledger.queries.records(export="orders_whole")
     assert a.row_count == b.row_count == 250
     assert a.sha256 == b.sha256, "streamed in batches of 40 rows, the file is the whole frame's, byte for byte"
     with pytest.raises(ConfigurationError, match="stream_rows must be a positive number of rows"):

@@ -12,6 +12,7 @@ from pipeline_helpers import (
     failure_message,
     ledger_at,
     make_defs,
+    places,
     published_dirs,
     read_export,
     run_partition,
@@ -40,8 +41,8 @@ def test_materializing_a_partition_twice_publishes_one_export_and_records_two_at
     assert [f.name for f in folders] == ["date=2026-03-08"], "one published export for one logical key"
     ledger = ledger_at(tmp_path)
     key = "invoice_export/acme/2026-03-08T05:00:00Z"
-    assert ledger.get(key).state is ExportState.COMPLETED
-    outcomes = [a.outcome for a in ledger.attempts(key)]
+    assert ledger.queries.get(key).state is ExportState.COMPLETED
+    outcomes = [a.outcome for a in ledger.queries.attempts(key)]
     assert outcomes == [AttemptOutcome.COMPLETED, AttemptOutcome.ALREADY_COMPLETED]
     second_meta = second.get_asset_materialization_events()[0].materialization.metadata
     assert second_meta["skipped_already_completed"].value == [key]
@@ -84,7 +85,10 @@ def test_export_holds_exactly_the_window_events_with_manifest_and_metadata(tmp_p
     assert materialization.partition == "2026-03-08"
     assert meta["window_start_utc"].value == "2026-03-08T05:00:00Z"
     assert meta["timezone"].value == "America/New_York"
-    assert meta["source_rows"].value == {"acme": 92, "globex": 92}
+    # The sources are read after each key's claim, so the rows are counted where they were exported.
+    assert meta["rows_exported"].value == 2 * 92, "every row of both tenants' windows exported"
+    ledger = ledger_at(tmp_path)
+    assert {r.tenant: r.row_count for r in ledger.queries.records()} == {"acme": 92, "globex": 92}
     assert sorted(meta["sha256"].value) == sorted(meta["paths"].value)
     assert meta["attempt_id"].value.startswith(result.run_id)
     (check,) = result.get_asset_check_evaluations()
@@ -105,16 +109,18 @@ def test_failure_before_publish_leaves_nothing_and_the_retry_exports_once(tmp_pa
     monkeypatch.setenv(FAILPOINTS, f"{point}=raise")
     failed = run_partition(defs, instance, "2026-03-08")
     assert not failed.success and f"injected failure at {point}" in failure_message(failed)
-    assert published_dirs(tmp_path / "exports") == []
-    assert not [p for p in (tmp_path / "exports").rglob(".staging-*")], "a failed attempt leaves no staging folder"
+    assert published_dirs(tmp_path / "exports") == [], "nothing of a failed attempt is visible"
+    staged = [p.name for p in places(tmp_path / "exports")]
+    assert staged == ([] if point == "after_claim" else ["r1-t1"]), "at most the attempt's own place, uncommitted"
     ledger = ledger_at(tmp_path)
-    (record,) = ledger.records()
+    (record,) = ledger.queries.records()
     assert record.state is ExportState.FAILED
 
     monkeypatch.delenv(FAILPOINTS)
     assert run_partition(defs, instance, "2026-03-08").success
     assert len(published_dirs(tmp_path / "exports")) == 1
-    assert ledger.get(record.logical_key).state is ExportState.COMPLETED
+    assert [p.name for p in places(tmp_path / "exports")] == ["r1-t2"], "the retry swept the failed attempt's place"
+    assert ledger.queries.get(record.logical_key).state is ExportState.COMPLETED
     assert completed_without_export(ledger) == []
 
 
@@ -126,7 +132,7 @@ def test_failure_after_publish_is_repaired_from_the_manifest_without_a_second_co
     (folder,) = published_dirs(tmp_path / "exports")
     first_manifest, _ = read_export(folder)
     ledger = ledger_at(tmp_path)
-    (record,) = ledger.records()
+    (record,) = ledger.queries.records()
     # Published, so not `failed` (which means nothing was published): reconciliation records it from the manifest.
     assert record.state is ExportState.REMOTE_UNKNOWN, "not completed: the ledger never recorded the publish"
     assert completed_without_export(ledger) == []
@@ -136,10 +142,10 @@ def test_failure_after_publish_is_repaired_from_the_manifest_without_a_second_co
     (folder_after,) = published_dirs(tmp_path / "exports")
     manifest_after, _ = read_export(folder_after)
     assert manifest_after == first_manifest, "reconciliation recorded the first publish instead of writing another"
-    record = ledger.get(record.logical_key)
+    record = ledger.queries.get(record.logical_key)
     assert record.state is ExportState.COMPLETED
     assert record.committed_attempt == first_manifest.attempt_id
-    outcomes = [a.outcome for a in ledger.attempts(record.logical_key)]
+    outcomes = [a.outcome for a in ledger.queries.attempts(record.logical_key)]
     assert outcomes == [AttemptOutcome.REMOTE_UNKNOWN, AttemptOutcome.REPAIRED]
     assert run_partition(defs, instance, "2026-03-08").success, "a rerun then skips the completed key"
 
@@ -152,7 +158,7 @@ def test_crash_before_the_ledger_commit_keeps_the_lease_until_it_expires_then_re
     assert not run_partition(defs, instance, "2026-03-08").success
     monkeypatch.delenv(FAILPOINTS)
     ledger = clocked_ledger.get_ledger()
-    (record,) = ledger.records()
+    (record,) = ledger.queries.records()
     assert record.state is ExportState.IN_PROGRESS, "a dead attempt is not known to be dead until its lease expires"
     assert len(published_dirs(tmp_path / "exports")) == 1
 
@@ -163,7 +169,7 @@ def test_crash_before_the_ledger_commit_keeps_the_lease_until_it_expires_then_re
     clock.advance(seconds=clocked_ledger.lease_ttl_seconds + 1)
     assert run_partition(defs, instance, "2026-03-08").success
     assert len(published_dirs(tmp_path / "exports")) == 1, "never a second published copy"
-    outcomes = [a.outcome for a in ledger.attempts(record.logical_key)]
+    outcomes = [a.outcome for a in ledger.queries.attempts(record.logical_key)]
     assert outcomes == [AttemptOutcome.REFUSED, AttemptOutcome.ABANDONED, AttemptOutcome.REPAIRED]
     assert completed_without_export(ledger) == []
 
@@ -198,8 +204,8 @@ def test_the_window_recorded_at_the_first_claim_wins_over_todays_calculation(tmp
         computed.end_utc + dt.timedelta(hours=1),
     )
     ledger = ledger_at(tmp_path)
-    claim = ledger.claim(LogicalKey("invoice_export", "acme", recorded), "earlier-run/invoice_export")
-    ledger.fail(claim, RuntimeError("worker lost"))
+    claim = ledger.claims.claim(LogicalKey("invoice_export", "acme", recorded), "earlier-run/invoice_export")
+    ledger.completions.fail(claim, RuntimeError("worker lost"))
 
     assert run_partition(defs, instance, "2026-03-08").success
     (folder,) = published_dirs(tmp_path / "exports")
@@ -213,7 +219,7 @@ def test_single_run_backfill_of_31_partitions_and_3_tenants_commits_93_keys(tmp_
     result = run_range(defs, instance, "2026-01-01", "2026-01-31")
     assert result.success, failure_message(result)
     ledger = ledger_at(tmp_path)
-    records = ledger.records(states=[ExportState.COMPLETED])
+    records = ledger.queries.records(states=[ExportState.COMPLETED])
     assert len(records) == 93
     assert len({r.logical_key for r in records}) == 93
     assert len(published_dirs(tmp_path / "exports")) == 93

@@ -89,8 +89,8 @@ def test_two_processes_materializing_one_partition_export_it_once(tmp_path):
         assert f"{KEY} is being exported by attempt" in loser, "the loser is refused, naming the holder"
     assert len(published_dirs(tmp_path / "exports")) == 1
     ledger = ExportLedger(env["EXPORTS_LEDGER_URL"])
-    assert ledger.get(KEY).state is ExportState.COMPLETED
-    outcomes = sorted(a.outcome.value for a in ledger.attempts(KEY))
+    assert ledger.queries.get(KEY).state is ExportState.COMPLETED
+    outcomes = sorted(a.outcome.value for a in ledger.queries.attempts(KEY))
     assert outcomes in (["completed", "refused"], ["already_completed", "completed"]), outcomes
 
 
@@ -101,7 +101,7 @@ def test_sigkill_after_publish_is_repaired_by_the_next_attempt_once_the_lease_ex
     (folder,) = published_dirs(tmp_path / "exports")
     killed_manifest, _ = read_export(folder)
     ledger = ExportLedger(env["EXPORTS_LEDGER_URL"])
-    assert ledger.get(KEY).state is ExportState.IN_PROGRESS
+    assert ledger.queries.get(KEY).state is ExportState.IN_PROGRESS
     assert completed_without_export(ledger) == []
 
     time.sleep(2.5)  # let the dead attempt's 2-second lease run out (not a timing assertion)
@@ -110,7 +110,7 @@ def test_sigkill_after_publish_is_repaired_by_the_next_attempt_once_the_lease_ex
     assert code == 0, output[-3000:]
     (folder_after,) = published_dirs(tmp_path / "exports")
     assert read_export(folder_after)[0] == killed_manifest, "the published copy is recorded, not rewritten"
-    record = ledger.get(KEY)
+    record = ledger.queries.get(KEY)
     assert record.state is ExportState.COMPLETED and record.committed_attempt == killed_manifest.attempt_id
-    assert [a.outcome for a in ledger.attempts(KEY)] == [AttemptOutcome.ABANDONED, AttemptOutcome.REPAIRED]
+    assert [a.outcome for a in ledger.queries.attempts(KEY)] == [AttemptOutcome.ABANDONED, AttemptOutcome.REPAIRED]
     assert "customer" not in output and "@example.com" not in output, "no customer data in CLI output"

@@ -18,15 +18,13 @@ import pyarrow.parquet as pq
 import pytest
 import sqlalchemy as sa
 from builders import key_for
-from pipeline_helpers import published_dirs
+from pipeline_helpers import current_data_file, published_dirs, read_export, stored_objects
 
 from export_ledger import FrameError, SqlSource
 from export_ledger.destinations import LocalDestination
 from export_ledger.frames import (
-    MANIFEST_NAME,
     ExportSchema,
     FrameBatches,
-    Manifest,
     validate_batches,
     validate_frame,
     write_rows,
@@ -102,9 +100,9 @@ def test_export_key_publishes_a_stream_like_a_frame(tmp_path: Path) -> None:
     assert result.status == "exported" and result.row_count == 200
     assert result.sha256 == whole.sha256, "the same rows make the same file, streamed or whole"
     (folder,) = published_dirs(tmp_path / "streamed" / "exports")
-    manifest = Manifest.from_json((folder / MANIFEST_NAME).read_bytes(), str(folder))
+    manifest, _ = read_export(folder)  # what the key's pointer names
     assert (manifest.row_count, manifest.sha256) == (200, result.sha256)
-    assert ledger.get(str(KEY)).state is ExportState.COMPLETED
+    assert ledger.queries.get(str(KEY)).state is ExportState.COMPLETED
 
 
 def _duplicate_at_another_time() -> list[pd.DataFrame]:
@@ -165,10 +163,10 @@ def test_bad_input_anywhere_in_a_stream_publishes_nothing_and_records_no_complet
         export(tmp_path, FrameBatches(batches()))
     root = tmp_path / "exports"
     assert published_dirs(root) == []
-    assert not [p for p in root.rglob("*") if p.name.startswith(".staging-")], "the staged file was discarded"
+    assert stored_objects(root) == [], "the partly written data file was discarded: nothing of the attempt is left"
     ledger = ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
-    assert ledger.get(str(KEY)).state is ExportState.FAILED
-    assert [a.outcome for a in ledger.attempts(str(KEY))] == [AttemptOutcome.FAILED]
+    assert ledger.queries.get(str(KEY)).state is ExportState.FAILED
+    assert [a.outcome for a in ledger.queries.attempts(str(KEY))] == [AttemptOutcome.FAILED]
 
 
 def test_a_stream_can_be_exported_once_and_its_order_columns_must_not_be_nullable(tmp_path: Path) -> None:
@@ -239,7 +237,7 @@ def test_an_empty_stream_exports_an_empty_file_with_its_header(tmp_path: Path) -
     _, result = export(tmp_path, FrameBatches([]))
     (folder,) = published_dirs(tmp_path / "exports")
     assert result.row_count == 0
-    assert (folder / "data.csv").read_bytes() == b'"order_id","tenant","placed_at","total"\n'
+    assert current_data_file(folder).read_bytes() == b'"order_id","tenant","placed_at","total"\n'
 
 
 def test_a_streamed_key_in_a_run_is_claimed_alone_when_its_turn_comes(tmp_path: Path) -> None:
@@ -249,8 +247,8 @@ def test_a_streamed_key_in_a_run_is_claimed_alone_when_its_turn_comes(tmp_path: 
 
     def batches():
         # What the ledger holds when the stream is first read: the keys before it are done, the next is untouched.
-        seen["before"] = ledger.get(str(before)).state
-        seen["after"] = ledger.get(str(after))
+        seen["before"] = ledger.queries.get(str(before)).state
+        seen["after"] = ledger.queries.get(str(after))
         yield from split(orders(), 64)
 
     def frame_of(key) -> pd.DataFrame:
@@ -318,7 +316,7 @@ def test_a_stream_to_s3_publishes_the_whole_frame_objects_and_a_bad_one_leaves_n
     names = [o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket).get("Contents", [])]
     client.close()
     assert names and not [n for n in names if "tenant=globex" in n], "nothing of the bad stream was uploaded"
-    assert ledger.get(str(other)).state is ExportState.FAILED
+    assert ledger.queries.get(str(other)).state is ExportState.FAILED
     staging = tmp_path / "tmp" / "export-ledger-s3-staging"
     assert not list(staging.iterdir()), "the partly written local staging file was removed"
 

@@ -23,13 +23,12 @@ from definitions import build_definitions
 from export_ledger import cli
 from export_ledger.calendar import ExportCalendar, ZoneMove, utc_iso, window_for
 from export_ledger.errors import ConfigurationError
-from export_ledger.frames import MANIFEST_NAME
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger import ExportLedger, ExportState
 from export_ledger.spec import ExportSpec
 from export_ledger.tenants import Tenant, zone_slug
 from resources.invoices import SampleInvoiceSource
-from tests.pipeline_helpers import failure_message
+from tests.pipeline_helpers import failure_message, published_dirs, read_export
 
 THREE_ZONES = {"acme": "America/New_York", "bombay-traders": "Asia/Kolkata", "apia-foods": "Pacific/Apia"}
 ASSETS = {
@@ -163,12 +162,12 @@ def test_tenant_declarations_are_checked_with_messages_that_name_the_problem():
 
 
 def _exported_rows(root: Path, tenant: str) -> pd.DataFrame:
+    """Every row readers of the tenant's key folders see (each pointer's place), with its manifest's date and zone."""
     frames = []
-    for manifest_path in sorted((root / "invoice_export" / f"tenant={tenant}").glob(f"date=*/{MANIFEST_NAME}")):
-        manifest = json.loads(manifest_path.read_text())
-        frame = pd.read_csv(manifest_path.parent / manifest["data_file"])
-        frame["business_date"] = manifest["business_date"]
-        frame["manifest_timezone"] = manifest["timezone"]
+    for folder in published_dirs(root / "invoice_export" / f"tenant={tenant}"):
+        manifest, frame = read_export(folder)
+        frame["business_date"] = manifest.business_date
+        frame["manifest_timezone"] = manifest.timezone
         frames.append(frame)
     return pd.concat(frames, ignore_index=True)
 
@@ -200,14 +199,14 @@ def test_three_zone_code_location_exports_every_sample_event_exactly_once(tmp_pa
             window = window_for(dt.date.fromisoformat(business_date), zone)
             times = pd.to_datetime(group["occurred_at"], utc=True)
             assert ((times >= window.start_utc) & (times < window.end_utc)).all(), f"{tenant} {business_date}"
-        records = ledger.records(export="invoice_export", tenant=tenant)
+        records = ledger.queries.records(export="invoice_export", tenant=tenant)
         assert {r.timezone for r in records} == {zone} and all(r.state is ExportState.COMPLETED for r in records)
         assert all(r.tz_database for r in records), "each window is persisted with the tz database it came from"
-    apia = {r.business_date for r in ledger.records(export="invoice_export", tenant="apia-foods")}
+    apia = {r.business_date for r in ledger.queries.records(export="invoice_export", tenant="apia-foods")}
     assert dt.date(2011, 12, 30) not in apia, "the day Apia skipped has no key"
-    kolkata = ledger.records(export="invoice_export", tenant="bombay-traders", date_from=dt.date(2012, 3, 8))[0]
+    kolkata = ledger.queries.records(export="invoice_export", tenant="bombay-traders", date_from=dt.date(2012, 3, 8))[0]
     assert utc_iso(kolkata.window_start_utc) == "2012-03-07T18:30:00Z"
-    new_york = ledger.records(export="invoice_export", tenant="acme", date_from=dt.date(2012, 3, 11))[0]
+    new_york = ledger.queries.records(export="invoice_export", tenant="acme", date_from=dt.date(2012, 3, 11))[0]
     assert new_york.window_end_utc - new_york.window_start_utc == 23 * HOUR
 
     # The status command shows each tenant's zone.
@@ -248,23 +247,27 @@ def test_a_zone_change_is_refused_for_that_tenant_alone_until_accepted(tmp_path,
     before = zone_defs(tmp_path, {"acme": "America/New_York", "globex": "America/New_York"}, "2026-01-01")
     assert run_partition(before, "invoice_export", instance, "2026-03-08").success
 
-    # acme moves to Chicago from 2026-03-10; initech is new, in Chicago from the start.
+    # acme moves to Chicago from 2026-03-10; initech is new, in Chicago from the start. acme's days before the move
+    # stay New York's: its 2026-03-09 is in the New York asset, beside globex.
     moved = Tenant("acme", "America/Chicago", moves=(ZoneMove("2026-03-10", "America/New_York"),))
     after = zone_defs(tmp_path, [moved, Tenant("globex"), Tenant("initech", "America/Chicago")], "2026-01-01")
-    assert run_partition(after, "invoice_export", instance, "2026-03-09").success, "globex keeps running"
-    refused = run_partition(after, "invoice_export__america_chicago", instance, "2026-03-09")
-    assert not refused.success
+    refused = run_partition(after, "invoice_export", instance, "2026-03-09")
+    assert not refused.success, "acme's claim is refused by its unaccepted contract, which fails the run"
     message = failure_message(refused)
     assert "the calendar contract of invoice_export for tenant acme changed" in message
     command = (
         "export-ledger accept-contract --export invoice_export --tenant acme --timezone America/Chicago "
         "--start-date 2026-01-01 --move 2026-03-10:America/New_York"
     )
-    assert command in message
+    assert command in message, "the failure names the command that accepts the change"
     ledger = ExportLedger(url)
-    assert ledger.records(export="invoice_export", tenant="acme", date_from=dt.date(2026, 3, 9)) == []
-    initech = ledger.records(export="invoice_export", tenant="initech")
-    assert [r.state for r in initech] == [ExportState.COMPLETED], "the other tenant of the zone was exported"
+    assert ledger.queries.records(export="invoice_export", tenant="acme", date_from=dt.date(2026, 3, 9)) == []
+    globex = ledger.queries.records(export="invoice_export", tenant="globex", date_from=dt.date(2026, 3, 9))
+    assert [r.state for r in globex] == [ExportState.COMPLETED], "the other tenant of the run was still exported"
+    refused_again = run_partition(after, "invoice_export__america_chicago", instance, "2026-03-10")
+    assert not refused_again.success and command in failure_message(refused_again), "acme's new zone too"
+    initech = ledger.queries.records(export="invoice_export", tenant="initech")
+    assert [r.state for r in initech] == [ExportState.COMPLETED], "the other tenant of the new zone was exported"
 
     accept = ["--ledger-url", url, "accept-contract", "--export", "invoice_export", "--tenant", "acme"]
     accept += ["--timezone", "America/Chicago", "--start-date", "2026-01-01", "--reason", "acme moved to Chicago"]
@@ -273,9 +276,10 @@ def test_a_zone_change_is_refused_for_that_tenant_alone_until_accepted(tmp_path,
     assert cli.main([*accept, "--move", "2026-03-10:America/New_York"]) == 0
     assert "accepted for invoice_export, tenant acme" in capsys.readouterr().out
 
-    for day in ("2026-03-09", "2026-03-10", "2026-03-11"):
+    assert run_partition(after, "invoice_export", instance, "2026-03-09").success, "acme's last New York day"
+    for day in ("2026-03-10", "2026-03-11"):
         assert run_partition(after, "invoice_export__america_chicago", instance, day).success, day
-    acme = ledger.records(export="invoice_export", tenant="acme")
+    acme = ledger.queries.records(export="invoice_export", tenant="acme")
     assert [(r.business_date.isoformat(), r.timezone) for r in acme] == [
         ("2026-03-08", "America/New_York"),
         ("2026-03-09", "America/New_York"),
@@ -285,7 +289,7 @@ def test_a_zone_change_is_refused_for_that_tenant_alone_until_accepted(tmp_path,
     for before_key, after_key in zip(acme, acme[1:], strict=False):
         assert before_key.window_end_utc == after_key.window_start_utc, "no event in two windows or in none"
     assert acme[2].window_end_utc - acme[2].window_start_utc == 25 * HOUR
-    assert ledger.contract_in_force("invoice_export", "globex")["timezone"] == "America/New_York"
+    assert ledger.contracts.in_force("invoice_export", "globex")["timezone"] == "America/New_York"
 
 
 def test_the_reconciliation_sensor_reruns_a_failed_key_through_its_zones_job(tmp_path):
@@ -298,13 +302,17 @@ def test_the_reconciliation_sensor_reruns_a_failed_key_through_its_zones_job(tmp
     )  # fmt: skip
     ledger = ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
     window = defs_spec.calendar_for("bombay-traders").window("2026-03-08")
-    claim = ledger.claim(LogicalKey("invoice_export", "bombay-traders", window), "run-1/step")
-    ledger.fail(claim, RuntimeError("source timed out"))
+    claim = ledger.claims.claim(LogicalKey("invoice_export", "bombay-traders", window), "run-1/step")
+    ledger.completions.fail(claim, RuntimeError("source timed out"))
+    failed = ledger.attention.failed_partitions(max_attempts=3, limit=10, exports=["invoice_export"])
     requests = sensors.rerun_requests(
-        ledger.failed(limit=10), {"invoice_export": defs_spec}, max_attempts=3, log=logging.getLogger("test")
+        failed, {"invoice_export": defs_spec}, max_attempts=3, log=logging.getLogger("test")
     )
     assert [(r.job_name, r.partition_key) for r in requests] == [("invoice_export__asia_kolkata_job", "2026-03-08")]
-    assert requests[0].run_key.startswith("rerun/invoice_export__asia_kolkata/2026-03-08/")
+    (work,) = failed
+    assert requests[0].run_key == f"rerun/invoice_export__asia_kolkata/2026-03-08/{work.digest}", (
+        "one run per partition of the zone's asset, keyed by the partition's failed keys"
+    )
 
 
 def test_a_thousand_tenants_in_forty_zones_make_forty_assets(tmp_path):
@@ -382,19 +390,21 @@ def test_contracts_per_tenant_upgrade_from_an_export_wide_contract(sqlite_url, c
     ledger = ExportLedger(sqlite_url)
     new_york = ExportCalendar("America/New_York", "2026-01-01").contract()
     kolkata = ExportCalendar("Asia/Kolkata", "2026-01-01").contract()
-    ledger.check_contract("invoice_export", new_york)  # what release 0.2.0 recorded: one contract for the export
+    # What release 0.2.0 recorded: one contract for the whole export (today an export-wide acceptance).
+    ledger.contracts.accept("invoice_export", new_york, "first materialization")
     window = window_for(dt.date(2026, 3, 8), "America/New_York")
-    claim = ledger.claim(LogicalKey("invoice_export", "acme", window), "run-1/step")
-    ledger.fail(claim, RuntimeError("stopped"))  # acme has history under the export-wide contract
+    claim = ledger.claims.claim(LogicalKey("invoice_export", "acme", window), "run-1/step")
+    ledger.completions.fail(claim, RuntimeError("stopped"))  # acme has history under the export-wide contract
 
-    refused = ledger.check_contracts("invoice_export", {"acme": new_york, "bombay": kolkata})
+    acme, bombay = ("invoice_export", "acme"), ("invoice_export", "bombay")
+    refused = ledger.contracts.check({acme: new_york, bombay: kolkata})
     assert refused == {}, "acme matches the export-wide contract; bombay is new, so nothing to protect"
-    assert ledger.contract_in_force("invoice_export", "bombay") == kolkata
-    assert ledger.contract_in_force("invoice_export", "acme") == new_york
-    refused = ledger.check_contracts("invoice_export", {"acme": kolkata, "bombay": kolkata})
-    assert list(refused) == ["acme"], "a tenant with keys is refused a new zone; the other tenant runs"
-    assert "--tenant acme --timezone Asia/Kolkata" in str(refused["acme"])
-    assert "declare the move in code" in str(refused["acme"])
+    assert ledger.contracts.in_force("invoice_export", "bombay") == kolkata
+    assert ledger.contracts.in_force("invoice_export", "acme") == new_york
+    refused = ledger.contracts.check({acme: kolkata, bombay: kolkata})
+    assert list(refused) == [acme], "a tenant with keys is refused a new zone; the other tenant runs"
+    assert "--tenant acme --timezone Asia/Kolkata" in str(refused[acme])
+    assert "declare the move in code" in str(refused[acme])
 
     url_args = ["--ledger-url", sqlite_url, "accept-contract", "--export", "invoice_export"]
     args = [*url_args, "--timezone", "America/New_York", "--start-date", "2026-02-01", "--reason", "later start"]
@@ -403,5 +413,5 @@ def test_contracts_per_tenant_upgrade_from_an_export_wide_contract(sqlite_url, c
         capsys.readouterr().err
     )
     assert cli.main([*url_args, "--tenant", "acme", *args[len(url_args):]]) == 0  # fmt: skip
-    assert ledger.contract_in_force("invoice_export", "acme")["start_date"] == "2026-02-01"
-    assert ledger.contract_in_force("invoice_export", "bombay") == kolkata, "the other tenant is untouched"
+    assert ledger.contracts.in_force("invoice_export", "acme")["start_date"] == "2026-02-01"
+    assert ledger.contracts.in_force("invoice_export", "bombay") == kolkata, "the other tenant is untouched"

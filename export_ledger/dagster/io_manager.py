@@ -251,7 +251,7 @@ def output_metadata(
             {
                 r.logical_key: {
                     "revision": r.revision,
-                    "supersedes": r.revision - 1,
+                    "supersedes": r.supersedes,
                     "reason": reasons[r.logical_key].reason if r.logical_key in reasons else None,
                     "requested_by": reasons[r.logical_key].requested_by if r.logical_key in reasons else None,
                 }

@@ -112,6 +112,17 @@ class ExportSchema:
         )
 
 
+def _duplicates(what: str, ids: list[str], rows: np.ndarray) -> str:
+    """The refusal of duplicate ids: which columns, how many rows and the first rows' positions (counted from 1 in the
+    key's rows, as the batch labels count them), never the values (ids are customer data: an order id can hold an
+    email)."""
+    shown = ", ".join(str(int(row)) for row in rows[:5]) + (", ..." if len(rows) > 5 else "")
+    return (
+        f"{what}: {len(rows)} row(s) share their {'/'.join(ids)} with another (rows {shown}); each event must appear "
+        "once"
+    )
+
+
 def validate_frame(
     frame: object,
     schema: ExportSchema,
@@ -149,8 +160,7 @@ def validate_frame(
     else:
         duplicated = np.zeros(0, dtype=bool)
     if duplicated.any():
-        sample = ", ".join(map(str, frame.loc[duplicated, schema.id_column].unique()[:3]))
-        raise FrameError(f"{what}: duplicate {'/'.join(ids)} values ({sample}); each event must appear once")
+        raise FrameError(_duplicates(what, ids, 1 + np.flatnonzero(np.asarray(duplicated))))
 
     columns = frame[list(schema.columns)]
     if schema.order_by == (schema.time_column, schema.id_column) and _in_file_order(times, frame[schema.id_column]):
@@ -421,8 +431,7 @@ def _validated_tables(
                 "nothing was exported"
             )
         if ids_in_order and equal.any():
-            sample = ", ".join(map(str, frame[schema.id_column].to_numpy()[1:][equal][:3]))
-            raise FrameError(f"{where}: duplicate {'/'.join(ids)} values ({sample}); each event must appear once")
+            raise FrameError(_duplicates(where, ids, offset + 2 + np.flatnonzero(equal)))  # the later row of each pair
         first = tuple(_item(column[0]) for column in keys)
         if previous is not None:
             if first < previous:
@@ -432,8 +441,8 @@ def _validated_tables(
                 )
             if first == previous and ids_in_order:
                 raise FrameError(
-                    f"{where}: duplicate {'/'.join(ids)} values ({frame[schema.id_column].iloc[0]}) across two "
-                    "batches; each event must appear once"
+                    f"{where}: the batch's first row repeats the previous batch's last {'/'.join(ids)} (row "
+                    f"{offset + 1}) across two batches; each event must appear once"
                 )
         previous = tuple(_item(column[-1]) for column in keys)
         hashes = id_hashes(frame, ids)

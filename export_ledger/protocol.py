@@ -345,9 +345,19 @@ class _KeyExport:
             self._fenced_predecessor = True
         else:
             pointer = destination.pointer(target)
-        verification = destination.verify(
-            target, logical_key=claim.logical_key, superseded=superseded, pointer=pointer
-        )
+        try:
+            verification = destination.verify(
+                target, logical_key=claim.logical_key, superseded=superseded, pointer=pointer
+            )
+        except DestinationError as exc:
+            if pointer.revision == superseded or isinstance(exc, DestinationConflict):
+                raise
+            # The pointer names something this attempt could not read back: what readers see is not known to be
+            # nothing, so this is not `failed`. Reconciliation holds, fences and judges it.
+            raise PublishOutcomeUnknown(
+                f"{claim.logical_key}: the pointer names revision {pointer.revision}, which could not be verified "
+                f"({safe_message(exc)})"
+            ) from None
         if verification.verdict is Verdict.PUBLISHED:
             manifest = verification.manifest
             self.log(

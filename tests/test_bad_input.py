@@ -65,7 +65,7 @@ def _assert_nothing_committed(tmp_path):
         ("missing_column", "missing required columns ['customer_email']"),
         ("null_amount", "column 'amount' has 1 null value(s)"),
         ("outside_window", "1 event(s) fall outside the window [2026-03-08T05:00:00Z, 2026-03-09T04:00:00Z)"),
-        ("duplicate_id", "duplicate invoice_id values"),
+        ("duplicate_id", "share their invoice_id with another"),
         ("naive_timestamps", "column 'occurred_at' must hold timezone-aware timestamps"),
         ("text_amounts", "column 'amount' must be numeric"),
         ("not_a_frame", "expected a pandas DataFrame, got dict"),

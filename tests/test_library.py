@@ -132,7 +132,7 @@ def test_composite_ids_and_nullable_columns_are_validated(tmp_path) -> None:
     frame = pd.concat([frame, frame.head(1)], ignore_index=True)
     from export_ledger import validate_frame
 
-    with pytest.raises(FrameError, match="duplicate order_id/tenant values"):
+    with pytest.raises(FrameError, match="share their order_id/tenant with another"):
         validate_frame(frame, twice.schema, window, what="k", tenant="acme")
     required = spec(nullable=[])
     with pytest.raises(FrameError, match="column 'note' has 23 null value"):

@@ -151,7 +151,7 @@ def _not_a_frame() -> list:
         (_outside_the_window, r"batch 3, rows 101-150\): 1 event\(s\) fall outside the window"),
         (_out_of_order_across_batches, "first row sorts before the previous batch's last row"),
         (_out_of_order_inside_a_batch, r"batch 2, rows 51-100\): rows are not in file order"),
-        (_neighbours_with_one_id, r"duplicate order_id values \(o000100\)"),
+        (_neighbours_with_one_id, r"row\(s\) share their order_id with another \(rows 102\)"),
         (_null_in_the_last_batch, r"batch 4, rows 151-200\): column 'total' has 1 null value"),
         (_not_a_frame, "expected a pandas DataFrame, got list"),
     ],

@@ -38,6 +38,14 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def _only_temporaries(folder: Path) -> bool:
+    """Whether ``folder`` holds nothing but temporary files (or nothing)."""
+    try:
+        return all(entry.name.startswith(".tmp-") and entry.is_file() for entry in folder.iterdir())
+    except FileNotFoundError:
+        return False
+
+
 def _temporary(final: Path) -> Path:
     return final.parent / f".tmp-{final.name}-{os.getpid()}-{time.monotonic_ns()}"
 
@@ -163,6 +171,8 @@ class LocalStore(ObjectStore):
             found = self.get(name)
             if (found.tag if found is not None else None) != tag:
                 raise PreconditionFailed(f"{final} is not at the version read")
+            for leftover in final.parent.glob(f".tmp-{final.name}-*"):
+                leftover.unlink(missing_ok=True)  # written under this lock by a writer that died: nobody writes it now
             temporary = _temporary(final)
             try:
                 with open(temporary, "xb") as handle:
@@ -197,9 +207,15 @@ class LocalStore(ObjectStore):
         path = self._path(name)
         try:
             path.unlink(missing_ok=True)
-            with contextlib.suppress(OSError):  # a place's folder goes with its last object
-                path.parent.rmdir()
-            _fsync_path(path.parent if path.parent.exists() else path.parent.parent)
+            folder = path.parent
+            if folder != self.root and _only_temporaries(folder):
+                # A place's folder goes with its last object, and with what a writer killed mid-write left in it
+                # (a swept place's writer is fenced: its temporary files can never become objects).
+                for leftover in folder.iterdir():
+                    leftover.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+            _fsync_path(folder if folder.exists() else folder.parent)
         except OSError as exc:
             raise DestinationError(f"cannot delete {path}: {exc.strerror}") from None
 

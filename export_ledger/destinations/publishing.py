@@ -280,10 +280,14 @@ class PublishingDestination(Destination):
         self.store.check_conditions()
         place = place_name(target.revision, token)
         data_file = data_file_name(file_format)
-        upload = self.store.upload(self._in_place(target, place, data_file))
+        name = self._in_place(target, place, data_file)
+        upload = self.store.upload(name)
         try:
             sha256, row_count = write_rows(table, file_format, upload.handle)
             upload.commit()
+        except OSError as exc:  # the staging file's own write (a full disk): the library's words, naming the object
+            upload.abort()
+            raise DestinationError(f"cannot write {self.store.url(name)}: {exc.strerror or type(exc).__name__}") from None
         except BaseException:
             upload.abort()
             raise

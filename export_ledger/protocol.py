@@ -561,6 +561,9 @@ def _export_group(
     started = time.monotonic()  # only decides when to renew; the ledger's clock decides what a lease is
     for i in sorted(claims):
         if time.monotonic() - started > exporter.ledger.lease_ttl.total_seconds() * RENEW_AFTER:
+            # The keys committed so far are recorded now (their leases are as old as the rest), then the leases of
+            # the keys still to export are renewed.
+            _record(ledger, unrecorded, recorded, group, failures, exporter)
             claims = _renewed(ledger, claims, i, group, failures, exporter)
             started = time.monotonic()
             if i not in claims:
@@ -580,12 +583,7 @@ def _export_group(
         unrecorded.append((i, claim, status, effect))
 
     # Until this commit the group's exports are committed and not recorded: the case a repair already handles.
-    committed = ledger.completions.complete_many([(claim, evidence) for _, claim, _, evidence in unrecorded])
-    for (i, _, status, _), record in zip(unrecorded, committed, strict=True):
-        if isinstance(record, FencedOut):
-            _failed(exporter.log, failures, group[i], record)
-        else:
-            recorded.append((i, status, record))
+    _record(ledger, unrecorded, recorded, group, failures, exporter)
     for i, status, record in sorted(recorded, key=lambda entry: entry[0]):
         try:
             failpoints.reach("after_commit")
@@ -594,6 +592,17 @@ def _export_group(
             continue
         results[i] = exporter.result(record, group[i], status, attempt, claims[i])
     return [results[i] for i in sorted(results)]
+
+
+def _record(ledger, unrecorded: list, recorded: list, group, failures, exporter) -> None:
+    """Records the completions of the group's committed keys in one transaction (and empties ``unrecorded``)."""
+    committed = ledger.completions.complete_many([(claim, evidence) for _, claim, _, evidence in unrecorded])
+    for (i, _, status, _), record in zip(unrecorded, committed, strict=True):
+        if isinstance(record, FencedOut):
+            _failed(exporter.log, failures, group[i], record)
+        else:
+            recorded.append((i, status, record))
+    unrecorded.clear()
 
 
 def _renewed(ledger, claims: dict[int, Claim], start: int, group, failures, exporter) -> dict[int, Claim]:

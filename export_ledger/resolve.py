@@ -17,6 +17,7 @@ from export_ledger.destinations.publishing import Pointer, PublishingDestination
 from export_ledger.errors import safe_message
 from export_ledger.ledger import (
     CompletionEvidence,
+    FencedOut,
     ExportLedger,
     ExportRecord,
     ExportState,
@@ -102,6 +103,13 @@ def resolve_key(
             note = (OperatorResolution.__name__, f"{operator} accepted the destination's export: {reason.strip()}")
             updated = ledger.completions.finish(Finish(claim, T.REPAIR, evidence, note=note), then=log)
         else:
+            holder = destination.key_at(target)
+            if holder is not None and holder != logical_key and ledger.queries.get(holder) is not None:
+                raise ResolutionRefused(
+                    f"cannot discard {logical_key}'s place: it holds the export of {holder}, a key the ledger records "
+                    "(two keys of one tenant and date in two zones share a folder). Resolve their calendar first: the "
+                    "contract that gave this key another zone must declare a move"
+                )
             if isinstance(destination, PublishingDestination):
                 restore = recorded_pointer(ledger, destination, record)
                 removed = destination.discard(
@@ -119,12 +127,16 @@ def resolve_key(
             f"{action} of {logical_key} failed: {safe_message(exc)}"
         )  # fmt: skip
         detail = f"refused: {refused}"
-        back = record.state.value if record.state is not ExportState.IN_PROGRESS else "remote_unknown"
-        ledger.completions.release(
-            claim, record, (OperatorResolution.__name__, f"{operator}: {refused}; the key is back to {back}"),
-            then=lambda conn, now, item: append_in(
-                conn, now, operator, f"{action}-refused", detail, reason, export=record.export, logical_key=logical_key
-            ),
-        )  # fmt: skip
+        back = claim.previous_state.value if claim.previous_state is not ExportState.IN_PROGRESS else "remote_unknown"
+        try:
+            ledger.completions.release(
+                claim, (OperatorResolution.__name__, f"{operator}: {refused}; the key is back to {back}"),
+                then=lambda conn, now, item: append_in(
+                    conn, now, operator, f"{action}-refused", detail, reason, export=record.export,
+                    logical_key=logical_key,
+                ),
+            )  # fmt: skip
+        except FencedOut as lost:
+            raise ResolutionRefused(f"{refused}; meanwhile another party took the key: {lost}") from None
         raise refused from None
     return Resolved(updated, detail)

@@ -26,6 +26,7 @@ from export_ledger.ledger import (
     ExportLedger,
     ExportRecord,
     ExportState,
+    FencedOut,
     Finish,
     Restatement,
     RestatementRefused,
@@ -229,13 +230,17 @@ def withdraw(ledger: ExportLedger, destination: Destination, logical_key: str, *
         refused = exc if isinstance(exc, RestatementRefused) else RestatementRefused(
             f"withdrawing {logical_key} failed: {safe_message(exc)}"
         )  # fmt: skip
-        ledger.completions.release(
-            claim, record, (OperatorResolution.__name__, f"{operator}: {refused}; the key is back to failed"),
-            then=lambda conn, now, item: append_in(
-                conn, now, operator, "withdraw-refused", str(refused), reason, export=record.export,
-                logical_key=logical_key,
-            ),
-        )  # fmt: skip
+        back = claim.previous_state.value if claim.previous_state is not ExportState.IN_PROGRESS else "remote_unknown"
+        try:
+            ledger.completions.release(
+                claim, (OperatorResolution.__name__, f"{operator}: {refused}; the key is back to {back}"),
+                then=lambda conn, now, item: append_in(
+                    conn, now, operator, "withdraw-refused", str(refused), reason, export=record.export,
+                    logical_key=logical_key,
+                ),
+            )  # fmt: skip
+        except FencedOut as lost:
+            raise RestatementRefused(f"{refused}; meanwhile another party took the key: {lost}") from None
         raise refused from None
 
 

@@ -322,7 +322,7 @@ def test_holds_raise_the_token_but_only_export_claims_count_toward_the_automatic
 
     held = ledger.claims.hold(str(key), "ops@host")
     assert held.fencing_token == 3, "an operator's hold takes a new token, so that it can fence the destination"
-    ledger.completions.release(held, record, ("OperatorResolution", "ops@host looked and gave it back"))
+    ledger.completions.release(held, ("OperatorResolution", "ops@host looked and gave it back"))
 
     record = ledger.queries.get(str(key))
     assert (record.state, record.fencing_token, record.claim_count) == (ExportState.FAILED, 3, 2), (

@@ -8,10 +8,11 @@ import pytest
 from pipeline_helpers import failure_message, make_defs, published_dirs, run_partition
 
 from export_ledger import cli
-from export_ledger.calendar import ExportCalendar, window_for
+from export_ledger.calendar import ExportCalendar, ZoneMove, window_for
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger import BelowLowWater, CompletionEvidence, ContractChanged, ExportLedger
 from export_ledger.ledger.schema import ExportState
+from export_ledger.tenants import Tenant
 
 UTC = dt.timezone.utc
 
@@ -182,12 +183,22 @@ def test_a_materialization_under_a_changed_timezone_is_refused_until_accepted(tm
     assert "export-ledger accept-contract" in message
     assert [f.name for f in published_dirs(tmp_path / "exports")] == ["date=2026-03-08"], "nothing new published"
 
-    # The operator accepts the code's contract: the CLI reads it from the code location.
+    # A zone changed without saying when cannot be accepted: it would put 2026-03-08, exported in New York, in Chicago
+    # (a second key of that day, sharing its folder). The refusal names the move to declare.
     ledger_url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
-    contract = ExportCalendar("America/Chicago", "2026-01-01").contract()
-    ExportLedger(ledger_url).contracts.accept("invoice_export", contract, "moved the business to Chicago")
-    assert run_partition(chicago, instance, "2026-03-09").success
-    history = ExportLedger(ledger_url).contracts.history("invoice_export")
+    ledger = ExportLedger(ledger_url)
+    undeclared = ExportCalendar("America/Chicago", "2026-01-01").contract()
+    with pytest.raises(ContractChanged, match="2026-03-08 in America/New_York.*--move 2026-03-09:America/New_York"):
+        ledger.contracts.accept("invoice_export", undeclared, "moved the business to Chicago", tenant="acme")
+
+    # The code declares the move, the operator accepts that contract, and the day after the move runs in Chicago.
+    move = ZoneMove(on="2026-03-09", from_zone="America/New_York")
+    moved = make_defs(tmp_path, tenants=[Tenant("acme", "America/Chicago", moves=(move,))])
+    contract = ExportCalendar("America/Chicago", "2026-01-01", (move,)).contract()
+    ledger.contracts.accept("invoice_export", contract, "moved the business to Chicago", tenant="acme")
+    job = moved.resolve_job_def("invoice_export__america_chicago_job")
+    assert job.execute_in_process(partition_key="2026-03-09", instance=instance, raise_on_error=False).success
+    history = ledger.contracts.history("invoice_export")
     assert [h["reason"] for h in history] == ["first claim", "moved the business to Chicago"], (
         "the contract is recorded at the tenant's first claim, then changed only by the operator's acceptance"
     )

@@ -103,10 +103,34 @@ def test_after_the_upgrade_revision_numbers_are_never_reused(ledger_040):
             sa.text(
                 "INSERT INTO export_restatements (logical_key, export, tenant, business_date, revision, reason, "
                 "requested_by, requested_at, base_token, closed_at, outcome) VALUES (:k, 'invoice_export', 'globex', "
-                "'2026-03-01', 2, 'r', 'ops', '2026-03-21 00:00:00', 1, '2026-03-21 00:00:00', 'withdrawn')"
+                "'2026-03-01', 2, 'r', 'ops', '2026-03-21 00:00:00', 1, '2026-03-21 00:00:00', 'published')"
             ),
             {"k": "invoice_export/globex/2026-03-01T05:00:00Z"},
+        )  # the database holds it too: one published (or open) request per revision number
+
+
+def test_a_0_4_0_ledger_that_withdrew_a_request_and_asked_again_upgrades(tmp_path):
+    """0.4.0 gave a request after a withdrawn one the same revision number; the upgrade keeps both rows as recorded
+    (the unique index covers open and published requests), and the next request gets a number never given."""
+    url = f"sqlite:///{tmp_path / 'reused.sqlite3'}"
+    shutil.copy(FIXTURE, tmp_path / "reused.sqlite3")
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:  # the rows 0.4.0's withdraw-then-request left: two requests for revision 2
+        conn.execute(
+            sa.text(
+                "INSERT INTO export_restatements (logical_key, export, tenant, business_date, revision, reason, "
+                "requested_by, requested_at, base_token, closed_at, outcome) VALUES (:k, 'invoice_export', 'globex', "
+                "'2026-03-02', 2, 'first try', 'ops', '2026-03-19 00:00:00', 1, '2026-03-19 01:00:00', 'withdrawn')"
+            ),
+            {"k": "invoice_export/globex/2026-03-02T05:00:00Z"},
         )
+    engine.dispose()
+    assert upgrade_url(url) == [6]
+    ledger = ExportLedger(url, clock=lambda: dt.datetime(2026, 3, 21, tzinfo=UTC))
+    revisions = [r.revision for r in ledger.restatements.requests(open_only=False)
+                 if r.logical_key == "invoice_export/globex/2026-03-02T05:00:00Z"]  # fmt: skip
+    assert sorted(revisions) == [2, 2], "both rows kept as 0.4.0 recorded them"
+    dispose_engines()
 
 
 def test_export_ledger_upgrade_is_the_one_command_that_changes_the_schema(ledger_040, capsys):

@@ -247,6 +247,11 @@ class Destination(ABC):
     def current_revision(self, target: ExportTarget) -> int:
         """The revision the key's pointer names (0: nothing published)."""
 
+    @abstractmethod
+    def key_at(self, target: ExportTarget) -> str | None:
+        """The logical key whose export the target's place holds now (what its pointer or manifest row names), or
+        None: an operator's discard refuses to delete another key's recorded export."""
+
     def describe(self) -> str:
         """A description safe for logs: no credentials."""
         return type(self).__name__

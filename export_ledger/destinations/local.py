@@ -198,7 +198,11 @@ class LocalStore(ObjectStore):
             for dirpath, dirnames, filenames in os.walk(folder):
                 dirnames[:] = [d for d in dirnames if not d.startswith(".")]
                 base = Path(dirpath).relative_to(self.root).as_posix()
-                names.extend(f"{base}/{f}" for f in filenames if not f.startswith(".tmp-"))
+                # Below the folder listed, a killed writer's temporary files are listed too, so that a place holding
+                # nothing else is still found and swept; at its top (a key's pointer) they are the pointer writer's,
+                # removed under the key's lock.
+                top = Path(dirpath) == folder
+                names.extend(f"{base}/{f}" for f in filenames if not (top and f.startswith(".tmp-")))
         except OSError as exc:
             raise DestinationUnreachable(f"cannot list {folder}: {exc.strerror}") from None
         return sorted(names)

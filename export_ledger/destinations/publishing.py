@@ -167,6 +167,16 @@ class PublishingDestination(Destination):
     def current_revision(self, target: ExportTarget) -> int:
         return self.pointer(target).revision
 
+    def key_at(self, target: ExportTarget) -> str | None:
+        pointer = self.pointer(target)
+        if pointer.revision == 0 or pointer.place is None:
+            return None
+        try:
+            manifest = self._manifest(target, pointer.place)
+        except ManifestError:
+            return pointer.logical_key
+        return manifest.logical_key if manifest is not None else pointer.logical_key
+
     def pointer_to(self, target: ExportTarget) -> Pointer:
         """The pointer that names ``target`` (a recorded revision, at its place), as its manifest describes it."""
         manifest = self._manifest(target, target.place or ".")
@@ -404,10 +414,17 @@ class PublishingDestination(Destination):
             if place == restore.place:
                 continue
             parsed = parse_place(place)
-            revision = parsed[0] if parsed else (current.revision if place == current.place else None)
+            if parsed is not None and parsed[1] >= token:
+                continue  # a newer party's place (it fenced above this discard): never this discard's to delete
+            if parsed is None and place != current.place:
+                continue  # a legacy place is deleted only when the pointer this discard fenced named it
+            revision = parsed[0] if parsed else current.revision
             if revision == target.revision or place == current.place:
                 self._delete_all(names)
                 removed.append(place)
+        after = self.pointer(target)
+        if after.fence > token:
+            raise self._fenced(target, after, token)
         return removed
 
 

@@ -143,8 +143,13 @@ class S3Store(ObjectStore):
             if status is not None and status >= 500:
                 return PublishOutcomeUnknown(f"{what} answered {self._describe_error(exc)}: it may or may not exist")
             return DestinationError(f"the store refused {what}: {self._describe_error(exc)}")
-        if isinstance(exc, (errors.ConnectionError, errors.NoCredentialsError, errors.PartialCredentialsError)):
-            # Connection refused, a connect timeout, a failed TLS handshake, no credentials: nothing was sent.
+        not_sent = (
+            errors.EndpointConnectionError, errors.ConnectTimeoutError, errors.NoCredentialsError,
+            errors.PartialCredentialsError,
+        )  # fmt: skip
+        if isinstance(exc, not_sent):
+            # Connection refused, a connect timeout, no credentials: nothing was sent. (A TLS error can come after the
+            # request went out whole, and other connection errors too: those are unknown outcomes.)
             return DestinationError(f"cannot reach the store for {what}: {self._describe_error(exc)}")
         return PublishOutcomeUnknown(f"{what} got no answer ({self._describe_error(exc)}): it may or may not exist")
 

@@ -396,6 +396,10 @@ class SqlTableDestination(TransactionalDestination):
         except ManifestError:
             return None
 
+    def key_at(self, target: ExportTarget) -> str | None:
+        row = self._manifest_row(target)
+        return None if row is None else row.logical_key
+
     def current_revision(self, target: ExportTarget) -> int:
         row = self._manifest_row(target)
         if row is None:

@@ -319,7 +319,7 @@ class Claims:
             return None
         return Claim(
             record.logical_key, holder, token, record.window, now, expires, record.state, record.tz_database,
-            **_revision_fields(requests.get(record.logical_key), supersedes),
+            **_revision_fields(requests.get(record.logical_key), supersedes), previous_updated_at=record.updated_at,
         )  # fmt: skip
 
 

@@ -225,7 +225,8 @@ class Completions:
                 item.check()
                 if self._finish_in(conn, item, now, attempts, None) is not None:  # locked above: only a bug
                     raise InvalidTransition(f"{claim.logical_key} changed under its own row lock")
-                conn.execute(INSERT_ATTEMPT, attempts)
+                if attempts:
+                    conn.execute(INSERT_ATTEMPT, attempts)
                 return ExportRecord.from_row(conn.execute(RUN_BY_KEY, {"k_key": claim.logical_key}).one())
             fenced = self._fenced(conn, claim, now, attempts)
             if attempts:
@@ -265,18 +266,29 @@ class Completions:
         """Records that the destination holds something else at this key's place: refused until an operator acts."""
         return self.finish(Finish(claim, T.MARK_CONFLICT, error=error, note=note, location=location))
 
-    def release(self, claim: Claim, record: ExportRecord, note: tuple[str, str], *, then: After | None = None
-                ) -> ExportRecord:  # fmt: skip
-        """Puts a held key back in the state it was in before the hold (``record``, as read before it), with
-        ``note`` on the holder's attempt row: an operator's resolution that was refused or failed. A key held from
-        ``in_progress`` (a lease that had ended) goes to ``remote_unknown``: nobody knows what its holder did."""
-        transition = T.BACK_TO.get(record.state, T.MARK_REMOTE_UNKNOWN)
-        return self.finish(
-            Finish(
-                claim, transition, note=note, sha256=record.sha256, location=record.location, since=record.updated_at
-            ),
-            then=then,
-        )
+    def release(self, claim: Claim, note: tuple[str, str], *, then: After | None = None) -> ExportRecord:
+        """Puts a held key back in the state it was in before the hold, with ``note`` on the holder's attempt row: an
+        operator's resolution that was refused or failed. The state and "stuck since" are the ones the hold read under
+        its row lock (never a record read before it: the key may have changed in between), what the key's attempt
+        meant to commit is the row's (a hold keeps it). A key held from ``in_progress`` (a lease that had ended) goes to
+        ``remote_unknown``: nobody knows what its holder did."""
+        ledger = self.ledger
+        with ledger.atomic() as conn:
+            now = ledger.now(conn)
+            row = conn.execute(RUN_BY_KEY_LOCKED, {"k_key": claim.logical_key}).first()
+            transition = T.BACK_TO.get(claim.previous_state, T.MARK_REMOTE_UNKNOWN)
+            item = Finish(
+                claim, transition, note=note, sha256=row.sha256 if row is not None else None,
+                location=row.location if row is not None else None, since=claim.previous_updated_at,
+            )  # fmt: skip
+            attempts: list[dict] = []
+            fenced = self._finish_in(conn, item, now, attempts, then)
+            if attempts:  # a holder taken over meanwhile already has its row (abandoned)
+                conn.execute(INSERT_ATTEMPT, attempts)
+            record = conn.execute(RUN_BY_KEY, {"k_key": claim.logical_key}).first()
+        if fenced is not None:
+            raise fenced
+        return ExportRecord.from_row(record)
 
 
 def completion_transition(claim: Claim, evidence: CompletionEvidence) -> T.Transition:

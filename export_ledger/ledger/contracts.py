@@ -185,7 +185,8 @@ class Contracts:
 
         Raises:
             ValueError: no reason.
-            ContractChanged: a declared move would re-cut a day the ledger already holds in the old zone.
+            ContractChanged: the contract puts a day the ledger already holds in another zone than the one it was
+                exported in (a zone changed without a move, or a move on or before a day already exported).
         """
         if not reason or not reason.strip():
             raise ValueError("accepting a contract change needs a reason")
@@ -193,22 +194,29 @@ class Contracts:
         ledger = self.ledger
         with ledger.atomic() as conn:
             now = ledger.now(conn)
-            for move in contract.get("moves", ()):
-                # The day of a move starts at the old zone's midnight and ends at the new one's; if the ledger already
-                # holds it (or a later day) in the old zone, the windows around the move would no longer tile.
-                query = sa.select(sa.func.max(export_runs.c.business_date)).where(
-                    export_runs.c.export == export,
-                    export_runs.c.timezone == move["from"],
-                    export_runs.c.business_date >= dt.date.fromisoformat(move["on"]),
+            for first, last, zone in zone_segments(contract):
+                # Each business date the ledger already holds stays in the zone it was exported in: a contract that
+                # puts it in another zone would re-cut a delivered day (its window, and the destination folder the
+                # two keys would share). The day of a move starts at the old zone's midnight and ends at the new
+                # one's, so a move must come after every day already exported in the old zone.
+                query = sa.select(export_runs.c.business_date, export_runs.c.timezone).where(
+                    export_runs.c.export == export, export_runs.c.timezone != zone
                 )
+                if first is not None:
+                    query = query.where(export_runs.c.business_date >= first)
+                if last is not None:
+                    query = query.where(export_runs.c.business_date <= last)
                 if tenant is not None:
                     query = query.where(export_runs.c.tenant == tenant)
-                latest = conn.execute(query).scalar()
-                if latest is not None:
+                held = conn.execute(query.order_by(export_runs.c.business_date.desc()).limit(1)).first()
+                if held is not None:
+                    whose = "" if tenant is None else f" (tenant {tenant})"
                     raise ContractChanged(
-                        f"{export}{'' if tenant is None else f' (tenant {tenant})'} already has {latest} in "
-                        f"{move['from']}: a move on {move['on']} would re-cut days already exported; move on "
-                        f"{latest + dt.timedelta(days=1)} or later"
+                        f"{export}{whose} already has {held.business_date} in {held.timezone}: the new contract puts "
+                        f"that day in {zone}, which would re-cut a day already exported. Declare the move on the first "
+                        f"day of the new zone, after every day exported in the old one (move on "
+                        f"{held.business_date + dt.timedelta(days=1)} or later: --move "
+                        f"{held.business_date + dt.timedelta(days=1)}:{held.timezone})"
                     )
             conn.execute(
                 export_contracts.insert().values(
@@ -221,6 +229,17 @@ class Contracts:
                 if tenant is not None:
                     closing = closing.where(table.c.tenant == tenant)
                 conn.execute(closing.values(closed_at=now))
+
+
+def zone_segments(contract: Mapping) -> list[tuple[dt.date | None, dt.date | None, str]]:
+    """The business dates of each zone of a contract, oldest first: ``(first, last, zone)``, None for open ends."""
+    segments, first = [], None
+    for move in contract.get("moves", ()):
+        on = dt.date.fromisoformat(move["on"])
+        segments.append((first, on - dt.timedelta(days=1), move["from"]))
+        first = on
+    segments.append((first, None, contract["timezone"]))
+    return segments
 
 
 def canonical(contract: Mapping) -> str:

@@ -94,6 +94,9 @@ class Claim:
     revision: int = 1
     #: For a restatement, the key's current recorded revision, which it supersedes, and that revision's sha256.
     supersedes: tuple[int, str] | None = None
+    #: For a hold: the key's ``updated_at`` before it (its "stuck since"), read under the hold's row lock, so that a
+    #: holder that gives the key back unchanged restores it.
+    previous_updated_at: dt.datetime | None = None
 
     @property
     def superseded_revision(self) -> int:

@@ -235,8 +235,17 @@ export_restatements = sa.Table(
         postgresql_where=sa.text("closed_at IS NULL"),
     ),
     sa.Index("ix_export_restatements_export", "export", "closed_at"),
-    # Schema version 6: a revision number is given once per key, to one request, whatever became of it.
-    sa.Index("uq_export_restatements_key_revision", "logical_key", "revision", unique=True),
+    # Schema version 6: a revision number is given to one request of a key that is open or published (the code gives
+    # a number once, whatever became of it; releases before 0.5 gave a withdrawn request's number again, and those
+    # withdrawn rows are kept as they are).
+    sa.Index(
+        "uq_export_restatements_key_revision",
+        "logical_key",
+        "revision",
+        unique=True,
+        sqlite_where=sa.text("outcome IS NULL OR outcome = 'published'"),
+        postgresql_where=sa.text("outcome IS NULL OR outcome = 'published'"),
+    ),
 )
 
 # Every published revision of a key, append-only. Keys never restated have no row: their one revision is the

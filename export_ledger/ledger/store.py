@@ -226,6 +226,7 @@ def upgrade(engine: Engine) -> list[int]:
     script, config = _scripts()
     for _ in range(3):
         done: list[int] = []
+        version = -1
         try:
             with engine.begin() as conn:
                 version = schema_version(conn)
@@ -252,11 +253,17 @@ def upgrade(engine: Engine) -> list[int]:
                     environment.run_migrations()
                 done = list(range(version + 1, SCHEMA_VERSION + 1))
             return done
-        except (sa.exc.IntegrityError, sa.exc.ProgrammingError):
-            continue  # another process created or upgraded the same tables first; look again
-        except sa.exc.OperationalError as exc:
-            if "already exists" not in str(exc.orig):
-                raise
+        except (sa.exc.IntegrityError, sa.exc.ProgrammingError, sa.exc.OperationalError) as exc:
+            # Another process created or upgraded the same tables first: the version moved meanwhile, look again.
+            # Anything else is this database's own problem, named by its class (the driver's words are withheld).
+            if schema_version(engine) == version and not (
+                isinstance(exc, sa.exc.OperationalError) and "already exists" in str(exc.orig)
+            ):
+                raise LedgerUnavailable(
+                    f"upgrading the ledger from schema version {version} failed: {type(exc.orig).__name__}; nothing "
+                    "was changed (the upgrade runs in one transaction)"
+                ) from None
+            continue
     raise LedgerUnavailable("could not upgrade the ledger's schema: it kept changing under concurrent upgrades")
 
 

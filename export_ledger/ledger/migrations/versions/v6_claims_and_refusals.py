@@ -3,7 +3,7 @@ indexes.
 
 - ``export_runs.claim_count``: export claims since the key's last operator resolution or restatement request; filled
   from the attempts and requests already recorded (before, reruns were counted from fencing tokens at read time).
-- ``uq_export_restatements_key_revision``: a revision number is given to one request of a key, ever.
+- ``uq_export_restatements_key_revision``: a revision number belongs to one open or published request of a key.
 - ``export_contract_refusals``: tenants refused by their calendar contract, escalated until accepted.
 - two indexes on ``export_runs`` for the pages of failed and stuck keys per export and partition.
 """
@@ -44,8 +44,15 @@ def upgrade() -> None:
         "ix_export_runs_state_export_date", "export_runs", ["state", "export", "business_date", "timezone"]
     )
     op.create_index("ix_export_runs_state_updated", "export_runs", ["state", "updated_at"])
+    # Open or published requests only: releases before 0.5 numbered a request after a withdrawn one with the same
+    # revision (the withdrawn row keeps its number, as it was recorded).
     op.create_index(
-        "uq_export_restatements_key_revision", "export_restatements", ["logical_key", "revision"], unique=True
+        "uq_export_restatements_key_revision",
+        "export_restatements",
+        ["logical_key", "revision"],
+        unique=True,
+        sqlite_where=sa.text("outcome IS NULL OR outcome = 'published'"),
+        postgresql_where=sa.text("outcome IS NULL OR outcome = 'published'"),
     )
     op.create_table(
         "export_contract_refusals",

@@ -456,8 +456,8 @@ def _status(ledger: ExportLedger, args: argparse.Namespace) -> str:
         limit=args.limit,
         offset=args.offset,
     )
-    # One read of the export's requests, not of every key: most keys were never restated (revision 1).
-    published = published_revisions(ledger, export=args.export) if records else {}
+    # One read of the shown keys' requests (a page of at most --limit keys): most were never restated (revision 1).
+    published = published_revisions(ledger, [r.logical_key for r in records]) if records else {}
     revision = {key: request.revision for key, request in published.items()}
     if args.json:
         return _dump([{**_record_json(r), "revision": revision.get(r.logical_key, 1)} for r in records])
@@ -692,14 +692,14 @@ def _drift(ledger: ExportLedger, args: argparse.Namespace) -> str:
 def _needs_attention(ledger: ExportLedger, args: argparse.Namespace) -> str:
     found = ledger.attention.needs_attention(
         dt.timedelta(hours=args.stuck_after_hours), max_attempts=args.max_attempts,
-        exports=[args.export] if args.export else (), limit=args.limit,
+        exports=[args.export] if args.export else (), tenants=[args.tenant] if args.tenant else (), limit=args.limit,
+        offset=args.offset,
     )  # fmt: skip
-    found = [e for e in found if args.tenant in (None, e.tenant)]
     if args.json:
         return _dump(
             [
-                {**(_record_json(e.record) if e.record else {"export": e.export, "tenant": e.tenant}),
-                 "state": e.state, "needs_attention": e.why}
+                {**(_record_json(e.record) if e.record else _escalation_json(e)), "state": e.state,
+                 "needs_attention": e.why}
                 for e in found
             ]
         )  # fmt: skip
@@ -709,6 +709,16 @@ def _needs_attention(ledger: ExportLedger, args: argparse.Namespace) -> str:
         (e.name, e.state, e.record.claim_count if e.record else None, _short_time(e.since), e.why) for e in found
     ]
     return _table(("LOGICAL KEY", "STATE", "CLAIMS", "SINCE", "WHY, AND THE WAY OUT"), rows) + _more(len(found), args)
+
+
+def _escalation_json(escalation) -> dict:
+    """An escalation without a key: a refused tenant, or a partition whose runs never claimed."""
+    return {
+        "export": escalation.export,
+        "tenant": escalation.tenant,
+        "timezone": escalation.timezone,
+        "business_date": escalation.business_date.isoformat() if escalation.business_date else None,
+    }
 
 
 def _attempts(ledger: ExportLedger, args: argparse.Namespace) -> str:
@@ -761,9 +771,20 @@ def _reconcile(ledger: ExportLedger, args: argparse.Namespace) -> str:
     from export_ledger.reconcile import reconcile_batch
 
     _known_export(ledger, args.export)
-    destination = _configured_destination(args, ledger)
-    if args.export is not None:
-        destination = {args.export: destination}  # other exports' stuck keys are left alone
+    export = args.export
+    if export is None:
+        # One destination is judged per run: an export published elsewhere would be judged absent there.
+        exports = ledger.queries.exports()
+        if len(exports) > 1:
+            raise UsageError(
+                f"the ledger holds {len(exports)} exports ({', '.join(exports[:5])}{', ...' if len(exports) > 5 else ''})"
+                ": reconcile one at a time with --export E and that export's --destination"
+            )
+        if not exports:
+            return "no stuck export keys"
+        export = exports[0]
+    # Other exports' stuck keys are left alone.
+    destination = {export: _configured_destination(args, ledger)}
     report = reconcile_batch(
         ledger, destination, limit=args.limit, after=None, reconciler=f"export-ledger reconcile@{utc_iso(ledger.now())}"
     )
@@ -830,6 +851,7 @@ def _prune(ledger: ExportLedger, args: argparse.Namespace) -> str:
                     "previous_low_water_date": _date(p.previous_mark), "blocked_by": _date(p.blocked_by),
                     "unexported_dates": [d.isoformat() for d in p.unexported],
                     "unexported_count": p.unexported_count,
+                    "missing_tenants": p.missing_tenants,
                 }
                 for p in plans
             ]
@@ -846,9 +868,11 @@ def _prune(ledger: ExportLedger, args: argparse.Namespace) -> str:
         if p.blocked_by is not None and p.mark is not None and p.mark <= p.blocked_by:
             lines.append(f"{p.export}: the mark stops at {p.blocked_by}, which still has a key not completed")
         if p.unexported and not p.closes_unexported:
+            who = ", ".join(p.missing_tenants[:5]) + (", ..." if len(p.missing_tenants) > 5 else "")
             lines.append(
-                f"{p.export}: {p.unexported_count} date(s) from {p.unexported[0]} have a tenant with no key at all and "
-                'stay open; --close-unexported --reason "..." closes them (recorded)'
+                f"{p.export}: {p.unexported_count} date(s) from {p.unexported[0]} have a tenant with no key at all "
+                f"(on {p.unexported[0]}: {who}) and stay open; export them, or (a tenant that left the export) "
+                '--close-unexported --reason "..." closes them (recorded)'
             )
     if not args.yes:
         lines.append("dry run: nothing changed; add --yes to apply")

@@ -17,7 +17,7 @@ import datetime as dt
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pandas as pd
 import pyarrow as pa
@@ -33,6 +33,7 @@ from export_ledger.destinations.base import (
     PublishOutcomeUnknown,
     TransactionalDestination,
     Verdict,
+    place_name,
 )
 from export_ledger.destinations.publishing import PublishingDestination
 from export_ledger.errors import ExportLedgerError, safe_message
@@ -310,7 +311,9 @@ class _KeyExport:
                 return "exported", self._write_in_transaction(claim, item, target)
             return self._publish(claim, item, target)
         except PublishOutcomeUnknown as exc:
-            completions.mark_remote_unknown(claim, exc, sha256=exc.sha256, location=exc.location)
+            completions.mark_remote_unknown(
+                claim, exc, sha256=exc.sha256, location=exc.location or self._place_location(claim, target)
+            )
             raise ExportOutcomeUnknown(
                 f"{claim.logical_key}: the outcome at the destination is unknown ({exc}). The key is now "
                 "remote_unknown; reconciliation (the reconciliation sensor, or `export-ledger reconcile`) will resolve "
@@ -332,8 +335,19 @@ class _KeyExport:
             if self._fenced_predecessor:
                 completions.fail(claim, exc)
             else:
-                completions.mark_remote_unknown(claim, exc)  # reconciliation holds, fences and judges it
+                # Reconciliation holds, fences and judges it: at the destination this location names.
+                completions.mark_remote_unknown(claim, exc, location=self._place_location(claim, target))
             raise
+
+    def _place_location(self, claim: Claim, target: ExportTarget) -> str | None:
+        """Where this attempt's place is (recorded with an unknown outcome, so that reconciliation judges the key at
+        the destination the attempt wrote to, not at another one it is pointed at)."""
+        if not isinstance(self.destination, PublishingDestination):
+            return None
+        try:
+            return self.destination.location(replace(target, place=place_name(claim.revision, claim.fencing_token)))
+        except Exception:  # noqa: BLE001 - a location is a courtesy to reconciliation; the outcome is recorded anyway
+            return None
 
     def _publish(self, claim: Claim, item: ExportItem, target: ExportTarget) -> tuple[str, CompletionEvidence]:
         destination = self.destination

@@ -27,10 +27,11 @@ from export_ledger.destinations.base import (
     DestinationUnreachable,
     ExportTarget,
     Fenced,
+    place_of_location,
 )
 from export_ledger.destinations.base import Verdict as DestinationVerdict
 from export_ledger.destinations.publishing import PublishingDestination
-from export_ledger.errors import ManifestError
+from export_ledger.errors import ManifestError, safe_message
 from export_ledger.ledger import Claim, CompletionEvidence, ExportLedger, ExportRecord, ExportState, Finish
 from export_ledger.ledger import transitions as T
 
@@ -62,6 +63,9 @@ def examine(destination: Destination, record: ExportRecord, claim: Claim) -> Fin
     """Fences the destination with the hold's token and judges what the key's pointer names, against the revision
     the key was publishing (``claim.revision``) and the one it supersedes."""
     target = target_of(record, claim.revision)
+    elsewhere = _recorded_elsewhere(destination, record)
+    if elsewhere is not None:
+        return Finding(record, Verdict.UNREACHABLE, elsewhere)
     try:
         checks = dict(logical_key=record.logical_key, superseded=claim.superseded_revision, expected_sha256=record.sha256)
         if isinstance(destination, PublishingDestination):
@@ -76,12 +80,33 @@ def examine(destination: Destination, record: ExportRecord, claim: Claim) -> Fin
     except DestinationError as exc:
         # Fenced above a fresh token (one the ledger never issued), a pointer that kept changing, a refused write.
         return Finding(record, Verdict.UNREACHABLE if _passing(exc) else Verdict.CONFLICT, str(exc))
+    except Exception as exc:  # noqa: BLE001 - one key's unexpected failure never stops a tick's other keys
+        return Finding(record, Verdict.UNREACHABLE, f"the destination could not be judged: {safe_message(exc)}")
     if verification.verdict is DestinationVerdict.PUBLISHED:
         evidence = CompletionEvidence.published(verification.location, verification.manifest)
         return Finding(record, Verdict.COMPLETED, verification.detail, evidence)
     if verification.verdict is DestinationVerdict.ABSENT:
         return Finding(record, Verdict.ABSENT, verification.detail)
     return Finding(record, Verdict.CONFLICT, verification.detail)
+
+
+def _recorded_elsewhere(destination: Destination, record: ExportRecord) -> str | None:
+    """Why ``destination`` is not the one the key's attempt wrote to (the location it recorded is not this
+    destination's for the key), or None. Nothing is written there: a fence at the wrong destination, and a verdict
+    "absent" from it, would say nothing of the key's export."""
+    if record.location is None or not isinstance(destination, PublishingDestination):
+        return None
+    place = place_of_location(record.location)
+    try:
+        here = destination.location(ExportTarget(record.export, record.tenant, record.business_date.isoformat(), 1, place))
+    except DestinationError:
+        return None
+    if here == record.location:
+        return None
+    return (
+        f"the attempt recorded its export at {record.location}, which is not {destination.describe()}: reconcile "
+        "this export against the destination it was published to (its --destination)"
+    )
 
 
 def _passing(exc: DestinationError) -> bool:

@@ -17,10 +17,10 @@ from export_ledger.destinations.publishing import Pointer, PublishingDestination
 from export_ledger.errors import safe_message
 from export_ledger.ledger import (
     CompletionEvidence,
-    FencedOut,
     ExportLedger,
     ExportRecord,
     ExportState,
+    FencedOut,
     Finish,
     LedgerError,
     ResolutionRefused,

@@ -7,7 +7,6 @@ import warnings
 from collections.abc import Iterator, Sequence
 
 import dagster as dg
-import pandas as pd
 
 from export_ledger.calendar import ExportCalendar, parse_business_date, utc_iso
 from export_ledger.dagster.io_manager import LISTED_KEYS, status_command
@@ -21,7 +20,6 @@ from export_ledger.ledger import (
     DriftRecord,
     Escalation,
     ExportLedger,
-    ExportRecord,
     ExportState,
     RestatementRefused,
 )

@@ -67,14 +67,18 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
         def log(level: str, message: str) -> None:
             getattr(context.log, level)(message)
 
-        export_batch(
-            self.ledger.get_ledger(),
-            self.destination.get_destination(),
-            obj,
-            attempt,
-            file_format=self.file_format,
-            log=log,
-        )
+        try:
+            export_batch(
+                self.ledger.get_ledger(),
+                self.destination.get_destination(),
+                obj,
+                attempt,
+                file_format=self.file_format,
+                log=log,
+            )
+        except Exception:
+            _record_finished_partitions(context, obj, attempt)
+            raise
         exported = [r for r in obj.results if r.status == "exported"]
         if exported:
             # One line for the routine outcome, not one per key: each log line is an event-log write in the run, and
@@ -205,6 +209,33 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
             )
         file_format = "parquet" if seen.manifest.data_file.endswith(".parquet") else "csv"
         return read_table(payload, file_format)
+
+
+def _record_finished_partitions(context: dg.OutputContext, batch: ExportBatch, attempt: str) -> None:
+    """A run over several partitions failed on some key: the partitions each of whose keys this run finished are
+    exported all the same, and Dagster records no materialization for a failed step; one event per such partition
+    says so (the failed partitions are rerun from the ledger and recorded by their rerun)."""
+    items: dict[str, list[str]] = {}
+    for item in batch.items:
+        items.setdefault(item.partition_key, []).append(str(item.key))
+    if len(items) < 2:
+        return
+    results: dict[str, list[ExportResult]] = {}
+    for result in batch.results:
+        results.setdefault(result.partition_key, []).append(result)
+    failed = {failure.partition_key for failure in batch.failures}
+    for partition_key in sorted(items):
+        done = results.get(partition_key, [])
+        if partition_key in failed or {r.logical_key for r in done} != set(items[partition_key]):
+            continue
+        context.log_event(
+            dg.AssetMaterialization(
+                asset_key=context.asset_key,
+                partition=partition_key,
+                metadata=output_metadata(done, attempt),
+                description="every key of this partition was exported by this run; other partitions of the run failed",
+            )
+        )
 
 
 #: Per-key lists in event metadata stop here: a partition of 1,000 tenants stays readable in the UI, and the full list

@@ -21,6 +21,7 @@ from export_ledger.dagster.io_manager import LISTED_KEYS, status_command
 from export_ledger.errors import CalendarError
 from export_ledger.ledger import DEFAULT_MAX_ATTEMPTS, ExportLedger, ExportState, PartitionWork, Restatement
 from export_ledger.reconcile import ReconcileReport, reconcile_batch
+from export_ledger.relaunch import missing_keys, refused_dates
 from export_ledger.restate import published_revisions
 from export_ledger.spec import ExportSpec
 from export_ledger.tenants import TenantGroup
@@ -30,6 +31,10 @@ NOTHING_ESCALATED = hashlib.sha256(b"").hexdigest()[:16]
 #: The tag that names the situation a rerun was launched for: runs that failed before claiming anything leave the
 #: situation as it was, and are counted by it, so that such a partition still gets its automatic reruns.
 SITUATION_TAG = "export-ledger/rerun-of"
+#: The tag of a run launched again for dates whose run failed before it claimed their keys: how many times they were
+#: launched again (the first relaunch is 1), so that a partition whose runs always fail that way is given up on.
+RELAUNCH_TAG = "export-ledger/relaunch"
+RANGE_START, RANGE_END = "dagster/asset_partition_range_start", "dagster/asset_partition_range_end"
 
 
 def _asset_for(spec: ExportSpec, work: PartitionWork, log) -> TenantGroup | None:
@@ -113,6 +118,125 @@ def restatement_requests(
     return requests
 
 
+def _dates_request(
+    group: TenantGroup, days: Sequence[dt.date], run_key: str, tags: Mapping[str, str]
+) -> dg.RunRequest:
+    """One run of ``group``'s asset over ``days``: a partition, or the range from the first to the last (the keys
+    of the dates between that are done are skipped at claim)."""
+    first, last = min(days).isoformat(), max(days).isoformat()
+    if first == last:
+        return dg.RunRequest(partition_key=first, run_key=run_key, job_name=f"{group.asset_name}_job", tags=dict(tags))
+    return dg.RunRequest(
+        run_key=run_key, job_name=f"{group.asset_name}_job", tags={**tags, RANGE_START: first, RANGE_END: last}
+    )
+
+
+def _run_days(run: dg.DagsterRun, group: TenantGroup, start_date: str, log) -> list[dt.date]:
+    """The business dates a run of ``group``'s job was for: its partition, or every date of its range."""
+    tags = run.tags
+    calendar = ExportCalendar(group.timezone, start_date)
+    try:
+        if "dagster/partition" in tags:
+            return [calendar.window(tags["dagster/partition"]).business_date]
+        if RANGE_START in tags and RANGE_END in tags:
+            first = calendar.window(tags[RANGE_START]).business_date
+            last = calendar.window(tags[RANGE_END]).business_date
+            return [first + dt.timedelta(days=n) for n in range((last - first).days + 1)]
+    except CalendarError as exc:
+        log.error(f"run {run.run_id} of {group.asset_name} names a partition that is not a date of it: {exc}")
+    return []
+
+
+def missed_requests(
+    instance: dg.DagsterInstance,
+    ledger: ExportLedger,
+    exports: Mapping[str, ExportSpec],
+    *,
+    after: str | None,
+    limit: int,
+    max_attempts: int,
+    log,
+) -> tuple[list[dg.RunRequest], str | None]:
+    """Runs of this code location's export jobs that failed, after the cursor ``after`` (their last update, oldest
+    first, at most ``limit``): dates of theirs whose keys the ledger never heard of (the run failed before it claimed
+    them) are launched again, up to ``max_attempts`` runs in all; beyond, the partition is noted missed in the
+    ledger and escalated. Dates whose keys all exist are the other passes' (failed keys are rerun from the ledger).
+    A canceled run is a person's decision: it is not launched again. Returns the requests and the new cursor."""
+    jobs = {f"{group.asset_name}_job": (spec, group) for spec in exports.values() for group in spec.groups}
+    since = dt.datetime.fromisoformat(after) if after else None
+    records = instance.get_run_records(
+        filters=dg.RunsFilter(statuses=[dg.DagsterRunStatus.FAILURE], updated_after=since),
+        limit=limit, order_by="update_timestamp", ascending=True,
+    )  # fmt: skip
+    requests: list[dg.RunRequest] = []
+    for record in records:
+        run = record.dagster_run
+        if run.job_name not in jobs:
+            continue
+        spec, group = jobs[run.job_name]
+        missing = missing_keys(ledger, spec, group, _run_days(run, group, spec.start_date, log))
+        if not missing:
+            continue
+        try:
+            generation = int(run.tags.get(RELAUNCH_TAG, "0"))
+        except ValueError:
+            generation = max_attempts
+        if generation + 1 < max_attempts:
+            tags = {"export-ledger/reconciled": "true", RELAUNCH_TAG: str(generation + 1)}
+            requests.append(_dates_request(group, list(missing), f"relaunch/{run.run_id}", tags))
+            continue
+        for day, count in sorted(missing.items()):
+            ledger.attention.note_missed(
+                spec.name, group.timezone, day, missing_keys=count, run_id=run.run_id, runs=generation + 1
+            )
+        log.error(
+            f"{len(missing)} date(s) of {group.asset_name} from {min(missing).isoformat()} failed {generation + 1} "
+            f"run(s) before claiming their keys (the last {run.run_id}): escalated (export-ledger status "
+            "--needs-attention)"
+        )
+    cursor = after
+    if records:
+        last = records[-1].update_timestamp
+        cursor = (last if last.tzinfo else last.replace(tzinfo=dt.UTC)).isoformat()
+    return requests, cursor
+
+
+def refused_requests(
+    ledger: ExportLedger, exports: Mapping[str, ExportSpec], *, limit: int, log
+) -> list[dg.RunRequest]:
+    """The dates refused by a calendar contract whose refusal has closed, launched again (one run per asset over
+    the refused span); a refusal whose dates all have keys is done with."""
+    requests: list[dg.RunRequest] = []
+    for refusal in ledger.contracts.to_relaunch(exports=sorted(exports), limit=limit):
+        spec = exports[refusal["export"]]
+        pending = refused_dates(ledger, spec, refusal)
+        if not pending:
+            ledger.contracts.relaunched(refusal["id"])
+            continue
+        for group, days in sorted(pending.items(), key=lambda item: item[0].asset_name):
+            run_key = f"refused/{refusal['id']}/{group.asset_name}/{min(days).isoformat()}/{max(days).isoformat()}"
+            requests.append(_dates_request(group, days, run_key, {"export-ledger/reconciled": "true"}))
+        log.info(
+            f"{refusal['export']}: the contract refusal of tenant {refusal['tenant']} closed; launching its refused "
+            f"dates again ({sum(len(d) for d in pending.values())} without a key)"
+        )
+    return requests
+
+
+def merged(requests: Sequence[dg.RunRequest]) -> list[dg.RunRequest]:
+    """One request per (job, partition or range): a run of a partition claims every key of it (it reruns the failed
+    ones and publishes the requested restatements alike), so two requests for one partition in one tick would
+    compete for its keys. The first is kept."""
+    seen: set[tuple] = set()
+    kept = []
+    for request in requests:
+        where = (request.job_name, request.partition_key, request.tags.get(RANGE_START), request.tags.get(RANGE_END))
+        if where not in seen:
+            seen.add(where)
+            kept.append(request)
+    return kept
+
+
 def sensor_result(
     report: ReconcileReport,
     *,
@@ -149,6 +273,7 @@ def _materializations(
         group = spec.group_of_zone(zone)
         return group.asset_name if group is not None else None
 
+    owners_read: set[str] = set()
     for finding, record in report.resolved:
         name = asset(record.timezone)
         if name is not None:
@@ -160,11 +285,14 @@ def _materializations(
                 partitions.setdefault(record.business_date.isoformat(), {})[record.logical_key] = (
                     finding.evidence.revision
                 )
-        if finding.record.lease_owner and record.state in (ExportState.COMPLETED, ExportState.FAILED):
+        owner = finding.record.lease_owner
+        if owner and owner not in owners_read and record.state in (ExportState.COMPLETED, ExportState.FAILED):
             # The attempt that left this key stuck may have completed other keys before its run failed: those
             # partitions were never recorded as materialized either (whatever became of this key: a failed one is
-            # rerun, and the rerun records only its own partition).
-            for other in ledger.queries.committed_by(finding.record.lease_owner, limit=1000):
+            # rerun, and the rerun records only its own partition). Read once per attempt, however many of its
+            # keys were stuck.
+            owners_read.add(owner)
+            for other in ledger.queries.committed_by(owner, limit=1000):
                 other_asset = asset(other.timezone)
                 if other.export == export and other_asset is not None:
                     touched.setdefault(other_asset, set()).add(other.business_date.isoformat())
@@ -281,6 +409,20 @@ def _notes(report: ReconcileReport) -> list[str]:
     return notes
 
 
+def _without_overlaps(requests: Sequence[dg.RunRequest]) -> list[dg.RunRequest]:
+    """Drops a single-partition request whose date a range request of the same job covers (the range run claims
+    it too)."""
+    ranges = [
+        (r.job_name, r.tags[RANGE_START], r.tags[RANGE_END]) for r in requests if RANGE_START in r.tags
+    ]
+    return [
+        r
+        for r in requests
+        if r.partition_key is None
+        or not any(job == r.job_name and first <= r.partition_key <= last for job, first, last in ranges)
+    ]
+
+
 def _materialized(instance: dg.DagsterInstance, asset_key: dg.AssetKey, partitions: Sequence[str]) -> set[str]:
     """Which of ``partitions`` Dagster has a materialization of: one paged read, not one query per partition."""
     found: set[str] = set()
@@ -368,17 +510,33 @@ def build_reconciliation_sensor(
             log=context.log,
         )
         finished = _finished_reruns(context.instance, max_attempts)
-        requests = rerun_requests(failed, by_name, log=context.log, finished=finished, max_attempts=max_attempts)
-        requests += restatement_requests(pending, by_name, log=context.log)
+        relaunched, runs_after = missed_requests(
+            context.instance, book, by_name, after=state.get("runs_after"), limit=batch_size,
+            max_attempts=max_attempts, log=context.log,
+        )  # fmt: skip
+        requests = merged(
+            [
+                *relaunched,
+                *refused_requests(book, by_name, limit=batch_size, log=context.log),
+                *rerun_requests(failed, by_name, log=context.log, finished=finished, max_attempts=max_attempts),
+                *restatement_requests(pending, by_name, log=context.log),
+            ]
+        )
+        requests = _without_overlaps(requests)
 
-        summary = attention.summary(stuck_after, max_attempts=max_attempts, exports=names)
+        # Counted every tick; the keys of each group are listed only when the escalated set changed (they go into
+        # the checks' metadata, written then).
+        summary = attention.summary(stuck_after, max_attempts=max_attempts, exports=names, listed=False)
+        changed = summary.digest != state.get("stuck_digest", NOTHING_ESCALATED)
+        if changed and summary.total:
+            summary = attention.summary(stuck_after, max_attempts=max_attempts, exports=names)
         checks = []
         if summary.total:
             first = attention.needs_attention(stuck_after, max_attempts=max_attempts, exports=names, limit=10)
             shown = "; ".join(f"{e.name}: {e.why}" for e in first)
             context.log.error(f"{summary.total} export key(s) need attention (export-ledger status "
                               f"--needs-attention): {shown}")  # fmt: skip
-        if summary.digest != state.get("stuck_digest", NOTHING_ESCALATED):
+        if changed:
             # Only when the escalated set changes: one verdict per asset (asset events are not deduplicated).
             for spec in by_name.values():
                 for asset_name, (count, listed) in asset_groups(spec, summary).items():
@@ -390,6 +548,7 @@ def build_reconciliation_sensor(
                 "failed_after": failed[-1].cursor if len(failed) == batch_size else None,
                 "restate_after": pending[-1].cursor if len(pending) == batch_size else None,
                 "stuck_digest": summary.digest,
+                "runs_after": runs_after,
             }
         )
         if not requests and not events and not checks:

@@ -77,6 +77,8 @@ class LocalStore(ObjectStore):
             return None
         except OSError as exc:
             raise DestinationUnreachable(f"cannot read {path}: {exc.strerror}") from None
+        except ValueError:  # a name no file can have (a NUL byte): nothing there
+            return None
 
     def digest(self, name: str) -> str | None:
         path = self._path(name)

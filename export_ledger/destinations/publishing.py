@@ -29,6 +29,7 @@ import pyarrow as pa
 
 from export_ledger.destinations.base import (
     Destination,
+    DestinationConflict,
     DestinationError,
     ExportTarget,
     Fenced,
@@ -98,17 +99,19 @@ class Pointer:
         try:
             values = json.loads(payload)
             revision = values["revision"]
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
-            raise DestinationError(f"pointer {where} is not a JSON object with a revision") from None
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, RecursionError):
+            raise DestinationConflict(f"pointer {where} is not a JSON object with a revision") from None
         fence = values.get("fence", 0)
         if not _count(revision) or not _count(fence):
-            raise DestinationError(f"pointer {where} names revision {revision!r} with fence {fence!r}")
+            raise DestinationConflict(f"pointer {where} names revision {revision!r} with fence {fence!r}")
         if revision == 0:
             return cls(fence, 0, None, logical_key=values.get("logical_key"), tag=tag)
         place = values.get("path")
         data_file = values.get("data_file")
         if not isinstance(place, str) or not isinstance(data_file, str):
-            raise DestinationError(f"pointer {where} names revision {revision} without its path and data file")
+            raise DestinationConflict(f"pointer {where} names revision {revision} without its path and data file")
+        if not (_relative(place) and _relative(data_file)):
+            raise DestinationConflict(f"pointer {where} names a path outside its key's folder")
         prefix = "" if place == "." else f"{place}/"
         return cls(
             fence, revision, place, values.get("sha256"), values.get("row_count"), data_file.removeprefix(prefix),
@@ -432,6 +435,13 @@ def _join(place: str | None, name: str | None) -> str | None:
     if name is None:
         return None
     return name if place in (None, ".") else f"{place}/{name}"
+
+
+def _relative(path: str) -> bool:
+    """A path inside the key's folder: relative, no parent steps, no NUL (a pointer is read from the store: it is
+    input like any other)."""
+    parts = path.split("/")
+    return bool(path) and "\x00" not in path and not path.startswith("/") and ".." not in parts and "\\" not in path
 
 
 def _count(value) -> bool:

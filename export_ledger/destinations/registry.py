@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 from export_ledger.errors import ConfigurationError
 
-
 #: Spec prefixes that look like a URL: a folder path never starts with one.
 _URL_SCHEMES = ("s3", "gs", "az", "abfs", "ftp", "http", "https", "delta", "file")
 

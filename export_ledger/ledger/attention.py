@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from export_ledger.ledger import transitions as T
 from export_ledger.ledger.contracts import accept_command
 from export_ledger.ledger.records import ExportRecord
-from export_ledger.ledger.schema import ExportState, export_restatements, export_runs
+from export_ledger.ledger.schema import ExportState, export_missed_partitions, export_restatements, export_runs
 
 S = ExportState
 #: Keys listed per group (an asset) in a summary; the counts are exact.
@@ -49,21 +49,28 @@ class PartitionWork:
 class Escalation:
     """Something that waits for a person, with why and the way out.
 
-    ``record`` is the key's row (None for a tenant refused by its calendar contract, which has no key to show).
+    ``record`` is the key's row (None for a tenant refused by its calendar contract, and for a partition whose runs
+    failed before they claimed any key: neither has a key to show). ``tenant`` is None for such a partition, which
+    concerns every tenant the ledger has no key of; ``business_date`` names it.
     """
 
     export: str
-    tenant: str
+    tenant: str | None
     timezone: str | None
     logical_key: str | None
     state: str
     since: dt.datetime
     why: str
     record: ExportRecord | None = None
+    business_date: dt.date | None = None
 
     @property
     def name(self) -> str:
-        return self.logical_key or f"{self.export}/{self.tenant}"
+        if self.logical_key:
+            return self.logical_key
+        if self.tenant is None:
+            return f"{self.export}/{self.timezone}/{self.business_date.isoformat() if self.business_date else '?'}"
+        return f"{self.export}/{self.tenant}"
 
 
 @dataclass(frozen=True)
@@ -139,7 +146,21 @@ class Attention:
         return self._partitions(query, exports, after, limit, lambda r: f"{r.keys}:{r.low}:{r.high}")
 
     def _partitions(self, query: sa.Select, exports, after, limit, situation) -> list[PartitionWork]:
+        """The page of partitions ``query`` groups, without those a run is working on (a live lease on one of their
+        keys): a rerun or a restatement launched beside it would compete with it for its keys; once it has ended,
+        the partition's situation is judged again."""
         runs = export_runs.c
+        busy = export_runs.alias("busy")
+        working = (
+            sa.select(sa.literal(1))
+            .where(
+                busy.c.export == runs.export, busy.c.business_date == runs.business_date,
+                busy.c.timezone == runs.timezone, busy.c.state == S.IN_PROGRESS.value,
+                busy.c.lease_expires_at > sa.bindparam("now"),
+            )
+            .exists()
+        )  # fmt: skip
+        query = query.where(~working)
         if exports:
             query = query.where(runs.export.in_(list(exports)))
         if after is not None:
@@ -153,7 +174,7 @@ class Attention:
             .limit(limit)
         )
         with self.ledger.atomic(read_only=True) as conn:
-            rows = list(conn.execute(query))
+            rows = list(conn.execute(query, {"now": self.ledger.now(conn)}))
         return [
             PartitionWork(
                 r.export, r.business_date, r.timezone, int(r.keys),
@@ -199,44 +220,65 @@ class Attention:
         *,
         max_attempts: int | None = 3,
         exports: Sequence[str] = (),
+        tenants: Sequence[str] = (),
         limit: int = 100,
-        after: str | None = None,
+        offset: int = 0,
     ) -> list[Escalation]:
-        """What waits for a person, a page of at most ``limit`` in key order after ``after``: keys in ``conflict``;
-        ``failed`` with their automatic reruns spent; ``failed``, ``remote_unknown`` or abandoned ``in_progress``
-        longer than ``stuck_after``; restatements requested longer ago and never published; and (on the first page)
-        tenants refused by their calendar contract. Every key that is not completed ends here or completed."""
+        """What waits for a person, a page of at most ``limit`` from position ``offset``: tenants refused by their
+        calendar contract, then partitions whose runs failed before they claimed a key, then keys in key order:
+        ``conflict``; ``failed`` with their automatic reruns spent; ``failed``, ``remote_unknown`` or abandoned
+        ``in_progress`` longer than ``stuck_after``; and restatements requested longer ago and never published.
+        Every key asked for that is not completed ends here or completed. ``tenants`` keeps those tenants' (a missed
+        partition is kept too: it may concern them). Each source reads at most ``offset + limit`` rows."""
         _check_limit(limit)
+        if offset < 0:
+            raise ValueError(f"offset must not be negative, got {offset}")
         ledger = self.ledger
         runs = export_runs.c
+        window = offset + limit
         with ledger.atomic(read_only=True) as conn:
             now = ledger.now(conn)
             keys = self._keys(self._escalated(now, stuck_after, max_attempts), exports)
             pending = self._pending_requests(now, stuck_after)
             if exports:
                 pending = pending.where(runs.export.in_(list(exports)))
-            if after is not None:
-                keys = keys.where(runs.logical_key > after)
-                pending = pending.where(runs.logical_key > after)
-            key_rows = list(conn.execute(keys.order_by(runs.logical_key).limit(limit)))
-            pending_rows = list(conn.execute(pending.order_by(runs.logical_key).limit(limit)))
+            if tenants:
+                keys = keys.where(runs.tenant.in_(list(tenants)))
+                pending = pending.where(runs.tenant.in_(list(tenants)))
+            key_rows = list(conn.execute(keys.order_by(runs.logical_key).limit(window)))
+            pending_rows = list(conn.execute(pending.order_by(runs.logical_key).limit(window)))
+            missed = self._missed(conn, exports, window)
         found = [self._escalation(ExportRecord.from_row(row), now, max_attempts) for row in key_rows]
         found += [_pending_escalation(row, now) for row in pending_rows]
         found.sort(key=lambda e: e.logical_key)
-        found = found[:limit]
-        if after is None:
-            found = self._refusals(exports, limit) + found
-        return found[:limit]
+        first = self._refusals(exports, window, tenants=tenants) + [_missed_escalation(row, now) for row in missed]
+        return (first + found[:window])[offset:window]
 
     def summary(
-        self, stuck_after: dt.timedelta, *, max_attempts: int | None = 3, exports: Sequence[str] = ()
+        self,
+        stuck_after: dt.timedelta,
+        *,
+        max_attempts: int | None = 3,
+        exports: Sequence[str] = (),
+        listed: bool = True,
     ) -> AttentionSummary:
-        """Escalations per (export, zone), counted by the database, with the first :data:`LISTED` of each group; a
-        refused tenant counts in the group of the zone its code names."""
+        """Escalations per (export, zone), counted by the database, with the first :data:`LISTED` of each group
+        (``listed=False``: counts and digest only, the groups' lists empty); a refused tenant counts in the group of
+        the zone its code names. One snapshot (PostgreSQL reads it in one REPEATABLE READ transaction), so the
+        listing agrees with the counts."""
         ledger = self.ledger
         runs = export_runs.c
         groups: dict[tuple[str, str | None], tuple[int, list[Escalation]]] = {}
         parts: list[str] = []
+
+        def count(group: tuple[str, str | None], keys: int, part: str) -> None:
+            total, listed = groups.get(group, (0, []))
+            groups[group] = (total + keys, listed)
+            parts.append(part)
+
+        def listing(group: tuple[str, str | None]) -> list[Escalation]:
+            return groups.setdefault(group, (0, []))[1]
+
         with ledger.atomic(read_only=True) as conn:
             now = ledger.now(conn)
             for source in (self._keys(self._escalated(now, stuck_after, max_attempts), exports),
@@ -252,37 +294,113 @@ class Attention:
                     sa.func.max(runs.state).label("state"),
                 ).group_by(runs.export, runs.timezone)  # fmt: skip
                 for row in conn.execute(counted):
-                    count, listed = groups.get((row.export, row.timezone), (0, []))
-                    groups[(row.export, row.timezone)] = (count + int(row.keys), listed)
-                    parts.append(f"{row.export}|{row.timezone}|{row.keys}|{row.latest}|{row.tokens}|{row.state}")
+                    count((row.export, row.timezone), int(row.keys),
+                          f"{row.export}|{row.timezone}|{row.keys}|{row.latest}|{row.tokens}|{row.state}")  # fmt: skip
+            for row in ledger.contracts.refusal_counts(conn, exports):
+                count((row.export, row.timezone), int(row.refused),
+                      f"{row.export}|{row.timezone}|refused|{row.refused}|{row.latest}|{row.times}")  # fmt: skip
+            for row in self._missed_counts(conn, exports):
+                count((row.export, row.timezone), int(row.partitions),
+                      f"{row.export}|{row.timezone}|missed|{row.partitions}|{row.latest}|{row.runs}")  # fmt: skip
+            digest = hashlib.sha256("\n".join(sorted(parts)).encode()).hexdigest()[:16]
+            if not groups or not listed:
+                return AttentionSummary(sum(count for count, _ in groups.values()), digest, groups)
             ranked = self._keys(self._escalated(now, stuck_after, max_attempts), exports).add_columns(
                 sa.func.row_number().over(partition_by=(runs.export, runs.timezone), order_by=runs.logical_key)
                 .label("rank")
             ).subquery()  # fmt: skip
             first = sa.select(ranked).where(ranked.c.rank <= LISTED).order_by(ranked.c.logical_key)
             for row in conn.execute(first):
-                groups[(row.export, row.timezone)][1].append(
-                    self._escalation(ExportRecord.from_row(row), now, max_attempts)
-                )
+                listing((row.export, row.timezone)).append(self._escalation(ExportRecord.from_row(row), now, max_attempts))
             pending = self._pending_requests(now, stuck_after)
             if exports:
                 pending = pending.where(runs.export.in_(list(exports)))
             for row in conn.execute(pending.order_by(runs.logical_key).limit(LISTED)):
-                listed = groups[(row.export, row.timezone)][1]
+                listed = listing((row.export, row.timezone))
                 if len(listed) < LISTED:
                     listed.append(_pending_escalation(row, now))
-        for refusal in self._refusals(exports, LISTED * 10):
-            group = (refusal.export, refusal.timezone)
-            count, listed = groups.get(group, (0, []))
-            groups[group] = (count + 1, listed + [refusal] if len(listed) < LISTED else listed)
-            parts.append(f"{refusal.export}|{refusal.tenant}|refused|{refusal.since}")
-        total = sum(count for count, _ in groups.values())
-        digest = hashlib.sha256("\n".join(sorted(parts)).encode()).hexdigest()[:16]
-        return AttentionSummary(total, digest, groups)
+            for row in self._missed(conn, exports, LISTED):
+                listed = listing((row.export, row.timezone))
+                if len(listed) < LISTED:
+                    listed.append(_missed_escalation(row, now))
+        for refusal in self._refusals(exports, LISTED):
+            listed = listing((refusal.export, refusal.timezone))
+            if len(listed) < LISTED:
+                listed.append(refusal)
+        return AttentionSummary(sum(count for count, _ in groups.values()), digest, groups)
 
-    def _refusals(self, exports: Sequence[str], limit: int) -> list[Escalation]:
+    # -- partitions whose runs never claimed ------------------------------------------------------------------
+
+    def note_missed(
+        self, export: str, timezone: str, business_date: dt.date, *, missing_keys: int, run_id: str, runs: int = 1
+    ) -> None:
+        """Records that ``run_id``, the last of ``runs`` runs of the partition (``export``, ``timezone``,
+        ``business_date``), failed before it claimed ``missing_keys`` of its keys and that its automatic reruns are
+        spent: the partition is escalated until a claim of it (:meth:`close_missed_in`). Noting the same run twice
+        changes nothing."""
+        if missing_keys <= 0:
+            raise ValueError(f"a missed partition has keys missing, got {missing_keys}")
+        table = export_missed_partitions
+        with self.ledger.atomic() as conn:
+            now = self.ledger.now(conn)
+            where = (table.c.export == export, table.c.timezone == timezone, table.c.business_date == business_date)
+            row = conn.execute(sa.select(table).where(*where, table.c.closed_at.is_(None))).first()
+            if row is None:
+                conn.execute(
+                    table.insert().values(
+                        export=export, timezone=timezone, business_date=business_date, missing_keys=missing_keys,
+                        failed_runs=runs, last_run_id=run_id[:64], first_noted_at=now, last_noted_at=now,
+                    )
+                )  # fmt: skip
+            elif row.last_run_id != run_id[:64]:
+                conn.execute(
+                    table.update()
+                    .where(table.c.id == row.id)
+                    .values(missing_keys=missing_keys, failed_runs=table.c.failed_runs + 1, last_run_id=run_id[:64],
+                            last_noted_at=now)  # fmt: skip
+                )
+
+    def close_missed_in(self, conn, partitions: set[tuple[str, str, dt.date]], now: dt.datetime) -> None:
+        """Inside a claim's transaction: the partitions a run claimed keys of are no longer missed."""
+        if not partitions or not self.ledger.supports(6):
+            return
+        table = export_missed_partitions
+        for export, timezone, day in sorted(partitions):
+            conn.execute(
+                table.update()
+                .where(table.c.export == export, table.c.timezone == timezone, table.c.business_date == day,
+                       table.c.closed_at.is_(None))  # fmt: skip
+                .values(closed_at=now)
+            )
+
+    def _missed(self, conn, exports: Sequence[str], limit: int) -> list[sa.Row]:
+        if not self.ledger.supports(6):
+            return []
+        table = export_missed_partitions
+        query = sa.select(table).where(table.c.closed_at.is_(None))
+        if exports:
+            query = query.where(table.c.export.in_(list(exports)))
+        return list(conn.execute(query.order_by(table.c.export, table.c.business_date, table.c.timezone).limit(limit)))
+
+    def _missed_counts(self, conn, exports: Sequence[str]) -> list[sa.Row]:
+        if not self.ledger.supports(6):
+            return []
+        table = export_missed_partitions
+        query = (
+            sa.select(
+                table.c.export, table.c.timezone, sa.func.count().label("partitions"),
+                sa.func.max(table.c.last_noted_at).label("latest"), sa.func.sum(table.c.failed_runs).label("runs"),
+            )
+            .where(table.c.closed_at.is_(None))
+            .group_by(table.c.export, table.c.timezone)
+        )  # fmt: skip
+        if exports:
+            query = query.where(table.c.export.in_(list(exports)))
+        return list(conn.execute(query))
+
+    def _refusals(self, exports: Sequence[str], limit: int, *, tenants: Sequence[str] = ()) -> list[Escalation]:
         found = []
-        for row in self.ledger.contracts.refusals(exports=exports, limit=limit):
+        for row in self.ledger.contracts.refusals(exports=exports, tenants=tenants, limit=limit):
             wanted = json.loads(row["wanted"])
             found.append(
                 Escalation(
@@ -329,6 +447,18 @@ def _pending_escalation(row: sa.Row, now: dt.datetime) -> Escalation:
         f"restatement to revision {row.pending_revision} requested {since} ago and not published: materialize the "
         f"partition, or withdraw it (export-ledger restate --withdraw {record.logical_key} --reason ...)",
         record,
+    )  # fmt: skip
+
+
+def _missed_escalation(row: sa.Row, now: dt.datetime) -> Escalation:
+    since = str(now - row.first_noted_at).split(".")[0]
+    day = row.business_date.isoformat()
+    return Escalation(
+        row.export, None, row.timezone, None, "never claimed", row.first_noted_at,
+        f"{row.failed_runs} run(s) of {day} ({row.timezone}) failed before claiming {row.missing_keys} of its keys, "
+        f"the last {row.last_run_id} ({since} since the first): automatic reruns are spent; fix the cause and "
+        f"materialize the partition (a claim of it ends this)",
+        None, row.business_date,
     )  # fmt: skip
 
 

@@ -106,7 +106,7 @@ class Claims:
         attempts: list[dict] = []
         with ledger.atomic() as conn:
             now = ledger.now(conn)
-            refused = ledger.contracts.decide_in(conn, contracts, now) if contracts else {}
+            refused = ledger.contracts.decide_in(conn, contracts, now, _spans(keys)) if contracts else {}
             found = _find_many(conn, keys)
             requests = ledger.restatements.open_in(conn, [row.logical_key for row in found.values()])
             supersedes = ledger.restatements.current_in(conn, list(requests))
@@ -137,6 +137,12 @@ class Claims:
                 conn.execute(INSERT_RUN, inserts)  # one executemany, in logical key order
             if attempts:
                 conn.execute(INSERT_ATTEMPT, attempts)
+            reached = {
+                (key.export, key.window.timezone, key.window.business_date)
+                for key, outcome in zip(keys, outcomes, strict=True)
+                if isinstance(outcome, (Claim, AlreadyCompleted))
+            }
+            ledger.attention.close_missed_in(conn, reached, now)  # a run got this far: the partition is not missed
         return outcomes
 
     def _apply_claim(
@@ -310,10 +316,9 @@ class Claims:
             token=record.fencing_token,
             states=(record.state,),
             now=now,
-            values=dict(
-                lease_owner=holder, lease_expires_at=expires, attempt_started_at=now, fencing_token=token,
-                updated_at=now,
-            ),
+            # A hold leaves updated_at alone: it is the key's "stuck since", and a holder that crashes or gives the
+            # key back unchanged must not restart the clock that escalates it.
+            values=dict(lease_owner=holder, lease_expires_at=expires, attempt_started_at=now, fencing_token=token),
         )  # fmt: skip
         if not moved:
             return None
@@ -355,3 +360,14 @@ def _find_many(conn: Connection, keys: Sequence[LogicalKey]) -> dict[tuple, sa.R
         .with_for_update()
     )
     return {(row.export, row.tenant, row.timezone, row.business_date): row for row in conn.execute(query)}
+
+
+def _spans(keys: Sequence[LogicalKey]) -> dict[tuple[str, str], tuple[dt.date, dt.date]]:
+    """The first and last business date each (export, tenant) of ``keys`` asks for."""
+    spans: dict[tuple[str, str], tuple[dt.date, dt.date]] = {}
+    for key in keys:
+        day = key.window.business_date
+        first, last = spans.get((key.export, key.tenant), (day, day))
+        spans[(key.export, key.tenant)] = (min(first, day), max(last, day))
+    return spans
+

@@ -36,15 +36,22 @@ class Contracts:
     # -- at claim ----------------------------------------------------------------------------------------------
 
     def decide_in(
-        self, conn: Connection, contracts: Mapping[tuple[str, str], Mapping], now: dt.datetime
+        self,
+        conn: Connection,
+        contracts: Mapping[tuple[str, str], Mapping],
+        now: dt.datetime,
+        dates: Mapping[tuple[str, str], tuple[dt.date, dt.date]] | None = None,
     ) -> dict[tuple[str, str], ContractChanged]:
         """Inside a claim's transaction: records each tenant's contract at its first claim, compares the others with
         the one in force, keeps the refusals open (and closes those that match again). Returns the refusals, by
-        ``(export, tenant)``.
+        ``(export, tenant)``. ``dates`` gives the first and last business date each tenant's claim asked for: a
+        refusal keeps them, so that they are launched again once it closes.
 
-        On PostgreSQL two first claims of one export must not both record theirs: when a contract is to be recorded,
-        the transaction first takes an advisory lock on the export's name (before any row lock, so that claims never
-        wait for each other in two orders), then decides again. SQLite's ``BEGIN IMMEDIATE`` already serializes.
+        On PostgreSQL two first claims of one export must not both record theirs, and a refusal must not be kept
+        after an operator's acceptance it did not see: when a contract is to be recorded or a tenant refused, the
+        transaction takes an advisory lock on the export's name (the one :meth:`accept` takes; before any row lock, so
+        that claims never wait for each other in two orders), then decides again. SQLite's ``BEGIN IMMEDIATE``
+        already serializes.
         """
         by_export: dict[str, dict[str, Mapping]] = {}
         for (export, tenant), contract in contracts.items():
@@ -52,15 +59,15 @@ class Contracts:
         refusals: dict[tuple[str, str], ContractChanged] = {}
         for export, wanted in sorted(by_export.items()):
             inserts, refused = self._decisions(conn, export, wanted)
-            if inserts and conn.dialect.name == "postgresql":
-                conn.execute(sa.select(sa.func.pg_advisory_xact_lock(sa.func.hashtext(export))))
+            if (inserts or refused) and _lock_export(conn, export):
                 inserts, refused = self._decisions(conn, export, wanted)
             if inserts:
                 conn.execute(
                     export_contracts.insert(),
                     [{"export": export, "contract": t, "recorded_at": now, "reason": "first claim"} for t in inserts],
                 )
-            self._keep_refusals(conn, export, wanted, refused, now)
+            spans = {tenant: (dates or {}).get((export, tenant)) for tenant in refused}
+            self._keep_refusals(conn, export, wanted, refused, now, spans)
             refusals.update({(export, tenant): error for tenant, (error, _) in refused.items()})
         return refusals
 
@@ -95,36 +102,50 @@ class Contracts:
         wanted: Mapping[str, Mapping],
         refused: Mapping[str, tuple[ContractChanged, str]],
         now: dt.datetime,
+        spans: Mapping[str, tuple[dt.date, dt.date] | None],
     ) -> None:
-        """One open refusal row per refused tenant (its count and last time raised); a tenant whose code matches
-        the recorded contract again has its open row closed."""
+        """One open refusal row per refused tenant (its count, last time raised and the span of dates refused); a
+        tenant whose code matches the recorded contract again has its open row closed, its dates to launch again."""
         if not self.ledger.supports(REFUSALS_SCHEMA_VERSION):
             return
         table = export_contract_refusals
         open_rows = {
             row.tenant: row
             for row in conn.execute(
-                sa.select(table.c.id, table.c.tenant).where(
+                sa.select(table.c.id, table.c.tenant, table.c.first_date, table.c.last_date).where(
                     table.c.export == export, table.c.tenant.in_(list(wanted)), table.c.closed_at.is_(None)
                 )
             )
         }
         matching = [row.id for tenant, row in open_rows.items() if tenant not in refused]
         if matching:
-            conn.execute(table.update().where(table.c.id.in_(matching), table.c.closed_at.is_(None)).values(closed_at=now))
+            conn.execute(
+                table.update()
+                .where(table.c.id.in_(matching), table.c.closed_at.is_(None))
+                .values(closed_at=now, relaunch_pending=table.c.first_date.is_not(None))
+            )
         for tenant, (_, recorded) in sorted(refused.items()):
             text = canonical(wanted[tenant])
+            span = spans.get(tenant)
+            zone = wanted[tenant].get("timezone")
             if tenant in open_rows:
+                row = open_rows[tenant]
+                first, last = _widen((row.first_date, row.last_date), span)
                 conn.execute(
                     table.update()
-                    .where(table.c.id == open_rows[tenant].id, table.c.closed_at.is_(None))
-                    .values(wanted=text, recorded=recorded, last_refused_at=now, refusals=table.c.refusals + 1)
-                )
+                    .where(table.c.id == row.id, table.c.closed_at.is_(None))
+                    .values(
+                        wanted=text, recorded=recorded, last_refused_at=now, refusals=table.c.refusals + 1,
+                        timezone=zone, first_date=first, last_date=last,
+                    )
+                )  # fmt: skip
             else:
+                first, last = span if span is not None else (None, None)
                 conn.execute(
                     table.insert().values(
                         export=export, tenant=tenant, recorded=recorded, wanted=text, first_refused_at=now,
-                        last_refused_at=now, refusals=1, closed_at=None,
+                        last_refused_at=now, refusals=1, closed_at=None, timezone=zone, first_date=first,
+                        last_date=last, relaunch_pending=False,
                     )
                 )  # fmt: skip
 
@@ -165,7 +186,7 @@ class Contracts:
                 for r in conn.execute(query)
             ]
 
-    def refusals(self, *, exports=(), limit: int = 100) -> list[dict]:
+    def refusals(self, *, exports=(), tenants=(), limit: int = 100, offset: int = 0) -> list[dict]:
         """Open refusals (a tenant whose code names another contract than the one in force), oldest first."""
         if not self.ledger.supports(REFUSALS_SCHEMA_VERSION):
             return []
@@ -173,9 +194,46 @@ class Contracts:
         query = sa.select(table).where(table.c.closed_at.is_(None))
         if exports:
             query = query.where(table.c.export.in_(list(exports)))
-        query = query.order_by(table.c.first_refused_at, table.c.id).limit(limit)
+        if tenants:
+            query = query.where(table.c.tenant.in_(list(tenants)))
+        query = query.order_by(table.c.first_refused_at, table.c.id).limit(limit).offset(offset)
         with self.ledger.atomic(read_only=True) as conn:
             return [dict(row._mapping) for row in conn.execute(query)]
+
+    def refusal_counts(self, conn: Connection, exports=()) -> list[sa.Row]:
+        """Open refusals counted per (export, zone the code names), in ``conn``'s transaction: ``export``,
+        ``timezone``, ``refused`` (tenants), ``latest`` (last refusal) and ``times`` (refusals in all)."""
+        if not self.ledger.supports(REFUSALS_SCHEMA_VERSION):
+            return []
+        table = export_contract_refusals
+        query = (
+            sa.select(
+                table.c.export, table.c.timezone, sa.func.count().label("refused"),
+                sa.func.max(table.c.last_refused_at).label("latest"), sa.func.sum(table.c.refusals).label("times"),
+            )
+            .where(table.c.closed_at.is_(None))
+            .group_by(table.c.export, table.c.timezone)
+        )  # fmt: skip
+        if exports:
+            query = query.where(table.c.export.in_(list(exports)))
+        return list(conn.execute(query))
+
+    def to_relaunch(self, *, exports=(), limit: int = 100) -> list[dict]:
+        """Closed refusals whose refused dates are still to be launched again (:meth:`relaunched` ends that)."""
+        if not self.ledger.supports(REFUSALS_SCHEMA_VERSION):
+            return []
+        table = export_contract_refusals
+        query = sa.select(table).where(table.c.relaunch_pending.is_(True))
+        if exports:
+            query = query.where(table.c.export.in_(list(exports)))
+        with self.ledger.atomic(read_only=True) as conn:
+            return [dict(row._mapping) for row in conn.execute(query.order_by(table.c.id).limit(limit))]
+
+    def relaunched(self, refusal_id: int) -> None:
+        """Every date a closed refusal refused has a key again (claimed by a relaunch or by any run)."""
+        table = export_contract_refusals
+        with self.ledger.atomic() as conn:
+            conn.execute(table.update().where(table.c.id == refusal_id).values(relaunch_pending=False))
 
     # -- an operator's acceptance ---------------------------------------------------------------------------------
 
@@ -193,6 +251,7 @@ class Contracts:
         text = canonical(contract) if tenant is None else _tenant_row(contract, tenant)
         ledger = self.ledger
         with ledger.atomic() as conn:
+            _lock_export(conn, export)  # a claim deciding on the old contract commits its refusal before, or sees this
             now = ledger.now(conn)
             for first, last, zone in zone_segments(contract):
                 # Each business date the ledger already holds stays in the zone it was exported in: a contract that
@@ -228,7 +287,23 @@ class Contracts:
                 closing = table.update().where(table.c.export == export, table.c.closed_at.is_(None))
                 if tenant is not None:
                     closing = closing.where(table.c.tenant == tenant)
-                conn.execute(closing.values(closed_at=now))
+                conn.execute(closing.values(closed_at=now, relaunch_pending=table.c.first_date.is_not(None)))
+
+
+def _lock_export(conn: Connection, export: str) -> bool:
+    """PostgreSQL: the transaction-scoped advisory lock of ``export``'s contracts (True when taken). SQLite's write
+    transactions are serialized already."""
+    if conn.dialect.name != "postgresql":
+        return False
+    conn.execute(sa.select(sa.func.pg_advisory_xact_lock(sa.func.hashtext(export))))
+    return True
+
+
+def _widen(span: tuple[dt.date | None, dt.date | None], more: tuple[dt.date, dt.date] | None):
+    first, last = span
+    if more is None:
+        return first, last
+    return (more[0] if first is None else min(first, more[0])), (more[1] if last is None else max(last, more[1]))
 
 
 def zone_segments(contract: Mapping) -> list[tuple[dt.date | None, dt.date | None, str]]:

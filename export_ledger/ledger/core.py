@@ -102,7 +102,11 @@ class ExportLedger:
         if self.read_only and not read_only:
             raise LedgerError(f"the ledger at {redact_url(self.url)!r} was opened for reading; it cannot be changed")
         try:
-            with self._engine.connect().execution_options(ledger_read_only=read_only) as connection:
+            options = dict(ledger_read_only=read_only)
+            if read_only and self._engine.dialect.name == "postgresql":
+                # A read of several statements sees one snapshot: counts and the rows listed under them agree.
+                options["isolation_level"] = "REPEATABLE READ"
+            with self._engine.connect().execution_options(**options) as connection:
                 with connection.begin():
                     yield connection
         except sa.exc.OperationalError as exc:

@@ -51,6 +51,8 @@ class PrunePlan:
             has no key (the first :data:`LISTED_DATES` of them).
         unexported_count: How many such dates there are.
         closes_unexported: The operator closed ``unexported`` dates explicitly.
+        missing_tenants: The tenants with no key on the first unexported date (the first :data:`LISTED_DATES`): a
+            tenant that left the export stays expected, and holds the mark, until an operator closes its dates.
     """
 
     export: str
@@ -62,6 +64,7 @@ class PrunePlan:
     unexported: list[dt.date] = field(default_factory=list)
     unexported_count: int = 0
     closes_unexported: bool = False
+    missing_tenants: list[str] = field(default_factory=list)
 
 
 class Retention:
@@ -190,20 +193,23 @@ class Retention:
         first = previous or starts.first
         unexported: list[dt.date] = []
         count = 0
+        missing: list[str] = []
         if first is not None and first < candidate:
-            keyed = dict(
-                conn.execute(
-                    sa.select(runs.business_date, sa.func.count(sa.distinct(runs.tenant)))
-                    .where(runs.export == name, runs.business_date >= first, runs.business_date < candidate)
-                    .group_by(runs.business_date)
-                ).all()
-            )
+            # Counted per start date: a tenant is looked for from its own start on, so keys of a tenant on dates
+            # before its start never stand in for another tenant's missing key.
+            groups = starts.by_start()
+            keyed = {start: _keyed_per_day(conn, name, tenants, max(first, start), candidate)
+                     for start, tenants in groups.items() if start < candidate}  # fmt: skip
             day = first
             while day < candidate:
-                if keyed.get(day, 0) < starts.expected_on(day):
+                short = [start for start, tenants in groups.items()
+                         if start <= day and keyed[start].get(day, 0) < len(tenants)]  # fmt: skip
+                if short:
                     count += 1
                     if len(unexported) < LISTED_DATES:
                         unexported.append(day)
+                    if not missing:
+                        missing = _missing_on(conn, name, day, [t for start in short for t in groups[start]])
                 day += dt.timedelta(days=1)
         mark = candidate if close_unexported or not count else unexported[0]
         if previous is not None:
@@ -214,7 +220,8 @@ class Retention:
             )
         ).scalar()
         return PrunePlan(
-            name, horizon, mark, previous, int(pruned), blocked_by, unexported, count, close_unexported and count > 0
+            name, horizon, mark, previous, int(pruned), blocked_by, unexported, count, close_unexported and count > 0,
+            missing,
         )
 
 
@@ -230,8 +237,46 @@ class _Expected:
     def first(self) -> dt.date | None:
         return min(self.starts.values()) if self.starts else None
 
-    def expected_on(self, day: dt.date) -> int:
-        return sum(1 for start in self.starts.values() if start <= day)
+    def by_start(self) -> dict[dt.date, list[str]]:
+        """The tenants, grouped by the date they are expected from."""
+        groups: dict[dt.date, list[str]] = {}
+        for tenant, start in sorted(self.starts.items()):
+            groups.setdefault(start, []).append(tenant)
+        return groups
+
+
+#: Tenants bound per statement when counting keys.
+TENANTS_PER_READ = 500
+
+
+def _keyed_per_day(conn: Connection, export: str, tenants: list[str], first: dt.date, end: dt.date) -> dict:
+    """Per business date in [first, end), how many of ``tenants`` have a key."""
+    runs = export_runs.c
+    counts: dict[dt.date, int] = {}
+    for start in range(0, len(tenants), TENANTS_PER_READ):
+        query = (
+            sa.select(runs.business_date, sa.func.count(sa.distinct(runs.tenant)))
+            .where(runs.export == export, runs.business_date >= first, runs.business_date < end,
+                   runs.tenant.in_(tenants[start : start + TENANTS_PER_READ]))  # fmt: skip
+            .group_by(runs.business_date)
+        )
+        for day, keys in conn.execute(query):
+            counts[day] = counts.get(day, 0) + int(keys)
+    return counts
+
+
+def _missing_on(conn: Connection, export: str, day: dt.date, tenants: list[str]) -> list[str]:
+    """Which of ``tenants`` have no key on ``day`` (the first :data:`LISTED_DATES`)."""
+    runs = export_runs.c
+    have: set[str] = set()
+    for start in range(0, len(tenants), TENANTS_PER_READ):
+        have.update(
+            conn.execute(
+                sa.select(runs.tenant).where(runs.export == export, runs.business_date == day,
+                                             runs.tenant.in_(tenants[start : start + TENANTS_PER_READ]))  # fmt: skip
+            ).scalars()
+        )
+    return [tenant for tenant in tenants if tenant not in have][:LISTED_DATES]
 
 
 def _expected_tenants(conn: Connection, export: str) -> _Expected:

@@ -285,10 +285,44 @@ export_contract_refusals = sa.Table(
     sa.Column("last_refused_at", UtcDateTime, nullable=False),
     sa.Column("refusals", sa.Integer, nullable=False),
     sa.Column("closed_at", UtcDateTime),
+    # The zone the code names (the group a refusal is counted in), and the business dates whose claims were refused:
+    # once the refusal closes, those dates are launched again (``relaunch_pending`` until each has a key).
+    sa.Column("timezone", sa.String(63)),
+    sa.Column("first_date", sa.Date),
+    sa.Column("last_date", sa.Date),
+    sa.Column("relaunch_pending", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Index(
         "uq_export_contract_refusals_open",
         "export",
         "tenant",
+        unique=True,
+        sqlite_where=sa.text("closed_at IS NULL"),
+        postgresql_where=sa.text("closed_at IS NULL"),
+    ),
+)
+
+# Schema version 6: a partition (export, zone, business date) whose runs kept failing before they claimed any key of
+# it (a code location that did not load, a ledger or source unreachable at the start): the ledger never heard of its
+# keys, so the reconciliation sensor notes it here once its automatic reruns are spent, and it is escalated until a
+# claim of that partition closes it.
+export_missed_partitions = sa.Table(
+    "export_missed_partitions",
+    metadata,
+    sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=True),
+    sa.Column("export", sa.String(63), nullable=False),
+    sa.Column("timezone", sa.String(63), nullable=False),
+    sa.Column("business_date", sa.Date, nullable=False),
+    sa.Column("missing_keys", sa.Integer, nullable=False),  # tenants of the partition the ledger has no key of
+    sa.Column("failed_runs", sa.Integer, nullable=False),
+    sa.Column("last_run_id", sa.String(64), nullable=False),
+    sa.Column("first_noted_at", UtcDateTime, nullable=False),
+    sa.Column("last_noted_at", UtcDateTime, nullable=False),
+    sa.Column("closed_at", UtcDateTime),
+    sa.Index(
+        "uq_export_missed_partitions_open",
+        "export",
+        "timezone",
+        "business_date",
         unique=True,
         sqlite_where=sa.text("closed_at IS NULL"),
         postgresql_where=sa.text("closed_at IS NULL"),

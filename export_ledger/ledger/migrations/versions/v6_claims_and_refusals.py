@@ -4,7 +4,9 @@ indexes.
 - ``export_runs.claim_count``: export claims since the key's last operator resolution or restatement request; filled
   from the attempts and requests already recorded (before, reruns were counted from fencing tokens at read time).
 - ``uq_export_restatements_key_revision``: a revision number belongs to one open or published request of a key.
-- ``export_contract_refusals``: tenants refused by their calendar contract, escalated until accepted.
+- ``export_contract_refusals``: tenants refused by their calendar contract, escalated until accepted; the dates
+  refused are launched again once the refusal closes.
+- ``export_missed_partitions``: partitions whose runs kept failing before they claimed a key, escalated.
 - two indexes on ``export_runs`` for the pages of failed and stuck keys per export and partition.
 """
 
@@ -65,11 +67,36 @@ def upgrade() -> None:
         sa.Column("last_refused_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("refusals", sa.Integer, nullable=False),
         sa.Column("closed_at", sa.DateTime(timezone=True)),
+        sa.Column("timezone", sa.String(63)),
+        sa.Column("first_date", sa.Date),
+        sa.Column("last_date", sa.Date),
+        sa.Column("relaunch_pending", sa.Boolean, nullable=False, server_default=sa.false()),
     )
     op.create_index(
         "uq_export_contract_refusals_open",
         "export_contract_refusals",
         ["export", "tenant"],
+        unique=True,
+        sqlite_where=sa.text("closed_at IS NULL"),
+        postgresql_where=sa.text("closed_at IS NULL"),
+    )
+    op.create_table(
+        "export_missed_partitions",
+        sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=True),
+        sa.Column("export", sa.String(63), nullable=False),
+        sa.Column("timezone", sa.String(63), nullable=False),
+        sa.Column("business_date", sa.Date, nullable=False),
+        sa.Column("missing_keys", sa.Integer, nullable=False),
+        sa.Column("failed_runs", sa.Integer, nullable=False),
+        sa.Column("last_run_id", sa.String(64), nullable=False),
+        sa.Column("first_noted_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("last_noted_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("closed_at", sa.DateTime(timezone=True)),
+    )
+    op.create_index(
+        "uq_export_missed_partitions_open",
+        "export_missed_partitions",
+        ["export", "timezone", "business_date"],
         unique=True,
         sqlite_where=sa.text("closed_at IS NULL"),
         postgresql_where=sa.text("closed_at IS NULL"),

@@ -11,7 +11,8 @@ Every case starts from the same ledger and export folder, holding one completed 
 the same way:
 
 * the error names the problem (expected fragments, no Python traceback for the CLI);
-* nothing new is published at the case's destination and the existing export is unchanged;
+* nothing new is published at the case's destination (readers see only what a key's pointer names: no new pointer
+  names anything) and the existing export is unchanged, byte for byte (its pointer and the place it names);
 * no new ``completed`` record; the ledger is consistent: no lease left behind, every record has attempt rows that
   agree with its state, every ``completed`` record has its export; inputs refused before a run leave the ledger
   exactly as it was;
@@ -35,7 +36,7 @@ import pandas as pd
 import pytest
 import sqlalchemy as sa
 from harness.protocol import Survey, survey, violations
-from pipeline_helpers import failure_message, published_dirs
+from pipeline_helpers import failure_message
 
 from definitions import build_definitions
 from export_ledger import cli
@@ -221,8 +222,8 @@ class Workspace:
     def snapshot(self) -> tuple:
         ledger = self.ledger()
         return (
-            [(r.logical_key, r.state, r.fencing_token, r.sha256, r.updated_at) for r in ledger.records()],
-            [(a.attempt_id, a.logical_key, a.outcome) for a in ledger.all_attempts()],
+            [(r.logical_key, r.state, r.fencing_token, r.sha256, r.updated_at) for r in ledger.queries.records()],
+            [(a.attempt_id, a.logical_key, a.outcome) for a in ledger.queries.all_attempts()],
         )
 
 
@@ -251,6 +252,7 @@ class BadInput:
     expect: tuple[str, ...]
     reaches_a_run: bool = False  # the failure happens inside a run: it leaves an attempt, and a retry must work
     fix: Callable[[Workspace], dg.Definitions] | None = None  # the corrected input, for the retry
+    withheld: tuple[str, ...] = ()  # customer values the error must never show
 
 
 def cli_case(name: str, argv: list[str], code: int, *expect: str) -> BadInput:
@@ -292,13 +294,14 @@ def tenant_case(name: str, tenant: str, *expect: str) -> BadInput:
     return BadInput(f"tenant-{name}", raises(lambda ws: ws.defs(tenants=[tenant])), expect)
 
 
-def source_case(defect: str, *expect: str) -> BadInput:
+def source_case(defect: str, *expect: str, withheld: tuple[str, ...] = ()) -> BadInput:
     return BadInput(
         f"source-{defect}",
         lambda ws: ws.run(ws.defs(source=DefectiveSource(defect=defect))) or None,
         (KEY, *expect),
         reaches_a_run=True,
         fix=lambda ws: ws.defs(),
+        withheld=withheld,
     )
 
 
@@ -408,7 +411,11 @@ CASES = [
         "event_at_window_end", "1 event(s) fall outside the window [2026-03-08T05:00:00Z, 2026-03-09T04:00:00Z)"
     ),
     source_case("event_next_day", "1 event(s) fall outside the window"),
-    source_case("repeated_row", "duplicate invoice_id values (acme-000001970031)"),
+    # Ids are customer data (issue 18, item 18): the refusal says which rows, never the duplicated value.
+    source_case(
+        "repeated_row", "2 row(s) share their invoice_id with another", "each event must appear once",
+        withheld=("acme-000001970031",),
+    ),  # fmt: skip
     source_case("amount_text_among_numbers", "column 'amount' must be numeric, found dtype object"),
     source_case("email_number_among_text", "does not fit the export schema", "customer_email"),
     source_case("nanosecond_timestamps", "does not fit the export schema", "would lose data"),
@@ -425,7 +432,7 @@ CASES = [
     BadInput(
         "destination-full-disk",
         _full_disk,
-        ("cannot stage export", "No space left on device"),
+        ("cannot write", "No space left on device"),
         reaches_a_run=True,
         fix=_fix_full_disk,
     ),
@@ -487,8 +494,8 @@ def visible(ws: Workspace) -> Survey:
 def ledger_problems(ledger: ExportLedger) -> list[str]:
     """A ledger is consistent when no lease is left behind and every record's attempt rows agree with its state."""
     problems = []
-    records = {r.logical_key: r for r in ledger.records()}
-    attempts = ledger.all_attempts()
+    records = {r.logical_key: r for r in ledger.queries.records()}
+    attempts = ledger.queries.all_attempts()
     for attempt in attempts:
         record = records.get(attempt.logical_key)
         if record is None:
@@ -513,38 +520,56 @@ def ledger_problems(ledger: ExportLedger) -> list[str]:
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
 def test_bad_input_is_refused_clearly_and_leaves_nothing_published_and_the_ledger_consistent(workspace, case):
     before = workspace.snapshot()
-    (baseline_export,) = published_dirs(workspace.exports)
-    baseline_bytes = {p.name: p.read_bytes() for p in baseline_export.iterdir()}
+    baseline_bytes = exported_files(workspace.exports)
+    assert [key for key in visible_locally(workspace).exports] == [baseline_key()], "the baseline: one export"
 
     message = case.apply(workspace)
 
     assert message, f"{case.name}: the bad input was accepted"
     for fragment in case.expect:
         assert fragment in message, f"{case.name}: the error should say {fragment!r}:\n{message[:3000]}"
+    for value in case.withheld:
+        assert value not in message, f"{case.name}: the error must not show the customer value {value!r}"
     assert "Traceback (most recent call last)" not in message, "an error for people, not a stack trace"
 
     found = visible(workspace)
     assert found.partial == [], f"nothing half-published: {found.partial}"
     assert [k for k in found.exports if k != baseline_key()] == [], "nothing new is published"
-    assert published_dirs(workspace.exports) == [baseline_export]
-    assert {p.name: p.read_bytes() for p in baseline_export.iterdir()} == baseline_bytes, "the old export untouched"
+    assert list(visible_locally(workspace).exports) == [baseline_key()], "nothing new in the export folder either"
+    assert exported_files(workspace.exports) == baseline_bytes, "the old export (pointer and place) untouched"
     ledger = workspace.ledger()
-    completed = [r.logical_key for r in ledger.records() if r.state is ExportState.COMPLETED]
+    completed = [r.logical_key for r in ledger.queries.records() if r.state is ExportState.COMPLETED]
     assert completed == [baseline_key()], "no new completed record"
     assert ledger_problems(ledger) == []
     if not case.reaches_a_run:
         assert workspace.snapshot() == before, "refused before any run: the ledger is exactly as it was"
         return
 
-    record = ledger.get(KEY)
+    record = ledger.queries.get(KEY)
     assert record is not None and record.state is ExportState.FAILED, "the failed attempt is recorded: safe to retry"
     retry = workspace.run(case.fix(workspace))
     assert retry == "", f"once corrected, the same partition exports: {retry[:2000]}"
-    assert ledger.get(KEY).state is ExportState.COMPLETED
+    assert ledger.queries.get(KEY).state is ExportState.COMPLETED
     after = visible(workspace)
-    assert list(after.exports.get(KEY, [])) and len(after.exports[KEY]) == 1, "exactly one export after the retry"
-    assert violations(ledger, after, [KEY], final=True)["effects_not_one"] == []
+    assert after.visible(KEY) is not None and len(after.places(KEY)) == 1, (
+        f"exactly one export after the retry, and nothing of the failed attempt beside it: {after.hidden}"
+    )
+    assert {name: items for name, items in violations(ledger, after, [KEY], final=True).items() if items} == {}
     assert ledger_problems(ledger) == []
+
+
+def visible_locally(ws: Workspace) -> Survey:
+    """What readers see in the workspace's own export folder (where the baseline export is)."""
+    return survey({"kind": "local", "root": str(ws.exports)}, ws.ledger_url)
+
+
+def exported_files(root: Path) -> dict[str, bytes]:
+    """Every file of the export folder readers could look at (dot names are the store's own: its locks), by path."""
+    return {
+        str(path.relative_to(root)): path.read_bytes()
+        for path in sorted(root.rglob("*"))
+        if path.is_file() and not any(part.startswith(".") for part in path.relative_to(root).parts)
+    }
 
 
 def baseline_key() -> str:

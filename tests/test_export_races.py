@@ -2,7 +2,8 @@
 local destination, on SQLite and PostgreSQL, round after round.
 
 ``test_ledger_races.py`` races ``claim``/``complete`` on the ledger alone; here every racer runs the full write path
-(claim, probe, stage, publish, record), so the effect is counted where a reader sees it: published folders on disk.
+(claim, fence, verify, sweep, stage, commit, record: docs/protocol.md), so the effect is counted where a reader sees
+it, and beside it: the key's pointer and places on disk (the v2 layout, read directly).
 
 Each round is one logical key. The harness first puts the key in a starting state, with a seeding attempt in a
 child process whose clock stands an hour back (so its lease has long expired when the racers come):
@@ -10,14 +11,15 @@ child process whose clock stands an hour back (so its lease has long expired whe
 * ``fresh``: never attempted;
 * ``failed``: the seed failed (``after_stage=raise``), staging removed;
 * ``crashed``: the seed died holding its lease (``after_claim=kill``);
-* ``staged``: the seed died with its staging folder written (``after_stage=kill``);
-* ``published``: the seed died after publishing, before recording (``after_publish=kill``): the racers must record
-  that export (``repaired``), never write a second one.
+* ``staged``: the seed died with its place written, unnamed (``after_stage=kill``);
+* ``published``: the seed died after committing the pointer, before recording (``after_publish=kill``): the racers
+  must record that export (``repaired``), never write a second one.
 
 Then N racers are forked, held at a gate, and released together; on alternate rounds each holds its claim 50 ms
-(``after_claim=pause:0.05``) so that the others arrive while the lease is live. Per round: exactly one published
-folder, the key ``completed`` with exactly one recorded effect, every racer's attempt recorded once with the outcome it
-was told, losers refused (``LeaseHeld``) or skipped as already completed, nothing else, no staging left behind.
+(``after_claim=pause:0.05``) so that the others arrive while the lease is live. Per round: exactly one place of the
+key, named by the pointer (the seed's staged or failed place swept by the winner, whose token fenced it), the key
+``completed`` with exactly one recorded effect, every racer's attempt recorded once with the outcome it was told,
+losers refused (``LeaseHeld``) or skipped as already completed, nothing else, nothing left that readers never see.
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ class RaceHarness:
         if start != "fresh":
             self.server.run(seed)
             expected = ExportState.FAILED if start == "failed" else ExportState.IN_PROGRESS
-            assert self.ledger.get(key).state is expected, f"seeding {start} for {key}"
+            assert self.ledger.queries.get(key).state is expected, f"seeding {start} for {key}"
 
         specs = [
             self.spec(f"racer-{number}-{i}", business_date, failpoints="after_claim=pause:0.05" if hold_claim else "")
@@ -131,17 +133,17 @@ class RaceHarness:
             problem("the seed's published export must be recorded (repaired), not written again")
 
         found = survey(self.destination, self.ledger_url, only=ExportTarget(EXPORT_NAME, "acme", business_date))
-        folders = found.exports.get(key, [])
-        if len(folders) != 1:
-            problem(f"{len(folders)} published folders on disk")
+        places = found.places(key)
+        if len(places) != 1 or found.visible(key) is None:
+            problem(f"{len(places)} places on disk ({sorted(places)}), exactly one, current, expected")
         if found.hidden:
-            problem(f"staging left behind: {found.hidden}")
+            problem(f"left behind, never visible: {found.hidden}")
         for name, items in violations(self.ledger, found, [key], final=True).items():
             if items:
                 problem(f"{name}: {items}")
 
-        record = self.ledger.get(key)
-        rows = self.ledger.attempts(key)
+        record = self.ledger.queries.get(key)
+        rows = self.ledger.queries.attempts(key)
         seed_rows = [a.outcome for a in rows if a.attempt_id == seed]
         if seed_rows != SEED_ROW[start]:
             problem(f"the seed's rows are {seed_rows}, expected {SEED_ROW[start]}")
@@ -177,11 +179,12 @@ def run_rounds(race: RaceHarness, racers: int, repeats: int) -> None:
         f"export races [{race.ledger.dialect}, {racers} racers]: {race.rounds} rounds, "
         f"{sum(v for k, v in race.tally.items() if not k.startswith('start:'))} racing attempts in "
         f"{time.monotonic() - started:.1f}s; told {dict(sorted(race.tally.items()))}; "
-        f"{len(found.exports)} published folders; problems {len(race.problems)}"
+        f"{len(found.exports)} keys visible; problems {len(race.problems)}"
     )
     assert race.problems == [], "\n".join(race.problems[:20])
     assert {name: items for name, items in everything.items() if items} == {}
-    assert len(found.exports) == race.rounds, "one published folder per key, whoever won"
+    assert len(found.exports) == race.rounds, "one visible export per key, whoever won"
+    assert found.hidden == [], "nothing beside the exports readers see"
 
 
 def test_eight_racing_exports_publish_each_key_once_from_every_starting_state(race):

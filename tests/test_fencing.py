@@ -10,10 +10,12 @@ written by the takeover, then ``fenced``); the key ends ``completed`` with exact
 export is published, and it is the one the ledger recorded: B's, or A's own if A had published it before B came
 (then B recorded it as ``repaired``), never A's data over B's.
 
-Two consequences are pinned down as well. On S3 a fenced owner's upload can still land if the new owner has not
-published yet (the store knows nothing of leases); its commit is refused and the new owner records that export instead
-of writing a second one. On the ledger-table destination a writer stalled inside the completion transaction keeps its
-lock: nobody can take the key over, so its commit stands and the would-be takeover waits, then skips.
+Fencing is checked at the destination too (docs/protocol.md, protocol v2): B fences the key's pointer with its token
+before it looks, and A's commit (the pointer's compare-and-swap) is refused by that fence, whatever A's own lease or
+clock says. So an owner that wakes before the new owner has committed is refused as well, and its staged place is
+swept by the new owner (its token is below B's, its revision above the pointer's: no pointer can ever name it). On the
+ledger-table destination a writer stalled inside the completion transaction keeps its lock: nobody can take the key
+over, so its commit stands and the would-be takeover waits, then skips.
 
 ``EXPORTS_LEASE_TTL_SECONDS`` (README, *Configuration*) sets the lease; the end-to-end test uses it through
 ``dagster asset materialize``.
@@ -39,7 +41,7 @@ import pytest
 import sqlalchemy as sa
 from harness.forkserver import ForkServer
 from harness.protocol import AttemptSpec, logical_key, run_attempt, survey, violations
-from pipeline_helpers import make_defs, published_dirs, read_export, run_partition
+from pipeline_helpers import make_defs, read_export, run_partition
 
 from assets.invoices import EXPORT_NAME
 from definitions import build_definitions
@@ -122,16 +124,21 @@ class FencingHarness:
         return survey(self.destination, self.ledger_url, s3_client=self.s3_client, only=only)
 
     def reached(self, a: AttemptSpec, point: str) -> bool:
-        record = self.ledger.get(a.logical_key)
+        record = self.ledger.queries.get(a.logical_key)
         if record is None or record.lease_owner != a.attempt_id:
             return False
         if point == "after_claim":
             return True
-        if point == "after_stage":
-            if self.kind == "s3":
-                return any((self.workdir / "tmp" / "export-ledger-s3-staging").glob("*"))
-            return bool(self.survey(a).hidden_for(a.business_date))
-        return bool(self.survey(a).exports.get(a.logical_key))  # after_publish, before_commit
+        found = self.survey(a)
+        if point == "after_stage":  # its place written whole, named by no pointer
+            return any(p.whole for p in self.places_of(a, record.fencing_token)) and found.current(a.logical_key) == 0
+        named = found.folder(a.logical_key).named if found.folder(a.logical_key) else None
+        return named is not None and named.token == record.fencing_token  # after_publish, before_commit
+
+    def places_of(self, spec: AttemptSpec, token: int) -> list:
+        """The places of the attempt holding ``token`` at ``spec``'s key folder."""
+        folder = self.survey(spec).folder_at(spec.target)
+        return [p for p in folder.places.values() if p.token == token] if folder is not None else []
 
     def wait_until(self, condition, what: str, timeout: float = 15.0) -> None:
         deadline = time.monotonic() + timeout
@@ -148,8 +155,8 @@ class FencingHarness:
         for name, items in violations(self.ledger, found, [key], final=True).items():
             if items:
                 wrong.append(f"{name}: {items}")
-        record = self.ledger.get(key)
-        rows = self.ledger.attempts(key)
+        record = self.ledger.queries.get(key)
+        rows = self.ledger.queries.attempts(key)
         a_rows = [r.outcome for r in rows if r.attempt_id == a.attempt_id]
         if AttemptOutcome.FENCED in a_rows and a_told != "FencedOut":
             wrong.append(f"A's row says fenced but A was told {a_told}")
@@ -159,9 +166,9 @@ class FencingHarness:
         if a_told == "FencedOut" and any(o in (AttemptOutcome.COMPLETED, AttemptOutcome.REPAIRED) for o in a_rows):
             wrong.append(f"A was fenced yet recorded an effect: {a_rows}")
         b_rows = [r.outcome for r in rows if r.attempt_id == b.attempt_id]
-        exports = found.exports.get(key, [])
-        if record is not None and record.state is ExportState.COMPLETED and exports:
-            manifest = exports[0].manifest
+        visible = found.visible(key)
+        if record is not None and record.state is ExportState.COMPLETED and visible is not None:
+            manifest = visible.manifest
             if manifest.attempt_id != record.committed_attempt or manifest.sha256 != record.sha256:
                 wrong.append(
                     f"published export is {manifest.attempt_id}'s, the ledger recorded {record.committed_attempt}'s"
@@ -208,9 +215,9 @@ def stall_and_take_over(harness: FencingHarness, point: str) -> tuple[AttemptSpe
     (pid,), _ = harness.server.spawn([a])
     harness.wait_until(lambda: harness.reached(a, point), f"A reached {point}")
     b_result = run_attempt(replace(b, result_path=None))
-    still_stalled = not harness.server.wait([pid], timeout=0, kill_on_timeout=False)
+    ended = harness.server.wait([pid], timeout=0, kill_on_timeout=False)
+    assert not ended, "B must finish while A is still stalled; the machine was too slow for this scenario"
     outcome = harness.server.wait([pid], timeout=60)[pid]
-    assert still_stalled, "B must finish while A is still stalled; the machine was too slow for this scenario"
     return a, b, told(outcome.result), told(b_result)
 
 
@@ -241,62 +248,64 @@ def test_a_stalled_owner_taken_over_is_fenced_and_never_publishes_over_the_winne
     published_before_b = point in ("after_publish", "before_commit")
     assert b_told == ("repaired" if published_before_b else "exported")
     assert harness.check(a, b, a_told) == []
-    record = harness.ledger.get(a.logical_key)
+    record = harness.ledger.queries.get(a.logical_key)
     expected_rows = {A_CADENCE: 48, B_CADENCE: 96}[A_CADENCE if published_before_b else B_CADENCE]
     assert record.row_count == expected_rows, "the recorded export is the one that was published first"
-    a_rows = [r.outcome for r in harness.ledger.attempts(a.logical_key) if r.attempt_id == a.attempt_id]
+    a_rows = [r.outcome for r in harness.ledger.queries.attempts(a.logical_key) if r.attempt_id == a.attempt_id]
     assert a_rows == [AttemptOutcome.ABANDONED], f"one row per attempt: {a_rows}"
 
 
-def fenced_owner_publishes_before_the_new_owner(harness: FencingHarness) -> tuple[AttemptSpec, AttemptSpec, str, dict]:
-    """S3: A stalls after staging; B takes over and stalls after staging too; A wakes first and publishes (its lease
-    is gone but the store does not know about leases), then is fenced at commit; B wakes, finds A's export in place."""
+def fenced_owner_wakes_before_the_new_owner_commits(
+    harness: FencingHarness,
+) -> tuple[AttemptSpec, AttemptSpec, str, dict]:
+    """A stalls after staging; B takes over (fencing the pointer with its token, sweeping A's place) and stalls after
+    staging too; A wakes first and tries to commit (its lease is gone and B has not committed yet); then B wakes."""
     a, b = harness.specs(failpoints=f"after_stage=pause:{STALL}")
     b = replace(b, failpoints=f"after_stage=pause:{STALL + 2}")
     (a_pid,), _ = harness.server.spawn([a])
     harness.wait_until(lambda: harness.reached(a, "after_stage"), "A staged")
+    a_token = harness.ledger.queries.get(a.logical_key).fencing_token
     (b_pid,), _ = harness.server.spawn([b])
-    harness.wait_until(
-        lambda: (
-            harness.ledger.get(b.logical_key).lease_owner == b.attempt_id
-            and len(list((harness.workdir / "tmp" / "export-ledger-s3-staging").glob("*"))) == 2
-        ),
-        "B took over and staged",
-    )
+    harness.wait_until(lambda: harness.reached(b, "after_stage"), "B took over and staged")
+    assert harness.places_of(a, a_token) == [], "B's sweep deleted A's staged place before B staged its own"
     a_end = harness.server.wait([a_pid], timeout=60)[a_pid]
     assert harness.server.wait([b_pid], timeout=0, kill_on_timeout=False) == {}, "B still stalled when A finished"
+    after_a = harness.survey(a)
+    assert after_a.current(a.logical_key) == 0, "A's commit changed nothing readers see: the pointer names nothing"
     b_end = harness.server.wait([b_pid], timeout=60)[b_pid]
     return a, b, told(a_end.result), b_end.result
 
 
+# Before protocol v2 the store knew nothing of leases: a fenced owner that woke before the new owner published could
+# still publish (its commit was only refused in the ledger), and the new owner adopted that export. Fencing now
+# reaches the destination: the new owner fences the pointer before it looks, so the old owner's commit is refused
+# there, nothing of it is ever visible, and the new owner exports its own data once.
 @pytest.mark.slow
-def test_a_fenced_s3_owner_that_publishes_before_the_new_owner_is_still_refused_and_its_export_adopted_once(
-    make_harness,
+@pytest.mark.parametrize("kind", ["s3", "local"])
+def test_a_fenced_owner_that_wakes_before_the_new_owner_commits_is_refused_by_the_pointer_and_never_visible(
+    make_harness, kind
 ):
-    # The store has no notion of leases: a fenced owner's upload can land while the new owner has not published.
-    # The protocol's answer is that the commit is fenced and the new owner records what is there instead of writing
-    # a second copy.
-    harness = make_harness("s3")
-    a, b, a_told, b_result = fenced_owner_publishes_before_the_new_owner(harness)
+    harness = make_harness(kind)
+    a, b, a_told, b_result = fenced_owner_wakes_before_the_new_owner_commits(harness)
 
-    assert a_told == "FencedOut"
-    assert b_result["status"] != "failed", b_result
+    assert a_told == "FencedOut", "the old owner's commit is refused by the pointer's fence, then by the ledger"
+    assert b_result["status"] == "exported", b_result
     assert harness.check(a, b, a_told) == []
-    record = harness.ledger.get(a.logical_key)
-    assert record.committed_attempt == a.attempt_id and record.row_count == 48, "A's export, the one in place"
-    outcomes = {r.attempt_id: r.outcome for r in harness.ledger.attempts(a.logical_key) if r.attempt_id == b.attempt_id}
-    assert outcomes == {b.attempt_id: AttemptOutcome.REPAIRED}, "B recorded the export it found, not its own"
+    record = harness.ledger.queries.get(a.logical_key)
+    assert record.committed_attempt == b.attempt_id and record.row_count == 96, "B's export, never A's"
+    folder = harness.survey(a).folder(a.logical_key)
+    assert [p.token for p in folder.places.values()] == [record.fencing_token], "only B's place is left"
 
 
 @pytest.mark.slow
-def test_a_takeover_that_finds_the_fenced_owners_late_export_reports_it_as_repaired(make_harness):
+def test_a_takeover_whose_fenced_owner_woke_first_reports_what_the_ledger_recorded(make_harness):
     harness = make_harness("s3")
-    a, b, a_told, b_result = fenced_owner_publishes_before_the_new_owner(harness)
+    a, b, a_told, b_result = fenced_owner_wakes_before_the_new_owner_commits(harness)
     assert a_told == "FencedOut"
-    (row,) = [r for r in harness.ledger.attempts(a.logical_key) if r.attempt_id == b.attempt_id]
-    assert row.outcome is AttemptOutcome.REPAIRED
+    (row,) = [r for r in harness.ledger.queries.attempts(a.logical_key) if r.attempt_id == b.attempt_id]
+    assert row.outcome is AttemptOutcome.COMPLETED
 
-    assert b_result["status"] == "repaired", "what the run reports must match what the ledger recorded"
+    assert b_result["status"] == "exported", "what the run reports must match what the ledger recorded"
 
 
 def writer_holds_its_transaction(url: str) -> bool:
@@ -341,7 +350,7 @@ def test_a_ledger_table_writer_stalled_inside_its_transaction_blocks_the_takeove
     a, b = harness.specs(failpoints="before_commit=pause:2")
     (pid,), _ = harness.server.spawn([a])
     harness.wait_until(
-        lambda: harness.ledger.get(a.logical_key) is not None and writer_holds_its_transaction(url),
+        lambda: harness.ledger.queries.get(a.logical_key) is not None and writer_holds_its_transaction(url),
         "A claimed the key and is inside its completion transaction",
     )
     started = time.monotonic()
@@ -384,19 +393,13 @@ def test_sigstop_at_a_random_moment_then_takeover_never_lets_the_frozen_owner_co
             replace(b, run_id=f"{b.run_id}-last", clock_offset_seconds=PAST_A_LEASE + 60, result_path=None)
         )
         harness.tally[f"A {a_told} / B {b_told}{' (B waited for frozen A)' if b_blocked else ''} / C {told(last)}"] += 1
-        found = harness.check(a, b, a_told)
-        if b_told == "DestinationConflict":
-            # The known S3 defect (test_crash_harness.py, a data object left without its manifest): A froze between
-            # its two PUTs, B's data differs, so B records `conflict` and the key waits for an operator. Still
-            # nothing may be overwritten or recorded as completed.
-            allowed = {"not_completed", "effects_not_one"}
-            found = [p for p in found if p.split(":", 1)[0] not in allowed]
-            if harness.ledger.get(a.logical_key).state is not ExportState.CONFLICT:
-                found.append("B's conflict is not recorded")
-        problems += [f"{a.logical_key}: {p}" for p in found]
+        # Once a known S3 defect let B record `conflict` here (A frozen between its two PUTs, B's data differing).
+        # Each party now writes a place of its own token, and B sweeps A's: a frozen owner's leftovers can never be a
+        # conflict for the party that fenced it.
+        problems += [f"{a.logical_key}: {p}" for p in harness.check(a, b, a_told)]
         if a_told not in ("exported", "repaired", "already_completed", "FencedOut", "LeaseHeld"):
             problems.append(f"{a.logical_key}: A ended with {a_told}")
-        if b_told not in ("exported", "repaired", "already_completed", "LeaseHeld", "DestinationConflict"):
+        if b_told not in ("exported", "repaired", "already_completed", "LeaseHeld"):
             problems.append(f"{a.logical_key}: B ended with {b_told}")
     print(f"SIGSTOP fencing [{kind}]: 20 scenarios in {time.monotonic() - started:.1f}s: {dict(harness.tally)}")
     assert problems == [], "\n".join(problems)
@@ -415,15 +418,16 @@ def test_the_lease_length_comes_from_EXPORTS_LEASE_TTL_SECONDS(tmp_path):
     with dg.build_resources({"ledger": defs.resources["ledger"]}) as resources:
         ledger = resources.ledger.get_ledger()
 
-    claim = ledger.claim(logical_key("acme", "2026-03-08"), "run-1/invoice_export")
+    claim = ledger.claims.claim(logical_key("acme", "2026-03-08"), "run-1/invoice_export")
 
     assert claim.lease_expires_at - claim.started_at == dt.timedelta(seconds=7)
 
 
 @pytest.mark.slow
 def test_a_dagster_process_paused_past_its_lease_is_fenced_end_to_end(tmp_path):
-    """The real CLI with EXPORTS_LEASE_TTL_SECONDS=1: it stalls after staging; a takeover completes the key; the
-    stalled process wakes, is refused with FencedOut, and its staged export is never published."""
+    """The real CLI with EXPORTS_LEASE_TTL_SECONDS=1: it stalls after staging; a takeover completes the key (fencing
+    the pointer, sweeping the stalled attempt's place); the stalled process wakes, is refused with FencedOut, and its
+    staged export is never visible."""
     home = tmp_path / "dagster_home"
     home.mkdir()
     ledger_url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
@@ -448,9 +452,9 @@ def test_a_dagster_process_paused_past_its_lease_is_fenced_end_to_end(tmp_path):
         start_new_session=True,
     )
     try:
-        tenant_dir = tmp_path / "exports" / EXPORT_NAME / "tenant=acme"
+        staged = tmp_path / "exports" / EXPORT_NAME / "tenant=acme" / "date=2026-03-08" / "r1-t1" / "_manifest.json"
         deadline = time.monotonic() + 90
-        while not (tenant_dir.is_dir() and any(p.name.startswith(".staging-") for p in tenant_dir.iterdir())):
+        while not staged.is_file():  # its place is written, named by no pointer
             assert stalled.poll() is None and time.monotonic() < deadline, "the CLI never reached after_stage"
             time.sleep(0.05)
         time.sleep(LEASE + 0.2)  # its 1-second lease runs out while it sleeps
@@ -465,14 +469,19 @@ def test_a_dagster_process_paused_past_its_lease_is_fenced_end_to_end(tmp_path):
 
     assert stalled.returncode != 0, output[-3000:]
     assert "FencedOut" in output and "lost its lease" in output, output[-3000:]
-    (folder,) = published_dirs(tmp_path / "exports")
-    manifest, frame = read_export(folder)
+    key = "invoice_export/acme/2026-03-08T05:00:00Z"
+    found = survey({"kind": "local", "root": str(tmp_path / "exports")}, ledger_url)
+    visible = found.visible(key)
+    assert visible is not None, f"readers see the takeover's export: {found.partial}"
+    manifest, frame = read_export(tmp_path / "exports" / visible.where)
     assert len(frame) == 92, "the takeover's export (15-minute cadence, a 23-hour day), not the stalled one's (30)"
     ledger = ExportLedger(ledger_url)
-    record = ledger.get("invoice_export/acme/2026-03-08T05:00:00Z")
+    record = ledger.queries.get(key)
     assert record.state is ExportState.COMPLETED and record.committed_attempt == manifest.attempt_id
-    assert [a.outcome for a in ledger.attempts(record.logical_key)] == [
+    assert [a.outcome for a in ledger.queries.attempts(record.logical_key)] == [
         AttemptOutcome.ABANDONED,  # the stalled attempt's one row: the takeover recorded it; it is not written twice
         AttemptOutcome.COMPLETED,
     ]
-    assert not [p for p in (tmp_path / "exports").rglob(".staging-*")], "the stalled attempt's staging is removed"
+    assert sorted(found.places(key)) == [visible.name] and found.hidden == [], (
+        f"the stalled attempt's place is swept by the takeover: {found.hidden}"
+    )

@@ -166,15 +166,15 @@ def test_no_secret_or_customer_data_in_event_logs_run_records_instance_files_led
     assert leaks_in_files(home) == {}, "nor in any file of the Dagster instance (event logs, compute logs)"
 
     ledger = ExportLedger(canary_env["EXPORTS_LEDGER_URL"])
-    assert ledger.get(f"invoice_export/acme/{GOOD}T05:00:00Z").state is ExportState.COMPLETED
-    assert leaks(repr(ledger.all_attempts())) == [], "the ledger's error messages hold no customer data"
+    assert ledger.queries.get(f"invoice_export/acme/{GOOD}T05:00:00Z").state is ExportState.COMPLETED
+    assert leaks(repr(ledger.queries.all_attempts())) == [], "the ledger's error messages hold no customer data"
     dispose_engines()
     for part in tmp_path.glob("ledger.sqlite3*"):
         assert leaks(part.read_bytes()) == [], f"the ledger database file {part.name} holds no customer data"
 
     # A stuck key for reconcile: an attempt that died holding its lease an hour ago.
     long_ago = dt.datetime.now(dt.timezone.utc) - dt.timedelta(hours=1)
-    ExportLedger(canary_env["EXPORTS_LEDGER_URL"], clock=lambda: long_ago).claim(
+    ExportLedger(canary_env["EXPORTS_LEDGER_URL"], clock=lambda: long_ago).claims.claim(
         logical_key("acme", "2026-03-13"), "dead-run/invoice_export"
     )
     dispose_engines()
@@ -198,7 +198,7 @@ def test_no_secret_or_customer_data_in_event_logs_run_records_instance_files_led
     # reconcile's error path: the store unreachable, the secret still configured.
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     monkeypatch.delitem(sys.modules, "definitions", raising=False)
-    ExportLedger(canary_env["EXPORTS_LEDGER_URL"], clock=lambda: long_ago).claim(
+    ExportLedger(canary_env["EXPORTS_LEDGER_URL"], clock=lambda: long_ago).claims.claim(
         logical_key("acme", "2026-03-14"), "dead-run-2/invoice_export"
     )
     dispose_engines()

@@ -1,17 +1,20 @@
 """The deterministic simulation (slow tier): seeded schedules per destination over the real ledger and destinations
-(a local folder; S3 through the fault proxy; a ledger table), checking safety after every step and liveness once
-faults stop. See tests/harness/simulation.py.
+(a local folder; S3 through the fault proxy; a ledger table), checking the invariants of docs/protocol.md after every
+step and liveness once faults stop. See tests/harness/simulation.py.
 
 On every destination the schedules also restate keys (half of them start by restating keys exported once or twice
-before; any may request a restatement of a completed key). Faults hit the move of the current pointer on the local
-folder (an armed failure) and on S3 (the proxy faults the next PUT, which at that step is the pointer's); the ledger
-table moves its pointer inside the completion transaction, where the armed insert failure already falls.
+before; any may request a restatement of a completed key). Faults hit an attempt's next write after its claim (the
+pointer's fence, or its place's staging) and after its staging (the pointer's commit, which is the publish in protocol
+v2, for a first export and a restatement alike): on the local folder a failure armed at the store's writes, on S3 the
+proxy faulting the next PUT; the ledger table writes everything inside the completion transaction, where the armed
+insert failure falls.
 
 ``EXPORTS_SIM_SCHEDULES`` sets the count per destination: by default 1,000 (local), 400 (ledger table,
-``EXPORTS_SIM_SCHEDULES_TABLE``) and 60 (S3, ``EXPORTS_SIM_SCHEDULES_S3``), about 45, 24 and 33 s on this 2-core
-machine (December 2026; before the ledger table and S3 restated, 1,000 and 300 of theirs took 32 and 36 s: a
-restating schedule runs more attempts and reads every revision after each step), which keeps CI's slow tier within
-its budget; ``EXPORTS_SIM_SCHEDULES=10000`` is the full run.
+``EXPORTS_SIM_SCHEDULES_TABLE``) and 60 (S3, ``EXPORTS_SIM_SCHEDULES_S3``). On this 2-core machine, shared with
+other test sessions (December 2026, protocol v2), they took 176, 69 and 33 s at a load of 2 to 4 (3.5 minutes of CPU
+together), and twice that at a load of 6; before protocol v2, about 45, 24 and 33 s (an attempt now fences and
+sweeps, and every step is checked against the ledger's invariants with what the steps before saw).
+``EXPORTS_SIM_SCHEDULES=10000`` is the full run.
 ``EXPORTS_SIM_SEED=N`` replays schedule N alone. A failure names its seed and how to replay it.
 """
 
@@ -19,27 +22,30 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import boto3
 import pytest
-from harness.simulation import Simulation, survey_through
+from harness.protocol import survey
+from harness.simulation import Simulation
 from s3_support import Fault
 
 from export_ledger.destinations import DestinationError, LocalDestination, PublishOutcomeUnknown
+from export_ledger.destinations.local import LocalStore
+from export_ledger.destinations.store import Upload
 from export_ledger.destinations.table import SqlTableDestination
 from export_ledger.ledger import dispose_engines
 
 pytestmark = pytest.mark.slow
 
 SCHEDULES = int(os.environ.get("EXPORTS_SIM_SCHEDULES", "1000"))
-# Restating schedules run more attempts and read every revision after each step: about 0.07 s a schedule on the
-# ledger table (0.03 s before restatements).
+# Restating schedules run more attempts, and each step reads the key's pointer row and every kept revision.
 TABLE_SCHEDULES = int(os.environ.get("EXPORTS_SIM_SCHEDULES_TABLE", os.environ.get("EXPORTS_SIM_SCHEDULES", "400")))
-# S3 goes through HTTP (the fault proxy, then moto), and the survey after each step reads a restated key's pointer
-# and every revision (about 7 GETs a key at 5 ms each): about 0.6 s a schedule here (0.12 s before restatements).
+# S3 goes through HTTP (the fault proxy, then moto), and the survey after each step lists each key's folder and reads
+# what changed since the last look (a new place, the pointer): about 1 s a schedule here.
 S3_SCHEDULES = int(os.environ.get("EXPORTS_SIM_SCHEDULES_S3", os.environ.get("EXPORTS_SIM_SCHEDULES", "60")))
 REPLAY = os.environ.get("EXPORTS_SIM_SEED")
-POINTER_FAULTS = ("pointer_refused", "pointer_unknown")  # a restatement's move of the key's current pointer
 
 
 class _Armed:
@@ -51,41 +57,71 @@ class _Armed:
     def __call__(self, kind: str | None) -> None:
         self.kind = kind
 
-    def take(self, kinds=("refused", "unknown")) -> str | None:
-        """The armed fault if it is one of ``kinds`` (a write of that sort), disarmed; else None (left armed)."""
-        if self.kind not in kinds:
-            return None
+    def take(self) -> str | None:
+        """The armed fault (``refused`` or ``unknown``), disarmed; None when none is armed."""
         kind, self.kind = self.kind, None
         return kind
 
 
+@dataclass(frozen=True)
+class _FaultyStore(LocalStore):
+    """The local store with one armed fault on its next write, as the store's contract classifies failures:
+    ``refused`` fails before anything is written; ``unknown`` writes, then cannot say so (a failed folder fsync)."""
+
+    armed: _Armed = None
+
+    def _faulted(self, write):
+        kind = self.armed.take()
+        if kind == "refused":
+            raise DestinationError("simulated: the folder refused the write")
+        result = write()
+        if kind == "unknown":
+            raise PublishOutcomeUnknown("simulated: written, but the folder fsync failed")
+        return result
+
+    def put_if_absent(self, name: str, data: bytes) -> None:
+        return self._faulted(lambda: super(_FaultyStore, self).put_if_absent(name, data))
+
+    def put_if_match(self, name: str, data: bytes, tag: str | None) -> str:
+        return self._faulted(lambda: super(_FaultyStore, self).put_if_match(name, data, tag))
+
+    def upload(self, name: str) -> Upload:
+        return _FaultyUpload(super().upload(name), self)
+
+
+class _FaultyUpload(Upload):
+    """A data file's upload whose creation (``commit``) takes the armed fault."""
+
+    def __init__(self, upload: Upload, store: _FaultyStore) -> None:
+        self.upload, self.store, self.handle = upload, store, upload.handle
+
+    def commit(self) -> None:
+        refused = self.store.armed.kind == "refused"
+        if refused:
+            self.upload.abort()  # nothing is created: the refusal raised next is the store's answer
+        self.store._faulted(lambda: None if refused else self.upload.commit())
+
+    def abort(self) -> None:
+        self.upload.abort()
+
+
 def _local(tmp_path: Path, armed: _Armed):
+    root = tmp_path / "exports"
+
+    @dataclass(frozen=True)
     class FaultyLocal(LocalDestination):
-        def publish(self, staged):
-            kind = armed.take()
-            if kind == "refused":
-                raise DestinationError("simulated: the folder refused the rename")
-            published = super().publish(staged)
-            if kind == "unknown":
-                raise PublishOutcomeUnknown("simulated: renamed, but the folder fsync failed")
-            return published
+        @property
+        def store(self) -> LocalStore:
+            return _FaultyStore(root.resolve(), armed)
 
-        def move_current(self, target, manifest, *, supersedes):
-            kind = armed.take(POINTER_FAULTS)
-            if kind == "pointer_refused":
-                raise DestinationError("simulated: the pointer's temporary file could not be written")
-            super().move_current(target, manifest, supersedes=supersedes)
-            if kind == "pointer_unknown":
-                raise PublishOutcomeUnknown("simulated: the pointer was renamed, but the folder fsync failed")
-
-    return FaultyLocal(root=str(tmp_path / "exports"))
+    return FaultyLocal(root=str(root))
 
 
 def _table(ledger_url: str, armed: _Armed):
     class FaultyTable(SqlTableDestination):
         def write_in_transaction(self, connection, target, table, manifest):
             written = super().write_in_transaction(connection, target, table, manifest)
-            if armed.take() == "refused":
+            if armed.take() is not None:  # "refused" is the one fault kind armed here
                 raise DestinationError("simulated: the insert failed (rolled back with the completion)")
             return written
 
@@ -123,12 +159,13 @@ def test_simulation_local(tmp_path):
     ledger_url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
     armed = _Armed()
     destination = _local(tmp_path, armed)
+    reader = {"kind": "local", "root": str(tmp_path / "exports")}
     try:
         _run(
             lambda seed: Simulation(
                 seed, ledger_url=ledger_url, destination=destination, fault=armed,
-                survey=lambda keys: survey_through(destination, keys, revisions=True),
-                fault_kinds=["refused", "unknown"], restatements=True, pointer_fault_kinds=POINTER_FAULTS,
+                survey=lambda targets: survey(reader, ledger_url, only=targets),
+                fault_kinds=["refused", "unknown"], restatements=True,
             ),
             "local",
         )  # fmt: skip
@@ -140,11 +177,12 @@ def test_simulation_ledger_table(tmp_path):
     ledger_url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
     armed = _Armed()
     destination = _table(ledger_url, armed)
+    reader = {"kind": "sql", "table": "sim_rows"}
     try:
         _run(
             lambda seed: Simulation(
                 seed, ledger_url=ledger_url, destination=destination, fault=armed,
-                survey=lambda keys: survey_through(destination, keys, revisions=True), fault_kinds=["refused"],
+                survey=lambda targets: survey(reader, ledger_url, only=targets), fault_kinds=["refused"],
                 restatements=True,
             ),
             "ledger_table",
@@ -158,17 +196,18 @@ def test_simulation_s3(tmp_path, s3_server, s3_bucket, fault_proxy):
     from export_ledger.destinations.s3 import S3Destination
 
     ledger_url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
-
-    def s3(endpoint_url: str) -> S3Destination:
-        return S3Destination(
-            bucket=s3_bucket, prefix="sim", endpoint_url=endpoint_url, access_key_id="testing",
-            secret_access_key="testing", connect_timeout_seconds=5, read_timeout_seconds=5,
-        )  # fmt: skip
-
-    destination = s3(fault_proxy.endpoint_url)
+    destination = S3Destination(
+        bucket=s3_bucket, prefix="sim", endpoint_url=fault_proxy.endpoint_url, access_key_id="testing",
+        secret_access_key="testing", connect_timeout_seconds=5, read_timeout_seconds=5,
+    )  # fmt: skip
     # Readers go to the store itself: the proxy only faults the attempts' writes, and the survey after every step
-    # (about 7 GETs a key once keys are restated) costs a fifth less without the proxy's hop.
-    reader = s3(s3_server)
+    # costs a fifth less without the proxy's hop.
+    client = boto3.client(
+        "s3", endpoint_url=s3_server, aws_access_key_id="testing", aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )  # fmt: skip
+    reader = {"kind": "s3", "bucket": s3_bucket, "prefix": "sim"}
+    bodies: dict = {}  # objects read before, by key and ETag: a look after every step reads only what changed
 
     def fault(kind):
         if kind is None:
@@ -182,11 +221,13 @@ def test_simulation_s3(tmp_path, s3_server, s3_bucket, fault_proxy):
         _run(
             lambda seed: Simulation(
                 seed, ledger_url=ledger_url, destination=destination, fault=fault,
-                survey=lambda keys: survey_through(reader, keys, revisions=True), fault_kinds=kinds,
-                restatements=True, pointer_fault_kinds=kinds,  # the proxy faults the next PUT: the pointer's
+                survey=lambda targets: survey(reader, ledger_url, s3_client=client, only=targets, s3_bodies=bodies),
+                fault_kinds=kinds,
+                restatements=True,  # the proxy faults the next PUT: the fence, a staged object or the commit
             ),
             "s3",
             S3_SCHEDULES,
         )  # fmt: skip
     finally:
+        client.close()
         dispose_engines()

@@ -165,7 +165,7 @@ class _Server:
 
         spec = request["destination"]
         if spec["kind"] == "s3":
-            protocol.build_destination(spec, request["ledger_url"])._s3()
+            protocol.build_destination(spec, request["ledger_url"]).store._s3()
         sockets = _open_sockets()
         if sockets:
             raise RuntimeError(f"the fork server holds {sockets} open socket(s); children would share them")

@@ -1,8 +1,8 @@
-"""One export attempt from a JSON-able spec, and what a reader can see at a destination afterwards.
+"""One export attempt from a JSON-able spec, and what a reader can see at a destination afterwards (protocol v2).
 
 Pytest-free: the fork server's children run :func:`child_main`, and the harness tests run :func:`run_attempt` in
-process (with a ledger clock shifted past dead attempts' leases) and check destinations with :func:`survey` and
-:func:`violations`.
+process (with a ledger clock shifted past dead attempts' leases) and check destinations with :func:`survey` (the
+layout of docs/protocol.md, read directly) and :func:`violations` (its invariants).
 
 An attempt goes through the project's own write path: ``export_ledger.export_batch`` (the one write protocol) called
 directly (mode ``io_manager``, about 0.1 s), or the whole ``invoice_export_job`` with ``execute_in_process`` on an
@@ -28,12 +28,13 @@ from definitions import build_definitions
 from export_ledger.calendar import window_for
 from export_ledger.dagster import LedgerResource
 from export_ledger.destinations import Destination, ExportTarget, LocalDestination
-from export_ledger.destinations.base import CURRENT_NAME
+from export_ledger.destinations.base import parse_place, place_name, place_of_location
+from export_ledger.destinations.publishing import POINTER_NAME
 from export_ledger.destinations.table import SqlTableDestination
 from export_ledger.failpoints import ENV_VAR as FAILPOINTS
 from export_ledger.frames import MANIFEST_NAME, Manifest, ManifestError, validate_frame, write_table
 from export_ledger.keys import LogicalKey
-from export_ledger.ledger import ExportLedger, ledger_engine, utc_now
+from export_ledger.ledger import ExportLedger, ExportRecord, Restatement, Revision, ledger_engine, utc_now
 from export_ledger.ledger.schema import AttemptOutcome, ExportState
 from export_ledger.protocol import ExportBatch, ExportItem, export_batch
 from resources.invoices import SampleInvoiceSource
@@ -154,7 +155,10 @@ def run_attempt(spec: AttemptSpec) -> dict:
         return {**report, "status": "failed", "error_class": error_class, "error": error}
 
     key = logical_key(spec.tenant, spec.business_date, spec.timezone)
-    frame = source.rows(spec.tenant, key.window.start_utc, key.window.end_utc)
+
+    def frame():  # read after the claim, as the assets read it (a source read never precedes the lease)
+        return source.rows(spec.tenant, key.window.start_utc, key.window.end_utc)
+
     batch = ExportBatch(INVOICE_SCHEMA, [ExportItem(key, spec.business_date, frame)])
     report = {"run_id": spec.run_id, "attempt_id": spec.attempt_id}
     try:
@@ -218,243 +222,427 @@ def warm_up() -> None:
 
 
 # -- what a reader can see --------------------------------------------------------------------------------------
+#
+# The layout of protocol v2 (docs/protocol.md, "What readers see"): per key folder ``<export>/tenant=T/date=D/`` one
+# pointer ``_current.json`` and places ``r<revision>-t<token>/``, each a ``_manifest.json`` and its data file. Readers
+# see only what the pointer names. Legacy layouts read the same way: no pointer and a ``_manifest.json`` in the key
+# folder is revision 1 at place ``.``; a pointer without ``format`` (0.4.0's) names ``revision=N/`` with fence 0. The
+# ledger table is read the same way too: its ``<table>_manifests`` row is the pointer, each kept revision a place
+# (``.`` for revision 1, ``revision=N`` after).
 
 
 @dataclass
-class Published:
-    """One export a reader can see: its manifest and whether the data it names is there, intact.
+class Place:
+    """One place of a key folder, as found: whole when its manifest reads, names the revision and token of the
+    place's name, and its data matches the manifest's sha256 (the key is checked with the folder).
 
-    ``revision`` is the revision its place says (``date=D`` is revision 1, ``date=D/revision=N`` revision N); a
-    manifest that names another revision is not intact.
+    Attributes:
+        name: ``r<revision>-t<token>``, ``.`` (a legacy revision 1 in the key folder itself) or ``revision=<N>``.
+        revision, token: As the name says (``.``: revision 1; a legacy place has no token).
     """
 
     where: str
-    manifest: Manifest | None
-    intact: bool
+    name: str
+    revision: int | None
+    token: int | None
+    manifest: Manifest | None = None
+    whole: bool = False
     problem: str = ""
-    revision: int = 1
 
 
 @dataclass
 class Pointer:
-    """A key's current pointer (``date=D/_current.json``) as a reader reads it."""
+    """A key's pointer as a reader reads it. ``fenced``: a format-2 pointer, whose fence the protocol checks (the
+    legacy readings and the ledger table's pointer row carry none)."""
 
     where: str
-    logical_key: str
+    logical_key: str | None
+    fence: int
     revision: int
+    place: str | None
     sha256: str | None
-    path: str
+    fenced: bool = True
+
+
+@dataclass
+class KeyFolder:
+    """One key's folder: its pointer (None: nothing a reader could follow, revision 0) and its places."""
+
+    where: str
+    pointer: Pointer | None = None
+    places: dict[str, Place] = field(default_factory=dict)
+    problem: str = ""  # a pointer that does not read
+
+    @property
+    def current(self) -> int:
+        return 0 if self.pointer is None else self.pointer.revision
+
+    @property
+    def named(self) -> Place | None:
+        """The place the pointer names (None: nothing published, or a place that is not there)."""
+        if self.pointer is None or self.pointer.revision == 0:
+            return None
+        return self.places.get(self.pointer.place)
+
+    @property
+    def visible(self) -> Place | None:
+        """What readers get: the named place when it is a whole export matching the pointer, else None."""
+        named = self.named
+        return named if named is not None and not _named_problem(self) else None
 
 
 @dataclass
 class Survey:
-    """Everything visible at a destination, plus what the protocol hides from readers.
+    """Everything at a destination, as readers see it and beside it.
 
-    ``exports`` maps logical keys to every visible export of that key, one per published revision (two of one
-    revision are a duplicate); ``pointers`` maps logical keys to their current pointer (none: revision 1 is current);
-    ``partial`` lists visible things that are not a whole export (or an unreadable pointer); ``hidden`` lists
-    leftovers readers never see by protocol (local staging folders and pointer temp files, S3 data objects without a
-    manifest); ``rows`` counts SQL rows per row key (a revision's, for a ledger table).
+    ``folders`` maps logical keys to their key folder (a folder whose key cannot be told, holding only leftovers, is
+    listed under its path); ``partial`` lists what a reader following the layout finds broken (a pointer that does not
+    read, or names a place that is not a whole export of its key and revision matching it; a second folder of one
+    key; an entry outside the layout); ``hidden`` lists what readers never see by protocol (places the pointer does
+    not name, earlier revisions among them, and temporary files of killed writers); ``rows`` counts SQL rows per row
+    key (a revision's, for a ledger table).
     """
 
-    exports: dict[str, list[Published]] = field(default_factory=dict)
-    pointers: dict[str, Pointer] = field(default_factory=dict)
+    folders: dict[str, KeyFolder] = field(default_factory=dict)
     partial: list[str] = field(default_factory=list)
     hidden: list[str] = field(default_factory=list)
     rows: Counter = field(default_factory=Counter)
+    temporary: list[str] = field(default_factory=list)  # the temporary files among ``hidden``
 
-    def add(self, published: Published) -> None:
-        if published.manifest is None or not published.intact:
-            self.partial.append(f"{published.where}: {published.problem}")
-            return
-        self.exports.setdefault(published.manifest.logical_key, []).append(published)
+    def add_temporary(self, where: str) -> None:
+        self.temporary.append(where)
+        self.hidden.append(where)
 
-    def add_pointer(self, where: str, payload: bytes) -> None:
-        """Reads a pointer the way an outside reader does; one that does not parse is a visible defect."""
-        try:
-            values = json.loads(payload)
-            pointer = Pointer(
-                where, str(values["logical_key"]), values["revision"], values.get("sha256"), values.get("path", "")
-            )
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
-            self.partial.append(f"{where}: a current pointer that is not a JSON object with a key and a revision")
-            return
-        if not isinstance(pointer.revision, int) or pointer.revision < 1:
-            self.partial.append(f"{where}: a current pointer naming revision {pointer.revision!r}")
-            return
-        if pointer.logical_key in self.pointers:
-            self.partial.append(f"{where}: a second current pointer for {pointer.logical_key}")
-            return
-        self.pointers[pointer.logical_key] = pointer
+    def folder(self, key: str) -> KeyFolder | None:
+        return self.folders.get(key)
+
+    def folder_at(self, target: ExportTarget) -> KeyFolder | None:
+        """The key folder of ``target``, whether or not its key can be told from what it holds."""
+        suffix = "/".join(target.parts)
+        return next((f for f in self.folders.values() if f.where == suffix or f.where.endswith("/" + suffix)), None)
 
     def current(self, key: str) -> int:
-        """The key's current revision as a reader resolves it: the pointer's, or 1 without one."""
-        pointer = self.pointers.get(key)
-        return 1 if pointer is None else pointer.revision
+        """The key's current revision as a reader resolves it (0: nothing published)."""
+        folder = self.folders.get(key)
+        return 0 if folder is None else folder.current
 
-    def at(self, key: str, revision: int) -> list[Published]:
-        """The key's visible exports of one revision (one, or none; more is a duplicate)."""
-        return [p for p in self.exports.get(key, []) if p.revision == revision]
+    def visible(self, key: str) -> Place | None:
+        folder = self.folders.get(key)
+        return None if folder is None else folder.visible
 
-    def hidden_for(self, business_date: str) -> list[str]:
-        return [item for item in self.hidden if f"date={business_date}" in item]
+    @property
+    def exports(self) -> dict[str, Place]:
+        """Every key readers get an export of, and that export (one per key, by construction of the layout)."""
+        return {key: folder.visible for key, folder in self.folders.items() if folder.visible is not None}
 
+    def places(self, key: str) -> dict[str, Place]:
+        folder = self.folders.get(key)
+        return {} if folder is None else folder.places
 
-def revision_of(name: str) -> int | None:
-    """N for a folder named ``revision=N`` (N >= 2), else None."""
-    prefix, _, number = name.partition("=")
-    if prefix != "revision" or not number.isdigit() or int(number) < 2 or str(int(number)) != number:
-        return None
-    return int(number)
-
-
-def survey(destination_spec: dict, ledger_url: str, *, s3_client=None, only: ExportTarget | None = None) -> Survey:
-    """Looks at the destination directly (the folder tree, the bucket listing on the server, the tables) rather than
-    through the destination's ``probe``; only the ledger table's rows are read back with the destination's own
-    serialization, to compare their sha256. ``only`` limits the look to one target's place (a trial's key), so that
-    a check per trial does not grow with the number of trials."""
-    kind = destination_spec["kind"]
-    if kind == "local":
-        return _survey_local(Path(destination_spec["root"]), only)
-    if kind == "s3":
-        return _survey_s3(s3_client, destination_spec["bucket"], destination_spec.get("prefix", ""), only)
-    if kind == "sql":
-        return _survey_sql(ledger_url, destination_spec["table"], only)
-    raise ValueError(kind)
-
-
-#: Leftovers of dead attempts in a tenant's or key's folder that readers never see: staging folders (of revision 1
-#: beside the key's folder, of a revision N inside it) and a current pointer's temporary file.
-LOCAL_LEFTOVERS = (".staging-", ".current-")
-
-
-def _survey_local(root: Path, only: ExportTarget | None) -> Survey:
-    found = Survey()
-    if not root.exists():
-        return found
-    if only is None:
-        paths = sorted(root.rglob("*"))
-    else:
-        tenant_dir = root.joinpath(*only.parts[:2])
-        mine = (f"date={only.business_date}", f".staging-date={only.business_date}-")
-        paths = [tenant_dir] if tenant_dir.exists() else []
-        for entry in sorted(tenant_dir.iterdir()) if tenant_dir.is_dir() else ():
-            if entry.name == mine[0] or entry.name.startswith(mine[1]):
-                paths.append(entry)
-                paths.extend(sorted(entry.rglob("*")))
-    for path in paths:
-        relative = path.relative_to(root)
-        parts = relative.parts
-        if any(part.startswith(".") for part in parts):
-            if path.name.startswith(LOCAL_LEFTOVERS) and path.parent.name.startswith(("tenant=", "date=")):
-                found.hidden.append(str(relative))
-            continue  # readers ignore dot-names and everything in them (the pointer's lock file among them)
-        depth = len(parts)
-        if depth < 3:
-            if not path.is_dir():
-                found.partial.append(f"{relative}: a file where an export folder belongs")
-            continue
-        if depth == 3:
-            found.add(_local_export(path, str(relative), 1))
-        elif depth == 4 and path.name == CURRENT_NAME:
-            if path.is_file():
-                found.add_pointer(str(relative), path.read_bytes())
-            else:
-                found.partial.append(f"{relative}: a current pointer that is not a file")
-        elif depth == 4 and revision_of(path.name) is not None and path.is_dir():
-            found.add(_local_export(path, str(relative), revision_of(path.name)))
-        elif depth == 5 and revision_of(parts[3]) is not None and path.parent.is_dir():
-            continue  # a revision's own files, checked with it
-        elif depth > 4 or not path.parent.is_dir():
-            found.partial.append(f"{relative}: stray entry")
-    return found
-
-
-def _local_export(folder: Path, where: str, revision: int) -> Published:
-    if not folder.is_dir():
-        return Published(where, None, False, "not a folder", revision)
-    names = {p.name for p in folder.iterdir() if not p.name.startswith(".")}
-    if revision == 1:  # the key's folder also holds its later revisions and its current pointer
-        names = {name for name in names if name != CURRENT_NAME and revision_of(name) is None}
-    if MANIFEST_NAME not in names:
-        return Published(where, None, False, f"folder without a manifest ({sorted(names)})", revision)
-    try:
-        manifest = Manifest.from_json((folder / MANIFEST_NAME).read_bytes(), where)
-    except ManifestError as exc:
-        return Published(where, None, False, str(exc), revision)
-    if names != {MANIFEST_NAME, manifest.data_file}:
-        return Published(where, manifest, False, f"unexpected files {sorted(names)}", revision)
-    if manifest.revision != revision:
-        return Published(where, manifest, False, f"manifest of revision {manifest.revision} in this place", revision)
-    payload = (folder / manifest.data_file).read_bytes()
-    if hashlib.sha256(payload).hexdigest() != manifest.sha256:
-        return Published(where, manifest, False, "data file does not match its manifest's sha256", revision)
-    return Published(where, manifest, True, revision=revision)
-
-
-def _survey_s3(client, bucket: str, prefix: str, only: ExportTarget | None) -> Survey:
-    found = Survey()
-    folders: dict[str, set[str]] = {}
-    start = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
-    if only is not None:
-        start += "/".join(only.parts) + "/"
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=start):
-        for item in page.get("Contents", []):
-            folder, _, name = item["Key"].rpartition("/")
-            if folder.endswith(".export-ledger-probe"):
-                continue  # the destination's check of conditional creates, not an export
-            folders.setdefault(folder, set()).add(name)
-    for folder, names in sorted(folders.items()):
-        where = f"s3://{bucket}/{folder}/"
-        if CURRENT_NAME in names:  # the key's current pointer, in the key's folder beside revision 1's objects
-            names.discard(CURRENT_NAME)
-            found.add_pointer(f"{where}{CURRENT_NAME}", _s3_body(client, bucket, f"{folder}/{CURRENT_NAME}"))
-            if not names:
-                found.partial.append(f"{where}: a current pointer without revision 1 beside it")
+    def finish(self, folders: list[KeyFolder]) -> None:
+        """Files each folder under its key (the pointer's, else its manifests'), and lists what readers would find
+        broken and what they never see."""
+        for folder in folders:
+            keys = {p.manifest.logical_key for p in folder.places.values() if p.manifest is not None}
+            key = folder.pointer.logical_key if folder.pointer is not None and folder.pointer.logical_key else None
+            if key is None and len(keys) == 1:
+                (key,) = keys
+            if folder.problem:
+                self.partial.append(f"{folder.where}: {folder.problem}")
+            for place in folder.places.values():
+                if place.manifest is not None and key is not None and place.manifest.logical_key != key:
+                    self.partial.append(
+                        f"{place.where}: a place holding {place.manifest.logical_key} in {key}'s folder"
+                    )
+            problem = _named_problem(folder)
+            if problem:
+                self.partial.append(f"{folder.where}: {problem}")
+            named = folder.named
+            self.hidden.extend(
+                f"{place.where}" + (f" ({place.problem})" if place.problem else "")
+                for place in folder.places.values()
+                if place is not named
+            )
+            if key is None:
+                key = f"?{folder.where}"
+            if key in self.folders:
+                self.partial.append(f"{folder.where}: a second key folder of {key}")
                 continue
-        revision = revision_of(folder.rpartition("/")[2]) or 1
-        objects = {name: client.get_object(Bucket=bucket, Key=f"{folder}/{name}") for name in names}
-        bodies = {name: obj["Body"].read() for name, obj in objects.items()}
-        torn = [
-            name
-            for name, obj in objects.items()
-            if name != MANIFEST_NAME and hashlib.sha256(bodies[name]).hexdigest() != obj["Metadata"].get("sha256")
-        ]
-        if MANIFEST_NAME not in names:
-            # A data object without its manifest is invisible by protocol; a torn one would still be a defect.
-            found.hidden.extend(f"{where}{name}" for name in sorted(names))
-            found.partial.extend(f"{where}{name}: object bytes do not match its sha256 metadata" for name in torn)
-            continue
-        try:
-            manifest = Manifest.from_json(bodies[MANIFEST_NAME], where)
-        except ManifestError as exc:
-            found.add(Published(where, None, False, str(exc), revision))
-            continue
-        # Data objects the manifest does not name are orphans of failed or fenced attempts: readers never see them
-        # (they read what the manifest names), so they are hidden leftovers, not partial exports.
-        orphans = sorted(name for name in names - {MANIFEST_NAME, manifest.data_file} if name.startswith("data-t"))
-        found.hidden.extend(f"{where}{name}" for name in orphans)
-        torn = [name for name in torn if name not in orphans]
-        if names - set(orphans) != {MANIFEST_NAME, manifest.data_file}:
-            found.add(Published(where, manifest, False, f"objects {sorted(names)}", revision))
-        elif torn or hashlib.sha256(bodies[manifest.data_file]).hexdigest() != manifest.sha256:
-            found.add(Published(where, manifest, False, "data object does not match its manifest's sha256", revision))
-        elif manifest.revision != revision:
-            found.add(Published(where, manifest, False, f"manifest of revision {manifest.revision} here", revision))
-        else:
-            found.add(Published(where, manifest, True, revision=revision))
+            self.folders[key] = folder
+
+
+def _named_problem(folder: KeyFolder) -> str:
+    """Why what the pointer names is not a whole export of its key and revision ('' when it is, or names nothing)."""
+    pointer = folder.pointer
+    if pointer is None or pointer.revision == 0:
+        return ""
+    place = folder.places.get(pointer.place)
+    if place is None:
+        return f"the pointer names revision {pointer.revision} at {pointer.place!r}, which is not there"
+    if not place.whole:
+        return f"the pointer names {place.where}, which is not a whole export ({place.problem})"
+    manifest = place.manifest
+    if manifest.revision != pointer.revision:
+        return (
+            f"the pointer names revision {pointer.revision} at {place.where}, which holds revision {manifest.revision}"
+        )
+    if pointer.sha256 is not None and pointer.sha256 != manifest.sha256:
+        return f"the pointer names sha256 {pointer.sha256[:12]}, {place.where} holds {manifest.sha256[:12]}"
+    if pointer.logical_key is not None and pointer.logical_key != manifest.logical_key:
+        return f"the pointer of {pointer.logical_key} names {place.where}, which holds {manifest.logical_key}"
+    return ""
+
+
+def place_of(name: str) -> tuple[int | None, int | None] | None:
+    """``(revision, token)`` a place's name says: ``r<N>-t<T>`` (release 0.5), ``revision=<N>`` (0.4.0, no token);
+    None for a name that is no place."""
+    parsed = parse_place(name)
+    if parsed is not None and name == place_name(*parsed) and parsed[0] >= 1 and parsed[1] >= 1:
+        return parsed
+    prefix, _, number = name.partition("=")
+    if prefix == "revision" and number.isdigit() and str(int(number)) == number and int(number) >= 2:
+        return int(number), None
+    return None
+
+
+def read_pointer(where: str, payload: bytes) -> Pointer:
+    """A pointer object as readers read it: format 2 (fenced), or 0.4.0's (no format: fence 0).
+
+    Raises:
+        ValueError: it does not read as a pointer.
+    """
+    try:
+        values = json.loads(payload)
+        revision = values["revision"]
+        fence = values.get("fence", 0)
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        raise ValueError("a pointer that is not a JSON object with a revision") from None
+    counts = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (revision, fence))
+    fenced = values.get("format") == 2
+    if not counts or (not fenced and (revision < 1 or "fence" in values)):
+        raise ValueError(f"a pointer naming revision {revision!r} with fence {fence!r}")
+    place = values.get("path") if revision else None
+    if revision and not isinstance(place, str):
+        raise ValueError(f"a pointer naming revision {revision} without its place")
+    key = values.get("logical_key")
+    return Pointer(where, key if isinstance(key, str) else None, fence, revision, place, values.get("sha256"), fenced)
+
+
+def survey(
+    destination_spec: dict,
+    ledger_url: str,
+    *,
+    s3_client=None,
+    only: ExportTarget | list[ExportTarget] | None = None,
+    s3_bodies: dict | None = None,
+) -> Survey:
+    """Looks at the destination directly (the folder tree, the bucket listing on the server, the tables) rather than
+    through the destination's own reads; only the ledger table's rows are read back with the destination's own
+    serialization, to compare their sha256. ``only`` limits the look to some targets' key folders (a trial's keys),
+    so that a check per trial does not grow with the number of trials.
+
+    ``s3_bodies`` (a dict the caller keeps between looks) holds the bytes of the objects read before, by key and ETag:
+    an object the listing shows with the ETag it had (the MD5 of its bytes, for an object written in one PUT) is not
+    read again. A look after every step then reads only what changed."""
+    kind = destination_spec["kind"]
+    targets = None if only is None else (only if isinstance(only, list) else [only])
+    found = Survey()
+    if kind == "local":
+        found.finish(_survey_local(Path(destination_spec["root"]), targets, found))
+    elif kind == "s3":
+        bucket, prefix = destination_spec["bucket"], destination_spec.get("prefix", "")
+        found.finish(_survey_s3(s3_client, bucket, prefix, targets, found, {} if s3_bodies is None else s3_bodies))
+    elif kind == "sql":
+        found.finish(_survey_sql(ledger_url, destination_spec["table"], targets, found))
+    else:
+        raise ValueError(kind)
     return found
 
 
-def _s3_body(client, bucket: str, key: str) -> bytes:
-    return client.get_object(Bucket=bucket, Key=key)["Body"].read()
+#: A local store's temporary file (``.tmp-<name>-<pid>-<ns>``): what a writer killed before its link or rename left.
+LOCAL_TEMPORARY = ".tmp-"
 
 
-def _survey_sql(ledger_url: str, table: str, only: ExportTarget | None) -> Survey:
-    """The ledger table as a reader reads it: every revision's manifest (``<table>_revisions`` once a key was
-    restated, else the manifests row), the rows of each under its row key, and the key's current pointer (the
-    ``<table>_manifests`` row, holding the current revision's manifest)."""
-    found = Survey()
+def _survey_local(root: Path, targets: list[ExportTarget] | None, found: Survey) -> list[KeyFolder]:
+    if not root.exists():
+        return []
+    if targets is None:
+        key_folders = []
+        for path in sorted(root.rglob("*")):
+            parts = path.relative_to(root).parts
+            if any(part.startswith(".") for part in parts[:3]):
+                continue  # readers ignore dot-names (the store's locks in .export-ledger among them)
+            if len(parts) < 3 and not path.is_dir():
+                found.partial.append(f"{path.relative_to(root)}: a file where an export folder belongs")
+            elif len(parts) == 3:
+                if path.is_dir():
+                    key_folders.append(path)
+                else:
+                    found.partial.append(f"{path.relative_to(root)}: a file where a key folder belongs")
+    else:
+        key_folders = [root.joinpath(*target.parts) for target in targets]
+    return [_local_folder(root, folder, found) for folder in key_folders if folder.is_dir()]
+
+
+def _local_folder(root: Path, folder: Path, found: Survey) -> KeyFolder:
+    where = str(folder.relative_to(root))
+    key = KeyFolder(where)
+    legacy: dict[str, bytes] = {}
+    for entry in sorted(folder.iterdir()):
+        name = entry.name
+        if name.startswith(LOCAL_TEMPORARY):
+            found.add_temporary(f"{where}/{name}")
+        elif name.startswith("."):
+            continue
+        elif name == POINTER_NAME and entry.is_file():
+            try:
+                key.pointer = read_pointer(f"{where}/{name}", entry.read_bytes())
+            except ValueError as exc:
+                key.problem = str(exc)
+        elif entry.is_file():
+            body = _read(entry)
+            if body is not None:
+                legacy[name] = body  # a 0.4.0 revision 1 in the key folder itself
+        elif entry.is_dir() and place_of(name) is not None:
+            objects = {}
+            try:
+                items = sorted(entry.iterdir())
+            except FileNotFoundError:
+                items = []  # swept since the key folder was listed
+            for item in items:
+                if item.name.startswith(LOCAL_TEMPORARY):
+                    found.add_temporary(f"{where}/{name}/{item.name}")
+                elif item.is_file():
+                    body = _read(item)
+                    if body is not None:
+                        objects[item.name] = body
+                else:
+                    objects[item.name] = None
+            if objects:
+                key.places[name] = _place(f"{where}/{name}", name, objects)
+        elif entry.exists():
+            found.partial.append(f"{where}/{name}: an entry outside the layout")
+    _legacy_revision_1(key, legacy, where)
+    return key
+
+
+def _read(path: Path) -> bytes | None:
+    """A file's bytes; None when it went away since the folder was listed (a sweep running beside the look)."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+
+
+def _legacy_revision_1(key: KeyFolder, objects: dict[str, bytes | None], where: str) -> None:
+    """Objects of the key folder itself: a 0.4.0 revision 1 (place ``.``), read as revision 1 without a pointer."""
+    if not objects:
+        return
+    place = _place(f"{where}/.", ".", objects)
+    key.places["."] = place
+    if key.pointer is None and key.problem == "" and MANIFEST_NAME in objects:
+        manifest = place.manifest
+        key.pointer = Pointer(
+            f"{where} (no pointer: revision 1 in the key folder)",
+            manifest.logical_key if manifest else None,
+            0,
+            1,
+            ".",
+            manifest.sha256 if manifest else None,
+            fenced=False,
+        )
+
+
+def _place(where: str, name: str, objects: dict[str, bytes | None]) -> Place:
+    revision, token = place_of(name) or (1, None)
+    place = Place(where, name, revision, token)
+    if MANIFEST_NAME not in objects or objects[MANIFEST_NAME] is None:
+        place.problem = f"no manifest ({sorted(objects)})"
+        return place
+    try:
+        manifest = Manifest.from_json(objects[MANIFEST_NAME], where)
+    except ManifestError as exc:
+        place.problem = str(exc)
+        return place
+    place.manifest = manifest
+    if set(objects) != {MANIFEST_NAME, manifest.data_file}:
+        place.problem = f"objects {sorted(objects)}, its manifest names {manifest.data_file}"
+    elif (data := objects[manifest.data_file]) is None or hashlib.sha256(data).hexdigest() != manifest.sha256:
+        place.problem = "data does not match its manifest's sha256"
+    elif manifest.revision != revision:
+        place.problem = f"a manifest of revision {manifest.revision} in a place of revision {revision}"
+    elif token is not None and manifest.fencing_token != token:
+        place.problem = f"a manifest of token {manifest.fencing_token} in a place of token {token}"
+    else:
+        place.whole = True
+    return place
+
+
+def _survey_s3(
+    client, bucket: str, prefix: str, targets: list[ExportTarget] | None, found: Survey, bodies: dict
+) -> list[KeyFolder]:
+    base = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
+    starts = [base] if targets is None else [base + "/".join(target.parts) + "/" for target in targets]
+    names: dict[str, list[str]] = {}  # key folder -> object names relative to it
+    etags: dict[str, str] = {}
+    for start in starts:
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=start):
+            for item in page.get("Contents", []):
+                relative = item["Key"][len(base) :]
+                if relative.startswith(".export-ledger-probe/"):
+                    continue  # the destination's check of conditional writes, not an export
+                parts = relative.split("/")
+                if len(parts) < 4:
+                    found.partial.append(f"s3://{bucket}/{item['Key']}: an object where a key folder belongs")
+                    continue
+                names.setdefault("/".join(parts[:3]), []).append("/".join(parts[3:]))
+                etags[item["Key"]] = item["ETag"]
+    folders = []
+    for folder, objects in sorted(names.items()):
+        where = f"s3://{bucket}/{base}{folder}"
+        key = KeyFolder(where)
+        legacy: dict[str, bytes] = {}
+        by_place: dict[str, dict[str, bytes]] = {}
+        for name in sorted(objects):
+            key_name = f"{base}{folder}/{name}"
+            body = bodies.get((key_name, etags[key_name]))
+            if body is None:
+                body = _s3_body(client, bucket, key_name)
+                if body is not None and hashlib.md5(body).hexdigest() == etags[key_name].strip('"'):
+                    bodies[(key_name, etags[key_name])] = body  # the bytes listed, read whole
+            if body is None:
+                continue  # deleted since the listing (a sweep running beside the look)
+            place, sep, rest = name.partition("/")
+            if not sep:
+                if name == POINTER_NAME:
+                    try:
+                        key.pointer = read_pointer(f"{where}/{name}", body)
+                    except ValueError as exc:
+                        key.problem = str(exc)
+                else:
+                    legacy[name] = body
+            elif place_of(place) is not None and "/" not in rest:
+                by_place.setdefault(place, {})[rest] = body
+            else:
+                found.partial.append(f"{where}/{name}: an object outside the layout")
+        for place, items in by_place.items():
+            key.places[place] = _place(f"{where}/{place}", place, items)
+        _legacy_revision_1(key, legacy, where)
+        folders.append(key)
+    return folders
+
+
+def _s3_body(client, bucket: str, key: str) -> bytes | None:
+    try:
+        return client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    except client.exceptions.NoSuchKey:
+        return None
+
+
+def _survey_sql(ledger_url: str, table: str, targets: list[ExportTarget] | None, found: Survey) -> list[KeyFolder]:
+    """The ledger table as a reader reads it: the ``<table>_manifests`` row is the key's pointer (it holds the
+    current revision's manifest); every revision's manifest is kept in ``<table>_revisions`` once the key was
+    restated (else the manifests row is revision 1's); each revision's rows are under their row key."""
     engine = ledger_engine(ledger_url)
     with engine.connect().execution_options(ledger_read_only=True) as conn:
         inspector = sa.inspect(conn)
@@ -462,7 +650,7 @@ def _survey_sql(ledger_url: str, table: str, only: ExportTarget | None) -> Surve
         if not all(present):
             if any(present):
                 found.partial.append(f"sql:{table}: rows table and manifests table do not exist together")
-            return found
+            return []
         restated = inspector.has_table(f"{table}_revisions")  # made at the table's first restatement
         # Only the columns read here, named as the README describes the layout (no reflection: a check per trial).
         rows_table = sa.table(table, sa.column("logical_key"))
@@ -472,16 +660,19 @@ def _survey_sql(ledger_url: str, table: str, only: ExportTarget | None) -> Surve
         counts = sa.select(rows_table.c.logical_key, sa.func.count()).group_by(rows_table.c.logical_key)
         listing = sa.select(manifests)
         kept = sa.select(revisions)
-        if only is not None:
-            key = str(logical_key(only.tenant, only.business_date))
+        if targets is not None:
+            keys = [str(LogicalKey(t.export, t.tenant, window_for(dt.date.fromisoformat(t.business_date), ZONE)))
+                    for t in targets]  # fmt: skip
             counts = counts.where(
                 sa.or_(
-                    rows_table.c.logical_key == key,
-                    rows_table.c.logical_key.startswith(f"{key}#revision=", autoescape=True),
+                    *(rows_table.c.logical_key == key for key in keys),
+                    *(rows_table.c.logical_key.startswith(f"{key}#revision=", autoescape=True) for key in keys),
                 )
             )
-            listing = listing.where(*(manifests.c[c] == getattr(only, c) for c in place))
-            kept = kept.where(*(revisions.c[c] == getattr(only, c) for c in place))
+            listing = listing.where(
+                sa.or_(*(sa.and_(*(manifests.c[c] == getattr(t, c) for c in place)) for t in targets))
+            )
+            kept = kept.where(sa.or_(*(sa.and_(*(revisions.c[c] == getattr(t, c) for c in place)) for t in targets)))
         rows = Counter({row_key: count for row_key, count in conn.execute(counts)})  # per row key
         pointer_rows = list(conn.execute(listing))
         revision_rows = list(conn.execute(kept)) if restated else []
@@ -491,46 +682,57 @@ def _survey_sql(ledger_url: str, table: str, only: ExportTarget | None) -> Surve
     for row in revision_rows:
         by_place.setdefault((row.export, row.tenant, row.business_date), []).append(row)
     row_keys_read = set()
+    folders = []
     for pointer_row in pointer_rows:
-        place_of = (pointer_row.export, pointer_row.tenant, pointer_row.business_date)
+        place_of_key = (pointer_row.export, pointer_row.tenant, pointer_row.business_date)
         where = f"sql:{table}/{pointer_row.export}/tenant={pointer_row.tenant}/date={pointer_row.business_date}"
-        pointer = Manifest.from_json(pointer_row.manifest.encode(), where)
-        kept_rows = sorted(by_place.pop(place_of, []), key=lambda r: r.revision)
+        folder = KeyFolder(where)
+        current = Manifest.from_json(pointer_row.manifest.encode(), where)
+        kept_rows = sorted(by_place.pop(place_of_key, []), key=lambda r: r.revision)
         # A key never restated: its manifests row is revision 1's manifest. A restated key: every revision's
         # manifest is in <table>_revisions, and the pointer must hold one of them, byte for byte.
         listed = [(r.revision, r.row_key, r.manifest) for r in kept_rows] or [(1, pointer_row.logical_key, None)]
-        if kept_rows and pointer_row.manifest not in {r.manifest for r in kept_rows if r.revision == pointer.revision}:
-            found.partial.append(f"{where}: the current pointer holds a manifest no kept revision holds")
-        elif not kept_rows and pointer.revision != 1:
-            found.partial.append(f"{where}: the current pointer names revision {pointer.revision}, none is kept")
+        if kept_rows and pointer_row.manifest not in {r.manifest for r in kept_rows if r.revision == current.revision}:
+            folder.problem = "the pointer row holds a manifest no kept revision holds"
+        elif not kept_rows and current.revision != 1:
+            folder.problem = f"the pointer row names revision {current.revision}, none is kept"
         else:
-            path = "." if pointer.revision == 1 else f"revision={pointer.revision}"
-            found.pointers[pointer.logical_key] = Pointer(
-                where, pointer.logical_key, pointer.revision, pointer.sha256, path
-            )
+            folder.pointer = Pointer(
+                where, current.logical_key, 0, current.revision, sql_place(current.revision), current.sha256,
+                fenced=False,
+            )  # fmt: skip
         for revision, row_key, text in listed:
-            at = where if revision == 1 else f"{where}/revision={revision}"
-            manifest = pointer if text is None else Manifest.from_json(text.encode(), at)
+            name = sql_place(revision)
+            at = f"{where}/{name}"
+            place = Place(at, name, revision, None)
+            folder.places[name] = place
+            manifest = current if text is None else Manifest.from_json(text.encode(), at)
+            place.manifest = manifest
             row_keys_read.add(row_key)
             if manifest.revision != revision or row_key != sql_row_key(manifest.logical_key, revision):
-                found.add(Published(at, manifest, False, f"revision {manifest.revision} kept as {revision}", revision))
+                place.problem = f"revision {manifest.revision} kept as {revision}"
                 continue
             target = ExportTarget(pointer_row.export, pointer_row.tenant, pointer_row.business_date, revision)
             payload = destination.read_data(target, manifest)
             if rows[row_key] != manifest.row_count:
-                problem = f"{rows[row_key]} rows, manifest says {manifest.row_count}"
-                found.add(Published(at, manifest, False, problem, revision))
+                place.problem = f"{rows[row_key]} rows, manifest says {manifest.row_count}"
             elif hashlib.sha256(payload).hexdigest() != manifest.sha256:
-                found.add(Published(at, manifest, False, "rows do not match the manifest's sha256", revision))
+                place.problem = "rows do not match the manifest's sha256"
             else:
-                found.add(Published(at, manifest, True, revision=revision))
-    for place_of, orphans in by_place.items():
-        found.partial.append(f"sql:{table}_revisions: revisions {[r.revision for r in orphans]} of {place_of} "
-                             "without a current pointer")  # fmt: skip
+                place.whole = True
+        folders.append(folder)
+    for place_of_key, orphans in by_place.items():
+        found.partial.append(f"sql:{table}_revisions: revisions {[r.revision for r in orphans]} of {place_of_key} "
+                             "without a pointer row")  # fmt: skip
     for row_key, count in rows.items():
         if row_key not in row_keys_read:
             found.partial.append(f"sql:{table}: {count} rows of {row_key} without a manifest")  # visible to readers
-    return found
+    return folders
+
+
+def sql_place(revision: int) -> str:
+    """The place of a ledger table's revision, as its recorded location ends (``.``: the key's own, revision 1)."""
+    return "." if revision == 1 else f"revision={revision}"
 
 
 def sql_row_key(key: str, revision: int) -> str:
@@ -539,85 +741,134 @@ def sql_row_key(key: str, revision: int) -> str:
     return key if revision == 1 else f"{key}#revision={revision}"
 
 
+def leftovers(ledger: ExportLedger, found: Survey) -> list[str]:
+    """What is at the destination that neither a pointer nor a recorded revision names (places of failed, fenced or
+    killed attempts that no later attempt swept, temporary files of killed writers): invisible by protocol, so never
+    a violation, but counted. The earlier revisions a key keeps are not leftovers."""
+    items = list(found.temporary)
+    for key, folder in found.folders.items():
+        recorded = ledger.restatements.revisions(key) if not key.startswith("?") else []
+        kept = {place_of_location(row.location) for row in recorded}
+        named = folder.named
+        items.extend(p.where for p in folder.places.values() if p is not named and p.name not in kept)
+    return items
+
+
 # -- invariants ---------------------------------------------------------------------------------------------------
 
 
-#: Every list :func:`violations` returns, in the order the harnesses report them.
+#: Every list :func:`violations` returns, in the order the harnesses report them: the invariants of docs/protocol.md
+#: ("Invariants") that a survey and the ledger can show, and the end state of a run of trials.
 INVARIANTS = (
     "duplicate_exports",
     "visible_partial",
     "current_not_one",
+    "pointer_disagrees",
     "revision_chain_broken",
-    "revisions_not_recorded",
-    "completed_without_export",
+    "stale_token_visible",
+    "named_deleted",
+    "revision_replaced",
     "not_completed",
     "effects_not_one",
 )
 
 
-def violations(ledger: ExportLedger, found: Survey, keys: list[str] | None = None, *, final: bool) -> dict[str, list]:
-    """The crash and race invariants, as lists of offending keys or things (every list must be empty).
+@dataclass
+class History:
+    """What earlier checks saw of each key: invariants 4, 5 and 7 are about time (the pointer never moves back, a
+    fence once raised holds, nothing once named goes away or changes)."""
 
-    * ``duplicate_exports``: two visible exports of one revision of a key.
-    * ``visible_partial``: something a reader sees that is not a whole export, or a pointer that does not read.
-    * ``current_not_one``: a key with exports whose current revision (the pointer's, or 1 without one) is not exactly
-      one intact export of that revision, named as the pointer says (key, sha256, place).
-    * ``revision_chain_broken``: a published revision N >= 2 whose manifest does not supersede revision N - 1 with
-      N - 1's sha256, or whose revision N - 1 is not there, intact (earlier revisions stay readable).
-    * ``revisions_not_recorded``: the ledger's ``revisions()`` and the published revisions disagree: a recorded
-      revision not published (or with other bytes), a published one neither recorded nor the key's pending
-      restatement (while the key is not completed), a recorded revision N + 1 that does not supersede N's sha256.
-    * ``completed_without_export``: a ``completed`` record whose revision is not the current one, or whose sha256 is
-      not the current export's.
+    fence: dict[str, int] = field(default_factory=dict)
+    revision: dict[str, int] = field(default_factory=dict)
+    place: dict[str, str | None] = field(default_factory=dict)
+    #: Every place a pointer or a recorded revision named: key -> {place: (revision, sha256)}.
+    named: dict[str, dict[str, tuple[int, str]]] = field(default_factory=dict)
+    #: The key's recorded revisions and effect rows as last read, with the record they were read beside. Both change
+    #: only in a transition that also changes the record (a completion or repair comes with a new token and state),
+    #: so while the record is equal they are read from here.
+    reads: dict[str, tuple[ExportRecord | None, list, list]] = field(default_factory=dict)
+
+    def ledger_reads(self, ledger: ExportLedger, key: str, record: ExportRecord | None) -> tuple[list, list]:
+        """The key's recorded revisions and effect rows (``completed`` or ``repaired`` attempt rows)."""
+        cached = self.reads.get(key)
+        if cached is not None and cached[0] == record:
+            return cached[1], cached[2]
+        recorded, effects = _ledger_reads(ledger, key)
+        self.reads[key] = (record, recorded, effects)
+        return recorded, effects
+
+
+def _ledger_reads(ledger: ExportLedger, key: str) -> tuple[list, list]:
+    recorded = ledger.restatements.revisions(key)
+    return recorded, [a for a in ledger.queries.attempts(key) if a.outcome in EFFECTS]
+
+
+def violations(
+    ledger: ExportLedger,
+    found: Survey,
+    keys: list[str] | None = None,
+    *,
+    final: bool,
+    history: History | None = None,
+    records: dict | None = None,
+) -> dict[str, list]:
+    """The invariants of docs/protocol.md ("Invariants"), as lists of offending keys or things (each must be empty).
+
+    * ``duplicate_exports`` (1): a revision recorded twice, or more recorded effects (``completed`` or ``repaired``
+      attempt rows) than recorded revisions.
+    * ``visible_partial``: what a reader following the layout finds broken (see :class:`Survey`).
+    * ``current_not_one`` (2): a pointer that does not read, or names revision N >= 1 but no whole place of it.
+    * ``pointer_disagrees`` (3): the pointer and the ledger disagree: a ``completed`` key's pointer must name the place
+      (and sha256) of its recorded current revision ``s``; a ``failed`` key's, ``s`` (nothing: revision 0, for a key
+      never completed); an ``in_progress`` or ``remote_unknown`` key's, ``s`` or a place of the revision ``r`` under
+      way; a key with no record, nothing. Only ``conflict`` may hold anything else.
+    * ``revision_chain_broken`` (4): recorded revisions not increasing, one not superseding the recorded one before it
+      (with its sha256), a recorded place whose manifest says otherwise; with ``history``, a pointer moved back.
+    * ``stale_token_visible`` (5): a pointer naming a place of a token above its fence, a fence above the ledger's
+      token; with ``history``, a fence that went down, or the pointer moved to a place whose token is below a fence
+      it carried before (a stale commit that succeeded).
+    * ``named_deleted`` (7): a recorded revision's place gone, or not whole with its recorded sha256; with
+      ``history``, a place once named by the pointer or a record gone or changed.
+    * ``revision_replaced``: with ``history``, a revision once named at one place (or sha256) named at another.
     * ``not_completed`` (final): a key not ``completed``, or completed with its restatement still open.
-    * ``effects_not_one`` (final): not exactly one recorded effect (a ``completed`` or ``repaired`` attempt row) per
-      recorded revision.
+    * ``effects_not_one`` (final): not exactly one recorded effect per recorded revision.
 
     Args:
-        found: What the destination shows: all of it when ``keys`` is None, else at least those keys' places.
+        found: What the destination shows: all of it when ``keys`` is None, else at least those keys' folders.
         keys: The logical keys to check; None checks every key in the ledger against a survey of everything.
         final: After the last attempt: every key must be completed, its restatement done, one effect per revision.
+        history: What earlier checks of the same keys saw; updated with what this one sees.
+        records: The keys' records, when the caller has just read them.
     """
     if keys is None:
-        records = {r.logical_key: r for r in ledger.records()}
+        records = {r.logical_key: r for r in ledger.queries.records()}
         keys = sorted(records)
-    else:
-        records = {key: ledger.get(key) for key in keys}
-    requests = ledger.open_restatements(keys)
+    elif records is None:
+        records = {key: ledger.queries.get(key) for key in keys}
+    requests = ledger.restatements.open_requests(keys)
     problems: dict[str, list] = {name: [] for name in INVARIANTS}
-    problems["duplicate_exports"] = [
-        f"{k}: revision {n}"
-        for k, exports in found.exports.items()
-        for n, count in Counter(p.revision for p in exports).items()
-        if count > 1
-    ]
     problems["visible_partial"] = list(found.partial)
     for key in keys:
         record = records.get(key)
-        exports = found.exports.get(key, [])
-        current = found.current(key)
-        problems["current_not_one"].extend(_current_problems(found, key))
-        problems["revision_chain_broken"].extend(_chain_problems(found, key))
-        recorded = ledger.revisions(key)
-        pending = requests.get(key)
-        completed = record is not None and record.state is ExportState.COMPLETED
-        problems["revisions_not_recorded"].extend(_recording_problems(key, exports, recorded, pending, completed))
-        if completed:
-            ledger_current = recorded[-1] if recorded else None
-            at_current = found.at(key, current)
-            if ledger_current is None or ledger_current.revision != current:
-                problems["completed_without_export"].append(
-                    f"{key}: completed at revision {ledger_current.revision if ledger_current else None}, "
-                    f"the destination's current revision is {current}"
-                )
-            elif not any(p.manifest.sha256 == record.sha256 for p in at_current):
-                problems["completed_without_export"].append(f"{key}: revision {current} is not the recorded export")
+        folder = found.folder(key) or KeyFolder(f"(no key folder of {key})")
+        reads = history.ledger_reads(ledger, key, record) if history is not None else _ledger_reads(ledger, key)
+        recorded, effects = reads
+        check = _KeyCheck(key, record, folder, recorded, requests.get(key), problems)
+        check.one_export(effects)
+        check.one_current()
+        check.agrees()
+        check.chain()
+        check.fencing()
+        check.kept()
+        if history is not None:
+            check.against(history)
         if final:
-            if not completed:
+            if record is None or record.state is not ExportState.COMPLETED:
                 problems["not_completed"].append(f"{key}: {record.state.value if record else 'no record'}")
-            elif pending is not None:
-                problems["not_completed"].append(f"{key}: completed with revision {pending.revision} still requested")
-            effects = [a for a in ledger.attempts(key) if a.outcome in EFFECTS]
+            elif requests.get(key) is not None:
+                problems["not_completed"].append(
+                    f"{key}: completed with revision {requests[key].revision} still requested"
+                )
             if len(effects) != max(len(recorded), 1):
                 problems["effects_not_one"].append(
                     f"{key}: {[a.outcome.value for a in effects]} for {len(recorded)} revision(s)"
@@ -625,63 +876,155 @@ def violations(ledger: ExportLedger, found: Survey, keys: list[str] | None = Non
     return problems
 
 
-def _current_problems(found: Survey, key: str) -> list[str]:
-    exports = found.exports.get(key, [])
-    pointer = found.pointers.get(key)
-    if not exports:
-        return [f"{key}: a current pointer without any export"] if pointer is not None else []
-    current = found.current(key)
-    at_current = found.at(key, current)
-    if len(at_current) != 1:
-        return [f"{key}: the current revision {current} has {len(at_current)} intact export(s)"]
-    if pointer is None:
-        return []
-    (published,) = at_current
-    expected_path = "." if current == 1 else f"revision={current}"
-    if (pointer.sha256, pointer.path) != (published.manifest.sha256, expected_path):
-        return [f"{key}: the pointer names {pointer.path} {str(pointer.sha256)[:12]}, the export is {expected_path} "
-                f"{published.manifest.sha256[:12]}"]  # fmt: skip
-    return []
+@dataclass
+class _KeyCheck:
+    """The invariants of one key: its record, folder, recorded revisions and open request; problems go into
+    ``problems`` (shared by every key of one :func:`violations`)."""
 
+    key: str
+    record: ExportRecord | None
+    folder: KeyFolder
+    recorded: list[Revision]
+    pending: Restatement | None
+    problems: dict[str, list]
 
-def _chain_problems(found: Survey, key: str) -> list[str]:
-    problems = []
-    for published in found.exports.get(key, []):
-        manifest, revision = published.manifest, published.revision
-        if revision == 1:
-            if (manifest.supersedes_revision, manifest.supersedes_sha256) != (None, None):
-                problems.append(f"{key}: revision 1 supersedes something")
-            continue
-        before = found.at(key, revision - 1)
-        if len(before) != 1:
-            problems.append(f"{key}: revision {revision} is published, revision {revision - 1} is not intact beside it")
-        elif (manifest.supersedes_revision, manifest.supersedes_sha256) != (revision - 1, before[0].manifest.sha256):
-            problems.append(
-                f"{key}: revision {revision}'s manifest supersedes {manifest.supersedes_revision} "
-                f"{str(manifest.supersedes_sha256)[:12]}, not revision {revision - 1} {before[0].manifest.sha256[:12]}"
+    def add(self, invariant: str, text: str) -> None:
+        self.problems[invariant].append(f"{self.key}: {text}")
+
+    @property
+    def pointer(self) -> Pointer:
+        return self.folder.pointer or Pointer(self.folder.where, None, 0, 0, None, None, fenced=False)
+
+    def one_export(self, effects: list) -> None:
+        revisions = Counter(row.revision for row in self.recorded)
+        for revision, count in revisions.items():
+            if count > 1:
+                self.add("duplicate_exports", f"revision {revision} recorded {count} times")
+        if len(effects) > len(self.recorded):
+            self.add(
+                "duplicate_exports",
+                f"{len(effects)} recorded effects ({[a.outcome.value for a in effects]}) for "
+                f"{len(self.recorded)} recorded revision(s)",
             )
-    return problems
 
+    def one_current(self) -> None:
+        folder = self.folder
+        if folder.problem:
+            self.add("current_not_one", f"{folder.where}: {folder.problem}")
+        elif folder.current and folder.visible is None:
+            self.add("current_not_one", f"revision {folder.current} is current but no whole place of it is named "
+                                        f"({_named_problem(folder)})")  # fmt: skip
 
-def _recording_problems(key: str, exports: list[Published], recorded: list, pending, completed: bool) -> list[str]:
-    problems = []
-    published = {p.revision: p.manifest.sha256 for p in exports}
-    for row in recorded:
-        if published.get(row.revision) != row.sha256:
-            problems.append(f"{key}: revision {row.revision} is recorded but not published with its sha256")
-        if row.revision >= 2:
-            before = next((r for r in recorded if r.revision == row.revision - 1), None)
-            if before is None or (row.supersedes_revision, row.supersedes_sha256) != (before.revision, before.sha256):
-                problems.append(
-                    f"{key}: recorded revision {row.revision} does not supersede revision {row.revision - 1}"
+    def agrees(self) -> None:
+        """Invariant 3."""
+        record, pointer = self.record, self.pointer
+        s = self.recorded[-1] if self.recorded else None
+        names_s = pointer.revision == 0 if s is None else (
+            (pointer.revision, pointer.place) == (s.revision, place_of_location(s.location))
+        )  # fmt: skip
+        said = f"the pointer names revision {pointer.revision} at {pointer.place!r}"
+        recorded = "nothing" if s is None else f"revision {s.revision} at {place_of_location(s.location)!r}"
+        if record is None:
+            if pointer.revision != 0 or self.folder.places:
+                self.add(
+                    "pointer_disagrees", f"{said} with {len(self.folder.places)} place(s), the ledger has no record"
                 )
-    if [row.revision for row in recorded] != list(range(1, len(recorded) + 1)):
-        problems.append(f"{key}: recorded revisions {[row.revision for row in recorded]}")
-    known = {row.revision for row in recorded}
-    # A restatement published but not yet recorded (its attempt died) waits for reconciliation: never once completed.
-    waiting = {pending.revision} if pending is not None and not completed else set()
-    for revision in sorted(set(published) - known - waiting):
-        if revision == 1 and not recorded and not completed:
-            continue  # a first export published, its completion not yet recorded
-        problems.append(f"{key}: revision {revision} is published but not recorded")
-    return problems
+            return
+        state = record.state
+        if state is ExportState.COMPLETED:
+            if s is None or not names_s:
+                self.add("pointer_disagrees", f"completed at {recorded}, {said}")
+            elif (pointer.sha256 is not None and pointer.sha256 != record.sha256) or s.sha256 != record.sha256:
+                self.add("pointer_disagrees", f"completed with sha256 {str(record.sha256)[:12]}, {said} with "
+                                              f"{str(pointer.sha256)[:12]}")  # fmt: skip
+        elif state is ExportState.FAILED:
+            if not names_s:
+                self.add("pointer_disagrees", f"failed with {recorded} recorded, {said}")
+        elif state in (ExportState.IN_PROGRESS, ExportState.REMOTE_UNKNOWN):
+            r = self.pending.revision if self.pending is not None else 1
+            named = self.folder.named
+            under_way = pointer.revision == r and named is not None and named.revision == r
+            if not (names_s or under_way):
+                self.add("pointer_disagrees", f"{state.value} publishing revision {r} over {recorded}, {said}")
+
+    def chain(self) -> None:
+        """Invariant 4, from the ledger's revision rows and the manifests at their places."""
+        numbers = [row.revision for row in self.recorded]
+        if numbers != sorted(set(numbers)):
+            self.add("revision_chain_broken", f"recorded revisions {numbers}")
+        before = None
+        for row in self.recorded:
+            supersedes = (row.supersedes_revision, row.supersedes_sha256)
+            expected = (None, None) if before is None else (before.revision, before.sha256)
+            if supersedes != expected:
+                self.add("revision_chain_broken", f"recorded revision {row.revision} supersedes {supersedes[0]} "
+                                                  f"{str(supersedes[1])[:12]}, not {expected[0]} "
+                                                  f"{str(expected[1])[:12]}")  # fmt: skip
+            place = self.folder.places.get(place_of_location(row.location))
+            if place is not None and place.whole:
+                manifest = place.manifest
+                said = (manifest.revision, manifest.supersedes_revision, manifest.supersedes_sha256)
+                if said != (row.revision, *supersedes):
+                    self.add(
+                        "revision_chain_broken",
+                        f"{place.where} says revision {said[0]} superseding {said[1]}, the ledger records "
+                        f"{row.revision} superseding {supersedes[0]}",
+                    )
+            before = row
+
+    def fencing(self) -> None:
+        """Invariant 5, from one look: a commit writes its token as the fence; fences come from the ledger's
+        tokens."""
+        pointer, named = self.pointer, self.folder.named
+        if not pointer.fenced:
+            return
+        if named is not None and named.token is not None and named.token > pointer.fence:
+            self.add("stale_token_visible", f"the pointer names {named.name} under fence {pointer.fence}")
+        if self.record is not None and pointer.fence > self.record.fencing_token:
+            self.add("stale_token_visible", f"the pointer is fenced at {pointer.fence}, above the ledger's token "
+                                            f"{self.record.fencing_token}")  # fmt: skip
+
+    def kept(self) -> None:
+        """Invariant 7, from the ledger: every recorded revision's place is there, whole, with its sha256."""
+        for row in self.recorded:
+            name = place_of_location(row.location)
+            place = self.folder.places.get(name)
+            if place is None:
+                self.add("named_deleted", f"recorded revision {row.revision}'s place {name!r} is gone")
+            elif not place.whole or place.manifest.sha256 != row.sha256:
+                self.add("named_deleted", f"recorded revision {row.revision} at {place.where} is not whole with its "
+                                          f"recorded sha256 ({place.problem or 'other bytes'})")  # fmt: skip
+
+    def against(self, history: History) -> None:
+        """Invariants 4, 5 and 7 over time, then what this look saw is remembered."""
+        key, pointer, named = self.key, self.pointer, self.folder.named
+        fence_before = history.fence.get(key, 0)
+        if pointer.fenced and pointer.fence < fence_before:
+            self.add("stale_token_visible", f"the pointer's fence went down from {fence_before} to {pointer.fence}")
+        moved = history.place.get(key) != pointer.place
+        if moved and named is not None and named.token is not None and named.token < fence_before:
+            self.add("stale_token_visible", f"the pointer moved to {named.name}, below the fence {fence_before} it "
+                                            "carried before")  # fmt: skip
+        if pointer.revision < history.revision.get(key, 0):
+            self.add("revision_chain_broken", f"the pointer moved back from revision {history.revision[key]} to "
+                                              f"{pointer.revision}")  # fmt: skip
+        seen = history.named.setdefault(key, {})
+        for name, (revision, sha256) in sorted(seen.items()):
+            place = self.folder.places.get(name)
+            if place is None:
+                self.add("named_deleted", f"{name} (revision {revision}), once named, is gone")
+            elif not place.whole or place.manifest.sha256 != sha256:
+                self.add("named_deleted", f"{place.where} (revision {revision}), once named, changed ({place.problem})")
+        naming = [(row.revision, place_of_location(row.location), row.sha256) for row in self.recorded]
+        if named is not None and named.whole:
+            naming.append((pointer.revision, named.name, named.manifest.sha256))
+        for revision, name, sha256 in naming:
+            other = [(n, s) for n, (r, s) in seen.items() if r == revision and (n, s) != (name, sha256)]
+            if other:
+                self.add("revision_replaced", f"revision {revision} is named at {name} {sha256[:12]}, it was at "
+                                              f"{other[0][0]} {other[0][1][:12]}")  # fmt: skip
+            seen.setdefault(name, (revision, sha256))
+        if pointer.fenced:
+            history.fence[key] = max(fence_before, pointer.fence)
+        history.revision[key] = max(history.revision.get(key, 0), pointer.revision)
+        history.place[key] = pointer.place

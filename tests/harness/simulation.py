@@ -8,23 +8,29 @@ attempt hands control back to the scheduler, which decides from the seed what ha
   (an ordinary error), or leave it paused (a stalled worker);
 * start another attempt on a key (a retry, a concurrent backfill);
 * advance the ledger's clock past the lease (a stalled holder loses its key);
-* tick the sensor: reconcile stuck keys from the destination's evidence, then rerun failed keys with reruns left;
-* inject a destination fault on the next write (S3: through the fault proxy; local and ledger table: a failure at
-  the write itself);
-* change the source (late data), so a retry may carry other bytes than a dead attempt left behind;
-* request a restatement of a completed key (where the destination keeps revisions): the source changes and the key's
-  next attempts race to publish revision N + 1 beside N and move its current pointer (a fault can hit that move).
+* tick the sensor: reconcile stuck keys (hold with a new token, fence the pointer, judge), then rerun failed keys with
+  automatic reruns left (``claim_count``);
+* inject a destination fault on the attempt's next write: after its claim (the pointer's fence, or the staging of its
+  place) or after staging (the pointer's commit, the one write readers see); S3 through the fault proxy, local and
+  ledger table as a failure at the store or the insert itself;
+* change the source (late data): attempts read their source after the claim, so a retry may carry other bytes than a
+  dead attempt left behind;
+* request a restatement of a completed key: the source changes and the key's next attempts race to commit revision
+  N + 1 over N (the pointer's compare-and-swap, fenced by the token).
 
 Then faults stop: paused attempts wake up (and must be fenced), the clock passes every lease, and the sensor ticks and
-reruns until nothing changes. The checks:
+reruns until nothing changes. The checks are the invariants of docs/protocol.md ("Invariants") through
+:func:`harness.protocol.violations` on the v2 layout read directly (:func:`harness.protocol.survey`), with what every
+earlier step saw of the schedule's keys:
 
-* safety, after every step: a published revision never replaced; exactly one current revision per key, published
-  and whole, and the pointer never moves back; revision N + 1 supersedes N with N's sha256, and N stays published;
-  one ledger revision row per published revision (a published one not yet recorded only while its restatement is
-  under way); no ``completed`` record without its revision current (same sha256);
+* safety, after every step: one recorded export per revision; nothing half-visible; exactly one current revision (the
+  pointer, naming a whole place); the pointer agreeing with the ledger (``completed``: its recorded revision;
+  ``failed``: the recorded one it superseded, or nothing; under way: either); recorded revisions a chain, the pointer
+  never moving back; no effect of a stale token visible (a fence never goes down, no commit below it succeeds);
+  nothing a pointer or a recorded revision named deleted or replaced;
 * liveness, at the end: every key ``completed`` with its restatement done (the requested partition is materialized
-  once more, as an operator would), or escalated to a person (:meth:`ExportLedger.needs_attention`); one effect
-  row per revision.
+  once more, as an operator would), or escalated to a person (a conflict, or failed with its automatic reruns
+  spent); one effect row per revision.
 
 A failing schedule is reported with its seed; ``replay(seed, ...)`` runs exactly that schedule again.
 """
@@ -32,7 +38,6 @@ A failing schedule is reported with its seed; ``replay(seed, ...)`` runs exactly
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import random
 import threading
 from dataclasses import dataclass, field
@@ -44,10 +49,10 @@ from export_ledger.calendar import window_for
 from export_ledger.destinations import ExportTarget, TransactionalDestination
 from export_ledger.frames import ExportSchema
 from export_ledger.keys import LogicalKey
-from export_ledger.ledger import ExportLedger, ExportState
-from export_ledger.ledger.core import DEFAULT_MAX_ATTEMPTS
+from export_ledger.ledger import DEFAULT_MAX_ATTEMPTS, ExportLedger, ExportState
 from export_ledger.protocol import ExportItem, export_key
 from export_ledger.reconcile import reconcile_batch
+from harness.protocol import EFFECTS, History, violations
 
 UTC = dt.timezone.utc
 ZONE = "America/New_York"
@@ -78,25 +83,27 @@ class Clock:
 class Attempt(threading.Thread):
     """One attempt on one key, stepped by the scheduler at each named point."""
 
-    def __init__(self, sim: Simulation, name: str, key: LogicalKey, version: int) -> None:
+    def __init__(self, sim: Simulation, name: str, key: LogicalKey) -> None:
         super().__init__(name=name, daemon=True)
-        self.sim, self.key, self.version = sim, key, version
+        self.sim, self.key = sim, key
         self.attempt_id = f"{name}/sim"
         self.turn = threading.Event()
         self.point: str | None = "start"
         self.fate: str | None = None  # crash | raise, set by the scheduler before resuming
         self.outcome: str | None = None
         self.done = False
-        # A restatement's attempt: after publishing, its next write moves the key's current pointer.
-        self.restating = sim.restatements and str(key) in sim.ledger.open_restatements([str(key)])
 
     def run(self) -> None:
         self.turn.wait()
         self.turn.clear()
-        frame = self.sim.frame(self.key, self.version)
+        sim, key = self.sim, self.key
+
+        def frame() -> pd.DataFrame:  # read after the claim, as the source is when it is read (late data included)
+            return sim.frame(key, sim.versions.get(str(key), 0))
+
         try:
             result = export_key(
-                self.sim.ledger, self.sim.destination, SCHEMA, ExportItem(self.key, "p", frame), self.attempt_id,
+                sim.ledger, sim.destination, SCHEMA, ExportItem(key, "p", frame), self.attempt_id,
                 log=lambda _level, _message: None,
             )  # fmt: skip
             self.outcome = result.status
@@ -139,13 +146,18 @@ class Report:
     revisions: dict[str, int] = field(default_factory=dict)  # each key's current revision at the end
 
 
+#: The points after which an attempt's next step writes to the destination, and what it writes there: the fence and
+#: its place's staging (after its claim), the commit of the pointer (after staging: the one write readers see).
+WRITES = {"after_claim": "fence or stage", "after_stage": "commit"}
+
+
 class Simulation:
     """One seeded schedule over ``destination`` and ``ledger_url``; :meth:`run` returns a :class:`Report`.
 
     ``fault(kind)`` arms one destination fault for the next write (the caller's own per destination; None disarms),
-    and ``survey(keys)`` returns what the destination holds for those keys as ``{logical key: Seen}``. With
-    ``restatements`` (a destination that keeps revisions), schedules restate keys; ``pointer_fault_kinds`` are the
-    faults armed for a restatement's move of the current pointer.
+    and ``survey(targets)`` returns what the destination holds at those targets' key folders as a
+    :class:`harness.protocol.Survey` (read directly, as readers read the layout). With ``restatements`` (a
+    destination that keeps revisions), schedules restate keys.
     """
 
     def __init__(
@@ -158,7 +170,6 @@ class Simulation:
         survey,
         fault_kinds,
         restatements: bool = False,
-        pointer_fault_kinds=(),
     ) -> None:
         self.seed = seed
         self.rng = random.Random(seed)
@@ -166,12 +177,12 @@ class Simulation:
         self.ledger = ExportLedger(ledger_url, lease_ttl=TTL, clock=self.clock)
         self.destination = destination
         self.fault, self.survey, self.fault_kinds = fault, survey, fault_kinds
-        self.restatements, self.pointer_fault_kinds = restatements, tuple(pointer_fault_kinds)
-        self.current_seen: dict[str, int] = {}  # the highest current revision seen per key: it never moves back
+        self.restatements = restatements
+        self.history = History()  # what every check saw of this schedule's keys: the invariants over time
+        self.last_look: list | None = None  # the keys' records when the destination was last read
         self.back = threading.Event()
         self.attempts: list[Attempt] = []
         self.versions: dict[str, int] = {}
-        self.first_export: dict[tuple[str, int], str] = {}  # (key, revision) -> the sha256 first seen there
         self.report = Report(seed)
         day = dt.date(2026, 1, 1) + dt.timedelta(days=seed % 3000)
         tenants = [f"s{seed}a", f"s{seed}b"][: self.rng.choice((1, 1, 2))]
@@ -193,11 +204,6 @@ class Simulation:
             }
         )
 
-    @property
-    def _writing(self) -> tuple[str, ...]:
-        """The points after which an attempt's next step may change the destination."""
-        return ("after_stage", "after_claim", "after_publish") if self.restatements else ("after_stage", "after_claim")
-
     def _hook(self, point: str) -> None:
         current = threading.current_thread()
         if isinstance(current, Attempt) and current.sim is self:
@@ -213,7 +219,7 @@ class Simulation:
             raise RuntimeError(f"seed {self.seed}: attempt {attempt.name} did not hand control back")
 
     def _start(self, key: LogicalKey) -> Attempt:
-        attempt = Attempt(self, f"a{len(self.attempts)}", key, self.versions.get(str(key), 0))
+        attempt = Attempt(self, f"a{len(self.attempts)}", key)
         self.attempts.append(attempt)
         self._step(attempt)  # runs until its first named point (or its end: a refused claim)
         return attempt
@@ -225,11 +231,9 @@ class Simulation:
             return
         # This schedule's failed keys (the sensor walks every failed key with a cursor; earlier schedules' escalated
         # keys stay failed in this shared ledger and would fill a first page).
-        records = [self.ledger.get(str(k)) for k in self.keys]
-        failed = [r for r in records if r is not None and r.state is ExportState.FAILED]
-        bases = self.ledger.rerun_bases([r.logical_key for r in failed])
+        failed = [r for r in self._records() if r is not None and r.state is ExportState.FAILED]
         for record in failed:
-            if record.fencing_token - bases[record.logical_key] < DEFAULT_MAX_ATTEMPTS:
+            if record.claim_count < DEFAULT_MAX_ATTEMPTS:  # export claims since the last request or resolution
                 key = next(k for k in self.keys if str(k) == record.logical_key)
                 key = LogicalKey(key.export, key.tenant, record.window)
                 self._finish(self._start(key), faults=False)
@@ -239,73 +243,33 @@ class Simulation:
             fate = None
             if faults and self.rng.random() < 0.1:
                 fate = self.rng.choice(("crash", "raise"))
-            publishing = attempt.point in self._writing
+            publishing = attempt.point in WRITES and fate != "crash"  # a crash there stops before any write
             self._step(attempt, fate)
             self._check(published=publishing)
 
     # -- the checks --------------------------------------------------------------------------------------------
 
+    def _records(self) -> list:
+        """The schedule's keys' records (None: never claimed), in key order."""
+        return [self.ledger.queries.get(str(key)) for key in self.keys]
+
     def _check(self, *, published: bool = True) -> None:
-        """Safety now. The destination is read when a step may have published or moved a pointer (``published``) or
-        a key says it is completed; otherwise nothing there can have changed since the last look."""
-        records = {str(key): self.ledger.get(str(key)) for key in self.keys}
-        completed = any(r is not None and r.state is ExportState.COMPLETED for r in records.values())
-        if not (published or completed):
+        """Safety now. The destination is read when a step may have written to it (``published``), or when a key is
+        completed and the ledger's records changed since the last look; otherwise neither the destination nor the
+        ledger changed since then, and the invariants would find what they found."""
+        names = [str(key) for key in self.keys]
+        records = self._records()
+        completed = any(r is not None and r.state is ExportState.COMPLETED for r in records)
+        if not (published or completed) or (not published and records == self.last_look):
             return
-        seen = self.survey(self.keys)
-        requests = self.ledger.open_restatements(list(records)) if self.restatements else {}
-        for key in self.keys:
-            name = str(key)
-            found = seen.get(name)
-            record = records[name]
-            if found is None:
-                if record is not None and record.state is ExportState.COMPLETED:
-                    self._violation(f"{name}: completed in the ledger without its export at the destination")
-                continue
-            for revision, sha in found.revisions.items():
-                first = self.first_export.setdefault((name, revision), sha)
-                if sha != first:
-                    self._violation(f"{name}: revision {revision} was replaced ({first[:12]} -> {sha[:12]})")
-                if sha.startswith("torn:"):
-                    self._violation(f"{name}: revision {revision} does not match its manifest")
-                elif sha.startswith("misplaced:"):
-                    self._violation(f"{name}: revision {revision}'s place holds another revision's or key's manifest")
-            for (key_name, revision), _ in self.first_export.items():
-                if key_name == name and revision not in found.revisions:
-                    self._violation(f"{name}: revision {revision} was published and is gone")
-            current = found.current
-            if current not in found.revisions:
-                self._violation(f"{name}: the current pointer names revision {current}, which is not published")
-            if current < self.current_seen.get(name, 1):
-                self._violation(f"{name}: the current pointer moved back to {current}")
-            self.current_seen[name] = max(current, self.current_seen.get(name, 1))
-            for revision, supersedes in found.supersedes.items():
-                if revision >= 2 and supersedes != (revision - 1, found.revisions.get(revision - 1)):
-                    self._violation(f"{name}: revision {revision} supersedes {supersedes}, not revision {revision - 1}")
-            is_completed = record is not None and record.state is ExportState.COMPLETED
-            # Only revision 1 published, no pointer, no request: its record's sha256 is checked below; the rows are
-            # read (one more query per key and step) only for a key that has been restated or is being restated.
-            restated = set(found.revisions) != {1} or current != 1 or name in requests
-            rows = self.ledger.revisions(name) if self.restatements and restated else []
-            if rows:
-                for row in rows:
-                    if found.revisions.get(row.revision) != row.sha256:
-                        self._violation(f"{name}: revision {row.revision} is recorded, not published with its sha256")
-                    if row.revision >= 2 and (row.supersedes_revision, row.supersedes_sha256) != (
-                        row.revision - 1,
-                        rows[row.revision - 2].sha256,
-                    ):
-                        self._violation(f"{name}: recorded revision {row.revision} does not supersede its predecessor")
-                pending = requests.get(name)
-                waiting = {pending.revision} if pending is not None and not is_completed else set()
-                stray = set(found.revisions) - {row.revision for row in rows} - waiting
-                if stray:
-                    self._violation(f"{name}: revisions {sorted(stray)} published but neither recorded nor under way")
-            if is_completed:
-                if record.sha256 != found.revisions.get(current):
-                    self._violation(f"{name}: completed in the ledger without its export current at the destination")
-                if rows and rows[-1].revision != current:
-                    self._violation(f"{name}: completed at revision {rows[-1].revision}, current is {current}")
+        self.last_look = records
+        found = self.survey([target_of(key) for key in self.keys])
+        checked = violations(
+            self.ledger, found, names, final=False, history=self.history, records=dict(zip(names, records))
+        )
+        for invariant, items in checked.items():
+            for item in items:
+                self._violation(f"{invariant}: {item}")
 
     def _violation(self, text: str) -> None:
         if text not in self.report.violations:
@@ -344,17 +308,13 @@ class Simulation:
             if live and roll < 0.55:
                 attempt = rng.choice(live)
                 fate = rng.choice((None, None, None, None, "crash", "raise"))
-                if fate is None and attempt.point == "after_stage" and self.fault_kinds and rng.random() < 0.3:
+                if fate is None and attempt.point in WRITES and self.fault_kinds and rng.random() < 0.3:
                     kind = rng.choice(self.fault_kinds)
                     self.fault(kind)
-                    self.report.steps.append(f"fault {kind} on {attempt.name}'s publish")
-                elif fate is None and attempt.point == "after_publish" and attempt.restating and rng.random() < 0.3:
-                    if self.pointer_fault_kinds:
-                        kind = rng.choice(self.pointer_fault_kinds)
-                        self.fault(kind)
-                        self.report.steps.append(f"fault {kind} on {attempt.name}'s pointer move")
+                    self.report.steps.append(f"fault {kind} on {attempt.name}'s {WRITES[attempt.point]}")
                 self.report.steps.append(f"{attempt.name}@{attempt.point} -> {fate or 'go'}")
-                publishing = attempt.point in self._writing  # the next step may publish, write or move a pointer
+                # The next step may fence, stage or commit (a crash at the point stops before any of them).
+                publishing = attempt.point in WRITES and fate != "crash"
                 self._step(attempt, fate)
                 self._check(published=publishing)
                 continue
@@ -374,9 +334,8 @@ class Simulation:
                 self._check(published=False)
                 continue
             elif self.restatements and roll < 0.95:
-                done = [
-                    k for k in self.keys if getattr(self.ledger.get(str(k)), "state", None) is ExportState.COMPLETED
-                ]
+                records = zip(self.keys, self._records(), strict=True)
+                done = [k for k, record in records if record is not None and record.state is ExportState.COMPLETED]
                 if done and self._request(rng.choice(done)):
                     self._check(published=False)
             else:
@@ -386,10 +345,12 @@ class Simulation:
 
     def _request(self, key: LogicalKey) -> bool:
         """An operator restates ``key`` (the source was corrected) if it is completed with no request open."""
-        record = self.ledger.get(str(key))
-        if record is None or record.state is not ExportState.COMPLETED or self.ledger.open_restatements([str(key)]):
+        record = self.ledger.queries.get(str(key))
+        if record is None or record.state is not ExportState.COMPLETED:
             return False
-        request = self.ledger.request_restatement(str(key), reason="corrected", requested_by="sim")
+        if self.ledger.restatements.open_requests([str(key)]):
+            return False
+        request = self.ledger.restatements.request(str(key), reason="corrected", requested_by="sim")
         self.versions[str(key)] = self.versions.get(str(key), 0) + 1
         self.report.steps.append(f"restate {key.tenant} to revision {request.revision}")
         return True
@@ -399,81 +360,41 @@ class Simulation:
         for attempt in self.attempts:  # stalled workers wake up: they must be fenced, or finish cleanly
             self._finish(attempt, faults=False)
         for _ in range(DEFAULT_MAX_ATTEMPTS + 3):  # until nothing changes: each round can only move keys forward
-            before = [self.ledger.get(str(k)) for k in self.keys]
+            before = self._records()
             self.clock.now += TTL + dt.timedelta(seconds=1)
             self._tick(rerun=True)
             self._check()
             if self.restatements:  # a restated partition is materialized once more, as an operator would
-                requests = self.ledger.open_restatements([str(k) for k in self.keys])
+                requests = self.ledger.restatements.open_requests([str(k) for k in self.keys])
                 for key in self.keys:
-                    record = self.ledger.get(str(key))
+                    record = self.ledger.queries.get(str(key))
                     if str(key) in requests and record.state is ExportState.COMPLETED:
                         self._finish(self._start(key), faults=False)
                         self._check()
-            if [self.ledger.get(str(k)) for k in self.keys] == before:
+            if self._records() == before:
                 break
-        bases = self.ledger.rerun_bases([str(k) for k in self.keys])
         for key in self.keys:
-            record = self.ledger.get(str(key))
+            record = self.ledger.queries.get(str(key))
             if record is None:
                 self._violation(f"{key}: never recorded although attempts were asked for it")
                 continue
-            spent = record.fencing_token - bases[str(key)]
-            # What needs_attention escalates at once: a conflict, or a failed key whose automatic reruns are spent.
+            # What needs_attention escalates at once: a conflict, or a failed key whose automatic reruns are spent
+            # (export claims since the last request or resolution; reconciliation's holds do not count).
             escalated = record.state is ExportState.CONFLICT or (
-                record.state is ExportState.FAILED and spent >= DEFAULT_MAX_ATTEMPTS
+                record.state is ExportState.FAILED and record.claim_count >= DEFAULT_MAX_ATTEMPTS
             )
             if record.state is not ExportState.COMPLETED and not escalated:
                 self._violation(
                     f"{key}: {record.state.value} (token {record.fencing_token}), neither done nor escalated"
                 )
             if record.state is ExportState.COMPLETED:
-                self.report.revisions[str(key)] = self.ledger.current_revision(str(key)).revision
-                if self.restatements and self.ledger.open_restatements([str(key)]):
+                self.report.revisions[str(key)] = self.ledger.restatements.current_revision(str(key)).revision
+                if self.restatements and self.ledger.restatements.open_requests([str(key)]):
                     self._violation(f"{key}: completed with its restatement still open after quiescence")
-                revisions = len(self.ledger.revisions(str(key)))
-                effects = [a for a in self.ledger.attempts(str(key)) if a.outcome.value in ("completed", "repaired")]
+                revisions = len(self.ledger.restatements.revisions(str(key)))
+                effects = [a for a in self.ledger.queries.attempts(str(key)) if a.outcome in EFFECTS]
                 if len(effects) != revisions:
                     self._violation(f"{key}: {len(effects)} attempt rows record an effect for {revisions} revision(s)")
-
-
-@dataclass
-class Seen:
-    """One key at a destination as a reader finds it: ``revisions`` maps each published revision to its sha256
-    (``torn:<sha256>`` when the data does not match its manifest), ``supersedes`` to what its manifest supersedes,
-    and ``current`` is the revision the key's pointer names (1 without one)."""
-
-    current: int
-    revisions: dict[int, str] = field(default_factory=dict)
-    supersedes: dict[int, tuple[int | None, str | None]] = field(default_factory=dict)
-
-
-def survey_through(destination, keys, *, revisions: bool = False) -> dict[str, Seen]:
-    """What the destination holds for ``keys``, through its own probe, read and current pointer (the path readers
-    take). With ``revisions``, revision 2, 3, ... are probed until one is absent (and the one after, so a gap shows).
-    """
-    found: dict[str, Seen] = {}
-    for key in keys:
-        seen = Seen(destination.current(target_of(key)) if revisions else 1)
-        revision, misses = 1, 0
-        while misses < 2 and (revision == 1 or revisions):
-            target = target_of(key, revision)
-            manifest = destination.probe(target)
-            if manifest is None:
-                misses += 1
-            else:
-                data = destination.read_data(target, manifest)
-                good = hashlib.sha256(data).hexdigest() == manifest.sha256
-                seen.revisions[revision] = manifest.sha256 if good else "torn:" + manifest.sha256
-                seen.supersedes[revision] = (manifest.supersedes_revision, manifest.supersedes_sha256)
-                if manifest.revision != revision or manifest.logical_key != str(key):
-                    seen.revisions[revision] = f"misplaced:{manifest.sha256}"
-            revision += 1
-            if revision == 2 and not seen.revisions:
-                break  # nothing published: no revision can be
-        if seen.revisions or seen.current != 1:
-            found[str(key)] = seen
-    return found
 
 
 def target_of(key: LogicalKey, revision: int = 1) -> ExportTarget:

@@ -1,0 +1,684 @@
+"""The state machine: parties interleaved step by step over one or two keys, the ledger's clock moved by any amount
+at any step, faults at the pointer's compare-and-swap, reconciliation, restatements, withdrawals and resolutions;
+docs/protocol.md's invariants checked after every rule by reading what a reader sees; liveness at teardown.
+
+:func:`machine_for` builds the machine class for a ledger backend and a destination kind. A violation raises
+:class:`ProtocolViolation`, whose message starts with the invariant's number and name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import functools
+from collections import Counter
+from dataclasses import dataclass, field
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from export_ledger import resolve as resolving
+from export_ledger import restate
+from export_ledger.keys import LogicalKey
+from export_ledger.ledger import AlreadyCompleted, Claim, ExportState, LedgerError
+from export_ledger.reconcile import reconcile_batch
+from stateful.parties import (
+    COMMIT,
+    EXAMINE,
+    FENCE,
+    FINISH,
+    HOLD,
+    PROBE,
+    READ,
+    RECORD,
+    STAGE,
+    SWEEP,
+    ExportAttempt,
+    Party,
+    Reconciler,
+)
+from stateful.world import FAULTS, KEYS, LEASE, KeyRows, World, parse_place
+
+S = ExportState
+MAX_ATTEMPTS = 3  # the sensor's automatic reruns (DEFAULT_MAX_ATTEMPTS)
+STUCK_AFTER = dt.timedelta(hours=1)
+MAX_LIVE = 4  # parties alive at once
+#: Where ``run_until`` may pause a party (an attempt's steps, a reconciler's; "end": it runs to its end).
+STEPS = (FENCE, PROBE, READ, SWEEP, STAGE, COMMIT, RECORD, HOLD, EXAMINE, FINISH, "end")
+
+#: What the machines explored, over every example of the process (reset by the tests that print it).
+STATS: Counter = Counter()
+
+
+class ProtocolViolation(AssertionError):
+    """An invariant of docs/protocol.md does not hold; the message starts with ``invariant <n> (<name>)``."""
+
+
+def violation(number: str, name: str, detail: str) -> ProtocolViolation:
+    return ProtocolViolation(f"invariant {number} ({name}): {detail}")
+
+
+def place_of(location: str) -> str:
+    """The place a recorded location names (its last path segment), parsed here, not by the library."""
+    return location.rstrip("/").rsplit("/", 1)[-1]
+
+
+@dataclass
+class Track:
+    """What the machine has seen of one key so far."""
+
+    max_fence: int = 0
+    revision: int = 0
+    place: str | None = None
+    named: set[str] = field(default_factory=set)  # places a pointer named (and no discard removed since)
+    recorded: dict[int, str] = field(default_factory=dict)  # revision -> the place the ledger recorded for it
+    tokens: list[int] = field(default_factory=list)  # tokens issued by claims and holds, in order
+    requested: set[int] = field(default_factory=set)  # revision numbers ever requested
+
+
+def expected_claim(key: LogicalKey, before: KeyRows, now: dt.datetime) -> str:
+    """The claim docs/protocol.md step 1 allows, from the key's rows as read just before and the ledger's clock: an
+    independent model of the claim's guards (window, state, the one lease predicate)."""
+    run = before.run
+    if run is None:
+        return "WindowNotOver" if key.window.end_utc > now else "claim"
+    if run.window_end_utc > now:
+        return "WindowNotOver"
+    state = S(run.state)
+    if state is S.COMPLETED:
+        return "claim" if before.open_request is not None else "completed"
+    if state is S.FAILED:
+        return "claim"
+    if state is S.CONFLICT:
+        return "ConflictRecorded"
+    if state is S.REMOTE_UNKNOWN:
+        return "NeedsReconciliation"
+    live = run.lease_expires_at is not None and run.lease_expires_at > now
+    return "LeaseHeld" if live else "claim"
+
+
+def _outcome_name(outcome) -> str:
+    if isinstance(outcome, Claim):
+        return "claim"
+    if isinstance(outcome, AlreadyCompleted):
+        return "completed"
+    return type(outcome).__name__
+
+
+def guarded(method):
+    """Marks the machine broken when a rule or invariant raises, so that teardown does not pile a liveness failure
+    on top of the first one."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException:
+            self.broken = True
+            raise
+
+    return wrapper
+
+
+class ProtocolMachine(RuleBasedStateMachine):
+    """See the module docstring; subclasses set ``backend`` and ``destination_kind``."""
+
+    backend = "sqlite"
+    destination_kind = "local"
+    liveness = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.world: World | None = None
+        self.broken = False
+        self.parties: list[Party] = []
+        self.keys: tuple[LogicalKey, ...] = ()
+        self.tracks: dict[str, Track] = {}
+        self.numbers = Counter()
+        self.discarded: set[str] = set()
+        self._fence_before = 0
+        self._place_before: str | None = None
+        self.seen: dict[str, tuple[ExportState | None, bool]] = {}  # state and open request, as last checked
+
+    # -- setup -----------------------------------------------------------------------------------------------
+
+    @initialize(keys=st.integers(0, 1))
+    @guarded
+    def setup(self, keys: int) -> None:
+        self.world = World(self.backend, self.destination_kind)
+        self.keys = KEYS[-(keys + 1) :]  # one key: the late one, whose window ends after the start
+        self.tracks = {str(key): Track() for key in self.keys}
+        STATS["examples"] += 1
+
+    def teardown(self) -> None:
+        try:
+            if self.world is not None and not self.broken and self.liveness:
+                self.settle()
+        finally:
+            if self.world is not None:
+                self.world.close()
+
+    def _count(self, rule_name: str) -> None:
+        STATS["steps"] += 1
+        STATS[f"rule {rule_name}"] += 1
+
+    def _name(self, kind: str) -> str:
+        self.numbers[kind] += 1
+        return f"{kind}-{self.numbers[kind]}/orders"
+
+    def live(self) -> list[Party]:
+        return [p for p in self.parties if not p.done]
+
+    def _pick(self, index: int) -> Party:
+        live = self.live()
+        return live[index % len(live)]
+
+    # -- rules: parties ----------------------------------------------------------------------------------------
+
+    @precondition(lambda self: len(self.live()) < MAX_LIVE)
+    @rule(
+        which=st.integers(0, 1),
+        offset=st.sampled_from([0, 0, -1800, -600, -30, 30, 600, 1800, 7200]),
+        source_fails=st.integers(0, 5).map(lambda n: n == 0),
+    )
+    @guarded
+    def start_attempt(self, which: int, offset: int, source_fails: bool) -> None:
+        """A worker starts an attempt on a key: its first step, the claim."""
+        self._count("start_attempt")
+        key = self.keys[which % len(self.keys)]
+        variant = self.numbers["attempt"] + 1
+        attempt = ExportAttempt(self._name("attempt"), key, offset, source_fails=source_fails, variant=variant)
+        self.parties.append(attempt)
+        self.step(attempt)
+
+    @precondition(lambda self: len(self.live()) < MAX_LIVE and self._where(S.IN_PROGRESS, S.REMOTE_UNKNOWN))
+    @rule(which=st.integers(0, 1), offset=st.sampled_from([0, -900, 900]))
+    @guarded
+    def start_reconciler(self, which: int, offset: int) -> None:
+        """A reconciler starts a pass over a key that is (or may soon be) stuck: its first step finds it stuck (then
+        hold, fence and judge, finish)."""
+        self._count("start_reconciler")
+        keys = self._where(S.IN_PROGRESS, S.REMOTE_UNKNOWN)
+        reconciler = Reconciler(self._name("reconciler"), keys[which % len(keys)], offset)
+        self.parties.append(reconciler)
+        self.step(reconciler)
+
+    @precondition(lambda self: bool(self.live()))
+    @rule(index=st.integers(0, MAX_LIVE - 1), fault=st.sampled_from([None] * 6 + list(FAULTS)))
+    @guarded
+    def advance(self, index: int, fault: str | None) -> None:
+        """One party takes one protocol step; a fault may meet its pointer write."""
+        self._count("advance")
+        self.step(self._pick(index), fault)
+
+    @precondition(lambda self: bool(self.live()))
+    @rule(index=st.integers(0, MAX_LIVE - 1), fault=st.sampled_from([None] * 6 + list(FAULTS)))
+    @guarded
+    def advance_again(self, index: int, fault: str | None) -> None:
+        """The same as :meth:`advance` (rules are drawn evenly: advancing is what most steps should do)."""
+        self._count("advance")
+        self.step(self._pick(index), fault)
+
+    @precondition(lambda self: bool(self.live()))
+    @rule(index=st.integers(0, MAX_LIVE - 1), until=st.sampled_from(STEPS))
+    @guarded
+    def run_until(self, index: int, until: str) -> None:
+        """One party runs, a step at a time, until its next step is ``until`` (it pauses there) or it ends."""
+        self._run_until(index, until)
+
+    def _run_until(self, index: int, until: str) -> None:
+        self._count("run_until")
+        party = self._pick(index)
+        for _ in range(12):
+            if party.done or party.next == until:
+                break
+            self.step(party)
+            self.check()
+
+    @precondition(lambda self: bool(self.live()))
+    @rule(index=st.integers(0, MAX_LIVE - 1), until=st.sampled_from(STEPS))
+    @guarded
+    def run_until_again(self, index: int, until: str) -> None:
+        """The same as :meth:`run_until`."""
+        self._run_until(index, until)
+
+    @precondition(lambda self: bool(self.live()))
+    @rule(index=st.integers(0, MAX_LIVE - 1))
+    @guarded
+    def crash(self, index: int) -> None:
+        """A party dies where it stands, for good."""
+        self._count("crash")
+        party = self._pick(index)
+        party.finish(f"crashed before {party.next}")
+        STATS["crashes"] += 1
+
+    def step(self, party: Party, fault: str | None = None) -> str:
+        world = self.world
+        if party.claim is not None and not party.done:
+            expired = party.claim.lease_expires_at <= world.clock.now
+            if expired and party.believes_live(world):
+                STATS["steps taken past the lease, its own clock saying live"] += 1
+        world.faults.arm(fault)
+        try:
+            what = party.step(world, self)
+        finally:
+            world.faults.disarm()
+        STATS[f"{party.kind} {party.history[-1]}"] += 1
+        if party.done:
+            STATS[f"{party.kind} ended: {party.outcome.split(':')[0]}"] += 1
+        return what
+
+    # -- rules: time -------------------------------------------------------------------------------------------
+
+    @rule(seconds=st.one_of(st.sampled_from([1, 60, 299, 599, 600, 601, 1200, 3600]), st.integers(0, 1800)))
+    @guarded
+    def tick(self, seconds: int) -> None:
+        """The ledger's clock moves on (leases end, the late key's window ends)."""
+        self._count("tick")
+        self.world.clock.advance(seconds)
+
+    @precondition(lambda self: any(p.claim is not None for p in self.live()))
+    @rule(index=st.integers(0, MAX_LIVE - 1))
+    @guarded
+    def tick_to_lease_end(self, index: int) -> None:
+        """The ledger's clock stops exactly at a party's lease expiry (at equality the lease has ended)."""
+        self._count("tick_to_lease_end")
+        held = [p for p in self.live() if p.claim is not None]
+        party = held[index % len(held)]
+        if party.claim.lease_expires_at > self.world.clock.now:
+            self.world.clock.now = party.claim.lease_expires_at
+            STATS["clock set to a lease's expiry"] += 1
+
+    @precondition(lambda self: any(p.claim is not None for p in self.live()) and len(self.live()) < MAX_LIVE)
+    @rule(
+        index=st.integers(0, MAX_LIVE - 1),
+        late=st.sampled_from([0, 0, 1, 300]),
+        who=st.sampled_from(["attempt", "attempt", "reconciler"]),
+        offset=st.sampled_from([0, -1800, 1800]),
+    )
+    @guarded
+    def take_over(self, index: int, late: int, who: str, offset: int) -> None:
+        """A party's lease runs out (the clock set to its expiry, or ``late`` seconds after) while it still believes
+        in it, and a new attempt (or a reconciler) comes for its key at once: its first step."""
+        self._count("take_over")
+        held = [p for p in self.live() if p.claim is not None]
+        party = held[index % len(held)]
+        expiry = party.claim.lease_expires_at + dt.timedelta(seconds=late)
+        if expiry > self.world.clock.now:
+            self.world.clock.now = expiry
+        if who == "reconciler":
+            newcomer: Party = Reconciler(self._name("reconciler"), party.key, offset)
+        else:
+            variant = self.numbers["attempt"] + 1
+            newcomer = ExportAttempt(self._name("attempt"), party.key, offset, source_fails=False, variant=variant)
+        self.parties.append(newcomer)
+        self.step(newcomer)
+
+    # -- rules: reconciliation and operators ---------------------------------------------------------------------
+
+    @precondition(lambda self: self._where(S.IN_PROGRESS, S.REMOTE_UNKNOWN))
+    @rule(fault=st.sampled_from([None, None, None] + list(FAULTS)))
+    @guarded
+    def reconcile_pass(self, fault: str | None) -> None:
+        """``reconcile_batch`` whole, over every stuck key."""
+        self._count("reconcile_pass")
+        world = self.world
+        with self._faulty(fault):
+            report = reconcile_batch(world.ledger, world.destination, limit=10, after=None,
+                                     reconciler=self._name("reconcile-pass"))  # fmt: skip
+        for finding in report.findings:
+            STATS[f"reconcile pass judged {finding.verdict.value}"] += 1
+
+    def _where(self, *states: ExportState, request: bool | None = None) -> list[LogicalKey]:
+        """The keys whose state (as the last check read it) is one of ``states`` (and with or without an open
+        restatement request): what an operator would pick a command for."""
+        found = []
+        for key in self.keys:
+            state, has_request = self.seen.get(str(key), (None, False))
+            if state in states and (request is None or has_request == request):
+                found.append(key)
+        return found
+
+    @precondition(lambda self: self._where(S.COMPLETED, request=False))
+    @rule(which=st.integers(0, 1))
+    @guarded
+    def request_restatement(self, which: int) -> None:
+        """An operator (or the drift sensor) asks for the next revision of a completed key."""
+        self._count("request_restatement")
+        keys = self._where(S.COMPLETED, request=False)
+        self._request(keys[which % len(keys)])
+
+    @precondition(lambda self: self._where(S.COMPLETED, S.FAILED, request=True))
+    @rule(which=st.integers(0, 1), fault=st.sampled_from([None] * 4 + list(FAULTS)))
+    @guarded
+    def withdraw(self, which: int, fault: str | None) -> None:
+        """``restate --withdraw`` whole, on a key with an open request; a fault may meet its fence."""
+        self._count("withdraw")
+        keys = self._where(S.COMPLETED, S.FAILED, request=True)
+        with self._faulty(fault):
+            self._withdraw(keys[which % len(keys)])
+
+    @precondition(lambda self: self._where(S.CONFLICT, S.FAILED, S.REMOTE_UNKNOWN, S.IN_PROGRESS))
+    @rule(
+        which=st.integers(0, 1),
+        action=st.sampled_from([resolving.ACCEPT, resolving.DISCARD]),
+        fault=st.sampled_from([None] * 4 + list(FAULTS)),
+        skip=st.integers(0, 1),
+    )
+    @guarded
+    def resolve(self, which: int, action: str, fault: str | None, skip: int) -> None:
+        """``export-ledger resolve`` whole, accepting or discarding what the destination holds, on a key that is not
+        completed (a live lease included: it must be refused); a fault may meet its fence (``skip`` 0) or a
+        discard's pointer write (``skip`` 1)."""
+        self._count(f"resolve {action}")
+        keys = self._where(S.CONFLICT, S.FAILED, S.REMOTE_UNKNOWN, S.IN_PROGRESS)
+        with self._faulty(fault, skip):
+            self._resolve(keys[which % len(keys)], action)
+
+    @contextlib.contextmanager
+    def _faulty(self, fault: str | None, skip: int = 0):
+        self.world.faults.arm(fault, skip)
+        try:
+            yield
+        finally:
+            self.world.faults.disarm()
+
+    def _request(self, key: LogicalKey) -> None:
+        seen = self._revisions_seen(key)
+        try:
+            request = self.world.ledger.restatements.request(str(key), reason="amounts corrected", requested_by="ops")
+        except LedgerError as exc:
+            STATS[f"restatement refused: {type(exc).__name__}"] += 1
+            return
+        STATS["restatement requested"] += 1
+        if request.revision <= seen:
+            raise violation("4", "revision numbers unique", f"{key}: a request got revision {request.revision} "
+                            f"although revision {seen} was already had or asked for")  # fmt: skip
+
+    def _withdraw(self, key: LogicalKey) -> None:
+        try:
+            restate.withdraw(self.world.ledger, self.world.destination, str(key), operator="ops",
+                             reason="asked by mistake")  # fmt: skip
+        except LedgerError as exc:
+            STATS[f"withdraw refused: {type(exc).__name__}"] += 1
+            return
+        STATS["withdrawn"] += 1
+
+    def _resolve(self, key: LogicalKey, action: str) -> None:
+        if action == resolving.DISCARD:
+            # A discard may set the pointer back even when it then fails (a write that landed, its answer lost):
+            # the pointer may go back to the recorded revision whatever the command answered.
+            self.discarded.add(str(key))
+        try:
+            resolving.resolve_key(self.world.ledger, self.world.destination, str(key), action=action, operator="ops",
+                                  reason="looked at it")  # fmt: skip
+        except LedgerError as exc:
+            STATS[f"resolve {action} refused: {type(exc).__name__}"] += 1
+            return
+        STATS[f"resolved {action}"] += 1
+
+    # -- checks at the moment a party acts ---------------------------------------------------------------------
+
+    def on_claim(self, party: ExportAttempt, before: KeyRows, now: dt.datetime, outcome) -> None:
+        """Invariant 8 and the claim's guards (docs/protocol.md step 1), by the ledger's clock only."""
+        key, run, request = party.key, before.run, before.open_request
+        wanted, got = expected_claim(key, before, now), _outcome_name(outcome)
+        STATS[f"claim {got}"] += 1
+        if isinstance(outcome, Claim):
+            if key.window.end_utc > now:
+                raise violation("8", "no claim before the window ends", f"{key} claimed at {now.isoformat()} by the "
+                                f"ledger's clock; its window ends {key.window.end_utc.isoformat()}")  # fmt: skip
+            if outcome.started_at != now:
+                raise violation("8", "one clock", f"{key}: the claim started at {outcome.started_at}, the ledger's "
+                                f"clock said {now}")  # fmt: skip
+            self._issued(key, outcome.fencing_token, "claim")
+            expected_token = 1 if run is None else run.fencing_token + 1
+            expected_revision = request.revision if request is not None else 1
+            if (outcome.fencing_token, outcome.revision) != (expected_token, expected_revision):
+                raise violation("T", "tokens", f"{key}: claim got token {outcome.fencing_token} revision "
+                                f"{outcome.revision}, expected {expected_token} and {expected_revision}")  # fmt: skip
+        if run is not None and run.state == S.IN_PROGRESS.value and wanted == "LeaseHeld":
+            believed = "expired" if party.own_now(self.world) >= run.lease_expires_at else "live"
+            STATS[f"claim of a live lease, claimant's own clock saying {believed}"] += 1
+        if wanted != got:
+            own = expected_claim(key, before, party.own_now(self.world))
+            by_own = " (what the claimant's own clock would decide)" if own == got else ""
+            raise violation("L", "claim guards", f"{key}: the claim ended {got}{by_own}; docs/protocol.md step 1 "
+                            f"allows {wanted} (state {run.state if run else None}, lease until "
+                            f"{run.lease_expires_at if run else None}, ledger now {now})")  # fmt: skip
+
+    def on_hold(self, party: Reconciler, found, current, now: dt.datetime, claim) -> None:
+        """A reconciliation hold: only a stuck key (``remote_unknown``, or a lease ended by the ledger's clock) that
+        nobody moved since it was found, with the next token."""
+        if current.state != found.state.value or current.fencing_token != found.fencing_token:
+            wanted = False
+        elif current.state == S.IN_PROGRESS.value:
+            wanted = current.lease_expires_at is not None and current.lease_expires_at <= now
+        else:
+            wanted = current.state == S.REMOTE_UNKNOWN.value
+        STATS[f"hold {'taken' if claim is not None else 'refused'}"] += 1
+        if wanted != (claim is not None):
+            raise violation("L", "hold guards", f"{party.key}: hold {'taken' if claim else 'refused'} on "
+                            f"{current.state} (lease until {current.lease_expires_at}, ledger now {now}, found "
+                            f"{found.state.value} token {found.fencing_token})")  # fmt: skip
+        if claim is not None:
+            self._issued(party.key, claim.fencing_token, "hold")
+            if claim.fencing_token != current.fencing_token + 1:
+                raise violation("T", "tokens", f"{party.key}: hold got token {claim.fencing_token} after "
+                                f"{current.fencing_token}")  # fmt: skip
+
+    def _issued(self, key: LogicalKey, token: int, what: str) -> None:
+        tokens = self.tracks[str(key)].tokens
+        if tokens and token <= tokens[-1]:
+            raise violation("T", "tokens never reused", f"{key}: {what} got token {token} after {tokens}")
+        tokens.append(token)
+
+    def before_commit(self, party: ExportAttempt) -> None:
+        view = self.world.view(party.key)
+        self._fence_before = max(view.fence, self.tracks[str(party.key)].max_fence)
+        self._place_before = view.place
+
+    def after_commit(self, party: ExportAttempt, pointer) -> None:
+        """Invariant 5 at the commit itself: once the pointer's fence reached f, no commit below f succeeds."""
+        token = party.claim.fencing_token
+        if self._place_before != party.staged.target.place and token < self._fence_before:
+            raise violation("5", "no effect of a stale token", f"{party.key}: {party.name}'s commit with token "
+                            f"{token} succeeded after the pointer's fence reached {self._fence_before}")  # fmt: skip
+        STATS["commit succeeded"] += 1
+
+    def before_finish(self, party: Party):
+        return self.world.rows.key(party.key).run
+
+    def after_finish(self, party: Party, before, *, accepted: bool) -> None:
+        """Fencing in the ledger: a party's finishing transition is recorded exactly when it still holds the key (the
+        key ``in_progress`` under its token and lease owner), whatever its lease's expiry or its own clock say."""
+        claim = party.claim
+        holds = (
+            before is not None
+            and before.state == S.IN_PROGRESS.value
+            and before.fencing_token == claim.fencing_token
+            and before.lease_owner == claim.attempt_id
+        )
+        STATS[f"finish {'recorded' if accepted else 'refused'}"] += 1
+        if accepted != holds:
+            raise violation("T", "fencing in the ledger", f"{party.key}: {party.name}'s finish (token "
+                            f"{claim.fencing_token}) was {'recorded' if accepted else 'refused'} while the key was "
+                            f"{before.state if before else None} under token {before.fencing_token if before else None}"
+                            f" held by {before.lease_owner if before else None}")  # fmt: skip
+
+    def on_fenced(self, party: Party) -> None:
+        STATS[f"{party.kind} fenced"] += 1
+        if party.believes_live(self.world):
+            STATS["fenced while its own clock said its lease was live"] += 1
+
+    # -- the invariants, read from what a reader sees ------------------------------------------------------------
+
+    def _revisions_seen(self, key: LogicalKey) -> int:
+        """The highest revision the key ever had or was asked for, from the machine's own records, the ledger's rows
+        and what the destination holds."""
+        track, rows, view = self.tracks[str(key)], self.world.rows.key(key), self.world.view(key)
+        at_destination = [p.revision for p in view.places.values() if p.revision is not None]
+        requested = [r.revision for r in rows.requests]
+        return max([0, view.revision, *track.recorded, *track.requested, *requested, *at_destination])
+
+    @invariant()
+    @guarded
+    def protocol_holds(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        snapshot = self.world.rows.read()
+        for key in self.keys:
+            rows = snapshot.get(str(key), KeyRows(None))
+            self.check_key(key, rows)
+            self.seen[str(key)] = (S(rows.state) if rows.state else None, rows.open_request is not None)
+        self.discarded.clear()
+
+    def check_key(self, key: LogicalKey, rows: KeyRows) -> None:
+        name = str(key)
+        track = self.tracks[name]
+        view = self.world.view(key)
+        record, current, request = rows.run, rows.current, rows.open_request
+        discarded = name in self.discarded
+
+        # 2. Exactly one current revision: the pointer names one intact place, or nothing.
+        if view.problems:
+            raise violation("2", "one current revision", f"{name}: {'; '.join(view.problems)}")
+
+        # 5. No effect of a stale token: the fence never goes down, and a place made current after the fence
+        # reached f has a token of at least f.
+        if view.fence < track.max_fence:
+            raise violation("5", "no effect of a stale token", f"{name}: the pointer's fence went from "
+                            f"{track.max_fence} down to {view.fence}")  # fmt: skip
+        if view.place is not None:
+            token = parse_place(view.place)[1]
+            if token > view.fence:
+                raise violation("5", "no effect of a stale token", f"{name}: the pointer names {view.place} under "
+                                f"fence {view.fence}")  # fmt: skip
+            if view.place != track.place and not discarded and token < track.max_fence:
+                raise violation("5", "no effect of a stale token", f"{name}: {view.place} became current after the "
+                                f"fence reached {track.max_fence}")  # fmt: skip
+
+        # 4. Revision numbers unique per key; the pointer's revision never decreases, but for a discard back to the
+        # recorded revision.
+        recorded_revision = current.revision if current is not None else 0
+        if view.revision < track.revision and not (discarded and view.revision == recorded_revision):
+            raise violation("4", "the pointer's revision never decreases", f"{name}: from {track.revision} to "
+                            f"{view.revision} (recorded {recorded_revision}, discard: {discarded})")  # fmt: skip
+        numbers = [r.revision for r in rows.revisions]
+        if len(set(numbers)) != len(numbers) or numbers != sorted(numbers):
+            raise violation("4", "revision numbers unique", f"{name}: recorded revisions {numbers}")
+        asked = [r.revision for r in rows.requests]
+        if len(set(asked)) != len(asked):
+            raise violation("4", "revision numbers unique", f"{name}: requested revisions {asked}")
+        track.requested.update(asked)
+
+        # 1. One logical export per key: one place per recorded revision, for good.
+        for revision in rows.revisions or ([current] if current is not None else []):
+            place = place_of(revision.location)
+            known = track.recorded.setdefault(revision.revision, place)
+            if known != place:
+                raise violation("1", "one export per revision", f"{name}: revision {revision.revision} recorded at "
+                                f"{place}, earlier at {known}")  # fmt: skip
+
+        # 3 and 6. The ledger and the pointer agree.
+        state = S(record.state) if record is not None else None
+        s_place = place_of(current.location) if current is not None else None
+        names_s = view.revision == recorded_revision and (recorded_revision == 0 or view.place == s_place)
+        under_way = request.revision if request is not None else (1 if current is None else None)
+        where = f"{name} is {state.value if state else 'unknown'}, the pointer names r{view.revision} at " \
+                f"{view.place} (fence {view.fence}); recorded r{recorded_revision} at {s_place}, under way " \
+                f"r{under_way}"  # fmt: skip
+        if state is None and (view.revision != 0 or view.has_pointer):
+            raise violation("3", "the ledger and the pointer agree", where)
+        if state is S.COMPLETED:
+            if not names_s or current is None or view.sha256 != current.sha256:
+                raise violation("3", "the ledger and the pointer agree", where)
+            if record.location != current.location or record.sha256 != current.sha256:
+                raise violation("3", "the ledger and the pointer agree", f"{where}; the key's row says "
+                                f"{record.location}")  # fmt: skip
+        if state is S.FAILED and not names_s:
+            raise violation("6", "failed means nothing of it is visible", where)
+        if state in (S.IN_PROGRESS, S.REMOTE_UNKNOWN) and not (names_s or view.revision == under_way):
+            raise violation("3", "the ledger and the pointer agree", where)
+        # C. Stricter than docs/protocol.md: here every writer of the destination is a party of the protocol, so
+        # nothing "else" is ever there and no key should need a person for a conflict.
+        if state is S.CONFLICT:
+            raise violation("C", "no conflict without a foreign writer", where)
+
+        # 7. Nothing a pointer named (and no discard removed since) and nothing a recorded revision names is
+        # deleted.
+        if discarded:
+            track.named = {p for p in track.named if p in track.recorded.values() or p == view.place}
+        for place in sorted(track.named | set(track.recorded.values())):
+            found = view.places.get(place)
+            if found is None or not found.intact:
+                what = "recorded" if place in track.recorded.values() else "named by the pointer"
+                raise violation("7", "nothing named is deleted", f"{name}: {place} ({what}) is "
+                                f"{'gone' if found is None else 'no longer intact'}")  # fmt: skip
+
+        track.max_fence = max(track.max_fence, view.fence)
+        track.revision, track.place = view.revision, view.place
+        if view.place is not None:
+            track.named.add(view.place)
+
+    # -- liveness ------------------------------------------------------------------------------------------------
+
+    def settle(self) -> None:
+        """Invariant 9: faults stop, time passes beyond every lease, the parties still alive wake up and run to their
+        end, then reconciliation and fresh attempts (automatic reruns while they last, restatements asked for) run
+        until nothing changes. Every key must end completed or escalated."""
+        world = self.world
+        world.faults.enabled = False
+        world.clock.advance((LEASE * 2).total_seconds())
+        for party in list(self.live()):
+            while not party.done:
+                self.step(party)
+                self.check()
+        for round_ in range(10):
+            world.clock.advance((LEASE * 2).total_seconds())
+            progressed = False
+            report = reconcile_batch(world.ledger, world.destination, limit=10, after=None, reconciler="settle")
+            progressed |= bool(report.findings)
+            self.check()
+            for key in self.keys:
+                record = world.ledger.queries.get(str(key))
+                request = world.ledger.restatements.open_requests([str(key)]).get(str(key))
+                wanted = (
+                    record is None
+                    or (record.state is S.FAILED and record.claim_count < MAX_ATTEMPTS)
+                    or (record.state is S.COMPLETED and request is not None)
+                )
+                if not wanted:
+                    continue
+                attempt = ExportAttempt(self._name("settle"), key, 0, source_fails=False, variant=1000 + round_)
+                self.parties.append(attempt)
+                while not attempt.done:
+                    self.step(attempt)
+                    self.check()
+                progressed = True
+            if not progressed:
+                break
+        escalations = world.ledger.attention.needs_attention(STUCK_AFTER, max_attempts=MAX_ATTEMPTS)
+        escalated = {e.logical_key for e in escalations}
+        for key in self.keys:
+            record = world.ledger.queries.get(str(key))
+            request = world.ledger.restatements.open_requests([str(key)]).get(str(key))
+            done = record is not None and record.state is S.COMPLETED and request is None
+            spent = record is not None and record.state is S.FAILED and record.claim_count >= MAX_ATTEMPTS
+            given_up = record is not None and record.state is S.CONFLICT
+            STATS[f"settled {'completed' if done else record.state.value if record else 'never claimed'}"] += 1
+            if not (done or spent or given_up):
+                raise violation("9", "liveness", f"{key} ends {record.state.value if record else 'never claimed'} "
+                                f"(claims {record.claim_count if record else None}, open request {request}) once "
+                                "faults stopped and reconciliation and reruns ran")  # fmt: skip
+            if not done and str(key) not in escalated:
+                raise violation("9", "liveness", f"{key} ends {record.state.value} but needs_attention does not list "
+                                "it")  # fmt: skip
+
+
+@functools.cache
+def machine_for(backend: str, destination: str) -> type[ProtocolMachine]:
+    """The machine on a ledger backend (``sqlite``, ``postgres``) and a destination (``local``, ``s3``)."""
+    return type(f"ProtocolMachine_{backend}_{destination}", (ProtocolMachine,),
+                dict(backend=backend, destination_kind=destination))  # fmt: skip

@@ -21,9 +21,9 @@ from builders import evidence_for, key_for
 from pipeline_helpers import places, published_dirs
 
 from export_ledger.destinations import LocalDestination
+from export_ledger.destinations.publishing import POINTER_NAME
 from export_ledger.failpoints import ENV_VAR as FAILPOINTS
 from export_ledger.failpoints import SimulatedCrash
-from export_ledger.destinations.publishing import POINTER_NAME
 from export_ledger.frames import MANIFEST_NAME, ExportSchema, Manifest
 from export_ledger.ledger import AlreadyCompleted, Claim, ExportLedger, FencedOut, LeaseHeld
 from export_ledger.ledger.completions import Completions

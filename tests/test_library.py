@@ -16,7 +16,6 @@ import dagster as dg
 import pandas as pd
 import pytest
 import sqlalchemy as sa
-
 from pipeline_helpers import current_data_file
 
 from export_ledger import ConfigurationError, ExportLedgerError, ExportSpec, FrameError, SqlSource, window_for

@@ -10,6 +10,7 @@ import pytest
 from builders import key_for
 
 from export_ledger.calendar import window_for
+from export_ledger.keys import LogicalKey
 from export_ledger.ledger import transitions as T
 from export_ledger.ledger.errors import (
     BelowLowWater,
@@ -24,7 +25,6 @@ from export_ledger.ledger.errors import (
 from export_ledger.ledger.records import ExportRecord, Restatement
 from export_ledger.ledger.schema import ExportState
 from export_ledger.ledger.selection import Refuse, Skip, select_claim, select_hold
-from export_ledger.keys import LogicalKey
 
 UTC = dt.timezone.utc
 KEY = key_for()  # 2026-03-08 in New York: [05:00Z, next day 04:00Z)

@@ -100,11 +100,11 @@ def test_protocol_holds_on_sqlite_and_s3(s3_endpoint):
 @pytest.mark.slow
 def test_protocol_holds_explored_at_length(capsys, s3_endpoint):
     """Random (not derandomized): every run looks at other interleavings; a failure prints its reproduction."""
-    budget = [("sqlite", "local", 300), ("sqlite", "s3", 20)]
+    budget = [("sqlite", "local", 150), ("sqlite", "s3", 10)]
     lines = []
     unavailable = world.postgres_unavailable()
     if unavailable is None:
-        budget.append(("postgres", "local", 50))
+        budget.append(("postgres", "local", 25))
     elif os.environ.get("CI", "").lower() == "true":
         pytest.fail(f"CI=true but {unavailable}")
     else:

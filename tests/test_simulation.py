@@ -9,7 +9,7 @@ v2, for a first export and a restatement alike): on the local folder a failure a
 proxy faulting the next PUT; the ledger table writes everything inside the completion transaction, where the armed
 insert failure falls.
 
-``EXPORTS_SIM_SCHEDULES`` sets the count per destination: by default 600 (local), 250 (ledger table,
+``EXPORTS_SIM_SCHEDULES`` sets the count per destination: by default 400 (local), 250 (ledger table,
 ``EXPORTS_SIM_SCHEDULES_TABLE``) and 40 (S3, ``EXPORTS_SIM_SCHEDULES_S3``), counts that keep the whole CI run under
 20 minutes. At 1,000, 400 and 60 they took 61, 26 and 18 s on this 2-core machine at a load of about 2 (December
 2026, protocol v2: an attempt fences and sweeps, and every step is checked against the ledger's invariants with what
@@ -39,7 +39,7 @@ from export_ledger.ledger import dispose_engines
 
 pytestmark = pytest.mark.slow
 
-SCHEDULES = int(os.environ.get("EXPORTS_SIM_SCHEDULES", "600"))
+SCHEDULES = int(os.environ.get("EXPORTS_SIM_SCHEDULES", "400"))
 # Restating schedules run more attempts, and each step reads the key's pointer row and every kept revision.
 TABLE_SCHEDULES = int(os.environ.get("EXPORTS_SIM_SCHEDULES_TABLE", os.environ.get("EXPORTS_SIM_SCHEDULES", "250")))
 # S3 goes through HTTP (the fault proxy, then moto), and the survey after each step lists each key's folder and reads

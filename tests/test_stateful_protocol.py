@@ -100,7 +100,7 @@ def test_protocol_holds_on_sqlite_and_s3(s3_endpoint):
 @pytest.mark.slow
 def test_protocol_holds_explored_at_length(capsys, s3_endpoint):
     """Random (not derandomized): every run looks at other interleavings; a failure prints its reproduction."""
-    budget = [("sqlite", "local", 150), ("sqlite", "s3", 10)]
+    budget = [("sqlite", "local", 100), ("sqlite", "s3", 10)]
     lines = []
     unavailable = world.postgres_unavailable()
     if unavailable is None:
@@ -148,12 +148,20 @@ CAUGHT_BY = {
 }
 
 
+#: Found only after about 100 s here: CI leaves it to the model check, which finds the same removal
+#: (``error_before_fence_is_remote_unknown``) in 9 steps; ``EXPORTS_STATEFUL_ALL_MUTATIONS=1`` runs it too.
+LONG_MUTATIONS = {"takeover_failure_before_fence"}
+ALL_MUTATIONS = os.environ.get("EXPORTS_STATEFUL_ALL_MUTATIONS") == "1"
+
+
 @pytest.mark.parametrize(
     "mutation",
     [pytest.param(name, marks=[pytest.mark.slow] if slow else []) for name, (_, _, slow) in sorted(CAUGHT_BY.items())],
 )
 def test_removing_a_guard_is_caught(mutation, monkeypatch):
     """The guard ``mutation`` names removed: the machine finds a violation of one of the invariants expected."""
+    if mutation in LONG_MUTATIONS and not ALL_MUTATIONS:
+        pytest.skip("about 100 s; the model check catches its removal; EXPORTS_STATEFUL_ALL_MUTATIONS=1 runs it")
     expected, budget, _ = CAUGHT_BY[mutation]
     MUTATIONS[mutation](monkeypatch)
     with pytest.raises(ProtocolViolation, match=f"^{expected}"):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import sqlalchemy as sa
 
 from export_ledger.ledger import transitions as T
-from export_ledger.ledger.contracts import accept_command
+from export_ledger.ledger.contracts import accept_command, count_open_per_zone
 from export_ledger.ledger.records import ExportRecord
 from export_ledger.ledger.schema import ExportState, export_missed_partitions, export_restatements, export_runs
 
@@ -323,7 +323,8 @@ class Attention:
             ).subquery()  # fmt: skip
             first = sa.select(ranked).where(ranked.c.rank <= LISTED).order_by(ranked.c.logical_key)
             for row in conn.execute(first):
-                listing((row.export, row.timezone)).append(self._escalation(ExportRecord.from_row(row), now, max_attempts))
+                escalation = self._escalation(ExportRecord.from_row(row), now, max_attempts)
+                listing((row.export, row.timezone)).append(escalation)
             pending = self._pending_requests(now, stuck_after, exports)
             for row in conn.execute(pending.order_by(runs.logical_key).limit(LISTED)):
                 listed = listing((row.export, row.timezone))
@@ -396,17 +397,8 @@ class Attention:
         if not self.ledger.supports(6):
             return []
         table = export_missed_partitions
-        query = (
-            sa.select(
-                table.c.export, table.c.timezone, sa.func.count().label("partitions"),
-                sa.func.max(table.c.last_noted_at).label("latest"), sa.func.sum(table.c.failed_runs).label("runs"),
-            )
-            .where(table.c.closed_at.is_(None))
-            .group_by(table.c.export, table.c.timezone)
-        )  # fmt: skip
-        if exports:
-            query = query.where(table.c.export.in_(list(exports)))
-        return list(conn.execute(query))
+        return count_open_per_zone(conn, table, ("partitions", "latest", "runs"), table.c.last_noted_at,
+                                   table.c.failed_runs, exports)  # fmt: skip
 
     def _refusals(self, exports: Sequence[str], limit: int, *, tenants: Sequence[str] = ()) -> list[Escalation]:
         found = []

@@ -206,17 +206,8 @@ class Contracts:
         if not self.ledger.supports(REFUSALS_SCHEMA_VERSION):
             return []
         table = export_contract_refusals
-        query = (
-            sa.select(
-                table.c.export, table.c.timezone, sa.func.count().label("refused"),
-                sa.func.max(table.c.last_refused_at).label("latest"), sa.func.sum(table.c.refusals).label("times"),
-            )
-            .where(table.c.closed_at.is_(None))
-            .group_by(table.c.export, table.c.timezone)
-        )  # fmt: skip
-        if exports:
-            query = query.where(table.c.export.in_(list(exports)))
-        return list(conn.execute(query))
+        return count_open_per_zone(conn, table, ("refused", "latest", "times"), table.c.last_refused_at,
+                                   table.c.refusals, exports)  # fmt: skip
 
     def to_relaunch(self, *, exports=(), limit: int = 100) -> list[dict]:
         """Closed refusals whose refused dates are still to be launched again (:meth:`relaunched` ends that)."""
@@ -379,3 +370,22 @@ def changed(export: str, tenant: str, recorded: str, contract: Mapping) -> Contr
         f"says {wanted}. Changing a zone or the start date is a business change: this tenant's claims are refused "
         f"(the other tenants run) until an operator runs: {accept_command(export, contract, tenant)}.{hint}"
     )
+
+
+def count_open_per_zone(
+    conn: Connection, table: sa.Table, labels: tuple[str, str, str], latest: sa.Column, total: sa.Column, exports=()
+) -> list[sa.Row]:
+    """The open rows (``closed_at`` null) of an escalation table (refusals, missed partitions) per (export, zone):
+    ``labels`` name the count, the newest ``latest`` and the sum of ``total``."""
+    count, newest, summed = labels
+    query = (
+        sa.select(
+            table.c.export, table.c.timezone, sa.func.count().label(count),
+            sa.func.max(latest).label(newest), sa.func.sum(total).label(summed),
+        )
+        .where(table.c.closed_at.is_(None))
+        .group_by(table.c.export, table.c.timezone)
+    )  # fmt: skip
+    if exports:
+        query = query.where(table.c.export.in_(list(exports)))
+    return list(conn.execute(query))

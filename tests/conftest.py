@@ -16,7 +16,7 @@ from urllib.parse import quote
 import dagster as dg
 import pytest
 import sqlalchemy as sa
-from s3_fixtures import *  # noqa: F403  (s3_server, s3_credentials, s3_bucket, fault_proxy)
+from s3_fixtures import *  # noqa: F403  (s3_server, s3_credentials, s3_bucket, s3, fault_proxy)
 
 from export_ledger.dagster import LedgerResource
 from export_ledger.ledger import dispose_engines

@@ -18,7 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-import boto3
 import pandas as pd
 import pytest
 
@@ -151,13 +150,6 @@ def local_places(root: Path, key) -> dict[int, list[str]]:
 
 # -- fixtures ---------------------------------------------------------------------------------------------------------
 
-
-@pytest.fixture
-def s3(s3_server, s3_credentials):
-    """A client on the moto server itself (never through a proxy): what the bucket really holds."""
-    client = boto3.client("s3", endpoint_url=s3_server, **s3_credentials)
-    yield client
-    client.close()
 
 
 @pytest.fixture

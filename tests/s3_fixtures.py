@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 from s3_support import FaultProxy, start_s3_server, stop_s3_server
 
-__all__ = ["fault_proxy", "s3_bucket", "s3_credentials", "s3_server"]
+__all__ = ["fault_proxy", "s3", "s3_bucket", "s3_credentials", "s3_server"]
 
 
 @pytest.fixture(scope="session")
@@ -51,6 +51,17 @@ def s3_bucket(s3_server: str, s3_credentials: dict[str, str]) -> Iterator[str]:
                 client.delete_object(Bucket=name, Key=item["Key"])
         client.delete_bucket(Bucket=name)
         client.close()
+
+
+@pytest.fixture
+def s3(s3_server: str, s3_credentials: dict[str, str]):
+    """A client on the moto server itself, never through a proxy: what the bucket really holds, whatever the proxy
+    does."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3_server, **s3_credentials)
+    yield client
+    client.close()
 
 
 @pytest.fixture

@@ -17,7 +17,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import boto3
 import dagster as dg
 import pytest
 from pipeline_helpers import (
@@ -51,13 +50,6 @@ KEY = "invoice_export/acme/2026-03-08T05:00:00Z"
 PREFIX = "exports"
 SECRET = "sekrit-reconcile-cli-5f0c"
 
-
-@pytest.fixture
-def s3(s3_server, s3_credentials):
-    """A client on the moto server itself, never through the proxy."""
-    client = boto3.client("s3", endpoint_url=s3_server, **s3_credentials)
-    yield client
-    client.close()
 
 
 def s3_destination(bucket: str, endpoint_url: str) -> S3Destination:

@@ -14,7 +14,6 @@ import datetime as dt
 import hashlib
 import json
 
-import boto3
 import pytest
 import sqlalchemy as sa
 
@@ -48,13 +47,6 @@ def restate(ledger, destination, key, run_id: str = "run-2/export"):
 
 # -- S3 -----------------------------------------------------------------------------------------------------------
 
-
-@pytest.fixture
-def s3(s3_server, s3_credentials):
-    """A client on the moto server itself: what the bucket really holds, whatever the proxy does."""
-    client = boto3.client("s3", endpoint_url=s3_server, **s3_credentials)
-    yield client
-    client.close()
 
 
 @pytest.fixture

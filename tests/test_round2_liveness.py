@@ -34,7 +34,7 @@ from export_ledger.spec import ExportSpec
 from export_ledger.tenants import Tenant
 from resources.invoices import SampleInvoiceSource
 from tests.builders import evidence_for, key_for
-from tests.round2_support import (  # noqa: F401  (fixtures: s3, ledger, local)
+from tests.round2_support import (  # noqa: F401  (fixtures: ledger, local)
     DAY,
     PREFIX,
     SCHEMA,
@@ -44,7 +44,6 @@ from tests.round2_support import (  # noqa: F401  (fixtures: s3, ledger, local)
     key_folder,
     ledger,
     local,
-    s3,
     s3_destination,
     s3_folder,
 )

@@ -39,7 +39,7 @@ from export_ledger.resolve import resolve_key
 from export_ledger.restate import withdraw
 from export_ledger.tenants import Tenant
 from tests.builders import key_for
-from tests.round2_support import (  # noqa: F401  (fixtures: ledger, local, s3)
+from tests.round2_support import (  # noqa: F401  (fixtures: ledger, local)
     DAY,
     EXPORT_LEDGER,
     LEASE,
@@ -56,7 +56,6 @@ from tests.round2_support import (  # noqa: F401  (fixtures: ledger, local, s3)
     local_reader_view,
     materialize,
     process_env,
-    s3,
     s3_destination,
     s3_folder,
     s3_reader_view,

@@ -20,7 +20,6 @@ import warnings
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import boto3
 import dagster as dg
 import pytest
 from pipeline_helpers import failure_message, ledger_at, make_defs, places, published_dirs, run_partition
@@ -49,13 +48,6 @@ UNKNOWN_OUTCOME = "the outcome at the destination is unknown"
 # The objects of the first attempt's place (token 1, revision 1).
 FIRST_PLACE = "r1-t1"
 
-
-@pytest.fixture
-def s3(s3_server, s3_credentials):
-    """A client on the moto server itself: what the bucket really holds, whatever the proxy does."""
-    client = boto3.client("s3", endpoint_url=s3_server, **s3_credentials)
-    yield client
-    client.close()
 
 
 def s3_destination(bucket: str, endpoint_url: str, prefix: str = PREFIX) -> S3Destination:

@@ -5,6 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import signal
+import subprocess
+import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -12,6 +16,7 @@ from pathlib import Path
 
 import dagster as dg
 import pandas as pd
+import pytest
 
 from definitions import build_definitions
 from export_ledger.destinations.publishing import POINTER_NAME
@@ -207,3 +212,31 @@ def tick(
     for event in result.asset_events:
         instance.report_runless_asset_event(event)
     return Tick(result, recorder.records)
+
+
+PROJECT = Path(__file__).resolve().parent.parent
+DAGSTER = str(Path(sys.executable).parent / "dagster")
+
+
+def materialize(env: dict[str, str], partition: str = "2026-03-08", select: str = "invoice_export") -> subprocess.Popen:
+    """``dagster asset materialize`` of the reference code location, as a process group of its own."""
+    return subprocess.Popen(
+        [DAGSTER, "asset", "materialize", "-f", "definitions.py", "--select", select, "--partition", partition],
+        cwd=PROJECT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def finish(process: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
+    """The process's exit code and output; its whole group killed, and the test failed, past ``timeout``."""
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"process did not finish in {timeout}s:\n{output[-3000:]}")
+    return process.returncode, output

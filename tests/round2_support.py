@@ -12,8 +12,6 @@ import datetime as dt
 import hashlib
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,17 +24,17 @@ from export_ledger.destinations.base import ExportTarget, parse_place
 from export_ledger.destinations.publishing import POINTER_NAME
 from export_ledger.destinations.s3 import S3Destination
 from export_ledger.failpoints import ENV_VAR as FAILPOINTS
+from export_ledger.failpoints import SimulatedCrash
 from export_ledger.frames import MANIFEST_NAME, Manifest
 from export_ledger.ledger import ExportLedger
 from export_ledger.protocol import ExportItem, export_key
 from export_ledger.reconcile import reconcile_batch
 from export_ledger.sources import CallableSource
+from tests.pipeline_helpers import PROJECT, finish, materialize  # noqa: F401  (re-exported to the round-2 tests)
 from tests.test_batched_ledger import SCHEMA
 from tests.test_restatement import DAY, corrected, item, key_folder
 
 UTC = dt.timezone.utc
-PROJECT = Path(__file__).resolve().parent.parent
-DAGSTER = str(Path(sys.executable).parent / "dagster")
 EXPORT_LEDGER = str(Path(sys.executable).parent / "export-ledger")
 PREFIX = "exports"
 LEASE = dt.timedelta(minutes=15)
@@ -54,7 +52,7 @@ __all__ = [
     "local",
     "local_places",
     "local_reader_view",
-    "s3",
+    "restatement_dead_after_publishing",
     "s3_destination",
     "s3_folder",
     "s3_reader_view",
@@ -172,6 +170,17 @@ def third_version(key) -> pd.DataFrame:
     return frame
 
 
+def restatement_dead_after_publishing(ledger: ExportLedger, destination, key, monkeypatch) -> None:
+    """Revision 1 exported, a restatement requested, and its attempt killed right after committing revision 2: the
+    pointer names revision 2, the ledger records revision 1 and the key is ``in_progress`` under the dead attempt."""
+    export_key(ledger, destination, SCHEMA, item(key), "run-1/export")
+    ledger.restatements.request(str(key), reason="late rows", requested_by="ops")
+    monkeypatch.setenv(FAILPOINTS, "after_publish=crash")
+    with pytest.raises(SimulatedCrash):
+        export_key(ledger, destination, SCHEMA, item(key, corrected(key)), "run-2/export")
+    monkeypatch.delenv(FAILPOINTS)
+
+
 def fenced_restatement(ledger: ExportLedger, destination, clock, key) -> Exception | None:
     """Item 1's chain, first step: revision 1 is completed and a restatement is requested; the restatement's lease
     runs out while it reads its source (read after its claim and fence: the source is slow, the clock moves past the
@@ -212,28 +221,6 @@ def process_env(tmp_path: Path, home: str, **extra: str) -> dict[str, str]:
     env.pop(FAILPOINTS, None)
     env.update(extra)
     return env
-
-
-def materialize(env: dict[str, str], partition: str, select: str = "invoice_export") -> subprocess.Popen:
-    return subprocess.Popen(
-        [DAGSTER, "asset", "materialize", "-f", "definitions.py", "--select", select, "--partition", partition],
-        cwd=PROJECT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-
-
-def finish(process: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"process did not finish in {timeout}s:\n{output[-3000:]}")
-    return process.returncode, output
 
 
 def wait_for(predicate, timeout: float, what: str):

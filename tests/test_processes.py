@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from pipeline_helpers import completed_without_export, published_dirs, read_export
+from pipeline_helpers import (
+    DAGSTER,
+    PROJECT,
+    completed_without_export,
+    finish,
+    materialize,
+    published_dirs,
+    read_export,
+)
 
 from export_ledger.ledger import ExportLedger
 from export_ledger.ledger.schema import AttemptOutcome, ExportState
 
 pytestmark = pytest.mark.process
 
-PROJECT = Path(__file__).resolve().parent.parent
-DAGSTER = str(Path(sys.executable).parent / "dagster")
 KEY = "invoice_export/acme/2026-03-08T05:00:00Z"
 
 
@@ -40,29 +44,6 @@ def _env(tmp_path: Path, home: str = "dagster_home", **extra: str) -> dict[str, 
     return env
 
 
-def _materialize(env: dict[str, str], partition: str = "2026-03-08") -> subprocess.Popen:
-    return subprocess.Popen(
-        [DAGSTER, "asset", "materialize", "-f", "definitions.py", "--select", "invoice_export",
-         "--partition", partition],  # fmt: skip
-        cwd=PROJECT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-
-
-def _finish(process: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"materialization did not finish in {timeout}s:\n{output[-3000:]}")
-    return process.returncode, output
-
-
 def test_code_location_validates(tmp_path):
     result = subprocess.run(
         [DAGSTER, "definitions", "validate", "-w", "workspace.yaml"],
@@ -80,8 +61,8 @@ def test_two_processes_materializing_one_partition_export_it_once(tmp_path):
     # Each attempt pauses after its claim, so the second process arrives while the first holds the lease.
     env = _env(tmp_path, EXPORTS_FAILPOINTS="after_claim=pause:4")
     second_env = _env(tmp_path, "dagster_home_2", EXPORTS_FAILPOINTS=env["EXPORTS_FAILPOINTS"])
-    first, second = _materialize(env), _materialize(second_env)
-    (code_a, out_a), (code_b, out_b) = _finish(first), _finish(second)
+    first, second = materialize(env), materialize(second_env)
+    (code_a, out_a), (code_b, out_b) = finish(first), finish(second)
 
     assert sorted([code_a, code_b]) in ([0, 0], [0, 1]), out_a[-2000:] + out_b[-2000:]
     loser = out_b if code_b else out_a
@@ -96,7 +77,7 @@ def test_two_processes_materializing_one_partition_export_it_once(tmp_path):
 
 def test_sigkill_after_publish_is_repaired_by_the_next_attempt_once_the_lease_expires(tmp_path):
     env = _env(tmp_path, EXPORTS_LEASE_TTL_SECONDS="2", EXPORTS_FAILPOINTS="after_publish=kill")
-    code, output = _finish(_materialize(env))
+    code, output = finish(materialize(env))
     assert code != 0, "the process was killed"
     (folder,) = published_dirs(tmp_path / "exports")
     killed_manifest, _ = read_export(folder)
@@ -106,7 +87,7 @@ def test_sigkill_after_publish_is_repaired_by_the_next_attempt_once_the_lease_ex
 
     time.sleep(2.5)  # let the dead attempt's 2-second lease run out (not a timing assertion)
     env.pop("EXPORTS_FAILPOINTS")
-    code, output = _finish(_materialize(env))
+    code, output = finish(materialize(env))
     assert code == 0, output[-3000:]
     (folder_after,) = published_dirs(tmp_path / "exports")
     assert read_export(folder_after)[0] == killed_manifest, "the published copy is recorded, not rewritten"

@@ -44,6 +44,7 @@ from tests.round2_support import (  # noqa: F401  (fixtures: ledger, local)
     key_folder,
     ledger,
     local,
+    restatement_dead_after_publishing,
     s3_destination,
     s3_folder,
 )
@@ -506,12 +507,7 @@ def test_a_refused_resolve_leaves_the_key_as_it_was_or_says_so_in_the_ledger(
     no log line."""
     destination = s3_destination(s3_bucket, fault_proxy.endpoint_url)
     key = key_for(DAY)
-    export_key(ledger, destination, SCHEMA, item(key), "run-1/export")
-    ledger.restatements.request(str(key), reason="late rows", requested_by="ops")
-    monkeypatch.setenv(FAILPOINTS, "after_publish=crash")
-    with pytest.raises(SimulatedCrash):
-        export_key(ledger, destination, SCHEMA, item(key, corrected(key)), "run-2/export")
-    monkeypatch.delenv(FAILPOINTS)
+    restatement_dead_after_publishing(ledger, destination, key, monkeypatch)
     before = ledger.queries.get(str(key))  # in_progress, its lease long expired by the CLI's (the host's) clock
     for name, value in {"AWS_ENDPOINT_URL": fault_proxy.endpoint_url, "AWS_ACCESS_KEY_ID": "testing",
                         "AWS_SECRET_ACCESS_KEY": "testing"}.items():  # fmt: skip

@@ -31,7 +31,6 @@ from export_ledger.calendar import ZoneMove
 from export_ledger.destinations import LocalDestination
 from export_ledger.destinations.publishing import POINTER_NAME
 from export_ledger.failpoints import ENV_VAR as FAILPOINTS
-from export_ledger.failpoints import SimulatedCrash
 from export_ledger.frames import MANIFEST_NAME
 from export_ledger.ledger import ExportLedger, ExportState, FencedOut, LedgerError
 from export_ledger.protocol import export_key
@@ -56,6 +55,7 @@ from tests.round2_support import (  # noqa: F401  (fixtures: ledger, local)
     local_reader_view,
     materialize,
     process_env,
+    restatement_dead_after_publishing,
     s3_destination,
     s3_folder,
     s3_reader_view,
@@ -152,12 +152,7 @@ def test_s3_transient_get_error_while_repairing_a_current_revision_never_records
     Fails on 0.4.0 (07f55b3): DestinationUnreachable, ledger failed, readers see revision 2."""
     destination = s3_destination(s3_bucket, fault_proxy.endpoint_url)
     key = key_for(DAY)
-    export_key(ledger, destination, SCHEMA, item(key), "run-1/export")
-    ledger.restatements.request(str(key), reason="late rows", requested_by="ops")
-    monkeypatch.setenv(FAILPOINTS, "after_publish=crash")
-    with pytest.raises(SimulatedCrash):
-        export_key(ledger, destination, SCHEMA, item(key, corrected(key)), "run-2/export")
-    monkeypatch.delenv(FAILPOINTS)
+    restatement_dead_after_publishing(ledger, destination, key, monkeypatch)
     clock.advance(minutes=16)
 
     fault_proxy.inject("error_503", method="GET", when=lambda _m, path: "/r2-t2/data.csv" in path)
@@ -225,15 +220,6 @@ def test_black_box_fenced_restatement_paused_past_its_lease_never_moves_the_poin
 # -- 2. local and S3 disagree on discarding the current revision ----------------------------------------------------
 
 
-def _restatement_dead_after_publishing(ledger: ExportLedger, destination, key, monkeypatch) -> None:
-    export_key(ledger, destination, SCHEMA, item(key), "run-1/export")
-    ledger.restatements.request(str(key), reason="late rows", requested_by="ops")
-    monkeypatch.setenv(FAILPOINTS, "after_publish=crash")
-    with pytest.raises(SimulatedCrash):
-        export_key(ledger, destination, SCHEMA, item(key, corrected(key)), "run-2/export")
-    monkeypatch.delenv(FAILPOINTS)
-
-
 def test_discarding_the_current_revision_behaves_the_same_on_local_and_s3_and_never_leaves_a_dangling_pointer(
     tmp_path, clock, s3, s3_bucket, s3_server, monkeypatch
 ):
@@ -249,7 +235,7 @@ def test_discarding_the_current_revision_behaves_the_same_on_local_and_s3_and_ne
         ("s3", s3_destination(s3_bucket, s3_server)),
     ):
         book = ExportLedger(f"sqlite:///{tmp_path / f'{name}.sqlite3'}", clock=clock, lease_ttl=LEASE)
-        _restatement_dead_after_publishing(book, destination, key, monkeypatch)
+        restatement_dead_after_publishing(book, destination, key, monkeypatch)
         clock.advance(minutes=16)
         try:
             resolve_key(book, destination, str(key), action="discard-destination", operator="ops", reason="bad rows")
@@ -274,6 +260,20 @@ def test_discarding_the_current_revision_behaves_the_same_on_local_and_s3_and_ne
 
 # -- 3. leases are judged by each worker's own clock -----------------------------------------------------------------
 
+def _twenty_minutes_ahead(script: Path, source: str, postgres_url: str) -> subprocess.CompletedProcess:
+    """``source`` run as a script under libfaketime, its clock 20 minutes ahead, on the ledger at ``postgres_url``
+    and a local destination beside the script."""
+    script.write_text(source)
+    return subprocess.run(
+        ["faketime", "-f", "+20m", sys.executable, str(script), postgres_url, str(script.parent / "exports")],
+        cwd=PROJECT,
+        env={**os.environ, "PYTHONPATH": f"{PROJECT}:{PROJECT / 'tests'}"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 _FAKETIME_RECONCILER = """
 import sys, datetime as dt
 from export_ledger.ledger import ExportLedger
@@ -297,16 +297,7 @@ def test_a_reconciler_whose_clock_runs_ahead_never_fails_a_live_key_on_postgres(
     worker = ExportLedger(postgres_url, lease_ttl=dt.timedelta(minutes=10))  # the server's clock
     key = key_for(DAY)
     claim = worker.claims.claim(key, "run-1/export")
-    script = tmp_path / "fast_reconciler.py"
-    script.write_text(_FAKETIME_RECONCILER)
-    done = subprocess.run(
-        ["faketime", "-f", "+20m", sys.executable, str(script), postgres_url, str(tmp_path / "exports")],
-        cwd=PROJECT,
-        env={**os.environ, "PYTHONPATH": f"{PROJECT}:{PROJECT / 'tests'}"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = _twenty_minutes_ahead(tmp_path / "fast_reconciler.py", _FAKETIME_RECONCILER, postgres_url)
     record = worker.queries.get(str(key))
     observed = {
         "fast reconciler said": done.stdout.strip().splitlines()[-2:] or done.stderr[-500:],
@@ -346,16 +337,7 @@ def test_black_box_a_worker_20_minutes_ahead_never_takes_over_a_live_10_minute_l
     worker = ExportLedger(postgres_url, lease_ttl=dt.timedelta(minutes=10))
     key = key_for(DAY)
     claim = worker.claims.claim(key, "live-run/export")  # live: held for 10 minutes by the server's clock
-    script = tmp_path / "fast_worker.py"
-    script.write_text(_FAKETIME_WORKER)
-    done = subprocess.run(
-        ["faketime", "-f", "+20m", sys.executable, str(script), postgres_url, str(tmp_path / "exports")],
-        cwd=PROJECT,
-        env={**os.environ, "PYTHONPATH": f"{PROJECT}:{PROJECT / 'tests'}"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = _twenty_minutes_ahead(tmp_path / "fast_worker.py", _FAKETIME_WORKER, postgres_url)
     record = worker.queries.get(str(key))
     observed = {
         "fast worker said": done.stdout.strip().splitlines()[-2:] or done.stderr[-500:],

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from export_ledger.ledger import ExportLedger
 from export_ledger.spec import ExportSpec
@@ -30,17 +31,27 @@ DAYS_PER_READ = 100
 REFUSALS_READ = 1000
 
 
+@dataclass(frozen=True)
+class Excluded:
+    """What :func:`missing_keys` never counts for an export: dates at or below its low-water mark, and tenants with
+    an open contract refusal (escalated on their own; their dates are launched again when the refusal closes).
+    Read once per export and sensor tick, however many failed runs it looks at."""
+
+    low_water: dt.date | None
+    refused: frozenset[str]
+
+    @classmethod
+    def read(cls, ledger: ExportLedger, export: str) -> Excluded:
+        refusals = ledger.contracts.refusals(exports=[export], limit=REFUSALS_READ)
+        return cls(ledger.retention.low_water(export), frozenset(row["tenant"] for row in refusals))
+
+
 def missing_keys(
-    ledger: ExportLedger, spec: ExportSpec, group: TenantGroup, days: Sequence[dt.date]
+    ledger: ExportLedger, spec: ExportSpec, group: TenantGroup, days: Sequence[dt.date], excluded: Excluded
 ) -> dict[dt.date, int]:
     """Per day of ``days`` (business dates of ``group``'s zone), how many of its tenants on that day have no key at
-    all; days with none missing are left out. A tenant with an open contract refusal is not counted (it is escalated,
-    and its dates are launched again when the refusal closes)."""
-    low_water = ledger.retention.low_water(spec.name)
-    wanted = sorted({day for day in days if low_water is None or day > low_water})
-    if not wanted:
-        return {}
-    refused = {row["tenant"] for row in ledger.contracts.refusals(exports=[spec.name], limit=REFUSALS_READ)}
+    all, less what ``excluded`` says; days with none missing are left out."""
+    wanted = sorted({day for day in days if excluded.low_water is None or day > excluded.low_water})
     found: dict[dt.date, int] = {}
     for start in range(0, len(wanted), DAYS_PER_READ):
         chunk = wanted[start : start + DAYS_PER_READ]
@@ -48,7 +59,7 @@ def missing_keys(
             export=spec.name, timezone=group.timezone, days=chunk, tenants=group.tenants
         )
         for day in chunk:
-            expected = [tenant for tenant in group.tenants_on(day) if tenant not in refused]
+            expected = [tenant for tenant in group.tenants_on(day) if tenant not in excluded.refused]
             have = summaries[day].keys if day in summaries else 0
             if len(expected) > have:
                 found[day] = len(expected) - have
@@ -83,4 +94,4 @@ def refused_dates(ledger: ExportLedger, spec: ExportSpec, refusal: Mapping) -> d
     return missing
 
 
-__all__ = ["missing_keys", "refused_dates"]
+__all__ = ["Excluded", "missing_keys", "refused_dates"]

@@ -21,7 +21,7 @@ from export_ledger.dagster.io_manager import LISTED_KEYS, status_command
 from export_ledger.errors import CalendarError
 from export_ledger.ledger import DEFAULT_MAX_ATTEMPTS, ExportLedger, ExportState, PartitionWork, Restatement
 from export_ledger.reconcile import ReconcileReport, reconcile_batch
-from export_ledger.relaunch import missing_keys, refused_dates
+from export_ledger.relaunch import Excluded, missing_keys, refused_dates
 from export_ledger.restate import published_revisions
 from export_ledger.spec import ExportSpec
 from export_ledger.tenants import TenantGroup
@@ -169,12 +169,18 @@ def missed_requests(
         limit=limit, order_by="update_timestamp", ascending=True,
     )  # fmt: skip
     requests: list[dg.RunRequest] = []
+    excluded: dict[str, Excluded] = {}
     for record in records:
         run = record.dagster_run
         if run.job_name not in jobs:
             continue
         spec, group = jobs[run.job_name]
-        missing = missing_keys(ledger, spec, group, _run_days(run, group, spec.start_date, log))
+        days = _run_days(run, group, spec.start_date, log)
+        if not days:
+            continue
+        if spec.name not in excluded:
+            excluded[spec.name] = Excluded.read(ledger, spec.name)
+        missing = missing_keys(ledger, spec, group, days, excluded[spec.name])
         if not missing:
             continue
         try:
@@ -224,14 +230,18 @@ def refused_requests(
 
 
 def merged(requests: Sequence[dg.RunRequest]) -> list[dg.RunRequest]:
-    """One request per (job, partition or range): a run of a partition claims every key of it (it reruns the failed
-    ones and publishes the requested restatements alike), so two requests for one partition in one tick would
-    compete for its keys. The first is kept."""
+    """One request per (job, partition or range), the first kept, and none for a partition a range request of the
+    same job covers: a run of a partition claims every key of it (it reruns the failed ones and publishes the
+    requested restatements alike), so two runs of one partition in one tick would compete for its keys."""
+    ranges = [(r.job_name, r.tags[RANGE_START], r.tags[RANGE_END]) for r in requests if RANGE_START in r.tags]
     seen: set[tuple] = set()
     kept = []
     for request in requests:
         where = (request.job_name, request.partition_key, request.tags.get(RANGE_START), request.tags.get(RANGE_END))
-        if where not in seen:
+        covered = request.partition_key is not None and any(
+            job == request.job_name and first <= request.partition_key <= last for job, first, last in ranges
+        )
+        if where not in seen and not covered:
             seen.add(where)
             kept.append(request)
     return kept
@@ -409,20 +419,6 @@ def _notes(report: ReconcileReport) -> list[str]:
     return notes
 
 
-def _without_overlaps(requests: Sequence[dg.RunRequest]) -> list[dg.RunRequest]:
-    """Drops a single-partition request whose date a range request of the same job covers (the range run claims
-    it too)."""
-    ranges = [
-        (r.job_name, r.tags[RANGE_START], r.tags[RANGE_END]) for r in requests if RANGE_START in r.tags
-    ]
-    return [
-        r
-        for r in requests
-        if r.partition_key is None
-        or not any(job == r.job_name and first <= r.partition_key <= last for job, first, last in ranges)
-    ]
-
-
 def _materialized(instance: dg.DagsterInstance, asset_key: dg.AssetKey, partitions: Sequence[str]) -> set[str]:
     """Which of ``partitions`` Dagster has a materialization of: one paged read, not one query per partition."""
     found: set[str] = set()
@@ -522,7 +518,6 @@ def build_reconciliation_sensor(
                 *restatement_requests(pending, by_name, log=context.log),
             ]
         )
-        requests = _without_overlaps(requests)
 
         # Counted every tick; the keys of each group are listed only when the escalated set changed (they go into
         # the checks' metadata, written then).

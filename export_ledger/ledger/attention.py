@@ -376,13 +376,11 @@ class Attention:
         if not partitions or not self.ledger.supports(6):
             return
         table = export_missed_partitions
-        for export, timezone, day in sorted(partitions):
-            conn.execute(
-                table.update()
-                .where(table.c.export == export, table.c.timezone == timezone, table.c.business_date == day,
-                       table.c.closed_at.is_(None))  # fmt: skip
-                .values(closed_at=now)
-            )
+        partition = sa.tuple_(table.c.export, table.c.timezone, table.c.business_date)
+        # One statement per claim transaction (a group's keys span up to 50 partitions), on the claim's hot path.
+        conn.execute(
+            table.update().where(table.c.closed_at.is_(None), partition.in_(sorted(partitions))).values(closed_at=now)
+        )
 
     def _missed(self, conn, exports: Sequence[str], limit: int) -> list[sa.Row]:
         if not self.ledger.supports(6):

@@ -776,9 +776,10 @@ def _reconcile(ledger: ExportLedger, args: argparse.Namespace) -> str:
         # One destination is judged per run: an export published elsewhere would be judged absent there.
         exports = ledger.queries.exports()
         if len(exports) > 1:
+            named = ", ".join(exports[:5]) + (", ..." if len(exports) > 5 else "")
             raise UsageError(
-                f"the ledger holds {len(exports)} exports ({', '.join(exports[:5])}{', ...' if len(exports) > 5 else ''})"
-                ": reconcile one at a time with --export E and that export's --destination"
+                f"the ledger holds {len(exports)} exports ({named}): reconcile one at a time with --export E and that "
+                "export's --destination"
             )
         if not exports:
             return "no stuck export keys"

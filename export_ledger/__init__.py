@@ -52,6 +52,7 @@ from export_ledger.ledger import (
     UtcDateTime,
     redact_url,
 )
+from export_ledger.ledger.urls import create_engine as database_engine
 from export_ledger.protocol import ExportBatch, ExportItem, ExportResult, export_batch, export_key
 from export_ledger.reconcile import reconcile_batch
 from export_ledger.settings import Settings
@@ -106,6 +107,7 @@ __all__ = [
     "ZoneMove",
     "attempt_id",
     "check_schedule_time",
+    "database_engine",
     "destination_from",
     "drift_pass",
     "export_batch",

@@ -18,6 +18,7 @@ Because ``S`` never decreases, consecutive windows tile the UTC timeline: contig
 from __future__ import annotations
 
 import datetime as dt
+import difflib
 import functools
 import re
 from dataclasses import dataclass
@@ -113,13 +114,19 @@ def load_zone(name: str) -> ZoneInfo:
     ``right/...``) are refused: they mean different things on different machines.
     """
     if not isinstance(name, str) or name not in known_zones():
-        raise CalendarError(f"unknown timezone {name!r}: expected an IANA zone name such as 'America/New_York'")
+        raise CalendarError(_unknown_zone(name))
     try:
         return ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError) as exc:
-        raise CalendarError(
-            f"unknown timezone {name!r}: expected an IANA zone name such as 'America/New_York'"
-        ) from exc
+        raise CalendarError(_unknown_zone(name)) from exc
+
+
+def _unknown_zone(name: object) -> str:
+    """The refusal of a zone name, with the nearest known zone when the name looks like a typo of one."""
+    close = difflib.get_close_matches(name, known_zones(), n=1, cutoff=0.8) if isinstance(name, str) else []
+    if close:
+        return f"unknown timezone {name!r}: did you mean {close[0]!r}? (expected an IANA zone name)"
+    return f"unknown timezone {name!r}: expected an IANA zone name such as 'America/New_York'"
 
 
 def _local_date(instant: dt.datetime, zone: ZoneInfo) -> dt.date:

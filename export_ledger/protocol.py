@@ -35,7 +35,7 @@ from export_ledger.destinations.base import (
     Verdict,
     place_name,
 )
-from export_ledger.destinations.publishing import PublishingDestination
+from export_ledger.destinations.publishing import PublishingDestination, StagedExport
 from export_ledger.errors import ExportLedgerError, safe_message
 from export_ledger.fingerprint import Fingerprint
 from export_ledger.frames import (
@@ -146,7 +146,7 @@ class ExportResult:
     logical_key: str
     partition_key: str
     tenant: str
-    status: str  # exported | repaired | already_completed
+    status: str  # exported | repaired | already_completed | unchanged
     location: str
     sha256: str
     row_count: int
@@ -157,14 +157,19 @@ class ExportResult:
     #: For a restatement, the revision it superseded (the key's recorded revision before it: not always
     #: ``revision - 1``, since a withdrawn request's number is never given again); None otherwise.
     supersedes: int | None = None
+    #: For ``unchanged`` (a restatement whose data was the current revision's, so nothing was published and its
+    #: request was closed ``unchanged``): the revision that was asked for. ``revision`` is then the one that stays
+    #: current, and location, sha256 and row count are that revision's. None otherwise.
+    requested_revision: int | None = None
 
     @classmethod
     def of(
-        cls, record: ExportRecord, partition_key: str, status: str, revision: int = 1, supersedes: int | None = None
+        cls, record: ExportRecord, partition_key: str, status: str, revision: int = 1, supersedes: int | None = None,
+        requested_revision: int | None = None,
     ) -> ExportResult:
         return cls(
             record.logical_key, partition_key, record.tenant, status, record.location, record.sha256,
-            record.row_count, record.committed_attempt, revision, supersedes,
+            record.row_count, record.committed_attempt, revision, supersedes, requested_revision,
         )  # fmt: skip
 
 
@@ -224,8 +229,9 @@ def export_key(
         log: ``log(level, message)``; default the ``export_ledger`` logger.
 
     Returns:
-        What happened: ``exported``, ``repaired`` (an earlier attempt's commit was recorded) or
-        ``already_completed``.
+        What happened: ``exported``, ``repaired`` (an earlier attempt's commit was recorded),
+        ``already_completed``, or ``unchanged`` (a restatement whose data was the current revision's, byte for byte:
+        nothing published, the request closed ``unchanged``).
 
     Raises:
         ExportOutcomeUnknown: the destination may hold the export; the key is ``remote_unknown`` until reconciled.
@@ -277,6 +283,15 @@ class _KeyExport:
         return ExportResult.of(record, item.partition_key, "already_completed")
 
     def result(self, record: ExportRecord, item: ExportItem, status: str, attempt: str, claim: Claim) -> ExportResult:
+        if status == "unchanged":
+            kept = claim.superseded_revision
+            self.log(
+                "warning",
+                f"{record.logical_key}: the restatement to revision {claim.revision} read the same data as revision "
+                f"{kept} ({record.row_count} rows, same sha256): nothing published; revision {kept} stays current and "
+                f"the request is closed unchanged (attempt {attempt})",
+            )
+            return ExportResult.of(record, item.partition_key, status, kept, requested_revision=claim.revision)
         if status != "exported":
             self.log(
                 "info",
@@ -387,6 +402,10 @@ class _KeyExport:
         destination.sweep(target, token, pointer)
         staged = destination.stage(target, token, table, self.file_format, self._manifest_template(claim, item))
         failpoints.reach("after_stage")
+        unchanged = self._unchanged(claim, staged, fingerprint)
+        if unchanged is not None:
+            self._unstage(destination, staged)
+            return "unchanged", unchanged
         destination.commit(staged, token, superseded=superseded)
         location = destination.location(staged.target)
         try:
@@ -409,6 +428,40 @@ class _KeyExport:
             revision=claim.revision,
         )
         return "exported", evidence
+
+    def _unchanged(self, claim: Claim, staged: StagedExport, fingerprint: Fingerprint) -> CompletionEvidence | None:
+        """For a restatement whose staged data is the revision it supersedes, byte for byte (the same sha256 and row
+        count): the evidence of that revision, to record again instead of publishing a copy of it. None otherwise.
+
+        Decided where the commit would be: under the key's lease, after this attempt's fence was raised and the
+        pointer read back naming that revision, so no earlier party can still move it, and nothing was committed.
+        """
+        if claim.supersedes is None:
+            return None
+        revision, sha256 = claim.supersedes
+        if staged.manifest.sha256 != sha256:
+            return None
+        current = self.ledger.restatements.current_revision(claim.logical_key)
+        if current is None or current.revision != revision or current.row_count != staged.manifest.row_count:
+            return None
+        return CompletionEvidence(
+            current.location, current.sha256, current.row_count, current.published_by, claim.fencing_token,
+            source_fingerprint=fingerprint.encode(), revision=revision, unchanged=True,
+        )  # fmt: skip
+
+    def _unstage(self, destination: PublishingDestination, staged: StagedExport) -> None:
+        """Removes the place of a revision that will not be committed. A failure changes nothing readers see (no
+        pointer names the place, and none can: only this attempt could commit it), so it is logged, and the key's
+        next claim sweeps the place."""
+        try:
+            destination.unstage(staged)
+        except DestinationError as exc:
+            self.log(
+                "warning",
+                f"{staged.manifest.logical_key}: could not remove the unpublished place "
+                f"{destination.location(staged.target)} ({safe_message(exc)}); readers never see it, and the key's "
+                "next claim sweeps it",
+            )
 
     def _write_in_transaction(self, claim: Claim, item: ExportItem, target: ExportTarget) -> ExportRecord:
         """Rows and completion record in one ledger transaction: both commit or neither."""

@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from export_ledger.calendar import require_aware
 from export_ledger.errors import SourceError
 from export_ledger.frames import ExportSchema
-from export_ledger.ledger.store import redact_url
+from export_ledger.ledger.urls import create_engine, database_url, redact_url
 
 #: Rows per batch when a source streams. Measured on a 6-column export from PostgreSQL (benchmarks/streaming.py):
 #: a batch costs about 1.3 KB a row while it is in flight (the driver's row objects, the DataFrame, the Arrow table,
@@ -123,9 +123,15 @@ class SqlSource(ExportSource):
         missing = [name for name in (":tenant", ":start", ":end") if name not in self.query]
         if missing:
             raise ValueError(f"SqlSource query must use the bound parameters {missing}")
+        database_url(self.url, what="SqlSource URL")  # a URL that cannot be opened fails where it is declared
+
+    def _engine(self) -> sa.Engine:
+        """An engine of its own per read (a source is read rarely; no pool outlives the read). A driver that is not
+        installed is refused with the package to install (:func:`~export_ledger.ledger.urls.create_engine`)."""
+        return create_engine(self.url, what="SqlSource URL", hide_parameters=True)  # errors never carry values
 
     def _run(self, statement, parameters: dict) -> list:
-        engine = sa.create_engine(self.url, hide_parameters=True)  # errors never carry customer values
+        engine = self._engine()
         try:
             with engine.connect() as conn:
                 result = conn.execute(statement, parameters)
@@ -177,7 +183,7 @@ class SqlSource(ExportSource):
             raise ValueError(f"batch_rows must be at least 1, got {batch_rows}")
         start, end = bounds(start_utc, end_utc)
         parameters = {"tenant": tenant, "start": start, "end": end}
-        engine = sa.create_engine(self.url, hide_parameters=True)  # errors never carry customer values
+        engine = self._engine()
         driver_error = engine.dialect.loaded_dbapi.Error
         try:
             with engine.connect() as conn:

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from export_ledger.calendar import ExportCalendar, ZoneMove, load_zone
-from export_ledger.errors import ConfigurationError
+from export_ledger.errors import CalendarError, ConfigurationError
 from export_ledger.keys import validate_slug
 
 
@@ -47,7 +47,10 @@ class Tenant:
     def __post_init__(self) -> None:
         validate_slug(self.id, "tenant id")
         if self.timezone is not None:
-            load_zone(self.timezone)
+            try:
+                load_zone(self.timezone)
+            except CalendarError as exc:  # a typo in one tenant's zone among many: say whose
+                raise ConfigurationError(f"tenant {self.id!r}: {exc}") from None
         object.__setattr__(self, "moves", tuple(self.moves))
         if self.moves and self.timezone is None:
             raise ConfigurationError(f"tenant {self.id!r} has zone moves: name the zone it moved to (timezone=...)")
@@ -80,7 +83,9 @@ class TenantGroup:
         if not self.spans:
             return self.tenants
         return tuple(
-            tenant for tenant, first, last in self.spans if (first is None or first <= day) and (last is None or day <= last)
+            tenant
+            for tenant, first, last in self.spans
+            if (first is None or first <= day) and (last is None or day <= last)
         )
 
     @property

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import sqlalchemy as sa
 
-from export_ledger import ExportSource, SourceError, UtcDateTime, redact_url, require_aware
+from export_ledger import ExportSource, SourceError, UtcDateTime, database_engine, redact_url, require_aware
 
 _CURRENCIES = np.array(["USD", "EUR", "GBP", "CAD"], dtype=object)
 
@@ -107,7 +107,8 @@ class SqlInvoiceSource(InvoiceSource):
     table: str = "invoices"
 
     def _engine(self) -> sa.Engine:
-        return sa.create_engine(self.url, hide_parameters=True)  # errors never carry customer values
+        # postgresql:// takes the installed driver, a plain path is a SQLite file; errors never carry customer values
+        return database_engine(self.url, what="EXPORTS_SOURCE_URL", hide_parameters=True)
 
     def _run(self, query):
         engine = self._engine()

@@ -409,7 +409,9 @@ def test_an_operator_resolves_a_restatement_at_the_revision_it_publishes(ledger,
     # Discarding a restatement's revision removes that revision only; the key is rerun, revision 2 current again.
     ledger.restatements.request(str(key), reason="more late rows", requested_by="ops")
     claim = ledger.claims.claim(key, "run-3/export")
-    exporter._publish(claim, item(key, corrected(key)), target_for(key, 3))
+    further = corrected(key)
+    further.loc[1, "total"] = 77.0  # other data than revision 2's: an identical restatement publishes nothing
+    exporter._publish(claim, item(key, further), target_for(key, 3))
     assert current_of(root, key)[1].name == "r3-t4"
     clock.advance(minutes=16)
     resolved = resolve_key(
@@ -419,7 +421,7 @@ def test_an_operator_resolves_a_restatement_at_the_revision_it_publishes(ledger,
     assert current_of(root, key)[1].name == "r2-t2", "the pointer is set back to the recorded revision 2"
     assert places(root, key) == ["r1-t1", "r2-t2"], "revision 3's place is deleted, revisions 1 and 2 kept"
     assert read_revision(first_place)[0].revision == 1
-    result = export_key(ledger, destination, SCHEMA, item(key, corrected(key)), "run-4/export")
+    result = export_key(ledger, destination, SCHEMA, item(key, further), "run-4/export")
     assert result.status == "exported" and current_of(root, key)[0] == 3
 
 
@@ -456,9 +458,9 @@ def test_a_v4_ledger_reads_as_revision_1_then_upgrades_explicitly_and_restates(l
     with pytest.raises(SchemaOutdated, match="has schema version 4"):
         ExportLedger(ledger_url)
     assert schema_version(sa.create_engine(ledger_url)) == 4, "a refused write-open changes nothing"
-    assert upgrade_url(ledger_url) == [5, 6]
+    assert upgrade_url(ledger_url) == [5, 6, 7]
     writer = ExportLedger(ledger_url)
-    assert schema_version(sa.create_engine(ledger_url)) == SCHEMA_VERSION == 6
+    assert schema_version(sa.create_engine(ledger_url)) == SCHEMA_VERSION == 7
     # Before 0.5 reruns were counted from the key's tokens: the upgrade counts its one claim.
     assert writer.queries.get(key).claim_count == 1
     request = writer.restatements.request(key, reason="corrected", requested_by="ops")
@@ -497,7 +499,9 @@ def test_a_stalled_restatement_that_wakes_after_a_newer_revision_never_moves_the
     assert export_key(ledger, destination, SCHEMA, item(key, corrected(key)), "run-B/export").status == "exported"
     assert "r2-t2" not in places(root, key), "A's uncommitted place is swept: no pointer can ever name it"
     ledger.restatements.request(str(key), reason="more late rows", requested_by="ops")
-    assert export_key(ledger, destination, SCHEMA, item(key, corrected(key)), "run-C/export").status == "exported"
+    more = corrected(key)
+    more.loc[1, "total"] = 77.0  # other data than revision 2's (an identical restatement publishes nothing)
+    assert export_key(ledger, destination, SCHEMA, item(key, more), "run-C/export").status == "exported"
     assert current_of(root, key)[0] == 3
     # A wakes: its commit from revision 1 to 2 is refused by the pointer's fence, and it can record nothing.
     with pytest.raises(Fenced, match="fenced at token 4, above this party's 2") as fenced:
@@ -517,3 +521,88 @@ def test_an_empty_untyped_source_result_exports_an_empty_revision(ledger, destin
     ledger.restatements.request(str(key), reason="late rows", requested_by="ops")
     result = export_key(ledger, destination, SCHEMA, item(key, corrected(key)), "run-2/export")
     assert result.row_count == len(corrected(key)) and current_of(Path(destination.root), key)[0] == 2
+
+
+# -- a restatement whose data is the current revision's ----------------------------------------------------------
+
+
+def test_a_restatement_with_the_current_revisions_data_publishes_nothing_and_closes_unchanged(
+    ledger, destination
+) -> None:
+    key = key_for(DAY)
+    first_place = first_export(ledger, destination, key)
+    root = Path(destination.root)
+    original = read_revision(first_place)
+    ledger.restatements.request(str(key), reason="check the billing fix", requested_by="ops")
+
+    result = export_key(ledger, destination, SCHEMA, item(key), "run-2/export")
+
+    assert (result.status, result.revision, result.requested_revision) == ("unchanged", 1, 2)
+    assert (result.location, result.sha256) == (str(first_place), original[0].sha256), "revision 1's, as recorded"
+    assert current_of(root, key) == (1, first_place) and read_revision(first_place) == original
+    assert pointer_of(root, key)["fence"] == 2, "decided after this attempt's fence was raised"
+    assert places(root, key) == ["r1-t1"], "the staged copy of revision 1 is not left beside it"
+    (request,) = ledger.restatements.requests(logical_keys=[str(key)], open_only=False)
+    assert (request.revision, request.outcome) == (2, "unchanged") and request.closed_at is not None
+    assert ledger.restatements.open_requests([str(key)]) == {}, "closed: no sensor launches it again"
+    assert [r.revision for r in ledger.restatements.revisions(str(key))] == [1], "no revision was published"
+    record = ledger.queries.get(str(key))
+    assert (record.state, record.sha256) == (ExportState.COMPLETED, original[0].sha256)
+    assert record.location == str(first_place)
+    assert record.committed_attempt == "run-1/export", "what readers see is still revision 1's export"
+    last = ledger.queries.attempts(str(key))[-1]
+    assert (last.attempt_id, last.outcome, last.error_class) == ("run-2/export", AttemptOutcome.COMPLETED,
+                                                                 "RestatementUnchanged")  # fmt: skip
+
+    assert export_key(ledger, destination, SCHEMA, item(key), "run-3/export").status == "already_completed"
+    again = ledger.restatements.request(str(key), reason="late rows after all", requested_by="ops")
+    assert again.revision == 3, "the unchanged request's number is never given again"
+    restated = export_key(ledger, destination, SCHEMA, item(key, corrected(key)), "run-4/export")
+    assert (restated.status, restated.revision, restated.supersedes) == ("exported", 3, 1)
+    assert [r.revision for r in ledger.restatements.revisions(str(key))] == [1, 3]
+
+
+@pytest.mark.parametrize("point", ["after_stage", "before_commit"])
+def test_an_unchanged_restatement_killed_anywhere_keeps_revision_1_current_and_is_finished_unchanged(
+    ledger, destination, clock, monkeypatch, point
+) -> None:
+    key = key_for(DAY)
+    first_place = first_export(ledger, destination, key)
+    root = Path(destination.root)
+    ledger.restatements.request(str(key), reason="check", requested_by="ops")
+    monkeypatch.setenv(FAILPOINTS, f"{point}=crash")
+    with pytest.raises(SimulatedCrash):
+        export_key(ledger, destination, SCHEMA, item(key), "run-2/export")
+    monkeypatch.delenv(FAILPOINTS)
+    assert current_of(root, key) == (1, first_place), "nothing was committed"
+
+    clock.advance(minutes=16)
+    reconcile_batch(ledger, destination, limit=10, after=None, reconciler="test")
+    assert ledger.queries.get(str(key)).state is ExportState.FAILED, "the pointer names revision 1: nothing visible"
+    assert ledger.restatements.open_requests([str(key)]), "the request stays open until an attempt decides it"
+    result = export_key(ledger, destination, SCHEMA, item(key), "run-3/export")
+
+    assert result.status == "unchanged" and current_of(root, key) == (1, first_place)
+    assert places(root, key) == ["r1-t1"], "the dead attempt's staged place was swept, the rerun's removed"
+    (request,) = ledger.restatements.requests(logical_keys=[str(key)], open_only=False)
+    assert request.outcome == "unchanged"
+    assert [r.revision for r in ledger.restatements.revisions(str(key))] == [1]
+
+
+def test_a_restatement_that_loses_its_lease_before_recording_unchanged_records_nothing(
+    ledger, destination, clock
+) -> None:
+    key = key_for(DAY)
+    first_export(ledger, destination, key)
+    ledger.restatements.request(str(key), reason="check", requested_by="ops")
+    exporter = exporter_of(ledger, destination)
+    (claim,) = ledger.claims.claim_many([key], "run-2/export")
+    status, evidence = exporter.effect(claim, item(key))
+    assert status == "unchanged" and evidence.unchanged and evidence.revision == 1
+    clock.advance(minutes=16)
+    ledger.claims.claim(key, "run-3/export")  # takes the expired lease over
+
+    with pytest.raises(FencedOut):
+        ledger.completions.complete(claim, evidence)
+    assert ledger.restatements.open_requests([str(key)]), "the new holder decides the request, not the fenced one"
+    assert ledger.queries.get(str(key)).state is ExportState.IN_PROGRESS

@@ -16,7 +16,8 @@ class LedgerResource(dg.ConfigurableResource):
     """Where the ledger lives and how long a claim's lease lasts.
 
     Attributes:
-        url: SQLAlchemy URL. SQLite (the default, ``./var/ledger.sqlite3``) or ``postgresql+psycopg2://...``.
+        url: SQLAlchemy URL, or a plain path for a SQLite file (the default, ``./var/ledger.sqlite3``); PostgreSQL as
+            ``postgresql+psycopg2://...`` (a plain ``postgresql://`` is opened with the installed driver).
         lease_ttl_seconds: How long one attempt keeps a key to itself without a result. Longer than the slowest
             single export, shorter than the time an operator will wait before retrying a crashed run.
         allow_below_low_water: Allow first claims below the retention low-water mark (an explicit override).

@@ -3,8 +3,9 @@
 Every object is created by writing a temporary file beside it, fsyncing it, and ``link``-ing it to its name (which
 fails if the name exists, so nothing is ever replaced), then fsyncing the folder. The pointer's compare-and-swap is
 done under an advisory lock of the key (``flock`` on a file in ``<root>/.export-ledger/locks/``, never inside a
-published folder): read, compare the content's digest with the version given, write a temporary file, fsync,
-``rename`` over the pointer (readers see the old one or the new one), fsync the folder. Readers take no lock.
+published folder, and removed after use): read, compare the content's digest with the version given, write a
+temporary file, fsync, ``rename`` over the pointer (readers see the old one or the new one), fsync the folder.
+Readers take no lock.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ _PUBLISHED_MODE = stat.S_IRUSR | stat.S_IWUSR | stat.S_IRGRP | stat.S_IROTH  # 0
 _CHUNK = 1 << 20
 #: Where the store keeps what is not an export: its locks. Readers ignore dot folders.
 _INTERNAL = ".export-ledger"
+#: The lock file that earlier releases left in each key folder; removed when the key's pointer is next written.
+_LEGACY_POINTER_LOCK = ".current.lock"
 
 
 def _fsync_path(path: Path) -> None:
@@ -44,6 +47,16 @@ def _only_temporaries(folder: Path) -> bool:
         return all(entry.name.startswith(".tmp-") and entry.is_file() for entry in folder.iterdir())
     except FileNotFoundError:
         return False
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether the open file ``fd`` is the one at ``path`` now (not removed, not replaced)."""
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(fd)
+    return (found.st_dev, found.st_ino) == (opened.st_dev, opened.st_ino)
 
 
 def _temporary(final: Path) -> Path:
@@ -153,18 +166,36 @@ class LocalStore(ObjectStore):
 
     @contextlib.contextmanager
     def _locked(self, name: str):
-        locks = self.root / _INTERNAL / "locks"
+        """Holds the key's lock file (``<root>/.export-ledger/locks/<digest>.lock``), and removes it when done, so no
+        lock outlives its use.
+
+        Removing a lock file is safe only with a check: a writer that waited on a file its holder removed has locked
+        a file nobody else will ever lock. So the lock counts only if the file locked is still the one at the lock's
+        name (same inode), and the holder removes it before releasing: whoever waited on it then finds another file
+        there (or none) and locks again. Of two writers, at most one holds the file that is at the name.
+        """
+        path = self.root / _INTERNAL / "locks" / f"{hashlib.sha256(name.encode()).hexdigest()[:32]}.lock"
+        while True:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                lock = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                raise DestinationError(f"cannot lock {self._path(name)}: {exc.strerror}") from None
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # writers of one object wait for each other; readers never take it
+                if _same_file(lock, path):
+                    break
+            except BaseException:
+                os.close(lock)
+                raise
+            os.close(lock)  # its holder removed it meanwhile: lock the file at the name now
         try:
-            locks.mkdir(parents=True, exist_ok=True)
-            lock = os.open(locks / f"{hashlib.sha256(name.encode()).hexdigest()[:32]}.lock", os.O_RDWR | os.O_CREAT,
-                           0o644)  # fmt: skip
-        except OSError as exc:
-            raise DestinationError(f"cannot lock {self._path(name)}: {exc.strerror}") from None
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # writers of one object wait for each other; readers never take it
             yield
         finally:
-            os.close(lock)
+            try:
+                path.unlink(missing_ok=True)  # before the release: see above
+            finally:
+                os.close(lock)
 
     def put_if_match(self, name: str, data: bytes, tag: str | None) -> str:
         final = self._path(name)
@@ -175,6 +206,8 @@ class LocalStore(ObjectStore):
                 raise PreconditionFailed(f"{final} is not at the version read")
             for leftover in final.parent.glob(f".tmp-{final.name}-*"):
                 leftover.unlink(missing_ok=True)  # written under this lock by a writer that died: nobody writes it now
+            # Earlier releases locked the pointer with a file beside it, in the consumer's folder; none locks it now.
+            (final.parent / _LEGACY_POINTER_LOCK).unlink(missing_ok=True)
             temporary = _temporary(final)
             try:
                 with open(temporary, "xb") as handle:

@@ -354,6 +354,13 @@ class PublishingDestination(Destination):
             return replace(committed, tag=tag)
         raise DestinationError(f"{self.store.url(name)} kept changing while revision {target.revision} was committed")
 
+    def unstage(self, staged: StagedExport) -> None:
+        """Deletes a staged revision that will not be committed (a restatement whose data was the current
+        revision's). No pointer ever named its place, and none can: only its own party could commit it, and it
+        decided not to. The manifest goes first, as in the sweep."""
+        target = staged.target
+        self._delete_all(self.store.list(f"{self.key_folder(target)}/{target.place}/"))
+
     def sweep(self, target: ExportTarget, token: int, pointer: Pointer) -> int:
         """Deletes the places no pointer ever named and none can: a token below ``token`` (fenced by now) and either
         a revision above the pointer's (the pointer never moves back), or the pointer's own revision at another place

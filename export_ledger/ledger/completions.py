@@ -22,7 +22,9 @@ from export_ledger.ledger.records import Claim, CompletionEvidence, ExportRecord
 from export_ledger.ledger.rows import INSERT_ATTEMPT, RUN_BY_KEY, RUN_BY_KEY_LOCKED, attempt_values, evidence_values
 from export_ledger.ledger.schema import RUN_COLUMNS, AttemptOutcome, ExportState, export_attempts, export_runs
 
-_COMPLETING = (T.COMPLETE, T.REPAIR, T.WITHDRAW)
+_COMPLETING = (T.COMPLETE, T.REPAIR, T.WITHDRAW, T.UNCHANGED)
+#: Completions that record the revision the claim superseded again, not the claim's own.
+_RECORDING_SUPERSEDED = (T.WITHDRAW, T.UNCHANGED)
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ class Finish:
         if transition in _COMPLETING:
             if evidence is None:
                 raise InvalidTransition(f"{transition.name} of {claim.logical_key} needs the destination's evidence")
-            expected = (claim.superseded_revision or 1) if transition is T.WITHDRAW else claim.revision
+            expected = (claim.superseded_revision or 1) if transition in _RECORDING_SUPERSEDED else claim.revision
             if evidence.revision != expected:
                 raise InvalidTransition(
                     f"{claim.logical_key}: {transition.name} records revision {expected} but the evidence is revision "
@@ -81,7 +83,10 @@ class Finish:
 
     def attempt_row(self, now: dt.datetime) -> dict:
         claim = self.claim
-        error_class, message = self.note if self.note is not None else (None, None)
+        note = self.note
+        if note is None and self.transition is T.UNCHANGED:
+            note = unchanged_note(claim, self.evidence)
+        error_class, message = note if note is not None else (None, None)
         return attempt_values(
             claim.logical_key, claim.attempt_id, claim.fencing_token, now, self.transition.outcome, self.error,
             error_class=error_class, message=message, started_at=claim.started_at,
@@ -148,6 +153,8 @@ class Completions:
             return self._fenced(conn, claim, now, attempts)
         if item.transition in (T.COMPLETE, T.REPAIR) and claim.revision > 1:
             self.ledger.restatements.record_revision_in(conn, claim, item.evidence, now)
+        elif item.transition is T.UNCHANGED:
+            self.ledger.restatements.close_unchanged_in(conn, claim, now)
         if then is not None:
             then(conn, now, item)
         attempts.append(item.attempt_row(now))
@@ -292,8 +299,22 @@ class Completions:
 
 
 def completion_transition(claim: Claim, evidence: CompletionEvidence) -> T.Transition:
-    """``complete`` for the claim's own export, ``repair`` for an earlier attempt's."""
+    """``complete`` for the claim's own export, ``repair`` for an earlier attempt's, ``restatement unchanged`` for a
+    restatement that found its data identical to the revision it supersedes (``evidence.unchanged``: nothing was
+    committed, the evidence is that revision's)."""
+    if evidence.unchanged:
+        return T.UNCHANGED
     return T.COMPLETE if evidence.attempt_id == claim.attempt_id else T.REPAIR
 
 
-__all__ = ["Completions", "Finish", "LedgerError", "completion_transition"]
+def unchanged_note(claim: Claim, evidence: CompletionEvidence | None) -> tuple[str, str]:
+    """The attempt row's note of an unchanged restatement: which revision was asked for and which one stays."""
+    kept = evidence.revision if evidence is not None else claim.superseded_revision
+    return (
+        "RestatementUnchanged",
+        f"revision {claim.revision} would be identical to revision {kept} (same sha256 and row count): nothing "
+        f"published, revision {kept} stays current and the request is closed unchanged",
+    )
+
+
+__all__ = ["Completions", "Finish", "LedgerError", "completion_transition", "unchanged_note"]

@@ -127,7 +127,9 @@ class CompletionEvidence:
     """What a destination says it holds for a key: enough to record completion.
 
     ``source_fingerprint`` is what the source held (:mod:`export_ledger.fingerprint`), known only to the attempt that
-    read the source; evidence read back from a manifest (a repair, reconciliation) has None.
+    read the source; evidence read back from a manifest (a repair, reconciliation) has None. ``unchanged``: a
+    restatement found its data identical to the revision it supersedes and committed nothing; the evidence is that
+    revision's, recorded again (:data:`~export_ledger.ledger.transitions.UNCHANGED`).
     """
 
     location: str
@@ -137,6 +139,7 @@ class CompletionEvidence:
     fencing_token: int
     source_fingerprint: str | None = None
     revision: int = 1
+    unchanged: bool = False
 
     @classmethod
     def published(cls, location: str, manifest) -> CompletionEvidence:
@@ -155,7 +158,8 @@ class CompletionEvidence:
 @dataclass(frozen=True)
 class Restatement:
     """One row of ``export_restatements``: a request to publish ``revision`` of a completed key (open until
-    ``closed_at``; then ``outcome`` is ``published`` or ``withdrawn``)."""
+    ``closed_at``; then ``outcome`` is ``published``, ``withdrawn``, or ``unchanged``: its data was the current
+    revision's, and nothing was published)."""
 
     id: int
     logical_key: str

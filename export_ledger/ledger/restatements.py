@@ -6,7 +6,9 @@ back to ``in_progress`` through the ``restate`` transition. The request's revisi
 key ever had *or was ever asked for*: a withdrawn request's number is never given again (a unique index holds it), so
 a place left at the destination by a withdrawn or fenced attempt can never be taken for a later request's. The
 completion appends the revision's row, closes the request and clears the key's drift record, all in the completion's
-transaction (:meth:`Restatements.record_revision_in`).
+transaction (:meth:`Restatements.record_revision_in`). A restatement whose data is the current revision's publishes
+nothing: the key is completed again at that revision and the request closed ``unchanged``
+(:meth:`Restatements.close_unchanged_in`).
 
 Everything here needs schema version 5: on an older ledger opened for reading, every key reads as revision 1 with no
 request.
@@ -144,10 +146,15 @@ class Restatements:
         after: str | None = None,
         date_from: dt.date | None = None,
         date_to: dt.date | None = None,
+        outcomes: Sequence[str] = (),
     ) -> list[Restatement]:
         """Restatement requests (open ones by default), in key order; ``limit`` and ``after`` (a logical key) page,
-        ``date_from`` and ``date_to`` bound the business dates."""
+        ``date_from`` and ``date_to`` bound the business dates, ``outcomes`` keeps closed requests of those outcomes
+        (``published``, ``withdrawn``, ``unchanged``; implies ``open_only=False``)."""
         query = sa.select(export_restatements)
+        if outcomes:
+            open_only = False
+            query = query.where(export_restatements.c.outcome.in_(list(outcomes)))
         if date_from is not None:
             query = query.where(export_restatements.c.business_date >= date_from)
         if date_to is not None:
@@ -255,8 +262,25 @@ class Restatements:
             ),
         )  # fmt: skip
         T.close(conn, T.PUBLISH_REQUEST, request.id, now)
+        self._clear_drift_in(conn, key, now)
+
+    def close_unchanged_in(self, conn: Connection, claim: Claim, now: dt.datetime) -> None:
+        """After a restatement found its data identical to the current revision (same transaction as the key's
+        completion at that revision): the request closed ``unchanged``, no revision row (nothing was published; the
+        request's number is never given again), the key's drift record cleared (the source was read now and matches
+        what readers see)."""
+        key = claim.logical_key
+        request = self.open_in(conn, [key]).get(key)
+        if request is None or request.revision != claim.revision:
+            raise InvalidTransition(f"{key}: no open restatement of revision {claim.revision} to close unchanged")
+        T.close(conn, T.UNCHANGED_REQUEST, request.id, now)
+        self._clear_drift_in(conn, key, now)
+
+    def _clear_drift_in(self, conn: Connection, logical_key: str, now: dt.datetime) -> None:
         drift = conn.execute(
-            sa.select(export_drift.c.id).where(export_drift.c.logical_key == key, export_drift.c.cleared_at.is_(None))
+            sa.select(export_drift.c.id).where(
+                export_drift.c.logical_key == logical_key, export_drift.c.cleared_at.is_(None)
+            )
         ).scalars()
         T.close_many(conn, T.CLEAR_DRIFT, list(drift), now)
 

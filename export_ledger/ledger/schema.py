@@ -221,10 +221,12 @@ export_restatements = sa.Table(
     sa.Column("requested_at", UtcDateTime, nullable=False),
     sa.Column("base_token", sa.BigInteger, nullable=False),  # the key's fencing token at the request: reruns count on
     sa.Column("closed_at", UtcDateTime),
-    sa.Column("outcome", sa.String(20)),  # published | withdrawn, once closed
+    # published | withdrawn | unchanged (schema version 7: the new data was the current revision's), once closed
+    sa.Column("outcome", sa.String(20)),
     sa.CheckConstraint("revision >= 2", name="ck_restatement_revision"),
     sa.CheckConstraint(
-        "(closed_at IS NULL AND outcome IS NULL) OR (closed_at IS NOT NULL AND outcome IN ('published', 'withdrawn'))",
+        "(closed_at IS NULL AND outcome IS NULL) OR "
+        "(closed_at IS NOT NULL AND outcome IN ('published', 'withdrawn', 'unchanged'))",
         name="ck_restatement_closed",
     ),
     sa.Index(
@@ -334,7 +336,7 @@ export_missed_partitions = sa.Table(
 RUN_COLUMNS = tuple(column for column in export_runs.c if column.name not in ("source_fingerprint", "claim_count"))
 
 # The schema's version history (see export_ledger.ledger.store): one row per version reached, never changed.
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 export_ledger_schema = sa.Table(
     "export_ledger_schema",
     metadata,

@@ -14,6 +14,7 @@ Schema versions:
 * 4: ``export_runs.source_fingerprint`` and ``export_drift`` (keys whose source changed since).
 * 5: ``export_restatements`` and ``export_revisions``.
 * 6: ``export_runs.claim_count``, unique revision numbers per key, ``export_contract_refusals``, partition indexes.
+* 7: a restatement request may close ``unchanged`` (its new data was the current revision's: nothing published).
 
 **One clock.** Every decision that involves time reads :func:`database_now` inside the deciding transaction:
 PostgreSQL's ``now()`` (the server's clock, the same for every worker whatever its own clock says), or the host's
@@ -28,30 +29,20 @@ from pathlib import Path
 
 import sqlalchemy as sa
 from sqlalchemy import event
-from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.engine import Connection, Engine
 
-from export_ledger.errors import SECRET_NAME, safe_message
+from export_ledger.errors import ConfigurationError, safe_message
 from export_ledger.ledger.errors import LedgerUnavailable, SchemaOutdated
 from export_ledger.ledger.schema import SCHEMA_VERSION, export_ledger_schema, export_runs, metadata
+from export_ledger.ledger.urls import create_engine, database_url, redact_url
+
+__all__ = ["redact_url"]  # re-exported: callers have always imported it from here
 
 UTC = dt.timezone.utc
 #: The table in which alembic keeps the ledger's revision. Not alembic's default ``alembic_version``: a ledger may
 #: share its database with Dagster's own storage, which has that table.
 VERSION_TABLE = "export_ledger_alembic"
 MIGRATIONS = Path(__file__).with_name("migrations")
-
-
-def redact_url(url: str) -> str:
-    """The URL for messages: the password of its userinfo and every query parameter named like a secret
-    (password, secret, token, key, sig) replaced by ``***``. A path that is not a URL is returned as it is."""
-    if "://" not in url and not url.startswith("sqlite:"):
-        return url  # a plain path (``./var/ledger.sqlite3``) holds no secret and must stay readable
-    try:
-        parsed = make_url(url)
-    except Exception:  # an unparsable URL is reported by its scheme only
-        return url.split(":", 1)[0] + ":..."
-    query = {name: ("***" if SECRET_NAME.search(name) else value) for name, value in parsed.query.items()}
-    return parsed.set(query=query).render_as_string(hide_password=True).replace("%2A%2A%2A", "***")
 
 
 def database_now(conn: Connection) -> dt.datetime:
@@ -103,12 +94,9 @@ def _engine(url: str, *, make_folder: bool) -> Engine:
     if engine is not None:
         return engine
     try:
-        parsed = make_url(url)
-    except Exception as exc:
-        raise LedgerUnavailable(
-            f"invalid ledger URL {redact_url(url)!r}: {type(exc).__name__}; write an SQLAlchemy URL, for example "
-            "sqlite:///var/ledger.sqlite3 or postgresql+psycopg2://user@host:5432/db"
-        ) from None
+        parsed = database_url(url, what="ledger URL")
+    except ConfigurationError as exc:
+        raise LedgerUnavailable(str(exc)) from None
     if make_folder and parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
         folder = Path(parsed.database).expanduser().resolve().parent
         try:
@@ -119,7 +107,11 @@ def _engine(url: str, *, make_folder: bool) -> Engine:
         # hide_parameters: a failed statement's error must not carry its values (exported rows hold customer
         # data) into logs or Dagster's event log.
         # A file has no connection to lose: pinging it before every transaction only costs time.
-        engine = sa.create_engine(parsed, pool_pre_ping=parsed.get_backend_name() != "sqlite", hide_parameters=True)
+        engine = create_engine(
+            url, what="ledger URL", pool_pre_ping=parsed.get_backend_name() != "sqlite", hide_parameters=True
+        )
+    except ConfigurationError as exc:  # an unknown scheme, a driver that is not installed: named in the message
+        raise LedgerUnavailable(str(exc)) from None
     except Exception as exc:
         raise LedgerUnavailable(f"cannot open ledger {redact_url(url)!r}: {safe_message(exc)}") from None
     if engine.dialect.name == "sqlite":

@@ -150,6 +150,11 @@ WITHDRAW = Transition(
     "withdraw restatement", (S.IN_PROGRESS,), S.COMPLETED, AttemptOutcome.REPAIRED, owner_guard=True,
     guard="an operator holds the key, and the pointer still names the recorded revision: it is recorded again",
 )  # fmt: skip
+UNCHANGED = Transition(
+    "restatement unchanged", (S.IN_PROGRESS,), S.COMPLETED, AttemptOutcome.COMPLETED, owner_guard=True,
+    guard="the party holds the lease; its restatement's data is the current revision's, so nothing was committed: "
+    "the key is completed again at the revision the pointer still names",
+)  # fmt: skip
 FAIL = Transition("fail", (S.IN_PROGRESS,), S.FAILED, AttemptOutcome.FAILED, owner_guard=True)
 FAIL_RESTORED = Transition(
     "fail, reruns restored", (S.IN_PROGRESS,), S.FAILED, AttemptOutcome.FAILED, owner_guard=True, claims="reset",
@@ -172,6 +177,7 @@ TRANSITIONS = (
     COMPLETE,
     REPAIR,
     WITHDRAW,
+    UNCHANGED,
     FAIL,
     FAIL_RESTORED,
     MARK_REMOTE_UNKNOWN,
@@ -179,7 +185,7 @@ TRANSITIONS = (
 )
 
 #: The transitions that finish a held key (the owner-guarded ones), by the state they lead to.
-FINISHING = (COMPLETE, REPAIR, WITHDRAW, FAIL, FAIL_RESTORED, MARK_REMOTE_UNKNOWN, MARK_CONFLICT)
+FINISHING = (COMPLETE, REPAIR, WITHDRAW, UNCHANGED, FAIL, FAIL_RESTORED, MARK_REMOTE_UNKNOWN, MARK_CONFLICT)
 #: What puts a held key back in the state it was in, when its holder gives up (a refused resolution, a reconciler
 #: that could not reach the destination): each is a truthful finishing transition from that state's point of view.
 BACK_TO = {S.FAILED: FAIL, S.CONFLICT: MARK_CONFLICT, S.REMOTE_UNKNOWN: MARK_REMOTE_UNKNOWN}
@@ -273,10 +279,12 @@ class RowTransition:
 
 PUBLISH_REQUEST = RowTransition("publish restatement", export_restatements, "closed_at", "published")
 WITHDRAW_REQUEST = RowTransition("withdraw restatement", export_restatements, "closed_at", "withdrawn")
+#: The restatement's data was the current revision's: nothing was published (schema version 7).
+UNCHANGED_REQUEST = RowTransition("close restatement unchanged", export_restatements, "closed_at", "unchanged")
 CLEAR_DRIFT = RowTransition("clear drift", export_drift, "cleared_at")
 
 #: Opening a request or a drift record is an INSERT guarded by a partial unique index (one open row per key).
-REQUEST_TRANSITIONS = (PUBLISH_REQUEST, WITHDRAW_REQUEST)
+REQUEST_TRANSITIONS = (PUBLISH_REQUEST, WITHDRAW_REQUEST, UNCHANGED_REQUEST)
 DRIFT_TRANSITIONS = (CLEAR_DRIFT,)
 
 

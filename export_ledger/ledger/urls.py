@@ -1,0 +1,104 @@
+"""Database URLs as people write them, turned into SQLAlchemy URLs and engines in one place: the ledger, a
+``ledger-table:`` destination (through the ledger's engine) and a :class:`~export_ledger.sources.SqlSource` all open
+their databases through :func:`create_engine`.
+
+* A plain path (``./var/ledger.sqlite3``, the default as the README's configuration table writes it) is a SQLite
+  file, relative to the working directory.
+* ``postgresql://`` names no driver, and SQLAlchemy 2.1 then picks psycopg 3; export-ledger installs psycopg2
+  too, so such a URL is opened with whichever of the two is installed, psycopg 3 first.
+* A driver that is named but not installed (``postgresql+asyncpg://``) is refused with the package to install and the
+  scheme to write instead, never with a bare ``ModuleNotFoundError``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import sqlalchemy as sa
+from sqlalchemy.engine import URL, Engine, make_url
+
+from export_ledger.errors import SECRET_NAME, ConfigurationError
+
+#: ``scheme:`` at the start of a URL; a plain path has none (``./x``, ``/x``, ``var/x``, ``~/x``).
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*:")
+#: The package that provides a DBAPI module, where its name differs from the module's.
+_PACKAGES = {
+    "psycopg": "psycopg[binary]",
+    "psycopg2": "psycopg2-binary",
+    "MySQLdb": "mysqlclient",
+    "pymysql": "PyMySQL",
+}
+_POSTGRES_HINT = "postgresql+psycopg2://user@host:5432/db (psycopg2 is installed with export-ledger)"
+
+
+def is_plain_path(text: str) -> bool:
+    """True for a file path written without a scheme, which :func:`database_url` opens as a SQLite file."""
+    return bool(text) and not _SCHEME.match(text)
+
+
+def redact_url(url: str) -> str:
+    """The URL for messages: the password of its userinfo and every query parameter named like a secret
+    (password, secret, token, key, sig) replaced by ``***``.
+
+    A plain path holds no secret and is returned as it is. A string that starts like a URL but does not parse is
+    shown by its scheme alone, with a note saying the rest is hidden: where its password is cannot be known.
+    """
+    if is_plain_path(url):
+        return url
+    try:
+        parsed = make_url(url)
+    except Exception:
+        return f"{url.split(':', 1)[0]}:<rest hidden: not a valid URL>"
+    query = {name: ("***" if SECRET_NAME.search(name) else value) for name, value in parsed.query.items()}
+    return parsed.set(query=query).render_as_string(hide_password=True).replace("%2A%2A%2A", "***")
+
+
+def database_url(text: str, *, what: str = "database URL") -> URL:
+    """The SQLAlchemy URL to open for ``text``: a plain path as a SQLite file, ``postgresql://`` with the installed
+    driver, anything else as written.
+
+    Raises:
+        ConfigurationError: ``text`` is neither a path nor an SQLAlchemy URL; the message names ``what``.
+    """
+    if is_plain_path(text):
+        return URL.create("sqlite", database=str(Path(text).expanduser().absolute()))
+    try:
+        parsed = make_url(text)
+    except Exception as exc:  # SQLAlchemy's own message quotes the URL, password included
+        raise ConfigurationError(
+            f"invalid {what} {redact_url(text)!r}: {type(exc).__name__}; write a file path for SQLite "
+            f"(./var/ledger.sqlite3) or an SQLAlchemy URL, for example {_POSTGRES_HINT}"
+        ) from None
+    if parsed.drivername == "postgresql" and not _installed("psycopg") and _installed("psycopg2"):
+        return parsed.set(drivername="postgresql+psycopg2")
+    return parsed
+
+
+def create_engine(text: str, *, what: str = "database URL", **options) -> Engine:
+    """``sqlalchemy.create_engine`` of :func:`database_url`, with errors that name the problem.
+
+    Raises:
+        ConfigurationError: the URL is invalid, names an unknown database or dialect, or a driver that is not
+            installed (the message names the package to install and the scheme to write instead).
+    """
+    parsed = database_url(text, what=what)
+    try:
+        return sa.create_engine(parsed, **options)
+    except ModuleNotFoundError as exc:
+        module = (exc.name or "").split(".")[0]
+        instead = f"write {_POSTGRES_HINT}" if parsed.get_backend_name() == "postgresql" else "name an installed driver"
+        raise ConfigurationError(
+            f"the {what} {redact_url(text)!r} uses the scheme {parsed.drivername}://, whose driver {module!r} is not "
+            f"installed: install it (pip install {_PACKAGES.get(module, module)}) or {instead}"
+        ) from None
+    except sa.exc.NoSuchModuleError:
+        raise ConfigurationError(
+            f"the {what} {redact_url(text)!r} names an unknown database or driver ({parsed.drivername}://); "
+            f"write a file path for SQLite or an SQLAlchemy URL, for example {_POSTGRES_HINT}"
+        ) from None
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None

@@ -5,7 +5,8 @@ Subcommands, each with a readable table or ``--json``::
     export-ledger status [--export E] [--tenant T] [--from YYYY-MM-DD] [--to YYYY-MM-DD] [--state S ...] [--limit N]
     export-ledger attempts <logical key>
     export-ledger reconcile [--export E] [--destination SPEC] [--limit N]
-    export-ledger drift --specs MODULE:ATTR [--export E] [--destination SPEC] [--lookback-days N] [--limit N]
+    export-ledger drift -f FILE | -m MODULE [-a ATTR] | --specs MODULE:ATTR [--export E] [--destination SPEC]
+                        [--lookback-days N] [--limit N]
     export-ledger prune --older-than DAYS [--export E]
     export-ledger accept-contract --export E [--tenant T] --timezone Z --start-date YYYY-MM-DD [--move D:ZONE]
                                   --reason "..."
@@ -26,10 +27,12 @@ launch from the UI, or the reconciliation sensor), or withdraws one; ``revisions
 
 The ledger is found from ``--ledger-url``, else ``EXPORTS_LEDGER_URL``, else ``./var/ledger.sqlite3``; the destination
 ``reconcile`` probes from ``--destination``, else ``EXPORTS_DESTINATION``, else ``./var/exports`` (the same settings
-the code location reads, from :mod:`export_ledger.settings`; the CLI never imports a code location). Export names
-come from the ledger: ``--export`` names one it knows. ``drift`` alone needs the sources, which only the declared
-exports know: ``--specs`` imports the module that declares them (``module:attribute``, an ``ExportSpec`` or a list of
-them; the current directory is importable), never a Dagster code location.
+the code location reads, from :mod:`export_ledger.settings`). Export names come from the ledger: ``--export`` names
+one it knows. ``restate``, ``reconcile`` and ``drift`` take a code location as ``dagster`` does (``-f FILE`` or
+``-m MODULE``, ``-a ATTRIBUTE``): only then is it imported (:mod:`export_ledger.dagster.code_location`), its declared
+exports and destinations are used, and the printed ``dagster`` commands repeat those options. ``drift`` needs the
+sources: a code location, or ``--specs module:attribute`` (an ``ExportSpec`` or a list of them). Each command is one
+call of :mod:`export_ledger.operations` (or of the ledger) and renders what it returns.
 
 Exit codes: 0 success (an empty result included), 1 the ledger could not be read, the key is unknown, or
 ``reconcile`` left keys unresolved because the destination was unreachable; 2 bad usage. Every error is one line
@@ -48,19 +51,22 @@ import getpass
 import json
 import os
 import re
+import shutil
 import socket
 import sqlite3
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import sqlalchemy as sa
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy.engine import URL
 
+from export_ledger import operations
 from export_ledger.calendar import ExportCalendar, ZoneMove, utc_iso
-from export_ledger.destinations import destination_from
+from export_ledger.deadlines import late_keys
 from export_ledger.drift import DEFAULT_LOOKBACK_DAYS
-from export_ledger.errors import ExportLedgerError, InvalidIdentifier, redact_text
+from export_ledger.errors import ConfigurationError, ExportLedgerError, InvalidIdentifier, redact_text
 from export_ledger.keys import validate_slug
 from export_ledger.ledger import (
     AttemptRecord,
@@ -74,12 +80,10 @@ from export_ledger.ledger import (
     upgrade_url,
 )
 from export_ledger.ledger.core import DEFAULT_MAX_ATTEMPTS
+from export_ledger.ledger.urls import database_url
 from export_ledger.restate import (
-    asset_name_for,
-    materialize_command,
     published_revisions,
     records_of,
-    request_for_date,
     withdraw,
 )
 from export_ledger.settings import LEDGER_URL_ENV, Settings
@@ -87,7 +91,6 @@ from export_ledger.settings import LEDGER_URL_ENV, Settings
 #: Rows a CLI read returns unless ``--limit`` says otherwise: every read is bounded, whatever the ledger holds.
 STATUS_LIMIT = 500
 ATTEMPTS_LIMIT = 200
-from export_ledger.tenants import zone_slug
 
 PROG = "export-ledger"
 #: ``status --state stale``: not a state of export_runs (a stale key stays completed) but an open drift record.
@@ -96,6 +99,15 @@ STALE = "stale"
 RESTATING = "restating"
 USAGE_ERROR = 2
 RUNTIME_ERROR = 1
+EXIT_CODES = """exit codes:
+  0  success (an empty result included)
+  1  the command could not be carried out: the ledger could not be read, a key or export is unknown, the ledger
+     refused (a restatement, a resolution), or keys were left unresolved or unchecked (reconcile, drift, restate)
+  2  bad usage: an unknown option or value, a missing required option (restate without --reason, drift without
+     -f/-m/--specs), or a command that needs narrowing (reconcile of several exports without --export or -f/-m)
+
+A logical key is written export/tenant/window start in UTC, e.g. invoice_export/acme/2026-03-08T05:00:00Z
+(export-ledger status lists them). -f FILE / -m MODULE [-a ATTRIBUTE] name the code location as dagster does."""
 
 _DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 
@@ -149,16 +161,31 @@ def _positive_int_arg(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The ``export-ledger`` argument parser; ``--ledger-url`` is accepted before or after the subcommand."""
     ledger_url_help = f"SQLAlchemy URL of the ledger (default: ${LEDGER_URL_ENV}, else ./var/ledger.sqlite3)"
-    parser = _Parser(prog=PROG, description="Read the export ledger: logical exports and their attempts.")
+    parser = _Parser(
+        prog=PROG,
+        description="Read the export ledger: logical exports and their attempts.",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--ledger-url", metavar="URL", help=ledger_url_help)
     # The same option on each subcommand, defaulting to "not given" so it never overwrites the global one.
     common = _Parser(add_help=False)
     common.add_argument("--ledger-url", metavar="URL", default=argparse.SUPPRESS, help=ledger_url_help)
     common.add_argument("--json", action="store_true", help="print a JSON array instead of a table")
 
+    # A code location named as Dagster's CLI names one; the printed dagster commands repeat these options exactly.
+    location = _Parser(add_help=False)
+    where = location.add_mutually_exclusive_group()
+    where.add_argument("-f", "--python-file", dest="python_file", metavar="FILE", help="the code location's file")
+    where.add_argument("-m", "--module-name", dest="module_name", metavar="MODULE", help="the code location's module")
+    location.add_argument(
+        "-a", "--attribute", metavar="ATTRIBUTE",
+        help="the Definitions in the file or module (default: the one Definitions there)",
+    )  # fmt: skip
+
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    status = commands.add_parser("status", parents=[common], help="one line per logical export")
+    status = commands.add_parser("status", parents=[common, location], help="one line per logical export")
     status.add_argument("--export", type=_slug_arg("export name"), help="only this export, e.g. invoice_export")
     status.add_argument("--tenant", type=_slug_arg("tenant id"), help="only this tenant")
     status.add_argument(
@@ -210,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     reconcile = commands.add_parser(
         "reconcile",
-        parents=[common],
+        parents=[common, location],
         help="resolve stuck keys once from the destination's evidence (what the reconciliation sensor does)",
     )
     reconcile.add_argument(
@@ -227,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     drift = commands.add_parser(
         "drift",
-        parents=[common],
+        parents=[common, location],
         help="re-read the sources of recently completed keys once and record which are stale (what the drift "
         "sensor does)",
     )
@@ -235,9 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--specs",
         metavar="MODULE:ATTR",
         action="append",
-        required=True,
-        help="the declared exports (an ExportSpec or a list of them), e.g. examples.shop_definitions:orders; repeat "
-        "for several",
+        help="instead of -f/-m: a module's declared exports (an ExportSpec or a list of them), e.g. "
+        "examples.shop_definitions:orders; repeat for several",
     )
     drift.add_argument("--export", type=_slug_arg("export name"), help="only this export's keys")
     drift.add_argument(
@@ -248,7 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     drift.add_argument(
         "--lookback-days", type=_positive_int_arg, metavar="N", default=DEFAULT_LOOKBACK_DAYS,
-        help=f"check keys of the last N business dates of each export (default {DEFAULT_LOOKBACK_DAYS})",
+        help=f"check keys of the last N business dates of each export (default {DEFAULT_LOOKBACK_DAYS}); the "
+        "summary counts the completed keys older than that and names the N that reaches them",
     )  # fmt: skip
     drift.add_argument(
         "--limit", type=_positive_int_arg, metavar="N", default=1000, help="check at most N keys (default 1000)"
@@ -331,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     restate = commands.add_parser(
         "restate",
-        parents=[common],
+        parents=[common, location],
         help="request the next revision of completed keys (a key, or every key of a date), or withdraw a request",
     )
     restate.add_argument(
@@ -352,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --withdraw: the key's destination, which is fenced and looked at first "
         "(default: EXPORTS_DESTINATION, else ./var/exports)",
     )  # fmt: skip
-    restate.add_argument("--reason", help="why (required; kept with the revision for good)")
+    restate.add_argument("--reason", help="why (required: without it, exit 2; kept with the revision for good)")
     restate.add_argument("--operator", default=_default_operator(), help="who asks (default: this user@host)")
     restate.set_defaults(handler=_restate)
 
@@ -392,19 +419,15 @@ def _days_arg(text: str) -> int:
 # -- finding and opening the ledger ------------------------------------------------------------------------------
 
 
-def _ledger_url(args: argparse.Namespace) -> str:
-    if args.ledger_url is not None:
-        return args.ledger_url
-    return Settings.from_environment().ledger_url
+def _ledger_url(args: argparse.Namespace, settings: Settings) -> str:
+    return args.ledger_url if args.ledger_url is not None else settings.ledger_url
 
 
 def _open_ledger(url: str, *, read_only: bool) -> ExportLedger:
     try:
-        parsed = make_url(url)
-    except Exception:  # SQLAlchemy's own message quotes the URL, password included
-        raise CliError(
-            f"invalid ledger URL {redact_url(url)!r}: expected a SQLAlchemy URL such as sqlite:///var/ledger.sqlite3"
-        ) from None
+        parsed = database_url(url, what="ledger URL")  # a plain path is a SQLite file, as in EXPORTS_LEDGER_URL
+    except ConfigurationError as exc:  # its message names the URL redacted, never its password
+        raise CliError(f"{exc} (for example sqlite:///var/ledger.sqlite3 or ./var/ledger.sqlite3)") from None
     if parsed.get_backend_name() == "sqlite":
         _require_sqlite_ledger(parsed)
     # Reads never create or alter a table, on any backend; commands that change keys open it to write.
@@ -439,7 +462,7 @@ def _require_sqlite_ledger(parsed: URL) -> None:
 # -- subcommands -------------------------------------------------------------------------------------------------
 
 
-def _status(ledger: ExportLedger, args: argparse.Namespace) -> str:
+def _status(ledger: ExportLedger, args: argparse.Namespace, settings: Settings) -> str:
     _known_export(ledger, args.export)
     if args.needs_attention:
         return _needs_attention(ledger, args)
@@ -492,7 +515,8 @@ def _status(ledger: ExportLedger, args: argparse.Namespace) -> str:
                 revision.get(record.logical_key, ""),  # shown where restated (> 1): the current revision
             )
         )
-    return _table(headers, rows) + _more(len(records), args)
+    droppable = ("UPDATED", "LEASE EXPIRES", "LEASE OWNER", "REVISION", "COMMITTED ATTEMPT")
+    return _table(headers, rows, droppable) + _more(len(records), args)
 
 
 def _more(shown: int, args: argparse.Namespace) -> str:
@@ -595,6 +619,11 @@ def _load_specs(references: Sequence[str]) -> list:
         if not hasattr(module, attribute):
             raise UsageError(f"--specs {reference!r}: module {module_name} has no attribute {attribute!r}")
         value = getattr(module, attribute)
+        if type(value).__name__ == "Definitions":  # a code location (a @record, a tuple that refuses iteration)
+            raise UsageError(
+                f"--specs {reference!r} is a Definitions: name a code location with -f FILE or -m MODULE "
+                f"[-a ATTRIBUTE] instead (e.g. -m {module_name} -a {attribute})"
+            )
         found = [value] if isinstance(value, ExportSpec) else list(value) if isinstance(value, list | tuple) else None
         if found is None or not all(isinstance(item, ExportSpec) for item in found):
             raise UsageError(
@@ -607,37 +636,20 @@ def _load_specs(references: Sequence[str]) -> list:
     return specs
 
 
-def _drift(ledger: ExportLedger, args: argparse.Namespace) -> str:
-    from export_ledger.drift import drift_pass
-
-    specs = _load_specs(args.specs)
-    if args.export is not None:
-        chosen = [spec for spec in specs if spec.name == args.export]
-        if not chosen:
-            raise UsageError(
-                f"--export {args.export}: not among the exports --specs declares ({[s.name for s in specs]})"
-            )
-        specs = chosen
-    without = [spec.name for spec in specs if spec.source is None]
-    settings = Settings.from_environment()
-    destinations = {}
-    for spec in specs:
-        chosen_destination = spec.destination or args.destination or settings.destination
-        what = (
-            f"destination of export {spec.name}"
-            if spec.destination
-            else "--destination"
-            if args.destination
-            else "EXPORTS_DESTINATION"
-        )
-        destinations[spec.name] = destination_from(
-            chosen_destination, ledger_url=ledger.url, credentials=settings.s3_credentials(), what=what
-        )
-    report = drift_pass(
-        ledger, specs, destinations, lookback_days=args.lookback_days, limit=args.limit,
-        requested_by=f"{PROG} drift ({args.operator})",
+def _drift(ledger: ExportLedger, args: argparse.Namespace, settings: Settings) -> tuple[str, bool]:
+    location = _code_location(args)
+    if location is None and not args.specs:
+        raise UsageError("drift needs the declared exports: name the code location with -f FILE or -m MODULE")
+    if location is not None and args.specs:
+        raise UsageError("--specs and -f/-m both name the declared exports: give one of them")
+    specs = list(location.specs) if location is not None else _load_specs(args.specs)
+    done = operations.drift_once(
+        ledger, specs, settings=settings, lookback_days=args.lookback_days, limit=args.limit,
+        requested_by=f"{PROG} drift ({args.operator})", export=args.export, destination=args.destination,
+        location=location,
     )  # fmt: skip
-    args.unresolved = bool(report.unchecked)
+    report, without = done.report, done.without_source
+    unresolved = bool(report.unchecked)
     opened, cleared = set(report.changes.opened), set(report.changes.cleared)
     if args.json:
         items = [
@@ -653,7 +665,7 @@ def _drift(ledger: ExportLedger, args: argparse.Namespace) -> str:
         ]
         items += [{"logical_key": key, "result": "cleared"} for key in sorted(cleared)]
         items += [{"logical_key": key, "result": "not checked", "detail": why} for key, why in report.unchecked]
-        return _dump(items)
+        return _dump(items), unresolved
     rows = [
         (
             f.record.logical_key,
@@ -684,9 +696,15 @@ def _drift(ledger: ExportLedger, args: argparse.Namespace) -> str:
             f"{len(report.restatements.requested)} restatement(s) requested (exports with restate_stale): "
             "export-ledger status --state restating"
         )
+    if done.beyond.keys:
+        lines.append(
+            f"{done.beyond.keys} completed key(s) older than the lookback of {args.lookback_days} day(s) were not "
+            f"checked (the oldest of {done.beyond.oldest}); --lookback-days {done.beyond.lookback_days_needed} "
+            "checks them too"
+        )
     if report.next_after is not None:
         lines.append(f"more keys remain beyond --limit {args.limit}; run again")
-    return "\n".join(lines)
+    return "\n".join(lines), unresolved
 
 
 def _needs_attention(ledger: ExportLedger, args: argparse.Namespace) -> str:
@@ -695,6 +713,13 @@ def _needs_attention(ledger: ExportLedger, args: argparse.Namespace) -> str:
         exports=[args.export] if args.export else (), tenants=[args.tenant] if args.tenant else (), limit=args.limit,
         offset=args.offset,
     )  # fmt: skip
+    location = _code_location(args)
+    if location is not None and args.offset == 0:
+        # Late keys are read against the declared exports' deadlines (a key never attempted has no row to list).
+        specs = [s for s in location.specs if not args.export or s.name == args.export]
+        late = [e for e in late_keys(ledger, specs, limit=args.limit) if not args.tenant or e.tenant == args.tenant]
+        listed = {e.logical_key for e in found}
+        found = [*(e for e in late if e.logical_key not in listed), *found][: args.limit]
     if args.json:
         return _dump(
             [
@@ -721,10 +746,8 @@ def _escalation_json(escalation) -> dict:
     }
 
 
-def _attempts(ledger: ExportLedger, args: argparse.Namespace) -> str:
-    record = ledger.queries.get(args.logical_key)
-    if record is None:
-        raise CliError(f"unknown logical key {args.logical_key!r}: the ledger has no export with it")
+def _attempts(ledger: ExportLedger, args: argparse.Namespace, settings: Settings) -> str:
+    record = operations.require_key(ledger, args.logical_key)
     attempts = ledger.queries.attempts(record.logical_key, limit=ATTEMPTS_LIMIT)
     if args.json:
         return _dump([_attempt_json(attempt) for attempt in attempts])
@@ -746,51 +769,29 @@ def _attempts(ledger: ExportLedger, args: argparse.Namespace) -> str:
     ]
     total = ledger.queries.attempt_count(record.logical_key) if len(attempts) == ATTEMPTS_LIMIT else len(attempts)
     note = f"\n(the last {ATTEMPTS_LIMIT} of {total} attempts)" if total > len(attempts) else ""
-    return _table(headers, rows) + note
+    return _table(headers, rows, keep_first=False) + note
 
 
-def _configured_destination(args: argparse.Namespace, ledger: ExportLedger):
+def _configured_destination(args: argparse.Namespace, ledger: ExportLedger, settings: Settings):
     """``--destination``, else the settings' (``EXPORTS_DESTINATION`` and the S3 variables), resolved."""
-    settings = Settings.from_environment()
-    spec = args.destination or settings.destination
-    what = "--destination" if args.destination else "EXPORTS_DESTINATION"
-    return destination_from(spec, ledger_url=ledger.url, credentials=settings.s3_credentials(), what=what)
+    record = ledger.queries.get(args.logical_key) if getattr(args, "logical_key", None) else None
+    export = record.export if record is not None else ""
+    return operations.destination_for(export, settings=settings, ledger_url=ledger.url, given=args.destination)
 
 
-def _known_export(ledger: ExportLedger, export: str | None) -> None:
-    """Refuses an export name the ledger has never seen, listing those it knows (a typo is not an empty result)."""
-    if export is None:
-        return
-    known = ledger.queries.exports()
-    if export not in known:
-        listed = ", ".join(known) if known else "none yet"
-        raise CliError(f"the ledger knows no export named {export!r} (known: {listed})")
+_known_export = operations.require_export
 
 
-def _reconcile(ledger: ExportLedger, args: argparse.Namespace) -> str:
-    from export_ledger.reconcile import reconcile_batch
-
-    _known_export(ledger, args.export)
-    export = args.export
-    if export is None:
-        # One destination is judged per run: an export published elsewhere would be judged absent there.
-        exports = ledger.queries.exports()
-        if len(exports) > 1:
-            named = ", ".join(exports[:5]) + (", ..." if len(exports) > 5 else "")
-            raise UsageError(
-                f"the ledger holds {len(exports)} exports ({named}): reconcile one at a time with --export E and that "
-                "export's --destination"
-            )
-        if not exports:
-            return "no stuck export keys"
-        export = exports[0]
-    # Other exports' stuck keys are left alone.
-    destination = {export: _configured_destination(args, ledger)}
-    report = reconcile_batch(
-        ledger, destination, limit=args.limit, after=None, reconciler=f"export-ledger reconcile@{utc_iso(ledger.now())}"
-    )
-    args.unresolved = bool(report.unreachable)
+def _reconcile(ledger: ExportLedger, args: argparse.Namespace, settings: Settings) -> tuple[str, bool]:
+    done = operations.reconcile_once(
+        ledger, settings=settings, limit=args.limit, export=args.export, destination=args.destination,
+        location=_code_location(args), reconciler=f"export-ledger reconcile@{utc_iso(ledger.now())}",
+    )  # fmt: skip
+    report = done.report
+    if report is None:
+        return ("[]" if args.json else "no stuck export keys"), False
     resolved = {finding.record.logical_key: record for finding, record in report.resolved}
+    unresolved = bool(report.unreachable)  # keys the destination could not answer for are still stuck
     if args.json:
         return _dump(
             [
@@ -805,24 +806,42 @@ def _reconcile(ledger: ExportLedger, args: argparse.Namespace) -> str:
                 }
                 for f in report.findings
             ]
-        )
+        ), unresolved
     if not report.findings:
-        return "no stuck export keys"
+        return "no stuck export keys", unresolved
     rows = []
     for f in report.findings:
         now = resolved.get(f.record.logical_key)
         rows.append((f.record.logical_key, f.record.state.value, now.state.value if now else "unchanged", f.detail))
     lines = [_table(("LOGICAL KEY", "WAS", "NOW", "EVIDENCE"), rows)]
-    reruns = sorted(
-        {(r.export, r.business_date.isoformat()) for r in resolved.values() if r.state is ExportState.FAILED}
-    )
-    for export, partition in reruns:
-        lines.append(f"rerun: dagster asset materialize -f definitions.py --select {export} --partition {partition}")
+    lines += [f"rerun: {command.text}{command.note}" for command in done.reruns]
+    lines += _location_note(args, done.reruns)
     if report.unreachable:
         lines.append(f"{len(report.unreachable)} key(s) left unchanged: the destination could not be reached")
     if report.next_after is not None:
         lines.append(f"more stuck keys remain beyond --limit {args.limit}; run again")
-    return "\n".join(lines)
+    return "\n".join(lines), unresolved
+
+
+def _code_location(args: argparse.Namespace) -> operations.CodeLocation | None:
+    """The code location named by -f/-m (-a), loaded (this imports Dagster and the user's code); None without one."""
+    if getattr(args, "attribute", None) and not (args.python_file or args.module_name):
+        raise UsageError("-a ATTRIBUTE names the Definitions in the -f FILE or -m MODULE: give one of them too")
+    if not (getattr(args, "python_file", None) or getattr(args, "module_name", None)):
+        return None
+    from export_ledger.dagster.code_location import load_code_location
+
+    return load_code_location(python_file=args.python_file, module_name=args.module_name, attribute=args.attribute)
+
+
+def _location_note(args: argparse.Namespace, commands: Sequence[operations.Command]) -> list[str]:
+    """Printed commands without -f/-m assume this repository's layout: say so, and how to have the exact ones."""
+    if not commands or args.python_file or args.module_name:
+        return []
+    return [
+        "(the commands assume the code location is ./definitions.py; pass -f FILE or -m MODULE [-a ATTRIBUTE] "
+        "and they name yours)"
+    ]
 
 
 def _default_operator() -> str:
@@ -833,7 +852,7 @@ def _default_operator() -> str:
     return f"{user}@{socket.gethostname()}"
 
 
-def _prune(ledger: ExportLedger, args: argparse.Namespace) -> str:
+def _prune(ledger: ExportLedger, args: argparse.Namespace, settings: Settings) -> str:
     _known_export(ledger, args.export)
     if args.close_unexported and not (args.reason and args.reason.strip()):
         raise UsageError("--close-unexported needs --reason: closing dates never exported is recorded")
@@ -880,12 +899,13 @@ def _prune(ledger: ExportLedger, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def _resolve(ledger: ExportLedger, args: argparse.Namespace) -> str:
+def _resolve(ledger: ExportLedger, args: argparse.Namespace, settings: Settings) -> str:
     from export_ledger.resolve import resolve_key
 
     if not args.reason.strip():
         raise UsageError("--reason must say why")
-    destination = _configured_destination(args, ledger)
+    operations.require_key(ledger, args.logical_key)
+    destination = _configured_destination(args, ledger, settings)
     done = resolve_key(
         ledger, destination, args.logical_key, action=args.action, operator=args.operator, reason=args.reason
     )
@@ -896,7 +916,7 @@ def _resolve(ledger: ExportLedger, args: argparse.Namespace) -> str:
     return f"{done.record.logical_key}: {done.record.state.value}; {done.detail}"
 
 
-def _restate(ledger: ExportLedger, args: argparse.Namespace) -> str:
+def _restate(ledger: ExportLedger, args: argparse.Namespace, settings: Settings) -> str | tuple[str, bool]:
     """Records restatement requests (or withdraws one); the ledger refuses what may not be restated, and says why."""
     by_date = args.business_date is not None
     if by_date == (args.logical_key is not None):
@@ -905,68 +925,49 @@ def _restate(ledger: ExportLedger, args: argparse.Namespace) -> str:
         raise UsageError("--date needs --export (and --withdraw takes one LOGICAL_KEY)")
     if not by_date and (args.export or args.tenant):
         raise UsageError("--export and --tenant go with --date; a LOGICAL_KEY names its export and tenant")
-    reason = args.reason or ""
+    if args.reason is None:
+        raise UsageError('restate needs a reason: --reason "..." (kept with the revision for good)')
     if args.withdraw:
+        operations.require_key(ledger, args.logical_key)
         record = withdraw(
-            ledger, _configured_destination(args, ledger), args.logical_key, operator=args.operator, reason=reason
-        )
+            ledger, _configured_destination(args, ledger, settings), args.logical_key, operator=args.operator,
+            reason=args.reason,
+        )  # fmt: skip
         if args.json:
             return _dump([{"logical_key": record.logical_key, "withdrawn": True, "state": record.state.value}])
         return f"{record.logical_key}: restatement withdrawn; {record.state.value}, its current revision unchanged"
-    if by_date:
-        _known_export(ledger, args.export)
-        tenants = [args.tenant] if args.tenant else []
-        report = request_for_date(
-            ledger, args.export, args.business_date, reason=reason, requested_by=args.operator, tenants=tenants
-        )
-        requested, refused = report.requested, report.refused
-        if not requested:
-            _, why = refused[0]
-            more = f" ({len(refused) - 1} more key(s) refused too)" if len(refused) > 1 else ""
-            raise CliError(f"{why}{more}")
-    else:
-        request = ledger.restatements.request(args.logical_key, reason=reason, requested_by=args.operator)
-        requested, refused = [request], []
-    args.unresolved = bool(refused)  # some keys of the date were refused: scripts must see it
-    commands = _materialize_commands(ledger, requested)
+    done = operations.restate(
+        ledger, reason=args.reason, requested_by=args.operator, logical_key=args.logical_key, export=args.export,
+        business_date=args.business_date, tenant=args.tenant, location=_code_location(args),
+    )  # fmt: skip
+    unresolved = bool(done.refused)  # some keys of the date were refused: scripts must see it
     if args.json:
-        items = [{**_request_json(r), "requested": True} for r in requested]
-        items += [{"logical_key": key, "requested": False, "refused": why} for key, why in refused]
-        return _dump(items + [{"materialize": command} for command, _ in commands])
-    rows = [(r.logical_key, f"revision {r.revision}", "requested") for r in requested]
-    rows += [(key, "", f"refused: {why}") for key, why in refused]
+        items = [{**_request_json(r), "requested": True} for r in done.requested]
+        items += [{"logical_key": key, "requested": False, "refused": why} for key, why in done.refused]
+        return _dump(items + [{"materialize": command.text} for command in done.commands]), unresolved
+    rows = [(r.logical_key, f"revision {r.revision}", "requested") for r in done.requested]
+    rows += [(key, "", f"refused: {why}") for key, why in done.refused]
     lines = [_table(("LOGICAL KEY", "PUBLISHES", "RESULT"), rows)]
-    for command, note in commands:
-        lines.append(f"materialize: {command}{note}")
+    lines += [f"materialize: {command.text}{command.note}" for command in done.commands]
+    lines += _location_note(args, done.commands)
     lines.append(
         "otherwise the reconciliation sensor launches the partition's run; until it is published the current "
         "revision stays what readers get"
     )
-    return "\n".join(lines)
+    return "\n".join(lines), unresolved
 
 
-def _materialize_commands(ledger: ExportLedger, requests: Sequence[Restatement]) -> list[tuple[str, str]]:
-    """The command that publishes each (asset, partition) of ``requests``, with a note where the asset is a guess."""
-    records = records_of(ledger, requests)
-    commands = {}
-    for r in requests:
-        record = records.get(r.logical_key)
-        asset, certain = asset_name_for(ledger, record) if record else (r.export, True)
-        other = f"{r.export}__{zone_slug(record.timezone)}" if asset == r.export and record else r.export
-        note = "" if certain else f"  (a guess from the zones; the asset may be {other})"
-        commands[materialize_command(asset, r.business_date.isoformat())] = note
-    return sorted(commands.items())
-
-
-def _revisions(ledger: ExportLedger, args: argparse.Namespace) -> str:
+def _revisions(ledger: ExportLedger, args: argparse.Namespace, settings: Settings) -> str:
     revisions = ledger.restatements.revisions(args.logical_key)
     if not revisions:
-        record = ledger.queries.get(args.logical_key)
-        if record is None:
-            raise CliError(f"unknown logical key {args.logical_key!r}: the ledger has no export with it")
+        record = operations.require_key(ledger, args.logical_key)
         return f"{record.logical_key} has no published revision yet (state {record.state.value})"
     if args.json:
-        return _dump([_revision_json(r) for r in revisions])
+        unchanged = ledger.restatements.requests(logical_keys=[args.logical_key], outcomes=["unchanged"], limit=200)
+        return _dump(
+            [_revision_json(r) for r in revisions]
+            + [{**_request_json(r), "outcome": "unchanged", "closed_at": _iso(r.closed_at)} for r in unchanged]
+        )
     headers = (
         "REVISION", "SHA256", "ROWS", "SUPERSEDES", "REASON", "REQUESTED BY", "REQUESTED", "PUBLISHED BY", "LOCATION",
     )  # fmt: skip
@@ -977,14 +978,20 @@ def _revisions(ledger: ExportLedger, args: argparse.Namespace) -> str:
         )
         for r in revisions
     ]  # fmt: skip
-    return _table(headers, rows) + f"\ncurrent: revision {revisions[-1].revision}"
+    unchanged = ledger.restatements.requests(logical_keys=[args.logical_key], outcomes=["unchanged"], limit=200)
+    notes = "".join(
+        f"\nrevision {r.revision} not published: its data was identical to the current revision's "
+        f"(reason {_printable(r.reason)!r}, requested by {r.requested_by}, closed {_short_time(r.closed_at)})"
+        for r in unchanged
+    )
+    return _table(headers, rows) + f"\ncurrent: revision {revisions[-1].revision}" + notes
 
 
 def _date(value: dt.date | None) -> str | None:
     return None if value is None else value.isoformat()
 
 
-def _accept_contract(ledger: ExportLedger, args: argparse.Namespace) -> str:
+def _accept_contract(ledger: ExportLedger, args: argparse.Namespace, settings: Settings) -> str:
     if not args.reason.strip():
         raise UsageError("--reason must say why the contract changed")
     try:
@@ -994,7 +1001,8 @@ def _accept_contract(ledger: ExportLedger, args: argparse.Namespace) -> str:
     except ExportLedgerError as exc:
         raise UsageError(str(exc)) from None
     if args.tenant is None:
-        elsewhere = sorted(t for t, c in ledger.contracts.tenant_contracts(args.export).items() if c["timezone"] != args.timezone)
+        contracts = ledger.contracts.tenant_contracts(args.export)
+        elsewhere = sorted(t for t, c in contracts.items() if c["timezone"] != args.timezone)
         if elsewhere:
             raise UsageError(
                 f"{args.export} has tenants in other zones than {args.timezone} ({', '.join(elsewhere[:5])}"
@@ -1020,7 +1028,7 @@ def _accept_contract(ledger: ExportLedger, args: argparse.Namespace) -> str:
     return f"accepted for {scope}: {json.dumps(contract, sort_keys=True)} (was {json.dumps(before, sort_keys=True)})"
 
 
-def _upgrade(ledger: ExportLedger, args: argparse.Namespace) -> str:
+def _upgrade(ledger: ExportLedger, args: argparse.Namespace, settings: Settings) -> str:
     done = upgrade_url(ledger.url)
     if args.json:
         return _dump([{"upgraded_to": version} for version in done])
@@ -1119,11 +1127,79 @@ def _printable(text: str) -> str:
     return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    cells = [list(headers)] + [["-" if value is None else _printable(str(value)) for value in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = ("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in cells)
-    return "\n".join(line.rstrip() for line in lines)
+#: Table width when stdout is not a terminal (a pipe, a file) and ``COLUMNS`` says nothing.
+DEFAULT_WIDTH = 100
+#: A column is never wrapped narrower than this (or its header's longest word, or its widest cell if narrower).
+_MIN_COLUMN = 8
+
+
+def _terminal_width() -> int:
+    """``COLUMNS``, else the terminal's width, else :data:`DEFAULT_WIDTH` (stdout is not a terminal)."""
+    with contextlib.suppress(ValueError):
+        if int(os.environ.get("COLUMNS", "")) > 0:
+            return int(os.environ["COLUMNS"])
+    if sys.stdout.isatty():
+        return shutil.get_terminal_size((DEFAULT_WIDTH, 24)).columns
+    return DEFAULT_WIDTH
+
+
+def _floors(headers: Sequence[str], cells: Sequence[Sequence[str]], keep_first: bool = True
+            ) -> tuple[list[int], list[int]]:  # fmt: skip
+    natural = [max(len(row[i]) for row in [headers, *cells]) for i in range(len(headers))]
+    words = [max(_MIN_COLUMN, *(len(word) for word in header.split())) for header in headers]
+    floor = [natural[i] if i == 0 and keep_first else min(natural[i], words[i]) for i in range(len(headers))]
+    return natural, floor
+
+
+def _fitted(headers: Sequence[str], cells: Sequence[Sequence[str]], width: int, keep_first: bool = True) -> list[int]:
+    """Column widths that fit ``width``: the widest columns give way first; the first (the logical key, which
+    operators copy) never does. A table that cannot fit keeps every column at its minimum."""
+    natural, floor = _floors(headers, cells, keep_first)
+    widths = list(natural)
+    excess = sum(widths) + 2 * (len(widths) - 1) - width
+    while excess > 0:
+        shrinkable = [i for i in range(len(widths)) if widths[i] > floor[i]]
+        if not shrinkable:
+            break
+        widest = max(shrinkable, key=lambda i: widths[i])
+        widths[widest] -= 1
+        excess -= 1
+    return widths
+
+
+def _wrapped(text: str, width: int) -> list[str]:
+    if len(text) <= width:
+        return [text]
+    return textwrap.wrap(text, width, break_long_words=True, break_on_hyphens=True) or [""]
+
+
+def _table(
+    headers: Sequence[str], rows: Sequence[Sequence[object]], droppable: Sequence[str] = (), *, keep_first: bool = True
+) -> str:
+    """A table that fits the terminal: long cells wrap onto lines of their own column, and where even wrapped
+    columns cannot fit, the ``droppable`` ones go, in that order, said so below it (``--json`` is never cut). The first
+    column (a logical key, which operators copy) is never wrapped unless ``keep_first`` is False."""
+    headers = list(headers)
+    cells = [["-" if value is None else _printable(str(value)) for value in row] for row in rows]
+    width, dropped = _terminal_width(), []
+    for name in droppable:
+        if sum(_floors(headers, cells, keep_first)[1]) + 2 * (len(headers) - 1) <= width:
+            break
+        index = headers.index(name)
+        headers.pop(index)
+        cells = [row[:index] + row[index + 1 :] for row in cells]
+        dropped.append(name)
+    widths = _fitted(headers, cells, width, keep_first)
+    lines = []
+    for row in [list(headers), *cells]:
+        parts = [_wrapped(cell, width) for cell, width in zip(row, widths, strict=True)]
+        for depth in range(max(len(part) for part in parts)):
+            line = (part[depth] if depth < len(part) else "" for part in parts)
+            lines.append("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip())
+    if dropped:
+        note = f"({', '.join(dropped)} left out to fit {width} columns; --json or a wider terminal shows them)"
+        lines.extend(textwrap.wrap(note, width))
+    return "\n".join(lines)
 
 
 # -- entry point -------------------------------------------------------------------------------------------------
@@ -1158,11 +1234,14 @@ def main(argv: list[str] | None = None) -> int:
 
     url: str | None = None
     try:
-        url = _ledger_url(args)
+        settings = Settings.from_environment()  # read once: every part of the command sees the same settings
+        url = _ledger_url(args, settings)
         # status, attempts and upgrade open the ledger without touching its schema (upgrade then does so itself).
         read_only = args.command in ("status", "attempts", "revisions", "upgrade")
-        output = args.handler(_open_ledger(url, read_only=read_only), args)
-    except UsageError as exc:
+        output = args.handler(_open_ledger(url, read_only=read_only), args, settings)
+        # A command that left keys unresolved (reconcile, drift, restate of a date) says so: scripts must see it.
+        output, unresolved = output if isinstance(output, tuple) else (output, False)
+    except (UsageError, operations.UsageRefused) as exc:
         return _error(_redact_message(str(exc), url), USAGE_ERROR)
     except (CliError, ExportLedgerError) as exc:
         return _error(_redact_message(str(exc), url), RUNTIME_ERROR)
@@ -1184,8 +1263,7 @@ def main(argv: list[str] | None = None) -> int:
         # The reader left (``| head``): point stdout at devnull so the interpreter's final flush stays quiet.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return RUNTIME_ERROR
-    # reconcile: keys the destination could not answer for are still stuck; scripts must see that.
-    return RUNTIME_ERROR if getattr(args, "unresolved", False) else 0
+    return RUNTIME_ERROR if unresolved else 0
 
 
 if __name__ == "__main__":

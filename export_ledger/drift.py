@@ -262,6 +262,29 @@ def drift_pass(
     return report
 
 
+@dataclass(frozen=True)
+class LookbackGap:
+    """Completed keys older than a pass's lookback (never checked by it), and the lookback that would reach them."""
+
+    keys: int
+    oldest: dt.date | None
+    lookback_days_needed: int | None
+
+
+def beyond_lookback(
+    ledger: ExportLedger, specs: Sequence[ExportSpec], *, lookback_days: int, now: dt.datetime | None = None
+) -> LookbackGap:
+    """The completed keys of ``specs`` (those with a source) that :func:`drift_pass` with ``lookback_days`` skips."""
+    now = now or ledger.now()
+    checked = [spec for spec in specs if spec.source is not None]
+    count, oldest = ledger.drift.completed_before({spec.name: horizon(spec, now, lookback_days) for spec in checked})
+    if oldest is None:
+        return LookbackGap(count, None, None)
+    # The lookback whose horizon reaches the oldest key in every export's zone (today's date differs by zone).
+    needed = max((horizon(spec, now, 1) - oldest).days + 1 for spec in checked)
+    return LookbackGap(count, oldest, needed)
+
+
 def stale_digest(summary: Mapping[str, tuple[int, int]]) -> str:
     """A short digest of the open drift records, from the ledger's count and newest record id per export: records are
     never rewritten (a change closes one and opens another), so it changes exactly when the stale set does."""
@@ -279,6 +302,8 @@ __all__ = [
     "DEFAULT_LOOKBACK_DAYS",
     "DriftCounts",
     "DriftReport",
+    "LookbackGap",
+    "beyond_lookback",
     "check_key",
     "compare",
     "describe",

@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import datetime as dt
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -166,9 +167,15 @@ def asset_name_for(ledger: ExportLedger, record: ExportRecord) -> tuple[str, boo
     return (export if own else f"{export}__{zone_slug(zone)}"), False
 
 
-def materialize_command(asset: str, partition: str) -> str:
-    """The command that materializes one partition of an export's asset in process (what the CLI prints)."""
-    return f"dagster asset materialize -f definitions.py --select {asset} --partition {partition}"
+#: The code location :func:`materialize_command` names when it is not told one (this repository's layout).
+DEFAULT_LOCATION = ("-f", "definitions.py")
+
+
+def materialize_command(asset: str, partition: str, location: Sequence[str] = DEFAULT_LOCATION) -> str:
+    """The command that materializes one partition of an export's asset in process (what the CLI prints), in the
+    code location named by ``location``: Dagster's own options, e.g. ``("-m", "shop.defs")`` or
+    ``("-f", "shop.py", "-a", "defs")``, repeated exactly (quoted for the shell)."""
+    return shlex.join(["dagster", "asset", "materialize", *location, "--select", asset, "--partition", partition])
 
 
 def restating(record: ExportRecord, request: Restatement | None) -> bool:
@@ -245,6 +252,7 @@ def withdraw(ledger: ExportLedger, destination: Destination, logical_key: str, *
 
 
 __all__ = [
+    "DEFAULT_LOCATION",
     "DRIFT_REQUESTER",
     "RequestReport",
     "asset_name_for",

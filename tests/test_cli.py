@@ -67,6 +67,12 @@ def ledger_url(sqlite_url: str, clock) -> str:
     return sqlite_url
 
 
+@pytest.fixture
+def wide_terminal(monkeypatch) -> None:
+    """A terminal wide enough for every column on one line: the tests that read a table's cells by position."""
+    monkeypatch.setenv("COLUMNS", "400")
+
+
 def run(capsys, *argv: str) -> tuple[int, str, str]:
     code = cli.main(list(argv))
     captured = capsys.readouterr()
@@ -91,7 +97,9 @@ def assert_one_error_line(err: str, *mentions: str) -> None:
 # -- status ------------------------------------------------------------------------------------------------------
 
 
-def test_status_table_lists_every_export_with_its_state_date_zone_rows_and_committed_attempt(capsys, ledger_url):
+def test_status_table_lists_every_export_with_its_state_date_zone_rows_and_committed_attempt(
+    capsys, ledger_url, wide_terminal
+):
     code, out, err = run(capsys, "--ledger-url", ledger_url, "status")
 
     assert code == 0 and err == ""
@@ -106,7 +114,7 @@ def test_status_table_lists_every_export_with_its_state_date_zone_rows_and_commi
     )
 
 
-def test_status_table_shows_lease_owner_and_expiry_only_for_in_progress_exports(capsys, ledger_url):
+def test_status_table_shows_lease_owner_and_expiry_only_for_in_progress_exports(capsys, ledger_url, wide_terminal):
     code, out, _ = run(capsys, "--ledger-url", ledger_url, "status")
 
     assert code == 0
@@ -164,7 +172,7 @@ def test_status_filters_select_exactly_the_matching_exports(capsys, ledger_url, 
     assert {record["logical_key"] for record in status_json(capsys, ledger_url, *filters)} == expected
 
 
-def test_status_filters_apply_to_the_table_too(capsys, ledger_url):
+def test_status_filters_apply_to_the_table_too(capsys, ledger_url, wide_terminal):
     code, out, _ = run(capsys, "--ledger-url", ledger_url, "status", "--state", "failed")
 
     assert code == 0
@@ -177,7 +185,7 @@ def test_status_limit_keeps_the_first_exports_in_export_date_tenant_order(capsys
     assert [record["logical_key"] for record in records] == [ACME_7, GLOBEX_7]
 
 
-def test_status_offset_pages_on_and_a_full_page_says_how_to_see_the_next_one(capsys, ledger_url):
+def test_status_offset_pages_on_and_a_full_page_says_how_to_see_the_next_one(capsys, ledger_url, wide_terminal):
     records = status_json(capsys, ledger_url, "--limit", "2", "--offset", "2")
     assert [record["logical_key"] for record in records] == [ACME_8, GLOBEX_8], "the next page, in the same order"
 
@@ -213,7 +221,9 @@ def test_status_without_matches_says_so_in_table_and_prints_an_empty_array_in_js
 # -- attempts ----------------------------------------------------------------------------------------------------
 
 
-def test_attempts_table_lists_one_keys_attempts_in_order_with_error_class_and_message(capsys, ledger_url):
+def test_attempts_table_lists_one_keys_attempts_in_order_with_error_class_and_message(
+    capsys, ledger_url, wide_terminal
+):
     code, out, err = run(capsys, "--ledger-url", ledger_url, "attempts", ACME_7)
 
     assert code == 0 and err == ""
@@ -227,7 +237,7 @@ def test_attempts_table_lists_one_keys_attempts_in_order_with_error_class_and_me
     assert "LeaseHeld" in rows[1], "a refused attempt says why"
 
 
-def test_attempts_table_escapes_control_characters_in_stored_messages(capsys, ledger_url):
+def test_attempts_table_escapes_control_characters_in_stored_messages(capsys, ledger_url, wide_terminal):
     _, out, _ = run(capsys, "--ledger-url", ledger_url, "attempts", ACME_7)
 
     assert "\x1b" not in out, "a stored message must not send terminal escape sequences"
@@ -250,7 +260,7 @@ def test_attempts_json_round_trips_with_outcomes_tokens_and_errors(capsys, ledge
     assert attempts[2]["error_class"] is None and attempts[2]["error_message"] is None
 
 
-def test_attempts_shows_the_last_200_attempts_and_says_how_many_there_are(capsys, ledger_url, clock):
+def test_attempts_shows_the_last_200_attempts_and_says_how_many_there_are(capsys, ledger_url, clock, wide_terminal):
     ledger = ExportLedger(ledger_url, clock=clock)
     for n in range(201):  # globex's 2026-03-08 lease is live: each claim is refused, and recorded
         with pytest.raises(LeaseHeld):

@@ -110,6 +110,22 @@ class Drift:
             rows = conn.execute(query.order_by(runs.logical_key).limit(limit))
             return [ExportRecord.from_row(row) for row in rows]
 
+    def completed_before(self, date_to: Mapping[str, dt.date]) -> tuple[int, dt.date | None]:
+        """How many completed keys of the exports named in ``date_to`` have a business date before the export's
+        date there, and the oldest of those dates: the keys a drift sweep's lookback leaves out (one aggregate read)."""
+        if not date_to:
+            return 0, None
+        runs = export_runs.c
+        before = sa.or_(*(sa.and_(runs.export == name, runs.business_date < day) for name, day in date_to.items()))
+        query = sa.select(sa.func.count(), sa.func.min(runs.business_date)).where(
+            runs.state == ExportState.COMPLETED.value, before
+        )
+        with self.ledger.atomic(read_only=True) as conn:
+            count, oldest = conn.execute(query).one()
+        if isinstance(oldest, str):  # SQLite hands an aggregate of a date column back as its text
+            oldest = dt.date.fromisoformat(oldest)
+        return int(count), oldest
+
     def open_records(
         self,
         *,

@@ -1,0 +1,318 @@
+"""The operations behind ``export-ledger``: each command is one call here, and the CLI only renders what it returns
+(as sqlite-utils' ``tables`` is ``db.table_names()``). Plain Python, no Dagster.
+
+The decisions a command makes live here, not in :mod:`export_ledger.cli`: which destination an export is judged at,
+which exports one reconciliation may judge, which asset and code location publish a partition, and what an unknown
+key looks like. A code location (:class:`CodeLocation`) is loaded by :mod:`export_ledger.dagster.code_location`; an
+operation given one uses its declared exports and destinations instead of guessing.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from export_ledger.destinations import Destination, destination_from
+from export_ledger.drift import DriftReport, LookbackGap, beyond_lookback, drift_pass
+from export_ledger.errors import ExportLedgerError
+from export_ledger.ledger import ExportLedger, ExportRecord, ExportState, Restatement, RestatementRefused
+from export_ledger.reconcile import ReconcileReport, reconcile_batch
+from export_ledger.restate import (
+    DEFAULT_LOCATION,
+    asset_name_for,
+    materialize_command,
+    records_of,
+    request_for_date,
+)
+from export_ledger.settings import Settings
+from export_ledger.spec import ExportSpec
+from export_ledger.tenants import zone_slug
+
+#: How a logical key is written (:class:`export_ledger.keys.LogicalKey`): the window's start in UTC, not the date.
+KEY_FORM = "export/tenant/window start in UTC, e.g. invoice_export/acme/2026-03-08T05:00:00Z"
+_DATE_KEY = re.compile(r"^([^/]+)/([^/]+)/(\d{4}-\d{2}-\d{2})$")
+
+
+class UsageRefused(ExportLedgerError):
+    """The command as asked cannot be carried out without more from the operator (the CLI exits 2)."""
+
+
+@dataclass(frozen=True)
+class CodeLocation:
+    """A Dagster code location as the operator named it: its Dagster options, declared exports and destinations."""
+
+    dagster_args: tuple[str, ...]  # e.g. ("-f", "shop.py") or ("-m", "shop.defs", "-a", "defs")
+    specs: tuple[ExportSpec, ...]
+    destinations: Mapping[str, Destination] = field(default_factory=dict)
+
+    def spec(self, export: str) -> ExportSpec | None:
+        return next((spec for spec in self.specs if spec.name == export), None)
+
+
+@dataclass(frozen=True)
+class Command:
+    """A command to run, with a note where part of it is a guess."""
+
+    text: str
+    note: str = ""
+
+
+# -- keys and exports ------------------------------------------------------------------------------------------------
+
+
+def unknown_key_message(logical_key: str) -> str:
+    """Why ``logical_key`` names nothing, with the form of a key (and the status command, for a key of a date)."""
+    message = f"unknown logical key {logical_key!r}: the ledger has no export with it (a key is {KEY_FORM}"
+    by_date = _DATE_KEY.fullmatch(logical_key)
+    if by_date:
+        export, tenant, day = by_date.groups()
+        message += f"; export-ledger status --export {export} --tenant {tenant} --from {day} --to {day} shows it"
+    return message + ")"
+
+
+def require_key(ledger: ExportLedger, logical_key: str) -> ExportRecord:
+    """The key's record; raises :class:`ExportLedgerError` naming the form of a key when the ledger has none."""
+    record = ledger.queries.get(logical_key)
+    if record is None:
+        raise ExportLedgerError(unknown_key_message(logical_key))
+    return record
+
+
+def require_export(ledger: ExportLedger, export: str | None) -> None:
+    """Refuses an export name the ledger has never seen, listing those it knows (a typo is not an empty result)."""
+    if export is None:
+        return
+    known = ledger.queries.exports()
+    if export not in known:
+        listed = ", ".join(known) if known else "none yet"
+        raise ExportLedgerError(f"the ledger knows no export named {export!r} (known: {listed})")
+
+
+# -- destinations ----------------------------------------------------------------------------------------------------
+
+
+def destination_for(
+    export: str,
+    *,
+    settings: Settings,
+    ledger_url: str,
+    given: str | None = None,
+    spec: ExportSpec | None = None,
+    location: CodeLocation | None = None,
+) -> Destination:
+    """Where ``export`` is published: its own destination (declared on its spec), else ``given`` (``--destination``),
+    else its code location's, else ``EXPORTS_DESTINATION`` (the settings). The sensors get the same answer from the
+    code location's destination resources, which :func:`ledgered_definitions` built by this precedence."""
+    spec = spec or (location.spec(export) if location is not None else None)
+    own = spec.destination if spec is not None else None
+    located = location.destinations.get(export) if location is not None else None
+    if located is not None and (own or not given):
+        return located
+    if own:
+        chosen, what = own, f"destination of export {export}"
+    elif given:
+        chosen, what = given, "--destination"
+    else:
+        chosen, what = settings.destination, "EXPORTS_DESTINATION"
+    return destination_from(chosen, ledger_url=ledger_url, credentials=settings.s3_credentials(), what=what)
+
+
+# -- which asset publishes a partition -------------------------------------------------------------------------------
+
+
+def asset_of(ledger: ExportLedger, record: ExportRecord, location: CodeLocation | None) -> tuple[str, str]:
+    """The asset that exports ``record``'s partition, and a note when it is not certain (empty when it is).
+
+    A code location that declares the export answers exactly (the tenant's zone on that date:
+    :meth:`ExportSpec.group_of`); otherwise the ledger's best answer (:func:`export_ledger.restate.asset_name_for`).
+    """
+    spec = location.spec(record.export) if location is not None else None
+    if spec is not None:
+        try:
+            return spec.group_of(record.tenant, record.business_date).asset_name, ""
+        except KeyError:
+            pass  # a tenant the code no longer declares: the ledger's answer below
+    asset, certain = asset_name_for(ledger, record)
+    if location is not None and spec is None:
+        return asset, f"  (export {record.export} is not declared in {' '.join(location.dagster_args)})"
+    if certain:
+        return asset, ""
+    other = f"{record.export}__{zone_slug(record.timezone)}" if asset == record.export else record.export
+    return asset, f"  (a guess from the zones; the asset may be {other})"
+
+
+def publish_commands(
+    ledger: ExportLedger, records: Sequence[ExportRecord], location: CodeLocation | None
+) -> list[Command]:
+    """One ``dagster asset materialize`` per (asset, partition) of ``records``, in ``location`` (without one:
+    :data:`export_ledger.restate.DEFAULT_LOCATION`, said so by the caller)."""
+    dagster_args = location.dagster_args if location is not None else DEFAULT_LOCATION
+    commands: dict[str, str] = {}
+    for record in records:
+        asset, note = asset_of(ledger, record, location)
+        commands[materialize_command(asset, record.business_date.isoformat(), dagster_args)] = note
+    return [Command(text, note) for text, note in sorted(commands.items())]
+
+
+# -- reconcile -------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Reconciled:
+    """What one ``reconcile`` did: the pass's report (None: nothing to reconcile) and the reruns to launch."""
+
+    report: ReconcileReport | None
+    reruns: list[Command] = field(default_factory=list)
+
+
+def reconcile_once(
+    ledger: ExportLedger,
+    *,
+    settings: Settings,
+    limit: int,
+    export: str | None = None,
+    destination: str | None = None,
+    location: CodeLocation | None = None,
+    reconciler: str = "export-ledger reconcile",
+) -> Reconciled:
+    """Reconciles the stuck keys of one export (or of every export ``location`` declares, each at its own
+    destination) once, as a tick of the reconciliation sensor does.
+
+    Without a code location one destination is judged per pass, so a ledger of several exports needs ``export``:
+    a key published elsewhere would be judged absent (:class:`UsageRefused`).
+    """
+    require_export(ledger, export)
+    if export is not None:
+        exports = [export]
+    elif location is not None:
+        exports = [spec.name for spec in location.specs]
+    else:
+        exports = ledger.queries.exports()
+        if len(exports) > 1:
+            named = ", ".join(exports[:5]) + (", ..." if len(exports) > 5 else "")
+            raise UsageRefused(
+                f"the ledger holds {len(exports)} exports ({named}): reconcile one at a time with --export E and that "
+                "export's --destination, or name the code location with -f FILE or -m MODULE"
+            )
+    if not exports:
+        return Reconciled(None)
+    destinations = {
+        name: destination_for(name, settings=settings, ledger_url=ledger.url, given=destination, location=location)
+        for name in exports
+    }
+    report = reconcile_batch(ledger, destinations, limit=limit, after=None, reconciler=reconciler)
+    failed = [record for _, record in report.resolved if record.state is ExportState.FAILED]
+    return Reconciled(report, publish_commands(ledger, failed, location))
+
+
+# -- restate ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Restated:
+    """The requests one ``restate`` recorded, the keys refused with why, and the commands that publish them."""
+
+    requested: list[Restatement]
+    refused: list[tuple[str, str]]
+    commands: list[Command]
+
+
+def restate(
+    ledger: ExportLedger,
+    *,
+    reason: str,
+    requested_by: str,
+    logical_key: str | None = None,
+    export: str | None = None,
+    business_date: dt.date | None = None,
+    tenant: str | None = None,
+    location: CodeLocation | None = None,
+) -> Restated:
+    """Records a request for one key, or for every completed key of ``export`` on ``business_date`` (one tenant's).
+
+    Raises:
+        RestatementRefused: the ledger refused every key (its why for the first), or there is no reason.
+        ExportLedgerError: the key or the export is unknown.
+    """
+    if logical_key is not None:
+        require_key(ledger, logical_key)
+        requested = [ledger.restatements.request(logical_key, reason=reason, requested_by=requested_by)]
+        refused: list[tuple[str, str]] = []
+    else:
+        require_export(ledger, export)
+        report = request_for_date(
+            ledger, export, business_date, reason=reason, requested_by=requested_by, tenants=[tenant] if tenant else []
+        )
+        requested, refused = report.requested, report.refused
+        if not requested:
+            _, why = refused[0]
+            more = f" ({len(refused) - 1} more key(s) refused too)" if len(refused) > 1 else ""
+            raise RestatementRefused(f"{why}{more}")
+    records = records_of(ledger, requested)
+    return Restated(requested, refused, publish_commands(ledger, [records[r.logical_key] for r in requested], location))
+
+
+# -- drift -----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Drifted:
+    """One ``drift`` pass: its report, the exports without a source to read again, and the keys the lookback left."""
+
+    report: DriftReport
+    without_source: list[str]
+    beyond: LookbackGap
+
+
+def drift_once(
+    ledger: ExportLedger,
+    specs: Sequence[ExportSpec],
+    *,
+    settings: Settings,
+    lookback_days: int,
+    limit: int,
+    requested_by: str,
+    export: str | None = None,
+    destination: str | None = None,
+    location: CodeLocation | None = None,
+) -> Drifted:
+    """One pass of drift detection over ``specs`` (``export``'s only), each at its destination
+    (:func:`destination_for`), and the count of completed keys older than the lookback, which it did not check."""
+    if export is not None:
+        specs = [spec for spec in specs if spec.name == export]
+        if not specs:
+            raise UsageRefused(f"--export {export}: not among the declared exports")
+    destinations = {
+        spec.name: destination_for(
+            spec.name, settings=settings, ledger_url=ledger.url, given=destination, spec=spec, location=location
+        )
+        for spec in specs
+    }
+    now = ledger.now()
+    report = drift_pass(
+        ledger, specs, destinations, lookback_days=lookback_days, limit=limit, now=now, requested_by=requested_by
+    )
+    without = [spec.name for spec in specs if spec.source is None]
+    return Drifted(report, without, beyond_lookback(ledger, specs, lookback_days=lookback_days, now=now))
+
+
+__all__ = [
+    "KEY_FORM",
+    "CodeLocation",
+    "Command",
+    "Drifted",
+    "Reconciled",
+    "Restated",
+    "UsageRefused",
+    "asset_of",
+    "destination_for",
+    "drift_once",
+    "publish_commands",
+    "reconcile_once",
+    "require_export",
+    "require_key",
+    "restate",
+    "unknown_key_message",
+]

@@ -1,0 +1,192 @@
+"""``export-ledger`` with a code location named as Dagster's CLI names one (issue #19, items 6 and 7): -f/-m/-a,
+the printed ``dagster asset materialize`` commands, drift of the reference code location, the lookback's gap, tables
+that fit the terminal, the form of a key, and the exit codes."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import shlex
+from pathlib import Path
+from zoneinfo import ZoneInfo
+
+import pytest
+from builders import evidence_for, key_for
+
+from export_ledger import cli
+from export_ledger.ledger import ExportLedger
+from export_ledger.operations import KEY_FORM
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DAY = dt.date(2026, 3, 8)
+
+LOCATION = """
+import pandas as pd
+from export_ledger import ExportSpec
+from export_ledger.dagster import ledgered_definitions
+
+orders = ExportSpec(
+    name="orders",
+    source=lambda tenant, start, end: pd.DataFrame(),
+    columns={{"order_id": "string", "tenant": "string", "placed_at": "timestamp"}},
+    id_columns=["order_id"], time_column="placed_at", tenant_column="tenant",
+    tenants={{"acme": "America/New_York", "bombay": "Asia/Kolkata"}},
+    timezone="America/New_York", start_date="2026-01-01",
+)
+shop_defs = ledgered_definitions(
+    [orders], environ={{"EXPORTS_LEDGER_URL": {url!r}, "EXPORTS_DESTINATION": {destination!r}}}
+)
+"""
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture
+def shop(tmp_path, monkeypatch, sqlite_url):
+    """A code location of one export in two zones (``orders`` and ``orders__asia_kolkata``), as a file and as a
+    module, and its ledger: Bombay's key of DAY completed, Bombay's key of the day after stuck in remote_unknown."""
+    destination = tmp_path / "exports"
+    destination.mkdir()
+    (tmp_path / "shop_location.py").write_text(LOCATION.format(url=sqlite_url, destination=str(destination)))
+    ledger = ExportLedger(sqlite_url)
+    claim = ledger.claims.claim(key_for(DAY, export="orders", tenant="bombay", timezone="Asia/Kolkata"), "run-1")
+    ledger.completions.complete(claim, evidence_for(claim))
+    stuck = key_for(DAY + dt.timedelta(days=1), export="orders", tenant="bombay", timezone="Asia/Kolkata")
+    ledger.completions.mark_remote_unknown(ledger.claims.claim(stuck, "run-2"), TimeoutError("upload timed out"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("EXPORTS_LEDGER_URL", sqlite_url)
+    monkeypatch.setenv("EXPORTS_DESTINATION", str(destination))
+    monkeypatch.setenv("COLUMNS", "400")  # the printed commands on one line each
+    return ledger, str(claim.logical_key), str(stuck)
+
+
+def commands(out: str, prefix: str) -> list[list[str]]:
+    return [shlex.split(line.removeprefix(prefix)) for line in out.splitlines() if line.startswith(prefix)]
+
+
+@pytest.mark.parametrize(
+    "location",
+    [("-f", "shop_location.py"), ("-f", "shop_location.py", "-a", "shop_defs"), ("-m", "shop_location")],
+    ids=["file", "file-attribute", "module"],
+)
+def test_restate_prints_the_materialize_command_of_the_users_code_location_and_the_zones_asset(
+    capsys, shop, location
+):
+    _, completed, _ = shop
+
+    code, out, err = run(capsys, "restate", completed, "--reason", "late rows", *location)
+
+    assert code == 0, err
+    assert commands(out, "materialize: ") == [
+        ["dagster", "asset", "materialize", *location, "--select", "orders__asia_kolkata", "--partition", "2026-03-08"]
+    ], "the command repeats the operator's -f/-m (and -a) and names the asset of the tenant's zone"
+    assert "assume" not in out, "a command built from the code location is not a guess"
+
+
+def test_reconcile_with_a_code_location_prints_reruns_in_it(capsys, shop):
+    _, _, stuck = shop
+
+    code, out, err = run(capsys, "reconcile", "-f", "shop_location.py")
+
+    assert code == 0, err
+    assert stuck in out and "failed" in out, "nothing at the destination: the key is failed, safe to rerun"
+    assert commands(out, "rerun: ") == [
+        ["dagster", "asset", "materialize", "-f", "shop_location.py", "--select", "orders__asia_kolkata",
+         "--partition", "2026-03-09"]
+    ]  # fmt: skip
+
+
+def test_without_a_code_location_the_printed_command_says_what_it_assumes(capsys, shop):
+    _, completed, _ = shop
+
+    code, out, _ = run(capsys, "restate", completed, "--reason", "late rows")
+
+    assert code == 0
+    assert "-f definitions.py" in out and "pass -f FILE or -m MODULE" in out, out
+
+
+@pytest.mark.parametrize(
+    ("argv", "mention"),
+    [
+        (("-f", "missing.py"), "no such file"),
+        (("-m", "shop_location", "-a", "orders"), "a ExportSpec, not a dagster Definitions"),
+        (("-m", "shop_location", "-a", "nothing"), "has no attribute 'nothing'"),
+        (("-a", "shop_defs"), "give one of them too"),
+    ],
+)
+def test_a_wrong_code_location_is_one_clear_error(capsys, shop, argv, mention):
+    _, completed, _ = shop
+    code, _, err = run(capsys, "restate", completed, "--reason", "x", *argv)
+    assert code in (1, 2) and mention in err and len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err
+
+
+def test_drift_runs_for_the_reference_code_location_and_says_what_its_lookback_left_out(
+    capsys, tmp_path, monkeypatch, sqlite_url
+):
+    ledger = ExportLedger(sqlite_url)
+    claim = ledger.claims.claim(key_for(DAY), "run-1")  # invoice_export/acme, long before the 7-day lookback
+    ledger.completions.complete(claim, evidence_for(claim))
+    monkeypatch.setenv("EXPORTS_LEDGER_URL", sqlite_url)
+    monkeypatch.setenv("EXPORTS_DESTINATION", str(tmp_path / "exports"))
+    monkeypatch.chdir(PROJECT_ROOT)
+
+    code, out, err = run(capsys, "drift", "-f", "definitions.py")
+
+    assert code == 0, err
+    needed = (dt.datetime.now(ZoneInfo("America/New_York")).date() - DAY).days + 1
+    assert "0 key(s) checked" in out
+    assert (
+        f"1 completed key(s) older than the lookback of 7 day(s) were not checked (the oldest of {DAY}); "
+        f"--lookback-days {needed} checks them too"
+    ) in " ".join(out.split()), out
+
+    code, _, err = run(capsys, "drift", "--specs", "definitions:defs")
+    assert code == 2 and "is a Definitions: name a code location with -f FILE or -m MODULE" in err, err
+    code, _, err = run(capsys, "drift")
+    assert code == 2 and "-f FILE or -m MODULE" in err, "drift without its exports is a usage error"
+
+
+def test_restate_without_a_reason_is_a_usage_error(capsys, shop):
+    _, completed, _ = shop
+    code, _, err = run(capsys, "restate", completed)
+    assert code == 2 and "needs a reason" in err, err
+
+
+def test_an_unknown_key_error_names_the_form_of_a_key(capsys, shop):
+    for command in ("attempts", "revisions"):
+        code, _, err = run(capsys, command, "orders/bombay/2026-03-08")
+        assert code == 1 and KEY_FORM in err, err
+        assert "export-ledger status --export orders --tenant bombay --from 2026-03-08 --to 2026-03-08" in err
+    code, _, err = run(capsys, "restate", "orders/nobody", "--reason", "x")
+    assert code == 1 and KEY_FORM in err, err
+
+
+def test_help_documents_the_exit_codes(capsys):
+    code, out, _ = run(capsys, "--help")
+    assert code == 0
+    for line in ("0  success", "1  the command could not be carried out", "2  bad usage"):
+        assert line in out, f"--help should document exit code {line[0]}"
+
+
+def test_tables_fit_100_columns_when_stdout_is_not_a_terminal_and_json_stays_whole(capsys, shop, monkeypatch):
+    ledger, completed, _ = shop
+    monkeypatch.delenv("COLUMNS")
+    claim = ledger.claims.claim(key_for(DAY, export="orders", tenant="acme"), "run-" + "x" * 60 + "/orders")
+    ledger.completions.fail(claim, ValueError("negative amount"))
+
+    for argv in (("status",), ("attempts", str(claim.logical_key))):
+        code, out, _ = run(capsys, *argv)
+        assert code == 0
+        assert max(len(line) for line in out.splitlines()) <= 100, f"{argv} should fit 100 columns:\n{out}"
+        assert completed in out.split() or argv[0] == "attempts", "a logical key is never wrapped: it is copied"
+
+    code, out, _ = run(capsys, "status", "--json")
+    assert {"updated_at", "lease_owner", "lease_expires_at"} <= set(json.loads(out)[0]), "--json keeps every field"
+    code, out, _ = run(capsys, "attempts", str(claim.logical_key), "--json")
+    (attempt,) = json.loads(out)
+    assert attempt["attempt_id"] == "run-" + "x" * 60 + "/orders", "--json is never cut"

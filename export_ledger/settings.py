@@ -11,15 +11,24 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from export_ledger.errors import ConfigurationError
 from export_ledger.frames import FILE_FORMATS
 from export_ledger.keys import parse_tenants
+from export_ledger.ledger.urls import is_plain_path
 
 DEFAULT_LEASE_TTL_SECONDS = 900
 DEFAULT_MAX_PARTITIONS_PER_RUN = 31
 LEDGER_URL_ENV = "EXPORTS_LEDGER_URL"
 DESTINATION_ENV = "EXPORTS_DESTINATION"
+#: Where OpenLineage run events go (an HTTP receiver such as Marquez); unset: no events. Our own name rather than the
+#: client's ``OPENLINEAGE_URL``, which other tools in the same process read too: exports emit only when asked to.
+OPENLINEAGE_URL_ENV = "EXPORTS_OPENLINEAGE_URL"
+OPENLINEAGE_NAMESPACE_ENV = "EXPORTS_OPENLINEAGE_NAMESPACE"
+#: A secret, read by name when an event is sent (never kept in ``Settings``' repr).
+OPENLINEAGE_API_KEY_ENV = "EXPORTS_OPENLINEAGE_API_KEY"
+DEFAULT_OPENLINEAGE_NAMESPACE = "export-ledger"
 S3_ENV = {
     "endpoint_url": "AWS_ENDPOINT_URL",
     "access_key_id": "AWS_ACCESS_KEY_ID",
@@ -31,6 +40,18 @@ S3_ENV = {
 def default_ledger_url(base: Path | None = None) -> str:
     """``sqlite:///<working directory>/var/ledger.sqlite3``."""
     return f"sqlite:///{(base or Path.cwd()) / 'var' / 'ledger.sqlite3'}"
+
+
+def ledger_url_from(text: str, base: Path | None = None) -> str:
+    """``EXPORTS_LEDGER_URL`` as a URL: a plain path (``./var/ledger.sqlite3``, as the README's table writes the
+    default) is a SQLite file relative to the working directory, so the CLI and the code location open the same file
+    (the ledger's engine accepts a plain path too: :func:`export_ledger.ledger.urls.database_url`). Empty: the
+    default."""
+    if not text:
+        return default_ledger_url(base)
+    if not is_plain_path(text):
+        return text
+    return f"sqlite:///{(base or Path.cwd()) / Path(text).expanduser()}"
 
 
 def default_destination(base: Path | None = None) -> str:
@@ -48,12 +69,23 @@ def positive_int(name: str, text: str) -> int:
     return value
 
 
+def http_url(name: str, text: str | None) -> str | None:
+    """An ``http(s)://host...`` URL, or None when unset; anything else fails naming the variable (not its value,
+    which may hold a token)."""
+    if text is None:
+        return None
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigurationError(f"{name} must be an http:// or https:// URL with a host")
+    return text
+
+
 @dataclass(frozen=True)
 class Settings:
     """Everything export-ledger reads from the environment, parsed and checked.
 
     Attributes:
-        ledger_url: SQLAlchemy URL of the ledger (``EXPORTS_LEDGER_URL``).
+        ledger_url: SQLAlchemy URL of the ledger (``EXPORTS_LEDGER_URL``; a plain path is a SQLite file).
         ledger_url_from_env: True when it came from the environment (a secret to pass by name).
         destination: Destination spec: folder, ``s3://bucket/prefix`` or ``ledger-table:<table>``.
         tenants: ``EXPORTS_TENANTS``, or None when unset (the code decides).
@@ -63,6 +95,8 @@ class Settings:
         max_partitions_per_run: ``EXPORTS_MAX_PARTITIONS_PER_RUN``.
         region_name: ``AWS_REGION`` or ``AWS_DEFAULT_REGION`` (default ``us-east-1``).
         s3_secrets: Which of the S3 settings are set: setting -> environment variable name.
+        openlineage_url: ``EXPORTS_OPENLINEAGE_URL``, or None when unset (no lineage events).
+        openlineage_namespace: ``EXPORTS_OPENLINEAGE_NAMESPACE``: the OpenLineage job namespace.
     """
 
     ledger_url: str
@@ -75,6 +109,8 @@ class Settings:
     region_name: str = "us-east-1"
     ledger_url_from_env: bool = False
     s3_secrets: Mapping[str, str] = field(default_factory=dict)
+    openlineage_url: str | None = None
+    openlineage_namespace: str = DEFAULT_OPENLINEAGE_NAMESPACE
     environ: Mapping[str, str] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -91,7 +127,7 @@ class Settings:
         if allow_below not in ("", "0", "1"):
             raise ConfigurationError(f"EXPORTS_ALLOW_BELOW_LOW_WATER must be 0 or 1, got {allow_below!r}")
         return cls(
-            ledger_url=env.get(LEDGER_URL_ENV) or default_ledger_url(base),
+            ledger_url=ledger_url_from(env.get(LEDGER_URL_ENV) or "", base),
             ledger_url_from_env=bool(env.get(LEDGER_URL_ENV)),
             destination=env.get(DESTINATION_ENV) or default_destination(base),
             tenants=tenants,
@@ -106,6 +142,8 @@ class Settings:
             ),
             region_name=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
             s3_secrets={name: var for name, var in S3_ENV.items() if env.get(var)},
+            openlineage_url=http_url(OPENLINEAGE_URL_ENV, env.get(OPENLINEAGE_URL_ENV) or None),
+            openlineage_namespace=env.get(OPENLINEAGE_NAMESPACE_ENV) or DEFAULT_OPENLINEAGE_NAMESPACE,
             environ=dict(env),
         )
 

@@ -9,7 +9,8 @@ its own that takes the facade and does one job:
 * :attr:`ExportLedger.queries` — reads of keys and attempts;
 * :attr:`ExportLedger.attention` — stuck, failed and escalated keys, a bounded page at a time;
 * :attr:`ExportLedger.restatements`, :attr:`ExportLedger.contracts`, :attr:`ExportLedger.retention`,
-  :attr:`ExportLedger.drift`, :attr:`ExportLedger.operators` (the operator log).
+  :attr:`ExportLedger.drift`, :attr:`ExportLedger.operators` (the operator log);
+* :attr:`ExportLedger.tallies` — aggregate counts for monitoring.
 
 Plain Python on SQLAlchemy Core; nothing here knows about Dagster. One code path serves SQLite and PostgreSQL.
 Every state change is one of the transitions declared in :mod:`export_ledger.ledger.transitions`.
@@ -190,3 +191,9 @@ class ExportLedger:
         from export_ledger.ledger.drift import Drift
 
         return Drift(self)
+
+    @functools.cached_property
+    def tallies(self):
+        from export_ledger.ledger.tallies import Tallies
+
+        return Tallies(self)

@@ -40,6 +40,7 @@ def build_definitions(
     ledger: LedgerResource | None = None,
     reconcile_batch_size: int = RECONCILE_BATCH_SIZE,
     stuck_after: dt.timedelta = STUCK_AFTER,
+    deadline: str | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> dg.Definitions:
     """Assembles the invoice export code location.
@@ -64,6 +65,8 @@ def build_definitions(
         ledger: A ready ledger resource (tests pass one with a controlled clock); overrides ``ledger_url``.
         reconcile_batch_size: Stuck keys the reconciliation sensor examines per tick.
         stuck_after: Keys unresolved for longer fail the ``no_stuck_exports`` check and are logged as errors.
+        deadline: Local ``HH:MM`` by which each tenant's export of a date is due the morning after, in the tenant's
+            zone; later keys are escalated. Default ``EXPORTS_DEADLINE`` or none.
         environ: The environment to read; default ``os.environ``.
 
     Example:
@@ -98,6 +101,7 @@ def build_definitions(
         start_date=start_date,
         schedule_time=schedule_time,
         file_format=file_format or settings.file_format or "csv",
+        deadline=deadline or env.get("EXPORTS_DEADLINE") or None,
     )
     return ledgered_definitions(
         [spec],

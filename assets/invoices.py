@@ -26,6 +26,7 @@ def invoice_export(
     start_date: str,
     schedule_time: str = "04:30",
     file_format: str = "csv",
+    deadline: str | None = None,
 ) -> ExportSpec:
     """The ``invoice_export`` declaration: invoices by ``occurred_at``, unique ``invoice_id``, one tenant per file.
 
@@ -43,5 +44,6 @@ def invoice_export(
         start_date=start_date,
         schedule_time=schedule_time,
         file_format=file_format,
+        deadline=deadline,
         description="Invoice events of each tenant inside the partition's business-day window, exported once.",
     )

@@ -69,6 +69,10 @@ class ExportSpec:
             stale, a restatement is requested (reason ``source changed: +A -R ~C rows``, asked by ``drift-sensor``)
             and the reconciliation sensor launches the partition that publishes its next revision. False: stale keys
             wait for an operator (``export-ledger restate``).
+        owners: Who owns the export, shown on its assets in the Dagster UI: e-mail addresses or ``team:NAME``.
+        deadline: Local ``HH:MM`` by which each tenant's key of a business date is due, on the morning after that
+            date in the tenant's zone (after the nightly run); a key not completed by then is late and escalated
+            (:mod:`export_ledger.deadlines`), and Dagster's freshness policy of the asset shows it. None: no deadline.
     """
 
     name: str
@@ -89,6 +93,8 @@ class ExportSpec:
     stream_rows: int | None = None
     version_column: str | None = None
     restate_stale: bool = False
+    owners: Sequence[str] = ()
+    deadline: str | None = None
     _schema: ExportSchema = field(init=False, repr=False, compare=False)
     _tenants: dict[str, Tenant] = field(init=False, repr=False, compare=False)
     _groups: tuple[TenantGroup, ...] = field(init=False, repr=False, compare=False)
@@ -115,6 +121,11 @@ class ExportSpec:
                 raise ConfigurationError(f"stream_rows must be a positive number of rows, got {self.stream_rows!r}")
             if self.stream_rows is not None and self.source is None:
                 raise ConfigurationError("stream_rows needs a source: rows from an asset of your own come as one frame")
+            owners = [self.owners] if isinstance(self.owners, str) else list(self.owners)
+            for owner in owners:
+                if not isinstance(owner, str) or not (owner.startswith("team:") and len(owner) > 5 or "@" in owner):
+                    raise ConfigurationError(f"owners must be e-mail addresses or team:NAME, got {owner!r}")
+            object.__setattr__(self, "owners", tuple(owners))
             if not isinstance(self.restate_stale, bool):
                 raise ConfigurationError(f"restate_stale must be True or False, got {self.restate_stale!r}")
             if self.restate_stale and self.source is None:
@@ -147,6 +158,8 @@ class ExportSpec:
                     check_schedule_time(
                         ExportCalendar(group.timezone, self.start_date), _time_of(group.schedule_time, group.tenants)
                     )
+                if self.deadline is not None:
+                    _check_deadline(self.deadline, group, self.start_date)
             object.__setattr__(self, "_groups", groups)
         except ExportLedgerError as exc:
             raise type(exc)(f"export {self.name!r}: {exc}") from None  # the same error, naming the export
@@ -211,6 +224,27 @@ class ExportSpec:
     def count(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> int | None:
         """How many rows the source has for one window (None without a source)."""
         return None if self.source is None else self.source.count(tenant, start_utc, end_utc)
+
+
+def _check_deadline(deadline: str, group: TenantGroup, start_date: str) -> None:
+    """A deadline is a wall time that occurs once every day of the group's zone, after its nightly run."""
+    try:
+        at = dt.time.fromisoformat(deadline)
+    except (TypeError, ValueError):
+        raise ConfigurationError(
+            f"deadline must be HH:MM (local, the morning after the date), got {deadline!r}"
+        ) from None
+    if at == dt.time(0, 0):
+        raise ConfigurationError("deadline 00:00 is the window's own end: no key could be exported by then")
+    try:
+        check_schedule_time(ExportCalendar(group.timezone, start_date), at)
+    except ExportLedgerError as exc:
+        raise ConfigurationError(f"deadline {deadline} in {group.timezone}: {exc}") from None
+    if group.schedule_time is not None and at <= _time_of(group.schedule_time, group.tenants):
+        raise ConfigurationError(
+            f"deadline {deadline} is not after the nightly run at {group.schedule_time} in {group.timezone}: every "
+            "key would be late before it is exported"
+        )
 
 
 def _time_of(text: str | None, tenants) -> dt.time:

@@ -16,6 +16,7 @@ from urllib.parse import quote
 import dagster as dg
 import pytest
 import sqlalchemy as sa
+from install_fixtures import fresh_install  # noqa: F401  (a shared non-editable install)
 from s3_fixtures import *  # noqa: F403  (s3_server, s3_credentials, s3_bucket, s3, fault_proxy)
 
 from export_ledger.dagster import LedgerResource
@@ -124,3 +125,10 @@ def clocked_ledger(clock: Clock, sqlite_url: str):
     _CLOCKS[clock_id] = clock
     yield ClockedLedgerResource(url=sqlite_url, clock_id=clock_id)
     _CLOCKS.pop(clock_id, None)
+
+
+@pytest.fixture(autouse=True)
+def _wide_cli_tables(monkeypatch) -> None:
+    """CLI tables fit the terminal (100 columns when it is not one); tests that read their cells by position read
+    them unwrapped. A test of the width sets COLUMNS itself."""
+    monkeypatch.setenv("COLUMNS", "400")

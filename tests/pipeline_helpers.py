@@ -240,3 +240,13 @@ def finish(process: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
         output, _ = process.communicate()
         pytest.fail(f"process did not finish in {timeout}s:\n{output[-3000:]}")
     return process.returncode, output
+
+
+def key_rows(metadata) -> list[dict]:
+    """The per-key table of a partition's materialization (``key_table``), one dict per listed key."""
+    return [dict(record.data) for record in metadata["key_table"].value.records]
+
+
+def check_evaluations(result, check_name: str) -> dict[str | None, object]:
+    """A run's evaluations of one check, by partition."""
+    return {e.partition: e for e in result.get_asset_check_evaluations() if e.check_name == check_name}

@@ -8,8 +8,10 @@ import dagster as dg
 import pandas as pd
 import pytest
 from pipeline_helpers import (
+    check_evaluations,
     completed_without_export,
     failure_message,
+    key_rows,
     ledger_at,
     make_defs,
     places,
@@ -45,8 +47,8 @@ def test_materializing_a_partition_twice_publishes_one_export_and_records_two_at
     outcomes = [a.outcome for a in ledger.queries.attempts(key)]
     assert outcomes == [AttemptOutcome.COMPLETED, AttemptOutcome.ALREADY_COMPLETED]
     second_meta = second.get_asset_materialization_events()[0].materialization.metadata
-    assert second_meta["skipped_already_completed"].value == [key]
-    assert second_meta["tenants_skipped_already_completed"].value == ["acme"]
+    assert [(r["tenant"], r["status"]) for r in key_rows(second_meta)] == [("acme", "already_completed")]
+    assert second_meta["skipped_keys"].value == 1 and second_meta["exported_keys"].value == 0
 
 
 def test_a_second_window_is_a_distinct_export(tmp_path, instance):
@@ -89,10 +91,16 @@ def test_export_holds_exactly_the_window_events_with_manifest_and_metadata(tmp_p
     assert meta["rows_exported"].value == 2 * 92, "every row of both tenants' windows exported"
     ledger = ledger_at(tmp_path)
     assert {r.tenant: r.row_count for r in ledger.queries.records()} == {"acme": 92, "globex": 92}
-    assert sorted(meta["sha256"].value) == sorted(meta["paths"].value)
+    rows = key_rows(meta)
+    assert {r["tenant"]: r["rows"] for r in rows} == {"acme": 92, "globex": 92}
+    assert all(len(r["sha256"]) == 16 and r["location"] for r in rows)
+    assert meta["dagster/row_count"].value == 2 * 92
     assert meta["attempt_id"].value.startswith(result.run_id)
-    (check,) = result.get_asset_check_evaluations()
-    assert check.passed, check.metadata
+    assert list(meta)[:3] == ["business_date", "timezone", "window_start_utc"], "the window and zone come first"
+    checks = check_evaluations(result, "export_matches_source_and_ledger")
+    assert set(checks) == {"2026-03-08"} and checks["2026-03-08"].passed, checks
+    health = check_evaluations(result, "partition_health")["2026-03-08"]
+    assert health.passed and health.metadata["status"].value == "healthy"
 
 
 def test_parquet_exports_round_trip(tmp_path, instance):
@@ -223,10 +231,13 @@ def test_single_run_backfill_of_31_partitions_and_3_tenants_commits_93_keys(tmp_
     assert len(records) == 93
     assert len({r.logical_key for r in records}) == 93
     assert len(published_dirs(tmp_path / "exports")) == 93
-    partitions = {e.materialization.partition for e in result.get_asset_materialization_events()}
-    assert len(partitions) == 31
-    (check,) = result.get_asset_check_evaluations()
-    assert check.passed and check.metadata["keys_checked"].value == 93
+    events = result.get_asset_materialization_events()
+    assert len({e.materialization.partition for e in events}) == 31
+    for event in events:  # each partition's own counts, never the run's
+        assert event.materialization.metadata["keys"].value == 3
+        assert {r["tenant"] for r in key_rows(event.materialization.metadata)} == {"acme", "globex", "initech"}
+    checks = check_evaluations(result, "export_matches_source_and_ledger")
+    assert len(checks) == 31 and all(c.passed and c.metadata["keys_checked"].value == 3 for c in checks.values())
 
 
 @pytest.mark.parametrize(
@@ -317,4 +328,5 @@ def test_a_skipped_calendar_day_exports_nothing_and_its_neighbours_cover_every_e
     expected = SampleInvoiceSource().rows("acme", first.start_utc, last.end_utc)
     assert sorted(exported) == sorted(expected["invoice_id"]), "every event exported once, none under two keys"
     skipped = [e for e in result.get_asset_materialization_events() if e.materialization.partition == "2011-12-30"]
-    assert skipped[0].materialization.metadata["partition_logical_keys"].value == []
+    assert skipped[0].materialization.metadata.get("keys") is None, "no key of its own"
+    assert "2011-12-30" not in check_evaluations(result, "partition_health"), "a day with no key has no verdict"

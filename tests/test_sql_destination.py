@@ -13,7 +13,7 @@ import dagster as dg
 import pandas as pd
 import pytest
 import sqlalchemy as sa
-from pipeline_helpers import failure_message, make_defs, run_partition
+from pipeline_helpers import check_evaluations, failure_message, make_defs, run_partition
 
 from definitions import build_definitions
 from export_ledger.calendar import window_for
@@ -78,7 +78,7 @@ def test_rows_land_in_the_ledger_database_together_with_their_completion_record(
     assert record.location == f"sql:{TABLE}/invoice_export/tenant=acme/date={PARTITION}"
     assert stored_rows(ledger_url) == {f"{TABLE}:{KEY}": 92, f"{TABLE}_manifests:{KEY}": 1}
     assert [a.outcome for a in ledger.queries.attempts(KEY)] == [AttemptOutcome.COMPLETED]
-    (check,) = result.get_asset_check_evaluations()
+    check = check_evaluations(result, "export_matches_source_and_ledger")[PARTITION]
     assert check.passed, check.metadata
 
     destination = SqlTableDestination(url=ledger_url, table=TABLE)

@@ -320,7 +320,9 @@ def test_a_thousand_tenants_in_forty_zones_make_forty_assets(tmp_path):
     chosen = [z for z in zones if not z.startswith("America/Argentina")][:40]
     tenants = {f"t{i:04d}": chosen[i % 40] for i in range(1000)}
     defs = zone_defs(tmp_path, tenants, "2026-01-01")
-    assert len(defs.assets) == 40 and len(defs.jobs) == 40
+    assert len(defs.assets) == 40
+    health = sorted(j.name.endswith("_health_job") for j in defs.jobs)
+    assert health == [False] * 40 + [True] * 40, "a job and a health job per zone"
     assert len({s.name for s in defs.schedules}) == 40
 
 

@@ -20,9 +20,10 @@ from export_ledger.dagster.assets import (
     resource_keys,
     stuck_check_evaluation,
 )
-from export_ledger.dagster.definitions import ledgered_definitions
+from export_ledger.dagster.component import LedgeredExports
+from export_ledger.dagster.definitions import declared_exports, ledgered_definitions
 from export_ledger.dagster.drift_sensor import build_drift_sensor, drift_check_evaluations
-from export_ledger.dagster.io_manager import LedgeredExportIOManager, output_metadata
+from export_ledger.dagster.io_manager import LedgeredExportIOManager, partition_metadata
 from export_ledger.dagster.partitions import calendar_of, dagster_disagreement, partitions_def
 from export_ledger.dagster.resources import DestinationResource, LedgerResource
 from export_ledger.dagster.schedules import build_nightly_schedule
@@ -37,6 +38,7 @@ __all__ = [
     "CHECK_NAME",
     "DRIFT_CHECK_NAME",
     "LEDGER_KEY",
+    "LedgeredExports",
     "STUCK_CHECK_NAME",
     "DestinationResource",
     "ExportRunConfig",
@@ -50,12 +52,13 @@ __all__ = [
     "build_stuck_check",
     "calendar_of",
     "dagster_disagreement",
+    "declared_exports",
     "drift_check_evaluation",
     "drift_check_evaluations",
     "export_check",
     "job_selection",
     "ledgered_definitions",
-    "output_metadata",
+    "partition_metadata",
     "partitions_def",
     "resource_keys",
     "restatement_requests",

@@ -4,22 +4,26 @@
 import datetime as dt
 import functools
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import dagster as dg
 
 from export_ledger.calendar import ExportCalendar, parse_business_date, utc_iso
-from export_ledger.dagster.io_manager import LISTED_KEYS, status_command
+from export_ledger.dagster.io_manager import LISTED_KEYS, by_partition, status_command
 from export_ledger.dagster.partitions import dagster_disagreement, partitions_def
+from export_ledger.deadlines import due_at, late_keys
 from export_ledger.destinations import Destination, Verdict, place_of_location
 from export_ledger.drift import describe
+from export_ledger.errors import CalendarError
 from export_ledger.frames import FrameBatches
+from export_ledger.health import SEVERE, STATUSES, PartitionHealth, partition_health
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger import (
     AttentionSummary,
     DriftRecord,
     Escalation,
     ExportLedger,
+    ExportRecord,
     ExportState,
     RestatementRefused,
 )
@@ -29,6 +33,7 @@ from export_ledger.spec import ExportSpec
 from export_ledger.tenants import TenantGroup, zone_slug
 
 CHECK_NAME = "export_matches_source_and_ledger"
+HEALTH_CHECK_NAME = "partition_health"
 STUCK_CHECK_NAME = "no_stuck_exports"
 DRIFT_CHECK_NAME = "source_unchanged"
 LEDGER_KEY = "ledger"
@@ -65,6 +70,9 @@ def build_export_asset(
     pool: str,
     backfill_policy: dg.BackfillPolicy | None = None,
     group: TenantGroup | None = None,
+    stuck_after: dt.timedelta = dt.timedelta(hours=6),
+    max_attempts: int = 3,
+    destination_scheme: str | None = None,
 ) -> dg.AssetsDefinition:
     """The asset of one zone of the export (``group``; default its only one): for each partition in the run and each
     tenant of the zone, exactly the rows of the tenant's window.
@@ -72,6 +80,8 @@ def build_export_asset(
     The asset plans (which keys, which windows, which are already done: those are skipped before the source is
     read) and reads the source; the export's I/O manager claims, publishes and records each key. A tenant whose
     calendar contract changed unaccepted is left out and the run fails naming it, after the others are exported.
+    Once every key is recorded, each partition of the run gets its own ``export_matches_source_and_ledger`` and
+    ``partition_health`` verdicts (a failed key fails the step, so Dagster marks its partitions failed).
     """
     if spec.source is None:
         raise ValueError(f"export {spec.name!r} has no source: declare its asset yourself with ledgered_io_manager")
@@ -95,8 +105,11 @@ def build_export_asset(
             group_name=spec.name if several else None,
             tags={"export-ledger/export": spec.name, "export-ledger/zone": zone_slug(group.timezone)},
             required_resource_keys={LEDGER_KEY, destination_key},
-            check_specs=[dg.AssetCheckSpec(CHECK_NAME, asset=group.asset_name)],
             description=_description(spec, group),
+            kinds=asset_kinds(spec, destination_scheme),
+            freshness_policy=freshness_policy(spec, group),
+            owners=list(spec.owners) or None,
+            metadata={"dagster/column_schema": column_schema(spec)},
         )
 
     @asset_decorator
@@ -124,6 +137,7 @@ def build_export_asset(
             for r in book.restatements.requests(export=spec.name, date_from=first, date_to=last)
         }
         items: list[ExportItem] = []
+        tenants_by_day: dict[dt.date, list[str]] = {}
         for partition_key in partition_keys:
             day = parse_business_date(partition_key)
             window = calendar.window(partition_key)
@@ -168,27 +182,34 @@ def build_export_asset(
                     f"{partition_key} does not exist in {calendar.timezone}: empty window, nothing to export for "
                     f"{len(skipped_day)} tenant(s)"
                 )
-            # Bounded: counts, and the first LISTED_KEYS keys; every key is in the ledger (status_command).
-            context.add_asset_metadata(
-                {
-                    "business_date": partition_key,
-                    "timezone": calendar.timezone,
-                    "window_start_utc": utc_iso(window.start_utc),
-                    "window_end_utc": utc_iso(window.end_utc),
-                    "window_hours": window.duration.total_seconds() / 3600,
-                    "partition_keys_count": len(here),
-                    "partition_logical_keys": dg.MetadataValue.json([str(i.key) for i in here[:LISTED_KEYS]]),
-                    "tenants_skipped_already_completed": dg.MetadataValue.json(planned_skips[:LISTED_KEYS]),
-                    "tenants_restated": dg.MetadataValue.json(restated[:LISTED_KEYS]),
-                    "streamed_keys": sum(isinstance(i.frame, FrameBatches) for i in here),
-                    "every_key": dg.MetadataValue.text(status_command(spec.name, [partition_key])),
-                },
-                partition_key=partition_key,
-            )
+            # The partition's own window first; its keys' counts and table are added when they are recorded.
+            metadata = {
+                "business_date": partition_key,
+                "timezone": calendar.timezone,
+                "window_start_utc": utc_iso(window.start_utc),
+                "window_end_utc": utc_iso(window.end_utc),
+                "window_hours": window.duration.total_seconds() / 3600,
+            }
+            streamed = sum(isinstance(i.frame, FrameBatches) for i in here)
+            if streamed:
+                metadata["streamed_keys"] = streamed
+            metadata["every_key"] = dg.MetadataValue.text(status_command(spec.name, [partition_key]))
+            context.add_asset_metadata(metadata, partition_key=partition_key)
+            if here:  # a day the zone skipped has no key, so no verdict
+                tenants_by_day[day] = [item.key.tenant for item in here]
         batch = ExportBatch(spec.schema, items)
         yield dg.Output(batch)
-        # The I/O manager has published and recorded every key by now: check what actually landed.
-        yield export_check(spec, book, destination, batch.results, asset_key=group.asset_name)
+        # The I/O manager has published and recorded every key by now: check what actually landed, per partition.
+        asset_key = dg.AssetKey(group.asset_name)
+        for partition_key, results in by_partition(batch.results).items():
+            context.log_event(
+                export_check(spec, book, destination, results, asset_key=asset_key, partition=partition_key)
+            )
+        verdicts = partition_health(
+            book, spec.name, tenants_by_day, stuck_after=stuck_after, max_attempts=max_attempts, due=due(spec)
+        )
+        for verdict in verdicts.values():
+            context.log_event(health_evaluation(asset_key, verdict))
 
     return _export
 
@@ -278,11 +299,13 @@ def export_check(
     spec: ExportSpec,
     ledger: ExportLedger,
     destination: Destination,
-    results: list[ExportResult],
+    results: Sequence[ExportResult | ExportRecord],
     *,
-    asset_key: str | None = None,
-) -> dg.AssetCheckResult:
-    """Each key of the run: completed in the ledger, its current recorded revision intact where it was recorded
+    asset_key: dg.AssetKey,
+    partition: str,
+) -> dg.AssetCheckEvaluation:
+    """``export_matches_source_and_ledger`` of one partition: each of its keys completed in the ledger, its current
+    recorded revision intact where it was recorded
     (:meth:`~export_ledger.destinations.Destination.verify_recorded`: its manifest names the key, its data's sha256
     is the ledger's), and its row count the source's."""
     problems: list[str] = []
@@ -292,9 +315,8 @@ def export_check(
             problems.append(f"{result.logical_key}: not completed in the ledger")
             continue
         current = ledger.restatements.current_revision(record.logical_key)
-        target = target_for(
-            LogicalKey(record.export, record.tenant, record.window), current.revision, place_of_location(current.location)
-        )
+        key = LogicalKey(record.export, record.tenant, record.window)
+        target = target_for(key, current.revision, place_of_location(current.location))
         seen = destination.verify_recorded(target, logical_key=record.logical_key, sha256=current.sha256)
         if seen.verdict is not Verdict.PUBLISHED:
             problems.append(f"{record.logical_key}: {seen.detail}")
@@ -302,14 +324,257 @@ def export_check(
         expected_rows = spec.count(record.tenant, record.window_start_utc, record.window_end_utc)
         if expected_rows is not None and record.row_count != expected_rows:
             problems.append(f"{record.logical_key}: exported {record.row_count} rows, source has {expected_rows}")
-    return dg.AssetCheckResult(
+    return dg.AssetCheckEvaluation(
         check_name=CHECK_NAME,
-        asset_key=asset_key or spec.name,
+        asset_key=asset_key,
+        partition=partition,
         passed=not problems,
         severity=dg.AssetCheckSeverity.ERROR,
         metadata={"keys_checked": len(results), "problems": dg.MetadataValue.json(problems[:LISTED_KEYS])},
-        description="exported row counts equal the source's for each window; each file's sha256 equals the ledger's",
+        description=f"{len(problems)} of {len(results)} keys differ" if problems else f"{len(results)} keys match",
     )
+
+
+CHECK_DESCRIPTION = (
+    "each key of the partition is completed in the ledger, its current revision's data at the destination has the "
+    "ledger's sha256, and its row count equals the source's for its window"
+)
+HEALTH_DESCRIPTION = (
+    "the ledger's verdict on the partition: healthy (every tenant exported, current, source unchanged), or the worst "
+    "of its keys: escalated (waits for a person), failed (rerun by the reconciliation sensor), restating (a new "
+    "revision requested), stale (source changed since export), in_progress, missing (never attempted)"
+)
+
+
+def due(spec: ExportSpec):
+    """When each tenant's key of a date is due (None: the export has no deadline), for :func:`partition_health`."""
+    return None if spec.deadline is None else (lambda tenant, day: due_at(spec, tenant, day))
+
+
+def health_evaluation(asset_key: dg.AssetKey, verdict: PartitionHealth) -> dg.AssetCheckEvaluation:
+    """The ``partition_health`` verdict of one partition: an ERROR while a key is escalated or failed, a WARN while
+    one is restating, stale, in progress or missing. Counts, states and the library's notes only, never values."""
+    table = dg.MetadataValue.table(
+        [
+            dg.TableRecord(
+                {"tenant": k.tenant, "status": k.status, "state": k.state or "", "rows": k.rows or 0, "note": k.note}
+            )
+            for k in verdict.keys[:LISTED_KEYS]
+        ],
+        schema=HEALTH_TABLE_SCHEMA,
+    )
+    return dg.AssetCheckEvaluation(
+        asset_key=asset_key,
+        check_name=HEALTH_CHECK_NAME,
+        partition=verdict.business_date.isoformat(),
+        passed=verdict.healthy,
+        severity=dg.AssetCheckSeverity.ERROR if verdict.status in SEVERE else dg.AssetCheckSeverity.WARN,
+        metadata={
+            "status": dg.MetadataValue.text(verdict.status),
+            "summary": dg.MetadataValue.text(verdict.summary),
+            **{f"{status}_keys": verdict.count(status) for status in STATUSES if verdict.count(status)},
+            "keys": table,
+            "every_key": dg.MetadataValue.text(status_command(verdict.export, [verdict.business_date.isoformat()])),
+        },
+        description=verdict.summary,
+    )
+
+
+HEALTH_TABLE_SCHEMA = dg.TableSchema(
+    columns=[
+        dg.TableColumn("tenant", "string"),
+        dg.TableColumn("status", "string"),
+        dg.TableColumn("state", "string", description="the key's ledger state (empty: never attempted)"),
+        dg.TableColumn("rows", "int"),
+        dg.TableColumn("note", "string"),
+    ]
+)
+
+
+def health_evaluations(
+    spec: ExportSpec,
+    ledger: ExportLedger,
+    partitions: Mapping[str, set[str]],
+    *,
+    stuck_after: dt.timedelta,
+    max_attempts: int = 3,
+) -> list[dg.AssetCheckEvaluation]:
+    """``partition_health`` of the given partitions (asset name -> partition keys) of one export, for the sensors:
+    what a tick changed, reported as it now stands in the ledger."""
+    evaluations = []
+    for group in spec.groups:
+        wanted = sorted(partitions.get(group.asset_name, ()))
+        if not wanted:
+            continue
+        calendar = ExportCalendar(group.timezone, spec.start_date)
+        tenants_by_day = {}
+        for partition in wanted:
+            try:
+                day = calendar.window(partition).business_date
+            except CalendarError:
+                continue  # not a date of this calendar: nothing of it to report
+            tenants_by_day[day] = _partition_tenants(spec, group, calendar, day)
+        verdicts = partition_health(
+            ledger, spec.name, tenants_by_day, stuck_after=stuck_after, max_attempts=max_attempts, due=due(spec)
+        )
+        evaluations.extend(health_evaluation(dg.AssetKey(group.asset_name), v) for v in verdicts.values())
+    return evaluations
+
+
+def _partition_tenants(spec: ExportSpec, group: TenantGroup, calendar: ExportCalendar, day: dt.date) -> list[str]:
+    """The tenants whose key a partition of ``group`` holds on ``day``: those of its zone that day, except a tenant
+    whose own calendar skipped the day (an empty window has no key)."""
+    tenants = []
+    for tenant in group.tenants_on(day):
+        own = spec.calendar_for(tenant)
+        window = own.window(day.isoformat()) if own != calendar else calendar.window(day.isoformat())
+        if not window.is_empty:
+            tenants.append(tenant)
+    return tenants
+
+
+def build_partition_checks(
+    spec: ExportSpec,
+    group: TenantGroup,
+    *,
+    stuck_after: dt.timedelta,
+    max_attempts: int = 3,
+) -> list[dg.AssetChecksDefinition]:
+    """The two partitioned checks of one zone's asset, runnable on any partition from the UI: the export's run
+    reports them for its partitions, the sensors for the partitions a tick changed.
+
+    - ``export_matches_source_and_ledger``: what landed is what the ledger recorded and the source holds.
+    - ``partition_health``: the ledger's verdict (:mod:`export_ledger.health`).
+    """
+    with warnings.catch_warnings():
+        # Partitioned checks are a preview Dagster API; they are what puts a verdict on each partition in the UI.
+        warnings.simplefilter("ignore", dg.PreviewWarning)
+        return _partition_checks(spec, group, stuck_after=stuck_after, max_attempts=max_attempts)
+
+
+def _partition_checks(
+    spec: ExportSpec, group: TenantGroup, *, stuck_after: dt.timedelta, max_attempts: int
+) -> list[dg.AssetChecksDefinition]:
+    calendar = ExportCalendar(group.timezone, spec.start_date)
+    partitions = partitions_def(calendar, group.last_date)
+    asset_key = dg.AssetKey(group.asset_name)
+    destination_key = resource_keys(spec)[0]
+
+    def days_of(context: dg.AssetCheckExecutionContext) -> dict[dt.date, list[str]]:
+        op = context.op_execution_context
+        keys = op.partition_keys if op.has_partition_key or op.has_partition_key_range else []
+        return {
+            (day := calendar.window(key).business_date): _partition_tenants(spec, group, calendar, day) for key in keys
+        }
+
+    def worst(evaluations: list[dg.AssetCheckEvaluation], context: dg.AssetCheckExecutionContext):
+        """One result for the check's step: the partition's verdict; for a range, each partition's is logged and
+        the step's result is the first failing one's (or the last passing one's)."""
+        if not evaluations:
+            return dg.AssetCheckResult(passed=False, metadata={"problem": "no partition selected"})
+        if len(evaluations) > 1:
+            for evaluation in evaluations:
+                context.op_execution_context.log_event(evaluation)
+        chosen = next((e for e in evaluations if not e.passed), evaluations[-1])
+        return dg.AssetCheckResult(
+            passed=chosen.passed, severity=chosen.severity, metadata=chosen.metadata, description=chosen.description
+        )
+
+    @dg.asset_check(
+        asset=asset_key,
+        name=CHECK_NAME,
+        partitions_def=partitions,
+        description=CHECK_DESCRIPTION,
+        required_resource_keys={LEDGER_KEY, destination_key},
+    )
+    def _matches(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
+        book = getattr(context.resources, LEDGER_KEY).get_ledger()
+        destination = getattr(context.resources, destination_key).get_destination()
+        evaluations = []
+        for day, tenants in days_of(context).items():
+            records = book.queries.records(export=spec.name, business_dates=[day], tenants=tenants)
+            evaluations.append(
+                export_check(spec, book, destination, records, asset_key=asset_key, partition=day.isoformat())
+            )
+        return worst(evaluations, context)
+
+    @dg.asset_check(
+        asset=asset_key,
+        name=HEALTH_CHECK_NAME,
+        partitions_def=partitions,
+        description=HEALTH_DESCRIPTION,
+        required_resource_keys={LEDGER_KEY},
+    )
+    def _health(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
+        book = getattr(context.resources, LEDGER_KEY).get_ledger()
+        verdicts = partition_health(
+            book, spec.name, days_of(context), stuck_after=stuck_after, max_attempts=max_attempts, due=due(spec)
+        )
+        return worst([health_evaluation(asset_key, v) for v in verdicts.values()], context)
+
+    return [_matches, _health]
+
+
+#: Dagster's kind of each column kind (``dagster/column_schema``).
+_COLUMN_TYPES = {"string": "string", "float": "float", "int": "int", "timestamp": "timestamp", "bool": "bool"}
+
+
+def column_schema(spec: ExportSpec) -> dg.TableSchema:
+    """The export's columns as Dagster's column schema: file order, kinds, which may be null, which identify a row."""
+    schema = spec.schema
+    columns = []
+    for name, kind in schema.columns.items():
+        notes = []
+        if name in schema.id_columns:
+            notes.append("identifies a row")
+        if name == schema.time_column:
+            notes.append("places a row in its window")
+        columns.append(
+            dg.TableColumn(
+                name,
+                _COLUMN_TYPES.get(kind, kind),
+                description="; ".join(notes) or None,
+                constraints=dg.TableColumnConstraints(nullable=name in schema.nullable, unique=False),
+            )
+        )
+    return dg.TableSchema(columns=columns)
+
+
+def freshness_policy(spec: ExportSpec, group: TenantGroup) -> dg.FreshnessPolicy | None:
+    """The export's deadline as Dagster's freshness policy of one zone's asset: materialized each day between local
+    midnight (the window's end) and the deadline, in the zone. Dagster judges the asset as a whole; which tenant and
+    date is late is the ledger's (``no_stuck_exports``, ``partition_health``)."""
+    if spec.deadline is None:
+        return None
+    at = dt.time.fromisoformat(spec.deadline)
+    return dg.FreshnessPolicy.cron(
+        deadline_cron=f"{at.minute} {at.hour} * * *",
+        lower_bound_delta=dt.timedelta(hours=at.hour, minutes=at.minute),
+        timezone=group.timezone,
+    )
+
+
+def late_by_asset(spec: ExportSpec, late: Sequence[Escalation]) -> dict[str, list[Escalation]]:
+    """Late keys of one export by the asset of their tenant's zone on their date."""
+    by_asset: dict[str, list[Escalation]] = {}
+    for escalation in late:
+        if escalation.export != spec.name or escalation.tenant not in spec.tenants:
+            continue
+        asset = spec.group_of(escalation.tenant, escalation.business_date).asset_name
+        by_asset.setdefault(asset, []).append(escalation)
+    return by_asset
+
+
+def asset_kinds(spec: ExportSpec, destination_scheme: str | None) -> set[str]:
+    """The asset's kinds in the UI: the file format (or ``table``) and where it lands (``s3``, ``file``, ...)."""
+    kinds = set()
+    if destination_scheme == "ledger-table":
+        kinds.add("table")
+    else:
+        kinds.add(spec.file_format)
+    if destination_scheme:
+        kinds.add({"local": "file", "ledger-table": "sql"}.get(destination_scheme, destination_scheme))
+    return kinds
 
 
 def stuck_check_evaluation(
@@ -326,7 +591,10 @@ def stuck_check_evaluation(
             "stuck_keys": count,
             "threshold_hours": stuck_after.total_seconds() / 3600,
             "first_keys": dg.MetadataValue.json(
-                [{"logical_key": e.name, "state": e.state, "since": utc_iso(e.since)} for e in escalations[:LISTED_KEYS]]
+                [
+                    {"logical_key": e.name, "state": e.state, "since": utc_iso(e.since)}
+                    for e in escalations[:LISTED_KEYS]
+                ]
             ),
             "every_key": dg.MetadataValue.text("export-ledger status --needs-attention"),
         },
@@ -369,6 +637,8 @@ def build_stuck_check(
         ledger = getattr(context.resources, LEDGER_KEY).get_ledger()
         summary = ledger.attention.summary(stuck_after, max_attempts=max_attempts, exports=[spec.name])
         count, listed = asset_groups(spec, summary)[asset_name]
+        late = late_by_asset(spec, late_keys(ledger, [spec], limit=LISTED_KEYS)).get(asset_name, [])
+        count, listed = count + len(late), (late + listed)[:LISTED_KEYS]
         evaluation = stuck_check_evaluation(dg.AssetKey(asset_name), count, listed, stuck_after)
         return dg.AssetCheckResult(
             passed=evaluation.passed,
@@ -433,7 +703,8 @@ def build_drift_check(
         drift = getattr(context.resources, LEDGER_KEY).get_ledger().drift
         tenants = sorted(members) if members is not None else ()
         listed = drift.open_records(export=export, tenants=tenants, limit=LISTED_KEYS)
-        evaluation = drift_check_evaluation(dg.AssetKey(asset_name), listed, drift.open_count(export=export, tenants=tenants))
+        counts = drift.open_count(export=export, tenants=tenants)
+        evaluation = drift_check_evaluation(dg.AssetKey(asset_name), listed, counts)
         return dg.AssetCheckResult(
             passed=evaluation.passed,
             severity=evaluation.severity,

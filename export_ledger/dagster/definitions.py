@@ -5,18 +5,22 @@ from __future__ import annotations
 import datetime as dt
 import json
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 
 import dagster as dg
 
 from export_ledger.dagster.assets import (
+    HEALTH_CHECK_NAME,
     LEDGER_KEY,
     build_drift_check,
     build_export_asset,
+    build_partition_checks,
     build_stuck_check,
     resource_keys,
 )
 from export_ledger.dagster.drift_sensor import build_drift_sensor
+from export_ledger.dagster.health_sensor import build_health_sensor, health_job_name
 from export_ledger.dagster.io_manager import LedgeredExportIOManager
 from export_ledger.dagster.resources import DestinationResource, LedgerResource
 from export_ledger.dagster.schedules import build_nightly_schedule
@@ -29,6 +33,9 @@ from export_ledger.settings import LEDGER_URL_ENV, Settings
 from export_ledger.spec import ExportSpec
 
 _FROM_SETTINGS = object()  # an argument left to the settings (where None has a meaning of its own)
+#: The declared exports of each code location, by its reconciliation sensor: a sensor is carried whole into merged
+#: Definitions, so :func:`declared_exports` finds them wherever the Definitions went (``export-ledger -f/-m``).
+_DECLARED: weakref.WeakKeyDictionary[dg.SensorDefinition, tuple[ExportSpec, ...]] = weakref.WeakKeyDictionary()
 
 
 def ledgered_definitions(
@@ -94,7 +101,7 @@ def ledgered_definitions(
 
     resources: dict = {LEDGER_KEY: ledger}
     definitions: list = list(assets)
-    checks, jobs, schedules = [], [], []
+    checks, jobs, schedules, health_jobs = [], [], [], []
     shared_tables: dict[str, list[str]] = {}
     for spec in exports:
         spec_destination = spec.destination or destination or settings.destination
@@ -125,7 +132,22 @@ def ledgered_definitions(
         # One asset, job and schedule per zone of the export: a Dagster partitions definition has one zone.
         for group in spec.groups:
             if spec.source is not None:
-                definitions.append(build_export_asset(spec, pool=pool, backfill_policy=policy, group=group))
+                definitions.append(
+                    build_export_asset(
+                        spec, pool=pool, backfill_policy=policy, group=group, stuck_after=stuck_after,
+                        destination_scheme=_scheme(spec_destination),
+                    )
+                )  # fmt: skip
+                checks.extend(build_partition_checks(spec, group, stuck_after=stuck_after))
+                health_jobs.append(
+                    dg.define_asset_job(
+                        health_job_name(group.asset_name),
+                        selection=dg.AssetSelection.checks(
+                            dg.AssetCheckKey(dg.AssetKey(group.asset_name), HEALTH_CHECK_NAME)
+                        ),
+                        description=f"partition_health of {group.asset_name}, run by partition_health_sensor",
+                    )
+                )
             checks.append(build_stuck_check(spec, stuck_after, asset_name=group.asset_name))
             if spec.source is not None:  # only an export with a source can be read again
                 checks.append(
@@ -147,7 +169,10 @@ def ledgered_definitions(
                 "ledger-table:exported_{export}"
             )
     sensor = build_reconciliation_sensor(exports, jobs, batch_size=reconcile_batch_size, stuck_after=stuck_after)
+    _DECLARED[sensor] = tuple(exports)
     sensors = [sensor]
+    if health_jobs:
+        sensors.append(build_health_sensor(exports, health_jobs, stuck_after=stuck_after))
     if any(spec.source is not None for spec in exports):
         sensors.append(
             build_drift_sensor(
@@ -159,11 +184,28 @@ def ledgered_definitions(
         return dg.Definitions(
             assets=definitions,
             asset_checks=checks,
-            jobs=jobs,
+            jobs=[*jobs, *health_jobs],
             schedules=schedules,
             sensors=sensors,
             resources=resources,
         )
+
+
+def declared_exports(defs: dg.Definitions) -> list[ExportSpec]:
+    """The exports declared to :func:`ledgered_definitions` in ``defs`` (also after ``Definitions.merge``), in order.
+
+    Raises:
+        ConfigurationError: ``defs`` holds no export built by :func:`ledgered_definitions`.
+    """
+    found = [spec for sensor in defs.sensors or () if sensor in _DECLARED for spec in _DECLARED[sensor]]
+    if not found:
+        raise ConfigurationError("these Definitions declare no export: they were not built by ledgered_definitions")
+    return found
+
+
+def _scheme(spec: Destination | str) -> str:
+    """The destination's scheme name (``local``, ``s3``, ``ledger-table``): the asset's kind of store."""
+    return _pool_kind(spec).removeprefix("exports-")
 
 
 def _members(group) -> list:

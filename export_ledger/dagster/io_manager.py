@@ -67,10 +67,19 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
         def log(level: str, message: str) -> None:
             getattr(context.log, level)(message)
 
+        # Imported here so that this method alone carries lineage (EXPORTS_OPENLINEAGE_URL unset: no emitter).
+        from export_ledger.lineage import LineageEmitter
+        from export_ledger.settings import Settings
+
+        destination = self.destination.get_destination()
+        lineage = LineageEmitter.from_settings(Settings.from_environment(), log=log)
+        job = context.asset_key.to_user_string()
+        if lineage is not None:
+            lineage.start(context.run_id, job, obj, destination)
         try:
             export_batch(
                 self.ledger.get_ledger(),
-                self.destination.get_destination(),
+                destination,
                 obj,
                 attempt,
                 file_format=self.file_format,
@@ -78,7 +87,12 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
             )
         except Exception:
             _record_finished_partitions(context, obj, attempt)
+            if lineage is not None:
+                lineage.finish(context.run_id, job, obj, destination, failed=True)
             raise
+        if lineage is not None:
+            # After export_batch: every key of the event is durable and recorded before the receiver hears of it.
+            lineage.finish(context.run_id, job, obj, destination, failed=False)
         exported = [r for r in obj.results if r.status == "exported"]
         if exported:
             # One line for the routine outcome, not one per key: each log line is an event-log write in the run, and
@@ -87,7 +101,9 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
                 f"{len(exported)} key(s) exported, {sum(r.row_count for r in exported)} rows (attempt {attempt}): "
                 f"{', '.join(r.logical_key for r in exported[:5])}{', ...' if len(exported) > 5 else ''}"
             )
-        restated = [r.logical_key for r in obj.results if r.revision > 1 and r.status != "already_completed"]
+        restated = [
+            r.logical_key for r in obj.results if r.revision > 1 and r.status not in ("already_completed", "unchanged")
+        ]
         reasons = published_revisions(self.ledger.get_ledger(), restated) if restated else {}
         if restated:
             context.log.info(
@@ -95,7 +111,7 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
                 + ", ".join(f"{key} (revision {reasons[key].revision})" for key in restated[:5] if key in reasons)
                 + (", ..." if len(restated) > 5 else "")
             )
-        context.add_output_metadata(output_metadata(obj.results, attempt, restatements=reasons))
+        add_partition_metadata(context, obj.results, attempt, reasons)
 
     def _batch_from_frame(self, context: dg.OutputContext, frame: pd.DataFrame) -> ExportBatch:
         """Splits one frame of every tenant's rows into one item per (partition, tenant); a row that belongs to no
@@ -141,7 +157,8 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
         found = []
         for member in json.loads(self.tenants_by_asset).get(asset_name, []):
             tenant, first, last = member if isinstance(member, list) else (member, None, None)
-            if day is None or ((first is None or first <= day.isoformat()) and (last is None or day.isoformat() <= last)):
+            on = day.isoformat() if day is not None else None
+            if on is None or ((first is None or first <= on) and (last is None or on <= last)):
                 found.append(tenant)
         return found
 
@@ -220,9 +237,7 @@ def _record_finished_partitions(context: dg.OutputContext, batch: ExportBatch, a
         items.setdefault(item.partition_key, []).append(str(item.key))
     if len(items) < 2:
         return
-    results: dict[str, list[ExportResult]] = {}
-    for result in batch.results:
-        results.setdefault(result.partition_key, []).append(result)
+    results = by_partition(batch.results)
     failed = {failure.partition_key for failure in batch.failures}
     for partition_key in sorted(items):
         done = results.get(partition_key, [])
@@ -232,7 +247,7 @@ def _record_finished_partitions(context: dg.OutputContext, batch: ExportBatch, a
             dg.AssetMaterialization(
                 asset_key=context.asset_key,
                 partition=partition_key,
-                metadata=output_metadata(done, attempt),
+                metadata={"attempt_id": attempt, **partition_metadata(done)},
                 description="every key of this partition was exported by this run; other partitions of the run failed",
             )
         )
@@ -249,32 +264,80 @@ def status_command(export: str, partition_keys: list[str]) -> str:
     return f"export-ledger status --export {export} --from {first} --to {last}"
 
 
-def output_metadata(
-    results: list[ExportResult], attempt: str, *, restatements: Mapping[str, Restatement] | None = None
+def location_value(location: str) -> dg.MetadataValue:
+    """A published location as the UI shows it: a URL (``s3://...``) as a link, a folder path as a path."""
+    return dg.MetadataValue.url(location) if "://" in location else dg.MetadataValue.path(location)
+
+
+#: The per-key table of a partition's event: one row per key, the first LISTED_KEYS of them.
+KEY_TABLE_SCHEMA = dg.TableSchema(
+    columns=[
+        dg.TableColumn("tenant", "string"),
+        dg.TableColumn(
+            "status",
+            "string",
+            description="exported, repaired, already_completed, restated, or unchanged (a restatement whose data was "
+            "the current revision's: nothing published)",
+        ),
+        dg.TableColumn("rows", "int"),
+        dg.TableColumn("revision", "int"),
+        dg.TableColumn("sha256", "string", description="the first 16 hex digits of the data file's sha256"),
+        dg.TableColumn("location", "string"),
+    ]
+)
+
+
+def key_table(rows: list[tuple[str, str, int | None, int | None, str | None, str | None]]) -> dg.MetadataValue:
+    """``(tenant, status, rows, revision, sha256, location)`` per key, as a table the UI renders."""
+    records = [
+        dg.TableRecord(
+            {
+                "tenant": tenant,
+                "status": status,
+                "rows": rows_ if rows_ is not None else 0,
+                "revision": revision if revision is not None else 1,
+                "sha256": (sha256 or "")[:16],
+                "location": location or "",
+            }
+        )
+        for tenant, status, rows_, revision, sha256, location in rows[:LISTED_KEYS]
+    ]
+    return dg.MetadataValue.table(records, schema=KEY_TABLE_SCHEMA)
+
+
+def partition_metadata(
+    results: list[ExportResult], *, restatements: Mapping[str, Restatement] | None = None
 ) -> dict:
-    """The materialization metadata of one run's keys (copied by Dagster onto each partition's event): counts, and
-    the first :data:`LISTED_KEYS` keys with their checksums and paths; the rest are in the ledger.
+    """The materialization metadata of one partition's keys in one run: its own counts (never the run's), a table of
+    its first :data:`LISTED_KEYS` keys, ``dagster/row_count`` (the rows of every key of the partition as the run
+    leaves them, skipped ones included) and the published location (typed: a path or a URL) of a one-key partition.
 
     A restated key (a new revision published by this run) is counted in ``restated_keys`` and named in ``revisions``
     with its revision, the one it supersedes and the request's reason (``restatements``: per key, the request it
     published, as :func:`export_ledger.restate.published_revisions` reads it).
     """
-    done = [r for r in results if r.status != "already_completed"]
-    shown = results[:LISTED_KEYS]
-    skipped = [r.logical_key for r in results if r.status == "already_completed"]
+    done = [r for r in results if r.status not in ("already_completed", "unchanged")]
     restated = [r for r in done if r.revision > 1]
-    metadata = {
-        "attempt_id": attempt,
+    unchanged = sum(r.status == "unchanged" for r in results)
+    metadata: dict = {
         "keys": len(results),
         "exported_keys": len(done),
+        "skipped_keys": sum(r.status == "already_completed" for r in results),
         "repaired_keys": sum(r.status == "repaired" for r in results),
-        "skipped_keys": len(skipped),
         "rows_exported": sum(r.row_count for r in done),
-        "logical_keys": dg.MetadataValue.json([r.logical_key for r in shown]),
-        "sha256": dg.MetadataValue.json({r.logical_key: r.sha256 for r in shown}),
-        "paths": dg.MetadataValue.json({r.logical_key: r.location for r in shown}),
-        "skipped_already_completed": dg.MetadataValue.json(skipped[:LISTED_KEYS]),
+        "dagster/row_count": sum(r.row_count for r in results),
+        "key_table": key_table(
+            [
+                (r.tenant, "restated" if r in restated else r.status, r.row_count, r.revision, r.sha256, r.location)
+                for r in results
+            ]
+        ),
     }
+    if unchanged:
+        # A restatement whose data was the current revision's: nothing published, the request closed unchanged.
+        metadata["unchanged_keys"] = unchanged
+    if len(results) == 1 and results[0].location:
+        metadata["location"] = location_value(results[0].location)
     if restated:
         reasons = restatements or {}
         metadata["restated_keys"] = len(restated)
@@ -289,7 +352,7 @@ def output_metadata(
                 for r in restated[:LISTED_KEYS]
             }
         )
-    if len(results) > LISTED_KEYS and results:
+    if len(results) > LISTED_KEYS:
         export = results[0].logical_key.split("/", 1)[0]
         metadata["all_keys"] = dg.MetadataValue.text(
             f"{len(results)} keys; the first {LISTED_KEYS} are listed. Every key: "
@@ -301,3 +364,31 @@ def output_metadata(
             "export-ledger revisions KEY"
         )
     return metadata
+
+
+def by_partition(results: list[ExportResult]) -> dict[str, list[ExportResult]]:
+    """A run's results per partition key, in partition order."""
+    grouped: dict[str, list[ExportResult]] = {}
+    for result in sorted(results, key=lambda r: r.partition_key):
+        grouped.setdefault(result.partition_key, []).append(result)
+    return grouped
+
+
+def add_partition_metadata(
+    context: dg.OutputContext, results: list[ExportResult], attempt: str, restatements: Mapping[str, Restatement]
+) -> None:
+    """Each partition's own metadata, and the run's attempt id, onto its own materialization.
+
+    Dagster copies an output's metadata onto every partition's event of a multi-partition run; what is added per
+    partition (to the step's asset metadata, read when the events are built after ``handle_output``) is that
+    partition's alone."""
+    grouped = by_partition(results)
+    step = context.step_context if context.has_asset_key and context.has_asset_partitions else None
+    if step is None or not grouped:
+        context.add_output_metadata({"attempt_id": attempt, **partition_metadata(results, restatements=restatements)})
+        return
+    for partition_key, mine in grouped.items():
+        step.add_asset_metadata(
+            {"attempt_id": attempt, **partition_metadata(mine, restatements=restatements)},
+            asset_key=context.asset_key, partition_key=partition_key,
+        )  # fmt: skip

@@ -16,8 +16,15 @@ from collections.abc import Callable, Mapping, Sequence
 import dagster as dg
 
 from export_ledger.calendar import ExportCalendar, utc_iso
-from export_ledger.dagster.assets import LEDGER_KEY, asset_groups, resource_keys, stuck_check_evaluation
-from export_ledger.dagster.io_manager import LISTED_KEYS, status_command
+from export_ledger.dagster.assets import (
+    LEDGER_KEY,
+    asset_groups,
+    late_by_asset,
+    resource_keys,
+    stuck_check_evaluation,
+)
+from export_ledger.dagster.io_manager import LISTED_KEYS, key_table, status_command
+from export_ledger.deadlines import late_keys
 from export_ledger.errors import CalendarError
 from export_ledger.ledger import DEFAULT_MAX_ATTEMPTS, ExportLedger, ExportState, PartitionWork, Restatement
 from export_ledger.reconcile import ReconcileReport, reconcile_batch
@@ -366,10 +373,14 @@ def _group_materializations(
                     partition=partition,
                     metadata={
                         "keys": summary.completed,
-                        "rows": summary.rows,
-                        "logical_keys": dg.MetadataValue.json([r.logical_key for r in shown]),
-                        "sha256": dg.MetadataValue.json({r.logical_key: r.sha256 for r in shown}),
-                        "paths": dg.MetadataValue.json({r.logical_key: r.location for r in shown}),
+                        "dagster/row_count": summary.rows,
+                        "key_table": key_table(
+                            [
+                                (r.tenant, "repaired" if r.logical_key in restated.get(partition, {}) else "completed",
+                                 r.row_count, restated.get(partition, {}).get(r.logical_key), r.sha256, r.location)
+                                for r in shown
+                            ]
+                        ),  # fmt: skip
                         "committed_attempts": dg.MetadataValue.json(sorted({r.committed_attempt for r in shown})),
                         "every_key": dg.MetadataValue.text(status_command(export, [partition])),
                         **_revision_metadata(ledger, restated.get(partition, {}), reasons),
@@ -439,7 +450,9 @@ def _finished_reruns(instance: dg.DagsterInstance, limit: int) -> Callable[[str]
     ended = [dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED]
 
     def count(situation: str) -> int:
-        runs = instance.get_run_records(filters=dg.RunsFilter(tags={SITUATION_TAG: situation}, statuses=ended), limit=limit)
+        runs = instance.get_run_records(
+            filters=dg.RunsFilter(tags={SITUATION_TAG: situation}, statuses=ended), limit=limit
+        )
         return len(runs)
 
     return count
@@ -522,27 +535,39 @@ def build_reconciliation_sensor(
         # Counted every tick; the keys of each group are listed only when the escalated set changed (they go into
         # the checks' metadata, written then).
         summary = attention.summary(stuck_after, max_attempts=max_attempts, exports=names, listed=False)
-        changed = summary.digest != state.get("stuck_digest", NOTHING_ESCALATED)
+        # Keys past their export's deadline and not completed (a key never attempted included): escalated too.
+        late = late_keys(book, list(by_name.values()), limit=batch_size)
+        digest = summary.digest if not late else hashlib.sha256(
+            (summary.digest + "|" + ",".join(e.name for e in late)).encode()
+        ).hexdigest()[:16]
+        changed = digest != state.get("stuck_digest", NOTHING_ESCALATED)
         if changed and summary.total:
             summary = attention.summary(stuck_after, max_attempts=max_attempts, exports=names)
         checks = []
-        if summary.total:
-            first = attention.needs_attention(stuck_after, max_attempts=max_attempts, exports=names, limit=10)
+        if summary.total or late:
+            first = late[:10] + attention.needs_attention(stuck_after, max_attempts=max_attempts, exports=names,
+                                                          limit=10 - min(len(late), 10))  # fmt: skip
             shown = "; ".join(f"{e.name}: {e.why}" for e in first)
-            context.log.error(f"{summary.total} export key(s) need attention (export-ledger status "
+            context.log.error(f"{summary.total + len(late)} export key(s) need attention (export-ledger status "
                               f"--needs-attention): {shown}")  # fmt: skip
         if changed:
             # Only when the escalated set changes: one verdict per asset (asset events are not deduplicated).
             for spec in by_name.values():
+                late_here = late_by_asset(spec, late)
                 for asset_name, (count, listed) in asset_groups(spec, summary).items():
-                    checks.append(stuck_check_evaluation(dg.AssetKey(asset_name), count, listed, stuck_after))
+                    mine = late_here.get(asset_name, [])
+                    checks.append(
+                        stuck_check_evaluation(
+                            dg.AssetKey(asset_name), count + len(mine), (mine + listed)[:LISTED_KEYS], stuck_after
+                        )
+                    )
 
         cursor = json.dumps(
             {
                 "after": report.next_after,
                 "failed_after": failed[-1].cursor if len(failed) == batch_size else None,
                 "restate_after": pending[-1].cursor if len(pending) == batch_size else None,
-                "stuck_digest": summary.digest,
+                "stuck_digest": digest,
                 "runs_after": runs_after,
             }
         )
@@ -550,7 +575,7 @@ def build_reconciliation_sensor(
             looked = len(report.findings)
             reason = "; ".join(notes) or (
                 f"no stuck export keys ({looked} examined, {len(failed)} partition(s) with failed keys, "
-                f"{len(pending)} with open restatements, {summary.total} escalated)"
+                f"{len(pending)} with open restatements, {summary.total + len(late)} escalated)"
             )
             return dg.SensorResult(skip_reason=reason, cursor=cursor)
         for note in notes:
@@ -561,10 +586,14 @@ def build_reconciliation_sensor(
 
 
 def job_selection(asset_name: str, *, drift_check: bool = False) -> dg.AssetSelection:
-    """An export's asset (the export's name, or one zone's asset) and its per-run check; ``no_stuck_exports`` is
-    reported by the reconciliation sensor and ``source_unchanged`` (``drift_check``: the export has a source, so the
-    check exists) by the drift sensor."""
+    """An export's asset (the export's name, or one zone's asset) alone: its run reports the partitioned checks
+    (``export_matches_source_and_ledger``, ``partition_health``) of its own partitions from its step, the
+    reconciliation sensor reports ``no_stuck_exports`` and the drift sensor ``source_unchanged`` (``drift_check``: the
+    export has a source, so the checks exist)."""
     reported = [dg.AssetCheckKey(dg.AssetKey(asset_name), "no_stuck_exports")]
     if drift_check:
-        reported.append(dg.AssetCheckKey(dg.AssetKey(asset_name), "source_unchanged"))
+        reported += [
+            dg.AssetCheckKey(dg.AssetKey(asset_name), name)
+            for name in ("source_unchanged", "export_matches_source_and_ledger", "partition_health")
+        ]
     return dg.AssetSelection.assets(asset_name) - dg.AssetSelection.checks(*reported)

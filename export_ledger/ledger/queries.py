@@ -14,6 +14,8 @@ from export_ledger.ledger.schema import (
     ExportState,
     export_attempts,
     export_contracts,
+    export_drift,
+    export_restatements,
     export_runs,
 )
 
@@ -203,3 +205,45 @@ class Queries:
         )
         with self.ledger.atomic(read_only=True) as conn:
             return [ExportRecord.from_row(r) for r in conn.execute(query)]
+
+    def touched_partitions(
+        self, *, after: dict[str, int] | None, limit: int
+    ) -> tuple[list[tuple[str, str, dt.date]], dict[str, int]]:
+        """The partitions ``(export, zone, business date)`` whose keys changed since ``after``: a new attempt (every
+        claim and outcome appends one), a new drift record, a new restatement request; at most ``limit`` rows of each,
+        read in id order from their primary keys; and the cursor to pass next time. ``after`` None starts from now
+        (the latest ids), not from the ledger's history."""
+        runs = export_runs.c
+        tables = {"attempts": export_attempts, "drift": export_drift, "restatements": export_restatements}
+        with self.ledger.atomic(read_only=True) as conn:
+            if after is None:
+                return [], {
+                    name: conn.execute(sa.select(sa.func.coalesce(sa.func.max(t.c.id), 0))).scalar_one()
+                    for name, t in tables.items()
+                }
+            cursor = {name: int(after.get(name, 0)) for name in tables}
+            found: list[tuple[str, str, dt.date]] = []
+            attempts = export_attempts.c
+            rows = conn.execute(
+                sa.select(attempts.id, runs.export, runs.timezone, runs.business_date)
+                .select_from(export_attempts.join(export_runs, runs.logical_key == attempts.logical_key))
+                .where(attempts.id > cursor["attempts"])
+                .order_by(attempts.id)
+                .limit(limit)
+            ).all()
+            for row in rows:
+                found.append((row.export, row.timezone, row.business_date))
+                cursor["attempts"] = row.id
+            for name in ("drift", "restatements"):
+                table = tables[name].c
+                rows = conn.execute(
+                    sa.select(table.id, runs.export, runs.timezone, runs.business_date)
+                    .select_from(tables[name].join(export_runs, runs.logical_key == table.logical_key))
+                    .where(table.id > cursor[name])
+                    .order_by(table.id)
+                    .limit(limit)
+                ).all()
+                for row in rows:
+                    found.append((row.export, row.timezone, row.business_date))
+                    cursor[name] = row.id
+        return list(dict.fromkeys(found)), cursor

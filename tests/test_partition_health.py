@@ -1,0 +1,147 @@
+"""Per-partition truth: each partition's ``partition_health`` verdict, computed from the ledger in one place, reported
+by the export's run for its own partitions and, for what changes a partition without a run of it, by
+``partition_health_sensor`` through a run of the partition's check. The statuses a person must tell apart in the UI
+(healthy, failed, stale, restating, escalated, missing) each come out as themselves."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import dagster as dg
+import pytest
+from builders import key_for
+from dagster._core.storage.event_log.base import PartitionKeyFilter
+from pipeline_helpers import check_evaluations, make_defs, run_partition, run_range, tick
+
+from export_ledger.errors import SourceError
+from export_ledger.health import partition_health
+from export_ledger.ledger.drift import DriftFinding
+from resources.invoices import SampleInvoiceSource
+
+TENANTS = ("acme", "globex")
+HEALTHY, FAILED, STALE, RESTATING, ESCALATED, MISSING = (f"2026-03-{d:02d}" for d in range(2, 8))
+STUCK_AFTER = dt.timedelta(hours=6)
+
+
+class GlobexFailsOn(SampleInvoiceSource):
+    """The sample invoices, except that globex's source fails on one date (a source error, as a real one would)."""
+
+    def __init__(self, day: str) -> None:
+        super().__init__()
+        self.day = day
+
+    def rows(self, tenant, start_utc, end_utc):
+        if tenant == "globex" and start_utc.date().isoformat() == self.day:
+            raise SourceError("the source refused the query")
+        return super().rows(tenant, start_utc, end_utc)
+
+
+SOURCE = GlobexFailsOn(FAILED)
+
+
+@pytest.fixture
+def shop(tmp_path, instance, clocked_ledger):
+    """Six partitions of two tenants, one in each state."""
+    SOURCE.day = FAILED
+    defs = make_defs(tmp_path, tenants=TENANTS, ledger=clocked_ledger, source=SOURCE)
+    book = clocked_ledger.get_ledger()
+    first = tick(defs, instance, sensor_name="partition_health_sensor")  # its cursor starts here
+    for day in (HEALTHY, STALE, RESTATING):
+        assert run_partition(defs, instance, day).success
+    assert not run_partition(defs, instance, FAILED).success, "globex's source fails: the step fails"
+    stale = book.queries.get(str(key_for(dt.date.fromisoformat(STALE), tenant="acme")))
+    finding = DriftFinding(stale, rows_added=2, rows_removed=0, rows_changed=None, source_fingerprint="f")
+    book.drift.record([finding], [])
+    book.restatements.request(
+        str(key_for(dt.date.fromisoformat(RESTATING), tenant="globex")), reason="late invoices", requested_by="ops"
+    )
+    claim = book.claims.claim(key_for(dt.date.fromisoformat(ESCALATED), tenant="acme"), "run-1/invoice_export")
+    book.completions.mark_conflict(claim, RuntimeError("something else is there"))
+    return defs, book, first.result.cursor
+
+
+def _days(*days: str) -> dict[dt.date, tuple[str, ...]]:
+    return {dt.date.fromisoformat(day): TENANTS for day in days}
+
+
+def test_each_partition_gets_the_status_of_its_worst_key_with_the_tenant_named(shop) -> None:
+    _, book, _ = shop
+    verdicts = partition_health(
+        book, "invoice_export", _days(HEALTHY, FAILED, STALE, RESTATING, ESCALATED, MISSING), stuck_after=STUCK_AFTER
+    )
+    statuses = {day.isoformat(): v.status for day, v in verdicts.items()}
+    assert statuses == {
+        HEALTHY: "healthy",
+        FAILED: "failed",
+        STALE: "stale",
+        RESTATING: "restating",
+        ESCALATED: "escalated",
+        MISSING: "missing",
+    }
+    failed = verdicts[dt.date.fromisoformat(FAILED)]
+    assert failed.summary == "failed: 1 of 2 tenants (globex)", "the failed tenant is named"
+    assert [(k.tenant, k.status) for k in failed.keys] == [("acme", "healthy"), ("globex", "failed")]
+    escalated = verdicts[dt.date.fromisoformat(ESCALATED)]
+    assert "export-ledger resolve" in escalated.keys[0].note, "the way out is named"
+    assert verdicts[dt.date.fromisoformat(STALE)].keys[0].note == "source changed: +2 -0 ~?"
+
+
+def test_the_run_reports_its_own_partitions_and_the_sensor_reruns_the_check_of_the_others(shop, instance) -> None:
+    defs, _, cursor = shop
+    # The run of each healthy partition already reported its verdict: the sensor asks nothing for it.
+    reported = _latest(instance, HEALTHY)
+    assert reported is not None and reported.passed and reported.description == "healthy: 2 of 2 tenants exported"
+
+    second = tick(defs, instance, cursor, sensor_name="partition_health_sensor")
+    requests = {r.tags["dagster/partition"]: r for r in second.result.run_requests}
+    assert set(requests) == {FAILED, STALE, RESTATING, ESCALATED}, "each partition the ledger changed without a run"
+    assert {r.job_name for r in requests.values()} == {"invoice_export_health_job"}
+
+    job = defs.resolve_job_def("invoice_export_health_job")
+    for partition in sorted(requests):
+        assert job.execute_in_process(tags=requests[partition].tags, instance=instance).success
+    shown = {p: _latest(instance, p) for p in requests}
+    assert {p: (e.passed, e.metadata["status"].value) for p, e in shown.items()} == {
+        FAILED: (False, "failed"),
+        STALE: (False, "stale"),
+        RESTATING: (False, "restating"),
+        ESCALATED: (False, "escalated"),
+    }
+    assert shown[ESCALATED].severity is dg.AssetCheckSeverity.ERROR
+    assert shown[STALE].severity is dg.AssetCheckSeverity.WARN, "stale data is served, not broken: a warning"
+
+    third = tick(defs, instance, second.result.cursor, sensor_name="partition_health_sensor")
+    assert not third.result.run_requests, "every verdict is shown: nothing asked twice"
+
+
+def test_a_failed_tenant_fails_its_partition_in_dagster_and_its_rerun_makes_it_healthy(shop, instance) -> None:
+    defs, _, _ = shop
+    asset = defs.get_assets_def("invoice_export")
+    status = instance.get_status_by_partition(dg.AssetKey("invoice_export"), [HEALTHY, FAILED], asset.partitions_def)
+    assert status == {HEALTHY: dg.AssetPartitionStatus.MATERIALIZED, FAILED: dg.AssetPartitionStatus.FAILED}
+
+    SOURCE.day = None  # the source recovers; the rerun exports globex and skips acme
+    rerun = run_partition(defs, instance, FAILED)
+    assert rerun.success
+    status = instance.get_status_by_partition(dg.AssetKey("invoice_export"), [FAILED], asset.partitions_def)
+    assert status == {FAILED: dg.AssetPartitionStatus.MATERIALIZED}
+    (verdict,) = check_evaluations(rerun, "partition_health").values()
+    assert verdict.passed and verdict.description == "healthy: 2 of 2 tenants exported"
+
+
+def _latest(instance: dg.DagsterInstance, partition: str):
+    records = instance.event_log_storage.get_asset_check_execution_history(
+        dg.AssetCheckKey(dg.AssetKey("invoice_export"), "partition_health"),
+        limit=1,
+        partition_filter=PartitionKeyFilter(key=partition),
+    )
+    return records[0].event.dagster_event.event_specific_data if records and records[0].event else None
+
+
+def test_check_evaluations_of_a_range_run_are_one_per_partition(tmp_path, instance) -> None:
+    defs = make_defs(tmp_path, tenants=TENANTS)
+    result = run_range(defs, instance, "2026-03-02", "2026-03-04")
+    assert result.success
+    health = check_evaluations(result, "partition_health")
+    assert sorted(health) == ["2026-03-02", "2026-03-03", "2026-03-04"]
+    assert all(e.passed for e in health.values())

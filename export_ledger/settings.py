@@ -35,6 +35,16 @@ S3_ENV = {
     "secret_access_key": "AWS_SECRET_ACCESS_KEY",
     "session_token": "AWS_SESSION_TOKEN",
 }
+#: The GCS (``gs://``) and Azure Blob (``az://``) settings, kept by name like the S3 ones.
+CLOUD_ENV = {
+    "gcs_endpoint_url": "EXPORTS_GCS_ENDPOINT_URL",
+    "gcs_project": "GOOGLE_CLOUD_PROJECT",
+    "gcs_credentials_file": "GOOGLE_APPLICATION_CREDENTIALS",
+    "azure_endpoint_url": "EXPORTS_AZURE_ENDPOINT_URL",
+    "azure_account_name": "AZURE_STORAGE_ACCOUNT_NAME",
+    "azure_account_key": "AZURE_STORAGE_ACCOUNT_KEY",
+    "azure_sas_token": "AZURE_STORAGE_SAS_TOKEN",
+}
 
 
 def default_ledger_url(base: Path | None = None) -> str:
@@ -94,7 +104,8 @@ class Settings:
         allow_below_low_water: ``EXPORTS_ALLOW_BELOW_LOW_WATER=1``.
         max_partitions_per_run: ``EXPORTS_MAX_PARTITIONS_PER_RUN``.
         region_name: ``AWS_REGION`` or ``AWS_DEFAULT_REGION`` (default ``us-east-1``).
-        s3_secrets: Which of the S3 settings are set: setting -> environment variable name.
+        s3_secrets: Which of the object-store settings (S3, GCS, Azure) are set: setting -> environment variable
+            name.
         openlineage_url: ``EXPORTS_OPENLINEAGE_URL``, or None when unset (no lineage events).
         openlineage_namespace: ``EXPORTS_OPENLINEAGE_NAMESPACE``: the OpenLineage job namespace.
     """
@@ -141,7 +152,7 @@ class Settings:
                 env.get("EXPORTS_MAX_PARTITIONS_PER_RUN", str(DEFAULT_MAX_PARTITIONS_PER_RUN)),
             ),
             region_name=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
-            s3_secrets={name: var for name, var in S3_ENV.items() if env.get(var)},
+            s3_secrets={name: var for name, var in {**S3_ENV, **CLOUD_ENV}.items() if env.get(var)},
             openlineage_url=http_url(OPENLINEAGE_URL_ENV, env.get(OPENLINEAGE_URL_ENV) or None),
             openlineage_namespace=env.get(OPENLINEAGE_NAMESPACE_ENV) or DEFAULT_OPENLINEAGE_NAMESPACE,
             environ=dict(env),

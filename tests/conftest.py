@@ -16,6 +16,7 @@ from urllib.parse import quote
 import dagster as dg
 import pytest
 import sqlalchemy as sa
+from cloud_fixtures import *  # noqa: F403  (gcs_server, gcs_bucket, azurite_server, azure_container, ...)
 from install_fixtures import fresh_install  # noqa: F401  (a shared non-editable install)
 from s3_fixtures import *  # noqa: F403  (s3_server, s3_credentials, s3_bucket, s3, fault_proxy)
 

@@ -30,10 +30,25 @@ LOGICAL_KEY = str(KEY)
 TABLE = pa.table({"invoice_id": ["a", "b"], "amount": [1.0, 2.0]})
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", "s3", "gcs", "azure"])
 def destination(request, tmp_path):
     if request.param == "local":
         return LocalDestination(str(tmp_path / "exports"))
+    if request.param == "gcs":
+        from export_ledger.destinations.gcs import GCSDestination
+
+        bucket, endpoint = request.getfixturevalue("gcs_bucket"), request.getfixturevalue("gcs_server")
+        return GCSDestination(bucket=bucket, prefix="contract", gcs_endpoint_url=endpoint)
+    if request.param == "azure":
+        from cloud_fixtures import AZURITE_ACCOUNT, AZURITE_KEY
+
+        from export_ledger.destinations.azure import AzureDestination
+
+        return AzureDestination(
+            container=request.getfixturevalue("azure_container"), prefix="contract",
+            azure_endpoint_url=request.getfixturevalue("azurite_server"), azure_account_name=AZURITE_ACCOUNT,
+            azure_account_key=AZURITE_KEY,
+        )  # fmt: skip
     from export_ledger.destinations.s3 import S3Destination
 
     endpoint = request.getfixturevalue("s3_server")

@@ -51,7 +51,10 @@ class DestinationResource(dg.ConfigurableResource):
         ledger_url: The ledger's URL (a ``ledger-table:`` destination lives in the ledger's database).
         endpoint_url, region_name, access_key_id, secret_access_key, session_token: S3 settings; None lets boto3
             find them itself.
-        connect_timeout_seconds, read_timeout_seconds: S3 client timeouts.
+        connect_timeout_seconds, read_timeout_seconds: Client timeouts (S3, GCS, Azure).
+        gcs_endpoint_url, gcs_project, gcs_credentials_file: GCS settings (``gs://``); None: Google's endpoint with
+            application default credentials.
+        azure_endpoint_url, azure_account_name, azure_account_key, azure_sas_token: Azure Blob settings (``az://``).
     """
 
     spec: str
@@ -63,6 +66,13 @@ class DestinationResource(dg.ConfigurableResource):
     session_token: str | None = None
     connect_timeout_seconds: float = 5.0
     read_timeout_seconds: float = 30.0
+    gcs_endpoint_url: str | None = None
+    gcs_project: str | None = None
+    gcs_credentials_file: str | None = None
+    azure_endpoint_url: str | None = None
+    azure_account_name: str | None = None
+    azure_account_key: str | None = None
+    azure_sas_token: str | None = None
 
     def get_destination(self) -> Destination:
         return destination_from(
@@ -76,6 +86,13 @@ class DestinationResource(dg.ConfigurableResource):
                 session_token=self.session_token,
                 connect_timeout_seconds=self.connect_timeout_seconds,
                 read_timeout_seconds=self.read_timeout_seconds,
+                gcs_endpoint_url=self.gcs_endpoint_url,
+                gcs_project=self.gcs_project,
+                gcs_credentials_file=self.gcs_credentials_file,
+                azure_endpoint_url=self.azure_endpoint_url,
+                azure_account_name=self.azure_account_name,
+                azure_account_key=self.azure_account_key,
+                azure_sas_token=self.azure_sas_token,
             ),
         )
 

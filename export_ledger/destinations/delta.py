@@ -1,0 +1,542 @@
+"""A Delta Lake destination: a key's rows and its completion marker are one Delta commit (``delta:PATH_OR_URL``).
+
+One table per export (``{export}`` in the spec is replaced by the export's name). Every row carries the key it
+belongs to (``_export_key``, the partition column) and its row number in the export (``_export_row``). A commit that
+publishes revision ``r`` of key ``K`` with fencing token ``t`` holds, in one Delta log entry:
+
+* the key's rows: appended for revision 1; for a restatement, a predicate overwrite (``_export_key = K``) that removes
+  exactly the key's earlier rows and adds the new ones (remove and add actions of the same commit);
+* transaction actions (``txn``): ``K`` at version ``r`` (what any reader asks: ``DeltaTable.transaction_version(K)``),
+  ``K#fence`` at ``t``, ``K#r<r>`` at the table version of this very commit (where revision ``r`` is, for reading it
+  back after later restatements), and the key's folder (``<export>/tenant=<t>/date=<D>``) at the window start in
+  epoch seconds (so that a target, which names a business date, finds its key);
+* commit metadata: the revision's manifest (attempt, fencing token, sha256 of the rows' CSV serialization, row count).
+
+**The fence** is ``K#fence``. A party raises it with an empty commit (``fence``); every commit is made from the table
+version read when the fence and the key's revision were checked, with ``max_commit_retries=0``: Delta's own
+put-if-absent of the next log entry refuses the commit if anything committed since that read (another key's commit
+too), and the party reads again. So a party whose token is below the fence read can never commit, and a fence that
+lands after its read makes its commit fail and be judged again. Readers see only committed table versions: a key's
+rows appear all at once or not at all.
+
+**Retention**: ``delta.setTransactionRetentionDuration`` (txn identifiers) and ``delta.logRetentionDuration`` (the
+commit entries holding the manifests) are set when the table is created, and a table whose settings are shorter than
+``retention_days`` is refused before anything is written or judged.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import hashlib
+import io
+import json
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import pyarrow as pa
+
+from export_ledger.calendar import utc_iso
+from export_ledger.destinations.base import (
+    DestinationError,
+    DestinationUnreachable,
+    ExportTarget,
+    Fenced,
+    PointerMoved,
+    PublishOutcomeUnknown,
+    Verdict,
+    Verification,
+    judge,
+    place_name,
+)
+from export_ledger.destinations.publishing import Pointer, PublishingDestination, StagedExport
+from export_ledger.destinations.registry import Scheme
+from export_ledger.errors import ConfigurationError, ManifestError
+from export_ledger.frames import Manifest, TableStream, write_table
+
+KEY_COLUMN = "_export_key"
+ROW_COLUMN = "_export_row"
+#: Commit metadata keys.
+MANIFEST_METADATA = "export_ledger.manifest"
+#: Rounds of read-check-commit before a table that keeps moving is given up on (each lost round is another commit).
+_ROUNDS = 16
+#: Table settings every table must keep at least as long as the ledger may retry a key (``retention_days``).
+RETENTION_SETTINGS = ("delta.setTransactionRetentionDuration", "delta.logRetentionDuration")
+_INTERVAL_RE = re.compile(r"interval\s+(\d+)\s+(second|minute|hour|day|week)s?", re.IGNORECASE)
+_UNIT_SECONDS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400, "week": 604800}
+#: Delta's own default of ``delta.logRetentionDuration`` when the table does not set it.
+_DEFAULTS = {"delta.logRetentionDuration": "interval 30 days"}
+
+
+def _deltalake():
+    try:
+        import deltalake
+    except ImportError:
+        raise ConfigurationError(
+            "a delta: destination needs the deltalake package: install export-ledger with the delta extra "
+            "(pip install 'export-ledger[delta]')"
+        ) from None
+    return deltalake
+
+
+def fence_id(logical_key: str) -> str:
+    """The app id of a key's fence (its version is the highest token that fenced or committed the key)."""
+    return f"{logical_key}#fence"
+
+
+def revision_id(logical_key: str, revision: int) -> str:
+    """The app id whose version is the table version of the commit that published ``revision`` of the key."""
+    return f"{logical_key}#r{revision}"
+
+
+def folder_id(target: ExportTarget) -> str:
+    """The app id whose version is the window start (epoch seconds) of the key published at ``target``."""
+    return "/".join(target.parts)
+
+
+def _window_start(logical_key: str) -> int:
+    iso = logical_key.rsplit("/", 1)[-1]
+    try:
+        start = dt.datetime.fromisoformat(iso.replace("Z", "+00:00"))
+    except ValueError:
+        raise DestinationError(f"{logical_key!r} does not end with its window start in UTC") from None
+    return int(start.timestamp())
+
+
+def parse_interval(text: str) -> dt.timedelta | None:
+    """A Delta interval setting (``interval 30 days``) as a duration; None when it cannot be read."""
+    found = _INTERVAL_RE.fullmatch(text.strip())
+    if found is None:
+        return None
+    return dt.timedelta(seconds=int(found.group(1)) * _UNIT_SECONDS[found.group(2).lower()])
+
+
+def _serialize(table: pa.Table) -> bytes:
+    buffer = io.BytesIO()
+    write_table(table, "csv", buffer)
+    return buffer.getvalue()
+
+
+@dataclass(frozen=True)
+class DeltaStaged(StagedExport):
+    """A revision ready to commit: its rows, held until the commit (nothing of it is in the table yet)."""
+
+    rows: pa.Table = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class DeltaDestination(PublishingDestination):
+    """Exports as rows of a Delta table, one commit per key and revision (see the module docstring).
+
+    It implements the publishing template's steps (fence, verify, stage, commit) on a Delta table, so the protocol,
+    reconciliation and restatements drive it as they drive a folder or S3; its "pointer" is the key's txn versions.
+
+    Attributes:
+        table: The table's path or URL (``s3://bucket/prefix/table``); ``{export}`` is replaced by the export's name.
+        endpoint_url, region_name, access_key_id, secret_access_key, session_token: S3 settings (None: the AWS
+            defaults of the environment).
+        conditional_put: ``aws_conditional_put`` for S3 (``etag``: S3's If-None-Match, which Delta's commit needs).
+        retention_days: How long the ledger may still retry a key: the table's txn and log retention must be at
+            least this long, or a late retry could find no txn and apply twice.
+    """
+
+    table: str
+    endpoint_url: str | None = None
+    region_name: str = "us-east-1"
+    access_key_id: str | None = None
+    secret_access_key: str | None = field(default=None, repr=False)
+    session_token: str | None = field(default=None, repr=False)
+    conditional_put: str | None = "etag"
+    retention_days: int = 3650
+
+    pool = "exports-delta"
+
+    @property
+    def store(self):
+        raise DestinationError(f"{self.describe()} is a Delta table, not an object store")
+
+    # -- spec ----------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def check_spec(spec: str) -> str | None:
+        table = spec.removeprefix("delta:")
+        if not table or ("://" in table and not table.startswith("s3://")):
+            return f"{table!r} is neither a local path nor an s3:// URL"
+        return None
+
+    @classmethod
+    def from_spec(cls, spec: str, *, ledger_url: str, credentials) -> DeltaDestination:
+        _deltalake()  # a configured delta: destination without the extra fails here, naming it
+        return cls(table=spec.removeprefix("delta:"), **credentials)
+
+    def spec(self) -> tuple[str, dict]:
+        return f"delta:{self.table}", {name: getattr(self, name) for name in SCHEME.credentials}
+
+    def describe(self) -> str:
+        return f"delta:{self.table}"
+
+    def table_for(self, export: str) -> str:
+        return self.table.replace("{export}", export)
+
+    def storage_options(self) -> dict[str, str] | None:
+        if not self.table.startswith("s3://"):
+            return None
+        options = {"AWS_REGION": self.region_name}
+        if self.conditional_put:
+            options["aws_conditional_put"] = self.conditional_put
+        if self.endpoint_url:
+            options["AWS_ENDPOINT_URL"] = self.endpoint_url
+            if self.endpoint_url.startswith("http://"):
+                options["AWS_ALLOW_HTTP"] = "true"
+        for name, value in (
+            ("AWS_ACCESS_KEY_ID", self.access_key_id),
+            ("AWS_SECRET_ACCESS_KEY", self.secret_access_key),
+            ("AWS_SESSION_TOKEN", self.session_token),
+        ):
+            if value:
+                options[name] = value
+        return options
+
+    def location(self, target: ExportTarget) -> str:
+        if target.place is None:
+            raise DestinationError(f"{folder_id(target)}: revision {target.revision} has no place yet")
+        return f"delta:{self.table_for(target.export)}#{folder_id(target)}/{target.place}"
+
+    # -- reading the table ---------------------------------------------------------------------------------------
+
+    def _open(self, export: str, version: int | None = None):
+        """The table (at ``version``, or its latest), or None when there is no table yet."""
+        deltalake = _deltalake()
+        uri = self.table_for(export)
+        try:
+            table = deltalake.DeltaTable(uri, version=version, storage_options=self.storage_options())
+        except deltalake.exceptions.TableNotFoundError:
+            return None
+        except (OSError, deltalake.exceptions.DeltaError) as exc:
+            raise DestinationUnreachable(f"cannot read {self.describe()}: {type(exc).__name__}") from None
+        self._check_retention(uri, table)
+        return table
+
+    def _check_retention(self, uri: str, table) -> None:
+        """Refuses a table whose txn or log retention is shorter than ``retention_days`` (checked once per table
+        version of its metadata)."""
+        configuration = table.metadata().configuration
+        needed = dt.timedelta(days=self.retention_days)
+        for setting in RETENTION_SETTINGS:
+            text = configuration.get(setting) or _DEFAULTS.get(setting)
+            if text is None:
+                continue  # never expires
+            kept = parse_interval(text)
+            if kept is None or kept < needed:
+                raise ConfigurationError(
+                    f"{self.describe()}: {setting} is {text!r}, shorter than the {self.retention_days} days the "
+                    f"ledger may retry a key (a late retry could find no txn and apply twice); set it to at least "
+                    f"'interval {self.retention_days} days' (DeltaTable.alter.set_table_properties)"
+                )
+
+    def _create(self, export: str, schema: pa.Schema) -> None:
+        deltalake = _deltalake()
+        days = f"interval {self.retention_days} days"
+        try:
+            deltalake.DeltaTable.create(
+                self.table_for(export), schema, mode="ignore", partition_by=[KEY_COLUMN],
+                configuration={setting: days for setting in RETENTION_SETTINGS},
+                storage_options=self.storage_options(),
+            )  # fmt: skip
+        except (OSError, deltalake.exceptions.DeltaError) as exc:
+            raise DestinationError(f"cannot create {self.describe()}: {exc}") from None
+
+    def check_table(self, export: str) -> None:
+        """The startup check: refuses a table whose retention is too short (see :attr:`retention_days`)."""
+        self._open(export)
+
+    def _key_of(self, table, target: ExportTarget) -> str | None:
+        start = table.transaction_version(folder_id(target))
+        if start is None:
+            return None
+        return f"{target.export}/{target.tenant}/{utc_iso(dt.datetime.fromtimestamp(start, dt.UTC))}"
+
+    def _state(self, target: ExportTarget, logical_key: str | None = None):
+        """``(table, pointer)``: the table as read (None: no table) and what it says of the key."""
+        table = self._open(target.export)
+        if table is None:
+            return None, Pointer.nothing()
+        key = logical_key or self._key_of(table, target)
+        if key is None:
+            return table, replace(Pointer.nothing(), tag=str(table.version()))
+        fence = table.transaction_version(fence_id(key)) or 0
+        revision = table.transaction_version(key) or 0
+        pointer = Pointer(fence, 0, None, logical_key=key, tag=str(table.version()))
+        if revision == 0:
+            return table, pointer
+        manifest = self._manifest(target.export, key, revision, table)
+        if manifest is None:
+            return table, replace(pointer, revision=revision, place=f"r{revision}-unknown")
+        return table, replace(
+            pointer, revision=revision, place=place_name(revision, manifest.fencing_token), sha256=manifest.sha256,
+            row_count=manifest.row_count, data_file=manifest.data_file,
+        )  # fmt: skip
+
+    def _commit_version(self, export: str, key: str, revision: int, table=None) -> int | None:
+        table = table if table is not None else self._open(export)
+        return None if table is None else table.transaction_version(revision_id(key, revision))
+
+    def _manifest(self, export: str, key: str, revision: int, table=None) -> Manifest | None:
+        version = self._commit_version(export, key, revision, table)
+        if version is None:
+            return None
+        return self._manifest_at(export, version)
+
+    @functools.lru_cache(maxsize=256)  # noqa: B019 - a committed entry never changes; the destination is frozen
+    def _manifest_at(self, export: str, version: int) -> Manifest | None:
+        info = self.commit_info(export, version)
+        text = None if info is None else info.get(MANIFEST_METADATA)
+        if text is None:
+            return None
+        try:
+            return Manifest.from_json(text.encode("utf-8"), f"{self.describe()}@v{version}")
+        except ManifestError:
+            return None
+
+    def commit_info(self, export: str, version: int) -> dict | None:
+        """The ``commitInfo`` of one log entry, read from the entry itself (``DeltaTable.history`` lists the log
+        past its last entry, which moto's server answers only after a timeout); None when the entry is gone."""
+        name = f"_delta_log/{version:020d}.json"
+        uri = self.table_for(export).rstrip("/")
+        try:
+            if uri.startswith("s3://"):
+                payload = self._s3_get(uri, name)
+            else:
+                payload = (Path(uri.removeprefix("file://")) / name).read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise DestinationUnreachable(f"cannot read {self.describe()} version {version}: {exc.strerror}") from None
+        if payload is None:
+            return None
+        for line in payload.splitlines():
+            action = json.loads(line)
+            if "commitInfo" in action:
+                return action["commitInfo"]
+        return None
+
+    def _s3_get(self, uri: str, name: str) -> bytes | None:
+        from export_ledger.destinations.s3 import _boto
+
+        boto3, _, errors = _boto()
+        bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+        client = boto3.client(
+            "s3", endpoint_url=self.endpoint_url, region_name=self.region_name, aws_access_key_id=self.access_key_id,
+            aws_secret_access_key=self.secret_access_key, aws_session_token=self.session_token,
+        )  # fmt: skip
+        try:
+            return client.get_object(Bucket=bucket, Key=f"{prefix}/{name}".lstrip("/"))["Body"].read()
+        except client.exceptions.NoSuchKey:
+            return None
+        except (errors.BotoCoreError, errors.ClientError) as exc:
+            raise DestinationUnreachable(f"cannot read {self.describe()}: {type(exc).__name__}") from None
+        finally:
+            client.close()
+
+    def pointer(self, target: ExportTarget) -> Pointer:
+        return self._state(target)[1]
+
+    def current_revision(self, target: ExportTarget) -> int:
+        return self.pointer(target).revision
+
+    def key_at(self, target: ExportTarget) -> str | None:
+        pointer = self.pointer(target)
+        return pointer.logical_key if pointer.revision else None
+
+    def pointer_to(self, target: ExportTarget) -> Pointer:
+        raise DestinationError(f"{self.describe()}: a Delta revision is made current only by a commit")
+
+    def rows(self, target: ExportTarget, logical_key: str, revision: int) -> pa.Table:
+        """The key's rows as revision ``revision`` committed them, in export order, without the key columns."""
+        version = self._commit_version(target.export, logical_key, revision)
+        table = None if version is None else self._open(target.export, version)
+        if table is None:
+            raise DestinationError(f"{self.describe()} holds no revision {revision} of {logical_key}")
+        found = table.to_pyarrow_table(filters=[(KEY_COLUMN, "=", logical_key)])
+        found = found.sort_by(ROW_COLUMN)
+        return found.drop_columns([KEY_COLUMN, ROW_COLUMN])
+
+    def read_data(self, target: ExportTarget, manifest: Manifest) -> bytes:
+        return _serialize(self.rows(target, manifest.logical_key, target.revision))
+
+    # -- verdicts ------------------------------------------------------------------------------------------------
+
+    def verify(
+        self,
+        target: ExportTarget,
+        *,
+        logical_key: str,
+        superseded: int,
+        expected_sha256: str | None = None,
+        pointer: Pointer | None = None,
+    ) -> Verification:
+        """The key's txn version judged like a pointer: the commit is there or it is not."""
+        pointer = pointer or self._state(target, logical_key)[1]
+        where = folder_id(target)
+        manifest = data_sha256 = None
+        if pointer.revision not in (0, superseded) and pointer.place is not None:
+            where = self.location(target.at_place(pointer.place))
+            if pointer.revision == target.revision:
+                key = pointer.logical_key or logical_key
+                manifest = self._manifest(target.export, key, pointer.revision)
+                if manifest is not None:
+                    data_sha256 = hashlib.sha256(self.read_data(target, manifest)).hexdigest()
+        verification = judge(
+            logical_key=logical_key, revision=target.revision, superseded=superseded,
+            pointer_revision=pointer.revision, manifest=manifest, data_sha256=data_sha256, pointer_sha256=None,
+            where=where, expected_sha256=expected_sha256,
+        )  # fmt: skip
+        location = verification.location if verification.verdict is Verdict.PUBLISHED else where
+        return replace(verification, fence=pointer.fence, location=location)
+
+    def verify_recorded(self, target: ExportTarget, *, logical_key: str, sha256: str) -> Verification:
+        where = self.location(target)
+        manifest = self._manifest(target.export, logical_key, target.revision)
+        data_sha256 = hashlib.sha256(self.read_data(target, manifest)).hexdigest() if manifest else None
+        return judge(
+            logical_key=logical_key, revision=target.revision, superseded=-1, pointer_revision=target.revision,
+            manifest=manifest, data_sha256=data_sha256, pointer_sha256=None, where=where, expected_sha256=sha256,
+        )  # fmt: skip
+
+    # -- publishing ----------------------------------------------------------------------------------------------
+
+    def _fenced(self, target: ExportTarget, pointer: Pointer, token: int) -> Fenced:
+        return Fenced(
+            f"{self.describe()}: {pointer.logical_key} is fenced at token {pointer.fence}, above this party's "
+            f"{token}: a newer party holds the key, and nothing of this one is made visible",
+            fence=pointer.fence,
+        )
+
+    def fence(self, target: ExportTarget, token: int, *, logical_key: str) -> Pointer:
+        """Raises ``K#fence`` to ``token`` with an empty commit, from the table version read (no rebase)."""
+        deltalake = _deltalake()
+        for _ in range(_ROUNDS):
+            table, current = self._state(target, logical_key)
+            if current.fence > token:
+                raise self._fenced(target, current, token)
+            if current.fence == token:
+                return current
+            if table is None:
+                self._create(target.export, pa.schema([(KEY_COLUMN, pa.string()), (ROW_COLUMN, pa.int64())]))
+                continue
+            transactions = [deltalake.Transaction(fence_id(logical_key), token)]
+            if self._key_of(table, target) is None:
+                transactions.append(deltalake.Transaction(folder_id(target), _window_start(logical_key)))
+            properties = deltalake.CommitProperties(
+                max_commit_retries=0, app_transactions=transactions,
+                custom_metadata={"export_ledger.fence": json.dumps({"logical_key": logical_key, "token": token})},
+            )  # fmt: skip
+            try:
+                table.create_write_transaction(
+                    [], mode="append", schema=table.schema(), partition_by=[KEY_COLUMN], commit_properties=properties
+                )
+            except deltalake.exceptions.CommitFailedError:
+                continue  # the table moved since it was read: read it again
+            except (OSError, deltalake.exceptions.DeltaError) as exc:
+                raise PublishOutcomeUnknown(f"{self.describe()}: the fence's commit failed ({exc})") from None
+            return replace(current, fence=token, logical_key=logical_key)
+        raise DestinationError(f"{self.describe()} kept changing while {logical_key} was being fenced")
+
+    def sweep(self, target: ExportTarget, token: int, pointer: Pointer) -> int:
+        """Nothing to sweep: a staged revision is never in the table before its commit (the files of a failed
+        commit are unreferenced, invisible to readers, and removed by the table's VACUUM)."""
+        return 0
+
+    def stage(
+        self, target: ExportTarget, token: int, table: pa.Table | TableStream, file_format: str, manifest: Manifest
+    ) -> DeltaStaged:
+        """The rows, validated (a stream is validated batch by batch, then gathered: one commit holds them all), their
+        sha256 (of their CSV serialization, as :meth:`read_data` gives them back) and the manifest."""
+        if isinstance(table, TableStream):
+            tables = list(table)
+            table = pa.concat_tables(tables) if tables else table.schema.empty_table()
+        for name in (KEY_COLUMN, ROW_COLUMN):
+            if name in table.column_names:
+                raise DestinationError(f"column {name!r} is reserved by {self.describe()}; nothing was written")
+        if "'" in manifest.logical_key:
+            raise DestinationError(f"{manifest.logical_key!r} cannot be matched in a predicate; nothing was written")
+        sha256 = hashlib.sha256(_serialize(table)).hexdigest()
+        complete = replace(manifest, sha256=sha256, row_count=table.num_rows, data_file="delta")
+        rows = table.append_column(KEY_COLUMN, pa.array([manifest.logical_key] * table.num_rows, pa.string()))
+        rows = rows.append_column(ROW_COLUMN, pa.array(range(table.num_rows), pa.int64()))
+        return DeltaStaged(target.at_place(place_name(target.revision, token)), complete, rows)
+
+    def unstage(self, staged: StagedExport) -> None:
+        """Nothing to remove: the rows were never written."""
+
+    def commit(self, staged: StagedExport, token: int, *, superseded: int) -> Pointer:
+        """The rows and the key's txn actions in one commit, made from the table version at which the fence and the
+        key's revision were read (``max_commit_retries=0``). Idempotent: a key already at this place is success."""
+        deltalake = _deltalake()
+        target, manifest = staged.target, staged.manifest
+        key = manifest.logical_key
+        for _ in range(_ROUNDS):
+            table, current = self._state(target, key)
+            if current.revision == target.revision and current.place == target.place:
+                return current  # an earlier send of this commit landed
+            if current.fence > token:
+                raise self._fenced(target, current, token)
+            if current.revision != superseded:
+                raise PointerMoved(
+                    f"{self.describe()}: {key} is at revision {current.revision}, not revision {superseded} which "
+                    f"revision {target.revision} supersedes; it is not moved",
+                    location=self.location(target.at_place(current.place or ".")),
+                )
+            if table is None:
+                self._create(target.export, staged.rows.schema)
+                continue
+            read = table.version()
+            try:
+                self._write(table, staged, token)
+            except deltalake.exceptions.CommitFailedError:
+                continue  # another commit landed since the read (or this one's own resend): read again
+            except (OSError, deltalake.exceptions.DeltaError) as exc:
+                raise PublishOutcomeUnknown(
+                    f"{self.describe()}: the commit of {key} revision {target.revision} failed ({type(exc).__name__})",
+                    sha256=manifest.sha256, location=self.location(target),
+                ) from None  # fmt: skip
+            return Pointer(token, target.revision, target.place, manifest.sha256, manifest.row_count,
+                           manifest.data_file, key, str(read + 1))  # fmt: skip
+        raise DestinationError(f"{self.describe()} kept changing while {key} revision {target.revision} was committed")
+
+    def _write(self, table, staged: DeltaStaged, token: int) -> None:
+        deltalake = _deltalake()
+        target, manifest = staged.target, staged.manifest
+        key = manifest.logical_key
+        transactions = [
+            deltalake.Transaction(key, target.revision),
+            deltalake.Transaction(fence_id(key), token),
+            deltalake.Transaction(revision_id(key, target.revision), table.version() + 1),
+        ]
+        if self._key_of(table, target) is None:
+            transactions.append(deltalake.Transaction(folder_id(target), _window_start(key)))
+        properties = deltalake.CommitProperties(
+            max_commit_retries=0, app_transactions=transactions,
+            custom_metadata={MANIFEST_METADATA: manifest.to_json().decode("utf-8")},
+        )  # fmt: skip
+        restating = target.revision > 1
+        deltalake.write_deltalake(
+            table, staged.rows, mode="overwrite" if restating else "append", partition_by=[KEY_COLUMN],
+            schema_mode="merge", predicate=f"{KEY_COLUMN} = '{key}'" if restating else None,
+            commit_properties=properties,
+        )  # fmt: skip
+
+    def discard(self, target: ExportTarget, token: int, *, logical_key: str, restore: Pointer) -> list[str]:
+        raise DestinationError(
+            f"{self.describe()}: an unrecorded Delta revision is not discarded by export-ledger; restore the table "
+            "to the version before its commit (DeltaTable.restore) and resolve the key again"
+        )
+
+
+SCHEME = Scheme(
+    "delta:",
+    "DeltaDestination",
+    "delta:PATH_OR_URL",
+    credentials=("endpoint_url", "region_name", "access_key_id", "secret_access_key", "session_token"),
+)

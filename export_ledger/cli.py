@@ -515,7 +515,8 @@ def _status(ledger: ExportLedger, args: argparse.Namespace, settings: Settings) 
                 revision.get(record.logical_key, ""),  # shown where restated (> 1): the current revision
             )
         )
-    droppable = ("UPDATED", "LEASE EXPIRES", "LEASE OWNER", "REVISION", "COMMITTED ATTEMPT")
+    # The longest and least read go first: an attempt id is 40+ characters, a revision is one digit.
+    droppable = ("COMMITTED ATTEMPT", "LEASE OWNER", "LEASE EXPIRES", "UPDATED", "REVISION")
     return _table(headers, rows, droppable) + _more(len(records), args)
 
 
@@ -1143,10 +1144,20 @@ def _terminal_width() -> int:
     return DEFAULT_WIDTH
 
 
+#: Cell words up to this long are never split across lines of a table (``completed``, ``2026-03-10``, a zone).
+_WHOLE_WORD = 20
+
+
 def _floors(headers: Sequence[str], cells: Sequence[Sequence[str]], keep_first: bool = True
             ) -> tuple[list[int], list[int]]:  # fmt: skip
     natural = [max(len(row[i]) for row in [headers, *cells]) for i in range(len(headers))]
-    words = [max(_MIN_COLUMN, *(len(word) for word in header.split())) for header in headers]
+    # A column never splits a word of its header, nor a short word of its cells (a state, a date, a zone): those
+    # wrap whole or the droppable columns go first; only long values (attempt ids, messages) are cut across lines.
+    words = [
+        max(_MIN_COLUMN, *(len(word) for word in header.split()),
+            *(len(word) for row in cells for word in row[i].split() if len(word) <= _WHOLE_WORD))
+        for i, header in enumerate(headers)
+    ]  # fmt: skip
     floor = [natural[i] if i == 0 and keep_first else min(natural[i], words[i]) for i in range(len(headers))]
     return natural, floor
 

@@ -244,3 +244,36 @@ def test_export_restate_and_a_crash_after_the_commit_that_reconciliation_settles
     assert [r.revision for r in ledger.restatements.revisions(str(key))] == [1, 2]
     table.update_incremental()
     assert table.transaction_version(str(key)) == 2 and table.transaction_version(fence_id(str(key))) == 3
+
+
+# -- a store that ignores conditional puts ---------------------------------------------------------------------------
+
+
+def test_a_delta_table_on_a_store_that_ignores_if_none_match_is_refused_before_any_commit(s3_server, s3_bucket, s3):
+    from condition_proxy import ConditionStripper
+
+    from export_ledger.destinations import delta as delta_module
+
+    def on(endpoint: str) -> DeltaDestination:
+        return DeltaDestination(f"s3://{s3_bucket}/lake/{{export}}", endpoint_url=endpoint, access_key_id="testing",
+                                secret_access_key="testing")  # fmt: skip
+
+    def stored() -> list[str]:
+        return [item["Key"] for item in s3.list_objects_v2(Bucket=s3_bucket).get("Contents", [])]
+
+    with ConditionStripper(s3_server) as proxy:
+        stripped = on(proxy.endpoint_url)
+        refusal = r"accepted a second create of one object \(If-None-Match: \* ignored\)"
+        with pytest.raises(ConfigurationError, match=refusal):
+            stripped.check_table(KEY.export)
+        with pytest.raises(ConfigurationError, match=refusal):
+            publish(stripped, 1)
+        assert any(r.method == "PUT" for r in proxy.history), "the probe's writes went through the proxy"
+    assert (proxy.endpoint_url, s3_bucket) not in delta_module._CONDITIONS_CHECKED, "a refusal is not remembered"
+    assert stored() == [], "no table was made, nothing was committed, the probe is deleted"
+
+    honest = on(s3_server)
+    honest.check_table(KEY.export)  # the same bucket, straight: the second create is refused, so it passes
+    assert (s3_server, s3_bucket) in delta_module._CONDITIONS_CHECKED and stored() == []
+    publish(honest, 1)
+    assert reader_sees(honest) == (1, ["a", "b"])

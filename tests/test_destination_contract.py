@@ -12,6 +12,7 @@ import json
 import pyarrow as pa
 import pytest
 from builders import key_for
+from object_buckets import object_destination
 
 from export_ledger.destinations import (
     POINTER_NAME,
@@ -34,21 +35,8 @@ TABLE = pa.table({"invoice_id": ["a", "b"], "amount": [1.0, 2.0]})
 def destination(request, tmp_path):
     if request.param == "local":
         return LocalDestination(str(tmp_path / "exports"))
-    if request.param == "gcs":
-        from export_ledger.destinations.gcs import GCSDestination
-
-        bucket, endpoint = request.getfixturevalue("gcs_bucket"), request.getfixturevalue("gcs_server")
-        return GCSDestination(bucket=bucket, prefix="contract", gcs_endpoint_url=endpoint)
-    if request.param == "azure":
-        from cloud_fixtures import AZURITE_ACCOUNT, AZURITE_KEY
-
-        from export_ledger.destinations.azure import AzureDestination
-
-        return AzureDestination(
-            container=request.getfixturevalue("azure_container"), prefix="contract",
-            azure_endpoint_url=request.getfixturevalue("azurite_server"), azure_account_name=AZURITE_ACCOUNT,
-            azure_account_key=AZURITE_KEY,
-        )  # fmt: skip
+    if request.param in ("gcs", "azure"):
+        return object_destination(request.param, request, prefix="contract")
     from export_ledger.destinations.s3 import S3Destination
 
     endpoint = request.getfixturevalue("s3_server")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from builders import key_for
+from object_buckets import delta_destination, object_destination
 from pipeline_helpers import check_evaluations, failure_message, make_defs, run_partition, run_range, tick
 
 from export_ledger.calendar import parse_business_date
@@ -36,37 +37,9 @@ def _destination(kind: str, request, tmp_path):
     """The destination object of one kind, on a server of its own where it has one."""
     if kind == "local":
         return str(tmp_path / "exports")
-    if kind in ("s3", "delta-s3"):
-        bucket, server = request.getfixturevalue("s3_bucket"), request.getfixturevalue("s3_server")
-        if kind == "s3":
-            from export_ledger.destinations.s3 import S3Destination
-
-            return S3Destination(bucket=bucket, prefix="e2e", endpoint_url=server, access_key_id="testing",
-                                 secret_access_key="testing")  # fmt: skip
-        from export_ledger.destinations.delta import DeltaDestination
-
-        return DeltaDestination(table=f"s3://{bucket}/tables/{{export}}", endpoint_url=server,
-                                access_key_id="testing", secret_access_key="testing")  # fmt: skip
-    if kind == "delta":
-        from export_ledger.destinations.delta import DeltaDestination
-
-        return DeltaDestination(table=str(tmp_path / "tables" / "{export}"))
-    if kind == "gcs":
-        from export_ledger.destinations.gcs import GCSDestination
-
-        bucket, endpoint = request.getfixturevalue("gcs_bucket"), request.getfixturevalue("gcs_server")
-        return GCSDestination(bucket=bucket, prefix="e2e", gcs_endpoint_url=endpoint)
-    if kind == "azure":
-        from cloud_fixtures import AZURITE_ACCOUNT, AZURITE_KEY
-
-        from export_ledger.destinations.azure import AzureDestination
-
-        return AzureDestination(
-            container=request.getfixturevalue("azure_container"), prefix="e2e",
-            azure_endpoint_url=request.getfixturevalue("azurite_server"), azure_account_name=AZURITE_ACCOUNT,
-            azure_account_key=AZURITE_KEY,
-        )  # fmt: skip
-    raise AssertionError(kind)
+    if kind in ("delta", "delta-s3"):
+        return delta_destination(request, tmp_path, on_s3=kind == "delta-s3")
+    return object_destination(kind, request, prefix="e2e")
 
 
 # Delta on moto's S3 takes about 12 s (its log listing is slow there): in the slow tier with the crash harness.

@@ -12,8 +12,9 @@ import sys
 import dagster as dg
 import pytest
 from cloud_fixtures import AZURITE_ACCOUNT, AZURITE_KEY
+from condition_proxy import ConditionStripper
 from pipeline_helpers import failure_message, ledger_at, make_defs, run_partition
-from s3_support import Fault, FaultProxy
+from s3_support import Fault
 
 from export_ledger.destinations import POINTER_NAME, DestinationError, destination_from
 from export_ledger.destinations import azure as azure_module
@@ -70,14 +71,6 @@ def test_gcs_data_above_the_limit_is_refused_where_resumable_uploads_ignore_prec
 
 
 # -- Azure: a store that ignores If-None-Match ---------------------------------------------------------------------
-
-
-class ConditionStripper(FaultProxy):
-    """A proxy that drops ``If-None-Match`` from every request: a store that ignores the header."""
-
-    def _forward(self, request, method):
-        request.headers = [(k, v) for k, v in request.headers if k.lower() != "if-none-match"]
-        return super()._forward(request, method)
 
 
 def test_an_azure_store_that_ignores_if_none_match_is_refused_before_anything_is_published(

@@ -27,6 +27,7 @@ from export_ledger.failpoints import ENV_VAR as FAILPOINTS
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger.schema import AttemptOutcome, ExportState
 from resources.invoices import SampleInvoiceSource
+from tests.object_buckets import KINDS, delta_destination, object_destination
 
 UTC = dt.timezone.utc
 
@@ -287,33 +288,86 @@ def _with_downstream(defs: dg.Definitions) -> tuple[dg.Definitions, list]:
     return dg.Definitions(assets=[export_asset, invoice_rows], resources=defs.resources), seen
 
 
-def test_load_input_returns_committed_exports(tmp_path, instance):
-    defs, seen = _with_downstream(make_defs(tmp_path, tenants=["acme", "globex"]))
+def _load(defs: dg.Definitions, instance, partition_key: str, **kwargs) -> tuple[dg.ExecuteInProcessResult, list]:
+    """Materializes the export and ``invoice_rows`` downstream of it (``selection``: only some of them); returns
+    the run and the frames ``load_input`` gave ``invoice_rows``."""
+    defs, seen = _with_downstream(defs)
     result = dg.materialize(
-        defs.assets, partition_key="2026-03-08", instance=instance, resources=defs.resources, raise_on_error=False
-    )
+        defs.assets, partition_key=partition_key, instance=instance, resources=defs.resources, raise_on_error=False,
+        **kwargs,
+    )  # fmt: skip
+    return result, seen
+
+
+# Delta on moto's S3: several seconds a test (its log listing is slow there), so in the slow tier.
+LOAD_KINDS = ["local", *KINDS[1:], "delta", pytest.param("delta-s3", marks=pytest.mark.slow)]
+
+
+@pytest.fixture(params=LOAD_KINDS)
+def load_destination(request, tmp_path):
+    """The destination ``load_input`` reads back from: each kind, on a server of its own where it has one."""
+    if request.param == "local":
+        return str(tmp_path / "exports")
+    if request.param.startswith("delta"):
+        return delta_destination(request, tmp_path, on_s3=request.param == "delta-s3")
+    return object_destination(request.param, request, "exports")
+
+
+def test_load_input_returns_committed_exports(tmp_path, instance, load_destination):
+    defs = make_defs(tmp_path, tenants=["acme", "globex"], destination=load_destination)
+    result, seen = _load(defs, instance, "2026-03-08")
     assert result.success, failure_message(result)
     (frame,) = seen
     assert len(frame) == 2 * 92 and set(frame["tenant"]) == {"acme", "globex"}
     assert frame["invoice_id"].is_unique
 
 
-def test_load_input_refuses_an_export_that_is_not_committed(tmp_path, instance, monkeypatch):
-    defs, seen = _with_downstream(make_defs(tmp_path))
+def test_load_input_refuses_an_export_that_is_not_committed(tmp_path, instance, monkeypatch, load_destination):
+    defs = make_defs(tmp_path, destination=load_destination)
     monkeypatch.setenv(FAILPOINTS, "after_stage=raise")
-    assert not run_partition(make_defs(tmp_path), instance, "2026-03-08").success
+    assert not run_partition(defs, instance, "2026-03-08").success
     monkeypatch.delenv(FAILPOINTS)
-    result = dg.materialize(
-        defs.assets,
-        partition_key="2026-03-08",
-        instance=instance,
-        resources=defs.resources,
-        selection=[dg.AssetKey("invoice_rows")],
-        raise_on_error=False,
-    )
+    result, seen = _load(defs, instance, "2026-03-08", selection=[dg.AssetKey("invoice_rows")])
     assert not result.success
     assert "invoice_export for tenant acme on 2026-03-08 is not committed (failed)" in failure_message(result)
     assert seen == []
+
+
+# Two runs of two tenants each: over 2 s a test on Azurite and Delta, so those in the slow tier.
+@pytest.mark.parametrize(
+    "load_destination",
+    ["local", "gcs", *(pytest.param(kind, marks=pytest.mark.slow) for kind in ("azure", "delta", "delta-s3"))],
+    indirect=True,
+)
+def test_load_input_returns_exactly_the_current_revision_and_after_a_restatement_the_new_rows(
+    tmp_path, instance, load_destination
+):
+    """Each key's rows once, as its current revision holds them; restated (a source that now has every other
+    invoice), the revision 2 rows only, none of revision 1's left beside them."""
+    window = window_for(dt.date(2026, 3, 8), "America/New_York")
+    first_source, restated_source = SampleInvoiceSource(), SampleInvoiceSource(cadence_minutes=30)
+    defs = make_defs(tmp_path, tenants=["acme", "globex"], destination=load_destination, source=first_source)
+    result, seen = _load(defs, instance, "2026-03-08")
+    assert result.success, failure_message(result)
+    for tenant in ("acme", "globex"):
+        expected = first_source.rows(tenant, window.start_utc, window.end_utc)
+        loaded = seen[0][seen[0]["tenant"] == tenant]
+        assert sorted(loaded["invoice_id"]) == sorted(expected["invoice_id"]), f"{tenant}: revision 1's rows"
+
+    key = str(LogicalKey("invoice_export", "acme", window))
+    ledger_at(tmp_path).restatements.request(key, reason="the source was corrected", requested_by="ops")
+    restated = make_defs(tmp_path, tenants=["acme", "globex"], destination=load_destination, source=restated_source)
+    result, seen = _load(restated, instance, "2026-03-08")
+    assert result.success, failure_message(result)
+    (frame,) = seen
+    acme, globex = frame[frame["tenant"] == "acme"], frame[frame["tenant"] == "globex"]
+    expected = restated_source.rows("acme", window.start_utc, window.end_utc)
+    assert list(acme["invoice_id"]) == list(expected["invoice_id"]), "acme: revision 2's rows, in order, only"
+    assert len(acme) < len(first_source.rows("acme", window.start_utc, window.end_utc)), "the restatement changed it"
+    assert sorted(globex["invoice_id"]) == sorted(
+        first_source.rows("globex", window.start_utc, window.end_utc)["invoice_id"]
+    ), "globex was not restated: still its revision 1"
+    assert [r.revision for r in ledger_at(tmp_path).restatements.revisions(key)] == [1, 2]
 
 
 def test_a_skipped_calendar_day_exports_nothing_and_its_neighbours_cover_every_event(tmp_path, instance):

@@ -29,6 +29,7 @@ from export_ledger.protocol import ExportOutcomeUnknown, _KeyExport, export_key
 from export_ledger.reconcile import reconcile_batch
 from export_ledger.resolve import resolve_key
 from tests.builders import key_for
+from tests.object_buckets import KINDS, Bucket, bucket_for, delta_destination, object_destination
 from tests.test_batched_ledger import SCHEMA, orders
 from tests.test_restatement import DAY, corrected, item
 
@@ -45,8 +46,7 @@ def restate(ledger, destination, key, run_id: str = "run-2/export"):
     return export_key(ledger, destination, SCHEMA, item(key, corrected(key)), run_id)
 
 
-# -- S3 -----------------------------------------------------------------------------------------------------------
-
+# -- object stores (S3, GCS, Azure Blob) ---------------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -65,23 +65,33 @@ def s3_destination(bucket: str, endpoint_url: str) -> S3Destination:
     )
 
 
+@pytest.fixture(params=KINDS)
+def store(request) -> tuple:
+    """``(destination, bucket)``: a destination of each object-store kind, and its bucket read with the store's own
+    client (an outside reader)."""
+    return object_destination(request.param, request, PREFIX), bucket_for(request.param, request)
+
+
+def bucket_of(s3, s3_bucket: str) -> Bucket:
+    """The S3 bucket read with the ``s3`` fixture's client (for the tests that race or break S3's requests)."""
+    return Bucket("s3", s3_bucket, s3)
+
+
 def key_prefix(key) -> str:
     return f"{PREFIX}/{key.export}/tenant={key.tenant}/date={key.window.business_date.isoformat()}/"
 
 
-def objects(s3, bucket: str, key) -> dict[str, bytes]:
+def objects(bucket: Bucket, key) -> dict[str, bytes]:
     """Object name (relative to the key's folder) -> bytes, for everything under the key's folder."""
-    base = key_prefix(key)
-    listing = s3.list_objects_v2(Bucket=bucket, Prefix=base).get("Contents", [])
-    return {item["Key"][len(base) :]: s3.get_object(Bucket=bucket, Key=item["Key"])["Body"].read() for item in listing}
+    return bucket.objects(key_prefix(key))
 
 
-def s3_current(s3, bucket: str, key) -> tuple[int, Manifest, bytes]:
+def s3_current(bucket: Bucket, key) -> tuple[int, Manifest, bytes]:
     """What an outside reader does: follow ``_current.json`` to the manifest and the data it names, and check the
     data against the manifest's sha256."""
-    stored = objects(s3, bucket, key)
+    stored = objects(bucket, key)
     pointer = json.loads(stored[POINTER_NAME])
-    manifest = Manifest.from_json(stored[pointer["manifest"]], "moto")
+    manifest = Manifest.from_json(stored[pointer["manifest"]], bucket.kind)
     data = stored[pointer["data_file"]]
     assert hashlib.sha256(data).hexdigest() == manifest.sha256 == pointer["sha256"], "the current data is intact"
     assert manifest.revision == pointer["revision"], "the pointer names the revision its place holds"
@@ -103,25 +113,25 @@ def stage_revision(destination, key, revision: int, token: int, supersedes: Mani
     return destination.stage(target_of(key, revision), token, table, "csv", manifest)
 
 
-def test_s3_restating_publishes_revision_2_beside_revision_1_and_moves_the_pointer(s3, s3_bucket, s3_server, s3_ledger):
-    destination = s3_destination(s3_bucket, s3_server)
+def test_restating_publishes_revision_2_beside_revision_1_and_moves_the_pointer(store, s3_ledger):
+    destination, bucket = store
     key = key_for(DAY)
     assert export_key(s3_ledger, destination, SCHEMA, item(key), "run-1/export").status == "exported"
-    _, original_manifest, original = s3_current(s3, s3_bucket, key)
-    first = json.loads(objects(s3, s3_bucket, key)[POINTER_NAME])
+    _, original_manifest, original = s3_current(bucket, key)
+    first = json.loads(objects(bucket, key)[POINTER_NAME])
     assert (first["revision"], first["path"], first["fence"]) == (1, "r1-t1", 1), "revision 1 is committed too"
 
     result = restate(s3_ledger, destination, key)
     assert result.status == "exported" and result.row_count == len(corrected(key))
 
-    revision, manifest, data = s3_current(s3, s3_bucket, key)
+    revision, manifest, data = s3_current(bucket, key)
     assert revision == 2 and destination.current_revision(target_of(key)) == 2
     assert (manifest.revision, manifest.supersedes_revision, manifest.supersedes_sha256) == (
         2,
         1,
         original_manifest.sha256,
     )
-    stored = objects(s3, s3_bucket, key)
+    stored = objects(bucket, key)
     assert place_names(stored) == ["r1-t1", "r2-t2"]
     pointer = json.loads(stored[POINTER_NAME])
     assert pointer == {
@@ -136,7 +146,7 @@ def test_s3_restating_publishes_revision_2_beside_revision_1_and_moves_the_point
         "row_count": manifest.row_count,
     }
     # Revision 1 is still where it was, byte for byte, and readable through the destination.
-    assert Manifest.from_json(stored[f"r1-t1/{MANIFEST_NAME}"], "moto") == original_manifest
+    assert Manifest.from_json(stored[f"r1-t1/{MANIFEST_NAME}"], bucket.kind) == original_manifest
     assert stored[f"r1-t1/{original_manifest.data_file}"] == original
     seen = destination.verify_recorded(
         target_of(key, 1, "r1-t1"), logical_key=str(key), sha256=original_manifest.sha256
@@ -147,22 +157,22 @@ def test_s3_restating_publishes_revision_2_beside_revision_1_and_moves_the_point
 
     record = s3_ledger.queries.get(str(key))
     assert record.state is ExportState.COMPLETED and record.sha256 == manifest.sha256
-    assert record.location == f"s3://{s3_bucket}/{key_prefix(key)}r2-t2/"
+    assert record.location == f"{bucket.scheme}://{bucket.name}/{key_prefix(key)}r2-t2/"
     assert [(r.revision, r.sha256) for r in s3_ledger.restatements.revisions(str(key))] == [
         (1, original_manifest.sha256),
         (2, manifest.sha256),
     ]
 
 
-def test_s3_pointer_refuses_a_stale_commit_and_leaves_one_already_there_alone(s3, s3_bucket, s3_server, s3_ledger):
-    destination = s3_destination(s3_bucket, s3_server)
+def test_pointer_refuses_a_stale_commit_and_leaves_one_already_there_alone(store, s3_ledger):
+    destination, bucket = store
     key = key_for(DAY)
     export_key(s3_ledger, destination, SCHEMA, item(key), "run-1/export")
-    _, first, _ = s3_current(s3, s3_bucket, key)
+    _, first, _ = s3_current(bucket, key)
     restate(s3_ledger, destination, key)
-    _, manifest, _ = s3_current(s3, s3_bucket, key)
+    _, manifest, _ = s3_current(bucket, key)
     pointer_key = f"{key_prefix(key)}{POINTER_NAME}"
-    before = s3.head_object(Bucket=s3_bucket, Key=pointer_key)
+    before = bucket.version(pointer_key)
 
     # A party that still believes revision 1 is current: its revision 3 is staged (invisible) and never committed.
     stale = stage_revision(destination, key, 3, 5, first)
@@ -172,8 +182,7 @@ def test_s3_pointer_refuses_a_stale_commit_and_leaves_one_already_there_alone(s3
     again = destination.commit(StagedExport(target_of(key, 2, "r2-t2"), manifest), 2, superseded=1)
     assert (again.revision, again.place) == (2, "r2-t2")
 
-    after = s3.head_object(Bucket=s3_bucket, Key=pointer_key)
-    assert (after["ETag"], after["LastModified"]) == (before["ETag"], before["LastModified"]), "never rewritten"
+    assert bucket.version(pointer_key) == before, "never rewritten"
     assert destination.current_revision(target_of(key)) == 2
 
 
@@ -190,7 +199,7 @@ def test_s3_pointer_written_between_read_and_write_is_never_overwritten(
     destination = s3_destination(s3_bucket, fault_proxy.endpoint_url)
     key = key_for(DAY)
     export_key(s3_ledger, destination, SCHEMA, item(key), "run-1/export")
-    _, first, _ = s3_current(s3, s3_bucket, key)
+    _, first, _ = s3_current(bucket_of(s3, s3_bucket), key)
     staged = stage_revision(destination, key, 2, 2, first)  # the committer: token 2, revision 2 superseding 1
     committed = Pointer(2, 2, "r2-t2", staged.manifest.sha256, staged.manifest.row_count, "data.csv", str(key))
     written = {
@@ -221,13 +230,11 @@ def test_s3_pointer_written_between_read_and_write_is_never_overwritten(
 
 
 @pytest.mark.parametrize("point", ["after_stage", "after_publish", "before_commit"])
-def test_s3_restatement_killed_after_writing_ends_with_one_current_revision(
-    s3, s3_bucket, s3_server, s3_ledger, clock, monkeypatch, point
-):
-    destination = s3_destination(s3_bucket, s3_server)
+def test_restatement_killed_after_writing_ends_with_one_current_revision(store, s3_ledger, clock, monkeypatch, point):
+    destination, bucket = store
     key = key_for(DAY)
     export_key(s3_ledger, destination, SCHEMA, item(key), "run-1/export")
-    _, original_manifest, original = s3_current(s3, s3_bucket, key)
+    _, original_manifest, original = s3_current(bucket, key)
     s3_ledger.restatements.request(str(key), reason="late rows", requested_by="ops")
     monkeypatch.setenv(FAILPOINTS, f"{point}=crash")
     with pytest.raises(SimulatedCrash):
@@ -235,7 +242,7 @@ def test_s3_restatement_killed_after_writing_ends_with_one_current_revision(
     monkeypatch.delenv(FAILPOINTS)
 
     committed = point != "after_stage"  # staged is invisible; after_publish is after the pointer's commit
-    revision, _, _ = s3_current(s3, s3_bucket, key)  # readers see one intact revision, whatever was reached
+    revision, _, _ = s3_current(bucket, key)  # readers see one intact revision, whatever was reached
     assert revision == (2 if committed else 1)
     clock.advance(minutes=16)
     reconcile_batch(s3_ledger, destination, limit=10, after=None, reconciler="test")
@@ -246,11 +253,11 @@ def test_s3_restatement_killed_after_writing_ends_with_one_current_revision(
         )
 
     record = s3_ledger.queries.get(str(key))
-    revision, manifest, _ = s3_current(s3, s3_bucket, key)
+    revision, manifest, _ = s3_current(bucket, key)
     assert record.state is ExportState.COMPLETED and record.sha256 == manifest.sha256
     assert revision == 2 and manifest.supersedes_sha256 == original_manifest.sha256
     assert [r.revision for r in s3_ledger.restatements.revisions(str(key))] == [1, 2]
-    stored = objects(s3, s3_bucket, key)
+    stored = objects(bucket, key)
     # Tokens: revision 1's 1, the dead attempt 2, reconciliation's hold 3, the rerun 4 (which swept the dead place).
     assert place_names(stored) == ["r1-t1", "r2-t2" if committed else "r2-t4"]
     assert stored[f"r1-t1/{original_manifest.data_file}"] == original, "revision 1 is untouched"
@@ -277,7 +284,7 @@ def test_s3_pointer_commit_with_an_unknown_outcome_is_remote_unknown_and_reconci
     assert s3_ledger.queries.get(str(key)).state is ExportState.REMOTE_UNKNOWN
     # 503: never forwarded, so revision 1 is still current; a cut response: the commit landed.
     landed = fault == "cut_before_response"
-    assert s3_current(s3, s3_bucket, key)[0] == (2 if landed else 1)
+    assert s3_current(bucket_of(s3, s3_bucket), key)[0] == (2 if landed else 1)
 
     report = reconcile_batch(s3_ledger, destination, limit=10, after=None, reconciler="test")
     if landed:
@@ -288,21 +295,21 @@ def test_s3_pointer_commit_with_an_unknown_outcome_is_remote_unknown_and_reconci
         assert export_key(s3_ledger, destination, SCHEMA, item(key, corrected(key)), "run-3/export").status == (
             "exported"
         )
-    revision, manifest, _ = s3_current(s3, s3_bucket, key)
+    revision, manifest, _ = s3_current(bucket_of(s3, s3_bucket), key)
     assert revision == 2 and s3_ledger.queries.get(str(key)).sha256 == manifest.sha256
     assert [r.revision for r in s3_ledger.restatements.revisions(str(key))] == [1, 2]
 
 
-def test_s3_discarding_an_unrecorded_revision_keeps_every_recorded_one_and_sets_the_pointer_back(
-    s3, s3_bucket, s3_server, s3_ledger, clock
+def test_discarding_an_unrecorded_revision_keeps_every_recorded_one_and_sets_the_pointer_back(
+    store, s3_ledger, clock
 ):
     """Replaces 0.4's discard of revision 1 beside a current revision 2 and its orphan sweep by age: in protocol v2
     nothing a recorded revision names is ever deleted, and only what no pointer can ever name is swept."""
-    destination = s3_destination(s3_bucket, s3_server)
+    destination, bucket = store
     key = key_for(DAY)
     export_key(s3_ledger, destination, SCHEMA, item(key), "run-1/export")
     restate(s3_ledger, destination, key)
-    recorded = objects(s3, s3_bucket, key)
+    recorded = objects(bucket, key)
     assert place_names(recorded) == ["r1-t1", "r2-t2"]
     with pytest.raises(LedgerError, match="completed"):
         resolve_key(s3_ledger, destination, str(key), action="discard-destination", operator="ops", reason="x")
@@ -314,21 +321,169 @@ def test_s3_discarding_an_unrecorded_revision_keeps_every_recorded_one_and_sets_
     claim = s3_ledger.claims.claim(key, "run-3/export")
     exporter = _KeyExport(s3_ledger, destination, SCHEMA, "csv", lambda level, message: None)
     exporter._publish(claim, item(key, orders(key)), target_of(key, 3))
-    assert s3_current(s3, s3_bucket, key)[0] == 3
+    assert s3_current(bucket, key)[0] == 3
     clock.advance(minutes=16)
     resolved = resolve_key(
         s3_ledger, destination, str(key), action="discard-destination", operator="ops", reason="wrong source"
     )
     assert resolved.record.state is ExportState.FAILED
 
-    stored = objects(s3, s3_bucket, key)
+    stored = objects(bucket, key)
     assert place_names(stored) == ["r1-t1", "r2-t2"], "only revision 3's place was deleted"
     assert {n: b for n, b in stored.items() if n != POINTER_NAME} == {
         n: b for n, b in recorded.items() if n != POINTER_NAME
     }, "revisions 1 and 2, byte for byte"
     after = json.loads(stored[POINTER_NAME])
     assert (after["revision"], after["path"], after["fence"]) == (2, "r2-t2", 4), "set back, fenced by the operator"
-    assert s3_current(s3, s3_bucket, key)[0] == 2
+    assert s3_current(bucket, key)[0] == 2
+
+
+# -- Delta Lake: the key's txn versions are its pointer ------------------------------------------------------------
+# No objects of its own to list: a reader asks the table (the key's txn version, its rows in one table version),
+# and a revision is read back at the table version that committed it.
+
+
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.slow)])  # on moto: ~3 s a test (log listing)
+def delta(request, tmp_path):
+    return delta_destination(request, tmp_path, on_s3=request.param == "s3")
+
+
+def delta_reader_sees(destination, key) -> tuple[int | None, list[str]]:
+    """What a reader outside the library sees: the key's txn version and its order ids, from the latest table."""
+    import deltalake
+
+    from export_ledger.destinations.delta import KEY_COLUMN
+
+    table = deltalake.DeltaTable(destination.table_for(key.export), storage_options=destination.storage_options())
+    rows = table.to_pyarrow_table(filters=[(KEY_COLUMN, "=", str(key))])
+    return table.transaction_version(str(key)), sorted(rows.column("order_id").to_pylist())
+
+
+def delta_table_version(destination, key) -> int:
+    import deltalake
+
+    options = destination.storage_options()
+    return deltalake.DeltaTable(destination.table_for(key.export), storage_options=options).version()
+
+
+def ids(frame) -> list[str]:
+    return sorted(frame["order_id"])
+
+
+def test_delta_restating_commits_revision_2_and_keeps_revision_1_readable(delta, s3_ledger):
+    key = key_for(DAY)
+    assert export_key(s3_ledger, delta, SCHEMA, item(key), "run-1/export").status == "exported"
+    assert delta_reader_sees(delta, key) == (1, ids(orders(key)))
+    (first,) = s3_ledger.restatements.revisions(str(key))
+    original = delta.verify_recorded(target_of(key, 1, "r1-t1"), logical_key=str(key), sha256=first.sha256)
+    assert original.verdict is Verdict.PUBLISHED, original.detail
+
+    result = restate(s3_ledger, delta, key)
+    assert result.status == "exported" and result.row_count == len(corrected(key))
+    assert delta_reader_sees(delta, key) == (2, ids(corrected(key))), "readers see revision 2's rows, only them"
+    assert delta.current_revision(target_of(key)) == 2
+    seen = delta.verify(target_of(key, 2), logical_key=str(key), superseded=1)
+    assert seen.verdict is Verdict.PUBLISHED, seen.detail
+    manifest = seen.manifest
+    assert (manifest.revision, manifest.supersedes_revision, manifest.supersedes_sha256) == (2, 1, first.sha256)
+    # Revision 1 is still readable, at the table version that committed it, byte for byte as recorded.
+    again = delta.verify_recorded(target_of(key, 1, "r1-t1"), logical_key=str(key), sha256=first.sha256)
+    assert again.verdict is Verdict.PUBLISHED and again.manifest == original.manifest
+    assert hashlib.sha256(delta.read_data(target_of(key, 1, "r1-t1"), again.manifest)).hexdigest() == first.sha256
+    assert hashlib.sha256(delta.read_data(target_of(key, 2, "r2-t2"), manifest)).hexdigest() == manifest.sha256
+
+    record = s3_ledger.queries.get(str(key))
+    assert record.state is ExportState.COMPLETED and record.sha256 == manifest.sha256
+    assert record.location == delta.location(target_of(key, 2, "r2-t2"))
+    assert [(r.revision, r.sha256) for r in s3_ledger.restatements.revisions(str(key))] == [
+        (1, first.sha256),
+        (2, manifest.sha256),
+    ]
+
+
+def test_delta_refuses_a_stale_or_fenced_commit_and_leaves_one_already_there_alone(delta, s3_ledger):
+    key = key_for(DAY)
+    export_key(s3_ledger, delta, SCHEMA, item(key), "run-1/export")
+    first = delta.verify(target_of(key), logical_key=str(key), superseded=0).manifest
+    restate(s3_ledger, delta, key)
+    manifest = delta.verify(target_of(key, 2), logical_key=str(key), superseded=1).manifest
+    version, seen = delta_table_version(delta, key), delta_reader_sees(delta, key)
+
+    # A party that still believes revision 1 is current: its revision 3 is never committed.
+    stale = stage_revision(delta, key, 3, 5, first)
+    with pytest.raises(PointerMoved, match="is at revision 2, not revision 1 which revision 3 supersedes"):
+        delta.commit(stale, 5, superseded=1)
+    # Revision 2's commit sent again (as after an unknown outcome): already there, so nothing is committed.
+    again = delta.commit(StagedExport(target_of(key, 2, "r2-t2"), manifest), 2, superseded=1)
+    assert (again.revision, again.place) == (2, "r2-t2")
+    assert delta_table_version(delta, key) == version and delta_reader_sees(delta, key) == seen, "never rewritten"
+
+    # A newer party fences the key: an attempt with a lower token commits nothing, even a well-formed revision 3.
+    delta.fence(target_of(key), 6, logical_key=str(key))
+    paused = stage_revision(delta, key, 3, 5, manifest)
+    with pytest.raises(Fenced, match="fenced at token 6, above this party's 5"):
+        delta.commit(paused, 5, superseded=2)
+    assert delta_reader_sees(delta, key) == seen and delta.current_revision(target_of(key)) == 2
+
+
+@pytest.mark.parametrize("point", ["after_stage", "after_publish", "before_commit"])
+def test_delta_restatement_killed_after_writing_ends_with_one_current_revision(
+    delta, s3_ledger, clock, monkeypatch, point
+):
+    key = key_for(DAY)
+    export_key(s3_ledger, delta, SCHEMA, item(key), "run-1/export")
+    (first,) = s3_ledger.restatements.revisions(str(key))
+    s3_ledger.restatements.request(str(key), reason="late rows", requested_by="ops")
+    monkeypatch.setenv(FAILPOINTS, f"{point}=crash")
+    with pytest.raises(SimulatedCrash):
+        export_key(s3_ledger, delta, SCHEMA, item(key, corrected(key)), "run-2/export")
+    monkeypatch.delenv(FAILPOINTS)
+
+    committed = point != "after_stage"  # staged rows are not in the table; after_publish is after the commit
+    assert delta_reader_sees(delta, key) == ((2, ids(corrected(key))) if committed else (1, ids(orders(key))))
+    clock.advance(minutes=16)
+    reconcile_batch(s3_ledger, delta, limit=10, after=None, reconciler="test")
+    if not committed:
+        assert s3_ledger.queries.get(str(key)).state is ExportState.FAILED, "nothing visible: failed, and rerun"
+        assert export_key(s3_ledger, delta, SCHEMA, item(key, corrected(key)), "run-3/export").status == "exported"
+
+    record = s3_ledger.queries.get(str(key))
+    seen = delta.verify(target_of(key, 2), logical_key=str(key), superseded=1)
+    assert seen.verdict is Verdict.PUBLISHED and record.state is ExportState.COMPLETED
+    assert record.sha256 == seen.manifest.sha256 and seen.manifest.supersedes_sha256 == first.sha256
+    assert delta_reader_sees(delta, key) == (2, ids(corrected(key)))
+    assert [r.revision for r in s3_ledger.restatements.revisions(str(key))] == [1, 2]
+    kept = delta.verify_recorded(target_of(key, 1, "r1-t1"), logical_key=str(key), sha256=first.sha256)
+    assert kept.verdict is Verdict.PUBLISHED, "revision 1 is untouched"
+
+
+def test_delta_an_unrecorded_revision_is_not_discarded_and_every_recorded_one_stays(delta, s3_ledger, clock):
+    """Delta's discard refuses (the operator restores the table instead): neither a recorded revision nor the
+    unrecorded one is touched, and the key is not marked failed."""
+    key = key_for(DAY)
+    export_key(s3_ledger, delta, SCHEMA, item(key), "run-1/export")
+    restate(s3_ledger, delta, key)
+    recorded = s3_ledger.restatements.revisions(str(key))
+    with pytest.raises(LedgerError, match="completed"):
+        resolve_key(s3_ledger, delta, str(key), action="discard-destination", operator="ops", reason="x")
+    assert delta.sweep(target_of(key), 99, delta.pointer(target_of(key))) == 0, "recorded revisions are never swept"
+
+    s3_ledger.restatements.request(str(key), reason="more late rows", requested_by="ops")
+    claim = s3_ledger.claims.claim(key, "run-3/export")
+    exporter = _KeyExport(s3_ledger, delta, SCHEMA, "csv", lambda level, message: None)
+    exporter._publish(claim, item(key, orders(key)), target_of(key, 3))
+    assert delta_reader_sees(delta, key)[0] == 3
+    clock.advance(minutes=16)
+    # Refused before anything is written, naming the way out (restore the table, then resolve again).
+    refusal = r"discard-destination of .* failed: delta:.*not discarded by export-ledger; restore the table .*restore"
+    with pytest.raises(Exception, match=refusal):
+        resolve_key(s3_ledger, delta, str(key), action="discard-destination", operator="ops", reason="wrong source")
+    assert s3_ledger.queries.get(str(key)).state is not ExportState.FAILED
+    assert delta_reader_sees(delta, key) == (3, ids(orders(key))), "the unrecorded revision is left as it is"
+    for revision in recorded:
+        place = target_of(key, revision.revision, f"r{revision.revision}-t{revision.revision}")
+        seen = delta.verify_recorded(place, logical_key=str(key), sha256=revision.sha256)
+        assert seen.verdict is Verdict.PUBLISHED, f"revision {revision.revision} is intact: {seen.detail}"
 
 
 # -- the ledger table (SQLite and PostgreSQL) ---------------------------------------------------------------------
@@ -464,14 +619,14 @@ def test_s3_pointer_is_never_written_on_a_store_that_fails_the_conditional_updat
     export_key(s3_ledger, s3_destination(s3_bucket, s3_server), SCHEMA, item(key), "run-1/export")
     # Another process (the proxy's endpoint: a store this process has not checked yet) restates the key.
     destination = s3_destination(s3_bucket, fault_proxy.endpoint_url)
-    pointer = objects(s3, s3_bucket, key)[POINTER_NAME]
+    pointer = objects(bucket_of(s3, s3_bucket), key)[POINTER_NAME]
     fault_proxy.inject("error_403", method="PUT", when=lambda _method, path: ".export-ledger-probe/" in path)
     s3_ledger.restatements.request(str(key), reason="late rows", requested_by="ops")
     with pytest.raises(Exception, match="the store refused the check that s3://.* honours conditional writes"):
         export_key(s3_ledger, destination, SCHEMA, item(key, corrected(key)), "run-2/export")
     sent = [r.method for r in fault_proxy.history if r.path.endswith(POINTER_NAME)]
     assert "PUT" not in sent, "no pointer write (neither fence nor commit) was sent before the store was checked"
-    assert objects(s3, s3_bucket, key)[POINTER_NAME] == pointer
+    assert objects(bucket_of(s3, s3_bucket), key)[POINTER_NAME] == pointer
     assert s3_ledger.queries.get(str(key)).state is ExportState.FAILED and destination.current_revision(
         target_of(key)
     ) == 1

@@ -32,6 +32,7 @@ import hashlib
 import io
 import json
 import re
+import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -67,6 +68,8 @@ _INTERVAL_RE = re.compile(r"interval\s+(\d+)\s+(second|minute|hour|day|week)s?",
 _UNIT_SECONDS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400, "week": 604800}
 #: Delta's own default of ``delta.logRetentionDuration`` when the table does not set it.
 _DEFAULTS = {"delta.logRetentionDuration": "interval 30 days"}
+#: ``(endpoint, bucket)`` of the S3 stores whose conditional puts were checked by this process.
+_CONDITIONS_CHECKED: set[tuple[str | None, str]] = set()
 
 
 def _deltalake():
@@ -248,8 +251,52 @@ class DeltaDestination(PublishingDestination):
             raise DestinationError(f"cannot create {self.describe()}: {exc}") from None
 
     def check_table(self, export: str) -> None:
-        """The startup check: refuses a table whose retention is too short (see :attr:`retention_days`)."""
+        """The startup check: refuses a store that ignores conditional puts (:meth:`check_conditions`) and a table
+        whose retention is too short (see :attr:`retention_days`)."""
+        self.check_conditions()
         self._open(export)
+
+    def check_conditions(self) -> None:
+        """Refuses an S3 store that ignores ``If-None-Match: *`` before this destination's first commit to it.
+
+        Every fence and commit relies on Delta's put-if-absent of the next log entry (``aws_conditional_put``): a
+        store that accepts a second create lets two racing parties commit the same table version, the later one
+        overwriting the earlier. Delta's own API cannot send a bare put-if-absent (a sequential second commit is
+        caught by its listing of the log first, so never reaches the store's condition), so a probe object is
+        created twice with ``If-None-Match: *`` with the endpoint, region and credentials Delta's storage options
+        are made of; the second create must be refused. Local paths need no check (a log entry is renamed into place
+        without replacing one)."""
+        if not self.table.startswith("s3://"):
+            return
+        bucket = self.table.removeprefix("s3://").split("/", 1)[0]
+        if (self.endpoint_url, bucket) in _CONDITIONS_CHECKED:
+            return
+        client, errors = self._s3_client()
+        probe = f".export-ledger-probe/{uuid.uuid4().hex}"
+        try:
+            client.put_object(Bucket=bucket, Key=probe, Body=b"1", IfNoneMatch="*")
+            try:
+                client.put_object(Bucket=bucket, Key=probe, Body=b"2", IfNoneMatch="*")
+            except errors.ClientError as exc:
+                if exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") not in (409, 412):
+                    raise
+            else:
+                raise ConfigurationError(
+                    f"{self.describe()}: the store accepted a second create of one object (If-None-Match: * "
+                    "ignored), so two parties could commit the same Delta table version and overwrite each other. "
+                    "Refusing to publish to it; use a store that honours conditional puts"
+                )
+        except (errors.BotoCoreError, errors.ClientError) as exc:
+            raise DestinationError(
+                f"{self.describe()}: the check that the store honours conditional puts failed ({type(exc).__name__})"
+            ) from None
+        finally:
+            try:
+                client.delete_object(Bucket=bucket, Key=probe)
+            except (errors.BotoCoreError, errors.ClientError):
+                pass  # nothing names the probe: left behind it is only clutter, and the check's verdict stands
+            client.close()
+        _CONDITIONS_CHECKED.add((self.endpoint_url, bucket))
 
     def _key_of(self, table, target: ExportTarget) -> str | None:
         start = table.transaction_version(folder_id(target))
@@ -321,15 +368,19 @@ class DeltaDestination(PublishingDestination):
                 return action["commitInfo"]
         return None
 
-    def _s3_get(self, uri: str, name: str) -> bytes | None:
+    def _s3_client(self):
         from export_ledger.destinations.s3 import _boto
 
         boto3, _, errors = _boto()
-        bucket, _, prefix = uri.removeprefix("s3://").partition("/")
         client = boto3.client(
             "s3", endpoint_url=self.endpoint_url, region_name=self.region_name, aws_access_key_id=self.access_key_id,
             aws_secret_access_key=self.secret_access_key, aws_session_token=self.session_token,
         )  # fmt: skip
+        return client, errors
+
+    def _s3_get(self, uri: str, name: str) -> bytes | None:
+        bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+        client, errors = self._s3_client()
         try:
             return client.get_object(Bucket=bucket, Key=f"{prefix}/{name}".lstrip("/"))["Body"].read()
         except client.exceptions.NoSuchKey:
@@ -350,7 +401,8 @@ class DeltaDestination(PublishingDestination):
         return pointer.logical_key if pointer.revision else None
 
     def pointer_to(self, target: ExportTarget) -> Pointer:
-        raise DestinationError(f"{self.describe()}: a Delta revision is made current only by a commit")
+        # Read only by an operator's discard (the pointer to restore): Delta's commits cannot be taken back that way.
+        raise DestinationError(_NOT_DISCARDED.format(table=self.describe()))
 
     def rows(self, target: ExportTarget, logical_key: str, revision: int) -> pa.Table:
         """The key's rows as revision ``revision`` committed them, in export order, without the key columns."""
@@ -416,6 +468,7 @@ class DeltaDestination(PublishingDestination):
     def fence(self, target: ExportTarget, token: int, *, logical_key: str) -> Pointer:
         """Raises ``K#fence`` to ``token`` with an empty commit, from the table version read (no rebase)."""
         deltalake = _deltalake()
+        self.check_conditions()  # no commit goes to a store that ignores If-None-Match
         for _ in range(_ROUNDS):
             table, current = self._state(target, logical_key)
             if current.fence > token:
@@ -474,6 +527,7 @@ class DeltaDestination(PublishingDestination):
         """The rows and the key's txn actions in one commit, made from the table version at which the fence and the
         key's revision were read (``max_commit_retries=0``). Idempotent: a key already at this place is success."""
         deltalake = _deltalake()
+        self.check_conditions()
         target, manifest = staged.target, staged.manifest
         key = manifest.logical_key
         for _ in range(_ROUNDS):
@@ -528,10 +582,13 @@ class DeltaDestination(PublishingDestination):
         )  # fmt: skip
 
     def discard(self, target: ExportTarget, token: int, *, logical_key: str, restore: Pointer) -> list[str]:
-        raise DestinationError(
-            f"{self.describe()}: an unrecorded Delta revision is not discarded by export-ledger; restore the table "
-            "to the version before its commit (DeltaTable.restore) and resolve the key again"
-        )
+        raise DestinationError(_NOT_DISCARDED.format(table=self.describe()))
+
+
+_NOT_DISCARDED = (
+    "{table}: an unrecorded Delta revision is not discarded by export-ledger; restore the table to the version before "
+    "its commit (DeltaTable.restore) and resolve the key again"
+)
 
 
 SCHEME = Scheme(

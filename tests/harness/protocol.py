@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import importlib
+import io
+import itertools
 import json
 import os
 import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from zoneinfo import ZoneInfo
 
 import dagster as dg
 import sqlalchemy as sa
@@ -62,7 +66,10 @@ class AttemptSpec:
     """Everything one attempt needs, as JSON: a child process receives it over a pipe.
 
     ``destination`` is ``{"kind": "local", "root": ...}``, ``{"kind": "s3", "bucket", "prefix", "endpoint_url",
-    "access_key_id", "secret_access_key"}`` or ``{"kind": "sql", "table": ...}`` (in the ledger's database).
+    "access_key_id", "secret_access_key"}``, ``{"kind": "gcs", "bucket", "prefix", "endpoint_url"}`` (anonymous, an
+    emulator), ``{"kind": "azure", "container", "prefix", "endpoint_url", "account_name", "account_key"}``,
+    ``{"kind": "delta", "table": ...}`` (a local path, ``{export}`` replaced) or ``{"kind": "sql", "table": ...}`` (in
+    the ledger's database).
     """
 
     ledger_url: str
@@ -123,6 +130,25 @@ def build_destination(spec: dict, ledger_url: str) -> Destination:
             connect_timeout_seconds=5,
             read_timeout_seconds=10,
         )
+    if kind == "gcs":
+        from export_ledger.destinations.gcs import GCSDestination
+
+        return GCSDestination(
+            bucket=spec["bucket"], prefix=spec.get("prefix", ""), gcs_endpoint_url=spec["endpoint_url"],
+            connect_timeout_seconds=5, read_timeout_seconds=10,
+        )  # fmt: skip
+    if kind == "azure":
+        from export_ledger.destinations.azure import AzureDestination
+
+        return AzureDestination(
+            container=spec["container"], prefix=spec.get("prefix", ""), azure_endpoint_url=spec["endpoint_url"],
+            azure_account_name=spec["account_name"], azure_account_key=spec["account_key"],
+            connect_timeout_seconds=5, read_timeout_seconds=10,
+        )  # fmt: skip
+    if kind == "delta":
+        from export_ledger.destinations.delta import DeltaDestination
+
+        return DeltaDestination(table=spec["table"])
     raise ValueError(f"unknown destination kind {kind!r}")
 
 
@@ -219,6 +245,12 @@ def warm_up() -> None:
         import resources.s3_destination  # noqa: F401
     except ImportError:
         pass
+    # The [gcs], [azure] and [delta] extras, likewise (google-cloud-storage alone takes ~0.5 s to import).
+    for module in ("google.cloud.storage", "google.auth.credentials", "azure.storage.blob", "deltalake"):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            pass
 
 
 # -- what a reader can see --------------------------------------------------------------------------------------
@@ -435,23 +467,31 @@ def survey(
     s3_client=None,
     only: ExportTarget | list[ExportTarget] | None = None,
     s3_bodies: dict | None = None,
+    client=None,
 ) -> Survey:
-    """Looks at the destination directly (the folder tree, the bucket listing on the server, the tables) rather than
-    through the destination's own reads; only the ledger table's rows are read back with the destination's own
-    serialization, to compare their sha256. ``only`` limits the look to some targets' key folders (a trial's keys),
-    so that a check per trial does not grow with the number of trials.
+    """Looks at the destination directly (the folder tree, the bucket or container listing on the server, the Delta
+    log and table, the tables) rather than through the destination's own reads; only the ledger table's rows are read
+    back with the destination's own serialization, to compare their sha256. ``only`` limits the look to some targets'
+    key folders (a trial's keys), so that a check per trial does not grow with the number of trials.
 
-    ``s3_bodies`` (a dict the caller keeps between looks) holds the bytes of the objects read before, by key and ETag:
-    an object the listing shows with the ETag it had (the MD5 of its bytes, for an object written in one PUT) is not
-    read again. A look after every step then reads only what changed."""
+    ``s3_client`` is a boto3 client of the S3 server; ``client`` the SDK's client of a GCS or Azure destination (from
+    :func:`store_client`; one is opened when it is None). ``s3_bodies`` (a dict the caller keeps between looks, for
+    any object store) holds the bytes of the objects read before, by name and version tag (ETag, generation): an
+    object the listing shows with the tag it had is not read again. A look after every step then reads only what
+    changed."""
     kind = destination_spec["kind"]
     targets = None if only is None else (only if isinstance(only, list) else [only])
     found = Survey()
+    bodies = {} if s3_bodies is None else s3_bodies
     if kind == "local":
         found.finish(_survey_local(Path(destination_spec["root"]), targets, found))
-    elif kind == "s3":
-        bucket, prefix = destination_spec["bucket"], destination_spec.get("prefix", "")
-        found.finish(_survey_s3(s3_client, bucket, prefix, targets, found, {} if s3_bodies is None else s3_bodies))
+    elif kind in ("s3", "gcs", "azure"):
+        lister = _S3Objects(s3_client, destination_spec["bucket"]) if kind == "s3" else (
+            client or store_client(destination_spec))  # fmt: skip
+        prefix = destination_spec.get("prefix", "")
+        found.finish(_survey_objects(lister, prefix, targets, found, bodies))
+    elif kind == "delta":
+        found.finish(_survey_delta(destination_spec["table"], targets, found))
     elif kind == "sql":
         found.finish(_survey_sql(ledger_url, destination_spec["table"], targets, found))
     else:
@@ -578,40 +618,130 @@ def _place(where: str, name: str, objects: dict[str, bytes | None]) -> Place:
     return place
 
 
-def _survey_s3(
-    client, bucket: str, prefix: str, targets: list[ExportTarget] | None, found: Survey, bodies: dict
-) -> list[KeyFolder]:
+class _S3Objects:
+    """A bucket on the S3 server as :func:`_survey_objects` reads it: names with their ETags, and bodies."""
+
+    def __init__(self, client, bucket: str) -> None:
+        self.client, self.bucket = client, bucket
+        self.url = f"s3://{bucket}"
+
+    def listing(self, start: str):
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=start):
+            for item in page.get("Contents", []):
+                yield item["Key"], item["ETag"]
+
+    def body(self, name: str) -> tuple[bytes, str] | None:
+        try:
+            answer = self.client.get_object(Bucket=self.bucket, Key=name)
+        except self.client.exceptions.NoSuchKey:
+            return None
+        return answer["Body"].read(), answer["ETag"]
+
+
+class _GCSObjects:
+    """A bucket on fake-gcs-server, read with google-cloud-storage (anonymous): names with their generations."""
+
+    def __init__(self, endpoint_url: str, bucket: str) -> None:
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+
+        self.client = storage.Client(
+            project="test", credentials=AnonymousCredentials(), client_options={"api_endpoint": endpoint_url}
+        )
+        self.bucket = self.client.bucket(bucket)
+        self.url = f"gs://{bucket}"
+
+    def listing(self, start: str):
+        for blob in self.client.list_blobs(self.bucket, prefix=start):
+            yield blob.name, str(blob.generation)
+
+    def body(self, name: str) -> tuple[bytes, str] | None:
+        from google.api_core.exceptions import NotFound
+
+        blob = self.bucket.blob(name)
+        try:
+            return blob.download_as_bytes(), str(blob.generation)
+        except NotFound:
+            return None
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class _AzureObjects:
+    """A container on Azurite, read with azure-storage-blob: names with their ETags."""
+
+    def __init__(self, endpoint_url: str, container: str, account_name: str, account_key: str) -> None:
+        from azure.storage.blob import ContainerClient
+
+        credential = {"account_name": account_name, "account_key": account_key}
+        self.client = ContainerClient(endpoint_url, container, credential=credential)
+        self.url = f"az://{container}"
+
+    def listing(self, start: str):
+        for blob in self.client.list_blobs(name_starts_with=start):
+            yield blob.name, blob.etag
+
+    def body(self, name: str) -> tuple[bytes, str] | None:
+        from azure.core.exceptions import ResourceNotFoundError
+
+        try:
+            downloader = self.client.download_blob(name)
+            return downloader.readall(), downloader.properties.etag
+        except ResourceNotFoundError:
+            return None
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def store_client(destination_spec: dict):
+    """The SDK client :func:`survey` reads a GCS or Azure destination with, straight from the server (not through
+    the destination's store): open one per harness and pass it as ``client``; ``close()`` it at the end."""
+    kind = destination_spec["kind"]
+    if kind == "gcs":
+        return _GCSObjects(destination_spec["endpoint_url"], destination_spec["bucket"])
+    if kind == "azure":
+        return _AzureObjects(
+            destination_spec["endpoint_url"], destination_spec["container"], destination_spec["account_name"],
+            destination_spec["account_key"],
+        )  # fmt: skip
+    raise ValueError(f"no store client for destination kind {kind!r}")
+
+
+def _survey_objects(store, prefix: str, targets: list[ExportTarget] | None, found: Survey, bodies: dict):
+    """An object store's layout (S3, GCS, Azure): object names under the prefix, grouped by key folder."""
     base = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
     starts = [base] if targets is None else [base + "/".join(target.parts) + "/" for target in targets]
     names: dict[str, list[str]] = {}  # key folder -> object names relative to it
-    etags: dict[str, str] = {}
+    tags: dict[str, str] = {}
     for start in starts:
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=start):
-            for item in page.get("Contents", []):
-                relative = item["Key"][len(base) :]
-                if relative.startswith(".export-ledger-probe/"):
-                    continue  # the destination's check of conditional writes, not an export
-                parts = relative.split("/")
-                if len(parts) < 4:
-                    found.partial.append(f"s3://{bucket}/{item['Key']}: an object where a key folder belongs")
-                    continue
-                names.setdefault("/".join(parts[:3]), []).append("/".join(parts[3:]))
-                etags[item["Key"]] = item["ETag"]
+        for name, tag in store.listing(start):
+            relative = name[len(base) :]
+            if relative.startswith(".export-ledger-probe/"):
+                continue  # the destination's check of conditional writes, not an export
+            parts = relative.split("/")
+            if len(parts) < 4:
+                found.partial.append(f"{store.url}/{name}: an object where a key folder belongs")
+                continue
+            names.setdefault("/".join(parts[:3]), []).append("/".join(parts[3:]))
+            tags[name] = tag
     folders = []
     for folder, objects in sorted(names.items()):
-        where = f"s3://{bucket}/{base}{folder}"
+        where = f"{store.url}/{base}{folder}"
         key = KeyFolder(where)
         legacy: dict[str, bytes] = {}
         by_place: dict[str, dict[str, bytes]] = {}
         for name in sorted(objects):
-            key_name = f"{base}{folder}/{name}"
-            body = bodies.get((key_name, etags[key_name]))
+            full_name = f"{base}{folder}/{name}"
+            body = bodies.get((full_name, tags[full_name]))
             if body is None:
-                body = _s3_body(client, bucket, key_name)
-                if body is not None and hashlib.md5(body).hexdigest() == etags[key_name].strip('"'):
-                    bodies[(key_name, etags[key_name])] = body  # the bytes listed, read whole
-            if body is None:
-                continue  # deleted since the listing (a sweep running beside the look)
+                read = store.body(full_name)
+                if read is None:
+                    continue  # deleted since the listing (a sweep running beside the look)
+                body, tag = read
+                if tag == tags[full_name]:
+                    bodies[(full_name, tag)] = body  # the version listed, read whole
             place, sep, rest = name.partition("/")
             if not sep:
                 if name == POINTER_NAME:
@@ -632,11 +762,115 @@ def _survey_s3(
     return folders
 
 
-def _s3_body(client, bucket: str, key: str) -> bytes | None:
-    try:
-        return client.get_object(Bucket=bucket, Key=key)["Body"].read()
-    except client.exceptions.NoSuchKey:
+def _survey_delta(template: str, targets: list[ExportTarget] | None, found: Survey) -> list[KeyFolder]:
+    """A Delta table as a reader reads it (export_ledger/destinations/delta.py's module docstring): the key's txn
+    version ``K`` is its current revision and ``K#fence`` its fence, together the pointer; each revision ``r`` is a
+    place at the table version ``K#r<r>`` names, whose commit metadata holds its manifest; the current revision's
+    rows are the key's rows in the latest version (what a reader of the table gets), an earlier one's are read at
+    its own version (time travel). Rows of a key no commit of the key names are visible and broken. A whole-table
+    look (``targets`` None) reads the key names from the log's txn actions and the table's partitions, of the one
+    export the harness writes."""
+    import deltalake
+
+    from export_ledger.destinations.delta import KEY_COLUMN
+
+    exports = sorted({t.export for t in targets}) if targets is not None else [EXPORT_NAME]
+    folders = []
+    for export in exports:
+        uri = template.replace("{export}", export)
+        try:
+            table = deltalake.DeltaTable(uri)
+        except deltalake.exceptions.TableNotFoundError:
+            continue
+        with_rows = {values[KEY_COLUMN] for values in table.partitions()}
+        if targets is None:
+            keys = sorted(_delta_log_keys(Path(uri)) | with_rows)
+        else:
+            keys = [str(logical_key(t.tenant, t.business_date)) for t in targets if t.export == export]
+        for key in keys:
+            folder = _delta_folder(uri, table, key, found)
+            if folder is None and key in with_rows:
+                found.partial.append(f"delta:{uri}: rows of {key}, which no commit of the key names")
+            elif folder is not None:
+                folders.append(folder)
+    return folders
+
+
+def _delta_log_keys(table: Path) -> set[str]:
+    """Every logical key a txn action of the log names (``K``, ``K#fence``, ``K#r<N>``; not the folder ids)."""
+    keys = set()
+    for entry in sorted((table / "_delta_log").glob("*.json")):
+        for line in entry.read_bytes().splitlines():
+            app_id = json.loads(line).get("txn", {}).get("appId")
+            if app_id and "/tenant=" not in app_id:
+                keys.add(app_id.split("#", 1)[0])
+    return keys
+
+
+def _delta_folder(uri: str, table, key: str, found: Survey) -> KeyFolder | None:
+    """One key of a Delta table: None when no commit names it (nothing fenced, nothing published)."""
+    fence = table.transaction_version(f"{key}#fence") or 0
+    revision = table.transaction_version(key) or 0
+    if fence == 0 and revision == 0:
         return None
+    export, tenant, start_utc = key.split("/")  # <export>/<tenant>/<window start in UTC>, as the ledger keys
+    window_start = dt.datetime.fromisoformat(start_utc.replace("Z", "+00:00"))
+    target = ExportTarget(export, tenant, window_start.astimezone(ZoneInfo(ZONE)).date().isoformat())
+    folder_name = "/".join(target.parts)
+    where = f"delta:{uri}#/{folder_name}"
+    start = table.transaction_version(folder_name)
+    if start is not None and start != int(window_start.timestamp()):
+        found.partial.append(f"{where}: the folder's txn names window start {start}, not {key}'s")
+    folder = KeyFolder(where)
+    # Every revision up to the current one, and any committed above it (the key's version moved back).
+    for number in itertools.count(1):
+        version = table.transaction_version(f"{key}#r{number}")
+        if version is None and number > revision:
+            break
+        if version is not None:
+            place = _delta_place(uri, table if number == revision else None, key, number, version, where)
+            folder.places[place.name] = place
+    current = next((p for p in folder.places.values() if p.revision == revision), None)
+    name = None if revision == 0 else (current.name if current is not None else f"r{revision}-unknown")
+    sha256 = current.manifest.sha256 if current is not None and current.manifest is not None else None
+    folder.pointer = Pointer(f"{where} (txn {key})", key, fence, revision, name, sha256)
+    return folder
+
+
+def _delta_place(uri: str, latest, key: str, revision: int, version: int, where: str) -> Place:
+    """Revision ``revision`` of ``key``, committed at table ``version``: its manifest from that commit's metadata,
+    its rows from the ``latest`` table (the current revision) or from that version."""
+    import deltalake
+
+    from export_ledger.destinations.delta import KEY_COLUMN, MANIFEST_METADATA, ROW_COLUMN
+
+    entry = Path(uri) / "_delta_log" / f"{version:020d}.json"
+    text = None
+    if entry.exists():
+        infos = [json.loads(line).get("commitInfo") for line in entry.read_bytes().splitlines()]
+        text = next((info.get(MANIFEST_METADATA) for info in infos if info), None)
+    if text is None:
+        return Place(f"{where}/r{revision}@v{version}", f"r{revision}-unknown", revision, None,
+                     problem=f"no manifest in the commit of version {version}")  # fmt: skip
+    try:
+        manifest = Manifest.from_json(text.encode("utf-8"), f"{where}@v{version}")
+    except ManifestError as exc:
+        return Place(f"{where}/r{revision}@v{version}", f"r{revision}-unknown", revision, None, problem=str(exc))
+    name = place_name(revision, manifest.fencing_token)
+    place = Place(f"{where}/{name}@v{version}", name, revision, manifest.fencing_token, manifest)
+    table = latest if latest is not None else deltalake.DeltaTable(uri, version=version)
+    rows = table.to_pyarrow_table(filters=[(KEY_COLUMN, "=", key)]).sort_by(ROW_COLUMN)
+    buffer = io.BytesIO()
+    write_table(rows.drop_columns([KEY_COLUMN, ROW_COLUMN]), "csv", buffer)
+    if manifest.revision != revision or manifest.logical_key != key:
+        place.problem = f"the commit of {key}'s revision {revision} holds {manifest.logical_key}'s {manifest.revision}"
+    elif rows.num_rows != manifest.row_count:
+        place.problem = f"{rows.num_rows} rows, its manifest says {manifest.row_count}"
+    elif hashlib.sha256(buffer.getvalue()).hexdigest() != manifest.sha256:
+        place.problem = "rows do not match the manifest's sha256"
+    else:
+        place.whole = True
+    return place
 
 
 def _survey_sql(ledger_url: str, table: str, targets: list[ExportTarget] | None, found: Survey) -> list[KeyFolder]:

@@ -168,7 +168,8 @@ class _Ledgered:
         key = self.key(rep)
         self.batch = ExportBatch(INVOICE_SCHEMA, [ExportItem(key, BUSINESS_DATE.isoformat(), self.frame)])
         self.context = dg.build_output_context(
-            run_id=f"bench-{key.tenant}", step_key="invoice_export", instance=self.instance
+            run_id=f"bench-{key.tenant}", step_key="invoice_export", instance=self.instance,
+            asset_key=dg.AssetKey("invoice_export"),
         )
 
     def export(self, rep: int) -> None:

@@ -73,7 +73,7 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
 
         destination = self.destination.get_destination()
         lineage = LineageEmitter.from_settings(Settings.from_environment(), log=log)
-        job = context.asset_key.to_user_string()
+        job = context.asset_key.to_user_string() if context.has_asset_key else context.step_key
         if lineage is not None:
             lineage.start(context.run_id, job, obj, destination)
         try:

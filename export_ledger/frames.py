@@ -16,6 +16,7 @@ from typing import BinaryIO
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
@@ -26,6 +27,7 @@ from export_ledger.fingerprint import Fingerprint, id_hashes
 FILE_FORMATS = {"csv": "data.csv", "parquet": "data.parquet"}
 MANIFEST_NAME = "_manifest.json"
 MANIFEST_VERSION = 1
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
 
 
 def data_file_name(file_format: str) -> str:
@@ -137,9 +139,91 @@ def validate_frame(
     ``fingerprint``, when given, accumulates the frame's source fingerprint (from the id hashes the duplicate check
     computes anyway).
 
+    The checks run on the Arrow table the file is written from (nulls, the window's bounds and the tenant on Arrow
+    data; the order on numpy views of the columns; the ids' hashes with pandas, which define the stored fingerprint):
+    a frame that passes them is converted once, with none of the pandas scans (``isna``, comparisons) of before. A
+    frame that any of them would refuse is checked again on pandas, as before (:func:`_validated_on_pandas`), whose
+    checks in their order give the refusal its words: the Arrow checks only ever accept frames that the pandas checks
+    accept, with the same table.
+
     Raises:
         FrameError: missing columns, nulls in required fields, wrong types, events outside the window, duplicate ids.
     """
+    table = _validated_on_arrow(frame, schema, window, tenant, fingerprint)
+    if table is not None:
+        return table
+    return _validated_on_pandas(frame, schema, window, what, tenant, fingerprint)
+
+
+def _validated_on_arrow(
+    frame: object, schema: ExportSchema, window: ExportWindow, tenant: str | None, fingerprint: Fingerprint | None
+) -> pa.Table | None:
+    """The frame as its Arrow table when every check passes on it, else None (nothing is added to ``fingerprint``).
+
+    Sound by construction: each step returns None wherever the pandas checks might refuse, or might order the rows
+    differently (a frame not in file order is left to pandas' stable sort)."""
+    if not isinstance(frame, pd.DataFrame) or frame.empty or not frame.columns.is_unique:
+        return None
+    if any(name not in frame.columns or _kind_refusal(frame[name], kind) for name, kind in schema.columns.items()):
+        return None
+    if not _already_ordered(frame, schema):
+        return None
+    try:
+        # Arrow refuses nulls in the schema's non-nullable fields itself (ValueError), counting as null what pandas'
+        # isna does (None, NaN, NaT, pd.NA); a value pandas would call null and Arrow cannot convert fails too.
+        table = pa.Table.from_pandas(frame[list(schema.columns)], schema=schema.arrow_schema(), preserve_index=False)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError, ValueError):
+        return None
+    if any(table.column(name).null_count for name in schema.columns if name not in schema.nullable):
+        return None
+    if not _inside(table.column(schema.time_column), window):
+        return None
+    if schema.tenant_column is not None and tenant is not None:
+        try:
+            if not pc.all(pc.equal(table.column(schema.tenant_column), tenant)).as_py():
+                return None
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+            return None  # a tenant column of another kind than text: compared by pandas
+    hashes = id_hashes(frame, list(schema.id_columns))
+    ordered_hashes = np.sort(hashes)
+    if (ordered_hashes[1:] == ordered_hashes[:-1]).any():
+        return None  # a duplicate (or a collision of different ids): decided on the values by pandas
+    if fingerprint is not None:
+        fingerprint.add(frame, hashes)
+    return table
+
+
+def _already_ordered(frame: pd.DataFrame, schema: ExportSchema) -> bool:
+    """Whether the rows are in file order already, so that the pandas checks' stable sort would move none."""
+    if schema.order_by == (schema.time_column, schema.id_column):
+        return _in_file_order(frame[schema.time_column], frame[schema.id_column])
+    try:
+        later, equal = _lexicographic_steps([_sortable(frame[name]) for name in schema.order_by], "")
+    except (FrameError, TypeError, ValueError):
+        return False  # values that do not compare, or nulls: sorted (or refused) by pandas
+    return bool((later | equal).all())
+
+
+def _inside(times: pa.ChunkedArray, window: ExportWindow) -> bool:
+    """Whether every timestamp (microseconds since the epoch in UTC, as integers: exact, whatever the year) falls
+    in ``[start, end)``."""
+    bounds = pc.min_max(times.cast(pa.int64())).as_py()
+    return bounds["min"] >= _microseconds(window.start_utc) and bounds["max"] < _microseconds(window.end_utc)
+
+
+def _microseconds(moment: dt.datetime) -> int:
+    return (moment - _EPOCH) // dt.timedelta(microseconds=1)
+
+
+def _validated_on_pandas(
+    frame: object,
+    schema: ExportSchema,
+    window: ExportWindow,
+    what: str,
+    tenant: str | None,
+    fingerprint: Fingerprint | None,
+) -> pa.Table:
+    """:func:`validate_frame`'s checks on pandas, in the order whose first failure names the refusal."""
     _check_rows(frame, schema, window, what, tenant)
     if frame.empty:
         return schema.arrow_schema().empty_table()  # a day without events: typed by the schema, whatever the dtypes
@@ -185,20 +269,9 @@ def _check_rows(frame: object, schema: ExportSchema, window: ExportWindow, what:
             nulls = int(series.isna().sum())
             if nulls:
                 raise FrameError(f"{what}: column {name!r} has {nulls} null value(s); the column is required")
-        if kind == "timestamp":
-            if not isinstance(series.dtype, pd.DatetimeTZDtype):
-                raise FrameError(
-                    f"{what}: column {name!r} must hold timezone-aware timestamps, found dtype {series.dtype}"
-                )
-        elif kind == "float" and not pd.api.types.is_numeric_dtype(series.dtype):
-            raise FrameError(f"{what}: column {name!r} must be numeric, found dtype {series.dtype}")
-        elif kind == "int" and not pd.api.types.is_integer_dtype(series.dtype):
-            raise FrameError(f"{what}: column {name!r} must hold integers, found dtype {series.dtype}")
-        elif kind == "bool" and not pd.api.types.is_bool_dtype(series.dtype) and series.dtype != object:
-            raise FrameError(f"{what}: column {name!r} must hold booleans, found dtype {series.dtype}")
-        elif kind == "string" and not pd.api.types.is_string_dtype(series.dtype):
-            # Mixed object columns pass this check and are refused value by value by Arrow below.
-            raise FrameError(f"{what}: column {name!r} must hold strings, found dtype {series.dtype}")
+        refusal = _kind_refusal(series, kind)
+        if refusal:
+            raise FrameError(f"{what}: column {name!r} {refusal}")
 
     times = frame[schema.time_column]
     outside_mask = (times < window.start_utc) | (times >= window.end_utc)
@@ -214,6 +287,23 @@ def _check_rows(frame: object, schema: ExportSchema, window: ExportWindow, what:
                 f"{what}: {int(foreign_mask.sum())} row(s) belong to another tenant than {tenant!r} "
                 f"({_rows(foreign_mask)}); nothing was exported"
             )
+
+
+def _kind_refusal(series: pd.Series, kind: str) -> str | None:
+    """Why a column's dtype cannot hold values of ``kind`` (the end of the refusal), or None when it can."""
+    if kind == "timestamp":
+        if not isinstance(series.dtype, pd.DatetimeTZDtype):
+            return f"must hold timezone-aware timestamps, found dtype {series.dtype}"
+    elif kind == "float" and not pd.api.types.is_numeric_dtype(series.dtype):
+        return f"must be numeric, found dtype {series.dtype}"
+    elif kind == "int" and not pd.api.types.is_integer_dtype(series.dtype):
+        return f"must hold integers, found dtype {series.dtype}"
+    elif kind == "bool" and not pd.api.types.is_bool_dtype(series.dtype) and series.dtype != object:
+        return f"must hold booleans, found dtype {series.dtype}"
+    elif kind == "string" and not pd.api.types.is_string_dtype(series.dtype):
+        # Mixed object columns pass this check and are refused value by value by Arrow.
+        return f"must hold strings, found dtype {series.dtype}"
+    return None
 
 
 def _rows(mask) -> str:

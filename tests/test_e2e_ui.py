@@ -6,12 +6,14 @@ PostgreSQL database created for the module and dropped afterwards, as ``deploy/d
 The instance file is the production one with only its polling intervals shortened; the limits are the production
 limits. Every export pauses one second after its claim (``EXPORTS_FAILPOINTS=after_claim=pause:1``) so steps last long
 enough for overlaps to show and for a test to kill a worker that holds a lease. Leases last 10 s instead of 900 s.
-The project's schedule and reconciliation sensor run as they do in production. The module takes about three minutes,
-most of it waiting for the backfill daemon's 30-second ticks.
+The project's schedule and sensors run as they do in production; the sample source is down for one tenant on one date.
+The module takes about five minutes on two shared cores, most of it waiting for the daemons' 30-second ticks (the
+backfill daemon's, and partition_health_sensor's for the last test).
 
 Without PostgreSQL the module skips with the reason (with ``CI=true`` it fails); without Chromium, chromedriver or
 selenium the browser test does the same. ``EXPORTS_SCREENSHOT_TO=<path>`` also saves the browser's screenshot there
-(the README's picture is made that way).
+(the README's picture is made that way); ``EXPORTS_SCREENSHOT_DIR=docs`` saves the partition health pictures
+(``partition-health.png``, ``partition-health-check.png``) there.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +43,7 @@ import yaml
 from sqlalchemy.engine import make_url
 
 from export_ledger.ledger import ExportLedger, ExportRecord, dispose_engines
+from export_ledger.ledger.drift import DriftFinding
 from export_ledger.ledger.schema import AttemptOutcome, ExportState
 
 PROJECT = Path(__file__).resolve().parent.parent
@@ -56,14 +60,43 @@ PARTITIONS_PER_RUN = 3  # the backfill chunk for this stack (production: 31); se
 LEASE_TTL_SECONDS = 10
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 
+JOB = f"{ASSET}_job"  # the export's own job, as the schedule and the sensors launch it
+OUTAGE_TENANT, OUTAGE_DATE = "globex", "2026-05-06"  # the one tenant and business day whose source is down
+HEALTHY_DATE, STALE_DATE = "2026-05-04", "2026-05-05"  # the days before it: one left alone, one whose source changes
+
 # The code location of this stack: the project's own composition root with a smaller backfill chunk, so that a
-# 12-partition backfill is 4 runs that compete for the pool. (Production uses definitions.py:defs, chunk 31.)
+# 12-partition backfill is 4 runs that compete for the pool (production uses definitions.py:defs, chunk 31), and the
+# sample source down for one tenant on one day, as an outage of a real source would be.
 _LOCATION_SOURCE = f"""\
+from pathlib import Path
+
 from definitions import build_definitions
+from export_ledger import SourceError
+from resources.invoices import SampleInvoiceSource
+
+CORRECTIONS = Path(__file__).parent / "corrections"
+
+
+class SampleInvoicesWithOutage(SampleInvoiceSource):
+    def rows(self, tenant, start_utc, end_utc):
+        if tenant == "{OUTAGE_TENANT}" and start_utc.date().isoformat() == "{OUTAGE_DATE}":
+            raise SourceError("the invoice source refused the query")
+        rows = super().rows(tenant, start_utc, end_utc)
+        return rows.iloc[:-1] if _corrected(start_utc) else rows
+
+    def count(self, tenant, start_utc, end_utc):
+        return super().count(tenant, start_utc, end_utc) - (1 if _corrected(start_utc) else 0)
+
+
+def _corrected(start_utc):
+    # A date corrected upstream (a file named after it in corrections/): its window's last invoice was voided.
+    return (CORRECTIONS / start_utc.date().isoformat()).exists()
+
 
 defs = build_definitions(
     tenants={{"acme": "America/New_York", "globex": "America/New_York", "bombay-traders": "Asia/Kolkata"}},
     max_partitions_per_run={PARTITIONS_PER_RUN},
+    source=SampleInvoicesWithOutage(),
 )
 """
 
@@ -181,7 +214,20 @@ class Stack:
     def ledger(self) -> ExportLedger:
         return ExportLedger(self.ledger_url)
 
-    def launch_partition(self, partition: str, asset: str = ASSET, run_config: dict | None = None, **tags: str) -> str:
+    def launch_partition(
+        self,
+        partition: str | tuple[str, str],
+        asset: str = ASSET,
+        run_config: dict | None = None,
+        job: str = "__ASSET_JOB",
+        **tags: str,
+    ) -> str:
+        """Launches a run of one partition, or of a ``(first, last)`` range in one run (as a backfill chunk)."""
+        if isinstance(partition, tuple):
+            first, last = partition
+            where = {"dagster/asset_partition_range_start": first, "dagster/asset_partition_range_end": last}
+        else:
+            where = {"dagster/partition": partition}
         data = self.gql(
             """mutation($params: ExecutionParams!) { launchRun(executionParams: $params) {
                  __typename ... on LaunchRunSuccess { run { runId } } ... on Error { message } } }""",
@@ -189,13 +235,12 @@ class Stack:
                 "selector": {
                     "repositoryLocationName": LOCATION,
                     "repositoryName": "__repository__",
-                    "jobName": "__ASSET_JOB",
-                    "assetSelection": [{"path": [asset]}],
+                    "jobName": job,
+                    # A named job runs as its definition says; an asset selection would also plan the asset's checks.
+                    **({"assetSelection": [{"path": [asset]}]} if job == "__ASSET_JOB" else {}),
                 },
                 "executionMetadata": {
-                    "tags": [
-                        {"key": key, "value": value} for key, value in {"dagster/partition": partition, **tags}.items()
-                    ]
+                    "tags": [{"key": key, "value": value} for key, value in {**where, **tags}.items()]
                 },
                 **({"runConfigData": run_config} if run_config is not None else {}),
             },
@@ -248,6 +293,50 @@ class Stack:
             if event["partition"] not in latest or stamp > latest[event["partition"]][0]:
                 latest[event["partition"]] = (stamp, event["runId"])
         return {partition: run_id for partition, (_, run_id) in latest.items()}
+
+    def check_executions(self, partition: str, check: str = "partition_health", asset: str = ASSET) -> list[dict]:
+        """A partitioned check's latest executions on one partition, newest first, each with its verdict."""
+        return self.gql(
+            """query($asset: [String!]!, $check: String!, $partition: String!) { assetCheckExecutions(
+                 assetKey: {path: $asset}, checkName: $check, partition: $partition, limit: 5) { runId status
+                 evaluation { severity description metadataEntries { label ... on TextMetadataEntry { text } } } } }""",
+            asset=[asset],
+            check=check,
+            partition=partition,
+        )["assetCheckExecutions"]
+
+    def sensor_ticks(self, sensor: str) -> list[dict]:
+        return self._sensor(sensor)["sensorState"]["ticks"]
+
+    def _sensor(self, sensor: str) -> dict:
+        return self.gql(
+            """query($selector: SensorSelector!) { sensorOrError(sensorSelector: $selector) {
+                 ... on Sensor { sensorState { id status ticks(limit: 5) { status timestamp runIds } } } } }""",
+            selector=self._sensor_selector(sensor),
+        )["sensorOrError"]
+
+    @staticmethod
+    def _sensor_selector(sensor: str) -> dict:
+        return {"repositoryLocationName": LOCATION, "repositoryName": "__repository__", "sensorName": sensor}
+
+    @contextmanager
+    def sensor_stopped(self, sensor: str) -> Iterator[None]:
+        """``sensor`` stopped in the daemon (as from the UI's toggle), then back to its default status."""
+        stopped = self.gql(
+            """mutation($id: String!) { stopSensor(id: $id) { __typename
+                 ... on StopSensorMutationResult { instigationState { status } } ... on Error { message } } }""",
+            id=self._sensor(sensor)["sensorState"]["id"],
+        )["stopSensor"]
+        assert stopped.get("instigationState", {}).get("status") == "STOPPED", stopped
+        try:
+            yield
+        finally:
+            reset = self.gql(
+                """mutation($selector: SensorSelector!) { resetSensor(sensorSelector: $selector) { __typename
+                     ... on Sensor { sensorState { status } } ... on Error { message } } }""",
+                selector=self._sensor_selector(sensor),
+            )["resetSensor"]
+            assert reset.get("sensorState", {}).get("status") == "RUNNING", reset
 
     def pool_claims(self) -> list[str]:
         limit = self.gql(
@@ -393,6 +482,9 @@ def test_a_partition_restated_from_the_launchpad_config_publishes_revision_2_wit
     first = stack.wait_for_run(stack.launch_partition(partition))
     assert first["status"] == "SUCCESS"
     reason = "invoices of 10 March corrected upstream"
+    corrections = stack.home.parent / "corrections"
+    corrections.mkdir(exist_ok=True)
+    (corrections / "2026-03-17").touch()  # the source now holds one invoice fewer in that window
     config = {"ops": {ASSET: {"config": {"restate_reason": reason}}}}
     run_id = stack.launch_partition(partition, run_config=config)
     run = stack.wait_for_run(run_id)
@@ -513,11 +605,32 @@ def selenium_webdriver():
     return webdriver
 
 
+def _chromium(webdriver, tmp_path: Path, window: tuple[int, int] = (1440, 1000)):
+    """Debian's headless Chromium driven by its chromedriver, with a profile and a log in ``tmp_path``."""
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        f"--window-size={window[0]},{window[1]}",
+        f"--user-data-dir={tmp_path / 'chromium-profile'}",
+    ):
+        options.add_argument(flag)
+    service = Service(executable_path=CHROMEDRIVER, log_output=str(tmp_path / "chromedriver.log"))
+    return webdriver.Chrome(service=service, options=options)
+
+
 @pytest.mark.postgres
 def test_partitions_page_in_headless_chromium_shows_what_storage_holds(
     selenium_webdriver, stack: Stack, tmp_path: Path
 ):
-    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
 
     materialized = stack.materialized_partitions(None)
@@ -531,22 +644,7 @@ def test_partitions_page_in_headless_chromium_shows_what_storage_holds(
     )["assetNodeOrError"]["partitionStats"]["numMaterialized"]
     assert count == len(materialized)
 
-    options = selenium_webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in (
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--no-first-run",
-        "--window-size=1440,1000",
-        f"--user-data-dir={tmp_path / 'chromium-profile'}",
-    ):
-        options.add_argument(flag)
-    service = Service(executable_path=CHROMEDRIVER, log_output=str(tmp_path / "chromedriver.log"))
-    driver = selenium_webdriver.Chrome(service=service, options=options)
+    driver = _chromium(selenium_webdriver, tmp_path)
     screenshot = tmp_path / "invoice-export-partitions.png"
     try:
         driver.get(f"{stack.url}/assets/{ASSET}?view=partitions&partition={shown}")
@@ -556,9 +654,7 @@ def test_partitions_page_in_headless_chromium_shows_what_storage_holds(
 
         _eventually(
             f"the partitions page showing {count} materialized partitions and the details of {shown}",
-            lambda: all(
-                text in page_text() for text in (f"Materialized ({count})", shown, "attempt_id", "logical_keys")
-            ),
+            lambda: all(text in page_text() for text in (f"Materialized ({count})", shown, "attempt_id", "key_table")),
             60,
             diagnostics=lambda: page_text()[:3000],
         )
@@ -690,7 +786,8 @@ def test_run_whose_worker_dies_is_failed_and_retried_on_the_same_partition_after
 
 @pytest.mark.postgres
 def test_a_tenant_in_its_own_zone_has_its_own_asset_and_partitions(stack: Stack):
-    """Runs last: the Kolkata tenant's asset, launched like any other, holds that zone's partitions."""
+    """Runs after the others but the partition health test: the Kolkata tenant's asset, launched like any other,
+    holds that zone's partitions."""
     partition = "2026-04-01"
     run_id = stack.launch_partition(partition, asset=KOLKATA_ASSET)
     run = stack.wait_for_run(run_id)
@@ -709,3 +806,204 @@ def test_a_tenant_in_its_own_zone_has_its_own_asset_and_partitions(stack: Stack)
     assert (record.timezone, record.state) == ("Asia/Kolkata", ExportState.COMPLETED)
     assert record.window_start_utc == dt.datetime(2026, 3, 31, 18, 30, tzinfo=dt.timezone.utc)
     assert record.committed_attempt == f"{run_id}/{KOLKATA_ASSET}"
+
+
+def _verdict(execution: dict) -> tuple[str, str | None, str, str]:
+    """A check execution as (status, severity when it failed, metadata ``status``, description)."""
+    evaluation = execution["evaluation"]
+    text = {entry["label"]: entry.get("text") for entry in evaluation["metadataEntries"]}
+    severity = evaluation["severity"] if execution["status"] == "FAILED" else None
+    return execution["status"], severity, text.get("status"), evaluation["description"]
+
+
+def _status_of(ranges: list[dict], partitions: tuple[str, ...]) -> dict[str, str]:
+    """Each daily partition's status in Dagster's ranges (``startKey``..``endKey``, ISO dates); absent: MISSING."""
+    return {p: next((r["status"] for r in ranges if r["startKey"] <= p <= r["endKey"]), "MISSING") for p in partitions}
+
+
+def _partition_health_snapshot(stack: Stack, dates: tuple[str, ...]) -> dict | None:
+    """What the UI reads about ``dates``: the asset's partition statuses, its ``partition_health`` check's, and each
+    date's latest verdict; None while a date has no finished verdict yet or the stale one is not reported."""
+    latest = {day: stack.check_executions(day) for day in dates}
+    if any(not runs or runs[0]["evaluation"] is None for runs in latest.values()):
+        return None
+    verdicts = {day: _verdict(runs[0]) for day, runs in latest.items()}
+    if verdicts[STALE_DATE][2] != "stale":
+        return None
+    node = stack.gql(
+        """query($asset: [String!]!) { assetNodeOrError(assetKey: {path: $asset}) { ... on AssetNode {
+             assetPartitionStatuses { ... on TimePartitionStatuses { ranges { startKey endKey status } } }
+             assetCheckOrError(checkName: "partition_health") { ... on AssetCheck {
+               partitionStatuses { ... on AssetCheckTimePartitionStatuses { ranges { startKey endKey status } } } } }
+           } } }""",
+        asset=[ASSET],
+    )["assetNodeOrError"]
+    return {
+        "asset": _status_of(node["assetPartitionStatuses"]["ranges"], dates),
+        "check": _status_of(node["assetCheckOrError"]["partitionStatuses"]["ranges"], dates),
+        "verdicts": verdicts,
+    }
+
+
+# The colour of each listed partition's status dot (``green``, ``red``, ``gray``...), by partition key.
+_LIST_DOTS = """
+const colors = {};
+for (const entry of document.querySelectorAll('[data-tooltip]')) {
+  const color = (entry.nextElementSibling?.getAttribute('style') || '').match(/--color-accent-([a-z]+)/);
+  if (color) colors[entry.dataset.tooltip] = color[1];
+}
+return colors;
+"""
+# The second "Partitions" tab of an asset's Checks page is the selected check's (the first is the asset's).
+_CLICK_CHECK_PARTITIONS_TAB = """
+const tabs = [...document.querySelectorAll('[role=tab]')].filter((tab) => tab.textContent === 'Partitions');
+if (tabs.length < 2) return false;
+tabs[1].click();
+return true;
+"""
+# The icon of the tag beside the heading of the partition shown in detail (``cancel``, ``warning_outline``, ...).
+_DETAIL_TAG_ICON = (
+    "//span[contains(@class, 'size20')][.//div[@title='{day}']]/following::div[contains(@class, 'BaseTag')][1]"
+    "//div[@role='img']"
+)
+FAILED_RUN = r"Run [0-9a-f]{8} failed, and did not materialize this asset\."  # a failed partition's detail
+
+
+class _Page:
+    """The browser on the stack's UI, read as text and through the attributes the pictures show."""
+
+    def __init__(self, driver) -> None:
+        from selenium.webdriver.common.by import By
+
+        self.driver, self.by = driver, By
+
+    def text(self) -> str:
+        return self.driver.find_element(self.by.TAG_NAME, "body").text
+
+    def dots(self, days: tuple[str, ...]) -> dict[str, str] | None:
+        """The status dots of ``days`` in the partition list, once all are listed."""
+        colors = self.driver.execute_script(_LIST_DOTS)
+        return {day: colors[day] for day in days} if all(day in colors for day in days) else None
+
+    def select(self, day: str, tags: str) -> str:
+        """Selects ``day`` in the partition list; the tag (or banner) beside its heading in the detail."""
+        from selenium.common.exceptions import StaleElementReferenceException
+
+        def clicked() -> bool:
+            try:
+                entry = next(e for e in self.driver.find_elements(self.by.XPATH, f"//span[text()='{day}']")
+                             if e.is_displayed())  # fmt: skip
+                entry.click()
+            except (StopIteration, StaleElementReferenceException):  # not listed yet, or the list re-rendered
+                return False
+            return True
+
+        def shown() -> str | None:
+            found = re.search(rf"\n{day}\n({tags})\n", self.text())
+            return found and found.group(1)
+
+        _eventually(f"{day} in the partition list", clicked, 30, interval=0.5, diagnostics=self.text)
+        return _eventually(f"{day}'s detail", shown, 30, interval=0.5, diagnostics=self.text)
+
+    def tag_icon(self, day: str) -> str:
+        return self.driver.find_element(self.by.XPATH, _DETAIL_TAG_ICON.format(day=day)).get_attribute("aria-label")
+
+
+@pytest.mark.postgres
+def test_a_healthy_a_failed_and_a_stale_partition_look_different_in_chromium(
+    selenium_webdriver, stack: Stack, tmp_path: Path
+):
+    """One date left alone, one on which globex's source is down (the step fails: Dagster marks the partition
+    failed), one exported and then found changed at its source (drift recorded in the ledger; the daemon's
+    partition_health_sensor runs that partition's check again). The asset's Partitions page tells the failed date
+    apart; its partition_health check's Partitions tab tells all three apart, each with the ledger's verdict.
+
+    Runs last, with the reconciliation sensor stopped while it looks: that sensor reruns the failed date (its
+    source still down) until the key escalates, and the pictures would show the rerun in progress instead."""
+    with stack.sensor_stopped("reconciliation_sensor"):
+        _partitions_in_three_states_shown_apart(selenium_webdriver, stack, tmp_path)
+
+
+def _partitions_in_three_states_shown_apart(selenium_webdriver, stack: Stack, tmp_path: Path) -> None:
+    began = time.monotonic()
+    dates = (HEALTHY_DATE, OUTAGE_DATE, STALE_DATE)
+    # The sensor's first tick starts its cursor at the ledger's present: the changes below must come after it.
+    _eventually("partition_health_sensor ticking", lambda: stack.sensor_ticks("partition_health_sensor"), 60)
+    # Two runs at once (the pool's limit): both good dates in one run, as a backfill chunk would be; the outage's
+    # date without automatic retries, so that its key stays failed (not escalated) while the test looks at it.
+    exported = stack.launch_partition((HEALTHY_DATE, STALE_DATE), job=JOB)
+    failed = stack.launch_partition(OUTAGE_DATE, job=JOB, **{"dagster/max_retries": "0"})
+    assert stack.wait_for_run(exported)["status"] == "SUCCESS", "\n".join(stack.messages(exported)[-15:])
+    ledger = stack.ledger()
+    changed = _records_by_date(ledger, [STALE_DATE])[(STALE_DATE, "acme")]
+    finding = DriftFinding(changed, rows_added=2, rows_removed=0, rows_changed=None, source_fingerprint="e2e")
+    assert ledger.drift.record([finding], []).opened == [changed.logical_key]
+    assert stack.wait_for_run(failed)["status"] == "FAILURE"
+    snapshot = _eventually(
+        "partition_health_sensor's runs reporting the failed and the stale date",
+        lambda: _partition_health_snapshot(stack, dates),
+        90,
+        interval=2,
+        diagnostics=lambda: json.dumps(
+            {d: stack.check_executions(d)[:2] for d in dates} | {"ticks": stack.sensor_ticks("partition_health_sensor")}
+        ),
+    )
+    reported = time.monotonic() - began
+
+    # What the pages read. Dagster's own status of a partition: a failed tenant fails its date, stale data is still
+    # served (materialized). The check's: passed, failed with an error, failed with a warning, and why.
+    assert snapshot["asset"] == {HEALTHY_DATE: "MATERIALIZED", OUTAGE_DATE: "FAILED", STALE_DATE: "MATERIALIZED"}
+    assert snapshot["check"] == {HEALTHY_DATE: "SUCCEEDED", OUTAGE_DATE: "FAILED", STALE_DATE: "FAILED"}, (
+        "each date's check status counts its latest verdict (an evaluation must target the date's materialization)"
+    )
+    verdicts = snapshot["verdicts"]
+    assert verdicts == {
+        HEALTHY_DATE: ("SUCCEEDED", None, "healthy", "healthy: 2 of 2 tenants exported"),
+        OUTAGE_DATE: ("FAILED", "ERROR", "failed", f"failed: 1 of 2 tenants ({OUTAGE_TENANT})"),
+        STALE_DATE: ("FAILED", "WARN", "stale", "stale: 1 of 2 tenants (acme)"),
+    }
+
+    shots = {"partition-health.png": tmp_path / "asset.png", "partition-health-check.png": tmp_path / "check.png"}
+    driver = _chromium(selenium_webdriver, tmp_path)
+    try:
+        driver.execute_cdp_cmd(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": 1400, "height": 900, "deviceScaleFactor": 1, "mobile": False},
+        )
+        page = _Page(driver)
+        # The asset's Partitions page, its list filtered to failed and materialized dates; the failed one selected.
+        driver.get(f"{stack.url}/assets/{ASSET}?view=partitions&status=FAILED,MATERIALIZED")
+        asset_dots = _eventually("the asset's partition list", lambda: page.dots(dates), 60, diagnostics=page.text)
+        asset_detail = page.select(OUTAGE_DATE, FAILED_RUN)
+        time.sleep(0.5)  # the health bar paints after the text
+        assert driver.save_screenshot(str(shots["partition-health.png"]))
+
+        # The check's Partitions tab (missing dates filtered out): each date's verdict and its severity's tag; the
+        # stale one selected last, for the picture.
+        driver.get(f"{stack.url}/assets/{ASSET}?view=checks&checkDetail=partition_health"
+                   "&status=EXECUTION_FAILED,FAILED,SUCCEEDED")  # fmt: skip
+        _eventually("the check's Partitions tab", lambda: driver.execute_script(_CLICK_CHECK_PARTITIONS_TAB), 60)
+        check_dots = _eventually("the check's partition list", lambda: page.dots(dates), 60, diagnostics=page.text)
+        check_detail = {}
+        for day in (HEALTHY_DATE, OUTAGE_DATE, STALE_DATE):
+            tag = page.select(day, "Passed|Failed")
+            _eventually(f"{day}'s verdict on the page", lambda d=verdicts[day][3]: f"\n{d}\n" in page.text(), 30, 0.5)
+            check_detail[day] = (tag, page.tag_icon(day))
+        time.sleep(0.5)
+        assert driver.save_screenshot(str(shots["partition-health-check.png"]))
+    finally:
+        driver.quit()
+    assert asset_dots == {HEALTHY_DATE: "green", OUTAGE_DATE: "red", STALE_DATE: "green"}, "stale data is served"
+    assert re.fullmatch(FAILED_RUN, asset_detail), asset_detail
+    assert check_dots == {HEALTHY_DATE: "green", OUTAGE_DATE: "red", STALE_DATE: "red"}
+    assert check_detail == {
+        HEALTHY_DATE: ("Passed", "check_circle"),
+        OUTAGE_DATE: ("Failed", "cancel"),
+        STALE_DATE: ("Failed", "warning_outline"),
+    }, "the check's tag shows the severity: an error for the failed date, a warning for the stale one"
+    for name, shot in shots.items():
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000, name
+        if os.environ.get("EXPORTS_SCREENSHOT_DIR"):
+            shutil.copyfile(shot, Path(os.environ["EXPORTS_SCREENSHOT_DIR"]) / name)
+    took = time.monotonic() - began
+    print(f"partition health: the sensor's verdicts were shown after {reported:.1f}s; the test took {took:.1f}s")

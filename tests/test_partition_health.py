@@ -10,6 +10,7 @@ import datetime as dt
 import dagster as dg
 import pytest
 from builders import key_for
+from dagster._core.storage.asset_check_execution_record import AssetCheckExecutionRecordStatus
 from dagster._core.storage.event_log.base import PartitionKeyFilter
 from pipeline_helpers import check_evaluations, make_defs, run_partition, run_range, tick
 
@@ -91,6 +92,13 @@ def test_the_run_reports_its_own_partitions_and_the_sensor_reruns_the_check_of_t
     # The run of each healthy partition already reported its verdict: the sensor asks nothing for it.
     reported = _latest(instance, HEALTHY)
     assert reported is not None and reported.passed and reported.description == "healthy: 2 of 2 tenants exported"
+    (materialization,) = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey("invoice_export"), asset_partitions=[HEALTHY]), limit=1
+    ).records
+    target = reported.target_materialization_data
+    assert target is not None and target.storage_id == materialization.storage_id, (
+        "it judges the partition's materialization (without a target, Dagster shows the check's partition Missing)"
+    )
 
     second = tick(defs, instance, cursor, sensor_name="partition_health_sensor")
     requests = {r.tags["dagster/partition"]: r for r in second.result.run_requests}
@@ -127,6 +135,26 @@ def test_a_failed_tenant_fails_its_partition_in_dagster_and_its_rerun_makes_it_h
     assert status == {FAILED: dg.AssetPartitionStatus.MATERIALIZED}
     (verdict,) = check_evaluations(rerun, "partition_health").values()
     assert verdict.passed and verdict.description == "healthy: 2 of 2 tenants exported"
+
+
+def test_a_check_planned_by_a_run_whose_export_failed_is_asked_for_again(tmp_path, instance, clocked_ledger):
+    """Materialize from the UI plans the checks as steps of their own; when the export step fails they are skipped
+    and their records stay planned: the sensor must not take that for a check still running."""
+    SOURCE.day = FAILED
+    defs = make_defs(tmp_path, tenants=TENANTS, ledger=clocked_ledger, source=SOURCE)
+    first = tick(defs, instance, sensor_name="partition_health_sensor")
+    asset = dg.AssetKey("invoice_export")
+    job = defs.resolve_implicit_global_asset_job_def().get_subset(
+        asset_selection={asset}, asset_check_selection={dg.AssetCheckKey(asset, "partition_health")}
+    )
+    assert not job.execute_in_process(partition_key=FAILED, instance=instance, raise_on_error=False).success
+    records = instance.event_log_storage.get_asset_check_execution_history(
+        dg.AssetCheckKey(asset, "partition_health"), limit=1, partition_filter=PartitionKeyFilter(key=FAILED)
+    )
+    assert records and records[0].status is AssetCheckExecutionRecordStatus.PLANNED, "planned, never evaluated"
+
+    second = tick(defs, instance, first.result.cursor, sensor_name="partition_health_sensor")
+    assert [r.tags["dagster/partition"] for r in second.result.run_requests] == [FAILED]
 
 
 def _latest(instance: dg.DagsterInstance, partition: str):

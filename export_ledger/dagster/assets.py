@@ -7,6 +7,9 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 
 import dagster as dg
+from dagster._core.definitions.asset_checks.asset_check_evaluation import (  # the target of a check's evaluation
+    AssetCheckEvaluationTargetMaterializationData,
+)
 
 from export_ledger.calendar import ExportCalendar, parse_business_date, utc_iso
 from export_ledger.dagster.io_manager import LISTED_KEYS, by_partition, status_command
@@ -201,17 +204,52 @@ def build_export_asset(
         yield dg.Output(batch)
         # The I/O manager has published and recorded every key by now: check what actually landed, per partition.
         asset_key = dg.AssetKey(group.asset_name)
-        for partition_key, results in by_partition(batch.results).items():
-            context.log_event(
-                export_check(spec, book, destination, results, asset_key=asset_key, partition=partition_key)
-            )
+        grouped = by_partition(batch.results)
+        # Dagster counts a partitioned check's evaluation in the partition's status only when it targets the
+        # partition's latest materialization (else the check's partitions show as Missing): read them once.
+        targets = latest_materializations(context.instance, asset_key, sorted({*grouped, *map(str, tenants_by_day)}))
+        for partition_key, results in grouped.items():
+            evaluation = export_check(spec, book, destination, results, asset_key=asset_key, partition=partition_key)
+            context.log_event(targeting(evaluation, targets.get(partition_key)))
         verdicts = partition_health(
             book, spec.name, tenants_by_day, stuck_after=stuck_after, max_attempts=max_attempts, due=due(spec)
         )
         for verdict in verdicts.values():
-            context.log_event(health_evaluation(asset_key, verdict))
+            evaluation = health_evaluation(asset_key, verdict)
+            context.log_event(targeting(evaluation, targets.get(evaluation.partition)))
 
     return _export
+
+
+def latest_materializations(
+    instance: dg.DagsterInstance, asset_key: dg.AssetKey, partitions: Sequence[str]
+) -> dict[str, AssetCheckEvaluationTargetMaterializationData]:
+    """The latest materialization of each of ``partitions`` (one read, newest first), as a check's target."""
+    if not partitions:
+        return {}
+    found: dict[str, AssetCheckEvaluationTargetMaterializationData] = {}
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=asset_key, asset_partitions=list(partitions)), limit=len(partitions) * 4
+    ).records
+    for record in records:
+        if record.partition_key is not None and record.partition_key not in found:
+            found[record.partition_key] = AssetCheckEvaluationTargetMaterializationData(
+                storage_id=record.storage_id, run_id=record.run_id, timestamp=record.timestamp
+            )
+    return found
+
+
+def targeting(
+    evaluation: dg.AssetCheckEvaluation, target: AssetCheckEvaluationTargetMaterializationData | None
+) -> dg.AssetCheckEvaluation:
+    """``evaluation`` pointed at the materialization it judged (unchanged when the partition has none)."""
+    if target is None:
+        return evaluation
+    return dg.AssetCheckEvaluation(
+        asset_key=evaluation.asset_key, check_name=evaluation.check_name, passed=evaluation.passed,
+        metadata=evaluation.metadata, target_materialization_data=target, severity=evaluation.severity,
+        description=evaluation.description, partition=evaluation.partition,
+    )  # fmt: skip
 
 
 def _restate_tenants(config: ExportRunConfig, group: TenantGroup) -> list[str] | None:

@@ -130,15 +130,20 @@ def health_requests(
 
 def _latest(instance: dg.DagsterInstance, asset_key: dg.AssetKey, partition: str | None):
     """The latest recorded verdict of a partition's ``partition_health`` as (passed, summary), and its record's id;
-    a check still running counts as its verdict unknown (nothing is asked beside it)."""
+    a check still running is ``"running"`` (nothing is asked beside it)."""
     records = instance.event_log_storage.get_asset_check_execution_history(
         dg.AssetCheckKey(asset_key, HEALTH_CHECK_NAME), limit=1, partition_filter=PartitionKeyFilter(key=partition)
     )
     if not records:
         return None, 0
     record = records[0]
-    if record.status in (AssetCheckExecutionRecordStatus.PLANNED,):
-        return "running", record.id
+    if record.status is AssetCheckExecutionRecordStatus.PLANNED:
+        # Planned by a run: still to come while the run runs; a run that ended without evaluating it (its export
+        # step failed, so the check's step was skipped) shows no verdict, and the check is asked for again.
+        run = instance.get_run_by_id(record.run_id)
+        if run is not None and not run.is_finished:
+            return "running", record.id
+        return None, record.id
     data = record.event.dagster_event.event_specific_data if record.event and record.event.dagster_event else None
     if data is None:
         return None, record.id

@@ -31,6 +31,7 @@ from pathlib import Path
 from export_ledger.destinations.base import DestinationError, DestinationUnreachable, PublishOutcomeUnknown
 from export_ledger.destinations.publishing import PublishingDestination
 from export_ledger.destinations.registry import Scheme
+from export_ledger.destinations.staging import staging_folder
 from export_ledger.destinations.store import AlreadyExists, Blob, ObjectStore, PreconditionFailed, Upload
 
 _CHUNK = 1 << 20
@@ -48,27 +49,6 @@ def _boto():
     except ImportError as exc:  # pragma: no cover - depends on the installed extras
         raise DestinationError("the S3 destination needs boto3: pip install 'export-ledger[s3]'") from exc
     return boto3, botocore.config, botocore.exceptions
-
-
-def _staging_folder() -> Path:
-    folder = Path(tempfile.gettempdir()) / "export-ledger-s3-staging"
-    folder.mkdir(mode=0o700, exist_ok=True)
-    return folder
-
-
-def _sweep_dead_staging(folder: Path) -> None:
-    """Removes staging files whose writing process no longer exists (it was killed mid-export): they hold customer
-    data and nobody else would delete them."""
-    for entry in folder.iterdir():
-        pid_text = entry.name.split("-", 1)[0]
-        if not pid_text.isdigit() or int(pid_text) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid_text), 0)
-        except ProcessLookupError:
-            entry.unlink(missing_ok=True)
-        except PermissionError:
-            pass  # alive, owned by someone else
 
 
 @functools.lru_cache(maxsize=16)
@@ -226,9 +206,7 @@ class S3Store(ObjectStore):
             raise AlreadyExists(f"{self.url(name)} holds other bytes")
 
     def upload(self, name: str) -> Upload:
-        folder = _staging_folder()
-        _sweep_dead_staging(folder)
-        return _S3Upload(self, name, folder)
+        return _S3Upload(self, name, staging_folder("s3"))
 
     def put_if_match(self, name: str, data: bytes, tag: str | None) -> str:
         _, _, errors = _boto()

@@ -9,6 +9,7 @@ on first use. When a server cannot be had the tests skip with the reason; with `
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import socket
@@ -126,26 +127,32 @@ def gcs_proxy(gcs_server: str) -> Iterator[FaultProxy]:
 
 
 def _azurite_binary() -> Path:
-    """``azurite-blob`` from the cache folder, installed there with npm on first use."""
+    """``azurite-blob`` from the cache folder, installed there with npm on first use.
+
+    Under a file lock: with ``pytest -n`` every worker starts its own server, and a worker that looked while another
+    was installing saw a half-written package (its script not yet executable) or ran a second npm into the same folder.
+    """
     folder = Path(os.environ.get("EXPORTS_TEST_AZURITE_DIR") or Path.home() / ".cache" / "export-ledger" / "azurite")
     binary = folder / "node_modules" / ".bin" / "azurite-blob"
-    if binary.exists():
-        return binary
-    npm = shutil.which("npm")
-    if npm is None:
-        _unavailable("npm is not installed: Azurite cannot be had (Node.js 20 and npm)")
     folder.mkdir(parents=True, exist_ok=True)
-    try:
-        done = subprocess.run(
-            [npm, "install", "--no-audit", "--no-fund", "--prefix", str(folder), f"azurite@{AZURITE_VERSION}"],
-            capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired:
-        _unavailable(f"npm install azurite@{AZURITE_VERSION} took over 300 s (is the npm registry reachable?)")
-    if done.returncode != 0 or not binary.exists():
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        _unavailable(f"npm install azurite@{AZURITE_VERSION} failed (is the npm registry reachable?): {tail}")
-    return binary
+    with open(folder / ".install.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if os.access(binary, os.X_OK):
+            return binary
+        npm = shutil.which("npm")
+        if npm is None:
+            _unavailable("npm is not installed: Azurite cannot be had (Node.js 20 and npm)")
+        try:
+            done = subprocess.run(
+                [npm, "install", "--no-audit", "--no-fund", "--prefix", str(folder), f"azurite@{AZURITE_VERSION}"],
+                capture_output=True, text=True, timeout=300,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            _unavailable(f"npm install azurite@{AZURITE_VERSION} took over 300 s (is the npm registry reachable?)")
+        if done.returncode != 0 or not os.access(binary, os.X_OK):
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            _unavailable(f"npm install azurite@{AZURITE_VERSION} failed (is the npm registry reachable?): {tail}")
+        return binary
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,11 @@
 """Renders a results file of ``python -m benchmarks.run`` as Markdown: the run's facts, every target, every table.
 
-    python -m benchmarks.report benchmarks/results/2026-12-01.json > /tmp/figures.md
+    python -m benchmarks.report benchmarks/RESULTS.json > /tmp/figures.md
+    python -m benchmarks.report benchmarks/RESULTS.json --write benchmarks/RESULTS.md --write README.md
 
-RESULTS.md and the README's table are written from this output, so their figures are the run's, not a transcription.
+``--write FILE`` replaces what stands between the lines ``<!-- benchmarks.report: full -->`` (or ``: targets``) and
+``<!-- benchmarks.report: end -->`` in FILE with the whole report (or its facts and targets only), so that
+RESULTS.md and the README's table are the run's figures, not a transcription. A file without those lines is refused.
 """
 
 from __future__ import annotations
@@ -35,7 +38,11 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render(document: dict) -> str:
+MARK = "<!-- benchmarks.report: {} -->"
+END = MARK.format("end")
+
+
+def render(document: dict, *, targets_only: bool = False) -> str:
     out = [f"# Figures of `{document.get('command', 'python -m benchmarks.run')}`\n"]
     code = document.get("code", {})
     machine = document.get("machine", {})
@@ -62,6 +69,8 @@ def render(document: dict) -> str:
         if "error" in result:
             targets.append({"benchmark": name, "name": "did not run", "value": result["error"]})
     out.append(markdown_table(targets))
+    if targets_only:
+        return "\n".join(out)
     for name, result in document.get("benchmarks", {}).items():
         out.append(f"## {name}\n")
         if result.get("description"):
@@ -74,12 +83,51 @@ def render(document: dict) -> str:
     return "\n".join(out)
 
 
+def write_into(path: Path, document: dict) -> None:
+    """Replaces each generated block of ``path`` (see the module's docstring) with this run's report."""
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    out, block = [], None
+    for number, line in enumerate(lines, 1):
+        stripped = line.strip()
+        if block is None:
+            out.append(line)
+            for kind in ("full", "targets"):
+                if stripped == MARK.format(kind):
+                    block = kind
+                    text = render(document, targets_only=kind == "targets")
+                    # The report's own title would be a second top-level heading inside the page: it is dropped.
+                    out.append(text.split("\n", 1)[1].lstrip("\n") + "\n")
+        elif stripped == END:
+            out.append(line)
+            block = None
+        elif stripped.startswith("<!-- benchmarks.report:"):
+            raise SystemExit(f"{path}:{number}: a generated block opens inside another one")
+    if block is not None:
+        raise SystemExit(f"{path}: the generated block ({block}) has no {END} line")
+    if not any(line.strip() in (MARK.format("full"), MARK.format("targets")) for line in lines):
+        raise SystemExit(f"{path} has no {MARK.format('full')} or {MARK.format('targets')} line to write after")
+    path.write_text("".join(out), encoding="utf-8")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    paths: list[Path] = []
+    while "--write" in args:
+        at = args.index("--write")
+        if at + 1 >= len(args):
+            print("usage: python -m benchmarks.report RESULTS.json [--write FILE ...]", file=sys.stderr)
+            return 2
+        paths.append(Path(args[at + 1]))
+        args = args[:at] + args[at + 2 :]
     if len(args) != 1:
-        print("usage: python -m benchmarks.report RESULTS.json", file=sys.stderr)
+        print("usage: python -m benchmarks.report RESULTS.json [--write FILE ...]", file=sys.stderr)
         return 2
-    print(render(json.loads(Path(args[0]).read_text(encoding="utf-8"))))
+    document = json.loads(Path(args[0]).read_text(encoding="utf-8"))
+    if not paths:
+        print(render(document))
+    for path in paths:
+        write_into(path, document)
+        print(f"wrote the report of {args[0]} into {path}")
     return 0
 
 

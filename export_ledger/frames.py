@@ -9,8 +9,10 @@ import datetime as dt
 import hashlib
 import io
 import json
+import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
@@ -28,6 +30,12 @@ FILE_FORMATS = {"csv": "data.csv", "parquet": "data.parquet"}
 MANIFEST_NAME = "_manifest.json"
 MANIFEST_VERSION = 1
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
+#: A stream's id digests held in memory before they are spilled to disk (:class:`_Digests`): 8 MiB.
+_DIGESTS_IN_MEMORY = 1 << 20
+#: The files spilled digests are spread over, by their top bits (a power of two).
+_DIGEST_FILES = 64
+#: Where each file's digests begin, after the first's.
+_DIGEST_FILE_BOUNDS = np.arange(1, _DIGEST_FILES, dtype=np.uint64) * np.uint64(2**64 // _DIGEST_FILES)
 
 
 def data_file_name(file_format: str) -> str:
@@ -461,8 +469,8 @@ def validate_batches(
     *,
     fingerprint: Fingerprint | None = None,
 ) -> TableStream:
-    """:func:`validate_frame` for a key whose rows arrive in batches, with memory bounded by one batch plus 8 bytes
-    a row; returns the stream of validated tables for :func:`write_rows`.
+    """:func:`validate_frame` for a key whose rows arrive in batches, with memory bounded by one batch, whatever the
+    number of rows; returns the stream of validated tables for :func:`write_rows`.
 
     Each batch gets the checks of one frame (columns, kinds, nulls, window, tenant, conversion to the schema).
     Across batches, nothing is held but the last row's sort key and one digest per row:
@@ -473,8 +481,8 @@ def validate_batches(
       with the next (vectorised, lexicographic over the order columns); the first row of a batch is compared with
       the last row of the batch before. A row that sorts before its predecessor fails the stream.
     * **Uniqueness.** The id values of each row are hashed to 64 bits (``fingerprint.id_hashes``); the
-      digests are kept in one ``uint64`` array grown in place (8-10 bytes a row: about 100 MB for 10M rows), and
-      after the last batch, before anything is published, sorted in place and checked for equal neighbours. Rows
+      digests are kept (in memory up to 8 MiB, then spilled to temporary files, 8 bytes a row: :class:`_Digests`),
+      and after the last batch, before anything is published, sorted and checked for equal neighbours. Rows
       whose order keys are equal and include the ids are neighbours and are refused in their batch already, naming
       the ids. Two different ids with the same digest (probability about n² / 2⁶⁵, 3e-6 at 10M rows) are refused
       as a duplicate: the check can only err towards refusing, never towards accepting one.
@@ -503,11 +511,27 @@ def _validated_tables(
     tenant: str | None,
     fingerprint: Fingerprint | None,
 ) -> Iterator[pa.Table]:
+    """The stream's checked tables; the digests' spilled files are removed however the stream ends."""
+    digests = _Digests()
+    try:
+        yield from _checked_tables(batches, schema, window, what, tenant, fingerprint, digests)
+    finally:
+        digests.close()  # also when the stream fails, or is abandoned by its reader
+
+
+def _checked_tables(
+    batches: FrameBatches,
+    schema: ExportSchema,
+    window: ExportWindow,
+    what: str,
+    tenant: str | None,
+    fingerprint: Fingerprint | None,
+    digests: _Digests,
+) -> Iterator[pa.Table]:
     order = list(schema.order_by)
     ids = list(schema.id_columns)
     # Equal order keys are duplicate ids when the ids are part of the order (the default: time, then ids).
     ids_in_order = set(ids) <= set(order)
-    digests = _Digests()
     previous: tuple | None = None
     offset = 0
     frame = keys = None
@@ -554,29 +578,68 @@ def _validated_tables(
 
 
 class _Digests:
-    """One ``uint64`` per row, in one array grown in place: 8 bytes a row, and never a second copy.
+    """The rows' 64-bit id digests, kept until the last batch for the duplicate check, in memory that stays flat.
 
-    The array grows by a quarter with ``ndarray.resize``, which reallocates; a large array is a memory mapping that
-    the C library extends without copying, so the peak stays near 10 bytes a row instead of the 16 that gathering
-    the batches' arrays and concatenating them would take. The final sort is in place.
+    Up to :data:`_DIGESTS_IN_MEMORY` digests (8 MiB) are held in one ``uint64`` array grown in place. Beyond that
+    (issue #21: peak memory must not grow with a partition's rows) they are spilled to :data:`_DIGEST_FILES` files
+    of a private temporary directory (``tempfile``, so ``TMPDIR``), each digest to the file its top bits name:
+    equal digests share a file, so the check sorts and compares one file at a time. The cost is 8 bytes a row of
+    temporary disk, written once and read once, and at the check one file's digests in memory (1/64 of 8 bytes a
+    row: 1.25 MiB at 10M rows). The files hold digests, never values, and are removed when the check ends or the
+    stream is abandoned (:meth:`close`).
     """
 
     def __init__(self) -> None:
         self._values = np.empty(1024, dtype=np.uint64)
         self._used = 0
+        self._folder: tempfile.TemporaryDirectory | None = None
+        self._files: list[BinaryIO] = []
 
     def extend(self, values: np.ndarray) -> None:
         needed = self._used + len(values)
-        if needed > len(self._values):
-            self._values.resize(max(needed, len(self._values) * 5 // 4), refcheck=False)
-        self._values[self._used : needed] = values
-        self._used = needed
+        if self._folder is None and needed <= _DIGESTS_IN_MEMORY:
+            if needed > len(self._values):
+                self._values.resize(min(max(needed, len(self._values) * 2), _DIGESTS_IN_MEMORY), refcheck=False)
+            self._values[self._used : needed] = values
+            self._used = needed
+            return
+        if self._folder is None:
+            self._folder = tempfile.TemporaryDirectory(prefix="export-ledger-digests-")
+            self._files = [open(Path(self._folder.name) / f"{n:03d}", "wb") for n in range(_DIGEST_FILES)]
+            self._spill(self._values[: self._used])
+            self._values, self._used = np.empty(0, dtype=np.uint64), 0
+        self._spill(values)
+
+    def _spill(self, values: np.ndarray) -> None:
+        """Appends ``values`` to their files: sorted, each file's digests are one slice."""
+        ordered = np.sort(values)
+        edges = [0, *np.searchsorted(ordered, _DIGEST_FILE_BOUNDS).tolist(), len(ordered)]
+        for handle, start, end in zip(self._files, edges[:-1], edges[1:], strict=True):
+            if end > start:
+                handle.write(ordered[start:end].data)
 
     def repeats(self) -> int:
         """How many digests equal an earlier one."""
-        values = self._values[: self._used]
-        values.sort()
-        return int(np.count_nonzero(values[1:] == values[:-1]))
+        if self._folder is None:
+            return _repeats(self._values[: self._used])
+        repeated = 0
+        for handle in self._files:
+            handle.close()
+            repeated += _repeats(np.fromfile(handle.name, dtype=np.uint64))
+        return repeated
+
+    def close(self) -> None:
+        """Removes the spilled files (if any)."""
+        for handle in self._files:
+            handle.close()
+        if self._folder is not None:
+            self._folder.cleanup()
+        self._folder, self._files = None, []
+
+
+def _repeats(values: np.ndarray) -> int:
+    values.sort()
+    return int(np.count_nonzero(values[1:] == values[:-1]))
 
 
 def _sortable(series: pd.Series) -> np.ndarray:

@@ -465,9 +465,7 @@ class _KeyExport:
 
     def _write_in_transaction(self, claim: Claim, item: ExportItem, target: ExportTarget) -> ExportRecord:
         """Rows and completion record in one ledger transaction: both commit or neither."""
-        existing = self.destination.verify(
-            target, logical_key=claim.logical_key, superseded=claim.superseded_revision
-        )
+        existing = self.destination.verify(target, logical_key=claim.logical_key, superseded=claim.superseded_revision)
         if existing.verdict is not Verdict.ABSENT:
             raise ExportConflict(
                 f"{claim.logical_key}: {existing.detail} although the ledger has no completion of revision "
@@ -475,16 +473,14 @@ class _KeyExport:
                 location=existing.location,
             )
         fingerprint = Fingerprint(self.schema.id_columns, self.schema.version_column)
-        table = self._validated(claim, item, fingerprint)
-        if isinstance(table, TableStream):
-            # The rows go into the ledger's database in the completion transaction, one statement for the key: a
-            # stream is validated batch by batch, then gathered into one table (bounded memory is for files).
-            tables = list(table)
-            table = pa.concat_tables(tables) if tables else table.schema.empty_table()
+        # A stream is read, validated and inserted batch by batch inside the completion transaction (issue #21), so
+        # memory stays bounded by one batch; a bad batch rolls back the rows before it. The key's row lock (and on
+        # SQLite the database's write lock) is held while the source is read.
+        rows = self._validated(claim, item, fingerprint)
         template = self._manifest_template(claim, item)
 
         def effect(connection) -> CompletionEvidence:
-            written = self.destination.write_in_transaction(connection, target, table, template)
+            written = self.destination.write_in_transaction(connection, target, rows, template)
             failpoints.reach("before_commit")  # inside the transaction: a failure here rolls the rows back too
             return CompletionEvidence(
                 self.destination.location(target), written.sha256, written.row_count, claim.attempt_id,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import io
+import tempfile
 from pathlib import Path
 
 import pandas as pd
@@ -20,7 +21,7 @@ import sqlalchemy as sa
 from builders import key_for
 from pipeline_helpers import current_data_file, published_dirs, read_export, stored_objects
 
-from export_ledger import FrameError, SqlSource
+from export_ledger import FrameError, SqlSource, frames
 from export_ledger.destinations import LocalDestination
 from export_ledger.frames import (
     ExportSchema,
@@ -330,3 +331,37 @@ def test_a_repeated_id_is_found_across_a_long_stream() -> None:
     stream = validate_batches(FrameBatches(split(frame, 500)), SCHEMA, KEY.window, "long", "acme")
     with pytest.raises(FrameError, match=r"long: 1 row\(s\) repeat the order_id values"):
         write_rows(stream, "csv", io.BytesIO())
+
+
+def test_a_long_stream_spills_its_digests_to_files_removed_after_the_check(tmp_path: Path, monkeypatch) -> None:
+    """Past the digests held in memory (issue #21: memory flat in the row count), they are spilled to temporary
+    files: a repeat is still found, and the files are gone afterwards, whether the stream passed or failed."""
+    monkeypatch.setattr(frames, "_DIGESTS_IN_MEMORY", 1_000)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    frame = orders(6_000, every="10s")
+    spilled = []
+    monkeypatch.setattr(frames._Digests, "_spill", _recorded(frames._Digests._spill, spilled))
+    stream = validate_batches(FrameBatches(split(frame, 500)), SCHEMA, KEY.window, "long", "acme")
+    assert write_rows(stream, "csv", io.BytesIO())[1] == 6_000
+    assert sum(spilled) == 6_000, "every digest went to the files once the first 1,000 were exceeded"
+    assert list(tmp_path.iterdir()) == [], "the spilled digests' files are removed after the check"
+
+    frame.loc[5_998, "order_id"] = "o000000"
+    stream = validate_batches(FrameBatches(split(frame, 500)), SCHEMA, KEY.window, "long", "acme")
+    with pytest.raises(FrameError, match=r"long: 1 row\(s\) repeat the order_id values"):
+        write_rows(stream, "csv", io.BytesIO())
+    frame.loc[5_998, "order_id"] = "o005998"
+    frame.loc[3_000, "total"] = None
+    stream = validate_batches(FrameBatches(split(frame, 500)), SCHEMA, KEY.window, "long", "acme")
+    with pytest.raises(FrameError, match=r"batch 7, rows 3001-3500\): column 'total' has 1 null") as refused:
+        write_rows(stream, "csv", io.BytesIO())
+    # Checked while the refusal (whose traceback holds the stream's frame) is alive, as it is for its caller.
+    assert refused.traceback and list(tmp_path.iterdir()) == [], "and after a refusal, found at the end or mid-stream"
+
+
+def _recorded(spill, sizes: list[int]):
+    def recording(self, values):
+        sizes.append(len(values))
+        return spill(self, values)
+
+    return recording

@@ -37,7 +37,7 @@ from export_ledger.destinations.base import (
 )
 from export_ledger.destinations.registry import Scheme
 from export_ledger.errors import ManifestError
-from export_ledger.frames import Manifest, write_table
+from export_ledger.frames import Manifest, TableStream, write_rows, write_table
 from export_ledger.ledger.schema import UtcDateTime
 from export_ledger.ledger.schema import metadata as ledger_metadata
 from export_ledger.ledger.store import ledger_engine, redact_url
@@ -53,6 +53,9 @@ _ARROW = {sql_kind: arrow for arrow, (sql_kind, _) in _KINDS.items()}
 _TABLE_RE = re.compile(r"[a-z_][a-z0-9_]{0,52}")
 # The ledger's own tables, and the manifest tables a ledger-table destination would add beside them.
 _LEDGER_TABLES = {*ledger_metadata.tables, *(f"{name}_manifests" for name in ledger_metadata.tables)}
+#: Rows per INSERT (one ``executemany``): the rows go in as they arrive, so the Python values of at most this many
+#: rows are in memory, whatever the size of the partition (issue #21).
+INSERT_ROWS = 10_000
 
 
 def _manifest_table(name: str, metadata: sa.MetaData | None = None) -> sa.Table:
@@ -136,6 +139,26 @@ def _serialize(table: pa.Table) -> bytes:
     return buffer.getvalue()
 
 
+def _inserted(connection, insert: sa.Insert, row_key: str, stream: TableStream):
+    """The stream's tables, each inserted (in slices of :data:`INSERT_ROWS` rows) before it is passed on."""
+    row_number = 0
+    for table in stream:
+        for start in range(0, table.num_rows, INSERT_ROWS):
+            records = table.slice(start, INSERT_ROWS).to_pylist()
+            connection.execute(
+                insert, [{"logical_key": row_key, "row_number": row_number + i, **row} for i, row in enumerate(records)]
+            )
+            row_number += len(records)
+        yield table
+
+
+class _Discarded:
+    """A sink that keeps nothing: only the hash of what is written is wanted."""
+
+    def write(self, data) -> int:
+        return memoryview(data).nbytes
+
+
 @dataclass(frozen=True)
 class SqlTableDestination(TransactionalDestination):
     """Exports as rows of ``table`` (plus ``<table>_manifests``) in the ledger's database.
@@ -182,9 +205,18 @@ class SqlTableDestination(TransactionalDestination):
     def _engine(self) -> sa.Engine:
         return ledger_engine(self.url)
 
-    def write_in_transaction(self, connection, target: ExportTarget, table: pa.Table, manifest: Manifest) -> Manifest:
+    def write_in_transaction(
+        self, connection, target: ExportTarget, rows: pa.Table | TableStream, manifest: Manifest
+    ) -> Manifest:
+        """Writes the rows (a whole table, or a stream of validated tables consumed here) with the ledger's
+        connection, in INSERTs of at most :data:`INSERT_ROWS` rows, and the manifest row; returns the manifest with
+        the rows' count and sha256.
+
+        A stream is validated while it is read: a bad batch raises :class:`~export_ledger.errors.FrameError` from
+        here, and the completion transaction rolls back every row inserted before it.
+        """
         try:
-            return self._write(connection, target, table, manifest)
+            return self._write(connection, target, rows, manifest)
         except sa.exc.SQLAlchemyError as exc:
             # The server's text (PostgreSQL's DETAIL: Failing row contains ...) can quote the row: name the class only.
             orig = getattr(exc, "orig", None) or exc
@@ -192,9 +224,9 @@ class SqlTableDestination(TransactionalDestination):
                 f"cannot write {manifest.logical_key} into {self.table_for(target.export)}: {type(orig).__name__}"
             ) from None
 
-    def _write(self, connection, target: ExportTarget, table: pa.Table, manifest: Manifest) -> Manifest:
+    def _write(self, connection, target: ExportTarget, rows: pa.Table | TableStream, manifest: Manifest) -> Manifest:
         columns = {}
-        for field in table.schema:
+        for field in rows.schema:
             if field.type not in _KINDS:
                 where = self.table_for(target.export)
                 raise DestinationError(f"column {field.name!r} of type {field.type} cannot be stored in {where}")
@@ -221,7 +253,7 @@ class SqlTableDestination(TransactionalDestination):
                 f"revision {target.revision} of {manifest.logical_key} would be stored under a row key of "
                 f"{len(row_key)} characters; {name}.logical_key holds at most {_ROW_KEY_LENGTH}; nothing was written"
             )
-        nullable = {field.name for field in table.schema if field.nullable}
+        nullable = {field.name for field in rows.schema if field.nullable}
         rows_table = _rows_table(name, metadata, columns, nullable)
         manifests = _manifest_table(name, metadata)
         if target.revision >= 2:
@@ -236,16 +268,14 @@ class SqlTableDestination(TransactionalDestination):
         ).first()
         if target.revision == 1 and pointer is not None:
             raise DestinationError(f"{self.location(target)} already holds {pointer.logical_key}")
-        sha256 = hashlib.sha256(_serialize(table)).hexdigest()
-        complete = Manifest(**{**manifest.__dict__, "sha256": sha256, "row_count": table.num_rows})
+        stream = rows if isinstance(rows, TableStream) else TableStream(rows.schema, iter([rows]))
+        inserted = TableStream(stream.schema, _inserted(connection, rows_table.insert(), row_key, stream))
+        # The sha256 is that of the CSV serialization (what read_data serializes), hashed as the rows go in: the
+        # streamed CSV writer writes the bytes write_table writes for the same rows.
+        sha256, row_count = write_rows(inserted, "csv", _Discarded())
+        complete = Manifest(**{**manifest.__dict__, "sha256": sha256, "row_count": row_count})
         if target.revision >= 2:
             self._record_revision(connection, name, target, pointer, complete, columns)
-        records = table.to_pylist()
-        if records:
-            connection.execute(
-                rows_table.insert(),
-                [{"logical_key": row_key, "row_number": i, **row} for i, row in enumerate(records)],
-            )
         if target.revision == 1:
             connection.execute(
                 manifests.insert().values(

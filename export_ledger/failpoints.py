@@ -17,8 +17,13 @@ from export_ledger.errors import ExportLedgerError
 
 ENV_VAR = "EXPORTS_FAILPOINTS"
 #: In the order an attempt meets them: claimed; staged at its place (invisible); committed (the pointer names it:
-#: visible); before and after the ledger records it.
-POINTS = ("after_claim", "after_stage", "after_publish", "before_commit", "after_commit")
+#: visible); before and after the group's sync that makes its publishes durable (once per group of keys, between the
+#: last publish and the completion commit; a single key is a group of one, whose writes were durable as they were
+#: made); before and after the ledger records it.
+POINTS = (
+    "after_claim", "after_stage", "after_publish", "before_group_sync", "after_group_sync", "before_commit",
+    "after_commit",
+)  # fmt: skip
 ACTIONS = ("raise", "crash", "kill", "pause:SECONDS")
 
 

@@ -13,6 +13,7 @@ instead. Plain Python, no Dagster.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import time
@@ -248,6 +249,16 @@ def _default_log(level: str, message: str) -> None:
     getattr(_log, level)(message)
 
 
+@dataclass(frozen=True)
+class _Staged:
+    """A key's revision staged at its place and not yet published (its pointer's bytes prepared beside it)."""
+
+    staged: StagedExport
+    fingerprint: Fingerprint
+    #: Whether the key's predecessor was fenced when it was staged (see ``_KeyExport._fenced_predecessor``).
+    fenced_predecessor: bool
+
+
 @dataclass
 class _KeyExport:
     ledger: ExportLedger
@@ -269,6 +280,9 @@ class _KeyExport:
         if isinstance(effect, ExportRecord):
             record = effect  # a transactional destination recorded it with its rows
         else:
+            # A group of one: its writes were made durable one by one, so there is nothing to sync between these.
+            failpoints.reach("before_group_sync")
+            failpoints.reach("after_group_sync")
             failpoints.reach("before_commit")
             record = self.ledger.completions.complete(claim, effect)
         failpoints.reach("after_commit")
@@ -308,12 +322,19 @@ class _KeyExport:
         (``failed``, ``conflict``, ``remote_unknown``, or the ``fenced`` row of an attempt that lost the key) and
         raised again.
         """
-        completions = self.ledger.completions
+        status, outcome = self.stage(claim, item)
+        if isinstance(outcome, _Staged):
+            return self.publish(claim, outcome)
+        return status, outcome
+
+    def stage(self, claim: Claim, item: ExportItem) -> tuple[str, ExportRecord | CompletionEvidence | _Staged]:
+        """:meth:`effect` up to the publish: a staged revision is returned for :meth:`publish` (a group stages all
+        its keys, syncs once, then publishes each: docs/protocol.md, "Group commit")."""
         target = target_for(item.key, claim.revision)
         # A takeover's predecessor is not fenced until this attempt's fence lands: before that, nobody knows what it
         # did or will still do, so this attempt's failure cannot say "nothing is visible" (docs/protocol.md, step 2).
         self._fenced_predecessor = claim.previous_state is not ExportState.IN_PROGRESS
-        try:
+        with self._recording_failures(claim, target):
             failpoints.reach("after_claim")
             if not _same_window(claim, item.key):
                 raise LedgerError(
@@ -324,7 +345,40 @@ class _KeyExport:
             if isinstance(self.destination, TransactionalDestination):
                 self._fenced_predecessor = True  # its effect and record commit in one ledger transaction: fenced there
                 return "exported", self._write_in_transaction(claim, item, target)
-            return self._publish(claim, item, target)
+            return self._prepare(claim, item, target)
+
+    def publish(self, claim: Claim, pending: _Staged) -> tuple[str, CompletionEvidence]:
+        """The pointer's compare-and-swap for a revision :meth:`stage` returned, a failure recorded as there."""
+        self._fenced_predecessor = pending.fenced_predecessor
+        with self._recording_failures(claim, pending.staged.target):
+            return self._commit(claim, pending)
+
+    def lost(
+        self, claim: Claim, item: ExportItem, pending: _Staged | None, error: Exception,
+        evidence: CompletionEvidence | None,
+    ) -> None:  # fmt: skip
+        """Records a group-wide failure (its sync) on one key of the group, as that key's own failure would be, and
+        raises it: staged only (``pending``: nothing visible) or published (``evidence``: visible, durability
+        unknown, so the outcome is unknown)."""
+        if pending is not None:
+            self._fenced_predecessor = pending.fenced_predecessor
+        else:
+            self._fenced_predecessor = True  # it published, so its fence (if any) had landed
+        with self._recording_failures(claim, target_for(item.key, claim.revision)):
+            if evidence is None:
+                raise error
+            raise PublishOutcomeUnknown(
+                f"committed {evidence.location}, then could not make it durable ({safe_message(error)})",
+                sha256=evidence.sha256, location=evidence.location,
+            ) from error  # fmt: skip
+
+    @contextlib.contextmanager
+    def _recording_failures(self, claim: Claim, target: ExportTarget):
+        """Records a failure of the key's effect on the key (``failed``, ``conflict``, ``remote_unknown``) and raises
+        it again."""
+        completions = self.ledger.completions
+        try:
+            yield
         except PublishOutcomeUnknown as exc:
             completions.mark_remote_unknown(
                 claim, exc, sha256=exc.sha256, location=exc.location or self._place_location(claim, target)
@@ -365,6 +419,15 @@ class _KeyExport:
             return None
 
     def _publish(self, claim: Claim, item: ExportItem, target: ExportTarget) -> tuple[str, CompletionEvidence]:
+        """Fence, verify, stage and commit one key at once: :meth:`_prepare`, then :meth:`_commit`."""
+        status, outcome = self._prepare(claim, item, target)
+        if isinstance(outcome, _Staged):
+            return self._commit(claim, outcome)
+        return status, outcome
+
+    def _prepare(
+        self, claim: Claim, item: ExportItem, target: ExportTarget
+    ) -> tuple[str, CompletionEvidence | _Staged]:
         destination = self.destination
         if not isinstance(destination, PublishingDestination):
             raise DestinationError(f"{destination.describe()} cannot publish exports")
@@ -406,7 +469,12 @@ class _KeyExport:
         if unchanged is not None:
             self._unstage(destination, staged)
             return "unchanged", unchanged
-        destination.commit(staged, token, superseded=superseded)
+        return "staged", _Staged(staged, fingerprint, self._fenced_predecessor)
+
+    def _commit(self, claim: Claim, pending: _Staged) -> tuple[str, CompletionEvidence]:
+        """The publish of a staged revision: the pointer's compare-and-swap, then its evidence, still to record."""
+        destination, staged, token = self.destination, pending.staged, claim.fencing_token
+        destination.commit(staged, token, superseded=claim.superseded_revision)
         location = destination.location(staged.target)
         try:
             failpoints.reach("after_publish")
@@ -424,7 +492,7 @@ class _KeyExport:
             attempt_id=claim.attempt_id,
             fencing_token=token,
             # The stream (if any) was written whole by now: the fingerprint covers every row published.
-            source_fingerprint=fingerprint.encode(),
+            source_fingerprint=pending.fingerprint.encode(),
             revision=claim.revision,
         )
         return "exported", evidence
@@ -605,12 +673,17 @@ def _export_group(
 ) -> list[ExportResult]:
     """One group of :func:`export_batch`: one claim transaction, the keys' effects, one completion transaction.
 
-    Returns the group's results in item order; appends each failed key to ``failures``.
+    On a publishing destination the effects go in two phases with their durability deferred (docs/protocol.md,
+    "Group commit"): every key is fenced, verified and staged; one sync makes the staged data (and the pointers'
+    bytes) durable; every key's pointer is moved; one more sync makes the moves durable; then the one completion
+    commit. Returns the group's results in item order; appends each failed key to ``failures``.
     """
     ledger = exporter.ledger
     results: dict[int, ExportResult] = {}
+    staged: list[tuple[int, Claim, _Staged]] = []
     unrecorded: list[tuple[int, Claim, str, CompletionEvidence]] = []
     recorded: list[tuple[int, str, ExportRecord]] = []
+    pending = _Pending(exporter, group, failures, staged, unrecorded, recorded)
     contracts = {(i.key.export, i.key.tenant): i.contract for i in group if i.contract is not None}
     outcomes = ledger.claims.claim_many([item.key for item in group], attempt, contracts=contracts or None)
     claims: dict[int, Claim] = {}
@@ -622,31 +695,34 @@ def _export_group(
         else:
             claims[i] = outcome
     started = time.monotonic()  # only decides when to renew; the ledger's clock decides what a lease is
-    for i in sorted(claims):
-        if time.monotonic() - started > exporter.ledger.lease_ttl.total_seconds() * RENEW_AFTER:
-            # The keys committed so far are recorded now (their leases are as old as the rest), then the leases of
-            # the keys still to export are renewed.
-            _record(ledger, unrecorded, recorded, group, failures, exporter)
-            claims = _renewed(ledger, claims, i, group, failures, exporter)
-            started = time.monotonic()
-            if i not in claims:
+    destination = exporter.destination
+    deferred = destination.deferred() if isinstance(destination, PublishingDestination) else contextlib.nullcontext()
+    with deferred:
+        for i in sorted(claims):
+            if time.monotonic() - started > exporter.ledger.lease_ttl.total_seconds() * RENEW_AFTER:
+                # The keys staged so far are published, synced and recorded now (their leases are as old as the
+                # rest), then the leases of the keys still to export are renewed.
+                pending.flush()
+                claims = _renewed(ledger, claims, i, group, failures, exporter)
+                started = time.monotonic()
+                if i not in claims:
+                    continue
+            claim, item = claims[i], group[i]
+            try:
+                status, effect = exporter.stage(claim, item)
+            except LedgerUnavailable:
+                raise
+            except Exception as exc:
+                _failed(exporter.log, failures, item, exc)
                 continue
-        claim, item = claims[i], group[i]
-        try:
-            status, effect = exporter.effect(claim, item)
             if isinstance(effect, ExportRecord):
                 recorded.append((i, status, effect))
-                continue
-            failpoints.reach("before_commit")
-        except LedgerUnavailable:
-            raise
-        except Exception as exc:
-            _failed(exporter.log, failures, item, exc)
-            continue
-        unrecorded.append((i, claim, status, effect))
-
-    # Until this commit the group's exports are committed and not recorded: the case a repair already handles.
-    _record(ledger, unrecorded, recorded, group, failures, exporter)
+            elif isinstance(effect, _Staged):
+                staged.append((i, claim, effect))
+            else:
+                unrecorded.append((i, claim, status, effect))  # a repair, or an unchanged restatement
+        # Until this commit the group's exports are committed and not recorded: the case a repair already handles.
+        pending.flush()
     for i, status, record in sorted(recorded, key=lambda entry: entry[0]):
         try:
             failpoints.reach("after_commit")
@@ -657,15 +733,75 @@ def _export_group(
     return [results[i] for i in sorted(results)]
 
 
-def _record(ledger, unrecorded: list, recorded: list, group, failures, exporter) -> None:
-    """Records the completions of the group's committed keys in one transaction (and empties ``unrecorded``)."""
-    committed = ledger.completions.complete_many([(claim, evidence) for _, claim, _, evidence in unrecorded])
-    for (i, _, status, _), record in zip(unrecorded, committed, strict=True):
-        if isinstance(record, FencedOut):
-            _failed(exporter.log, failures, group[i], record)
-        else:
-            recorded.append((i, status, record))
-    unrecorded.clear()
+@dataclass
+class _Pending:
+    """A group's keys between their stage and their completion record: staged (invisible), then published and
+    unrecorded, then recorded."""
+
+    exporter: _KeyExport
+    group: list[ExportItem]
+    failures: list[KeyFailure]
+    staged: list[tuple[int, Claim, _Staged]]
+    unrecorded: list[tuple[int, Claim, str, CompletionEvidence]]
+    recorded: list[tuple[int, str, ExportRecord]]
+
+    def flush(self) -> None:
+        """Sync, publish every staged key, sync, record: a pointer is never durable before the data it names, and a
+        key is recorded only once its publish is durable (docs/protocol.md, "Group commit")."""
+        exporter, destination = self.exporter, self.exporter.destination
+        if self.staged:
+            try:
+                destination.sync()  # the staged data, manifests and pointers' bytes, before any pointer names them
+            except Exception as exc:
+                for i, claim, staged in self.staged:
+                    self._lose(i, claim, staged, exc, None)
+                self.staged.clear()
+            for i, claim, staged in self.staged:
+                try:
+                    status, evidence = exporter.publish(claim, staged)
+                except LedgerUnavailable:
+                    raise
+                except Exception as exc:
+                    _failed(exporter.log, self.failures, self.group[i], exc)
+                    continue
+                self.unrecorded.append((i, claim, status, evidence))
+            self.staged.clear()
+        if self.unrecorded and isinstance(destination, PublishingDestination):
+            try:
+                failpoints.reach("before_group_sync")
+                destination.sync()  # the pointer moves (and the evidence of repairs), before the ledger records them
+                failpoints.reach("after_group_sync")
+            except Exception as exc:
+                for i, claim, _, evidence in self.unrecorded:
+                    self._lose(i, claim, None, exc, evidence)
+                self.unrecorded.clear()
+        self._record()
+
+    def _lose(self, i: int, claim: Claim, staged: _Staged | None, exc: Exception, evidence) -> None:
+        try:
+            self.exporter.lost(claim, self.group[i], staged, exc, evidence)
+        except LedgerUnavailable:
+            raise
+        except Exception as recorded:
+            _failed(self.exporter.log, self.failures, self.group[i], recorded)
+
+    def _record(self) -> None:
+        """Records the completions of the group's published keys in one transaction (and empties ``unrecorded``)."""
+        exporter, ready = self.exporter, []
+        for entry in self.unrecorded:
+            try:
+                failpoints.reach("before_commit")
+            except Exception as exc:
+                _failed(exporter.log, self.failures, self.group[entry[0]], exc)
+                continue
+            ready.append(entry)
+        self.unrecorded.clear()
+        committed = exporter.ledger.completions.complete_many([(claim, evidence) for _, claim, _, evidence in ready])
+        for (i, _, status, _), record in zip(ready, committed, strict=True):
+            if isinstance(record, FencedOut):
+                _failed(exporter.log, self.failures, self.group[i], record)
+            else:
+                self.recorded.append((i, status, record))
 
 
 def _renewed(ledger, claims: dict[int, Claim], start: int, group, failures, exporter) -> dict[int, Claim]:

@@ -6,17 +6,28 @@ done under an advisory lock of the key (``flock`` on a file in ``<root>/.export-
 published folder, and removed after use): read, compare the content's digest with the version given, write a
 temporary file, fsync, ``rename`` over the pointer (readers see the old one or the new one), fsync the folder.
 Readers take no lock.
+
+Inside :meth:`LocalStore.deferred` (a group of keys, docs/protocol.md "Group commit") those fsyncs are not made one by
+one: the paths are remembered, and :meth:`LocalStore.sync` makes them durable at once, with Linux's ``syncfs`` on the
+store's filesystem (one call), or, where ``syncfs`` is not available, by fsyncing each remembered path in parallel
+threads (logged once). A pointer's bytes are written and synced with its revision's data (``prepare``), so the
+rename that publishes it never exposes bytes a power cut could lose.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import ctypes
 import fcntl
 import hashlib
+import logging
 import os
 import stat
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
@@ -33,12 +44,80 @@ _INTERNAL = ".export-ledger"
 _LEGACY_POINTER_LOCK = ".current.lock"
 
 
+_log = logging.getLogger("export_ledger")
+#: A prepared pointer's bytes (``.tmp-next-<name>-<pid>-<ns>``): not the ``.tmp-<name>-*`` a pointer writer removes
+#: under the key's lock, since a prepared one is renamed into place under that lock later.
+_PREPARED = ".tmp-next-"
+#: Threads fsyncing a group's paths where ``syncfs`` is unavailable.
+_SYNC_THREADS = 16
+
+
 def _fsync_path(path: Path) -> None:
+    deferral = _DEFERRAL.get()
+    if deferral is not None and deferral.covers(path):
+        deferral.paths.append(path)
+        return
+    _fsync_now(path)
+
+
+def _fsync_now(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _fsync_handle(handle: BinaryIO, final: Path) -> None:
+    """Makes an open file durable, or (deferred) remembers the name it will be linked or renamed to."""
+    deferral = _DEFERRAL.get()
+    if deferral is not None and deferral.covers(final):
+        deferral.paths.append(final)
+        return
+    os.fsync(handle.fileno())
+
+
+@dataclass
+class _Deferral:
+    """The fsyncs one :meth:`LocalStore.deferred` owes, and the pointers it prepared (by final path and bytes)."""
+
+    root: Path
+    paths: list[Path] = field(default_factory=list)
+    prepared: dict[tuple[Path, bytes], Path] = field(default_factory=dict)
+
+    def covers(self, path: Path) -> bool:
+        return path == self.root or self.root in path.parents
+
+
+#: The deferral of the current thread's group (None: every write is made durable before it returns).
+_DEFERRAL: contextvars.ContextVar[_Deferral | None] = contextvars.ContextVar("export_ledger_deferral", default=None)
+_syncfs_missing_logged = False
+
+
+def _syncfs(folder: Path) -> bool:
+    """``syncfs(2)`` on ``folder``'s filesystem; False where the call does not exist (not Linux)."""
+    try:
+        call = ctypes.CDLL(None, use_errno=True).syncfs
+    except (AttributeError, OSError):
+        return False
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        if call(fd) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code))
+    finally:
+        os.close(fd)
+    return True
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _only_temporaries(folder: Path) -> bool:
@@ -148,7 +227,7 @@ class LocalStore(ObjectStore):
             with open(temporary, "xb") as handle:
                 handle.write(data)
                 handle.flush()
-                os.fsync(handle.fileno())
+                _fsync_handle(handle, final)
         except OSError as exc:
             temporary.unlink(missing_ok=True)
             raise DestinationError(f"cannot write {final}: {exc.strerror}") from None
@@ -206,14 +285,18 @@ class LocalStore(ObjectStore):
                 raise PreconditionFailed(f"{final} is not at the version read")
             for leftover in final.parent.glob(f".tmp-{final.name}-*"):
                 leftover.unlink(missing_ok=True)  # written under this lock by a writer that died: nobody writes it now
+            _remove_dead_prepared(final)
             # Earlier releases locked the pointer with a file beside it, in the consumer's folder; none locks it now.
             (final.parent / _LEGACY_POINTER_LOCK).unlink(missing_ok=True)
-            temporary = _temporary(final)
+            deferral = _DEFERRAL.get()
+            prepared = deferral.prepared.pop((final, data), None) if deferral is not None else None
+            temporary = prepared if prepared is not None and prepared.exists() else _temporary(final)
             try:
-                with open(temporary, "xb") as handle:
-                    handle.write(data)
-                    handle.flush()
-                    os.fsync(handle.fileno())
+                if temporary is not prepared:
+                    with open(temporary, "xb") as handle:
+                        handle.write(data)
+                        handle.flush()
+                        os.fsync(handle.fileno())  # never deferred: a renamed pointer is never torn
                 os.chmod(temporary, _PUBLISHED_MODE)
                 os.rename(temporary, final)  # atomic: readers see the old object or the new one
             except OSError as exc:
@@ -225,6 +308,55 @@ class LocalStore(ObjectStore):
                 # The rename happened; whether it survives a power cut is what nobody can say.
                 raise PublishOutcomeUnknown(f"wrote {final} but could not fsync its folder: {exc.strerror}") from None
         return hashlib.sha256(data).hexdigest()
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        if _DEFERRAL.get() is not None:
+            raise DestinationError(f"{self.root}: a deferral is already open in this thread")
+        deferral = _Deferral(self.root)
+        reset = _DEFERRAL.set(deferral)
+        try:
+            yield
+        finally:
+            _DEFERRAL.reset(reset)
+            for temporary in deferral.prepared.values():  # pointers never committed (a key failed, or was unchanged)
+                temporary.unlink(missing_ok=True)
+
+    def sync(self) -> None:
+        deferral = _DEFERRAL.get()
+        if deferral is None or deferral.root != self.root:
+            return
+        paths, deferral.paths = deferral.paths, []
+        try:
+            if _syncfs(self.root):
+                return
+            _log_syncfs_missing()
+            with ThreadPoolExecutor(max_workers=_SYNC_THREADS) as pool:
+                list(pool.map(_fsync_existing, dict.fromkeys(paths)))
+        except OSError as exc:
+            raise DestinationError(f"cannot sync {self.root}: {exc.strerror}") from None
+
+    def prepare(self, name: str, data: bytes) -> None:
+        deferral = _DEFERRAL.get()
+        final = self._path(name)
+        if deferral is None or not deferral.covers(final):
+            return
+        temporary = final.parent / f"{_PREPARED}{final.name}-{os.getpid()}-{time.monotonic_ns()}"
+        try:
+            with open(temporary, "xb") as handle:
+                handle.write(data)
+        except OSError:
+            temporary.unlink(missing_ok=True)
+            return  # an optimisation only: put_if_match then writes and fsyncs the pointer's bytes itself
+        deferral.paths.append(temporary)
+        deferral.prepared[(final, data)] = temporary
+
+    def settle(self, names: list[str]) -> None:
+        for name in names:
+            path = self._path(name)
+            for each in (path, path.parent):
+                with contextlib.suppress(FileNotFoundError):
+                    _fsync_path(each)
 
     def list(self, prefix: str) -> list[str]:
         folder = self._path(prefix)
@@ -273,7 +405,7 @@ class _LocalUpload(Upload):
     def commit(self) -> None:
         try:
             self.handle.flush()
-            os.fsync(self.handle.fileno())
+            _fsync_handle(self.handle, self.final)
             self.handle.close()
         except OSError as exc:
             self.abort()
@@ -284,6 +416,29 @@ class _LocalUpload(Upload):
         with contextlib.suppress(OSError):
             self.handle.close()
         self.temporary.unlink(missing_ok=True)
+
+
+def _fsync_existing(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):  # deleted since (a swept place): nothing to make durable
+        _fsync_now(path)
+
+
+def _log_syncfs_missing() -> None:
+    global _syncfs_missing_logged
+    if not _syncfs_missing_logged:
+        _syncfs_missing_logged = True
+        _log.warning(
+            "syncfs is not available here: a group's writes are made durable by fsyncing each of them, "
+            f"{_SYNC_THREADS} at a time"
+        )
+
+
+def _remove_dead_prepared(final: Path) -> None:
+    """Removes prepared pointer bytes left by writers that died (their pid is gone): nobody will rename them."""
+    for leftover in final.parent.glob(f"{_PREPARED}{final.name}-*"):
+        pid = leftover.name.removeprefix(f"{_PREPARED}{final.name}-").split("-", 1)[0]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            leftover.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
@@ -311,6 +466,12 @@ class LocalDestination(PublishingDestination):
     def spec(self) -> tuple[str, dict]:
         """The spec and settings that build this destination again."""
         return self.root, {}
+
+    def deferred(self) -> contextlib.AbstractContextManager:
+        return self.store.deferred()
+
+    def sync(self) -> None:
+        self.store.sync()
 
 
 SCHEME = Scheme("", "LocalDestination", "a folder path")

@@ -16,11 +16,13 @@ place ``.``; a pointer without a fence (0.4.0's restatements) names ``revision=<
 this release (a fence or a commit) replaces either with a pointer of this format naming the same revision.
 
 A store is five hooks (:class:`~export_ledger.destinations.store.ObjectStore`); a destination class only says which
-store (:class:`~export_ledger.destinations.local.LocalDestination`, :class:`~export_ledger.destinations.s3.S3Destination`).
+store (:class:`~export_ledger.destinations.local.LocalDestination`,
+:class:`~export_ledger.destinations.s3.S3Destination`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from abc import abstractmethod
 from dataclasses import dataclass, replace
@@ -154,6 +156,16 @@ class PublishingDestination(Destination):
     def describe(self) -> str:
         return self.store.describe()
 
+    # -- group commit --------------------------------------------------------------------------------------------
+
+    def deferred(self) -> contextlib.AbstractContextManager:
+        """A group's writes, their durability deferred to :meth:`sync` (docs/protocol.md, "Group commit"). No-op
+        by default: an object store's acknowledged write is durable, and Delta commits durably each time."""
+        return contextlib.nullcontext()
+
+    def sync(self) -> None:
+        """Makes every write of the current :meth:`deferred` durable (no-op by default, see there)."""
+
     # -- the pointer ---------------------------------------------------------------------------------------------
 
     def pointer(self, target: ExportTarget) -> Pointer:
@@ -245,6 +257,13 @@ class PublishingDestination(Destination):
         if verification.verdict is Verdict.CONFLICT:
             where = where if where != self.key_folder(target) else self.location(target.at_place("."))
             return replace(verification, fence=pointer.fence, location=where)
+        if verification.verdict is Verdict.PUBLISHED:
+            # Whoever records this next (a repair, reconciliation) records it durable: its writer may have died
+            # inside a deferral before the sync (docs/protocol.md, "Group commit").
+            self.store.settle(
+                [f"{self.key_folder(target)}/{POINTER_NAME}", self._in_place(target, pointer.place, MANIFEST_NAME),
+                 self._in_place(target, pointer.place, manifest.data_file)]
+            )  # fmt: skip
         return replace(verification, fence=pointer.fence)
 
     def verify_recorded(self, target: ExportTarget, *, logical_key: str, sha256: str) -> Verification:
@@ -300,7 +319,8 @@ class PublishingDestination(Destination):
             upload.commit()
         except OSError as exc:  # the staging file's own write (a full disk): the library's words, naming the object
             upload.abort()
-            raise DestinationError(f"cannot write {self.store.url(name)}: {exc.strerror or type(exc).__name__}") from None
+            reason = exc.strerror or type(exc).__name__
+            raise DestinationError(f"cannot write {self.store.url(name)}: {reason}") from None
         except BaseException:
             upload.abort()
             raise
@@ -312,7 +332,10 @@ class PublishingDestination(Destination):
                 f"{self.location(target.at_place(place))} already holds another manifest: a place is written by one "
                 "party only; nothing was published"
             ) from None
-        return StagedExport(target.at_place(place), complete)
+        staged = StagedExport(target.at_place(place), complete)
+        # Within a deferral the pointer's bytes are made durable by the same sync as the data they name.
+        self.store.prepare(f"{self.key_folder(target)}/{POINTER_NAME}", _committed(staged, token).payload())
+        return staged
 
     def commit(self, staged: StagedExport, token: int, *, superseded: int) -> Pointer:
         """Makes the staged revision current: the one step that changes what readers see. Idempotent (a pointer that
@@ -340,10 +363,7 @@ class PublishingDestination(Destination):
                 )
                 moved.location = self.location(target.at_place("."))
                 raise moved
-            committed = Pointer(
-                token, target.revision, target.place, manifest.sha256, manifest.row_count, manifest.data_file,
-                manifest.logical_key,
-            )  # fmt: skip
+            committed = _committed(staged, token)
             try:
                 tag = self.store.put_if_match(name, committed.payload(), current.tag)
             except PreconditionFailed:
@@ -436,6 +456,15 @@ class PublishingDestination(Destination):
         if after.fence > token:
             raise self._fenced(target, after, token)
         return removed
+
+
+def _committed(staged: StagedExport, token: int) -> Pointer:
+    """The pointer that makes ``staged`` current, written by ``token``."""
+    target, manifest = staged.target, staged.manifest
+    return Pointer(
+        token, target.revision, target.place, manifest.sha256, manifest.row_count, manifest.data_file,
+        manifest.logical_key,
+    )  # fmt: skip
 
 
 def _join(place: str | None, name: str | None) -> str | None:

@@ -12,7 +12,9 @@ write:
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -93,9 +95,37 @@ class ObjectStore(ABC):
     def delete(self, name: str) -> None:
         """Deletes the object (absent: nothing to do)."""
 
-    def check_conditions(self) -> None:
+    def check_conditions(self) -> None:  # noqa: B027 - a hook: most stores need nothing
         """Refuses a store that ignores the conditions (a second create accepted, a stale version accepted), before
         its first write. Stores that implement the conditions themselves need no check."""
 
     def describe(self) -> str:
         return self.url("")
+
+    # -- group commit (docs/protocol.md, "Group commit") ----------------------------------------------------------
+    # An object store whose acknowledged write is durable (S3, GCS, Azure) needs none of these: the defaults do
+    # nothing. A store that makes each write durable itself (a local folder's fsyncs) defers that work inside
+    # :meth:`deferred` and pays it once per :meth:`sync`.
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Within: writes may be acknowledged before they are durable; :meth:`sync` makes every one of them durable.
+        Whatever is written within and not synced when it ends is as durable as it happens to be: a caller records
+        nothing of it (the ledger commit comes after a sync)."""
+        yield
+
+    def sync(self) -> None:  # noqa: B027 - a hook: most stores need nothing
+        """Makes every write acknowledged since :meth:`deferred` began (or since the last sync) durable.
+
+        Raises:
+            DestinationError: durability could not be obtained (the writes may or may not survive a power cut).
+        """
+
+    def prepare(self, name: str, data: bytes) -> None:  # noqa: B027 - a hook: most stores need nothing
+        """Announces that ``data`` will be written at ``name`` by a later :meth:`put_if_match` of this deferral, so
+        that the bytes can be made durable by the same sync as the data they describe (a pointer is never renamed
+        into place with bytes a power cut could lose)."""
+
+    def settle(self, names: list[str]) -> None:  # noqa: B027 - a hook: most stores need nothing
+        """Makes objects that exist already durable (a repair records what an earlier party wrote, perhaps inside a
+        deferral it never synced): at once outside :meth:`deferred`, at the next :meth:`sync` within."""

@@ -86,6 +86,9 @@ class AttemptSpec:
     result_path: str | None = None
     log_path: str | None = None
     tmpdir: str | None = None  # where the S3 destination stages its local temporary file
+    #: Keys exported together by one ``io_manager`` attempt: the dates from ``business_date`` on, one group (group
+    #: commit: staged, synced, published, synced, then recorded in one ledger commit).
+    group: int = 1
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -180,19 +183,23 @@ def run_attempt(spec: AttemptSpec) -> dict:
         error_class, error = _step_failure(result)
         return {**report, "status": "failed", "error_class": error_class, "error": error}
 
-    key = logical_key(spec.tenant, spec.business_date, spec.timezone)
+    first = dt.date.fromisoformat(spec.business_date)
+    dates = [(first + dt.timedelta(days=n)).isoformat() for n in range(spec.group)]
+    keys = [logical_key(spec.tenant, day, spec.timezone) for day in dates]
 
-    def frame():  # read after the claim, as the assets read it (a source read never precedes the lease)
-        return source.rows(spec.tenant, key.window.start_utc, key.window.end_utc)
+    def frame(key: LogicalKey):  # read after the claim, as the assets read it (a source read never precedes the lease)
+        return lambda: source.rows(spec.tenant, key.window.start_utc, key.window.end_utc)
 
-    batch = ExportBatch(INVOICE_SCHEMA, [ExportItem(key, spec.business_date, frame)])
+    items = [ExportItem(key, day, frame(key)) for key, day in zip(keys, dates, strict=True)]
+    batch = ExportBatch(INVOICE_SCHEMA, items)
     report = {"run_id": spec.run_id, "attempt_id": spec.attempt_id}
     try:
         export_batch(ledger.get_ledger(), destination, batch, spec.attempt_id)
     except Exception as exc:  # the attempt's own failure is its report, not the harness's
         return {**report, "status": "failed", "error_class": type(exc).__name__, "error": str(exc)[:4000]}
-    (result,) = batch.results
-    return {**report, "status": result.status, "error_class": None, "error": None}
+    statuses = sorted({result.status for result in batch.results})
+    return {**report, "status": statuses[0] if len(statuses) == 1 else "+".join(statuses), "error_class": None,
+            "error": None, "statuses": [result.status for result in batch.results]}  # fmt: skip
 
 
 def _step_failure(result: dg.ExecuteInProcessResult) -> tuple[str | None, str]:

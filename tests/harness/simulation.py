@@ -265,7 +265,7 @@ class Simulation:
         self.last_look = records
         found = self.survey([target_of(key) for key in self.keys])
         checked = violations(
-            self.ledger, found, names, final=False, history=self.history, records=dict(zip(names, records))
+            self.ledger, found, names, final=False, history=self.history, records=dict(zip(names, records, strict=True))
         )
         for invariant, items in checked.items():
             for item in items:

@@ -1,0 +1,203 @@
+"""Group commit of durability (issue #21, docs/protocol.md "Group commit"): a group of keys on a local destination
+is staged with its fsyncs deferred, synced once, published, synced once more, and only then recorded in one ledger
+commit. These tests count the syncs, check their order against the pointer moves and the ledger commit, and crash or
+fail the group between them."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from builders import key_for
+from pipeline_helpers import places, published_dirs
+
+from export_ledger.destinations import LocalDestination, local
+from export_ledger.destinations.publishing import POINTER_NAME
+from export_ledger.failpoints import ENV_VAR as FAILPOINTS
+from export_ledger.failpoints import SimulatedCrash
+from export_ledger.frames import ExportSchema
+from export_ledger.ledger import ExportLedger
+from export_ledger.ledger.completions import Completions
+from export_ledger.ledger.schema import ExportState
+from export_ledger.protocol import ExportBatch, ExportBatchFailed, ExportItem, export_batch, export_key
+
+SCHEMA = ExportSchema(
+    {"order_id": "string", "tenant": "string", "placed_at": "timestamp", "total": "float"},
+    "placed_at",
+    ("order_id",),
+    tenant_column="tenant",
+)
+DAY = dt.date(2026, 3, 2)
+
+
+def orders(key) -> pd.DataFrame:
+    start, end = pd.Timestamp(key.window.start_utc), pd.Timestamp(key.window.end_utc)
+    times = pd.date_range(start.ceil("h"), end, freq="h", inclusive="left").as_unit("us")
+    return pd.DataFrame(
+        {
+            "order_id": [f"{key.tenant}-{int(t.timestamp())}" for t in times],
+            "tenant": [key.tenant] * len(times),
+            "placed_at": times,
+            "total": [12.5] * len(times),
+        }
+    )
+
+
+def keys_of(count: int) -> list:
+    return [key_for(DAY, tenant=f"t{i:02d}") for i in range(count)]
+
+
+def batch_of(keys) -> ExportBatch:
+    return ExportBatch(SCHEMA, [ExportItem(key, key.window.business_date.isoformat(), orders(key)) for key in keys])
+
+
+@pytest.fixture
+def clocked(clock, sqlite_url) -> ExportLedger:
+    return ExportLedger(sqlite_url, clock=clock, lease_ttl=dt.timedelta(minutes=15))
+
+
+@pytest.fixture
+def events(monkeypatch) -> list[str]:
+    """What the group does, in order: ``fsync``, ``syncfs``, ``rename-pointer``, ``commit`` (the completions)."""
+    seen: list[str] = []
+    real_fsync, real_syncfs, real_rename = os.fsync, local._syncfs, os.rename
+    real_complete_many = Completions.complete_many
+
+    def fsync(fd):
+        seen.append("fsync")
+        return real_fsync(fd)
+
+    def syncfs(folder):
+        seen.append("syncfs")
+        return real_syncfs(folder)
+
+    def rename(source, target):
+        if Path(target).name == POINTER_NAME:
+            seen.append("rename-pointer")
+        return real_rename(source, target)
+
+    def complete_many(self, entries):
+        if entries:
+            seen.append("commit")
+        return real_complete_many(self, entries)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(local, "_syncfs", syncfs)
+    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(Completions, "complete_many", complete_many)
+    return seen
+
+
+@pytest.mark.parametrize("size", [5, 20])
+def test_a_group_pays_two_syncs_whatever_its_size_where_one_key_pays_several_fsyncs(
+    tmp_path: Path, clocked, events, size
+) -> None:
+    destination = LocalDestination(str(tmp_path / "exports"))
+    alone = key_for(DAY, tenant="alone")
+    export_key(clocked, destination, SCHEMA, ExportItem(alone, "p", orders(alone)), "run-0/export")
+    per_key = events.count("fsync")
+    assert per_key >= 4 and "syncfs" not in events, f"a single key keeps its own fsyncs ({events})"
+
+    events.clear()
+    results = export_batch(clocked, destination, batch_of(keys_of(size)), "run-1/export", group_size=size)
+    assert [r.status for r in results] == ["exported"] * size
+    assert events.count("syncfs") == 2, f"one sync before the pointers move, one before the ledger commit: {events}"
+    assert events.count("fsync") == 0, f"no fsync of its own for any key of the group: {events}"
+    assert events.count("commit") == 1
+
+
+def test_no_pointer_moves_before_the_data_is_synced_and_nothing_is_recorded_before_the_moves_are(
+    tmp_path: Path, clocked, events
+) -> None:
+    destination = LocalDestination(str(tmp_path / "exports"))
+    export_batch(clocked, destination, batch_of(keys_of(4)), "run-1/export")
+    moves = [i for i, event in enumerate(events) if event == "rename-pointer"]
+    syncs = [i for i, event in enumerate(events) if event == "syncfs"]
+    commit = events.index("commit")
+    assert len(moves) == 4
+    assert syncs and syncs[0] < moves[0], f"the staged data is durable before any pointer names it: {events}"
+    assert any(moves[-1] < sync < commit for sync in syncs), (
+        f"the pointer moves are durable before the ledger records them: {events}"
+    )
+
+
+def test_without_syncfs_each_deferred_path_is_fsynced_and_the_fallback_is_logged(
+    tmp_path: Path, clocked, events, monkeypatch, caplog
+) -> None:
+    monkeypatch.setattr(local, "_syncfs", lambda folder: events.append("syncfs-missing") or False)
+    monkeypatch.setattr(local, "_syncfs_missing_logged", False)
+    destination = LocalDestination(str(tmp_path / "exports"))
+    with caplog.at_level(logging.WARNING, logger="export_ledger"):
+        results = export_batch(clocked, destination, batch_of(keys_of(3)), "run-1/export")
+    assert [r.status for r in results] == ["exported"] * 3
+    assert "syncfs is not available" in caplog.text, "the fallback is said, never silent"
+    first, second = (i for i, event in enumerate(events) if event == "syncfs-missing")
+    assert events[first + 1 : second].count("fsync") >= 3 * 3, "each key's data file, manifest and pointer bytes"
+    assert "fsync" in events[second + 1 : events.index("commit")], "the pointer moves' folders, before the commit"
+
+
+@pytest.mark.parametrize("point", ["before_group_sync", "after_group_sync"])
+def test_a_crash_between_publish_and_commit_leaves_the_keys_unrecorded_and_the_next_run_repairs_them(
+    tmp_path: Path, clocked, clock, monkeypatch, point
+) -> None:
+    destination = LocalDestination(str(tmp_path / "exports"))
+    keys = keys_of(3)
+    monkeypatch.setenv(FAILPOINTS, f"{point}=crash")
+    with pytest.raises(SimulatedCrash):
+        export_batch(clocked, destination, batch_of(keys), "run-1/export")
+    monkeypatch.delenv(FAILPOINTS)
+    assert len(published_dirs(tmp_path / "exports")) == 3, "every key of the group is published"
+    assert [clocked.queries.get(str(k)).state for k in keys] == [ExportState.IN_PROGRESS] * 3, "and none recorded"
+
+    clock.advance(minutes=16)
+    results = export_batch(clocked, destination, batch_of(keys), "run-2/export")
+    assert [r.status for r in results] == ["repaired"] * 3
+    assert len(places(tmp_path / "exports")) == 3, "recorded from their manifests: no second copy"
+    assert {clocked.queries.get(str(k)).committed_attempt for k in keys} == {"run-1/export"}
+
+
+def test_a_repair_makes_what_it_records_durable_first(tmp_path: Path, clocked, clock, monkeypatch) -> None:
+    """A group killed before its second sync leaves pointers that may not be durable yet: the attempt that records
+    them (here a single key's, outside any group) fsyncs the pointer and the place it names before recording."""
+    destination = LocalDestination(str(tmp_path / "exports"))
+    keys = keys_of(2)
+    monkeypatch.setenv(FAILPOINTS, "before_group_sync=crash")
+    with pytest.raises(SimulatedCrash):
+        export_batch(clocked, destination, batch_of(keys), "run-1/export")
+    monkeypatch.delenv(FAILPOINTS)
+    synced: list[str] = []
+    real = local._fsync_now
+    monkeypatch.setattr(local, "_fsync_now", lambda path: synced.append(Path(path).name) or real(path))
+
+    clock.advance(minutes=16)
+    result = export_key(clocked, destination, SCHEMA, ExportItem(keys[0], "p", orders(keys[0])), "run-2/export")
+    assert result.status == "repaired"
+    assert POINTER_NAME in synced and "_manifest.json" in synced, f"settled before it was recorded: {synced}"
+
+
+@pytest.mark.parametrize(("failing", "state"), [(1, ExportState.FAILED), (2, ExportState.REMOTE_UNKNOWN)])
+def test_a_failed_sync_fails_a_staged_group_and_leaves_a_published_one_to_reconciliation(
+    tmp_path: Path, clocked, monkeypatch, failing, state
+) -> None:
+    """The first sync failing: nothing is visible yet, so the keys are ``failed`` (safe to retry) and no pointer
+    exists. The second failing: the pointers moved but may not survive a power cut, so the keys are
+    ``remote_unknown`` and reconciliation decides from what the destination holds."""
+    calls = [0]
+
+    def syncfs(folder):
+        calls[0] += 1
+        if calls[0] == failing:
+            raise OSError(5, "Input/output error")
+        return True
+
+    monkeypatch.setattr(local, "_syncfs", syncfs)
+    destination = LocalDestination(str(tmp_path / "exports"))
+    keys = keys_of(3)
+    with pytest.raises(ExportBatchFailed, match="3 of 3"):
+        export_batch(clocked, destination, batch_of(keys), "run-1/export")
+    assert [clocked.queries.get(str(k)).state for k in keys] == [state] * 3
+    assert len(published_dirs(tmp_path / "exports")) == (0 if failing == 1 else 3)

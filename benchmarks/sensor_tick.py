@@ -9,6 +9,11 @@ costliest case for the sensor's per-partition decisions) and spread over the ten
 at the destination, committed by that token (its place and the key's pointer naming it: they resolve to
 ``completed``), the other half have nothing (``failed``, and a run request).
 
+A third ledger holds a backlog for a person: every key but the stuck ones ``failed`` with its automatic reruns spent
+(its claim count at the sensor's ``max_attempts``), at least 100,000 of them (1,000 in ``--smoke``), and the same
+100 stuck keys; its whole sensor tick is timed too (``sensor tick with 100,000 escalated keys``): counting and
+listing what is escalated must not read the backlog.
+
 Two variants are timed, interleaved across the ledger sizes, with the stuck keys and their pointers put back
 (untimed) before each, so that every tick holds, fences (a pointer write), judges and records each key afresh:
 
@@ -55,6 +60,8 @@ STUCK = 100
 DAYS = 1000  # tenants = rows / DAYS
 UTC = dt.timezone.utc
 INSERT_CHUNK = 20_000
+#: Keys escalated (failed, automatic reruns spent) in the escalation variant's ledger, at least.
+ESCALATED = 100_000
 
 
 def _layout(rows: int) -> tuple[int, int]:
@@ -199,6 +206,21 @@ class StuckLedger:
         with self.ledger.atomic() as conn:
             conn.execute(statement, params)
 
+    def escalate(self, max_attempts: int = 3) -> int:
+        """Turns every completed key but the stuck ones into a ``failed`` key whose automatic reruns are spent: a
+        backlog escalated to a person. Returns how many (untimed, once)."""
+        stuck = [r["logical_key"] for r in self.stuck_rows]
+        statement = (
+            export_runs.update()
+            .where(export_runs.c.state == ExportState.COMPLETED.value, export_runs.c.logical_key.not_in(stuck))
+            .values(
+                state=ExportState.FAILED.value, location=None, row_count=None, committed_attempt=None,
+                claim_count=max_attempts, fencing_token=max_attempts,
+            )
+        )  # fmt: skip
+        with self.ledger.atomic() as conn:
+            return conn.execute(statement).rowcount
+
     def check(self, report) -> None:
         resolved = len(report.resolved)
         if resolved != len(self.stuck_rows):
@@ -212,6 +234,12 @@ def _sensor(url: str, root: str, tenants: list[str]):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # get_sensor_def's note about resource resolution: we pass them below
         return defs.get_sensor_def("reconciliation_sensor")
+
+
+def _escalated_rows(smoke: bool) -> int:
+    """A ledger size whose keys, less the stuck ones, are at least :data:`ESCALATED` (1,000 in smoke)."""
+    wanted = 1_000 if smoke else ESCALATED
+    return DAYS * -(-(wanted + STUCK) // DAYS)
 
 
 def _measure(backend: str, ledgers: dict[int, StuckLedger], repeats: int, warmup: bool) -> list[dict]:
@@ -268,13 +296,19 @@ def run(settings: Settings) -> dict:
     sizes = (1_000, 5_000) if settings.smoke else (10_000, 100_000, 1_000_000)
     stuck = 10 if settings.smoke else STUCK
     repeats = settings.reps(full=7)
+    escalated_rows = _escalated_rows(settings.smoke)
+    escalated: dict[str, int] = {}
     results, notes = [], []
     with scratch_dir(settings.scratch, NAME) as folder:
         ledgers = {
             rows: StuckLedger(f"sqlite:///{folder / f'ledger-{rows}.sqlite3'}", rows, folder, stuck) for rows in sizes
         }
+        backlog = StuckLedger(f"sqlite:///{folder / 'ledger-escalated.sqlite3'}", escalated_rows, folder / "esc", stuck)
+        escalated["sqlite"] = backlog.escalate()
         try:
             results += _measure("sqlite", ledgers, repeats, not settings.smoke)
+            results += _escalated(_measure("sqlite", {escalated_rows: backlog}, repeats, not settings.smoke),
+                                  escalated["sqlite"])  # fmt: skip
         finally:
             dispose_engines()
         reason = postgres_unavailable_reason()
@@ -288,15 +322,30 @@ def run(settings: Settings) -> dict:
                 for rows in sizes:
                     url, _ = stack.enter_context(postgres_schema(f"bench_tick_{rows}"))
                     pg[rows] = StuckLedger(url, rows, folder / "pg", stuck)
-                for sl in pg.values():
+                url, _ = stack.enter_context(postgres_schema("bench_tick_escalated"))
+                backlog = StuckLedger(url, escalated_rows, folder / "pg-esc", stuck)
+                escalated["postgresql"] = backlog.escalate()
+                for sl in [*pg.values(), backlog]:
                     with sl.ledger.atomic() as conn:
                         conn.exec_driver_sql("ANALYZE export_runs")  # as autovacuum would have done by now
                 results += _measure("postgresql", pg, repeats, not settings.smoke)
+                results += _escalated(_measure("postgresql", {escalated_rows: backlog}, repeats, not settings.smoke),
+                                      escalated["postgresql"])  # fmt: skip
     targets = []
     for backend in ("sqlite", "postgresql"):
-        by_rows = {r["rows"]: r for r in results if r["backend"] == backend}
+        by_rows = {r["rows"]: r for r in results if r["backend"] == backend and "escalated" not in r}
         if not by_rows:
             continue
+        backlog = next(r for r in results if r["backend"] == backend and "escalated" in r)
+        targets.append(
+            target(
+                f"{backend} sensor tick with {_round_down(backlog['escalated']):,} escalated keys",
+                backlog["sensor_ms"],
+                200,
+                at_most=True,
+                unit=" ms",
+            )
+        )
         small, large = by_rows[sizes[0]], by_rows[sizes[-1]]
         for variant in ("sensor", "reconcile_batch"):
             targets.append(
@@ -324,6 +373,7 @@ def run(settings: Settings) -> dict:
                 "backend": r["backend"],
                 "rows": f"{r['rows']:,}",
                 "stuck": r["stuck"],
+                "escalated": f"{r.get('escalated', 0):,}",
                 "reconcile_batch ms": r["reconcile_batch_ms"],
                 "sensor tick ms": r["sensor_ms"],
             }
@@ -332,3 +382,13 @@ def run(settings: Settings) -> dict:
         "targets": targets,
         "notes": notes,
     }
+
+
+def _escalated(results: list[dict], escalated: int) -> list[dict]:
+    return [{**r, "escalated": escalated} for r in results]
+
+
+def _round_down(count: int) -> int:
+    """The escalated backlog as a target names it (100,900 keys: "100,000")."""
+    step = 1_000 if count < ESCALATED else ESCALATED
+    return count // step * step

@@ -119,3 +119,17 @@ def test_status_needs_attention_lists_late_keys_from_the_code_location(tmp_path,
     out = capsys.readouterr().out
     assert code == 0, out
     assert "orders/bombay/" in out and "never attempted" in out and "late" in out
+
+
+def test_a_tick_with_ten_late_keys_or_more_still_succeeds_and_names_ten(tmp_path, instance, clocked_ledger, clock):
+    """Ten late keys fill the log line's ten places: the page of other escalated keys is not read. It was read with
+    a limit of 0, which the ledger refuses, so the tick failed, every tick, once ten keys were late."""
+    clock.now = dt.datetime(2026, 3, 10, 12, 0, tzinfo=UTC)
+    defs = make_defs(tmp_path, tenants=["acme", "globex", "initech", "umbrella"], ledger=clocked_ledger,
+                     deadline="06:00")  # fmt: skip
+    assert len(late_keys(clocked_ledger.get_ledger(), declared_exports(defs))) >= 10
+    first = tick(defs, instance)
+    (stuck,) = [e for e in first.result.asset_events if e.check_name == "no_stuck_exports"]
+    assert not stuck.passed and stuck.metadata["stuck_keys"].value >= 10
+    (line,) = [r.getMessage() for r in first.logs if "need attention" in r.getMessage()]
+    assert line.count("late: due at 06:00") == 10, line

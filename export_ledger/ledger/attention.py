@@ -81,6 +81,8 @@ class AttentionSummary:
     total: int
     digest: str
     groups: dict[tuple[str, str | None], tuple[int, list[Escalation]]] = field(default_factory=dict)
+    #: The counts are lower bounds: a source held more than the summary's ``cap`` (see :meth:`Attention.summary`).
+    at_least: bool = False
 
 
 class Attention:
@@ -190,11 +192,19 @@ class Attention:
     # -- escalations -------------------------------------------------------------------------------------------
 
     def _escalated(
-        self, now: dt.datetime, stuck_after: dt.timedelta, max_attempts: int | None, exports: Sequence[str],
-        tenants: Sequence[str] = (), business_dates: Sequence[dt.date] = (),
+        self,
+        now: dt.datetime,
+        stuck_after: dt.timedelta,
+        max_attempts: int | None,
+        exports: Sequence[str],
+        tenants: Sequence[str] = (),
+        business_dates: Sequence[dt.date] = (),
+        cap: int | None = None,
     ) -> sa.Subquery:
         """The escalated keys' rows, one read per state, each on the index that starts with the state. (One OR of
-        the four made SQLite walk every row of the export: 1.3 s a tick at a million rows.)"""
+        the four made SQLite walk every row of the export: 1.3 s a tick at a million rows.) ``cap``: the first
+        ``cap`` of each state in key order only (walked on the index of state and key), so that a page or a bounded
+        count reads at most ``4 * cap`` rows whatever the backlog."""
         runs = export_runs.c
         horizon = now - stuck_after
         failed = runs.updated_at <= horizon
@@ -213,6 +223,9 @@ class Attention:
                 query = query.where(runs.tenant.in_(list(tenants)))
             if business_dates:
                 query = query.where(runs.business_date.in_(list(business_dates)))
+            if cap is not None:
+                first = query.order_by(runs.logical_key).limit(cap).subquery()
+                query = sa.select(*first.c)
             selects.append(query)
         return sa.union_all(*selects).subquery("escalated")
 
@@ -223,8 +236,11 @@ class Attention:
         runs = export_runs.c
         requests = export_restatements.c
         query = (
-            sa.select(*self.ledger.run_columns, requests.revision.label("pending_revision"),
-                      requests.requested_at.label("pending_since"))  # fmt: skip
+            sa.select(
+                *self.ledger.run_columns,
+                requests.revision.label("pending_revision"),
+                requests.requested_at.label("pending_since"),
+            )  # fmt: skip
             .select_from(export_runs.join(export_restatements, requests.logical_key == runs.logical_key))
             .where(requests.closed_at.is_(None), requests.requested_at <= now - stuck_after, _open_requests_first())
         )
@@ -250,7 +266,7 @@ class Attention:
         ledger = self.ledger
         with ledger.atomic(read_only=True) as conn:
             now = ledger.now(conn)
-            keys = self._escalated(now, stuck_after, max_attempts, [export], business_dates=business_dates)
+            keys = self._escalated(now, stuck_after, max_attempts, [export], business_dates=business_dates, cap=limit)
             rows = list(conn.execute(sa.select(keys).order_by(keys.c.logical_key).limit(limit)))
         return [self._escalation(ExportRecord.from_row(row), now, max_attempts) for row in rows]
 
@@ -278,7 +294,7 @@ class Attention:
         window = offset + limit
         with ledger.atomic(read_only=True) as conn:
             now = ledger.now(conn)
-            keys = self._escalated(now, stuck_after, max_attempts, exports, tenants)
+            keys = self._escalated(now, stuck_after, max_attempts, exports, tenants, cap=window)
             pending = self._pending_requests(now, stuck_after, exports)
             if tenants:
                 pending = pending.where(runs.tenant.in_(list(tenants)))
@@ -298,15 +314,23 @@ class Attention:
         max_attempts: int | None = 3,
         exports: Sequence[str] = (),
         listed: bool = True,
+        cap: int | None = None,
     ) -> AttentionSummary:
         """Escalations per (export, zone), counted by the database, with the first :data:`LISTED` of each group
         (``listed=False``: counts and digest only, the groups' lists empty); a refused tenant counts in the group of
         the zone its code names. One snapshot (PostgreSQL reads it in one REPEATABLE READ transaction), so the
-        listing agrees with the counts."""
+        listing agrees with the counts.
+
+        ``cap`` bounds what is read (a sensor tick): of each kind of escalated key (a state, a pending request) the
+        first ``cap`` in key order are counted and listed, and a summary that reached it says so (``at_least``).
+        Below the cap the counts are exact. Beyond it the total is a lower bound, and the digest changes when those
+        first keys do (a group whose keys all lie beyond them is not seen: a backlog of that size fails the checks
+        of the groups it shows). Without ``cap`` every escalated key is counted (a count that walks the backlog)."""
         ledger = self.ledger
         runs = export_runs.c
         groups: dict[tuple[str, str | None], tuple[int, list[Escalation]]] = {}
         parts: list[str] = []
+        reached = False
 
         def count(group: tuple[str, str | None], keys: int, part: str) -> None:
             total, listed = groups.get(group, (0, []))
@@ -318,8 +342,11 @@ class Attention:
 
         with ledger.atomic(read_only=True) as conn:
             now = ledger.now(conn)
-            escalated = self._escalated(now, stuck_after, max_attempts, exports)
-            for source in (escalated, self._pending_requests(now, stuck_after, exports).subquery("pending")):
+            escalated = self._escalated(now, stuck_after, max_attempts, exports, cap=cap)
+            pending_source = self._pending_requests(now, stuck_after, exports)
+            if cap is not None:
+                pending_source = pending_source.order_by(runs.logical_key).limit(cap)
+            for source in (escalated, pending_source.subquery("pending")):
                 # A hold that gives a key back unchanged keeps its updated_at and its claim count (holds are not
                 # claims), so the digest changes when the escalated situation does, not on every reconciliation tick.
                 rows = source.c
@@ -332,6 +359,13 @@ class Attention:
                 for row in conn.execute(counted):
                     count((row.export, row.timezone), int(row.keys),
                           f"{row.export}|{row.timezone}|{row.keys}|{row.latest}|{row.tokens}|{row.state}")  # fmt: skip
+            if cap is not None:
+                # Reached when a kind of key filled its cap: each of the four states of ``escalated`` (one read
+                # each, at most ``cap`` rows), and the pending requests.
+                kinds = sa.select(escalated.c.state, sa.func.count().label("keys")).group_by(escalated.c.state)
+                pending_count = sa.select(sa.func.count()).select_from(pending_source.subquery())
+                reached = any(int(row.keys) >= cap for row in conn.execute(kinds))
+                reached = reached or conn.execute(pending_count).scalar_one() >= cap
             for row in ledger.contracts.refusal_counts(conn, exports):
                 count((row.export, row.timezone), int(row.refused),
                       f"{row.export}|{row.timezone}|refused|{row.refused}|{row.latest}|{row.times}")  # fmt: skip
@@ -340,7 +374,7 @@ class Attention:
                       f"{row.export}|{row.timezone}|missed|{row.partitions}|{row.latest}|{row.runs}")  # fmt: skip
             digest = hashlib.sha256("\n".join(sorted(parts)).encode()).hexdigest()[:16]
             if not groups or not listed:
-                return AttentionSummary(sum(count for count, _ in groups.values()), digest, groups)
+                return AttentionSummary(sum(count for count, _ in groups.values()), digest, groups, reached)
             ranked = sa.select(escalated).add_columns(
                 sa.func.row_number().over(partition_by=(escalated.c.export, escalated.c.timezone),
                                           order_by=escalated.c.logical_key).label("rank")
@@ -362,7 +396,7 @@ class Attention:
             listed = listing((refusal.export, refusal.timezone))
             if len(listed) < LISTED:
                 listed.append(refusal)
-        return AttentionSummary(sum(count for count, _ in groups.values()), digest, groups)
+        return AttentionSummary(sum(count for count, _ in groups.values()), digest, groups, reached)
 
     # -- partitions whose runs never claimed ------------------------------------------------------------------
 
@@ -391,8 +425,12 @@ class Attention:
                 conn.execute(
                     table.update()
                     .where(table.c.id == row.id)
-                    .values(missing_keys=missing_keys, failed_runs=table.c.failed_runs + 1, last_run_id=run_id[:64],
-                            last_noted_at=now)  # fmt: skip
+                    .values(
+                        missing_keys=missing_keys,
+                        failed_runs=table.c.failed_runs + 1,
+                        last_run_id=run_id[:64],
+                        last_noted_at=now,
+                    )  # fmt: skip
                 )
 
     def close_missed_in(self, conn, partitions: set[tuple[str, str, dt.date]], now: dt.datetime) -> None:

@@ -116,6 +116,8 @@ export_runs = sa.Table(
     # Schema version 6: pages of failed and stuck keys per export and partition read this index, not every row.
     sa.Index("ix_export_runs_state_export_date", "state", "export", "business_date", "timezone"),
     sa.Index("ix_export_runs_state_updated", "state", "updated_at"),
+    # Schema 8: every column of the sensor's per-day summaries, read from the index alone (migration v8).
+    sa.Index("ix_export_runs_day_summary", "export", "timezone", "business_date", "state", "row_count", "tenant"),
 )
 
 export_attempts = sa.Table(
@@ -336,7 +338,7 @@ export_missed_partitions = sa.Table(
 RUN_COLUMNS = tuple(column for column in export_runs.c if column.name not in ("source_fingerprint", "claim_count"))
 
 # The schema's version history (see export_ledger.ledger.store): one row per version reached, never changed.
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 export_ledger_schema = sa.Table(
     "export_ledger_schema",
     metadata,

@@ -10,7 +10,7 @@ import hashlib
 import io
 import json
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -166,7 +166,60 @@ def validate_frame(
 def _validated_on_arrow(
     frame: object, schema: ExportSchema, window: ExportWindow, tenant: str | None, fingerprint: Fingerprint | None
 ) -> pa.Table | None:
-    """The frame as its Arrow table when every check passes on it, else None (nothing is added to ``fingerprint``).
+    """The frame as its Arrow table when every check passes on it, else None (nothing is added to ``fingerprint``)."""
+    table = _checked_on_arrow(frame, schema, window, tenant)
+    if table is None or not _distinct_ids(frame, schema, fingerprint):
+        return None
+    return table
+
+
+def validate_frame_in_two_steps(
+    frame: object,
+    schema: ExportSchema,
+    window: ExportWindow,
+    what: str,
+    tenant: str | None = None,
+    *,
+    fingerprint: Fingerprint | None = None,
+) -> tuple[pa.Table, Callable[[], pa.Table]]:
+    """:func:`validate_frame` in two steps, so that the file can be written while the second one runs.
+
+    Returns the frame's Arrow table, checked for everything but its ids (columns, kinds, nulls, the window, the
+    tenant, the order), and ``finish``: a callable that hashes and checks the ids (adding them to ``fingerprint``) and
+    returns the table to publish, or raises the refusal :func:`validate_frame` would raise. The table it returns is
+    the same table, except after a collision of two different ids' hashes (decided on the values), when it is an
+    equal one. A frame the first step cannot accept on Arrow is validated whole at once: ``finish`` then returns it.
+
+    Raises:
+        FrameError: from the first step (anything but the ids), or from ``finish`` (duplicate ids).
+    """
+    table = _checked_on_arrow(frame, schema, window, tenant)
+    if table is None:
+        whole = _validated_on_pandas(frame, schema, window, what, tenant, fingerprint)
+        return whole, lambda: whole
+
+    def finish() -> pa.Table:
+        if _distinct_ids(frame, schema, fingerprint):
+            return table
+        return _validated_on_pandas(frame, schema, window, what, tenant, fingerprint)
+
+    return table, finish
+
+
+def _distinct_ids(frame: pd.DataFrame, schema: ExportSchema, fingerprint: Fingerprint | None) -> bool:
+    """Whether the ids' 64-bit hashes are all distinct (then so are the ids), adding them to ``fingerprint`` if so;
+    equal hashes (a duplicate, or a collision of different ids) are decided on the values by pandas."""
+    hashes = id_hashes(frame, list(schema.id_columns))
+    ordered_hashes = np.sort(hashes)
+    if (ordered_hashes[1:] == ordered_hashes[:-1]).any():
+        return False
+    if fingerprint is not None:
+        fingerprint.add(frame, hashes)
+    return True
+
+
+def _checked_on_arrow(frame: object, schema: ExportSchema, window: ExportWindow, tenant: str | None) -> pa.Table | None:
+    """The frame as its Arrow table when every check but the ids' passes on it, else None.
 
     Sound by construction: each step returns None wherever the pandas checks might refuse, or might order the rows
     differently (a frame not in file order is left to pandas' stable sort)."""
@@ -192,12 +245,6 @@ def _validated_on_arrow(
                 return None
         except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
             return None  # a tenant column of another kind than text: compared by pandas
-    hashes = id_hashes(frame, list(schema.id_columns))
-    ordered_hashes = np.sort(hashes)
-    if (ordered_hashes[1:] == ordered_hashes[:-1]).any():
-        return None  # a duplicate (or a collision of different ids): decided on the values by pandas
-    if fingerprint is not None:
-        fingerprint.add(frame, hashes)
     return table
 
 

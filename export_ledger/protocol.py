@@ -13,7 +13,9 @@ instead. Plain Python, no Dagster.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import contextvars
 import datetime as dt
 import logging
 import time
@@ -47,6 +49,7 @@ from export_ledger.frames import (
     data_file_name,
     validate_batches,
     validate_frame,
+    validate_frame_in_two_steps,
 )
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger import (
@@ -165,7 +168,12 @@ class ExportResult:
 
     @classmethod
     def of(
-        cls, record: ExportRecord, partition_key: str, status: str, revision: int = 1, supersedes: int | None = None,
+        cls,
+        record: ExportRecord,
+        partition_key: str,
+        status: str,
+        revision: int = 1,
+        supersedes: int | None = None,
         requested_revision: int | None = None,
     ) -> ExportResult:
         return cls(
@@ -461,9 +469,9 @@ class _KeyExport:
         if verification.verdict is Verdict.CONFLICT:
             raise ExportConflict(f"{claim.logical_key}: {verification.detail}", location=verification.location)
         fingerprint = Fingerprint(self.schema.id_columns, self.schema.version_column)
-        table = self._validated(claim, item, fingerprint)
+        table, finish = self._validated_in_two_steps(claim, item, fingerprint)
         destination.sweep(target, token, pointer)
-        staged = destination.stage(target, token, table, self.file_format, self._manifest_template(claim, item))
+        staged = self._stage(destination, target, token, table, finish, self._manifest_template(claim, item))
         failpoints.reach("after_stage")
         unchanged = self._unchanged(claim, staged, fingerprint)
         if unchanged is not None:
@@ -557,6 +565,48 @@ class _KeyExport:
 
         return self.ledger.completions.complete_within(claim, effect)
 
+    def _validated_in_two_steps(
+        self, claim: Claim, item: ExportItem, fingerprint: Fingerprint
+    ) -> tuple[pa.Table | TableStream, Callable[[], pa.Table] | None]:
+        """:meth:`_validated`, for a whole frame of at least :data:`OVERLAP_ROWS` rows in two steps
+        (:func:`~export_ledger.frames.validate_frame_in_two_steps`): its table checked for everything but the ids,
+        and the step that checks the ids, for :meth:`_stage` to run while the file is written. Otherwise the rows
+        validated whole, and None."""
+        rows = item.frame
+        if callable(rows) and not isinstance(rows, (pd.DataFrame, FrameBatches)):
+            rows = rows()  # the source is read here, after the claim: its failure is this key's alone
+        if not isinstance(rows, pd.DataFrame) or len(rows) < OVERLAP_ROWS:
+            return self._validated(claim, replace(item, frame=rows), fingerprint), None
+        checks = dict(what=claim.logical_key, tenant=item.key.tenant, fingerprint=fingerprint)
+        return validate_frame_in_two_steps(rows, self.schema, claim.window, **checks)
+
+    def _stage(
+        self, destination: PublishingDestination, target: ExportTarget, token: int, table: pa.Table | TableStream,
+        finish: Callable[[], pa.Table] | None, template: Manifest,
+    ) -> StagedExport:  # fmt: skip
+        """Stages ``table``; with ``finish`` (the ids' check), writes it on a second thread while ``finish`` runs on
+        this one (pyarrow's writers and hashing release the GIL). A refusal by ``finish`` removes what was staged
+        and is raised: the place is this attempt's own and no pointer names it, so nothing of it was ever visible."""
+        if finish is None:
+            return destination.stage(target, token, table, self.file_format, template)
+        context = contextvars.copy_context()  # the group's deferred durability (a context variable) goes along
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="export-ledger-stage") as pool:
+            writing = pool.submit(context.run, destination.stage, target, token, table, self.file_format, template)
+            try:
+                final = finish()
+            except BaseException:
+                try:
+                    self._unstage(destination, writing.result())
+                except Exception:  # noqa: BLE001 - its write failed too: the refusal is the key's outcome
+                    pass
+                raise
+            staged = writing.result()
+        if final is not table and not final.equals(table):
+            # Decided on the values after a hash collision, as pandas orders them: the file is written again.
+            self._unstage(destination, staged)
+            staged = destination.stage(target, token, final, self.file_format, template)
+        return staged
+
     def _validated(self, claim: Claim, item: ExportItem, fingerprint: Fingerprint) -> pa.Table | TableStream:
         """The item's rows, read now if they are read lazily, checked against the schema and the claim's window: a
         whole table for a DataFrame, a stream of validated tables (checked while they are written) for batches.
@@ -590,6 +640,10 @@ class _KeyExport:
             supersedes=claim.supersedes,
         )
 
+
+#: A whole frame of at least this many rows is written while its ids are hashed and checked (on a second thread:
+#: pyarrow's writers release the GIL); a smaller one is checked first, as a thread would cost more than it saves.
+OVERLAP_ROWS = 50_000
 
 #: Keys claimed together in one ledger transaction, and completed together in one more, by :func:`export_batch`.
 #: Bounded because every lease of a group starts at the group's claim (it is renewed as the group goes, see

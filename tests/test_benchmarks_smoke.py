@@ -17,7 +17,7 @@ import pytest
 
 from benchmarks.run import BENCHMARKS
 
-pytestmark = pytest.mark.process
+pytestmark = [pytest.mark.process, pytest.mark.xdist_group("benchmark_smoke")]  # one smoke run for the module
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 

@@ -214,6 +214,7 @@ def run(args: list[str], cwd: Path, env: dict[str, str], timeout: int = 300, std
     return done.stdout + done.stderr if stderr else done.stdout
 
 
+@pytest.mark.xdist_group("fresh_install")  # one worker makes the shared install and runs both of its tests
 @pytest.mark.process
 def test_a_project_of_yaml_alone_exports_a_partition_through_dg_after_a_non_editable_install(
     fresh_install, tmp_path

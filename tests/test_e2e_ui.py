@@ -53,7 +53,8 @@ LOCATION = "export-ledger"
 ASSET = "invoice_export"
 TENANTS = ("acme", "globex")  # the New York tenants: the asset invoice_export
 KOLKATA_ASSET, KOLKATA_TENANT = "invoice_export__asia_kolkata", "bombay-traders"  # a tenant in its own zone
-pytestmark = pytest.mark.e2e
+# One stack (webserver, daemon, PostgreSQL instance) for the module: its tests stay on one xdist worker together.
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("e2e_stack")]
 POOL = "exports-local-invoice_export"  # the invoice export's pool on a local-folder destination
 
 PARTITIONS_PER_RUN = 3  # the backfill chunk for this stack (production: 31); see _LOCATION_SOURCE

@@ -316,6 +316,7 @@ def test_a_read_never_creates_tables_on_an_empty_database(ledger_url) -> None:
 # -- installed, outside the checkout -------------------------------------------------------------------------------
 
 
+@pytest.mark.xdist_group("fresh_install")  # one worker makes the shared install and runs both of its tests
 @pytest.mark.process
 def test_a_non_editable_install_puts_only_export_ledger_in_site_packages_and_the_example_runs(
     tmp_path, fresh_install

@@ -11,6 +11,7 @@ RESULTS.md and the README's table are the run's figures, not a transcription. A 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -95,8 +96,10 @@ def write_into(path: Path, document: dict) -> None:
                 if stripped == MARK.format(kind):
                     block = kind
                     text = render(document, targets_only=kind == "targets")
-                    # The report's own title would be a second top-level heading inside the page: it is dropped.
-                    out.append(text.split("\n", 1)[1].lstrip("\n") + "\n")
+                    # The report's own title would be a second top-level heading inside the page: it is dropped, and
+                    # its headings go one level down, below the section the block stands in.
+                    block_text = text.split("\n", 1)[1].lstrip("\n")
+                    out.append(re.sub(r"(?m)^(#+) ", r"#\1 ", block_text) + "\n")
         elif stripped == END:
             out.append(line)
             block = None

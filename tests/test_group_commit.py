@@ -10,41 +10,21 @@ import logging
 import os
 from pathlib import Path
 
-import pandas as pd
 import pytest
 from builders import key_for
 from pipeline_helpers import places, published_dirs
+from test_batched_ledger import SCHEMA, orders  # the same orders, hourly in each key's window
 
 from export_ledger.destinations import LocalDestination, local
 from export_ledger.destinations.publishing import POINTER_NAME
 from export_ledger.failpoints import ENV_VAR as FAILPOINTS
 from export_ledger.failpoints import SimulatedCrash
-from export_ledger.frames import ExportSchema
 from export_ledger.ledger import ExportLedger
 from export_ledger.ledger.completions import Completions
 from export_ledger.ledger.schema import ExportState
 from export_ledger.protocol import ExportBatch, ExportBatchFailed, ExportItem, export_batch, export_key
 
-SCHEMA = ExportSchema(
-    {"order_id": "string", "tenant": "string", "placed_at": "timestamp", "total": "float"},
-    "placed_at",
-    ("order_id",),
-    tenant_column="tenant",
-)
 DAY = dt.date(2026, 3, 2)
-
-
-def orders(key) -> pd.DataFrame:
-    start, end = pd.Timestamp(key.window.start_utc), pd.Timestamp(key.window.end_utc)
-    times = pd.date_range(start.ceil("h"), end, freq="h", inclusive="left").as_unit("us")
-    return pd.DataFrame(
-        {
-            "order_id": [f"{key.tenant}-{int(t.timestamp())}" for t in times],
-            "tenant": [key.tenant] * len(times),
-            "placed_at": times,
-            "total": [12.5] * len(times),
-        }
-    )
 
 
 def keys_of(count: int) -> list:

@@ -177,5 +177,5 @@ def test_a_days_summary_is_read_from_the_covering_index_alone_on_a_fresh_and_an_
             sa.event.remove(engine, "before_cursor_execute", seen)
         (summary,) = [(s, p) for s, p in statements if s.lstrip().startswith("SELECT")]
         with engine.connect() as conn:
-            plan = " ".join(row[3] for row in conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {summary[0]}", summary[1]))
+            plan = " ".join(row[3] for row in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + summary[0], summary[1]))
         assert "USING COVERING INDEX ix_export_runs_day_summary" in plan, plan

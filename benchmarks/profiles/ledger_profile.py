@@ -212,7 +212,7 @@ def main() -> None:
         admin = sa.create_engine(PG, isolation_level="AUTOCOMMIT")
         with admin.connect() as c:
             for s in schemas:
-                c.execute(sa.text(f'CREATE SCHEMA "{s}"'))  # identifiers cannot be bound; names are generated above
+                c.execute(sa.schema.CreateSchema(s))
         try:
             urls = [f"{PG}?options=-csearch_path%3D{s}" for s in schemas]
             ledger_engine(urls[1])
@@ -228,7 +228,7 @@ def main() -> None:
         finally:
             with admin.connect() as c:
                 for s in schemas:
-                    c.execute(sa.text(f'DROP SCHEMA "{s}" CASCADE'))
+                    c.execute(sa.schema.DropSchema(s, cascade=True))
             admin.dispose()
     lines += ["", f"pstats of the ledger, {KEYS} keys on SQLite, sorted by cumulative (top 40):", table]
     OUT.write_text("\n".join(lines) + "\n")

@@ -35,7 +35,9 @@ def _numbers(value):
             yield from _numbers(item)
 
 
-@pytest.fixture(scope="module")
+# Once per session, not per module: under pytest-xdist a module's fixture is made again whenever another test ran on
+# the worker between two of its tests (CI paid the smoke run twice, 49 s and 42 s).
+@pytest.fixture(scope="session")
 def smoke_results(tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("bench")
     out = folder / "results.json"

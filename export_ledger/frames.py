@@ -157,16 +157,15 @@ def validate_frame(
     Raises:
         FrameError: missing columns, nulls in required fields, wrong types, events outside the window, duplicate ids.
     """
-    table = _validated_on_arrow(frame, schema, window, tenant, fingerprint)
-    if table is not None:
-        return table
-    return _validated_on_pandas(frame, schema, window, what, tenant, fingerprint)
+    _, finish = validate_frame_in_two_steps(frame, schema, window, what, tenant, fingerprint=fingerprint)
+    return finish()
 
 
 def _validated_on_arrow(
     frame: object, schema: ExportSchema, window: ExportWindow, tenant: str | None, fingerprint: Fingerprint | None
 ) -> pa.Table | None:
-    """The frame as its Arrow table when every check passes on it, else None (nothing is added to ``fingerprint``)."""
+    """The frame as its Arrow table when every check passes on it, else None (nothing is added to ``fingerprint``):
+    whether :func:`validate_frame` accepts it without the pandas checks (what the equivalence tests pin)."""
     table = _checked_on_arrow(frame, schema, window, tenant)
     if table is None or not _distinct_ids(frame, schema, fingerprint):
         return None

@@ -572,13 +572,11 @@ class _KeyExport:
         (:func:`~export_ledger.frames.validate_frame_in_two_steps`): its table checked for everything but the ids,
         and the step that checks the ids, for :meth:`_stage` to run while the file is written. Otherwise the rows
         validated whole, and None."""
-        rows = item.frame
-        if callable(rows) and not isinstance(rows, (pd.DataFrame, FrameBatches)):
-            rows = rows()  # the source is read here, after the claim: its failure is this key's alone
-        if not isinstance(rows, pd.DataFrame) or len(rows) < OVERLAP_ROWS:
-            return self._validated(claim, replace(item, frame=rows), fingerprint), None
+        rows = self._rows(claim, item)
         checks = dict(what=claim.logical_key, tenant=item.key.tenant, fingerprint=fingerprint)
-        return validate_frame_in_two_steps(rows, self.schema, claim.window, **checks)
+        if isinstance(rows, pd.DataFrame) and len(rows) >= OVERLAP_ROWS:
+            return validate_frame_in_two_steps(rows, self.schema, claim.window, **checks)
+        return self._checked(rows, claim, checks), None
 
     def _stage(
         self, destination: PublishingDestination, target: ExportTarget, token: int, table: pa.Table | TableStream,
@@ -611,6 +609,12 @@ class _KeyExport:
         """The item's rows, read now if they are read lazily, checked against the schema and the claim's window: a
         whole table for a DataFrame, a stream of validated tables (checked while they are written) for batches.
         ``fingerprint`` accumulates the rows' source fingerprint (complete once a stream has been written)."""
+        checks = dict(what=claim.logical_key, tenant=item.key.tenant, fingerprint=fingerprint)
+        return self._checked(self._rows(claim, item), claim, checks)
+
+    @staticmethod
+    def _rows(claim: Claim, item: ExportItem):
+        """The item's rows, read now if they are read lazily (after the claim: a source's failure is this key's)."""
         rows = item.frame
         if rows is None:
             raise LedgerError(
@@ -618,8 +622,10 @@ class _KeyExport:
                 "rerun to read its source"
             )
         if callable(rows) and not isinstance(rows, (pd.DataFrame, FrameBatches)):
-            rows = rows()  # the source is read here, after the claim: its failure is this key's alone
-        checks = dict(what=claim.logical_key, tenant=item.key.tenant, fingerprint=fingerprint)
+            rows = rows()
+        return rows
+
+    def _checked(self, rows, claim: Claim, checks: dict) -> pa.Table | TableStream:
         if isinstance(rows, FrameBatches):
             return validate_batches(rows, self.schema, claim.window, **checks)
         return validate_frame(rows, self.schema, claim.window, **checks)

@@ -34,6 +34,7 @@ from typing import BinaryIO
 from export_ledger.destinations.base import DestinationError, DestinationUnreachable, PublishOutcomeUnknown
 from export_ledger.destinations.publishing import PublishingDestination
 from export_ledger.destinations.registry import Scheme
+from export_ledger.destinations.staging import process_alive
 from export_ledger.destinations.store import AlreadyExists, Blob, ObjectStore, PreconditionFailed, Upload
 
 _PUBLISHED_MODE = stat.S_IRUSR | stat.S_IWUSR | stat.S_IRGRP | stat.S_IROTH  # 0644: mkstemp's 0600 is too tight
@@ -107,16 +108,6 @@ def _syncfs(folder: Path) -> bool:
             raise OSError(code, os.strerror(code))
     finally:
         os.close(fd)
-    return True
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True
 
 
@@ -437,7 +428,7 @@ def _remove_dead_prepared(final: Path) -> None:
     """Removes prepared pointer bytes left by writers that died (their pid is gone): nobody will rename them."""
     for leftover in final.parent.glob(f"{_PREPARED}{final.name}-*"):
         pid = leftover.name.removeprefix(f"{_PREPARED}{final.name}-").split("-", 1)[0]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        if pid.isdigit() and not process_alive(int(pid)):
             leftover.unlink(missing_ok=True)
 
 

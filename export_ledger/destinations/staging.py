@@ -21,15 +21,20 @@ def staging_folder(kind: str) -> Path:
     folder.mkdir(mode=0o700, exist_ok=True)
     for entry in folder.iterdir():
         pid_text = entry.name.split("-", 1)[0]
-        if not pid_text.isdigit() or int(pid_text) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid_text), 0)
-        except ProcessLookupError:
+        if pid_text.isdigit() and int(pid_text) != os.getpid() and not process_alive(int(pid_text)):
             entry.unlink(missing_ok=True)
-        except PermissionError:
-            pass  # alive, owned by someone else
     return folder
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (one owned by another user counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def file_sha256(path: Path) -> str:

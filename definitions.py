@@ -12,10 +12,10 @@ from collections.abc import Mapping, Sequence
 import dagster as dg
 
 from assets.invoices import invoice_export
-from export_ledger import Destination, ExportSource, Settings, Tenant, validate_slug
+from export_ledger import ConfigurationError, Destination, ExportSource, Settings, Tenant, validate_slug
 from export_ledger.dagster import LedgerResource, ledgered_definitions
 from export_ledger.settings import positive_int
-from resources.invoices import SampleInvoiceSource, SqlInvoiceSource
+from resources.invoices import InvoiceSource, SampleInvoiceSource, SqlInvoiceSource
 from sensors import RECONCILE_BATCH_SIZE, STUCK_AFTER
 
 DEFAULT_TIMEZONE = "America/New_York"  # set in code: a timezone change is a business change
@@ -23,6 +23,56 @@ DEFAULT_START_DATE = "2026-01-01"
 DEFAULT_TENANTS = ("acme", "globex", "initech")
 DEFAULT_SCHEDULE_TIME = "04:30"
 _FROM_ENVIRONMENT = object()  # an argument left to the environment (where None has a meaning of its own)
+
+#: The invoice source is chosen, never defaulted (issue 26): the sample with ``EXPORTS_SOURCE=sample``, a SQL table
+#: with ``EXPORTS_SOURCE_URL`` and ``EXPORTS_SOURCE_TABLE``.
+SOURCE_SETTINGS = {"sample": ("EXPORTS_SOURCE",), "sql": ("EXPORTS_SOURCE_URL", "EXPORTS_SOURCE_TABLE")}
+#: What every run worker of this code location must be given besides its source's settings, as the code server has
+#: it: a worker builds its export from its own environment, so a launcher config that drops one runs another export.
+#: The launcher configs in deploy/ pass each of these, the source's, the instance's (``DAGSTER_PG_*``) and the
+#: destination's credentials. Optional settings (``EXPORTS_DEADLINE``, ``EXPORTS_ALLOW_BELOW_LOW_WATER``, ...) are
+#: passed by a deployment that sets them.
+RUN_WORKER_SETTINGS = (
+    "EXPORTS_LEDGER_URL",
+    "EXPORTS_DESTINATION",
+    "EXPORTS_TENANTS",
+    "EXPORTS_FILE_FORMAT",
+    "EXPORTS_LEASE_TTL_SECONDS",
+)
+
+
+def invoice_source_from(env: Mapping[str, str]) -> InvoiceSource:
+    """The invoice source the environment chooses (:data:`SOURCE_SETTINGS`).
+
+    Nothing is implied: a process whose environment lost its source settings (a run worker whose launcher config does
+    not pass them) fails to load, naming them, rather than export the sample invoices as if they were the real ones.
+
+    Raises:
+        ConfigurationError: no source chosen, two chosen, or half of the SQL source's settings. Values are never quoted
+            (the URL may carry a password).
+    """
+    choice = env.get("EXPORTS_SOURCE") or ""
+    sql = {name: env.get(name) or "" for name in SOURCE_SETTINGS["sql"]}
+    given = [name for name, value in sql.items() if value]
+    if choice not in ("", "sample"):
+        raise ConfigurationError(
+            "EXPORTS_SOURCE takes one value, 'sample'; a SQL source is chosen with EXPORTS_SOURCE_URL and "
+            "EXPORTS_SOURCE_TABLE instead"
+        )
+    if choice and given:
+        raise ConfigurationError(f"EXPORTS_SOURCE=sample and {' and '.join(given)} choose two sources: set one")
+    if choice:
+        cadence = positive_int("EXPORTS_SAMPLE_CADENCE_MINUTES", env.get("EXPORTS_SAMPLE_CADENCE_MINUTES", "15"))
+        return SampleInvoiceSource(cadence_minutes=cadence)
+    if not given:
+        raise ConfigurationError(
+            "no invoice source: set EXPORTS_SOURCE=sample for the sample invoices, or EXPORTS_SOURCE_URL and "
+            "EXPORTS_SOURCE_TABLE for a SQL table (a run worker gets them from its launcher config)"
+        )
+    if len(given) == 1:
+        (missing,) = set(sql) - set(given)
+        raise ConfigurationError(f"{given[0]} is set without {missing}: a SQL source needs both")
+    return SqlInvoiceSource(url=sql["EXPORTS_SOURCE_URL"], table=sql["EXPORTS_SOURCE_TABLE"])
 
 
 def build_definitions(
@@ -56,7 +106,8 @@ def build_definitions(
             or three sample tenants.
         ledger_url: SQLAlchemy URL of the ledger; default ``EXPORTS_LEDGER_URL`` or ``./var/ledger.sqlite3``.
         destination: A destination or its spec; default ``EXPORTS_DESTINATION`` or ``./var/exports``.
-        source: Invoice source; default ``EXPORTS_SOURCE_URL`` (SQL) or the sample source.
+        source: Invoice source; default the one the environment chooses (:func:`invoice_source_from`), never
+            implied: ``EXPORTS_SOURCE=sample``, or ``EXPORTS_SOURCE_URL`` and ``EXPORTS_SOURCE_TABLE``.
         file_format: ``csv`` or ``parquet``; default ``EXPORTS_FILE_FORMAT`` or ``csv``.
         schedule_time: Local ``HH:MM`` of the nightly run; must exist exactly once on every day of the zone.
         lease_ttl_seconds: Lease length of a claim; default ``EXPORTS_LEASE_TTL_SECONDS`` or 900.
@@ -89,11 +140,7 @@ def build_definitions(
             allow_below_low_water=settings.allow_below_low_water,
         )
     if source is None:
-        if env.get("EXPORTS_SOURCE_URL"):
-            source = SqlInvoiceSource(url=env["EXPORTS_SOURCE_URL"], table=env.get("EXPORTS_SOURCE_TABLE", "invoices"))
-        else:
-            cadence = positive_int("EXPORTS_SAMPLE_CADENCE_MINUTES", env.get("EXPORTS_SAMPLE_CADENCE_MINUTES", "15"))
-            source = SampleInvoiceSource(cadence_minutes=cadence)
+        source = invoice_source_from(env)
     spec = invoice_export(
         source=source,
         tenants=tenants,

@@ -75,7 +75,7 @@ class _Backfill:
             self.tenants,
             ledger_url=self.ledger_url,
             destination=str(self.work / "exports"),
-            environ={},
+            environ={"EXPORTS_SOURCE": "sample"},
             max_partitions_per_run=CHUNK,
         )
         self.job = self.defs.resolve_job_def(JOB)

@@ -94,7 +94,9 @@ def _tick_variants(folder: Path, instance) -> dict:
         url = f"sqlite:///{folder / f'ledger-{zones}.sqlite3'}"
         _fill_ledger(url, tenants)
         root = folder / f"exports-{zones}"
-        defs = build_definitions(tenants=tenants, ledger_url=url, destination=str(root), environ={})
+        defs = build_definitions(
+            tenants=tenants, ledger_url=url, destination=str(root), environ={"EXPORTS_SOURCE": "sample"}
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             sensor = defs.get_sensor_def("reconciliation_sensor")
@@ -113,6 +115,7 @@ def _tick_variants(folder: Path, instance) -> dict:
 def _environment(home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("EXPORTS_") and k != "DAGSTER_HOME"}
     env["DAGSTER_HOME"] = str(home)
+    env["EXPORTS_SOURCE"] = "sample"  # the reference location has no default source
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
     return env
 

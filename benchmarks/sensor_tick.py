@@ -230,7 +230,9 @@ class StuckLedger:
 def _sensor(url: str, root: str, tenants: list[str]):
     from definitions import build_definitions
 
-    defs = build_definitions(TIMEZONE, START.isoformat(), tenants, ledger_url=url, destination=root, environ={})
+    defs = build_definitions(
+        TIMEZONE, START.isoformat(), tenants, ledger_url=url, destination=root, environ={"EXPORTS_SOURCE": "sample"}
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # get_sensor_def's note about resource resolution: we pass them below
         return defs.get_sensor_def("reconciliation_sensor")

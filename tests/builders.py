@@ -33,3 +33,34 @@ def evidence_for(claim: Claim, *, attempt_id: str | None = None, row_count: int 
         attempt_id=producer,
         fencing_token=claim.fencing_token,
     )
+
+
+def sql_invoices(url: str, day: dt.date, tenants: tuple[str, ...], *, table: str = "invoices", per_tenant: int = 5):
+    """Creates an invoices table (the one ``SqlInvoiceSource`` reads) at ``url`` with ``per_tenant`` invoices for each
+    tenant on ``day`` in New York, unlike the sample's (ids ``<tenant>-sql-<n>``), and returns each tenant's ids."""
+    import sqlalchemy as sa
+
+    from resources.invoices import invoices_table
+
+    start = window_for(day, ZONE).start_utc
+    ids = {tenant: [f"{tenant}-sql-{n}" for n in range(per_tenant)] for tenant in tenants}
+    rows = [
+        {
+            "invoice_id": invoice_id,
+            "tenant": tenant,
+            "occurred_at": start + dt.timedelta(hours=1 + n),
+            "amount": 10.5 + n,
+            "currency": "EUR",
+            "customer_email": f"buyer{n}@example.com",
+        }
+        for tenant, tenant_ids in ids.items()
+        for n, invoice_id in enumerate(tenant_ids)
+    ]
+    engine = sa.create_engine(url)
+    try:
+        with engine.begin() as conn:
+            invoices_table(table).create(conn)
+            conn.execute(invoices_table(table).insert(), rows)
+    finally:
+        engine.dispose()
+    return ids

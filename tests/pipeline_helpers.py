@@ -32,7 +32,7 @@ def make_defs(tmp_path: Path, *, tenants: Sequence[str] = ("acme",), ledger=None
     kwargs.setdefault("destination", str(tmp_path / "exports"))
     if ledger is None:
         kwargs.setdefault("ledger_url", f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
-    return build_definitions(tenants=list(tenants), ledger=ledger, environ={}, **kwargs)
+    return build_definitions(tenants=list(tenants), ledger=ledger, environ={"EXPORTS_SOURCE": "sample"}, **kwargs)
 
 
 def run_partition(defs: dg.Definitions, instance: dg.DagsterInstance, partition_key: str) -> dg.ExecuteInProcessResult:

@@ -178,7 +178,7 @@ def test_bad_tenant_list_in_the_environment_is_refused(tmp_path):
     ],
 )
 def test_bad_settings_are_refused_naming_the_setting(tmp_path, environ, message):
-    environ = {"EXPORTS_LEDGER_URL": f"sqlite:///{tmp_path / 'l.sqlite3'}", **environ}
+    environ = {"EXPORTS_SOURCE": "sample", "EXPORTS_LEDGER_URL": f"sqlite:///{tmp_path / 'l.sqlite3'}", **environ}
     with pytest.raises(ConfigurationError, match=message.replace("(", r"\(").replace(")", r"\)")):
         build_definitions(environ=environ)
 
@@ -205,6 +205,7 @@ def test_naive_bounds_are_refused_by_sources():
 )
 def test_each_export_and_destination_kind_exports_in_its_own_concurrency_pool(tmp_path, destination, pool):
     environ = {
+        "EXPORTS_SOURCE": "sample",
         "EXPORTS_LEDGER_URL": f"sqlite:///{tmp_path / 'l.sqlite3'}",
         "EXPORTS_DESTINATION": destination.format(tmp=tmp_path),
         "EXPORTS_MAX_PARTITIONS_PER_RUN": "7",

@@ -141,7 +141,7 @@ def baseline(tmp_path_factory) -> Path:
         tenants=["acme"],
         ledger_url=f"sqlite:///{folder / 'ledger.sqlite3'}",
         destination=str(folder / "exports"),
-        environ={},
+        environ={"EXPORTS_SOURCE": "sample"},
     )
     result = defs.resolve_job_def(JOB).execute_in_process(
         partition_key=BASELINE_DATE, instance=dg.DagsterInstance.ephemeral()
@@ -175,7 +175,7 @@ class Workspace:
         kwargs.setdefault("tenants", ["acme"])
         kwargs.setdefault("ledger_url", self.ledger_url)
         kwargs.setdefault("destination", self.destination or str(self.exports))
-        return build_definitions(environ={}, **kwargs)
+        return build_definitions(environ={"EXPORTS_SOURCE": "sample"}, **kwargs)
 
     def run(self, defs: dg.Definitions, partition: str = PARTITION) -> str:
         """Runs the partition; returns what the operator reads about its failure ('' when it succeeded)."""
@@ -280,7 +280,7 @@ def raises(build: Callable[[Workspace], object]) -> Callable[[Workspace], str | 
 
 def config_case(name: str, environ: dict[str, str], *expect: str) -> BadInput:
     def build(ws: Workspace):
-        base = {"EXPORTS_LEDGER_URL": ws.ledger_url, "EXPORTS_DESTINATION": str(ws.exports)}
+        base = {"EXPORTS_SOURCE": "sample", "EXPORTS_LEDGER_URL": ws.ledger_url, "EXPORTS_DESTINATION": str(ws.exports)}
         return build_definitions(environ={**base, **environ})
 
     return BadInput(f"config-{name}", raises(build), expect)

@@ -413,7 +413,11 @@ def test_the_lease_length_comes_from_EXPORTS_LEASE_TTL_SECONDS(tmp_path):
     defs = build_definitions(
         tenants=["acme"],
         destination=str(tmp_path / "exports"),
-        environ={"EXPORTS_LEASE_TTL_SECONDS": "7", "EXPORTS_LEDGER_URL": f"sqlite:///{tmp_path / 'l.sqlite3'}"},
+        environ={
+            "EXPORTS_SOURCE": "sample",
+            "EXPORTS_LEASE_TTL_SECONDS": "7",
+            "EXPORTS_LEDGER_URL": f"sqlite:///{tmp_path / 'l.sqlite3'}",
+        },
     )
     with dg.build_resources({"ledger": defs.resources["ledger"]}) as resources:
         ledger = resources.ledger.get_ledger()

@@ -113,7 +113,8 @@ def test_dates_refused_by_a_contract_are_launched_again_once_it_is_accepted(tmp_
     moved = {"acme": Tenant("acme", "America/Chicago", moves=(ZoneMove("2026-03-09", "America/New_York"),)),
              "globex": None}  # fmt: skip
     new = build_definitions("America/New_York", "2026-01-01", moved, ledger_url=url,
-                            destination=str(tmp_path / "exports"), environ={})  # fmt: skip
+                            destination=str(tmp_path / "exports"),
+                            environ={"EXPORTS_SOURCE": "sample"})  # fmt: skip
     chicago = new.resolve_job_def("invoice_export__america_chicago_job")
     assert not chicago.execute_in_process(partition_key="2026-03-09", instance=instance, raise_on_error=False).success
     ledger = _ledger(tmp_path)

@@ -31,7 +31,11 @@ def test_a_plain_ledger_path_in_the_environment_materializes_into_that_sqlite_fi
     tmp_path, instance, monkeypatch, by_name
 ):
     monkeypatch.chdir(tmp_path)
-    env = {"EXPORTS_LEDGER_URL": "./var/ledger.sqlite3", "EXPORTS_DESTINATION": str(tmp_path / "exports")}
+    env = {
+        "EXPORTS_SOURCE": "sample",
+        "EXPORTS_LEDGER_URL": "./var/ledger.sqlite3",
+        "EXPORTS_DESTINATION": str(tmp_path / "exports"),
+    }
     if by_name:  # the process environment: the URL reaches the run as an EnvVar, unresolved until then
         for name, value in env.items():
             monkeypatch.setenv(name, value)
@@ -136,7 +140,7 @@ def test_a_tenant_zone_typo_is_refused_naming_the_tenant_the_zone_and_the_neares
             tenants={"globex": "Europe/Dublin", "acme": "America/New_Yrok"},
             ledger_url=f"sqlite:///{tmp_path / 'ledger.sqlite3'}",
             destination=str(tmp_path / "exports"),
-            environ={},
+            environ={"EXPORTS_SOURCE": "sample"},
         )
     message = str(refused.value)
     assert "tenant 'acme'" in message and "'America/New_Yrok'" in message, message

@@ -448,7 +448,7 @@ def test_a_tenant_refused_by_its_calendar_contract_is_escalated(tmp_path, instan
     assert run_partition(first, instance, "2026-03-08").success  # both contracts recorded in New York
     moved = build_definitions(
         tenants={"acme": "America/Chicago", "globex": NY}, ledger=clocked_ledger,
-        destination=str(tmp_path / "exports"), environ={},
+        destination=str(tmp_path / "exports"), environ={"EXPORTS_SOURCE": "sample"},
     )  # fmt: skip
     refused = moved.resolve_job_def("invoice_export__america_chicago_job").execute_in_process(
         partition_key="2026-03-09", instance=instance, raise_on_error=False

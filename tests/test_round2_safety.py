@@ -432,7 +432,8 @@ def test_a_key_is_never_claimed_before_its_window_ends_for_a_tenant_that_will_mo
         resource = ClockedLedgerResource(url=f"sqlite:///{tmp_path / 'ledger.sqlite3'}", clock_id=clock_id)
         tenant = Tenant("hono", "Pacific/Kiritimati", moves=(ZoneMove("2026-04-01", "Pacific/Honolulu"),))
         defs = build_definitions(
-            tenants=[tenant], ledger=resource, destination=str(tmp_path / "exports"), environ={}
+            tenants=[tenant], ledger=resource, destination=str(tmp_path / "exports"),
+            environ={"EXPORTS_SOURCE": "sample"},
         )
         tick_at = dt.datetime(2026, 3, 8, 14, 30, tzinfo=UTC)  # 2026-03-09 04:30 in Kiritimati
         ran = {}

@@ -31,7 +31,8 @@ def export_root(tmp_path) -> str:
 
 def nightly_schedule(sqlite_url: str, export_root: str, timezone: str = "America/New_York") -> dg.ScheduleDefinition:
     defs = build_definitions(
-        timezone, "2026-01-01", ["acme"], ledger_url=sqlite_url, destination=export_root, environ={}
+        timezone, "2026-01-01", ["acme"], ledger_url=sqlite_url, destination=export_root,
+        environ={"EXPORTS_SOURCE": "sample"},
     )
     return defs.get_schedule_def(SCHEDULE_NAME)
 
@@ -135,7 +136,7 @@ def test_build_definitions_refuses_a_schedule_time_skipped_by_dst(sqlite_url: st
     with pytest.raises(CalendarError, match=r"02:30 does not occur exactly once on 2026-03-08 in America/New_York"):
         build_definitions(
             "America/New_York", "2026-01-01", ["acme"], ledger_url=sqlite_url, destination=export_root,
-            schedule_time="02:30", environ={},
+            schedule_time="02:30", environ={"EXPORTS_SOURCE": "sample"},
         )
 
 

@@ -275,6 +275,7 @@ def test_no_secret_or_customer_data_in_dagster_asset_materialize_output(tmp_path
         "EXPORTS_DESTINATION": f"s3://{s3_bucket}/exports",
         "EXPORTS_TENANTS": "acme",
         "EXPORTS_SOURCE_URL": canary_sql_source(tmp_path / "source.sqlite3"),
+        "EXPORTS_SOURCE_TABLE": "invoices",
         "AWS_ENDPOINT_URL": s3_server,
         "AWS_ACCESS_KEY_ID": "canary-key-id",
         "AWS_SECRET_ACCESS_KEY": SECRET,

@@ -110,7 +110,8 @@ def _sensor_for(sl: StuckLedger, instance: dg.DagsterInstance):
     from definitions import build_definitions
 
     defs = build_definitions(
-        TIMEZONE, START.isoformat(), sl.tenants, ledger_url=sl.url, destination=str(sl.root), environ={}
+        TIMEZONE, START.isoformat(), sl.tenants, ledger_url=sl.url, destination=str(sl.root),
+        environ={"EXPORTS_SOURCE": "sample"},
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -283,6 +283,7 @@ def deployment(image, dagster_database, postgres_url, tmp_path) -> Deployment:
     source_url = f"sqlite:///{tmp_path / 'billing.sqlite3'}"
     ids = sql_invoices(source_url, BUSINESS_DATE, ("acme", "globex", "initech"))  # deploy/k8s-settings.yaml's tenants
     volume = launcher_config(DOCKER)["container_kwargs"]["volumes"][0].split(":")[1]  # where the Docker volume mounts
+    shutil.rmtree(image.at(volume), ignore_errors=True)  # each test's deployment has a volume of its own
     values = {
         **dagster_database,
         "EXPORTS_LEDGER_URL": postgres_url,

@@ -127,6 +127,7 @@ def ledgered_definitions(
             nullable=sorted(spec.schema.nullable),
             timezone=spec.timezone,
             start_date=spec.start_date,
+            version=None if spec.version is None else str(spec.version),
         )
         several = len(spec.groups) > 1
         # One asset, job and schedule per zone of the export: a Dagster partitions definition has one zone.

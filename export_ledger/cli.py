@@ -4,10 +4,11 @@ Subcommands, each with a readable table or ``--json``::
 
     export-ledger status [--export E] [--tenant T] [--from YYYY-MM-DD] [--to YYYY-MM-DD] [--state S ...] [--limit N]
     export-ledger attempts <logical key>
-    export-ledger reconcile [--export E] [--destination SPEC] [--limit N]
+    export-ledger reconcile [--export E] [--limit N]
     export-ledger drift -f FILE | -m MODULE [-a ATTR] | --specs MODULE:ATTR [--export E] [--destination SPEC]
                         [--lookback-days N] [--limit N]
     export-ledger prune --older-than DAYS [--export E]
+    export-ledger accept-contract --export E [--tenant T] [--keep-exported | --restate-exported] --reason "..."
     export-ledger accept-contract --export E [--tenant T] --timezone Z --start-date YYYY-MM-DD [--move D:ZONE]
                                   --reason "..."
     export-ledger restate LOGICAL_KEY --reason "..." [--operator WHO]
@@ -17,17 +18,19 @@ Subcommands, each with a readable table or ``--json``::
     export-ledger upgrade
 
 ``status`` and ``attempts`` only read. ``reconcile`` does once what the reconciliation sensor does each tick:
-it probes the configured destination for stuck keys and records what it finds. ``prune`` deletes old completion
+it probes each stuck key at the destination its contract records and records what it finds. ``prune`` deletes old completion
 records and keeps a low-water mark; ``drift`` does once what the drift sensor does each tick (re-reads the sources of
 recently completed keys and records which are stale); ``status --state stale`` lists them with their counts;
-``accept-contract`` records an operator's acceptance of a changed calendar. ``restate`` records a request to publish
+``accept-contract`` records an operator's acceptance of a changed contract (the one the refused claims named, or a
+calendar given by its options) and what becomes of the keys already exported. ``restate`` records a request to publish
 the next revision of completed keys (published by the partition's next materialization: the command it prints, a
 launch from the UI, or the reconciliation sensor), or withdraws one; ``revisions`` lists every revision of a key, and
 ``status --state restating`` the keys with an open request.
 
-The ledger is found from ``--ledger-url``, else ``EXPORTS_LEDGER_URL``, else ``./var/ledger.sqlite3``; the destination
-``reconcile`` probes from ``--destination``, else ``EXPORTS_DESTINATION``, else ``./var/exports`` (the same settings
-the code location reads, from :mod:`export_ledger.settings`). Export names come from the ledger: ``--export`` names
+The ledger is found from ``--ledger-url``, else ``EXPORTS_LEDGER_URL``, else ``./var/ledger.sqlite3``. A key's
+destination is the one its contract records: ``reconcile``, ``resolve`` and ``restate --withdraw`` act there, and refuse
+a ``--destination`` that names another (only a key claimed before release 0.6, which records none, takes
+``--destination``, else ``EXPORTS_DESTINATION``). Credentials come from the environment, never the ledger. Export names come from the ledger: ``--export`` names
 one it knows. ``restate``, ``reconcile`` and ``drift`` take a code location as ``dagster`` does (``-f FILE`` or
 ``-m MODULE``, ``-a ATTRIBUTE``): only then is it imported (:mod:`export_ledger.dagster.code_location`), its declared
 exports and destinations are used, and the printed ``dagster`` commands repeat those options. ``drift`` needs the
@@ -247,8 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     reconcile.add_argument(
         "--destination",
         metavar="SPEC",
-        help="the destination to probe: a folder, s3://bucket/prefix or ledger-table:<table> "
-        "(default: $EXPORTS_DESTINATION, else ./var/exports)",
+        help="not needed: each key is judged at the destination its contract records. Given, it must be that one "
+        "(else refused, naming both); it answers only for keys claimed before release 0.6, which record none",
     )
     reconcile.set_defaults(handler=_reconcile)
 
@@ -328,7 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     resolve.add_argument(
         "--destination",
         metavar="SPEC",
-        help="the key's destination (default: $EXPORTS_DESTINATION, else ./var/exports)",
+        help="not needed: the key's contract records its destination. Given, it must be that one (else refused, "
+        "naming both); it answers only for a key claimed before release 0.6",
     )
     resolve.set_defaults(handler=_resolve)
 
@@ -390,8 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     restate.add_argument(
         "--destination", metavar="SPEC",
-        help="with --withdraw: the key's destination, which is fenced and looked at first "
-        "(default: EXPORTS_DESTINATION, else ./var/exports)",
+        help="with --withdraw, not needed: the key's contract records its destination, which is fenced and looked "
+        "at first. Given, it must be that one (else refused, naming both)",
     )  # fmt: skip
     restate.add_argument("--reason", help="why (required: without it, exit 2; kept with the revision for good)")
     restate.add_argument("--operator", default=_default_operator(), help="who asks (default: this user@host)")

@@ -200,11 +200,14 @@ def reconcile_once(
     location: CodeLocation | None = None,
     reconciler: str = "export-ledger reconcile",
 ) -> Reconciled:
-    """Reconciles the stuck keys of one export (or of every export ``location`` declares, each at its own
-    destination) once, as a tick of the reconciliation sensor does.
+    """Reconciles the stuck keys of one export, of every export ``location`` declares, or of every export the
+    ledger knows, once, as a tick of the reconciliation sensor does.
 
-    Without a code location one destination is judged per pass, so a ledger of several exports needs ``export``:
-    a key published elsewhere would be judged absent (:class:`UsageRefused`).
+    Each key is judged at the destination its contract records (:func:`recorded_destinations`): the operator names
+    none. ``destination`` (``--destination``), when given, must be that one, or the command is refused
+    (:class:`DestinationMismatch`) before any key is held. A key claimed before release 0.6 has no recorded
+    destination: ``destination``, the code location's or ``EXPORTS_DESTINATION`` answers for it, and only when the
+    pass is about one export (a key published elsewhere would be judged absent: :class:`UsageRefused`).
     """
     require_export(ledger, export)
     if export is not None:
@@ -213,19 +216,19 @@ def reconcile_once(
         exports = [spec.name for spec in location.specs]
     else:
         exports = ledger.queries.exports()
-        if len(exports) > 1:
-            named = ", ".join(exports[:5]) + (", ..." if len(exports) > 5 else "")
-            raise UsageRefused(
-                f"the ledger holds {len(exports)} exports ({named}): reconcile one at a time with --export E and that "
-                "export's --destination, or name the code location with -f FILE or -m MODULE"
-            )
     if not exports:
         return Reconciled(None)
     named = given_destination(destination, settings=settings, ledger_url=ledger.url)
     known = dict(location.destinations) if location is not None else {}
 
-    def legacy(export: str) -> Destination:  # a key claimed before its ledger recorded destinations
-        return destination_for(export, settings=settings, ledger_url=ledger.url, location=location)
+    def legacy(name: str) -> Destination:  # a key claimed before its ledger recorded destinations
+        if len(exports) > 1 and location is None:
+            raise UsageRefused(
+                f"export {name} has stuck keys claimed before its ledger recorded destinations (release 0.6): "
+                "reconcile it on its own with --export E (and its --destination), or name the code location with -f "
+                "FILE or -m MODULE"
+            )
+        return destination_for(name, settings=settings, ledger_url=ledger.url, location=location)
 
     def placed(records: Sequence[ExportRecord]) -> dict[str, Destination]:
         return recorded_destinations(

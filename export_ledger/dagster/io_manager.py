@@ -17,7 +17,7 @@ from export_ledger.calendar import ExportCalendar
 from export_ledger.dagster.resources import DestinationResource, LedgerResource
 from export_ledger.destinations import DestinationError, ExportTarget, Verdict, place_of_location
 from export_ledger.errors import FrameError
-from export_ledger.frames import ExportSchema, read_table
+from export_ledger.frames import ExportSchema, check_column_names, read_table
 from export_ledger.keys import LogicalKey, attempt_id
 from export_ledger.ledger import ExportRecord, Restatement, Revision
 from export_ledger.protocol import ExportBatch, ExportItem, ExportResult, export_batch
@@ -125,6 +125,7 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
         calendar = ExportCalendar(self.timezone, self.start_date)
         export = self.export or context.asset_key.path[-1]
         what = f"{export} (rows of the asset's frame)"
+        check_column_names(frame, schema, what)
         for name in (schema.time_column, schema.tenant_column):
             if name not in frame.columns:
                 raise FrameError(f"{what}: the frame has no {name!r} column")

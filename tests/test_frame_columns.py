@@ -2,7 +2,7 @@
 for a whole frame (on the Arrow path and the pandas path) and for streamed batches; duplicated column names refused
 by name, from a source, in a batch, in a declaration and in an asset's own frame.
 
-The README's *Column kinds* list says what is accepted; :data:`KINDS` below is that list, checked."""
+The README's table in *What a frame must hold* says what each kind accepts; :data:`KINDS` below checks it."""
 
 from __future__ import annotations
 
@@ -94,17 +94,20 @@ KINDS = [
     ("int", "whole floats", _series([4711.0, 2.0, 3.0, 4.0]), False),
     ("int", "floats with fractions", _series([4711.5, 2.0, 3.0, 4.0]), False),
     ("int", "strings of digits", _series(["4711", "2", "3", "4"]), False),
+    ("int", "object of ints", _series([4711, 2, 3, 4], object), False),
     ("bool", "bool", _series([True, False, True, True]), True),
     ("bool", "nullable boolean", _series([True, None, False, True], "boolean"), True),
     ("bool", "object of True/False/None", _series([True, None, False, True], object), True),
     ("bool", "int64 of 0/1", _series([1, 0, 1, 1]), False),
     ("bool", "object of 0/1", _series([1, 0, 1, 1], object), False),
     ("bool", "strings 'true'/'false'", _series(["true", "false", "true", "true"]), False),
+    ("bool", "object of 'true'/'false'", _series(["true", "false", "true", "true"], object), False),
     ("bool", "float64", _series([1.0, 0.0, 1.0, 1.0]), False),
     ("string", "str", _series(["4711", "b", "c", "d"]), True),
     ("string", "object of str and None", _series(["4711", None, "c", "d"], object), True),
     ("string", "string[python]", _series(["4711", "b", "c", "d"], "string"), True),
     ("string", "int64", _series([4711, 2, 3, 4]), False),
+    ("string", "bool", _series([True, False, True, True]), False),
     ("string", "object of bytes in UTF-8", _series([b"4711", b"b", b"c", b"d"], object), True),
     ("string", "object of ints", _series([4711, 2, 3, 4], object), False),
     ("string", "object of str and ints", _series(["a", 4711, "c", "d"], object), False),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
+import inspect
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -37,8 +38,9 @@ class ExportSource(ABC):
     def rows(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> pd.DataFrame:
         """Every row of ``tenant`` whose time is in ``[start_utc, end_utc)``."""
 
-    def count(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> int:
-        """How many rows :meth:`rows` returns for the same arguments (the export's asset check compares it)."""
+    def count(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> int | None:
+        """How many rows :meth:`rows` returns for the same arguments (the export's asset check compares it, when it
+        is run on its own); None: not known without reading the rows again."""
         return len(self.rows(tenant, start_utc, end_utc))
 
     def identity(self) -> dict:
@@ -109,11 +111,19 @@ class CallableSource(ExportSource):
     def identity(self) -> dict:
         return {"kind": "callable", "name": qualified_name(self.fn)}
 
-    def count(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> int:
-        if self.counter is None:
-            return super().count(tenant, start_utc, end_utc)
+    def count(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> int | None:
+        """The ``count`` function's answer; without one, the rows of the function's DataFrame, or None when it yields
+        batches: counting them would read the stream a second time (a generator function is not even called)."""
         start, end = bounds(start_utc, end_utc)
-        return int(self.counter(tenant, start, end))
+        if self.counter is not None:
+            return int(self.counter(tenant, start, end))
+        if inspect.isgeneratorfunction(self.fn):
+            return None
+        result = self.fn(tenant, start, end)
+        if isinstance(result, pd.DataFrame):
+            return len(result)
+        getattr(result, "close", lambda: None)()  # an iterator of batches, left unread
+        return None
 
 
 @dataclass(frozen=True)

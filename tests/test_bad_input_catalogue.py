@@ -101,6 +101,15 @@ def _no_rows_missing_column(frame, start, end):
     return frame.head(0).drop(columns=["amount"])
 
 
+def _bool_amounts(frame, start, end):
+    frame["amount"] = frame["amount"] > 50  # exported as 1.0/0.0 and recorded completed before issue 26
+    return frame
+
+
+def _repeated_amount_column(frame, start, end):
+    return pd.concat([frame, frame[["amount"]]], axis=1)
+
+
 DEFECTS: dict[str, Callable] = {
     "null_invoice_id": _set("invoice_id", None),
     "nat_occurred_at": _set("occurred_at", pd.NaT),
@@ -115,6 +124,8 @@ DEFECTS: dict[str, Callable] = {
     "nanosecond_timestamps": _nanoseconds,
     "no_rows_missing_column": _no_rows_missing_column,
     "foreign_tenant_row": _set("tenant", "globex"),
+    "bool_amounts": _bool_amounts,
+    "repeated_amount_column": _repeated_amount_column,
 }
 
 
@@ -444,6 +455,8 @@ CASES = [
     source_case("nanosecond_timestamps", "does not fit the export schema", "would lose data"),
     source_case("no_rows_missing_column", "missing required columns ['amount']"),
     source_case("foreign_tenant_row", "tenant"),
+    source_case("bool_amounts", "column 'amount' must be numeric, found dtype bool (kind 'float'"),
+    source_case("repeated_amount_column", "the frame has more than one column named 'amount'"),
     # destinations
     BadInput(
         "destination-read-only-root",

@@ -348,7 +348,7 @@ def export_check(
     """``export_matches_source_and_ledger`` of one partition: each of its keys completed in the ledger, its current
     recorded revision intact where it was recorded
     (:meth:`~export_ledger.destinations.Destination.verify_recorded`: its manifest names the key, its data's sha256
-    is the ledger's), and its row count the source's."""
+    is the ledger's), and its row count what the run read from the source (a ledger record's: the source's count)."""
     problems: list[str] = []
     records = {result.logical_key: ledger.queries.get(result.logical_key) for result in results}
     # A key exported under an earlier contract (kept when the destination changed) is checked where it was exported.
@@ -369,9 +369,16 @@ def export_check(
         if seen.verdict is not Verdict.PUBLISHED:
             problems.append(f"{record.logical_key}: {seen.detail}")
             continue
-        expected_rows = spec.count(record.tenant, record.window_start_utc, record.window_end_utc)
-        if expected_rows is not None and record.row_count != expected_rows:
-            problems.append(f"{record.logical_key}: exported {record.row_count} rows, source has {expected_rows}")
+        # A run's result: the rows it read and wrote, never a second read of the source (a streamed callable
+        # source is a generator, read once: issue 26). A ledger record (the check run on its own): the source's count.
+        expected_rows = (
+            result.row_count
+            if isinstance(result, ExportResult)
+            else spec.count(record.tenant, record.window_start_utc, record.window_end_utc)
+        )
+        published_rows = seen.manifest.row_count
+        if expected_rows is not None and published_rows != expected_rows:
+            problems.append(f"{record.logical_key}: {published_rows} rows published, {expected_rows} read from source")
     return dg.AssetCheckEvaluation(
         check_name=CHECK_NAME,
         asset_key=asset_key,

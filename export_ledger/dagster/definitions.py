@@ -27,6 +27,7 @@ from export_ledger.dagster.schedules import build_nightly_schedule
 from export_ledger.dagster.sensors import build_reconciliation_sensor, job_selection
 from export_ledger.destinations import Destination, destination_from
 from export_ledger.destinations.registry import scheme_of
+from export_ledger.destinations.table import SqlTableDestination
 from export_ledger.drift import DEFAULT_DRIFT_BATCH, DEFAULT_LOOKBACK_DAYS
 from export_ledger.errors import ConfigurationError
 from export_ledger.settings import LEDGER_URL_ENV, Settings
@@ -110,6 +111,9 @@ def ledgered_definitions(
         table = resource.spec.removeprefix("ledger-table:") if resource.spec.startswith("ledger-table:") else None
         if table is not None and "{export}" not in table:
             shared_tables.setdefault(table, []).append(spec.name)
+        problem = SqlTableDestination.check_export(resource.spec, spec.name) if table is not None else None
+        if problem:  # checked with the export's own name: every run would fail on it (issue 26)
+            raise ConfigurationError(f"{what} {resource.spec!r}: {problem}")
         pool = f"{_pool_kind(spec_destination)}-{spec.name}"
         destination_key, io_manager_key = resource_keys(spec)
         resources[destination_key] = resource

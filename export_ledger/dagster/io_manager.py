@@ -18,7 +18,7 @@ from export_ledger.contract import asset_source, export_terms, with_terms
 from export_ledger.dagster.resources import DestinationResource, LedgerResource
 from export_ledger.destinations import DestinationError, ExportTarget, Verdict, place_of_location
 from export_ledger.errors import FrameError
-from export_ledger.frames import ExportSchema, read_table
+from export_ledger.frames import ExportSchema, check_column_names, read_table
 from export_ledger.keys import LogicalKey, attempt_id
 from export_ledger.ledger import ExportRecord, Restatement, Revision
 from export_ledger.placement import recorded_destinations
@@ -129,6 +129,7 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
         calendar = ExportCalendar(self.timezone, self.start_date)
         export = self.export or context.asset_key.path[-1]
         what = f"{export} (rows of the asset's frame)"
+        check_column_names(frame, schema, what)
         for name in (schema.time_column, schema.tenant_column):
             if name not in frame.columns:
                 raise FrameError(f"{what}: the frame has no {name!r} column")

@@ -26,7 +26,7 @@ from export_ledger.contract import calendar_of
 from export_ledger.destinations import LocalDestination
 from export_ledger.failpoints import ENV_VAR as FAILPOINTS
 from export_ledger.keys import LogicalKey
-from export_ledger.ledger import ContractChanged, DestinationMoved, ExportLedger, ExportState
+from export_ledger.ledger import ContractChanged, DestinationMoved, ExportLedger, ExportState, RestatementRefused
 from export_ledger.spec import ExportSpec
 from resources.invoices import SampleInvoiceSource, SqlInvoiceSource, invoices_table
 from tests.builders import evidence_for
@@ -158,18 +158,12 @@ def test_a_new_destination_keeps_exported_keys_where_they_are_and_operator_comma
     assert (tmp_path / "new-exports" / "invoice_export" / "tenant=acme" / "date=2026-03-08").is_dir()
 
     ledger = ledger_at(tmp_path)
-    ledger.restatements.request(KEY_7, reason="late invoices", requested_by="ops")
-    restated = run_partition(moved, instance, "2026-03-07")
-    assert not restated.success
-    assert "publishes to local" in failure_message(restated) and "new-exports" in failure_message(restated), (
-        "a restatement would publish revision 2 at the new destination beside nothing: refused at claim"
-    )
+    with pytest.raises(RestatementRefused, match="where its revisions stay"):
+        ledger.restatements.request(KEY_7, reason="late invoices", requested_by="ops")
+    assert cli.main([*url, "restate", KEY_7, "--reason", "late invoices"]) == 1
+    assert "a restatement would publish its next revision at the new destination" in capsys.readouterr().err
     assert ledger.queries.get(KEY_7).state is ExportState.COMPLETED, "revision 1 stays current where it is"
-    monkeypatch.setenv("EXPORTS_DESTINATION", str(tmp_path / "new-exports"))
-    assert cli.main([*url, "restate", "--withdraw", KEY_7, "--reason", "not needed"]) == 0, (
-        "the withdrawal acts at the key's recorded destination, whatever EXPORTS_DESTINATION says"
-    )
-    assert ledger.restatements.open_requests([KEY_7]) == {}
+    assert run_partition(moved, instance, "2026-03-07").success, "nothing to do for 2026-03-07: it is exported"
 
 
 def _key(day: int) -> LogicalKey:

@@ -234,6 +234,26 @@ class Contracts:
                 moved[record.logical_key] = moved_destination(record.logical_key, was, now)
         return moved
 
+    def moved_key_in(self, conn: Connection, record) -> tuple[dict, dict] | None:
+        """Inside a transaction: ``(recorded, in force)`` destinations when the contract ``record`` was last claimed
+        under publishes elsewhere than its tenant's contract in force (a key kept at the old destination by an
+        accepted move), else None."""
+        if not self.ledger.supports(KEY_CONTRACTS_SCHEMA_VERSION):
+            return None
+        contract_id = conn.execute(
+            sa.select(export_runs.c.contract_id).where(export_runs.c.logical_key == record.logical_key)
+        ).scalar()
+        if contract_id is None:
+            return None
+        wide, own = _in_force(conn, record.export)
+        mine = own.get(record.tenant)
+        chosen = mine if mine is not None and (wide is None or mine[0] > wide[0]) else wide
+        if chosen is None or chosen[0] == contract_id:
+            return None
+        was = destination_of(_contracts_by_id(conn, {contract_id}).get(contract_id))
+        now = destination_of(json.loads(chosen[1]))
+        return (was, now) if was is not None and now is not None and was != now else None
+
     # -- reads ---------------------------------------------------------------------------------------------------
 
     def recorded(self, export: str) -> dict | None:

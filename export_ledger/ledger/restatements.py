@@ -92,6 +92,14 @@ class Restatements:
                     f"{logical_key} is {record.state.value}: only a completed key is restated (a key that is not "
                     "completed gets its first export by a rerun)"
                 )
+            moved = ledger.contracts.moved_key_in(conn, record)
+            if moved is not None:
+                was, now_at = moved
+                raise RestatementRefused(
+                    f"{logical_key} was exported to {was['kind']} {was['root']}, where its revisions stay (the export "
+                    f"moved to {now_at['kind']} {now_at['root']} and kept its exported keys): a restatement would "
+                    "publish its next revision at the new destination, beside nothing. Refused"
+                )
             rows = self._revision_rows(conn, logical_key)
             if not rows:
                 conn.execute(_INSERT_REVISION, _revision_values(Revision.first(record)))  # the history starts whole

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 
 import dagster as dg
 import pytest
 from builders import evidence_for, key_for
 from pipeline_helpers import JOB, make_defs, tick
 
+from export_ledger.dagster.sensors import end_dead_runs
 from export_ledger.dead_runs import Finding, Lease, RunLedger, Watch, judge_run, run_of
 from export_ledger.ledger import AttemptOutcome, AttemptRecord, ExportState
 
@@ -213,3 +215,35 @@ def test_a_tick_marks_at_most_its_batch_of_dead_runs_and_the_next_tick_the_rest(
         cursor = tick(defs, instance, cursor).cursor
         ended.append(sum(_status(instance, run) is dg.DagsterRunStatus.FAILURE for run in runs))
     assert ended == [1, 2], "one dead run a tick at batch size 1, the other on the next tick"
+
+
+def test_a_run_heard_from_in_a_row_not_read_yet_is_not_ended(defs, instance, clocked_ledger, clock):
+    """The run stalled past one key's lease (taken over) and then completed another key: two rows, read one a tick.
+    Judged after the first row alone it would look dead; the sensor judges only once it has read every row."""
+    ledger = clocked_ledger.get_ledger()
+    run = _started_run(defs, instance)
+    attempt = f"{run.run_id}/invoice_export"
+    lost, kept = (key_for(dt.date(2026, 3, 8), tenant=tenant) for tenant in ("acme", "globex"))
+    claims = ledger.claims.claim_many([lost, kept], attempt)
+    clock.advance(seconds=ledger.lease_ttl.total_seconds() - 60)
+    (renewed,) = ledger.claims.renew_many([claims[1]])
+    clock.advance(seconds=61)
+    ledger.claims.claim(lost, "a-retry/invoice_export")  # takes the ended lease over: the run's attempt abandoned
+    ledger.completions.complete(renewed, evidence_for(renewed))  # the run was alive all along
+    watch, log = Watch(after=0), logging.getLogger("test_dead_runs")
+    for _ in range(3):
+        watch, ended = end_dead_runs(instance, ledger, ["invoice_export"], watch, limit=10, log=log, attempts_read=1)
+        assert ended == []
+    assert _status(instance, run) is dg.DagsterRunStatus.STARTED, "a run heard from after its loss is alive"
+
+
+def test_a_run_of_another_code_locations_export_is_left_to_that_location(defs, instance, clocked_ledger, clock):
+    ledger = clocked_ledger.get_ledger()
+    run = _started_run(defs, instance)
+    theirs = key_for(dt.date(2026, 3, 8), export="payments_export")
+    ledger.claims.claim(theirs, f"{run.run_id}/payments_export")
+    clock.advance(hours=1)
+    ledger.claims.claim(theirs, "their-retry/payments_export")
+    log = logging.getLogger("test_dead_runs")
+    _, ended = end_dead_runs(instance, ledger, ["invoice_export"], Watch(after=0), limit=10, log=log)
+    assert ended == [] and _status(instance, run) is dg.DagsterRunStatus.STARTED

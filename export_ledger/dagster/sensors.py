@@ -253,16 +253,17 @@ def end_dead_runs(
     *,
     limit: int,
     log,
+    attempts_read: int = ATTEMPTS_READ,
 ) -> tuple[Watch, list[str]]:
     """Marks failed in Dagster, at most ``limit`` a tick, the runs still ``STARTING`` or ``STARTED`` that the ledger
     knows have ended (:mod:`export_ledger.dead_runs`): their pool slots are freed (run monitoring frees a finished
     run's slots after ``free_slots_after_run_end_seconds``), Dagster's run retries and this sensor's reruns proceed.
 
-    Reads the attempt rows of ``exports`` after ``watch.after`` (at most :data:`ATTEMPTS_READ`) and judges the runs
+    Reads the attempt rows of ``exports`` after ``watch.after`` (at most ``attempts_read``) and judges the runs
     that lost keys once it has read them all (a run heard from in a row not read yet must not be ended). A run judged
     not ended leaves the watch: the next key it loses brings it back. Returns the watch to keep and the runs ended.
     """
-    rows, after, more = ledger.queries.attempts_after(watch.after, limit=ATTEMPTS_READ, exports=exports)
+    rows, after, more = ledger.queries.attempts_after(watch.after, limit=attempts_read, exports=exports)
     watch = watch.seen(rows, after)
     if more or not watch.losing:
         return watch, []
@@ -274,30 +275,27 @@ def end_dead_runs(
     held = ledger.queries.held_by_runs(sorted(in_flight))
     ended = []
     for verdict in judge_runs(watch, sorted(in_flight), held, ledger.now()):
-        if not verdict.ended:
-            log.info(f"run {verdict.run_id} lost export keys but is not ended: {verdict.why}")
-        elif _mark_failed(instance, in_flight[verdict.run_id], verdict.why, log):
+        if verdict.ended:
+            _mark_failed(instance, in_flight[verdict.run_id], verdict.why, log)
             ended.append(verdict.run_id)
+        else:
+            log.info(f"run {verdict.run_id} lost export keys but is not ended: {verdict.why}")
     judged = {run.run_id for run in losing}
     return Watch(after, {run_id: run for run_id, run in watch.losing.items() if run_id not in judged}), ended
 
 
-def _mark_failed(instance: dg.DagsterInstance, run: dg.DagsterRun, why: str, log) -> bool:
-    """Marks ``run`` failed, with ``why`` as the failure event in its own log, unless it finished meanwhile.
+def _mark_failed(instance: dg.DagsterInstance, run: dg.DagsterRun, why: str, log) -> None:
+    """Marks ``run`` failed, with ``why`` in the failure event of its own log.
 
     ``DagsterInstance.report_run_failed`` is not in Dagster's API reference, but it is what Dagster's own run
     monitoring calls on a run past ``max_runtime_seconds``, and no documented method marks a run failed (the UI's
     forced termination marks it canceled, which this sensor reads as a person's decision: never relaunched)."""
-    current = instance.get_run_by_id(run.run_id)
-    if current is None or current.status not in IN_FLIGHT:
-        return False
     message = (
         f"Marked failed by the export ledger's reconciliation_sensor: {why}. Dagster still had it "
-        f"{current.status.value}, holding its pool slots until max_runtime_seconds; its keys are rerun."
+        f"{run.status.value}, holding its pool slots until max_runtime_seconds; its keys are rerun."
     )
-    instance.report_run_failed(current, message)
+    instance.report_run_failed(run, message)
     log.warning(f"run {run.run_id} ({run.job_name}): {message}")
-    return True
 
 
 def merged(requests: Sequence[dg.RunRequest]) -> list[dg.RunRequest]:

@@ -8,11 +8,24 @@ and the refusal never repeats the secret.
 
 from __future__ import annotations
 
-import pytest
+import datetime as dt
+import os
+import subprocess
+import sys
+from pathlib import Path
 
-from export_ledger import cli
+import pandas as pd
+import pytest
+from builders import key_for
+
+from definitions import build_definitions
+from export_ledger import ExportSpec, cli
+from export_ledger.dagster import ledgered_definitions
+from export_ledger.destinations import destination_from
 from export_ledger.errors import ConfigurationError, redact_text
 from export_ledger.ledger import ExportLedger, LedgerUnavailable, redact_url
+
+PROJECT = Path(__file__).resolve().parent.parent
 
 # -- 1. a URL's password, whatever characters it holds ---------------------------------------------------------------
 
@@ -77,3 +90,143 @@ def test_a_ledger_url_whose_password_holds_an_unencoded_at_sign_is_refused_namin
     assert cli.main(["--ledger-url", url, "status"]) == 1
     err = capfd.readouterr().err
     assert "%40" in err and "2-tail" not in err and "v6-tail" not in err and "hunter" not in err, err
+
+
+# -- 2. a destination spec that carries a credential ------------------------------------------------------------------
+
+SECRET = "SECRETcanary-5e0a7c"
+#: (spec, how the refusal shows it, a setting the refusal names as the place for the credentials).
+CREDENTIAL_SPECS = [
+    pytest.param(f"s3://AKIAEXAMPLE:{SECRET}@exports-bucket/p", "s3://***@exports-bucket/p", "AWS_SECRET_ACCESS_KEY",
+                 id="s3-user-and-password"),
+    pytest.param(f"s3://AKIAEXAMPLE:pa/{SECRET}@exports-bucket/p", "s3://***@exports-bucket/p",
+                 "AWS_SECRET_ACCESS_KEY", id="s3-password-with-slash"),
+    pytest.param(f"az://account:{SECRET}@exports/p", "az://***@exports/p", "AZURE_STORAGE_ACCOUNT_KEY",
+                 id="az-user-and-password"),
+    pytest.param(f"gs://user:{SECRET}@exports-bucket/p", "gs://***@exports-bucket/p", "GOOGLE_APPLICATION_CREDENTIALS",
+                 id="gs-user-and-password"),
+    pytest.param(f"delta:s3://AKIAEXAMPLE:{SECRET}@exports-bucket/t", "delta:s3://***@exports-bucket/t",
+                 "AWS_SECRET_ACCESS_KEY", id="delta-s3-user-and-password"),
+    pytest.param(f"s3://exports-bucket/p?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Signature={SECRET}",
+                 "s3://exports-bucket/p?***", "AWS_SECRET_ACCESS_KEY", id="s3-presigned"),
+    pytest.param(f"gs://exports-bucket/p?X-Goog-Algorithm=GOOG4-RSA-SHA256&X-Goog-Signature={SECRET}",
+                 "gs://exports-bucket/p?***", "GOOGLE_APPLICATION_CREDENTIALS", id="gs-signed"),
+    pytest.param(f"az://exports/p?sv=2022-11-02&ss=b&srt=co&sp=rwdlac&se=2026-12-31T00:00:00Z&sig={SECRET}",
+                 "az://exports/p?***", "AZURE_STORAGE_SAS_TOKEN", id="az-sas"),
+    pytest.param(f"az://exports/p?{SECRET}", "az://exports/p?***", "AZURE_STORAGE_SAS_TOKEN", id="any-query"),
+    pytest.param(f"DefaultEndpointsProtocol=https;AccountName=acct;AccountKey={SECRET}==;EndpointSuffix=core.windows.net",
+                 "DefaultEndpointsProtocol=***;AccountName=***;AccountKey=***;EndpointSuffix=***",
+                 "AZURE_STORAGE_ACCOUNT_KEY", id="azure-connection-string"),
+    pytest.param(f"https://acct.blob.core.windows.net/exports?sv=2022-11-02&sig={SECRET}",
+                 "https://acct.blob.core.windows.net/exports?***", "AZURE_STORAGE_SAS_TOKEN", id="sas-url"),
+    pytest.param(f"exporter:{SECRET}@files.example:/srv/exports", "***@files.example:/srv/exports", "no credentials",
+                 id="scp-style-folder"),
+    pytest.param(f"./exports?sig={SECRET}", "./exports?***", "no credentials", id="folder-with-a-signature"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("spec", "shown", "setting"), CREDENTIAL_SPECS)
+def test_a_destination_spec_with_a_credential_is_refused_without_repeating_it(
+    spec, shown, setting, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)  # a spec taken for a folder would be created here
+    with pytest.raises(ConfigurationError) as refused:
+        destination_from(spec, ledger_url="", credentials={"azure_account_name": "acct"}, what="EXPORTS_DESTINATION")
+    message = str(refused.value)
+    assert SECRET not in message, f"the refusal repeats the secret: {message}"
+    assert message.startswith("EXPORTS_DESTINATION carries "), "the refusal names the setting and the problem"
+    assert repr(shown) in message, "the spec is shown with the secret part replaced"
+    assert setting in message, "the refusal says where the credentials go instead"
+    assert list(tmp_path.iterdir()) == [], "nothing is created"
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["s3://exports-bucket/team@corp/p", "./exports/key=2026", "ledger-table:exported_{export}", "az://exports/p"],
+)
+def test_destination_specs_without_credentials_are_still_accepted(spec):
+    destination_from(spec, ledger_url="sqlite://", credentials={"azure_account_name": "acct"})
+
+
+SOME_SPECS = [CREDENTIAL_SPECS[0], CREDENTIAL_SPECS[5], CREDENTIAL_SPECS[9]]
+
+
+def orders(destination: str | None = None) -> ExportSpec:
+    return ExportSpec(
+        name="orders", source=lambda tenant, start, end: pd.DataFrame(), tenants=["acme"],
+        columns={"order_id": "string", "tenant": "string", "placed_at": "timestamp"}, id_columns=["order_id"],
+        time_column="placed_at", tenant_column="tenant", timezone="America/New_York", start_date="2026-01-01",
+        destination=destination,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("spec", "shown", "setting"), SOME_SPECS)
+def test_an_exports_own_destination_with_a_credential_fails_the_code_location_load_without_repeating_it(
+    spec, shown, setting, sqlite_url
+):
+    with pytest.raises(ConfigurationError) as refused:
+        ledgered_definitions([orders(spec)], environ={"EXPORTS_LEDGER_URL": sqlite_url})
+    message = str(refused.value)
+    assert message.startswith("destination of export orders carries ") and repr(shown) in message, message
+    assert SECRET not in message
+
+
+@pytest.mark.parametrize(("spec", "shown", "setting"), SOME_SPECS)
+def test_exports_destination_or_a_destination_argument_with_a_credential_fails_build_definitions(
+    spec, shown, setting, sqlite_url
+):
+    environ = {"EXPORTS_LEDGER_URL": sqlite_url, "EXPORTS_DESTINATION": spec}
+    with pytest.raises(ConfigurationError) as from_environment:
+        build_definitions(environ=environ)
+    with pytest.raises(ConfigurationError) as from_argument:
+        build_definitions(destination=spec, environ={"EXPORTS_LEDGER_URL": sqlite_url})
+    for refused, setting_name in ((from_environment, "EXPORTS_DESTINATION"), (from_argument, "destination argument")):
+        message = str(refused.value)
+        assert setting_name in message and repr(shown) in message and setting in message, message
+        assert SECRET not in message
+
+
+@pytest.mark.parametrize(("spec", "shown", "setting"), SOME_SPECS)
+def test_the_cli_refuses_a_destination_with_a_credential_exit_1_without_printing_it(
+    spec, shown, setting, sqlite_url, tmp_path, monkeypatch, capfd
+):
+    for name in ("EXPORTS_SOURCE_URL", "EXPORTS_TENANTS", "EXPORTS_FILE_FORMAT"):
+        monkeypatch.delenv(name, raising=False)
+    ledger = ExportLedger(sqlite_url)
+    long_ago = dt.datetime.now(dt.timezone.utc) - dt.timedelta(hours=1)
+    ExportLedger(sqlite_url, clock=lambda: long_ago).claims.claim(key_for(), "dead-run/invoice_export")  # stuck
+    assert ledger.queries.get(str(key_for())) is not None
+    monkeypatch.setenv("EXPORTS_LEDGER_URL", sqlite_url)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("EXPORTS_DESTINATION", spec)
+
+    printed = {}
+    for argv in (["reconcile", "-f", str(PROJECT / "definitions.py")], ["reconcile"]):
+        printed[argv[-1]] = (cli.main(argv), *capfd.readouterr())
+    monkeypatch.delenv("EXPORTS_DESTINATION")
+    printed["--destination"] = (cli.main(["reconcile", "--destination", spec]), *capfd.readouterr())
+
+    for how, (code, out, err) in printed.items():
+        setting_name = "--destination" if how == "--destination" else "EXPORTS_DESTINATION"
+        assert code == 1, f"{how}: exit 1 (runtime error), got {code}: {err}"
+        assert f"{setting_name} carries" in err and repr(shown) in err, f"{how}: {err}"
+        assert SECRET not in out + err, f"{how}: the secret is printed"
+    assert not (tmp_path / "DefaultEndpointsProtocol=https;AccountName=acct").exists()
+
+
+@pytest.mark.process
+def test_the_code_location_load_error_never_shows_a_destination_credential(tmp_path, sqlite_url):
+    ExportLedger(sqlite_url)
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("EXPORTS_", "AWS_", "AZURE_"))},
+        "DAGSTER_HOME": str(tmp_path),
+        "EXPORTS_LEDGER_URL": sqlite_url,
+        "EXPORTS_DESTINATION": f"az://exports/p?sv=2022-11-02&sig={SECRET}",
+    }
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "dagster"), "definitions", "validate", "-f", "definitions.py"],
+        cwd=PROJECT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode != 0 and "EXPORTS_DESTINATION carries a query string" in output, output[-3000:]
+    assert SECRET not in output, "the load error (shown by the webserver and the daemon) repeats the secret"

@@ -105,7 +105,10 @@ def ledgered_definitions(
     shared_tables: dict[str, list[str]] = {}
     for spec in exports:
         spec_destination = spec.destination or destination or settings.destination
-        what = f"destination of export {spec.name}" if spec.destination else "EXPORTS_DESTINATION"
+        what = (
+            f"destination of export {spec.name}" if spec.destination
+            else "the destination argument" if destination else "EXPORTS_DESTINATION"
+        )  # fmt: skip
         resource = _destination_resource(spec_destination, ledger, settings, secrets_by_name, what)
         table = resource.spec.removeprefix("ledger-table:") if resource.spec.startswith("ledger-table:") else None
         if table is not None and "{export}" not in table:

@@ -9,18 +9,20 @@ and the refusal never repeats the secret.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import dagster as dg
 import pandas as pd
 import pytest
 from builders import key_for
 
 from definitions import build_definitions
 from export_ledger import ExportSpec, cli
-from export_ledger.dagster import ledgered_definitions
+from export_ledger.dagster import LedgerResource, ledgered_definitions
 from export_ledger.destinations import destination_from
 from export_ledger.errors import ConfigurationError, redact_text
 from export_ledger.ledger import ExportLedger, LedgerUnavailable, redact_url
@@ -230,3 +232,77 @@ def test_the_code_location_load_error_never_shows_a_destination_credential(tmp_p
     output = done.stdout + done.stderr
     assert done.returncode != 0 and "EXPORTS_DESTINATION carries a query string" in output, output[-3000:]
     assert SECRET not in output, "the load error (shown by the webserver and the daemon) repeats the secret"
+
+
+# -- 3. the ledger URL's password never reaches the UI's resource config ---------------------------------------------
+
+PASSWORD = "PWcanary-41d2"
+LEDGER_WITH_PASSWORD = f"postgresql+psycopg2://exporter:{PASSWORD}@db.internal:5432/ledger"
+
+
+def ui_resource_config(defs: dg.Definitions) -> dict[str, dict]:
+    """Every top-level resource's configured values as the Dagster UI gets them (GraphQL ``configuredValues``, which
+    Dagster takes from the default value of the resource's config schema)."""
+    resources = defs.get_repository_def().get_top_level_resources()
+    return {
+        name: json.loads(resource.config_schema.default_value_as_json_str)
+        for name, resource in resources.items()
+        if resource.config_schema.default_provided
+    }
+
+
+@pytest.fixture
+def no_exports_settings(monkeypatch):
+    for name in [name for name in os.environ if name.startswith(("EXPORTS_", "AWS_", "AZURE_"))]:
+        monkeypatch.delenv(name)
+
+
+def test_a_ledger_url_from_the_environment_stays_an_envvar_when_lease_ttl_seconds_is_given(
+    monkeypatch, no_exports_settings, tmp_path
+):
+    monkeypatch.setenv("EXPORTS_LEDGER_URL", LEDGER_WITH_PASSWORD)
+    monkeypatch.setenv("EXPORTS_DESTINATION", str(tmp_path / "exports"))
+
+    config = ui_resource_config(build_definitions(lease_ttl_seconds=60))
+
+    assert PASSWORD not in json.dumps(config), "the password is in the UI's resource config"
+    assert config["ledger"]["url"] == {"env": "EXPORTS_LEDGER_URL"}, "the ledger URL is passed by name"
+    assert config["ledger"]["lease_ttl_seconds"] == 60, "the argument is still applied"
+    destinations = [values for name, values in config.items() if name.endswith("__destination")]
+    assert destinations and all(d["ledger_url"] == {"env": "EXPORTS_LEDGER_URL"} for d in destinations)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        pytest.param(lambda: build_definitions(ledger_url=LEDGER_WITH_PASSWORD), id="ledger_url-argument"),
+        pytest.param(lambda: build_definitions(ledger_url=LEDGER_WITH_PASSWORD, lease_ttl_seconds=60), id="with-ttl"),
+        pytest.param(
+            lambda: build_definitions(ledger_url=f"postgresql+psycopg2://exporter@db/ledger?password={PASSWORD}"),
+            id="password-as-query-parameter",
+        ),
+        pytest.param(
+            lambda: ledgered_definitions([orders()], environ={"EXPORTS_LEDGER_URL": LEDGER_WITH_PASSWORD}),
+            id="environ-mapping",
+        ),  # fmt: skip
+        pytest.param(
+            lambda: ledgered_definitions([orders()], ledger=LedgerResource(url=LEDGER_WITH_PASSWORD)),
+            id="ledger-resource",
+        ),  # fmt: skip
+    ],
+)
+def test_a_ledger_url_with_a_password_given_as_a_value_is_refused_saying_how_to_give_it_by_name(
+    build, no_exports_settings
+):
+    with pytest.raises(ConfigurationError) as refused:
+        build()
+    message = str(refused.value)
+    assert PASSWORD not in message, message
+    assert "Dagster UI's resource config" in message, "the refusal says why"
+    assert "EXPORTS_LEDGER_URL" in message and "EnvVar" in message and "PGPASSWORD" in message, "and what to do"
+
+
+def test_a_ledger_url_without_a_password_is_still_taken_as_an_argument(no_exports_settings, tmp_path):
+    url = "postgresql+psycopg2://exporter@db.internal:5432/ledger"
+    config = ui_resource_config(build_definitions(ledger_url=url, destination=str(tmp_path), lease_ttl_seconds=60))
+    assert config["ledger"]["url"] == url and config["ledger"]["lease_ttl_seconds"] == 60

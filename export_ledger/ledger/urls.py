@@ -58,6 +58,19 @@ def redact_url(url: str) -> str:
     return parsed.set(query=query).render_as_string(hide_password=True).replace("%2A%2A%2A", "***")
 
 
+def holds_secret(url: str) -> bool:
+    """Whether a database URL carries a secret: a password in its userinfo (``user:password@``), or a query
+    parameter named like one (``?password=``, ``?sslkey=``...). A plain path holds none."""
+    if is_plain_path(url):
+        return False
+    _, found, rest = url.partition("://")
+    end = userinfo_end(rest) if found else -1
+    if end >= 0 and ":" in rest[:end]:
+        return True
+    query = rest.partition("?")[2]
+    return any(SECRET_NAME.search(part.partition("=")[0]) for part in re.split(r"[&;]", query) if part)
+
+
 def database_url(text: str, *, what: str = "database URL") -> URL:
     """The SQLAlchemy URL to open for ``text``: a plain path as a SQLite file, ``postgresql://`` with the installed
     driver, anything else as written.

@@ -18,7 +18,8 @@ token included).
 Blobs up to ``max_single_put_bytes`` go up in one Put Blob; larger data files as blocks committed by one Put Block
 List, which carries the condition. Before the first write (once per process and store) both paths are probed with a
 small object (the block path through a client whose single-put limit is below it), and a store that ignores the
-condition on either is refused.
+condition on either is refused, as is one that lets more than one of several racing creates win
+(:func:`~export_ledger.destinations.store.racing_creates`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,15 @@ from export_ledger.destinations.base import DestinationError, DestinationUnreach
 from export_ledger.destinations.publishing import PublishingDestination
 from export_ledger.destinations.registry import Scheme
 from export_ledger.destinations.staging import StagedFileUpload, file_sha256, staging_folder
-from export_ledger.destinations.store import AlreadyExists, Blob, ObjectStore, PreconditionFailed, Upload
+from export_ledger.destinations.store import (
+    AlreadyExists,
+    Blob,
+    ObjectStore,
+    PreconditionFailed,
+    Upload,
+    race_problem,
+    racing_creates,
+)
 from export_ledger.errors import redact_text
 
 _CONTAINER_RE = re.compile(r"[a-z0-9](?!.*--)[a-z0-9-]{1,61}[a-z0-9]")
@@ -249,7 +258,8 @@ class AzureStore(ObjectStore):
     def check_conditions(self) -> None:
         """Refuses a container that ignores ``If-None-Match: *`` or ``If-Match``: a probe blob is created twice (the
         second must be refused), rewritten on an ETag it does not have and on its own, and a probe of the block path
-        is created twice as blocks. Once per process and store."""
+        is created twice as blocks; then racing creates of a third probe blob (exactly one may win). Once per
+        process and store."""
         where = (self.account_url, self.container)
         if where in _CONDITIONS_CHECKED:
             return
@@ -269,9 +279,11 @@ class AzureStore(ObjectStore):
                 self._must_refuse(lambda: self._send(blocks, b"6" * size, None, (single_put, block)), "a second "
                                   "conditional create committed as a block list (Put Block List, If-None-Match: *)",
                                   "a retry could replace a published data file uploaded in blocks")
+                self._race(f"{small}-race")
             finally:
                 self.delete(small)
                 self.delete(blocks)
+                self.delete(f"{small}-race")
         except errors.AzureError as exc:
             status = getattr(exc, "status_code", None)
             if self._no_container(exc):
@@ -287,6 +299,16 @@ class AzureStore(ObjectStore):
                 f"{self._describe_error(exc)}"
             ) from None
         _CONDITIONS_CHECKED.add(where)
+
+    def _race(self, name: str) -> None:
+        accepted = racing_creates(lambda body: self._send(name, body, None), self._refused_condition)
+        problem = race_problem(accepted, self.read(name))
+        if problem:
+            raise DestinationError(
+                f"az://{self.container} {problem}: its check that a blob is absent and its write are not one atomic "
+                "step, so two parties racing for a key's place or pointer could both win silently. Refusing to "
+                "publish to it"
+            )
 
     def _must_refuse(self, write, what: str, risk: str) -> None:
         _, _, errors = _sdk()

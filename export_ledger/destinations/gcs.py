@@ -18,7 +18,7 @@ Two upload paths, each checked before its first use (once per process and store)
 conditions on one and not the other (fake-gcs-server before 1.55 ignores them on resumable uploads):
 
 * objects up to :data:`SINGLE_REQUEST_LIMIT` (pointers, manifests, most data files) go up in one multipart request;
-  :meth:`GCSStore.check_conditions` probes that path at startup;
+  :meth:`GCSStore.check_conditions` probes that path at startup (a second create, a stale generation, racing creates);
 * data files above it go up as a resumable upload in chunks; before the first one, a probe object just above the limit
   is created twice the same way, and a store that accepts the second create is refused.
 """
@@ -38,7 +38,15 @@ from export_ledger.destinations.base import DestinationError, DestinationUnreach
 from export_ledger.destinations.publishing import PublishingDestination
 from export_ledger.destinations.registry import Scheme
 from export_ledger.destinations.staging import StagedFileUpload, file_sha256, staging_folder
-from export_ledger.destinations.store import AlreadyExists, Blob, ObjectStore, PreconditionFailed, Upload
+from export_ledger.destinations.store import (
+    AlreadyExists,
+    Blob,
+    ObjectStore,
+    PreconditionFailed,
+    Upload,
+    race_problem,
+    racing_creates,
+)
 from export_ledger.errors import redact_text
 
 #: google-cloud-storage sends an object of at most this size in one multipart request, and anything larger as a
@@ -269,7 +277,8 @@ class GCSStore(ObjectStore):
     def check_conditions(self) -> None:
         """Refuses a bucket whose single-request uploads ignore ``ifGenerationMatch``: a probe object is created twice
         (the second must answer 412), rewritten on a generation it does not have (412 again) and on its own
-        (accepted), then deleted. Once per process and store."""
+        (accepted), then deleted; then racing creates of another probe object (exactly one may win). Once per
+        process and store."""
         where = (self.endpoint_url, self.bucket)
         if where in _CONDITIONS_CHECKED:
             return
@@ -286,8 +295,10 @@ class GCSStore(ObjectStore):
                 self._must_refuse(lambda: self._send(key, b"3", generation + 1), "a write conditional on a "
                                   "generation the object does not have", "two parties could both move a key's pointer")
                 self._send(key, b"4", generation)
+                self._race(f"{key}-race")
             finally:
                 self.delete(key)
+                self.delete(f"{key}-race")
         _CONDITIONS_CHECKED.add(where)
 
     def check_resumable_conditions(self) -> None:
@@ -329,6 +340,16 @@ class GCSStore(ObjectStore):
             raise DestinationUnreachable(
                 f"cannot do the check that gs://{self.bucket} {what}: {self._describe_error(exc)}"
             ) from None
+
+    def _race(self, name: str) -> None:
+        accepted = racing_creates(lambda body: self._send(name, body, 0), self._refused_condition)
+        problem = race_problem(accepted, self.read(name))
+        if problem:
+            raise DestinationError(
+                f"gs://{self.bucket} {problem}: its check that an object is absent and its write are not one atomic "
+                "step, so two parties racing for a key's place or pointer could both win silently. Refusing to "
+                "publish to it"
+            )
 
     def _must_refuse(self, write, what: str, risk: str) -> None:
         try:

@@ -2,7 +2,9 @@
 
 Conditions are the store's own: ``If-None-Match: *`` creates only if absent, ``If-Match: <etag>`` replaces only the
 version read. Before its first write (once per process and store) the store is checked to honour both, and a store
-that ignores either is refused: there a retry could replace an export, or two parties both move a pointer.
+that ignores either is refused: there a retry could replace an export, or two parties both move a pointer. So is a
+store that lets more than one of several racing creates win (:func:`~export_ledger.destinations.store.racing_creates`
+says what that check can and cannot show).
 
 What a failed write means is classified, because a database transaction cannot commit a remote upload. The client
 makes exactly one send per call (botocore's own retries are off: a blind resend is the thing to avoid):
@@ -34,7 +36,15 @@ from export_ledger.destinations.base import DestinationError, DestinationUnreach
 from export_ledger.destinations.publishing import PublishingDestination
 from export_ledger.destinations.registry import Scheme
 from export_ledger.destinations.staging import staging_folder
-from export_ledger.destinations.store import AlreadyExists, Blob, ObjectStore, PreconditionFailed, Upload
+from export_ledger.destinations.store import (
+    AlreadyExists,
+    Blob,
+    ObjectStore,
+    PreconditionFailed,
+    Upload,
+    race_problem,
+    racing_creates,
+)
 from export_ledger.errors import redact_text
 
 _CHUNK = 1 << 20
@@ -264,7 +274,9 @@ class S3Store(ObjectStore):
     def check_conditions(self) -> None:
         """Refuses a store that ignores ``If-None-Match: *`` or ``If-Match``: a probe object is created twice (the
         second must answer 412), rewritten on an ETag it does not have (412 again) and on its own (accepted), then
-        deleted. Once per process and store."""
+        deleted; then :data:`~export_ledger.destinations.store.RACERS` creates of another probe object are sent at
+        once, and exactly one may be accepted (:func:`~export_ledger.destinations.store.racing_creates` says what
+        that shows and what it cannot). Once per process and store."""
         where = (self.endpoint_url, self.bucket)
         if where in _CONDITIONS_CHECKED:
             return
@@ -279,8 +291,10 @@ class S3Store(ObjectStore):
                 self._must_refuse(client, key, b"3", {"IfMatch": _NO_SUCH_ETAG}, "a write conditional on an ETag the "
                                   "object does not have (If-Match)", "two parties could both move a key's pointer")
                 client.put_object(Bucket=self.bucket, Key=key, Body=b"4", IfMatch=etag)
+                self._race(client, f"{key}-race")
             finally:
                 client.delete_object(Bucket=self.bucket, Key=key)
+                client.delete_object(Bucket=self.bucket, Key=f"{key}-race")
         except errors.ClientError as exc:
             status = self._status(exc)
             if self._no_bucket(exc):
@@ -299,6 +313,22 @@ class S3Store(ObjectStore):
                 f"cannot check that s3://{self.bucket} honours conditional writes: {self._describe_error(exc)}"
             ) from None
         _CONDITIONS_CHECKED.add(where)
+
+    def _race(self, client, key: str) -> None:
+        """Racing creates of ``key``: exactly one may win (409: a concurrent conditional write won, S3's answer too)."""
+        _, _, errors = _boto()
+        accepted = racing_creates(
+            lambda body: client.put_object(Bucket=self.bucket, Key=key, Body=body, IfNoneMatch="*"),
+            lambda exc: isinstance(exc, errors.ClientError) and self._status(exc) in (409, 412),
+        )
+        found = self.get(key.removeprefix(f"{self.prefix}/") if self.prefix else key)
+        problem = race_problem(accepted, None if found is None else found.data)
+        if problem:
+            raise DestinationError(
+                f"s3://{self.bucket} {problem}: its check that an object is absent and its write are not one atomic "
+                f"step, so two parties racing for a key's place or pointer could both win silently. Refusing to "
+                "publish to it"
+            )
 
     def _must_refuse(self, client, key: str, body: bytes, condition: dict, what: str, risk: str) -> None:
         _, _, errors = _boto()

@@ -24,6 +24,9 @@ from definitions import build_definitions
 from export_ledger import ExportSpec, cli
 from export_ledger.dagster import LedgerResource, ledgered_definitions
 from export_ledger.destinations import destination_from
+from export_ledger.destinations.azure import AzureDestination
+from export_ledger.destinations.gcs import GCSDestination
+from export_ledger.destinations.s3 import S3Destination
 from export_ledger.errors import ConfigurationError, redact_text
 from export_ledger.ledger import ExportLedger, LedgerUnavailable, redact_url
 
@@ -306,3 +309,12 @@ def test_a_ledger_url_without_a_password_is_still_taken_as_an_argument(no_export
     url = "postgresql+psycopg2://exporter@db.internal:5432/ledger"
     config = ui_resource_config(build_definitions(ledger_url=url, destination=str(tmp_path), lease_ttl_seconds=60))
     assert config["ledger"]["url"] == url and config["ledger"]["lease_ttl_seconds"] == 60
+
+
+def test_an_endpoint_setting_with_a_credential_is_masked_where_a_destination_describes_itself():
+    azure = AzureDestination(container="exports", azure_endpoint_url=f"https://acct.blob.core.windows.net/?sig={SECRET}")
+    s3 = S3Destination(bucket="exports-bucket", endpoint_url=f"https://minio:{SECRET}@minio.internal:9000")
+    gcs = GCSDestination(bucket="exports-bucket", gcs_endpoint_url=f"https://gcs.internal/?token={SECRET}")
+    for destination in (azure, s3, gcs):
+        shown = destination.store.describe()
+        assert SECRET not in shown and "***" in shown, f"the endpoint's credential is shown: {shown}"

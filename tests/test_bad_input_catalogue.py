@@ -475,7 +475,7 @@ CASES = [
     BadInput(
         "destination-s3-missing-bucket",
         _missing_bucket,
-        ("the store refused", "no-such-bucket-5c1e", "HTTP 404"),
+        ("the bucket 'no-such-bucket-5c1e' does not exist", "create it, or correct the destination"),
         reaches_a_run=True,
         fix=_fix_bucket,
     ),

@@ -64,6 +64,7 @@ from export_ledger.destinations.base import (
 )
 from export_ledger.destinations.publishing import Pointer, PublishingDestination, StagedExport
 from export_ledger.destinations.registry import Scheme
+from export_ledger.destinations.store import race_problem, racing_creates
 from export_ledger.errors import ConfigurationError, ManifestError
 from export_ledger.frames import Manifest, TableStream, write_table
 
@@ -348,8 +349,9 @@ class DeltaDestination(PublishingDestination):
         overwriting the earlier. Delta's own API cannot send a bare put-if-absent (a sequential second commit is
         caught by its listing of the log first, so never reaches the store's condition), so a probe object is
         created twice with ``If-None-Match: *`` with the endpoint, region and credentials Delta's storage options
-        are made of; the second create must be refused. Local paths need no check (a log entry is renamed into place
-        without replacing one)."""
+        are made of; the second create must be refused. Then racing creates of another probe object: exactly one may
+        win (:func:`~export_ledger.destinations.store.racing_creates` says what that can and cannot show). Local
+        paths need no check (a log entry is renamed into place without replacing one)."""
         if not self.table.startswith("s3://"):
             return
         bucket = self.table.removeprefix("s3://").split("/", 1)[0]
@@ -370,6 +372,22 @@ class DeltaDestination(PublishingDestination):
                     "ignored), so two parties could commit the same Delta table version and overwrite each other. "
                     "Refusing to publish to it; use a store that honours conditional puts"
                 )
+            accepted = racing_creates(
+                lambda body: client.put_object(Bucket=bucket, Key=f"{probe}-race", Body=body, IfNoneMatch="*"),
+                lambda exc: isinstance(exc, errors.ClientError)
+                and exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (409, 412),
+            )
+            try:
+                held = client.get_object(Bucket=bucket, Key=f"{probe}-race")["Body"].read()
+            except client.exceptions.NoSuchKey:
+                held = None
+            problem = race_problem(accepted, held)
+            if problem:
+                raise ConfigurationError(
+                    f"{self.describe()}: the store {problem} (its check and its write are not one atomic step), so "
+                    "two parties could commit the same Delta table version and overwrite each other. Refusing to "
+                    "publish to it; use a store that honours conditional puts"
+                )
         except (errors.BotoCoreError, errors.ClientError) as exc:
             raise DestinationError(
                 f"{self.describe()}: the check that the store honours conditional puts failed ({type(exc).__name__})"
@@ -377,6 +395,7 @@ class DeltaDestination(PublishingDestination):
         finally:
             try:
                 client.delete_object(Bucket=bucket, Key=probe)
+                client.delete_object(Bucket=bucket, Key=f"{probe}-race")
             except (errors.BotoCoreError, errors.ClientError):
                 pass  # nothing names the probe: left behind it is only clutter, and the check's verdict stands
             client.close()

@@ -6,6 +6,7 @@ Written only against export_ledger's public API, as a user's own code location w
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections.abc import Mapping, Sequence
 
@@ -104,7 +105,10 @@ def build_definitions(
             ``{"acme": "America/New_York", "bombay-traders": "Asia/Kolkata"}`` (or to a :class:`Tenant` with its own
             nightly time or earlier zones): one asset, job and schedule per zone. Default ``EXPORTS_TENANTS`` (ids)
             or three sample tenants.
-        ledger_url: SQLAlchemy URL of the ledger; default ``EXPORTS_LEDGER_URL`` or ``./var/ledger.sqlite3``.
+        ledger_url: SQLAlchemy URL of the ledger; default ``EXPORTS_LEDGER_URL`` or ``./var/ledger.sqlite3``. A URL
+            with a password is refused here (Dagster would show it in the UI's resource config): set
+            ``EXPORTS_LEDGER_URL`` instead, which is passed by name, or leave the password to the driver
+            (``PGPASSWORD``, ``~/.pgpass``).
         destination: A destination or its spec; default ``EXPORTS_DESTINATION`` or ``./var/exports``.
         source: Invoice source; default the one the environment chooses (:func:`invoice_source_from`), never
             implied: ``EXPORTS_SOURCE=sample``, or ``EXPORTS_SOURCE_URL`` and ``EXPORTS_SOURCE_TABLE``.
@@ -133,11 +137,13 @@ def build_definitions(
         for tenant in tenants:
             if not isinstance(tenant, Tenant):
                 validate_slug(tenant, "tenant id")
-    if ledger is None and (ledger_url is not None or lease_ttl_seconds is not None):
-        ledger = LedgerResource(
-            url=ledger_url or settings.ledger_url,
-            lease_ttl_seconds=lease_ttl_seconds or settings.lease_ttl_seconds,
-            allow_below_low_water=settings.allow_below_low_water,
+    # The ledger resource is made by ledgered_definitions from the settings, so that a URL read from the environment
+    # stays an EnvVar (the UI shows names, never a password) whatever else is given here.
+    if ledger_url is not None:
+        settings = dataclasses.replace(settings, ledger_url=ledger_url, ledger_url_from_env=False)
+    if lease_ttl_seconds is not None:
+        settings = dataclasses.replace(
+            settings, lease_ttl_seconds=positive_int("lease_ttl_seconds", str(lease_ttl_seconds))
         )
     if source is None:
         source = invoice_source_from(env)

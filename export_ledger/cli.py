@@ -4,10 +4,11 @@ Subcommands, each with a readable table or ``--json``::
 
     export-ledger status [--export E] [--tenant T] [--from YYYY-MM-DD] [--to YYYY-MM-DD] [--state S ...] [--limit N]
     export-ledger attempts <logical key>
-    export-ledger reconcile [--export E] [--destination SPEC] [--limit N]
+    export-ledger reconcile [--export E] [--limit N]
     export-ledger drift -f FILE | -m MODULE [-a ATTR] | --specs MODULE:ATTR [--export E] [--destination SPEC]
                         [--lookback-days N] [--limit N]
     export-ledger prune --older-than DAYS [--export E]
+    export-ledger accept-contract --export E [--tenant T] [--keep-exported | --restate-exported] --reason "..."
     export-ledger accept-contract --export E [--tenant T] --timezone Z --start-date YYYY-MM-DD [--move D:ZONE]
                                   --reason "..."
     export-ledger restate LOGICAL_KEY --reason "..." [--operator WHO]
@@ -17,17 +18,19 @@ Subcommands, each with a readable table or ``--json``::
     export-ledger upgrade
 
 ``status`` and ``attempts`` only read. ``reconcile`` does once what the reconciliation sensor does each tick:
-it probes the configured destination for stuck keys and records what it finds. ``prune`` deletes old completion
+it probes each stuck key at the destination its contract records and records what it finds. ``prune`` deletes old completion
 records and keeps a low-water mark; ``drift`` does once what the drift sensor does each tick (re-reads the sources of
 recently completed keys and records which are stale); ``status --state stale`` lists them with their counts;
-``accept-contract`` records an operator's acceptance of a changed calendar. ``restate`` records a request to publish
+``accept-contract`` records an operator's acceptance of a changed contract (the one the refused claims named, or a
+calendar given by its options) and what becomes of the keys already exported. ``restate`` records a request to publish
 the next revision of completed keys (published by the partition's next materialization: the command it prints, a
 launch from the UI, or the reconciliation sensor), or withdraws one; ``revisions`` lists every revision of a key, and
 ``status --state restating`` the keys with an open request.
 
-The ledger is found from ``--ledger-url``, else ``EXPORTS_LEDGER_URL``, else ``./var/ledger.sqlite3``; the destination
-``reconcile`` probes from ``--destination``, else ``EXPORTS_DESTINATION``, else ``./var/exports`` (the same settings
-the code location reads, from :mod:`export_ledger.settings`). Export names come from the ledger: ``--export`` names
+The ledger is found from ``--ledger-url``, else ``EXPORTS_LEDGER_URL``, else ``./var/ledger.sqlite3``. A key's
+destination is the one its contract records: ``reconcile``, ``resolve`` and ``restate --withdraw`` act there, and refuse
+a ``--destination`` that names another (only a key claimed before release 0.6, which records none, takes
+``--destination``, else ``EXPORTS_DESTINATION``). Credentials come from the environment, never the ledger. Export names come from the ledger: ``--export`` names
 one it knows. ``restate``, ``reconcile`` and ``drift`` take a code location as ``dagster`` does (``-f FILE`` or
 ``-m MODULE``, ``-a ATTRIBUTE``): only then is it imported (:mod:`export_ledger.dagster.code_location`), its declared
 exports and destinations are used, and the printed ``dagster`` commands repeat those options. ``drift`` needs the
@@ -247,8 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     reconcile.add_argument(
         "--destination",
         metavar="SPEC",
-        help="the destination to probe: a folder, s3://bucket/prefix or ledger-table:<table> "
-        "(default: $EXPORTS_DESTINATION, else ./var/exports)",
+        help="not needed: each key is judged at the destination its contract records. Given, it must be that one "
+        "(else refused, naming both); it answers only for keys claimed before release 0.6, which record none",
     )
     reconcile.set_defaults(handler=_reconcile)
 
@@ -328,32 +331,47 @@ def build_parser() -> argparse.ArgumentParser:
     resolve.add_argument(
         "--destination",
         metavar="SPEC",
-        help="the key's destination (default: $EXPORTS_DESTINATION, else ./var/exports)",
+        help="not needed: the key's contract records its destination. Given, it must be that one (else refused, "
+        "naming both); it answers only for a key claimed before release 0.6",
     )
     resolve.set_defaults(handler=_resolve)
 
     accept = commands.add_parser(
         "accept-contract",
         parents=[common],
-        help="accept the code's calendar contract (zone, start date) for an export after a deliberate change",
+        help="accept the contract the code now declares (the one its refused claims named) after a deliberate change",
     )
     accept.add_argument(
         "--export", type=_slug_arg("export name"), required=True, help="the export whose contract changed"
     )
     accept.add_argument(
         "--tenant", type=_slug_arg("tenant id"),
-        help="the tenant whose contract changed (default: the whole export, when all its tenants share one zone)",
+        help="the tenant whose contract changed (default: every tenant whose claims were refused)",
     )  # fmt: skip
-    accept.add_argument("--timezone", required=True, help="the zone the code now declares, e.g. America/Chicago")
+    exported = accept.add_mutually_exclusive_group()
+    exported.add_argument(
+        "--keep-exported", dest="exported", action="store_const", const="keep",
+        help="keys already exported stay as they are, each under the contract it was exported with",
+    )  # fmt: skip
+    exported.add_argument(
+        "--restate-exported", dest="exported", action="store_const", const="restate",
+        help="request a restatement of every key already exported (not with a new destination)",
+    )  # fmt: skip
+    accept.add_argument(
+        "--timezone",
+        help="instead of the refused contract: declare a calendar (the zone the code now declares, e.g. "
+        "America/Chicago), with --start-date; the terms in force stay",
+    )
     accept.add_argument(
         "--move", action="append", default=[], type=_move_arg, metavar="YYYY-MM-DD:ZONE",
-        help="an earlier zone the code declares (repeatable, oldest first): business dates before the date were ZONE's",
+        help="with --timezone: an earlier zone (repeatable, oldest first): business dates before the date were ZONE's",
     )  # fmt: skip
     accept.add_argument(
-        "--start-date", dest="start_date", type=_date_arg, required=True, metavar="YYYY-MM-DD",
-        help="the start date the code now declares",
+        "--start-date", dest="start_date", type=_date_arg, metavar="YYYY-MM-DD",
+        help="with --timezone: the start date the code now declares",
     )  # fmt: skip
     accept.add_argument("--reason", required=True, help="why the contract changed; recorded in the ledger")
+    accept.add_argument("--operator", default=_default_operator(), help="who decides (default: this user@host)")
     accept.set_defaults(handler=_accept_contract)
 
     restate = commands.add_parser(
@@ -376,8 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     restate.add_argument(
         "--destination", metavar="SPEC",
-        help="with --withdraw: the key's destination, which is fenced and looked at first "
-        "(default: EXPORTS_DESTINATION, else ./var/exports)",
+        help="with --withdraw, not needed: the key's contract records its destination, which is fenced and looked "
+        "at first. Given, it must be that one (else refused, naming both)",
     )  # fmt: skip
     restate.add_argument("--reason", help="why (required: without it, exit 2; kept with the revision for good)")
     restate.add_argument("--operator", default=_default_operator(), help="who asks (default: this user@host)")
@@ -774,10 +792,10 @@ def _attempts(ledger: ExportLedger, args: argparse.Namespace, settings: Settings
 
 
 def _configured_destination(args: argparse.Namespace, ledger: ExportLedger, settings: Settings):
-    """``--destination``, else the settings' (``EXPORTS_DESTINATION`` and the S3 variables), resolved."""
-    record = ledger.queries.get(args.logical_key) if getattr(args, "logical_key", None) else None
-    export = record.export if record is not None else ""
-    return operations.destination_for(export, settings=settings, ledger_url=ledger.url, given=args.destination)
+    """The destination the key's contract records (``--destination``, when given, must name it; a key claimed before
+    release 0.6, which has none recorded, takes ``--destination``, else the settings')."""
+    record = operations.require_key(ledger, args.logical_key)
+    return operations.key_destination(ledger, record, settings=settings, given=args.destination)
 
 
 _known_export = operations.require_export
@@ -995,38 +1013,43 @@ def _date(value: dt.date | None) -> str | None:
 def _accept_contract(ledger: ExportLedger, args: argparse.Namespace, settings: Settings) -> str:
     if not args.reason.strip():
         raise UsageError("--reason must say why the contract changed")
+    _known_export(ledger, args.export)
+    if (args.timezone is None) != (args.start_date is None) or (args.move and args.timezone is None):
+        raise UsageError("--timezone and --start-date go together (with --move): they declare a calendar")
+    calendar = None
+    if args.timezone is not None:
+        try:
+            calendar = ExportCalendar(
+                timezone=args.timezone, start_date=args.start_date.isoformat(), moves=tuple(args.move)
+            ).contract()
+        except ExportLedgerError as exc:
+            raise UsageError(str(exc)) from None
     try:
-        contract = ExportCalendar(
-            timezone=args.timezone, start_date=args.start_date.isoformat(), moves=tuple(args.move)
-        ).contract()
-    except ExportLedgerError as exc:
+        done = operations.accept_contract(
+            ledger, args.export, reason=args.reason, operator=args.operator, tenant=args.tenant,
+            exported=args.exported, calendar=calendar,
+        )  # fmt: skip
+    except ValueError as exc:
         raise UsageError(str(exc)) from None
-    if args.tenant is None:
-        contracts = ledger.contracts.tenant_contracts(args.export)
-        elsewhere = sorted(t for t, c in contracts.items() if c["timezone"] != args.timezone)
-        if elsewhere:
-            raise UsageError(
-                f"{args.export} has tenants in other zones than {args.timezone} ({', '.join(elsewhere[:5])}"
-                f"{', ...' if len(elsewhere) > 5 else ''}): accept per tenant with --tenant"
-            )
-        before = ledger.contracts.recorded(args.export)
-    else:
-        before = ledger.contracts.in_force(args.export, args.tenant)
-    ledger.contracts.accept(args.export, contract, args.reason, tenant=args.tenant)
-    scope = args.export if args.tenant is None else f"{args.export}, tenant {args.tenant}"
     if args.json:
-        return _dump(
-            [
-                {
-                    "export": args.export,
-                    "tenant": args.tenant,
-                    "previous": before,
-                    "accepted": contract,
-                    "reason": args.reason.strip(),
-                }
-            ]
+        items = [
+            {"export": a.export, "tenant": a.tenant, "previous": a.previous, "accepted": a.accepted,
+             "changes": a.changes, "reason": args.reason.strip(), "exported": args.exported}
+            for a in done.accepted
+        ]  # fmt: skip
+        return _dump(items + [{"restatements_requested": done.restated, "restatements_refused": done.refused}])
+    lines = []
+    for a in done.accepted:
+        scope = a.export if a.tenant is None else f"{a.export}, tenant {a.tenant}"
+        lines.append(f"accepted for {scope}: {'; '.join(a.changes) or 'no change'}")
+    if args.exported == "restate":
+        lines.append(
+            f"restatements requested for {done.restated} key(s) already exported ({done.refused} refused); the "
+            "reconciliation sensor launches their partitions, or materialize them"
         )
-    return f"accepted for {scope}: {json.dumps(contract, sort_keys=True)} (was {json.dumps(before, sort_keys=True)})"
+    elif args.exported == "keep":
+        lines.append("keys already exported stay as they are, each under the contract it was exported with")
+    return "\n".join(lines)
 
 
 def _upgrade(ledger: ExportLedger, args: argparse.Namespace, settings: Settings) -> str:
@@ -1252,7 +1275,7 @@ def main(argv: list[str] | None = None) -> int:
         output = args.handler(_open_ledger(url, read_only=read_only), args, settings)
         # A command that left keys unresolved (reconcile, drift, restate of a date) says so: scripts must see it.
         output, unresolved = output if isinstance(output, tuple) else (output, False)
-    except (UsageError, operations.UsageRefused) as exc:
+    except (UsageError, operations.UsageRefused, operations.DestinationMismatch) as exc:
         return _error(_redact_message(str(exc), url), USAGE_ERROR)
     except (CliError, ExportLedgerError) as exc:
         return _error(_redact_message(str(exc), url), RUNTIME_ERROR)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from export_ledger.placement import recorded_destinations
 from export_ledger.calendar import load_zone
 from export_ledger.destinations.base import (
     Destination,
@@ -237,11 +238,13 @@ def drift_pass(
     records = ledger.drift.completed_since(since, limit=limit, after=after)
     stored = ledger.drift.fingerprints([r.logical_key for r in records])
     report = DriftReport(next_after=records[-1].logical_key if len(records) == limit else None)
+    # Each key's export is read where its contract says it is, not where the code would publish it now.
+    places = recorded_destinations(ledger, records, known=destinations, fallback=destinations.__getitem__)
     for record in records:
         spec = by_name[record.export]
         try:
             finding = check_key(
-                spec, destinations[record.export], record, stored[record.logical_key],
+                spec, places[record.logical_key], record, stored[record.logical_key],
                 lambda key=record.logical_key: current_revisions(ledger, [key])[key],
             )  # fmt: skip
         except Exception as exc:  # one key's unreadable source or export never stops the others

@@ -10,13 +10,41 @@ import re
 
 #: Names of URL query parameters (and settings) that hold secrets.
 SECRET_NAME = re.compile(r"pass|secret|token|key|sig", re.IGNORECASE)
-_USERINFO = re.compile(r"(://[^/\s:@]*:)[^/\s@]+@")
+#: A URL in free text: ``scheme://`` up to the next blank or quote.
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>]*")
 _SECRET_PARAMETER = re.compile(r"([?&;\s](?:[\w.-]*(?:pass|secret|token|key|sig)[\w.-]*)=)[^&;\s'\"]+", re.IGNORECASE)
 
 
+def userinfo_end(rest: str) -> int:
+    """Where the userinfo of a URL ends (the index of its ``@``) in ``rest``, the URL after ``scheme://``; -1 when
+    it has none.
+
+    People write passwords un-encoded, with ``@``, ``:`` or ``/`` in them, so the userinfo ends at the *last* ``@``
+    before the query (``u:p@ss@host`` has the password ``p@ss``, not the host ``ss@host``). Without an ``@`` before
+    the query, the last ``@`` of all (a password holding ``?``): a query's own ``@`` may then hide the host too, which
+    costs a message its host, never a password.
+    """
+    query = rest.find("?")
+    end = rest.rfind("@", 0, query if query >= 0 else len(rest))
+    return end if end >= 0 else rest.rfind("@")
+
+
+def mask_userinfo(url: str) -> str:
+    """``url`` with the password of its userinfo replaced by ``***``: ``postgresql://u:***@host/db``. Everything
+    from the first ``:`` after the user name to the userinfo's last ``@`` is the password; a URL without a
+    password (``postgresql://u@host/db``) or without a userinfo is returned as it is."""
+    scheme, found, rest = url.partition("://")
+    end = userinfo_end(rest) if found else -1
+    if end < 0 or ":" not in rest[:end]:
+        return url
+    user = rest[:end].split(":", 1)[0]
+    return f"{scheme}://{user}:***{rest[end:]}"
+
+
 def redact_text(text: str) -> str:
-    """Any text with URL passwords (``user:password@``) and secret-named query parameters replaced by ``***``."""
-    return _SECRET_PARAMETER.sub(r"\1***", _USERINFO.sub(r"\1***@", text))
+    """Any text with URL passwords (``user:password@``, see :func:`mask_userinfo`) and secret-named query parameters
+    replaced by ``***``."""
+    return _SECRET_PARAMETER.sub(r"\1***", _URL_IN_TEXT.sub(lambda url: mask_userinfo(url.group()), text))
 
 
 class ExportLedgerError(Exception):

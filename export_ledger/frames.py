@@ -77,6 +77,11 @@ class ExportSchema:
 
     def __post_init__(self) -> None:
         ids = (self.id_columns,) if isinstance(self.id_columns, str) else tuple(self.id_columns)
+        pairs = list(self.columns.items()) if isinstance(self.columns, Mapping) else list(self.columns)
+        for what, names in (("columns", [name for name, _ in pairs]), ("id_columns", ids), ("order_by", self.order_by)):
+            repeated = sorted({name for name in names if list(names).count(name) > 1})
+            if repeated:
+                raise ValueError(f"{what} names {', '.join(map(repr, repeated))} more than once; name each column once")
         object.__setattr__(self, "id_columns", ids)
         object.__setattr__(self, "order_by", tuple(self.order_by) or (self.time_column, *ids))
         object.__setattr__(self, "nullable", frozenset(self.nullable))
@@ -312,6 +317,7 @@ def _check_rows(frame: object, schema: ExportSchema, window: ExportWindow, what:
     """The checks of one frame's rows on their own: columns, kinds, nulls, window and tenant."""
     if not isinstance(frame, pd.DataFrame):
         raise FrameError(f"{what}: expected a pandas DataFrame, got {type(frame).__name__}")
+    check_column_names(frame, schema, what)
     missing = [name for name in schema.columns if name not in frame.columns]
     if missing:
         raise FrameError(f"{what}: source frame is missing required columns {missing}")
@@ -343,21 +349,62 @@ def _check_rows(frame: object, schema: ExportSchema, window: ExportWindow, what:
             )
 
 
+def check_column_names(frame: pd.DataFrame, schema: ExportSchema, what: str) -> None:
+    """Refuses a frame in which a column of the schema appears more than once (which of them would be exported is
+    anybody's guess); repeated columns the export does not read are left alone, like any column it does not read.
+
+    Raises:
+        FrameError: naming the repeated columns.
+    """
+    if frame.columns.is_unique:
+        return
+    repeated = sorted({str(name) for name in frame.columns[frame.columns.duplicated()] if name in schema.columns})
+    if repeated:
+        raise FrameError(
+            f"{what}: the frame has more than one column named {', '.join(map(repr, repeated))}; each column of the "
+            "export must appear once, nothing was exported"
+        )
+
+
+#: What each kind takes, as refusals say it (the dtype decides, never a value: a refusal quotes no data).
+KIND_TAKES = {
+    "string": "a string dtype, or an object dtype holding str",
+    "float": "an integer or float dtype, never bool",
+    "int": "an integer dtype, never bool or float",
+    "timestamp": "a timezone-aware datetime64 dtype",
+    "bool": "a bool dtype, or an object dtype holding True and False",
+}
+
+
 def _kind_refusal(series: pd.Series, kind: str) -> str | None:
-    """Why a column's dtype cannot hold values of ``kind`` (the end of the refusal), or None when it can."""
+    """Why a column cannot hold values of ``kind`` (the end of the refusal), or None when it can.
+
+    Decided on the dtype, the same on the Arrow path and the pandas path, so that both refuse what Arrow would
+    convert silently (booleans as 1.0 and 0.0 in a float column: issue 26). What is accepted is then converted
+    exactly, or refused by Arrow value by value (:func:`_to_arrow`): an integer beyond 2**53 in a float column, a
+    timestamp with nanoseconds, a value of another type in an object column of the string or bool kind (bytes in a
+    string column are decoded as UTF-8 text: telling them apart would cost a scan of every text column).
+    """
+    dtype = series.dtype
     if kind == "timestamp":
-        if not isinstance(series.dtype, pd.DatetimeTZDtype):
-            return f"must hold timezone-aware timestamps, found dtype {series.dtype}"
-    elif kind == "float" and not pd.api.types.is_numeric_dtype(series.dtype):
-        return f"must be numeric, found dtype {series.dtype}"
-    elif kind == "int" and not pd.api.types.is_integer_dtype(series.dtype):
-        return f"must hold integers, found dtype {series.dtype}"
-    elif kind == "bool" and not pd.api.types.is_bool_dtype(series.dtype) and series.dtype != object:
-        return f"must hold booleans, found dtype {series.dtype}"
-    elif kind == "string" and not pd.api.types.is_string_dtype(series.dtype):
-        # Mixed object columns pass this check and are refused value by value by Arrow.
-        return f"must hold strings, found dtype {series.dtype}"
-    return None
+        accepted = isinstance(dtype, pd.DatetimeTZDtype)
+        refusal = "must hold timezone-aware timestamps"
+    elif kind == "float":
+        # pandas counts bool as numeric; Arrow would write True as 1.0.
+        accepted = pd.api.types.is_float_dtype(dtype) or pd.api.types.is_integer_dtype(dtype)
+        refusal = "must be numeric"
+    elif kind == "int":
+        accepted = pd.api.types.is_integer_dtype(dtype)
+        refusal = "must hold integers"
+    elif kind == "bool":
+        # Object columns pass this check and are refused value by value by Arrow (anything but True, False, null).
+        accepted = pd.api.types.is_bool_dtype(dtype) or pd.api.types.is_object_dtype(dtype)
+        refusal = "must hold booleans"
+    else:
+        # Object columns pass this check and are refused value by value by Arrow (anything but str, null, bytes).
+        accepted = pd.api.types.is_string_dtype(dtype)
+        refusal = "must hold strings"
+    return None if accepted else f"{refusal}, found dtype {dtype} (kind {kind!r} takes {KIND_TAKES[kind]})"
 
 
 def _rows(mask) -> str:
@@ -388,7 +435,7 @@ def _unconvertible_column(frame: pd.DataFrame, arrow_schema: pa.Schema) -> tuple
         try:
             pa.array(frame[column.name], type=column.type, from_pandas=True)
         except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError) as exc:
-            return column.name, "would lose data" in str(exc)
+            return column.name, "would lose data" in str(exc) or "not in range" in str(exc)
     return "(unknown)", False
 
 

@@ -11,19 +11,22 @@ from __future__ import annotations
 
 import datetime as dt
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from export_ledger.placement import DestinationMismatch, recorded_destinations
 from export_ledger.destinations import Destination, destination_from
 from export_ledger.drift import DriftReport, LookbackGap, beyond_lookback, drift_pass
 from export_ledger.errors import ExportLedgerError
 from export_ledger.ledger import ExportLedger, ExportRecord, ExportState, Restatement, RestatementRefused
+from export_ledger.ledger.contracts import RESTATE, Accepted
 from export_ledger.reconcile import ReconcileReport, reconcile_batch
 from export_ledger.restate import (
     DEFAULT_LOCATION,
     asset_name_for,
     materialize_command,
     records_of,
+    request_each,
     request_for_date,
 )
 from export_ledger.settings import Settings
@@ -93,6 +96,13 @@ def require_export(ledger: ExportLedger, export: str | None) -> None:
 # -- destinations ----------------------------------------------------------------------------------------------------
 
 
+def given_destination(given: str | None, *, settings: Settings, ledger_url: str) -> Destination | None:
+    """The destination an operator named with ``--destination`` (built with the environment's credentials), or None."""
+    if not given:
+        return None
+    return destination_from(given, ledger_url=ledger_url, credentials=settings.s3_credentials(), what="--destination")
+
+
 def destination_for(
     export: str,
     *,
@@ -117,6 +127,19 @@ def destination_for(
     else:
         chosen, what = settings.destination, "EXPORTS_DESTINATION"
     return destination_from(chosen, ledger_url=ledger_url, credentials=settings.s3_credentials(), what=what)
+
+
+def key_destination(
+    ledger: ExportLedger, record: ExportRecord, *, settings: Settings, given: str | None = None
+) -> Destination:
+    """Where ``record``'s export is: the destination its contract records (:func:`recorded_destinations`; ``given``,
+    an operator's ``--destination``, must be that one). A key claimed before release 0.6 has none recorded: ``given``,
+    else the settings' (``EXPORTS_DESTINATION``)."""
+    named = given_destination(given, settings=settings, ledger_url=ledger.url)
+    return recorded_destinations(
+        ledger, [record], credentials=settings.s3_credentials(), given=named,
+        fallback=lambda export: destination_for(export, settings=settings, ledger_url=ledger.url),
+    )[record.logical_key]  # fmt: skip
 
 
 # -- which asset publishes a partition -------------------------------------------------------------------------------
@@ -177,11 +200,14 @@ def reconcile_once(
     location: CodeLocation | None = None,
     reconciler: str = "export-ledger reconcile",
 ) -> Reconciled:
-    """Reconciles the stuck keys of one export (or of every export ``location`` declares, each at its own
-    destination) once, as a tick of the reconciliation sensor does.
+    """Reconciles the stuck keys of one export, of every export ``location`` declares, or of every export the
+    ledger knows, once, as a tick of the reconciliation sensor does.
 
-    Without a code location one destination is judged per pass, so a ledger of several exports needs ``export``:
-    a key published elsewhere would be judged absent (:class:`UsageRefused`).
+    Each key is judged at the destination its contract records (:func:`recorded_destinations`): the operator names
+    none. ``destination`` (``--destination``), when given, must be that one, or the command is refused
+    (:class:`DestinationMismatch`) before any key is held. A key claimed before release 0.6 has no recorded
+    destination: ``destination``, the code location's or ``EXPORTS_DESTINATION`` answers for it, and only when the
+    pass is about one export (a key published elsewhere would be judged absent: :class:`UsageRefused`).
     """
     require_export(ledger, export)
     if export is not None:
@@ -190,19 +216,26 @@ def reconcile_once(
         exports = [spec.name for spec in location.specs]
     else:
         exports = ledger.queries.exports()
-        if len(exports) > 1:
-            named = ", ".join(exports[:5]) + (", ..." if len(exports) > 5 else "")
-            raise UsageRefused(
-                f"the ledger holds {len(exports)} exports ({named}): reconcile one at a time with --export E and that "
-                "export's --destination, or name the code location with -f FILE or -m MODULE"
-            )
     if not exports:
         return Reconciled(None)
-    destinations = {
-        name: destination_for(name, settings=settings, ledger_url=ledger.url, given=destination, location=location)
-        for name in exports
-    }
-    report = reconcile_batch(ledger, destinations, limit=limit, after=None, reconciler=reconciler)
+    named = given_destination(destination, settings=settings, ledger_url=ledger.url)
+    known = dict(location.destinations) if location is not None else {}
+
+    def legacy(name: str) -> Destination:  # a key claimed before its ledger recorded destinations
+        if len(exports) > 1 and location is None:
+            raise UsageRefused(
+                f"export {name} has stuck keys claimed before its ledger recorded destinations (release 0.6): "
+                "reconcile it on its own with --export E (and its --destination), or name the code location with -f "
+                "FILE or -m MODULE"
+            )
+        return destination_for(name, settings=settings, ledger_url=ledger.url, location=location)
+
+    def placed(records: Sequence[ExportRecord]) -> dict[str, Destination]:
+        return recorded_destinations(
+            ledger, records, credentials=settings.s3_credentials(), known=known, given=named, fallback=legacy
+        )
+
+    report = reconcile_batch(ledger, placed, limit=limit, after=None, reconciler=reconciler, exports=exports)
     failed = [record for _, record in report.resolved if record.state is ExportState.FAILED]
     return Reconciled(report, publish_commands(ledger, failed, location))
 
@@ -254,6 +287,74 @@ def restate(
     return Restated(requested, refused, publish_commands(ledger, [records[r.logical_key] for r in requested], location))
 
 
+# -- accept-contract -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ContractAccepted:
+    """What one ``accept-contract`` recorded: each accepted contract, and the restatements it requested."""
+
+    accepted: list[Accepted]
+    restated: int = 0
+    refused: int = 0
+
+
+def accept_contract(
+    ledger: ExportLedger,
+    export: str,
+    *,
+    reason: str,
+    operator: str,
+    tenant: str | None = None,
+    exported: str | None = None,
+    calendar: Mapping | None = None,
+    page: int = 500,
+) -> ContractAccepted:
+    """Accepts the contract each open refusal of ``export`` (``tenant``'s) names, or the ``calendar`` given (the
+    terms in force kept); with ``exported="restate"`` then requests a restatement of every key already exported in
+    scope, ``page`` keys at a time.
+
+    Raises:
+        UsageRefused: an export-wide calendar for an export whose tenants are in other zones.
+        ValueError, ContractChanged, LedgerError: as :meth:`Contracts.accept` and :meth:`Contracts.accept_refused`.
+    """
+    require_export(ledger, export)
+    if calendar is not None:
+        if tenant is None:
+            zone = calendar.get("timezone")
+            elsewhere = sorted(t for t, c in ledger.contracts.tenant_contracts(export).items() if c["timezone"] != zone)
+            if elsewhere:
+                raise UsageRefused(
+                    f"{export} has tenants in other zones than {zone} ({', '.join(elsewhere[:5])}"
+                    f"{', ...' if len(elsewhere) > 5 else ''}): accept per tenant with --tenant"
+                )
+        accepted = [
+            ledger.contracts.accept(export, calendar, reason, tenant=tenant, operator=operator, exported=exported)
+        ]
+    else:
+        accepted = ledger.contracts.accept_refused(
+            export, reason, tenant=tenant, operator=operator, exported=exported
+        )
+    done = ContractAccepted(accepted)
+    if exported != RESTATE:
+        return done
+    offset = 0
+    while True:
+        # Pages of completed keys in key order; each requested key stays completed (with its request), so the same
+        # page is not read twice: the offset moves past the keys refused (an open request already, say).
+        records = ledger.queries.records(
+            export=export, tenant=tenant, states=[ExportState.COMPLETED], limit=page, offset=offset
+        )
+        if not records:
+            return done
+        report = request_each(
+            ledger, [(r.logical_key, reason) for r in records], requested_by=f"accept-contract ({operator})"
+        )
+        done.restated += len(report.requested)
+        done.refused += len(report.refused)
+        offset += len(records)
+
+
 # -- drift -----------------------------------------------------------------------------------------------------------
 
 
@@ -302,14 +403,19 @@ __all__ = [
     "KEY_FORM",
     "CodeLocation",
     "Command",
+    "ContractAccepted",
+    "DestinationMismatch",
     "Drifted",
     "Reconciled",
     "Restated",
     "UsageRefused",
+    "accept_contract",
     "asset_of",
     "destination_for",
+    "key_destination",
     "drift_once",
     "publish_commands",
+    "recorded_destinations",
     "reconcile_once",
     "require_export",
     "require_key",

@@ -765,8 +765,8 @@ def _export_group(
                 pending.flush()
                 claims = _renewed(ledger, claims, i, group, failures, exporter)
                 started = time.monotonic()
-                if i not in claims:
-                    continue
+            if i not in claims:
+                continue  # lost at a renewal (this key or a later one): its failure is recorded, the rest go on
             claim, item = claims[i], group[i]
             try:
                 status, effect = exporter.stage(claim, item)

@@ -17,7 +17,7 @@ stalled party, on any destination). Reconciliation is a party that never publish
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from export_ledger.destinations.base import (
@@ -34,6 +34,7 @@ from export_ledger.destinations.publishing import PublishingDestination
 from export_ledger.errors import ManifestError, safe_message
 from export_ledger.ledger import Claim, CompletionEvidence, ExportLedger, ExportRecord, ExportState, Finish
 from export_ledger.ledger import transitions as T
+from export_ledger.placement import recorded_destinations
 
 
 class Verdict(str, enum.Enum):
@@ -134,31 +135,44 @@ class ReconcileReport:
 
 def reconcile_batch(
     ledger: ExportLedger,
-    destination: Destination | Mapping[str, Destination],
+    destination: Destination | Mapping[str, Destination] | Callable[[Sequence[ExportRecord]], Mapping[str, Destination]],
     *,
     limit: int,
     after: str | None,
     reconciler: str,
+    exports: Sequence[str] = (),
 ) -> ReconcileReport:
     """Reconciles at most ``limit`` stuck keys after ``after`` (key order): hold, fence, judge, record.
 
-    Successive calls with ``after=report.next_after`` walk every stuck key once before starting over. ``destination``
-    is one destination for every export, or one per export name: then only those exports' keys are read (another
-    code location's stuck keys, in a shared ledger, are its own), and ``report.unknown_exports`` stays empty.
+    Successive calls with ``after=report.next_after`` walk every stuck key once before starting over. Each key is
+    judged at the destination its contract records (:func:`~export_ledger.placement.recorded_destinations`), never
+    at whatever ``destination`` says: ``destination`` is the one at hand for every export, or one per export name
+    (then only those exports' keys are read: another code location's stuck keys, in a shared ledger, are its own),
+    lending its settings to a recorded root of its kind and answering for keys whose ledger recorded no destination
+    (claimed before release 0.6). Or a function from the stuck keys to each one's destination (by logical key), with
+    ``exports`` naming the exports whose keys are read.
     """
-    exports: Sequence[str] = sorted(destination) if isinstance(destination, Mapping) else ()
+    if isinstance(destination, Mapping):
+        exports = sorted(destination)
     records = ledger.attention.stuck(limit=limit, after=after, exports=exports)
     report = ReconcileReport(next_after=records[-1].logical_key if len(records) == limit else None)
     if not records:
         return report
+    if isinstance(destination, (Destination, Mapping)):
+        known = destination
+        places = recorded_destinations(
+            ledger, records, known=known,
+            fallback=(lambda export: known[export]) if isinstance(known, Mapping) else (lambda _: known),
+        )  # fmt: skip
+    else:
+        places = destination(records)  # a caller's choice, made from the same records (export-ledger reconcile)
     held = ledger.claims.hold_many(records, reconciler)
     finishes: list[Finish] = []
     for record, claim in zip(records, held, strict=True):
         if claim is None:
             report.changed_meanwhile.append(record)
             continue
-        chosen = destination[record.export] if isinstance(destination, Mapping) else destination
-        finding = examine(chosen, record, claim)  # destination I/O, outside any ledger transaction
+        finding = examine(places[record.logical_key], record, claim)  # destination I/O, outside any ledger transaction
         report.findings.append(finding)
         finishes.append(_finish(finding, claim))
     outcomes = ledger.completions.finish_many(finishes)

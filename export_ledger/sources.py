@@ -9,6 +9,8 @@ ledgered I/O manager (see :mod:`export_ledger.dagster`).
 from __future__ import annotations
 
 import datetime as dt
+import functools
+import inspect
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -18,6 +20,7 @@ import pandas as pd
 import sqlalchemy as sa
 
 from export_ledger.calendar import require_aware
+from export_ledger.contract import digest
 from export_ledger.errors import SourceError
 from export_ledger.frames import ExportSchema
 from export_ledger.ledger.urls import create_engine, database_url, redact_url
@@ -35,9 +38,18 @@ class ExportSource(ABC):
     def rows(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> pd.DataFrame:
         """Every row of ``tenant`` whose time is in ``[start_utc, end_utc)``."""
 
-    def count(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> int:
-        """How many rows :meth:`rows` returns for the same arguments (the export's asset check compares it)."""
+    def count(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> int | None:
+        """How many rows :meth:`rows` returns for the same arguments (the export's asset check compares it, when it
+        is run on its own); None: not known without reading the rows again."""
         return len(self.rows(tenant, start_utc, end_utc))
+
+    def identity(self) -> dict:
+        """A stable description of where the rows come from, recorded in the export's contract
+        (:mod:`export_ledger.contract`): a claim from a worker whose source differs is refused. Never a secret.
+
+        This default names the class; a source whose settings decide what it reads (a URL, a table) overrides it to
+        add them, redacted."""
+        return {"kind": "python", "name": qualified_name(type(self))}
 
     def batches(
         self,
@@ -96,11 +108,22 @@ class CallableSource(ExportSource):
         else:
             yield from result
 
-    def count(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> int:
-        if self.counter is None:
-            return super().count(tenant, start_utc, end_utc)
+    def identity(self) -> dict:
+        return {"kind": "callable", "name": qualified_name(self.fn)}
+
+    def count(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> int | None:
+        """The ``count`` function's answer; without one, the rows of the function's DataFrame, or None when it yields
+        batches: counting them would read the stream a second time (a generator function is not even called)."""
         start, end = bounds(start_utc, end_utc)
-        return int(self.counter(tenant, start, end))
+        if self.counter is not None:
+            return int(self.counter(tenant, start, end))
+        if inspect.isgeneratorfunction(self.fn):
+            return None
+        result = self.fn(tenant, start, end)
+        if isinstance(result, pd.DataFrame):
+            return len(result)
+        getattr(result, "close", lambda: None)()  # an iterator of batches, left unread
+        return None
 
 
 @dataclass(frozen=True)
@@ -124,6 +147,9 @@ class SqlSource(ExportSource):
         if missing:
             raise ValueError(f"SqlSource query must use the bound parameters {missing}")
         database_url(self.url, what="SqlSource URL")  # a URL that cannot be opened fails where it is declared
+
+    def identity(self) -> dict:
+        return {"kind": "sql", "url": url_identity(self.url), "query_sha256": digest(self.query)}
 
     def _engine(self) -> sa.Engine:
         """An engine of its own per read (a source is read rarely; no pool outlives the read). A driver that is not
@@ -271,6 +297,22 @@ class _BoundUtc(sa.types.TypeDecorator):
     def process_bind_param(self, value, dialect):
         value = require_aware(value, "window bound")
         return value.replace(tzinfo=None).isoformat(sep=" ") if dialect.name == "sqlite" else value
+
+
+def qualified_name(thing: object) -> str:
+    """``module.QualName`` of a function, method, class or ``functools.partial`` (its function's name)."""
+    while isinstance(thing, functools.partial):
+        thing = thing.func
+    if not hasattr(thing, "__qualname__") and not isinstance(thing, type):
+        thing = type(thing)  # a callable object: its class
+    return f"{getattr(thing, '__module__', '?')}.{getattr(thing, '__qualname__', type(thing).__qualname__)}"
+
+
+def url_identity(url: str) -> str:
+    """A database URL as a source's identity: its dialect, host, port and database, without the user, password or
+    query (none of which says *which* data is read, and some of which are secrets)."""
+    parsed = database_url(url, what="source URL")
+    return parsed.set(username=None, password=None, query={}).render_as_string(hide_password=True)
 
 
 def as_source(source: ExportSource | Callable | None) -> ExportSource | None:

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from export_ledger.calendar import ExportCalendar, check_schedule_time
+from export_ledger.contract import asset_source, export_terms, with_terms
+from export_ledger.destinations.base import Destination
 from export_ledger.errors import ConfigurationError, ExportLedgerError
 from export_ledger.frames import FILE_FORMATS, ExportSchema
 from export_ledger.keys import validate_slug
@@ -73,6 +75,10 @@ class ExportSpec:
         deadline: Local ``HH:MM`` by which each tenant's key of a business date is due, on the morning after that
             date in the tenant's zone (after the nightly run); a key not completed by then is late and escalated
             (:mod:`export_ledger.deadlines`), and Dagster's freshness policy of the asset shows it. None: no deadline.
+        version: The version of the export's logic (a number or a short text), recorded in its contract with the
+            destination, format, schema and source: bump it when what the export computes changes, and the ledger
+            refuses the new code's claims until an operator accepts the change (``export-ledger accept-contract``)
+            and says what becomes of the keys already exported. None: no version.
     """
 
     name: str
@@ -95,6 +101,7 @@ class ExportSpec:
     restate_stale: bool = False
     owners: Sequence[str] = ()
     deadline: str | None = None
+    version: str | int | None = None
     _schema: ExportSchema = field(init=False, repr=False, compare=False)
     _tenants: dict[str, Tenant] = field(init=False, repr=False, compare=False)
     _groups: tuple[TenantGroup, ...] = field(init=False, repr=False, compare=False)
@@ -126,6 +133,12 @@ class ExportSpec:
                 if not isinstance(owner, str) or not (owner.startswith("team:") and len(owner) > 5 or "@" in owner):
                     raise ConfigurationError(f"owners must be e-mail addresses or team:NAME, got {owner!r}")
             object.__setattr__(self, "owners", tuple(owners))
+            if self.version is not None and (
+                isinstance(self.version, bool)
+                or not isinstance(self.version, (str, int))
+                or (isinstance(self.version, str) and not (0 < len(self.version.strip()) <= 100))
+            ):
+                raise ConfigurationError(f"version must be a number or a short text, got {self.version!r}")
             if not isinstance(self.restate_stale, bool):
                 raise ConfigurationError(f"restate_stale must be True or False, got {self.restate_stale!r}")
             if self.restate_stale and self.source is None:
@@ -211,6 +224,21 @@ class ExportSpec:
     def calendar_for(self, tenant_id: str) -> ExportCalendar:
         """The tenant's calendar: its zone (or the export's), the export's start date, its earlier zones."""
         return tenant_calendar(self._tenants[tenant_id], self.timezone, self.start_date)
+
+    def terms(self, destination: Destination) -> dict:
+        """The export's terms at ``destination``: what its contract records besides each tenant's calendar
+        (:mod:`export_ledger.contract`)."""
+        return export_terms(
+            destination=destination.identity(self.name),
+            file_format=self.file_format,
+            schema=self.schema,
+            source=self.source.identity() if self.source is not None else asset_source(self.name),
+            version=self.version,
+        )
+
+    def contract(self, tenant_id: str, destination: Destination) -> dict:
+        """The contract a claim of ``tenant_id``'s keys is checked against: its calendar and the export's terms."""
+        return with_terms(self.calendar_for(tenant_id).contract(), self.terms(destination))
 
     def read(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> pd.DataFrame:
         """One tenant's rows for one window, as the source gives them (SQL values conformed to the kinds)."""

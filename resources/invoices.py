@@ -15,7 +15,15 @@ import numpy as np
 import pandas as pd
 import sqlalchemy as sa
 
-from export_ledger import ExportSource, SourceError, UtcDateTime, database_engine, redact_url, require_aware
+from export_ledger import (
+    ExportSource,
+    SourceError,
+    UtcDateTime,
+    database_engine,
+    redact_url,
+    require_aware,
+    url_identity,
+)
 
 _CURRENCIES = np.array(["USD", "EUR", "GBP", "CAD"], dtype=object)
 
@@ -53,6 +61,10 @@ class SampleInvoiceSource(InvoiceSource):
     """
 
     cadence_minutes: int = 15
+
+    def identity(self) -> dict:
+        # The cadence is what the sample holds (like the rows of a table), not which source it is.
+        return {**super().identity(), "kind": "sample"}
 
     def _indices(self, start_utc: dt.datetime, end_utc: dt.datetime) -> range:
         if self.cadence_minutes <= 0:
@@ -105,6 +117,9 @@ class SqlInvoiceSource(InvoiceSource):
 
     url: str = ""
     table: str = "invoices"
+
+    def identity(self) -> dict:
+        return {"kind": "sql", "url": url_identity(self.url), "table": self.table}
 
     def _engine(self) -> sa.Engine:
         # postgresql:// takes the installed driver, a plain path is a SQLite file; errors never carry customer values

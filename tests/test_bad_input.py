@@ -12,6 +12,7 @@ from pipeline_helpers import failure_message, make_defs, places, published_dirs,
 from definitions import build_definitions
 from export_ledger import ConfigurationError
 from export_ledger.calendar import CalendarError, ExportCalendar
+from export_ledger.dagster import LedgerResource
 from export_ledger.keys import InvalidIdentifier, parse_tenants
 from export_ledger.ledger import ExportLedger
 from export_ledger.ledger.schema import ExportState
@@ -124,8 +125,10 @@ def test_unwritable_destination_root_fails_clearly_and_records_failure(tmp_path,
     assert record.state is ExportState.FAILED
 
 
-def test_unreachable_ledger_fails_the_run_naming_the_ledger_without_its_password(tmp_path, instance):
-    defs = make_defs(tmp_path, ledger_url="postgresql+psycopg2://exporter:hunter2-secret@127.0.0.1:1/ledger")
+def test_unreachable_ledger_fails_the_run_naming_the_ledger_without_its_password(tmp_path, instance, monkeypatch):
+    # By name: a URL with a password given as a value is refused when the definitions are built.
+    monkeypatch.setenv("EXPORTS_LEDGER_URL", "postgresql+psycopg2://exporter:hunter2-secret@127.0.0.1:1/ledger")
+    defs = make_defs(tmp_path, ledger=LedgerResource(url=dg.EnvVar("EXPORTS_LEDGER_URL")))
     result = run_partition(defs, instance, "2026-03-08")
     assert not result.success
     text = failure_message(result)

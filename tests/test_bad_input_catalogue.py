@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sqlite3
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -100,6 +101,15 @@ def _no_rows_missing_column(frame, start, end):
     return frame.head(0).drop(columns=["amount"])
 
 
+def _bool_amounts(frame, start, end):
+    frame["amount"] = frame["amount"] > 50  # exported as 1.0/0.0 and recorded completed before issue 26
+    return frame
+
+
+def _repeated_amount_column(frame, start, end):
+    return pd.concat([frame, frame[["amount"]]], axis=1)
+
+
 DEFECTS: dict[str, Callable] = {
     "null_invoice_id": _set("invoice_id", None),
     "nat_occurred_at": _set("occurred_at", pd.NaT),
@@ -114,6 +124,8 @@ DEFECTS: dict[str, Callable] = {
     "nanosecond_timestamps": _nanoseconds,
     "no_rows_missing_column": _no_rows_missing_column,
     "foreign_tenant_row": _set("tenant", "globex"),
+    "bool_amounts": _bool_amounts,
+    "repeated_amount_column": _repeated_amount_column,
 }
 
 
@@ -124,6 +136,9 @@ class DefectiveSource(InvoiceSource):
 
     def count(self, tenant, start_utc, end_utc) -> int:
         return SampleInvoiceSource().count(tenant, start_utc, end_utc)
+
+    def identity(self) -> dict:
+        return SampleInvoiceSource().identity()  # the same source, returning bad rows: no change of contract
 
     def rows(self, tenant, start_utc, end_utc) -> pd.DataFrame:
         frame = SampleInvoiceSource().rows(tenant, start_utc, end_utc)
@@ -176,6 +191,14 @@ class Workspace:
         kwargs.setdefault("ledger_url", self.ledger_url)
         kwargs.setdefault("destination", self.destination or str(self.exports))
         return build_definitions(environ={"EXPORTS_SOURCE": "sample"}, **kwargs)
+
+    def moved(self, defs: dg.Definitions) -> dg.Definitions:
+        """The operator moved acme's export to this case's destination on purpose: the run's claim is refused by
+        the contract, and the new contract is accepted (``accept-contract --keep-exported``) before the run."""
+        refusal = self.run(defs)
+        assert "contract of invoice_export for tenant acme changed (destination" in refusal, refusal
+        self.ledger().contracts.accept_refused("invoice_export", "moved for this case", exported="keep")
+        return defs
 
     def run(self, defs: dg.Definitions, partition: str = PARTITION) -> str:
         """Runs the partition; returns what the operator reads about its failure ('' when it succeeded)."""
@@ -231,6 +254,12 @@ class Workspace:
 def workspace(baseline, tmp_path, request, capsys):
     root = tmp_path / "workspace"
     shutil.copytree(baseline, root)
+    # The copy's contract names the copy's export folder, as if the baseline had been exported here.
+    with contextlib.closing(sqlite3.connect(root / "ledger.sqlite3")) as db, db:
+        db.execute(
+            "UPDATE export_contracts SET contract = replace(contract, ?, ?)",
+            (str((baseline / "exports").resolve()), str((root / "exports").resolve())),
+        )
     space = Workspace(root, request, capsys)
     yield space
     for cleanup in reversed(space.cleanups):
@@ -307,7 +336,7 @@ def source_case(defect: str, *expect: str, withheld: tuple[str, ...] = ()) -> Ba
 
 def _read_only_root(ws: Workspace) -> str | None:
     folder = ws.mount_tmpfs(ws.root / "read-only", "ro,size=64k")
-    return ws.run(ws.defs(destination=str(folder / "exports"))) or None
+    return ws.run(ws.moved(ws.defs(destination=str(folder / "exports")))) or None
 
 
 def _full_disk(ws: Workspace) -> str | None:
@@ -319,7 +348,7 @@ def _full_disk(ws: Workspace) -> str | None:
             filler.write(b"\0" * 4096)
             filler.flush()
     assert os.statvfs(folder).f_bavail == 0, "the filesystem is full"
-    return ws.run(ws.defs()) or None
+    return ws.run(ws.moved(ws.defs())) or None
 
 
 def _fix_full_disk(ws: Workspace) -> dg.Definitions:
@@ -329,17 +358,22 @@ def _fix_full_disk(ws: Workspace) -> dg.Definitions:
 
 def _missing_bucket(ws: Workspace) -> str | None:
     ws.destination = ws.s3(bucket="no-such-bucket-5c1e")
-    return ws.run(ws.defs()) or None
+    return ws.run(ws.moved(ws.defs())) or None
 
 
 def _unreachable_store(ws: Workspace) -> str | None:
     ws.destination = ws.s3(endpoint_url="http://127.0.0.1:9")  # discard port: nothing listens
-    return ws.run(ws.defs()) or None
+    return ws.run(ws.moved(ws.defs())) or None
 
 
-def _fix_s3(ws: Workspace) -> dg.Definitions:
+def _fix_bucket(ws: Workspace) -> dg.Definitions:
     ws.destination = ws.s3()
-    return ws.defs()
+    return ws.moved(ws.defs())  # another bucket: another destination, accepted
+
+
+def _fix_endpoint(ws: Workspace) -> dg.Definitions:
+    ws.destination = ws.s3()
+    return ws.defs()  # the same bucket at its real endpoint: the same destination
 
 
 _MISFIT_TABLE = "CREATE TABLE exported_invoices (logical_key VARCHAR(300), row_number BIGINT, invoice_id TEXT)"
@@ -350,7 +384,7 @@ def _misfit_ledger_table(ws: Workspace) -> str | None:
     with sa.create_engine(ws.ledger_url).begin() as conn:
         conn.execute(sa.text(_MISFIT_TABLE))
     ws.destination = SqlTableDestination(url=ws.ledger_url, table="exported_invoices")
-    return ws.run(ws.defs()) or None
+    return ws.run(ws.moved(ws.defs())) or None
 
 
 def _fix_misfit_ledger_table(ws: Workspace) -> dg.Definitions:
@@ -421,13 +455,15 @@ CASES = [
     source_case("nanosecond_timestamps", "does not fit the export schema", "would lose data"),
     source_case("no_rows_missing_column", "missing required columns ['amount']"),
     source_case("foreign_tenant_row", "tenant"),
+    source_case("bool_amounts", "column 'amount' must be numeric, found dtype bool (kind 'float'"),
+    source_case("repeated_amount_column", "the frame has more than one column named 'amount'"),
     # destinations
     BadInput(
         "destination-read-only-root",
         _read_only_root,
         ("cannot write to export destination", "Read-only file system"),
         reaches_a_run=True,
-        fix=lambda ws: ws.defs(),
+        fix=lambda ws: ws.moved(ws.defs()),
     ),
     BadInput(
         "destination-full-disk",
@@ -439,16 +475,16 @@ CASES = [
     BadInput(
         "destination-s3-missing-bucket",
         _missing_bucket,
-        ("the store refused", "no-such-bucket-5c1e", "HTTP 404"),
+        ("the bucket 'no-such-bucket-5c1e' does not exist", "create it, or correct the destination"),
         reaches_a_run=True,
-        fix=_fix_s3,
+        fix=_fix_bucket,
     ),
     BadInput(
         "destination-s3-unreachable",
         _unreachable_store,
         ("cannot read s3://", "EndpointConnectionError"),
         reaches_a_run=True,
-        fix=_fix_s3,
+        fix=_fix_endpoint,
     ),
     BadInput(
         "destination-ledger-table-misfit",

@@ -340,9 +340,9 @@ def test_a_v3_ledger_reads_unchanged_refuses_writes_and_upgrades_explicitly_keep
     with pytest.raises(SchemaOutdated, match="export-ledger upgrade"):
         ExportLedger(ledger_url)
     assert schema_version(sa.create_engine(ledger_url)) == 3, "opening to write never upgrades on its own"
-    assert upgrade_url(ledger_url) == [4, 5, 6, 7, 8], "the explicit upgrade runs each revision from 3 on"
+    assert upgrade_url(ledger_url) == [4, 5, 6, 7, 8, 9], "the explicit upgrade runs each revision from 3 on"
     writer = ExportLedger(ledger_url)
-    assert schema_version(sa.create_engine(ledger_url)) == SCHEMA_VERSION == 8
+    assert schema_version(sa.create_engine(ledger_url)) == SCHEMA_VERSION == 9
     after = [(r.logical_key, r.state.value, r.row_count, r.sha256, r.fencing_token) for r in writer.queries.records()]
     assert after == before
     fingerprints = writer.drift.fingerprints([key for key, *_ in before])

@@ -340,8 +340,11 @@ class Stack:
             assert reset.get("sensorState", {}).get("status") == "RUNNING", reset
 
     def pool_claims(self) -> list[str]:
+        """The runs holding a slot of the export's pool (the pool's own name: a pool named ``exports`` has none)."""
         limit = self.gql(
-            """{ instance { concurrencyLimit(concurrencyKey: "exports") { slotCount claimedSlots { runId } } } }"""
+            """query($key: String!) { instance { concurrencyLimit(concurrencyKey: $key) {
+                 claimedSlots { runId } } } }""",
+            key=POOL,
         )["instance"]["concurrencyLimit"]
         return [slot["runId"] for slot in limit["claimedSlots"]]
 
@@ -756,6 +759,7 @@ def test_run_whose_worker_dies_is_failed_and_retried_on_the_same_partition_after
     ledger = stack.ledger()
     run_id = stack.launch_partition(partition)
     held = _claimed_key(stack, ledger, partition, run_id)
+    assert run_id in stack.pool_claims(), "the run's export step holds a slot of the pool while it exports"
     for pid in _run_processes(stack, run_id):  # the worker and its step process die together, as on a lost host
         os.kill(pid, signal.SIGKILL)
     killed_at = time.monotonic()

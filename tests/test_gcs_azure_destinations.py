@@ -12,7 +12,7 @@ import sys
 import dagster as dg
 import pytest
 from cloud_fixtures import AZURITE_ACCOUNT, AZURITE_KEY
-from condition_proxy import ConditionStripper
+from condition_proxy import CheckThenWrite, ConditionStripper
 from pipeline_helpers import failure_message, ledger_at, make_defs, run_partition
 from s3_support import Fault
 
@@ -73,26 +73,49 @@ def test_gcs_data_above_the_limit_is_refused_where_resumable_uploads_ignore_prec
 # -- Azure: a store that ignores If-None-Match ---------------------------------------------------------------------
 
 
-def test_an_azure_store_that_ignores_if_none_match_is_refused_before_anything_is_published(
-    azurite_server, azure_container
-):
+def sas() -> str:
+    """An account SAS for Azurite. A SAS signs no request headers (a shared key signs If-None-Match, so a request a
+    proxy changed would fail to verify)."""
     from azure.storage.blob import AccountSasPermissions, ResourceTypes, generate_account_sas
 
-    # A SAS signs no request headers (a shared key signs If-None-Match, so a stripped request would fail to verify).
-    sas = generate_account_sas(
+    return generate_account_sas(
         AZURITE_ACCOUNT, AZURITE_KEY, ResourceTypes(service=True, container=True, object=True),
         AccountSasPermissions(read=True, write=True, delete=True, list=True, create=True),
         expiry=dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=1),
     )  # fmt: skip
+
+
+def test_an_azure_store_that_ignores_if_none_match_is_refused_before_anything_is_published(
+    azurite_server, azure_container
+):
+    token = sas()
     host, account = azurite_server.rsplit("/", 1)
     with ConditionStripper(host) as proxy:
-        destination = azure_destination(f"{proxy.endpoint_url}/{account}", azure_container, azure_sas_token=sas)
+        destination = azure_destination(f"{proxy.endpoint_url}/{account}", azure_container, azure_sas_token=token)
         with pytest.raises(DestinationError, match=r"accepted a second conditional create \(If-None-Match: \*\)"):
             destination.store.check_conditions()
-    honest = azure_destination(azurite_server, azure_container, azure_sas_token=sas)
+    honest = azure_destination(azurite_server, azure_container, azure_sas_token=token)
     honest.store.check_conditions()  # the same container, straight: accepted
     assert honest.store.list("") == [], "the probes are deleted"
     assert (destination.store.account_url, azure_container) not in azure_module._CONDITIONS_CHECKED
+
+
+def test_an_azure_store_whose_conditional_create_is_a_check_then_a_write_is_refused_by_racing_creates(
+    azurite_server, azure_container
+):
+    host, account = azurite_server.rsplit("/", 1)
+    with CheckThenWrite(host, window_seconds=0.2) as proxy:
+        destination = azure_destination(f"{proxy.endpoint_url}/{account}", azure_container, azure_sas_token=sas())
+        store = destination.store
+        store.put_if_absent("sequential", b"first")
+        with pytest.raises(AlreadyExists):
+            store.put_if_absent("sequential", b"second")  # a create after the first one is refused
+        store.delete("sequential")
+        with pytest.raises(DestinationError, match="conditional creates of one new object sent at once") as refused:
+            store.check_conditions()
+    assert "not one atomic step" in str(refused.value) and "Refusing to publish to it" in str(refused.value)
+    assert azure_destination(azurite_server, azure_container).store.list("") == [], "the probes are deleted"
+    assert (store.account_url, azure_container) not in azure_module._CONDITIONS_CHECKED
 
 
 # -- a lost answer after the pointer's compare-and-swap landed -----------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from export_ledger.destinations import LocalDestination, local
 from export_ledger.destinations.publishing import POINTER_NAME
 from export_ledger.failpoints import ENV_VAR as FAILPOINTS
 from export_ledger.failpoints import SimulatedCrash
-from export_ledger.ledger import ExportLedger
+from export_ledger.ledger import ExportLedger, FencedOut
 from export_ledger.ledger.completions import Completions
 from export_ledger.ledger.schema import ExportState
 from export_ledger.protocol import ExportBatch, ExportBatchFailed, ExportItem, export_batch, export_key
@@ -181,3 +182,47 @@ def test_a_failed_sync_fails_a_staged_group_and_leaves_a_published_one_to_reconc
         export_batch(clocked, destination, batch_of(keys), "run-1/export")
     assert [clocked.queries.get(str(k)).state for k in keys] == [state] * 3
     assert len(published_dirs(tmp_path / "exports")) == (0 if failing == 1 else 3)
+
+
+def test_a_key_taken_over_before_its_group_renews_is_reported_lost_and_every_other_key_is_exported(
+    tmp_path: Path, ledger_url, clock
+) -> None:
+    """Issue #26: a renewal that drops a later key of the group (another attempt took it over while an earlier key's
+    source was read) made the loop raise a bare KeyError on reaching it: the key staged before it was never
+    published, and the keys after it (and the next group) were never attempted."""
+    lease = dt.timedelta(seconds=3)  # the group renews after half of it, on this process's monotonic clock
+    ledger = ExportLedger(ledger_url, clock=clock, lease_ttl=lease)
+    rival = ExportLedger(ledger_url, clock=clock, lease_ttl=lease)
+    keys = keys_of(6)  # two groups: t00..t03, then t04..t05
+    taken = keys[2]
+
+    def slow_source_while_a_rival_takes_a_later_key():
+        clock.advance(seconds=4)  # every lease of the group has ended by the ledger's clock
+        rival.claims.claim(taken, "run-2/export")  # taken over: run-1's token on it is fenced
+        time.sleep(lease.total_seconds() * 0.6)  # past the renewal point before the next key's source is read
+        return orders(keys[0])
+
+    batch = batch_of(keys)
+    batch.items[0] = ExportItem(keys[0], batch.items[0].partition_key, slow_source_while_a_rival_takes_a_later_key)
+    destination = LocalDestination(str(tmp_path / "exports"))
+    with pytest.raises(FencedOut, match=f"lost its lease on {taken}"):
+        export_batch(ledger, destination, batch, "run-1/export", group_size=4)
+
+    assert [f.logical_key for f in batch.failures] == [str(taken)], "the taken key is the run's only failure"
+    assert batch.failures[0].error_class == "FencedOut"
+    others = [k for k in keys if k != taken]
+    assert [r.logical_key for r in batch.results] == [str(k) for k in others], "every other key has its result"
+    assert all(r.status == "exported" for r in batch.results)
+    for key in others:
+        record = ledger.queries.get(str(key))
+        assert (record.state, record.committed_attempt) == (ExportState.COMPLETED, "run-1/export"), (
+            f"{key} is published and recorded, before and after the lost key and in the next group"
+        )
+    record = ledger.queries.get(str(taken))
+    assert (record.state, record.lease_owner, record.fencing_token) == (ExportState.IN_PROGRESS, "run-2/export", 2), (
+        "nothing is recorded on the lost key: the attempt that took it owns it"
+    )
+    published = published_dirs(tmp_path / "exports")
+    assert len(published) == len(others) and not [f for f in published if f"={taken.tenant}" in str(f)], (
+        f"one published export per exported key, none for the key run-1 lost: {published}"
+    )

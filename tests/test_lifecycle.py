@@ -9,6 +9,7 @@ from pipeline_helpers import failure_message, make_defs, published_dirs, run_par
 
 from export_ledger import cli
 from export_ledger.calendar import ExportCalendar, ZoneMove, window_for
+from export_ledger.contract import calendar_of
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger import BelowLowWater, CompletionEvidence, ContractChanged, ExportLedger
 from export_ledger.ledger.schema import ExportState
@@ -170,16 +171,20 @@ def test_prune_from_the_cli_shows_the_plan_and_changes_nothing_without_yes(tmp_p
 def test_a_materialization_under_a_changed_timezone_is_refused_until_accepted(tmp_path, instance, monkeypatch, capsys):
     new_york = make_defs(tmp_path)
     assert run_partition(new_york, instance, "2026-03-08").success
-    assert ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}").contracts.in_force("invoice_export", "acme") == (
-        ExportCalendar("America/New_York", "2026-01-01").contract()
-    ), "each tenant's contract is recorded at its first materialization"
+    recorded = ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}").contracts.in_force("invoice_export", "acme")
+    assert calendar_of(recorded) == ExportCalendar("America/New_York", "2026-01-01").contract(), (
+        "each tenant's contract is recorded at its first materialization"
+    )
+    assert recorded["terms"]["destination"] == {"kind": "local", "root": str((tmp_path / "exports").resolve())}, (
+        "with the destination, format, schema and source it was exported with"
+    )
 
     chicago = make_defs(tmp_path, timezone="America/Chicago")
     refused = run_partition(chicago, instance, "2026-03-09")
     assert not refused.success
     message = failure_message(refused)
     assert "the calendar contract of invoice_export for tenant acme changed" in message
-    assert '"timezone": "America/New_York"' in message and '"timezone": "America/Chicago"' in message
+    assert "zone America/New_York -> America/Chicago" in message, "the refusal says what changed"
     assert "export-ledger accept-contract" in message
     assert [f.name for f in published_dirs(tmp_path / "exports")] == ["date=2026-03-08"], "nothing new published"
 

@@ -8,6 +8,7 @@ import json
 import threading
 from pathlib import Path
 
+import dagster as dg
 import pandas as pd
 import pytest
 import sqlalchemy as sa
@@ -16,6 +17,7 @@ from pipeline_helpers import failure_message, make_defs, places, run_partition, 
 
 from export_ledger import cli
 from export_ledger.calendar import ExportCalendar
+from export_ledger.dagster import LedgerResource
 from export_ledger.destinations import ExportTarget, LocalDestination
 from export_ledger.destinations.base import Fenced, Verdict
 from export_ledger.destinations.publishing import POINTER_NAME
@@ -280,9 +282,10 @@ def test_a_password_given_as_a_query_parameter_is_redacted_everywhere(capsys):
     assert "qp-secret-42" not in err and "tok-9" not in err and "export-ledger: error:" in err
 
 
-def test_an_unreachable_ledger_with_a_query_password_never_reaches_the_event_log(tmp_path, instance):
-    url = "postgresql+psycopg2://reader@127.0.0.1:1/x?password=qp-secret-43"
-    defs = make_defs(tmp_path, ledger_url=url)
+def test_an_unreachable_ledger_with_a_query_password_never_reaches_the_event_log(tmp_path, instance, monkeypatch):
+    # By name: a URL with a password given as a value is refused when the definitions are built.
+    monkeypatch.setenv("EXPORTS_LEDGER_URL", "postgresql+psycopg2://reader@127.0.0.1:1/x?password=qp-secret-43")
+    defs = make_defs(tmp_path, ledger=LedgerResource(url=dg.EnvVar("EXPORTS_LEDGER_URL")))
     result = run_partition(defs, instance, PARTITION)
     assert not result.success
     assert "qp-secret-43" not in failure_message(result)

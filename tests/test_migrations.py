@@ -79,7 +79,7 @@ def test_a_write_open_of_an_older_schema_is_refused_naming_the_explicit_upgrade(
 
 
 def test_the_explicit_upgrade_brings_0_4_0_to_the_newest_version_and_counts_claims_since_each_resolution(ledger_040):
-    assert upgrade_url(ledger_040) == [6, 7, 8]
+    assert upgrade_url(ledger_040) == [6, 7, 8, 9]
     ledger = ExportLedger(ledger_040)
     counts = {r.logical_key.split("/", 1)[1]: (r.fencing_token, r.claim_count) for r in ledger.queries.records()}
     assert counts["acme/2026-03-02T05:00:00Z"] == (4, 0), "three claims, then an operator restored the reruns"
@@ -87,7 +87,7 @@ def test_the_explicit_upgrade_brings_0_4_0_to_the_newest_version_and_counts_clai
     assert counts["globex/2026-03-02T05:00:00Z"] == (1, 0), "an open restatement request restarts the count"
     with ledger.atomic(read_only=True) as conn:
         history = conn.execute(sa.text("SELECT version, note FROM export_ledger_schema ORDER BY version")).all()
-    assert [v for v, _ in history] == [5, 6, 7, 8] and history[1][1] == "upgraded from 5"
+    assert [v for v, _ in history] == [5, 6, 7, 8, 9] and history[1][1] == "upgraded from 5"
     assert upgrade_url(ledger_040) == [], "upgrading again does nothing"
 
 
@@ -125,7 +125,7 @@ def test_a_0_4_0_ledger_that_withdrew_a_request_and_asked_again_upgrades(tmp_pat
             {"k": "invoice_export/globex/2026-03-02T05:00:00Z"},
         )
     engine.dispose()
-    assert upgrade_url(url) == [6, 7, 8]
+    assert upgrade_url(url) == [6, 7, 8, 9]
     ledger = ExportLedger(url, clock=lambda: dt.datetime(2026, 3, 21, tzinfo=UTC))
     revisions = [r.revision for r in ledger.restatements.requests(open_only=False)
                  if r.logical_key == "invoice_export/globex/2026-03-02T05:00:00Z"]  # fmt: skip
@@ -136,7 +136,7 @@ def test_a_0_4_0_ledger_that_withdrew_a_request_and_asked_again_upgrades(tmp_pat
 def test_export_ledger_upgrade_is_the_one_command_that_changes_the_schema(ledger_040, capsys):
     assert main(["status", "--ledger-url", ledger_040]) == 0, "status reads an older ledger"
     assert main(["upgrade", "--ledger-url", ledger_040]) == 0
-    assert "upgraded the ledger's schema to version 8" in capsys.readouterr().out
+    assert "upgraded the ledger's schema to version 9" in capsys.readouterr().out
     assert main(["upgrade", "--ledger-url", ledger_040]) == 0
     assert "current" in capsys.readouterr().out
 
@@ -203,7 +203,7 @@ def test_a_version_1_ledger_upgrades_through_every_revision_on_each_backend(ledg
         assert schema_version(engine) == 1
     finally:
         engine.dispose()
-    assert upgrade_url(ledger_url) == [2, 3, 4, 5, 6, 7, 8]
+    assert upgrade_url(ledger_url) == [2, 3, 4, 5, 6, 7, 8, 9]
     ledger = ExportLedger(ledger_url, clock=lambda: dt.datetime(2026, 3, 20, tzinfo=UTC))
     (record,) = ledger.queries.records()
     assert (record.state, record.fencing_token, record.claim_count) == (ExportState.FAILED, 2, 2)

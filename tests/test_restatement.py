@@ -458,9 +458,9 @@ def test_a_v4_ledger_reads_as_revision_1_then_upgrades_explicitly_and_restates(l
     with pytest.raises(SchemaOutdated, match="has schema version 4"):
         ExportLedger(ledger_url)
     assert schema_version(sa.create_engine(ledger_url)) == 4, "a refused write-open changes nothing"
-    assert upgrade_url(ledger_url) == [5, 6, 7, 8]
+    assert upgrade_url(ledger_url) == [5, 6, 7, 8, 9]
     writer = ExportLedger(ledger_url)
-    assert schema_version(sa.create_engine(ledger_url)) == SCHEMA_VERSION == 8
+    assert schema_version(sa.create_engine(ledger_url)) == SCHEMA_VERSION == 9
     # Before 0.5 reruns were counted from the key's tokens: the upgrade counts its one claim.
     assert writer.queries.get(key).claim_count == 1
     request = writer.restatements.request(key, reason="corrected", requested_by="ops")

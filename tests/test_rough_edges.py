@@ -237,7 +237,7 @@ def test_a_ledger_of_release_0_4_0_upgrades_to_record_unchanged_requests_and_kee
     path = tmp_path / "ledger.sqlite3"
     shutil.copy(Path(__file__).parent / "data" / "ledger-0.4.0.sqlite3", path)
     url = f"sqlite:///{path}"
-    assert upgrade_url(url) == [6, 7, 8]
+    assert upgrade_url(url) == [6, 7, 8, 9]
     insert = sa.text(
         "INSERT INTO export_restatements (logical_key, export, tenant, business_date, revision, reason, requested_by, "
         "requested_at, base_token, closed_at, outcome) VALUES (:k, 'invoice_export', 'acme', '2026-03-01', :r, 'x', "

@@ -22,13 +22,18 @@ from urllib.parse import urlsplit
 
 import dagster as dg
 import pytest
+from condition_proxy import CheckThenWrite
 from pipeline_helpers import failure_message, ledger_at, make_defs, places, published_dirs, run_partition
 from s3_support import Fault
 
 from definitions import build_definitions
 from export_ledger.destinations import POINTER_NAME, ExportTarget, Fenced, StagedExport, Verdict, place_of_location
+from export_ledger.destinations import delta as delta_module
 from export_ledger.destinations import s3 as s3_module
+from export_ledger.destinations.delta import DeltaDestination
 from export_ledger.destinations.s3 import S3Destination
+from export_ledger.destinations.store import AlreadyExists
+from export_ledger.errors import ConfigurationError
 from export_ledger.failpoints import ENV_VAR as FAILPOINTS
 from export_ledger.frames import MANIFEST_NAME, Manifest
 from export_ledger.ledger.schema import AttemptOutcome, ExportState
@@ -321,6 +326,42 @@ def test_a_store_that_ignores_if_match_is_refused_before_anything_is_published(
     rerun = run_partition(defs, instance, PARTITION)
     assert rerun.success, "the refusal is not remembered: once the store honours If-Match, the key exports"
     assert ledger_at(tmp_path).queries.get(KEY).state is ExportState.COMPLETED
+
+
+def test_a_store_whose_conditional_create_is_a_check_then_a_write_is_refused_by_racing_creates(
+    tmp_path, instance, s3, s3_server, s3_bucket
+):
+    """A second create sent after the first is refused by such a store, as by an honest one: only creates that race
+    inside its window between check and write show that two parties could both win."""
+    with CheckThenWrite(s3_server, window_seconds=0.2) as proxy:
+        sequential = s3_destination(s3_bucket, proxy.endpoint_url, "sequential").store
+        sequential.put_if_absent("probe", b"first")
+        with pytest.raises(AlreadyExists):
+            sequential.put_if_absent("probe", b"second")
+        destination = s3_destination(s3_bucket, proxy.endpoint_url, "racing")
+        s3_module._CONDITIONS_CHECKED.discard((destination.endpoint_url, destination.bucket))
+        result = run_partition(make_defs(tmp_path, destination=destination), instance, PARTITION)
+    assert not result.success
+    message = failure_message(result)
+    assert "conditional creates of one new object sent at once" in message, message
+    assert "not one atomic step" in message and "Refusing to publish to it" in message, message
+    assert ledger_at(tmp_path).queries.get(KEY).state is ExportState.FAILED, "refused before anything was sent"
+    assert stored(s3, s3_bucket, folder="", prefix="racing") == {}, "nothing is left: the probes are deleted"
+    assert (destination.endpoint_url, destination.bucket) not in s3_module._CONDITIONS_CHECKED
+
+
+def test_a_delta_table_on_a_store_whose_conditional_create_is_a_check_then_a_write_is_refused(s3_server, s3_bucket, s3):
+    """Delta's commit is a create-only-if-absent of the next log entry: on such a store two racing writers could both
+    commit one table version. The sequential second create of the probe is refused there; racing creates are not."""
+    with CheckThenWrite(s3_server, window_seconds=0.2) as proxy:
+        table = DeltaDestination(f"s3://{s3_bucket}/lake/{{export}}", endpoint_url=proxy.endpoint_url,
+                                 access_key_id="testing", secret_access_key="testing")  # fmt: skip
+        delta_module._CONDITIONS_CHECKED.discard((proxy.endpoint_url, s3_bucket))
+        with pytest.raises(ConfigurationError, match="conditional creates of one new object sent at once") as refused:
+            table.check_table("invoice_export")
+    assert "not one atomic step" in str(refused.value) and "same Delta table version" in str(refused.value)
+    assert (proxy.endpoint_url, s3_bucket) not in delta_module._CONDITIONS_CHECKED, "a refusal is not remembered"
+    assert s3.list_objects_v2(Bucket=s3_bucket).get("Contents", []) == [], "no table was made, the probes are deleted"
 
 
 def _another_keys_export(s3, bucket: str, tmp_path: Path, instance, endpoint_url: str) -> dict[str, bytes]:

@@ -30,6 +30,7 @@ from export_ledger.ledger import (
     ExportState,
     RestatementRefused,
 )
+from export_ledger.placement import recorded_destinations
 from export_ledger.protocol import ExportBatch, ExportItem, ExportResult, target_for
 from export_ledger.restate import request_each
 from export_ledger.spec import ExportSpec
@@ -93,7 +94,6 @@ def build_export_asset(
     calendar = ExportCalendar(group.timezone, spec.start_date)
     partitions = partitions_def(calendar, group.last_date)
     calendars = {tenant: spec.calendar_for(tenant) for tenant in group.tenants}
-    contracts = {tenant: calendars[tenant].contract() for tenant in group.tenants}
     several = len(spec.groups) > 1
 
     # Backfill policies are a beta Dagster API; the chunking they give is the documented way to bound backfills.
@@ -119,6 +119,9 @@ def build_export_asset(
     def _export(context: dg.AssetExecutionContext, config: ExportRunConfig) -> Iterator:
         book = getattr(context.resources, LEDGER_KEY).get_ledger()
         destination = getattr(context.resources, destination_key).get_destination()
+        # Checked at claim: what this run would export (its calendar, destination, format, schema, source) must be
+        # the contract in force for each tenant, else its claims are refused and escalated.
+        contracts = {tenant: spec.contract(tenant, destination) for tenant in group.tenants}
         restate_tenants = _restate_tenants(config, group)  # a bad config is refused before anything is done
         partition_keys = sorted(context.partition_keys)
         first, last = parse_business_date(partition_keys[0]), parse_business_date(partition_keys[-1])
@@ -345,23 +348,37 @@ def export_check(
     """``export_matches_source_and_ledger`` of one partition: each of its keys completed in the ledger, its current
     recorded revision intact where it was recorded
     (:meth:`~export_ledger.destinations.Destination.verify_recorded`: its manifest names the key, its data's sha256
-    is the ledger's), and its row count the source's."""
+    is the ledger's), and its row count what the run read from the source (a ledger record's: the source's count)."""
     problems: list[str] = []
+    records = {result.logical_key: ledger.queries.get(result.logical_key) for result in results}
+    # A key exported under an earlier contract (kept when the destination changed) is checked where it was exported.
+    places = recorded_destinations(
+        ledger, [r for r in records.values() if r is not None], known=destination, fallback=lambda _: destination
+    )
     for result in results:
-        record = ledger.queries.get(result.logical_key)
+        record = records[result.logical_key]
         if record is None or record.state is not ExportState.COMPLETED:
             problems.append(f"{result.logical_key}: not completed in the ledger")
             continue
         current = ledger.restatements.current_revision(record.logical_key)
         key = LogicalKey(record.export, record.tenant, record.window)
         target = target_for(key, current.revision, place_of_location(current.location))
-        seen = destination.verify_recorded(target, logical_key=record.logical_key, sha256=current.sha256)
+        seen = places[record.logical_key].verify_recorded(
+            target, logical_key=record.logical_key, sha256=current.sha256
+        )
         if seen.verdict is not Verdict.PUBLISHED:
             problems.append(f"{record.logical_key}: {seen.detail}")
             continue
-        expected_rows = spec.count(record.tenant, record.window_start_utc, record.window_end_utc)
-        if expected_rows is not None and record.row_count != expected_rows:
-            problems.append(f"{record.logical_key}: exported {record.row_count} rows, source has {expected_rows}")
+        # A run's result: the rows it read and wrote, never a second read of the source (a streamed callable
+        # source is a generator, read once: issue 26). A ledger record (the check run on its own): the source's count.
+        expected_rows = (
+            result.row_count
+            if isinstance(result, ExportResult)
+            else spec.count(record.tenant, record.window_start_utc, record.window_end_utc)
+        )
+        published_rows = seen.manifest.row_count
+        if expected_rows is not None and published_rows != expected_rows:
+            problems.append(f"{record.logical_key}: {published_rows} rows published, {expected_rows} read from source")
     return dg.AssetCheckEvaluation(
         check_name=CHECK_NAME,
         asset_key=asset_key,

@@ -99,6 +99,7 @@ class ExportModel(dg.Model):
     restate_stale: bool = _spec_default("restate_stale")
     owners: list[str] = list(_spec_default("owners"))
     deadline: str | None = _spec_default("deadline")
+    version: str | int | None = _spec_default("version")
 
 
 def _environment_value(variable: str, what: str) -> str:
@@ -215,4 +216,5 @@ attributes:
       # restate_stale: false           # restate keys whose source changed, without an operator
       # owners: [team:data-platform]   # shown on the assets: e-mail addresses or team:NAME
       # deadline: "06:00"              # each tenant's export is due by then the next morning, in its zone
+      # version: 1                     # bump when what the export computes changes (the ledger asks to accept it)
 """

@@ -27,8 +27,10 @@ from export_ledger.dagster.schedules import build_nightly_schedule
 from export_ledger.dagster.sensors import build_reconciliation_sensor, job_selection
 from export_ledger.destinations import Destination, destination_from
 from export_ledger.destinations.registry import scheme_of
+from export_ledger.destinations.table import SqlTableDestination
 from export_ledger.drift import DEFAULT_DRIFT_BATCH, DEFAULT_LOOKBACK_DAYS
 from export_ledger.errors import ConfigurationError
+from export_ledger.ledger.urls import holds_secret, redact_url
 from export_ledger.settings import LEDGER_URL_ENV, Settings
 from export_ledger.spec import ExportSpec
 
@@ -60,6 +62,9 @@ def ledgered_definitions(
         exports: The declared exports (names unique). An export without a source is exported from an asset of your
             own, passed in ``assets``, whose ``io_manager_key`` is ``f"{name}__io_manager"``.
         ledger: A ready ledger resource; default from the settings (``EXPORTS_LEDGER_URL`` or ``./var/ledger.sqlite3``).
+            ``EXPORTS_LEDGER_URL`` read from the process environment is passed to Dagster by name (``EnvVar``); a
+            ledger URL with a password given as a value (a ``LedgerResource``'s url, or read from ``environ``) is
+            refused, because Dagster shows resource config values in its UI.
         destination: The default destination (a spec or a destination object); default from the settings
             (``EXPORTS_DESTINATION`` or ``./var/exports``). An export's own ``destination`` wins over it.
         settings: Settings already read; default :meth:`Settings.from_environment` on ``environ``.
@@ -91,6 +96,7 @@ def ledgered_definitions(
             lease_ttl_seconds=settings.lease_ttl_seconds,
             allow_below_low_water=settings.allow_below_low_water,
         )
+    _refuse_secret_ledger_url(ledger.url)
     if max_partitions_per_run is _FROM_SETTINGS:
         max_partitions_per_run = settings.max_partitions_per_run
     policy = (
@@ -105,11 +111,17 @@ def ledgered_definitions(
     shared_tables: dict[str, list[str]] = {}
     for spec in exports:
         spec_destination = spec.destination or destination or settings.destination
-        what = f"destination of export {spec.name}" if spec.destination else "EXPORTS_DESTINATION"
+        what = (
+            f"destination of export {spec.name}" if spec.destination
+            else "the destination argument" if destination else "EXPORTS_DESTINATION"
+        )  # fmt: skip
         resource = _destination_resource(spec_destination, ledger, settings, secrets_by_name, what)
         table = resource.spec.removeprefix("ledger-table:") if resource.spec.startswith("ledger-table:") else None
         if table is not None and "{export}" not in table:
             shared_tables.setdefault(table, []).append(spec.name)
+        problem = SqlTableDestination.check_export(resource.spec, spec.name) if table is not None else None
+        if problem:  # checked with the export's own name: every run would fail on it (issue 26)
+            raise ConfigurationError(f"{what} {resource.spec!r}: {problem}")
         pool = f"{_pool_kind(spec_destination)}-{spec.name}"
         destination_key, io_manager_key = resource_keys(spec)
         resources[destination_key] = resource
@@ -127,6 +139,7 @@ def ledgered_definitions(
             nullable=sorted(spec.schema.nullable),
             timezone=spec.timezone,
             start_date=spec.start_date,
+            version=None if spec.version is None else str(spec.version),
         )
         several = len(spec.groups) > 1
         # One asset, job and schedule per zone of the export: a Dagster partitions definition has one zone.
@@ -218,6 +231,20 @@ def _pool_kind(spec: Destination | str) -> str:
     if isinstance(spec, Destination):
         return spec.pool
     return scheme_of(spec).load().pool
+
+
+def _refuse_secret_ledger_url(url: str | dg.EnvVar) -> None:
+    """Refuses a ledger URL with a password given as a value: Dagster shows every resource's config values in its UI
+    (the ledger's, and each destination's ``ledger_url``), so a secret must reach it by name, as an ``EnvVar``."""
+    if isinstance(url, str) and holds_secret(url):
+        raise ConfigurationError(
+            f"the ledger URL {redact_url(url)!r} holds a password, and given as a value (an argument, a "
+            "LedgerResource's url, or EXPORTS_LEDGER_URL read from an environ mapping) it would be shown in the "
+            f"Dagster UI's resource config. Give it by name: set {LEDGER_URL_ENV} in the code location's environment "
+            f"and pass neither a URL nor environ (it is then passed as EnvVar({LEDGER_URL_ENV!r})), or pass "
+            "LedgerResource(url=dg.EnvVar('YOUR_VARIABLE')), or leave the password out of the URL and let the "
+            "driver find it (PostgreSQL: PGPASSWORD or ~/.pgpass)"
+        )
 
 
 def _destination_resource(

@@ -14,12 +14,14 @@ import dagster as dg
 import pandas as pd
 
 from export_ledger.calendar import ExportCalendar
+from export_ledger.contract import asset_source, export_terms, with_terms
 from export_ledger.dagster.resources import DestinationResource, LedgerResource
 from export_ledger.destinations import DestinationError, ExportTarget, Verdict, place_of_location
 from export_ledger.errors import FrameError
-from export_ledger.frames import ExportSchema, read_table
+from export_ledger.frames import ExportSchema, check_column_names, read_table
 from export_ledger.keys import LogicalKey, attempt_id
 from export_ledger.ledger import ExportRecord, Restatement, Revision
+from export_ledger.placement import recorded_destinations
 from export_ledger.protocol import ExportBatch, ExportItem, ExportResult, export_batch
 from export_ledger.restate import published_revisions
 
@@ -40,6 +42,7 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
             1,000-item list 40 times when the code location loads).
         columns, time_column, id_columns, tenant_column, order_by, nullable: The export's schema, for a frame output.
         timezone, start_date: The export's calendar, for a frame output.
+        version: The export's version (``ExportSpec.version``), recorded in its contract with the rest of its terms.
     """
 
     ledger: dg.ResourceDependency[LedgerResource]
@@ -56,6 +59,7 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
     nullable: list[str] = []
     timezone: str = ""
     start_date: str = ""
+    version: str | None = None
 
     def handle_output(self, context: dg.OutputContext, obj: "ExportBatch | pd.DataFrame") -> None:
         if isinstance(obj, pd.DataFrame):
@@ -125,6 +129,7 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
         calendar = ExportCalendar(self.timezone, self.start_date)
         export = self.export or context.asset_key.path[-1]
         what = f"{export} (rows of the asset's frame)"
+        check_column_names(frame, schema, what)
         for name in (schema.time_column, schema.tenant_column):
             if name not in frame.columns:
                 raise FrameError(f"{what}: the frame has no {name!r} column")
@@ -132,9 +137,14 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
         if not isinstance(times.dtype, pd.DatetimeTZDtype):
             raise FrameError(f"{what}: column {schema.time_column!r} must hold timezone-aware timestamps")
         items, placed = [], 0
-        # Checked at claim, in the claim's transaction: the calendar these windows were cut with must be the one the
-        # ledger holds for each tenant (recorded at its first claim), so a changed zone is refused, not exported.
-        contract = calendar.contract()
+        # Checked at claim, in the claim's transaction: the calendar these windows were cut with, and where and how
+        # they are exported, must be the contract the ledger holds for each tenant (recorded at its first claim), so
+        # a changed zone, destination, format or schema is refused, not exported.
+        terms = export_terms(
+            destination=self.destination.get_destination().identity(export), file_format=self.file_format,
+            schema=schema, source=asset_source(export), version=self.version,
+        )  # fmt: skip
+        contract = with_terms(calendar.contract(), terms)
         for partition_key in sorted(context.asset_partition_keys):
             window = calendar.window(partition_key)
             in_window = (times >= window.start_utc) & (times < window.end_utc)
@@ -195,7 +205,11 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
                         f"{export} for tenant {tenant} on {partition_key} is not committed ({state}); "
                         "load_input returns committed exports only"
                     )
-                frames.append(self._read_revision(destination, records[0], current, partition_key, context))
+                # Read where the key's contract says it was exported (kept there when the destination changed).
+                place = recorded_destinations(ledger, records, known=destination, fallback=lambda _: destination)
+                frames.append(
+                    self._read_revision(place[records[0].logical_key], records[0], current, partition_key, context)
+                )
         return pd.concat(frames, ignore_index=True)
 
     def _read_revision(

@@ -24,6 +24,7 @@ from export_ledger.dagster.assets import (
     stuck_check_evaluation,
 )
 from export_ledger.dagster.io_manager import LISTED_KEYS, key_table, status_command
+from export_ledger.dead_runs import Watch, judge_runs
 from export_ledger.deadlines import late_keys
 from export_ledger.errors import CalendarError
 from export_ledger.ledger import DEFAULT_MAX_ATTEMPTS, ExportLedger, ExportState, PartitionWork, Restatement
@@ -42,6 +43,10 @@ SITUATION_TAG = "export-ledger/rerun-of"
 #: launched again (the first relaunch is 1), so that a partition whose runs always fail that way is given up on.
 RELAUNCH_TAG = "export-ledger/relaunch"
 RANGE_START, RANGE_END = "dagster/asset_partition_range_start", "dagster/asset_partition_range_end"
+#: Attempt rows a tick reads (from the primary key, after its cursor) to find runs that lost their keys.
+ATTEMPTS_READ = 10_000
+#: Dagster's statuses of a run in flight: the only ones a dead run is ended from.
+IN_FLIGHT = [dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED]
 #: Escalated keys of each kind a tick counts (:meth:`~export_ledger.ledger.attention.Attention.summary`'s ``cap``):
 #: beyond it the count is "at least", so that a tick reads the same whatever the backlog waiting for a person.
 ESCALATED_COUNTED = 1000
@@ -238,6 +243,59 @@ def refused_requests(
             f"dates again ({sum(len(d) for d in pending.values())} without a key)"
         )
     return requests
+
+
+def end_dead_runs(
+    instance: dg.DagsterInstance,
+    ledger: ExportLedger,
+    exports: Sequence[str],
+    watch: Watch,
+    *,
+    limit: int,
+    log,
+    attempts_read: int = ATTEMPTS_READ,
+) -> tuple[Watch, list[str]]:
+    """Marks failed in Dagster, at most ``limit`` a tick, the runs still ``STARTING`` or ``STARTED`` that the ledger
+    knows have ended (:mod:`export_ledger.dead_runs`): their pool slots are freed (run monitoring frees a finished
+    run's slots after ``free_slots_after_run_end_seconds``), Dagster's run retries and this sensor's reruns proceed.
+
+    Reads the attempt rows of ``exports`` after ``watch.after`` (at most ``attempts_read``) and judges the runs
+    that lost keys once it has read them all (a run heard from in a row not read yet must not be ended). A run judged
+    not ended leaves the watch: the next key it loses brings it back. Returns the watch to keep and the runs ended.
+    """
+    rows, after, more = ledger.queries.attempts_after(watch.after, limit=attempts_read, exports=exports)
+    watch = watch.seen(rows, after)
+    if more or not watch.losing:
+        return watch, []
+    losing = sorted(watch.losing.values(), key=lambda run: run.last_lost_at)[:limit]  # the longest lost first
+    records = instance.get_run_records(
+        filters=dg.RunsFilter(run_ids=[run.run_id for run in losing], statuses=IN_FLIGHT), limit=len(losing)
+    )
+    in_flight = {record.dagster_run.run_id: record.dagster_run for record in records}
+    held = ledger.queries.held_by_runs(sorted(in_flight))
+    ended = []
+    for verdict in judge_runs(watch, sorted(in_flight), held, ledger.now()):
+        if verdict.ended:
+            _mark_failed(instance, in_flight[verdict.run_id], verdict.why, log)
+            ended.append(verdict.run_id)
+        else:
+            log.info(f"run {verdict.run_id} lost export keys but is not ended: {verdict.why}")
+    judged = {run.run_id for run in losing}
+    return Watch(after, {run_id: run for run_id, run in watch.losing.items() if run_id not in judged}), ended
+
+
+def _mark_failed(instance: dg.DagsterInstance, run: dg.DagsterRun, why: str, log) -> None:
+    """Marks ``run`` failed, with ``why`` in the failure event of its own log.
+
+    ``DagsterInstance.report_run_failed`` is not in Dagster's API reference, but it is what Dagster's own run
+    monitoring calls on a run past ``max_runtime_seconds``, and no documented method marks a run failed (the UI's
+    forced termination marks it canceled, which this sensor reads as a person's decision: never relaunched)."""
+    message = (
+        f"Marked failed by the export ledger's reconciliation_sensor: {why}. Dagster still had it "
+        f"{run.status.value}, holding its pool slots until max_runtime_seconds; its keys are rerun."
+    )
+    instance.report_run_failed(run, message)
+    log.warning(f"run {run.run_id} ({run.job_name}): {message}")
 
 
 def merged(requests: Sequence[dg.RunRequest]) -> list[dg.RunRequest]:
@@ -491,7 +549,9 @@ def build_reconciliation_sensor(
 ) -> dg.SensorDefinition:
     """One sensor for every export of the code location. Each tick, on this code location's exports only:
 
-    1. reconciles at most ``batch_size`` stuck keys from their destination's evidence (hold, fence, judge, record);
+    1. reconciles at most ``batch_size`` stuck keys from their destination's evidence (hold, fence, judge, record),
+       and marks failed in Dagster at most ``batch_size`` runs still in flight there that the ledger knows are dead
+       (:func:`end_dead_runs`), so that their pool slots are freed;
     2. reruns at most ``batch_size`` partitions holding ``failed`` keys with automatic reruns left (one run per
        partition, whatever its number of failed keys), continuing where the previous tick stopped;
     3. launches at most ``batch_size`` partitions holding completed keys with an open restatement request, so that a
@@ -528,6 +588,10 @@ def build_reconciliation_sensor(
             limit=batch_size,
             after=state.get("after"),
             reconciler=f"reconciliation_sensor@{utc_iso(book.now())}",
+        )
+        # After reconciliation (its holds record the dead attempts abandoned), before the failed runs are read.
+        watch, ended = end_dead_runs(
+            context.instance, book, names, Watch.from_json(state.get("dead_runs")), limit=batch_size, log=context.log
         )
         attention = book.attention
         failed = attention.failed_partitions(
@@ -598,10 +662,13 @@ def build_reconciliation_sensor(
                 "restate_after": pending[-1].cursor if len(pending) == batch_size else None,
                 "stuck_digest": digest,
                 "runs_after": runs_after,
+                "dead_runs": watch.to_json(),
             }
         )
         if not requests and not events and not checks:
             looked = len(report.findings)
+            if ended:
+                notes.append(f"{len(ended)} run(s) the ledger knows are dead marked failed: {', '.join(ended)}")
             reason = "; ".join(notes) or (
                 f"no stuck export keys ({looked} examined, {len(failed)} partition(s) with failed keys, "
                 f"{len(pending)} with open restatements, {summary.total + len(late)} escalated)"

@@ -3,17 +3,23 @@ azure-storage-blob).
 
 Conditions are the store's own: ``If-None-Match: *`` creates only if absent, ``If-Match: <etag>`` replaces only the
 version read. Every call makes exactly one send (azure-core's retries are off: a blind resend of an ambiguous write is
-what this destination avoids), and a failed write is classified as for S3:
+what this destination avoids), and every call's failure is classified as for S3:
 
-* nothing was sent (``ServiceRequestError``: connection refused, a connect timeout; no credentials) or the store
-  refused it (a 4xx other than 409/412): the write did not happen;
+* nothing was sent (``ServiceRequestError``: connection refused, a connect timeout): ``DestinationUnreachable``;
+* the container does not exist (404 ``ContainerNotFound``): a read cannot tell (``DestinationUnreachable``, never
+  "absent"), a write did not happen (``DestinationError``); both name the container;
+* the store refused a write (a 4xx other than 409/412): the write did not happen;
 * sent but unanswered (``ServiceResponseError``: read timeout, connection cut; a 5xx): it may or may not have happened;
 * 409 ``BlobAlreadyExists`` or 412 ``ConditionNotMet``: the condition did not hold.
+
+Messages carry the SDK's error class and HTTP status only, never its text (which quotes the request's URL, a SAS
+token included).
 
 Blobs up to ``max_single_put_bytes`` go up in one Put Blob; larger data files as blocks committed by one Put Block
 List, which carries the condition. Before the first write (once per process and store) both paths are probed with a
 small object (the block path through a client whose single-put limit is below it), and a store that ignores the
-condition on either is refused.
+condition on either is refused, as is one that lets more than one of several racing creates win
+(:func:`~export_ledger.destinations.store.racing_creates`).
 """
 
 from __future__ import annotations
@@ -28,7 +34,16 @@ from export_ledger.destinations.base import DestinationError, DestinationUnreach
 from export_ledger.destinations.publishing import PublishingDestination
 from export_ledger.destinations.registry import Scheme
 from export_ledger.destinations.staging import StagedFileUpload, file_sha256, staging_folder
-from export_ledger.destinations.store import AlreadyExists, Blob, ObjectStore, PreconditionFailed, Upload
+from export_ledger.destinations.store import (
+    AlreadyExists,
+    Blob,
+    ObjectStore,
+    PreconditionFailed,
+    Upload,
+    race_problem,
+    racing_creates,
+)
+from export_ledger.errors import redact_text
 
 _CONTAINER_RE = re.compile(r"[a-z0-9](?!.*--)[a-z0-9-]{1,61}[a-z0-9]")
 _PROBE_FOLDER = ".export-ledger-probe/"
@@ -89,7 +104,7 @@ class AzureStore(ObjectStore):
         return f"az://{self.container}/{self._key(name)}"
 
     def describe(self) -> str:
-        return f"az://{self.container}/{self.prefix} at {self.account_url}"
+        return f"az://{self.container}/{self.prefix} at {redact_text(self.account_url)}"
 
     # -- classification ----------------------------------------------------------------------------------------
 
@@ -98,20 +113,39 @@ class AzureStore(ObjectStore):
         status = getattr(exc, "status_code", None)
         return f"{type(exc).__name__} (HTTP {status})" if status else type(exc).__name__
 
+    @staticmethod
+    def _no_container(exc) -> bool:
+        return getattr(exc, "error_code", None) == "ContainerNotFound"
+
+    def _missing(self, what: str) -> str:
+        return (
+            f"cannot {what}: the container {self.container!r} does not exist at {redact_text(self.account_url)} "
+            "(create it, or correct the destination)"
+        )
+
+    def _unreadable(self, exc, what: str) -> DestinationUnreachable:
+        """The error for a failed read: the read cannot tell what is there."""
+        if self._no_container(exc):
+            return DestinationUnreachable(self._missing(what))
+        return DestinationUnreachable(f"cannot {what}: {self._describe_error(exc)}")
+
     def _write_failed(self, exc, what: str) -> DestinationError:
         _, _, errors = _sdk()
+        if self._no_container(exc):
+            return DestinationError(self._missing(what))
         if isinstance(exc, errors.HttpResponseError) and not isinstance(exc, errors.ServiceResponseError):
             if (exc.status_code or 0) >= 500:
                 return PublishOutcomeUnknown(f"{what} answered {self._describe_error(exc)}: it may or may not exist")
             return DestinationError(f"the store refused {what}: {self._describe_error(exc)}")
-        if isinstance(exc, (errors.ServiceRequestError, errors.ClientAuthenticationError)):
-            return DestinationError(f"cannot reach the store for {what}: {self._describe_error(exc)}")
+        if isinstance(exc, errors.ServiceRequestError):
+            return DestinationUnreachable(f"cannot reach the store for {what}: {self._describe_error(exc)}")
         return PublishOutcomeUnknown(f"{what} got no answer ({self._describe_error(exc)}): it may or may not exist")
 
-    @staticmethod
-    def _refused_condition(exc) -> bool:
+    @classmethod
+    def _refused_condition(cls, exc) -> bool:
         _, _, errors = _sdk()
-        return isinstance(exc, (errors.ResourceExistsError, errors.ResourceModifiedError, errors.ResourceNotFoundError))
+        refused = (errors.ResourceExistsError, errors.ResourceModifiedError, errors.ResourceNotFoundError)
+        return isinstance(exc, refused) and not cls._no_container(exc)
 
     # -- reads ---------------------------------------------------------------------------------------------------
 
@@ -119,17 +153,17 @@ class AzureStore(ObjectStore):
         _, _, errors = _sdk()
         try:
             return self._blob(name).download_blob()
-        except errors.ResourceNotFoundError:
-            return None
         except errors.AzureError as exc:
-            raise DestinationUnreachable(f"cannot read {self.url(name)}: {self._describe_error(exc)}") from None
+            if isinstance(exc, errors.ResourceNotFoundError) and not self._no_container(exc):
+                return None
+            raise self._unreadable(exc, f"read {self.url(name)}") from None
 
     def _consume(self, name: str, consume):
         _, _, errors = _sdk()
         try:
             return consume()
         except (errors.AzureError, OSError) as exc:
-            raise DestinationUnreachable(f"cannot read {self.url(name)}: {self._describe_error(exc)}") from None
+            raise self._unreadable(exc, f"read {self.url(name)}") from None
 
     def get(self, name: str) -> Blob | None:
         downloader = self._download(name)
@@ -162,7 +196,7 @@ class AzureStore(ObjectStore):
         try:
             return [blob.name[cut:] for blob in self._client().list_blobs(name_starts_with=self._key(prefix))]
         except errors.AzureError as exc:
-            raise DestinationUnreachable(f"cannot list {self.url(prefix)}: {self._describe_error(exc)}") from None
+            raise self._unreadable(exc, f"list {self.url(prefix)}") from None
 
     # -- writes --------------------------------------------------------------------------------------------------
 
@@ -210,9 +244,13 @@ class AzureStore(ObjectStore):
         _, _, errors = _sdk()
         try:
             self._blob(name).delete_blob()
-        except errors.ResourceNotFoundError:
-            return
         except errors.AzureError as exc:
+            if isinstance(exc, errors.ResourceNotFoundError) and not self._no_container(exc):
+                return
+            if self._no_container(exc):
+                raise DestinationError(self._missing(f"delete {self.url(name)}")) from None
+            if isinstance(exc, errors.ServiceRequestError):
+                raise DestinationUnreachable(f"cannot delete {self.url(name)}: {self._describe_error(exc)}") from None
             raise DestinationError(f"cannot delete {self.url(name)}: {self._describe_error(exc)}") from None
 
     # -- the startup check ---------------------------------------------------------------------------------------
@@ -220,15 +258,16 @@ class AzureStore(ObjectStore):
     def check_conditions(self) -> None:
         """Refuses a container that ignores ``If-None-Match: *`` or ``If-Match``: a probe blob is created twice (the
         second must be refused), rewritten on an ETag it does not have and on its own, and a probe of the block path
-        is created twice as blocks. Once per process and store."""
+        is created twice as blocks; then racing creates of a third probe blob (exactly one may win). Once per
+        process and store."""
         where = (self.account_url, self.container)
         if where in _CONDITIONS_CHECKED:
             return
         _, _, errors = _sdk()
-        small = self._probe_name()
-        blocks = self._probe_name()
         size, single_put, block = _PROBE_BLOCKS
         try:
+            small = self._probe_name()
+            blocks = f"{small}-blocks"
             etag = self._send(small, b"1", None)
             try:
                 self._must_refuse(lambda: self._send(small, b"2", None), "a second conditional create "
@@ -240,11 +279,16 @@ class AzureStore(ObjectStore):
                 self._must_refuse(lambda: self._send(blocks, b"6" * size, None, (single_put, block)), "a second "
                                   "conditional create committed as a block list (Put Block List, If-None-Match: *)",
                                   "a retry could replace a published data file uploaded in blocks")
+                self._race(f"{small}-race")
             finally:
                 self.delete(small)
                 self.delete(blocks)
+                self.delete(f"{small}-race")
         except errors.AzureError as exc:
             status = getattr(exc, "status_code", None)
+            if self._no_container(exc):
+                what = f"check that az://{self.container} honours conditional writes"
+                raise DestinationError(self._missing(what)) from None
             if status is not None and 400 <= status < 500:
                 raise DestinationError(
                     f"the store refused the check that az://{self.container} honours conditional writes: "
@@ -255,6 +299,16 @@ class AzureStore(ObjectStore):
                 f"{self._describe_error(exc)}"
             ) from None
         _CONDITIONS_CHECKED.add(where)
+
+    def _race(self, name: str) -> None:
+        accepted = racing_creates(lambda body: self._send(name, body, None), self._refused_condition)
+        problem = race_problem(accepted, self.read(name))
+        if problem:
+            raise DestinationError(
+                f"az://{self.container} {problem}: its check that a blob is absent and its write are not one atomic "
+                "step, so two parties racing for a key's place or pointer could both win silently. Refusing to "
+                "publish to it"
+            )
 
     def _must_refuse(self, write, what: str, risk: str) -> None:
         _, _, errors = _sdk()

@@ -256,6 +256,23 @@ class Destination(ABC):
         """A description safe for logs: no credentials."""
         return type(self).__name__
 
+    @property
+    def kind(self) -> str:
+        """The destination's kind: ``local``, ``s3``, ``gcs``, ``azure``, ``delta``, ``ledger-table``."""
+        return self.pool.removeprefix("exports-")
+
+    def root_of(self, export: str) -> str:
+        """Where ``export``'s keys are, as a spec that builds this destination again without its settings (a
+        credential is never part of it): recorded in the export's contract (:mod:`export_ledger.contract`)."""
+        spec = getattr(self, "spec", None)
+        if spec is None:
+            return self.describe()
+        return spec()[0].replace("{export}", export)
+
+    def identity(self, export: str) -> dict:
+        """The destination of ``export`` as its contract records it: ``{"kind": ..., "root": ...}``."""
+        return {"kind": self.kind, "root": self.root_of(export)}
+
 
 class TransactionalDestination(Destination):
     """A destination inside the ledger's own database: rows and completion record commit in one transaction, so

@@ -7,21 +7,32 @@ publishes revision ``r`` of key ``K`` with fencing token ``t`` holds, in one Del
 * the key's rows: appended for revision 1; for a restatement, a predicate overwrite (``_export_key = K``) that removes
   exactly the key's earlier rows and adds the new ones (remove and add actions of the same commit);
 * transaction actions (``txn``): ``K`` at version ``r`` (what any reader asks: ``DeltaTable.transaction_version(K)``),
-  ``K#fence`` at ``t``, ``K#r<r>`` at the table version of this very commit (where revision ``r`` is, for reading it
-  back after later restatements), and the key's folder (``<export>/tenant=<t>/date=<D>``) at the window start in
-  epoch seconds (so that a target, which names a business date, finds its key);
-* commit metadata: the revision's manifest (attempt, fencing token, sha256 of the rows' CSV serialization, row count).
+  ``K#fence`` at ``t``, ``K#r<r>`` at the table version the commit was made from plus one (the commit is the first
+  log entry from there carrying ``K#r<r>``: Delta may have rebased it over other keys' commits), and the key's folder
+  (``<export>/tenant=<t>/date=<D>``) at the window start in epoch seconds (so that a target, which names a business
+  date, finds its key);
+* commit metadata: the revision's manifest (attempt, fencing token, sha256 of the rows' CSV serialization, row count)
+  and the export's column names in its own order (``export_ledger.columns``): the order the sha256 was taken in.
 
-**The fence** is ``K#fence``. A party raises it with an empty commit (``fence``); every commit is made from the table
-version read when the fence and the key's revision were checked, with ``max_commit_retries=0``: Delta's own
-put-if-absent of the next log entry refuses the commit if anything committed since that read (another key's commit
-too), and the party reads again. So a party whose token is below the fence read can never commit, and a fence that
-lands after its read makes its commit fail and be judged again. Readers see only committed table versions: a key's
-rows appear all at once or not at all.
+**Reading back.** A key's current revision is read from the table's latest version (its rows are the key's rows
+there, whatever OPTIMIZE or VACUUM did since), its columns selected by name in the order the commit recorded; only a
+superseded revision is read by time travel to its commit, and VACUUM may have removed its files.
+
+**The fence** is ``K#fence``. A party raises it with an empty commit (``fence``); every commit carries ``K#fence`` and
+is made from the table version read when the fence and the key's revision were checked. Delta rebases a commit over
+later commits that share none of its ``txn`` app ids, read none of its data and change no metadata (other keys'
+commits), and refuses it otherwise (delta-rs' conflict checker: a shared app id is ``ConcurrentTransaction``), so a
+fence or commit of the same key that landed after the read makes this commit fail, and the party reads again. So a
+party whose token is below the fence read can never commit, and a fence that lands after its read makes its commit
+fail and be judged again. Readers see only committed table versions: a key's rows appear all at once or not at all.
+
+**Columns**: an export whose columns differ from the table's (one dropped, added, retyped or made nullable) is
+refused before anything is written, naming the columns; a reordered export is written by name.
 
 **Retention**: ``delta.setTransactionRetentionDuration`` (txn identifiers) and ``delta.logRetentionDuration`` (the
-commit entries holding the manifests) are set when the table is created, and a table whose settings are shorter than
-``retention_days`` is refused before anything is written or judged.
+commit entries holding the manifests) are set to ``retention_days`` when the table is created, and
+``delta.deletedFileRetentionDuration`` (what VACUUM keeps of files the latest version no longer references) to
+``file_retention_days``; a table whose settings are shorter is refused before anything is written or judged.
 """
 
 from __future__ import annotations
@@ -53,21 +64,36 @@ from export_ledger.destinations.base import (
 )
 from export_ledger.destinations.publishing import Pointer, PublishingDestination, StagedExport
 from export_ledger.destinations.registry import Scheme
+from export_ledger.destinations.store import race_problem, racing_creates
 from export_ledger.errors import ConfigurationError, ManifestError
 from export_ledger.frames import Manifest, TableStream, write_table
 
 KEY_COLUMN = "_export_key"
 ROW_COLUMN = "_export_row"
-#: Commit metadata keys.
+#: Commit metadata keys: the revision's manifest, and the export's column names in its own order.
 MANIFEST_METADATA = "export_ledger.manifest"
-#: Rounds of read-check-commit before a table that keeps moving is given up on (each lost round is another commit).
+COLUMNS_METADATA = "export_ledger.columns"
+#: Rounds of read-check-commit before a table that keeps moving is given up on (each lost round is a commit Delta
+#: could not rebase this one over: of the same key, a fence of it, or a change of the table's metadata).
 _ROUNDS = 16
+#: How many times Delta may rebase one commit over later commits it does not conflict with (other keys' commits:
+#: each lost race for the next log entry is one); delta-rs' default is 15, too few for a backfill's many writers.
+_REBASES = 100
 #: Table settings every table must keep at least as long as the ledger may retry a key (``retention_days``).
 RETENTION_SETTINGS = ("delta.setTransactionRetentionDuration", "delta.logRetentionDuration")
+#: What VACUUM keeps of files the latest version no longer references (``file_retention_days``).
+FILE_RETENTION_SETTING = "delta.deletedFileRetentionDuration"
+#: Why the ledger needs each setting, for the refusal of a table that keeps less.
+_NEEDED_FOR = {
+    "delta.setTransactionRetentionDuration": "a late retry could find no txn and apply twice",
+    "delta.logRetentionDuration": "a key's manifest is in its commit's log entry, read whenever the key is verified",
+    FILE_RETENTION_SETTING: "a superseded revision is read by time travel until the ledger has recorded the "
+    "revision that replaced it",
+}
 _INTERVAL_RE = re.compile(r"interval\s+(\d+)\s+(second|minute|hour|day|week)s?", re.IGNORECASE)
 _UNIT_SECONDS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400, "week": 604800}
-#: Delta's own default of ``delta.logRetentionDuration`` when the table does not set it.
-_DEFAULTS = {"delta.logRetentionDuration": "interval 30 days"}
+#: Delta's own defaults of the settings when the table does not set them (unset txn retention: never expires).
+_DEFAULTS = {"delta.logRetentionDuration": "interval 30 days", FILE_RETENTION_SETTING: "interval 1 week"}
 #: ``(endpoint, bucket)`` of the S3 stores whose conditional puts were checked by this process.
 _CONDITIONS_CHECKED: set[tuple[str | None, str]] = set()
 
@@ -121,11 +147,55 @@ def _serialize(table: pa.Table) -> bytes:
     return buffer.getvalue()
 
 
+def _data_fields(schema) -> dict:
+    """A Delta schema's fields by name, without the destination's own columns."""
+    return {f.name: f for f in schema.fields if f.name not in (KEY_COLUMN, ROW_COLUMN)}
+
+
+def _kind(delta_field) -> str:
+    """A Delta field's type in Delta's words (``string``, ``double``, ``timestamp``...)."""
+    return getattr(delta_field.type, "type", None) or str(delta_field.type)
+
+
+def column_changes(table_schema, rows_schema: pa.Schema) -> list[str]:
+    """How the rows' columns differ from the table's (by name: the order does not matter), in words naming each column;
+    empty when the rows fit, or when the table has no columns of its own yet (made by a fence: the first commit gives
+    it the export's). Delta would refuse a missing or added column only with an error quoting rows, and casts a retyped
+    one silently."""
+    have = _data_fields(table_schema)
+    if not have:
+        return []
+    want = _data_fields(_deltalake().Schema.from_arrow(rows_schema))
+    changes = []
+    for name, column in have.items():
+        if name not in want:
+            changes.append(f"column {name!r} ({_kind(column)}) is in the table, not in the export")
+        elif _kind(want[name]) != _kind(column):
+            changes.append(f"column {name!r} is {_kind(want[name])} in the export, {_kind(column)} in the table")
+        elif want[name].nullable and not column.nullable:
+            changes.append(f"column {name!r} may be empty in the export, not in the table (NOT NULL)")
+    changes += [f"column {name!r} ({_kind(c)}) is in the export, not in the table" for name, c in want.items()
+                if name not in have]  # fmt: skip
+    return changes
+
+
 @dataclass(frozen=True)
 class DeltaStaged(StagedExport):
-    """A revision ready to commit: its rows, held until the commit (nothing of it is in the table yet)."""
+    """A revision ready to commit: its rows (the export's columns in its own order, then the key columns), held until
+    the commit (nothing of it is in the table yet)."""
 
     rows: pa.Table = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """What one log entry says of the commits of this destination: the txn app ids it carries, and the manifest and
+    column order it records (None: none, or unreadable)."""
+
+    version: int
+    app_ids: frozenset[str]
+    manifest: Manifest | None
+    columns: tuple[str, ...] | None
 
 
 @dataclass(frozen=True)
@@ -141,7 +211,11 @@ class DeltaDestination(PublishingDestination):
             defaults of the environment).
         conditional_put: ``aws_conditional_put`` for S3 (``etag``: S3's If-None-Match, which Delta's commit needs).
         retention_days: How long the ledger may still retry a key: the table's txn and log retention must be at
-            least this long, or a late retry could find no txn and apply twice.
+            least this long, or a late retry could find no txn and apply twice (and a key's manifest, in its
+            commit's log entry, could no longer be read).
+        file_retention_days: What ``delta.deletedFileRetentionDuration`` must keep at least (VACUUM's default
+            retention): a superseded revision's files, read by time travel until the ledger records the revision
+            that replaced it (reconciliation does, within a lease or two). Delta's own default is 7 days.
     """
 
     table: str
@@ -152,6 +226,7 @@ class DeltaDestination(PublishingDestination):
     session_token: str | None = field(default=None, repr=False)
     conditional_put: str | None = "etag"
     retention_days: int = 3650
+    file_retention_days: int = 7
 
     pool = "exports-delta"
 
@@ -221,34 +296,44 @@ class DeltaDestination(PublishingDestination):
         self._check_retention(uri, table)
         return table
 
+    def _retention_needed(self) -> dict[str, int]:
+        """Days each retention setting must keep at least."""
+        return {
+            **{setting: self.retention_days for setting in RETENTION_SETTINGS},
+            FILE_RETENTION_SETTING: self.file_retention_days,
+        }
+
     def _check_retention(self, uri: str, table) -> None:
-        """Refuses a table whose txn or log retention is shorter than ``retention_days`` (checked once per table
-        version of its metadata)."""
+        """Refuses a table whose txn, log or deleted-file retention is shorter than the ledger needs (see
+        :attr:`retention_days` and :attr:`file_retention_days`)."""
         configuration = table.metadata().configuration
-        needed = dt.timedelta(days=self.retention_days)
-        for setting in RETENTION_SETTINGS:
+        for setting, days in self._retention_needed().items():
             text = configuration.get(setting) or _DEFAULTS.get(setting)
             if text is None:
                 continue  # never expires
             kept = parse_interval(text)
-            if kept is None or kept < needed:
+            if kept is None or kept < dt.timedelta(days=days):
                 raise ConfigurationError(
-                    f"{self.describe()}: {setting} is {text!r}, shorter than the {self.retention_days} days the "
-                    f"ledger may retry a key (a late retry could find no txn and apply twice); set it to at least "
-                    f"'interval {self.retention_days} days' (DeltaTable.alter.set_table_properties)"
+                    f"{self.describe()}: {setting} is {text!r}, shorter than the {days} days the ledger needs "
+                    f"({_NEEDED_FOR[setting]}); set it to at least 'interval {days} days' "
+                    "(DeltaTable.alter.set_table_properties)"
                 )
 
     def _create(self, export: str, schema: pa.Schema) -> None:
+        """Makes the export's table with the retention the ledger needs; another party's table made meanwhile (the
+        create lost a race for version 0) is as good."""
         deltalake = _deltalake()
-        days = f"interval {self.retention_days} days"
         try:
             deltalake.DeltaTable.create(
                 self.table_for(export), schema, mode="ignore", partition_by=[KEY_COLUMN],
-                configuration={setting: days for setting in RETENTION_SETTINGS},
+                configuration={s: f"interval {days} days" for s, days in self._retention_needed().items()},
                 storage_options=self.storage_options(),
+                # Never rebased: a create that lost the race for version 0 would replace the table's metadata.
+                commit_properties=deltalake.CommitProperties(max_commit_retries=0),
             )  # fmt: skip
         except (OSError, deltalake.exceptions.DeltaError) as exc:
-            raise DestinationError(f"cannot create {self.describe()}: {exc}") from None
+            if self._open(export) is None:
+                raise DestinationError(f"cannot create {self.describe()}: {type(exc).__name__}") from None
 
     def check_table(self, export: str) -> None:
         """The startup check: refuses a store that ignores conditional puts (:meth:`check_conditions`) and a table
@@ -264,8 +349,9 @@ class DeltaDestination(PublishingDestination):
         overwriting the earlier. Delta's own API cannot send a bare put-if-absent (a sequential second commit is
         caught by its listing of the log first, so never reaches the store's condition), so a probe object is
         created twice with ``If-None-Match: *`` with the endpoint, region and credentials Delta's storage options
-        are made of; the second create must be refused. Local paths need no check (a log entry is renamed into place
-        without replacing one)."""
+        are made of; the second create must be refused. Then racing creates of another probe object: exactly one may
+        win (:func:`~export_ledger.destinations.store.racing_creates` says what that can and cannot show). Local
+        paths need no check (a log entry is renamed into place without replacing one)."""
         if not self.table.startswith("s3://"):
             return
         bucket = self.table.removeprefix("s3://").split("/", 1)[0]
@@ -286,6 +372,22 @@ class DeltaDestination(PublishingDestination):
                     "ignored), so two parties could commit the same Delta table version and overwrite each other. "
                     "Refusing to publish to it; use a store that honours conditional puts"
                 )
+            accepted = racing_creates(
+                lambda body: client.put_object(Bucket=bucket, Key=f"{probe}-race", Body=body, IfNoneMatch="*"),
+                lambda exc: isinstance(exc, errors.ClientError)
+                and exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (409, 412),
+            )
+            try:
+                held = client.get_object(Bucket=bucket, Key=f"{probe}-race")["Body"].read()
+            except client.exceptions.NoSuchKey:
+                held = None
+            problem = race_problem(accepted, held)
+            if problem:
+                raise ConfigurationError(
+                    f"{self.describe()}: the store {problem} (its check and its write are not one atomic step), so "
+                    "two parties could commit the same Delta table version and overwrite each other. Refusing to "
+                    "publish to it; use a store that honours conditional puts"
+                )
         except (errors.BotoCoreError, errors.ClientError) as exc:
             raise DestinationError(
                 f"{self.describe()}: the check that the store honours conditional puts failed ({type(exc).__name__})"
@@ -293,6 +395,7 @@ class DeltaDestination(PublishingDestination):
         finally:
             try:
                 client.delete_object(Bucket=bucket, Key=probe)
+                client.delete_object(Bucket=bucket, Key=f"{probe}-race")
             except (errors.BotoCoreError, errors.ClientError):
                 pass  # nothing names the probe: left behind it is only clutter, and the check's verdict stands
             client.close()
@@ -325,30 +428,64 @@ class DeltaDestination(PublishingDestination):
             row_count=manifest.row_count, data_file=manifest.data_file,
         )  # fmt: skip
 
-    def _commit_version(self, export: str, key: str, revision: int, table=None) -> int | None:
-        table = table if table is not None else self._open(export)
-        return None if table is None else table.transaction_version(revision_id(key, revision))
-
     def _manifest(self, export: str, key: str, revision: int, table=None) -> Manifest | None:
-        version = self._commit_version(export, key, revision, table)
-        if version is None:
-            return None
-        return self._manifest_at(export, version)
+        entry = self._commit_of(export, key, revision, table)
+        return None if entry is None else entry.manifest
 
-    @functools.lru_cache(maxsize=256)  # noqa: B019 - a committed entry never changes; the destination is frozen
-    def _manifest_at(self, export: str, version: int) -> Manifest | None:
-        info = self.commit_info(export, version)
-        text = None if info is None else info.get(MANIFEST_METADATA)
-        if text is None:
+    def _commit_of(self, export: str, key: str, revision: int, table=None) -> _Entry | None:
+        """The log entry of the commit that published ``revision`` of ``key``: the first entry from the version
+        ``K#r<revision>`` names that carries that txn (Delta rebases a commit only over entries that carry none of
+        the key's app ids, so no entry before it does). None when no commit of it is in the table, or when its entry
+        is gone (the log's cleanup removes entries older than ``delta.logRetentionDuration``, oldest first)."""
+        table = table if table is not None else self._open(export)
+        start = None if table is None else table.transaction_version(revision_id(key, revision))
+        if start is None:
             return None
+        for version in range(start, table.version() + 1):
+            entry = self._entry(export, version)
+            if entry is None:
+                return None
+            if revision_id(key, revision) in entry.app_ids:
+                return entry
+        return None
+
+    @functools.lru_cache(maxsize=1024)  # noqa: B019 - a committed entry never changes; the destination is frozen
+    def _entry(self, export: str, version: int) -> _Entry | None:
+        actions = self._log_entry(export, version)
+        if actions is None:
+            return None
+        info = next((action["commitInfo"] for action in actions if "commitInfo" in action), {})
+        app_ids = frozenset(action["txn"]["appId"] for action in actions if "txn" in action)
+        manifest = columns = None
+        if MANIFEST_METADATA in info:
+            try:
+                manifest = Manifest.from_json(info[MANIFEST_METADATA].encode("utf-8"), f"{self.describe()}@v{version}")
+            except ManifestError:
+                pass  # an unreadable manifest is judged as none (a conflict for whoever expects one)
         try:
-            return Manifest.from_json(text.encode("utf-8"), f"{self.describe()}@v{version}")
-        except ManifestError:
-            return None
+            recorded = json.loads(info.get(COLUMNS_METADATA) or "null")
+        except json.JSONDecodeError:
+            recorded = None  # read in the table's order: a conflict unless that is what was hashed
+        if isinstance(recorded, list) and all(isinstance(name, str) for name in recorded):
+            columns = tuple(recorded)
+        return _Entry(version, app_ids, manifest, columns)
+
+    def _columns(self, export: str, entry: _Entry) -> list[str]:
+        """The export's columns in the order its commit recorded (the order its sha256 was taken in)."""
+        if entry.columns is not None:
+            return list(entry.columns)
+        # A commit made before commits recorded their columns: its writer hashed the table's order of the time.
+        table = self._open(export, entry.version)
+        return list(_data_fields(table.schema()))
 
     def commit_info(self, export: str, version: int) -> dict | None:
-        """The ``commitInfo`` of one log entry, read from the entry itself (``DeltaTable.history`` lists the log
-        past its last entry, which moto's server answers only after a timeout); None when the entry is gone."""
+        """The ``commitInfo`` of one log entry (None when the entry is gone)."""
+        actions = self._log_entry(export, version)
+        return next((action["commitInfo"] for action in actions or () if "commitInfo" in action), None)
+
+    def _log_entry(self, export: str, version: int) -> list[dict] | None:
+        """The actions of one log entry, read from the entry itself (``DeltaTable.history`` lists the log past its
+        last entry, which moto's server answers only after a timeout); None when the entry is gone."""
         name = f"_delta_log/{version:020d}.json"
         uri = self.table_for(export).rstrip("/")
         try:
@@ -362,11 +499,7 @@ class DeltaDestination(PublishingDestination):
             raise DestinationUnreachable(f"cannot read {self.describe()} version {version}: {exc.strerror}") from None
         if payload is None:
             return None
-        for line in payload.splitlines():
-            action = json.loads(line)
-            if "commitInfo" in action:
-                return action["commitInfo"]
-        return None
+        return [json.loads(line) for line in payload.splitlines() if line.strip()]
 
     def _s3_client(self):
         from export_ledger.destinations.s3 import _boto
@@ -405,14 +538,30 @@ class DeltaDestination(PublishingDestination):
         raise DestinationError(_NOT_DISCARDED.format(table=self.describe()))
 
     def rows(self, target: ExportTarget, logical_key: str, revision: int) -> pa.Table:
-        """The key's rows as revision ``revision`` committed them, in export order, without the key columns."""
-        version = self._commit_version(target.export, logical_key, revision)
-        table = None if version is None else self._open(target.export, version)
-        if table is None:
+        """The key's rows as revision ``revision`` committed them, in export order, without the key columns: the
+        current revision from the table's latest version (whose files VACUUM never removes), a superseded one by time
+        travel to its commit; the columns by name, in the order the commit recorded."""
+        table = self._open(target.export)
+        entry = None if table is None else self._commit_of(target.export, logical_key, revision, table)
+        if entry is None:
             raise DestinationError(f"{self.describe()} holds no revision {revision} of {logical_key}")
-        found = table.to_pyarrow_table(filters=[(KEY_COLUMN, "=", logical_key)])
-        found = found.sort_by(ROW_COLUMN)
-        return found.drop_columns([KEY_COLUMN, ROW_COLUMN])
+        current = table.transaction_version(logical_key) == revision
+        snapshot = table if current else self._open(target.export, entry.version)
+        columns = self._columns(target.export, entry)
+        try:
+            found = snapshot.to_pyarrow_table(columns=[*columns, ROW_COLUMN], filters=[(KEY_COLUMN, "=", logical_key)])
+        except FileNotFoundError:
+            if current:
+                raise DestinationUnreachable(
+                    f"{self.describe()}: files of the table's latest version went missing while {logical_key} was "
+                    "read (a VACUUM below the table's retention?); read it again"
+                ) from None
+            raise DestinationError(
+                f"{self.describe()}: revision {revision} of {logical_key} was superseded and its files are gone "
+                f"(VACUUM removes a superseded revision's files once {FILE_RETENTION_SETTING} has passed); its "
+                "current revision is readable"
+            ) from None
+        return found.sort_by(ROW_COLUMN).drop_columns([ROW_COLUMN])
 
     def read_data(self, target: ExportTarget, manifest: Manifest) -> bytes:
         return _serialize(self.rows(target, manifest.logical_key, target.revision))
@@ -466,7 +615,8 @@ class DeltaDestination(PublishingDestination):
         )
 
     def fence(self, target: ExportTarget, token: int, *, logical_key: str) -> Pointer:
-        """Raises ``K#fence`` to ``token`` with an empty commit, from the table version read (no rebase)."""
+        """Raises ``K#fence`` to ``token`` with an empty commit, made from the table version read: Delta rebases it
+        over other keys' commits, and refuses it over one that carries ``K#fence`` (a fence or commit of this key)."""
         deltalake = _deltalake()
         self.check_conditions()  # no commit goes to a store that ignores If-None-Match
         for _ in range(_ROUNDS):
@@ -482,7 +632,7 @@ class DeltaDestination(PublishingDestination):
             if self._key_of(table, target) is None:
                 transactions.append(deltalake.Transaction(folder_id(target), _window_start(logical_key)))
             properties = deltalake.CommitProperties(
-                max_commit_retries=0, app_transactions=transactions,
+                max_commit_retries=_REBASES, app_transactions=transactions,
                 custom_metadata={"export_ledger.fence": json.dumps({"logical_key": logical_key, "token": token})},
             )  # fmt: skip
             try:
@@ -490,9 +640,11 @@ class DeltaDestination(PublishingDestination):
                     [], mode="append", schema=table.schema(), partition_by=[KEY_COLUMN], commit_properties=properties
                 )
             except deltalake.exceptions.CommitFailedError:
-                continue  # the table moved since it was read: read it again
+                continue  # a commit of this key (or of the table's metadata) landed since the read: read it again
             except (OSError, deltalake.exceptions.DeltaError) as exc:
-                raise PublishOutcomeUnknown(f"{self.describe()}: the fence's commit failed ({exc})") from None
+                raise PublishOutcomeUnknown(
+                    f"{self.describe()}: the fence's commit failed ({type(exc).__name__})"
+                ) from None
             return replace(current, fence=token, logical_key=logical_key)
         raise DestinationError(f"{self.describe()} kept changing while {logical_key} was being fenced")
 
@@ -505,7 +657,8 @@ class DeltaDestination(PublishingDestination):
         self, target: ExportTarget, token: int, table: pa.Table | TableStream, file_format: str, manifest: Manifest
     ) -> DeltaStaged:
         """The rows, validated (a stream is validated batch by batch, then gathered: one commit holds them all), their
-        sha256 (of their CSV serialization, as :meth:`read_data` gives them back) and the manifest."""
+        sha256 (of their CSV serialization in the export's column order, as :meth:`read_data` gives them back) and
+        the manifest."""
         if isinstance(table, TableStream):
             tables = list(table)
             table = pa.concat_tables(tables) if tables else table.schema.empty_table()
@@ -525,7 +678,8 @@ class DeltaDestination(PublishingDestination):
 
     def commit(self, staged: StagedExport, token: int, *, superseded: int) -> Pointer:
         """The rows and the key's txn actions in one commit, made from the table version at which the fence and the
-        key's revision were read (``max_commit_retries=0``). Idempotent: a key already at this place is success."""
+        key's revision were read (Delta rebases it over other keys' commits only). Idempotent: a key already at this
+        place is success. Rows whose columns do not fit the table's are refused before anything is written."""
         deltalake = _deltalake()
         self.check_conditions()
         target, manifest = staged.target, staged.manifest
@@ -545,21 +699,27 @@ class DeltaDestination(PublishingDestination):
             if table is None:
                 self._create(target.export, staged.rows.schema)
                 continue
-            read = table.version()
+            changes = column_changes(table.schema(), staged.rows.schema)
+            if changes:
+                raise DestinationError(
+                    f"{self.describe()}: {'; '.join(changes)}; nothing of {key} was written (a table's columns "
+                    "change only by its owner, with DeltaTable.alter, never by an export)"
+                )
             try:
-                self._write(table, staged, token)
+                version = self._write(table, staged, token)
             except deltalake.exceptions.CommitFailedError:
-                continue  # another commit landed since the read (or this one's own resend): read again
+                continue  # a commit of this key (or of the table's metadata) landed since the read: read again
             except (OSError, deltalake.exceptions.DeltaError) as exc:
                 raise PublishOutcomeUnknown(
                     f"{self.describe()}: the commit of {key} revision {target.revision} failed ({type(exc).__name__})",
                     sha256=manifest.sha256, location=self.location(target),
                 ) from None  # fmt: skip
             return Pointer(token, target.revision, target.place, manifest.sha256, manifest.row_count,
-                           manifest.data_file, key, str(read + 1))  # fmt: skip
+                           manifest.data_file, key, str(version))  # fmt: skip
         raise DestinationError(f"{self.describe()} kept changing while {key} revision {target.revision} was committed")
 
-    def _write(self, table, staged: DeltaStaged, token: int) -> None:
+    def _write(self, table, staged: DeltaStaged, token: int) -> int:
+        """Commits the staged revision from ``table`` (the version read) and returns the table version it landed at."""
         deltalake = _deltalake()
         target, manifest = staged.target, staged.manifest
         key = manifest.logical_key
@@ -571,15 +731,23 @@ class DeltaDestination(PublishingDestination):
         if self._key_of(table, target) is None:
             transactions.append(deltalake.Transaction(folder_id(target), _window_start(key)))
         properties = deltalake.CommitProperties(
-            max_commit_retries=0, app_transactions=transactions,
-            custom_metadata={MANIFEST_METADATA: manifest.to_json().decode("utf-8")},
+            max_commit_retries=_REBASES, app_transactions=transactions,
+            custom_metadata={
+                MANIFEST_METADATA: manifest.to_json().decode("utf-8"),
+                COLUMNS_METADATA: json.dumps(staged.rows.column_names[:-2]),  # without the two key columns
+            },
         )  # fmt: skip
         restating = target.revision > 1
+        # A table made by a fence has only the key columns: its first commit gives it the export's (a metadata change,
+        # which Delta never rebases anything over); otherwise the columns already fit (column_changes) and are
+        # written by name.
+        merge = not _data_fields(table.schema())
         deltalake.write_deltalake(
             table, staged.rows, mode="overwrite" if restating else "append", partition_by=[KEY_COLUMN],
-            schema_mode="merge", predicate=f"{KEY_COLUMN} = '{key}'" if restating else None,
+            schema_mode="merge" if merge else None, predicate=f"{KEY_COLUMN} = '{key}'" if restating else None,
             commit_properties=properties,
         )  # fmt: skip
+        return table.version()  # the table object follows its own commit, rebased or not
 
     def discard(self, target: ExportTarget, token: int, *, logical_key: str, restore: Pointer) -> list[str]:
         raise DestinationError(_NOT_DISCARDED.format(table=self.describe()))

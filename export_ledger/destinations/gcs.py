@@ -7,7 +7,10 @@ own retries are off, as for S3: a blind resend of an ambiguous write is what thi
 write is classified the same way:
 
 * nothing was sent (connection refused, a connect timeout, no credentials) or the store refused it (a 4xx other than
-  412/409): the write did not happen;
+  412/409): the write did not happen (``DestinationUnreachable`` when the store could not be reached);
+* the bucket does not exist: a read cannot tell (``DestinationUnreachable``, never "absent"), a write did not happen
+  (``DestinationError``); both name the bucket. GCS answers a missing bucket and a missing object with the same 404,
+  so a 404 is followed by one look at the bucket (once per process, while it exists);
 * sent but unanswered (read timeout, connection cut, a 5xx): it may or may not have happened;
 * 412 (409: a concurrent write won): the condition did not hold.
 
@@ -15,7 +18,7 @@ Two upload paths, each checked before its first use (once per process and store)
 conditions on one and not the other (fake-gcs-server before 1.55 ignores them on resumable uploads):
 
 * objects up to :data:`SINGLE_REQUEST_LIMIT` (pointers, manifests, most data files) go up in one multipart request;
-  :meth:`GCSStore.check_conditions` probes that path at startup;
+  :meth:`GCSStore.check_conditions` probes that path at startup (a second create, a stale generation, racing creates);
 * data files above it go up as a resumable upload in chunks; before the first one, a probe object just above the limit
   is created twice the same way, and a store that accepts the second create is refused.
 """
@@ -35,7 +38,16 @@ from export_ledger.destinations.base import DestinationError, DestinationUnreach
 from export_ledger.destinations.publishing import PublishingDestination
 from export_ledger.destinations.registry import Scheme
 from export_ledger.destinations.staging import StagedFileUpload, file_sha256, staging_folder
-from export_ledger.destinations.store import AlreadyExists, Blob, ObjectStore, PreconditionFailed, Upload
+from export_ledger.destinations.store import (
+    AlreadyExists,
+    Blob,
+    ObjectStore,
+    PreconditionFailed,
+    Upload,
+    race_problem,
+    racing_creates,
+)
+from export_ledger.errors import redact_text
 
 #: google-cloud-storage sends an object of at most this size in one multipart request, and anything larger as a
 #: resumable upload (its ``_MAX_MULTIPART_SIZE``); the two paths are probed separately.
@@ -44,6 +56,8 @@ _BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]")
 _PROBE_FOLDER = ".export-ledger-probe/"
 _CONDITIONS_CHECKED: set[tuple[str | None, str]] = set()
 _RESUMABLE_CHECKED: set[tuple[str | None, str]] = set()
+#: Buckets seen to exist (endpoint, bucket): a 404 from them is an absent object.
+_BUCKETS_SEEN: set[tuple[str | None, str]] = set()
 
 
 def _sdk():
@@ -113,7 +127,7 @@ class GCSStore(ObjectStore):
         return f"gs://{self.bucket}/{self._key(name)}"
 
     def describe(self) -> str:
-        where = f" at {self.endpoint_url}" if self.endpoint_url else ""
+        where = f" at {redact_text(self.endpoint_url)}" if self.endpoint_url else ""
         return f"gs://{self.bucket}/{self.prefix}{where}"
 
     # -- classification ----------------------------------------------------------------------------------------
@@ -123,16 +137,45 @@ class GCSStore(ObjectStore):
         code = getattr(exc, "code", None)
         return f"{type(exc).__name__} (HTTP {code})" if isinstance(code, int) else type(exc).__name__
 
+    def _no_bucket(self, exc) -> bool:
+        """Whether a 404 means the bucket does not exist (a look at the bucket tells: the same 404 answers a missing
+        object). A look that fails proves nothing: False."""
+        _, api_errors, _, _ = _sdk()
+        where = (self.endpoint_url, self.bucket)
+        if not isinstance(exc, api_errors.NotFound) or where in _BUCKETS_SEEN:
+            return False
+        try:
+            exists = self._bucket().exists(timeout=self.timeout, retry=None)
+        except self._failures():
+            return False
+        if exists:
+            _BUCKETS_SEEN.add(where)
+        return not exists
+
+    def _missing(self, what: str) -> str:
+        where = f" at {redact_text(self.endpoint_url)}" if self.endpoint_url else ""
+        return (
+            f"cannot {what}: the bucket {self.bucket!r} does not exist{where} (create it, or correct the destination)"
+        )
+
+    def _unreadable(self, exc, what: str) -> DestinationUnreachable:
+        """The error for a failed read: the read cannot tell what is there."""
+        if self._no_bucket(exc):
+            return DestinationUnreachable(self._missing(what))
+        return DestinationUnreachable(f"cannot {what}: {self._describe_error(exc)}")
+
     def _write_failed(self, exc, what: str) -> DestinationError:
         _, api_errors, auth_errors, http_errors = _sdk()
+        if self._no_bucket(exc):
+            return DestinationError(self._missing(what))
         if isinstance(exc, api_errors.GoogleAPICallError):
             if isinstance(exc.code, int) and exc.code >= 500:
                 return PublishOutcomeUnknown(f"{what} answered {self._describe_error(exc)}: it may or may not exist")
             return DestinationError(f"the store refused {what}: {self._describe_error(exc)}")
-        if isinstance(exc, auth_errors.GoogleAuthError) or (
-            isinstance(exc, http_errors.ConnectionError) and _not_sent(exc)
-        ):
-            return DestinationError(f"cannot reach the store for {what}: {self._describe_error(exc)}")
+        if isinstance(exc, auth_errors.GoogleAuthError):
+            return DestinationError(f"cannot authenticate to the store for {what}: {self._describe_error(exc)}")
+        if isinstance(exc, http_errors.ConnectionError) and _not_sent(exc):
+            return DestinationUnreachable(f"cannot reach the store for {what}: {self._describe_error(exc)}")
         return PublishOutcomeUnknown(f"{what} got no answer ({self._describe_error(exc)}): it may or may not exist")
 
     def _failures(self):
@@ -151,10 +194,10 @@ class GCSStore(ObjectStore):
         blob = self._blob(name)
         try:
             blob.download_to_file(sink, timeout=self.timeout, retry=None)
-        except api_errors.NotFound:
-            return None
         except self._failures() as exc:
-            raise DestinationUnreachable(f"cannot read {self.url(name)}: {self._describe_error(exc)}") from None
+            if isinstance(exc, api_errors.NotFound) and not self._no_bucket(exc):
+                return None
+            raise self._unreadable(exc, f"read {self.url(name)}") from None
         return str(blob.generation)
 
     def get(self, name: str) -> Blob | None:
@@ -178,7 +221,7 @@ class GCSStore(ObjectStore):
             )
             return [blob.name[cut:] for blob in blobs]
         except self._failures() as exc:
-            raise DestinationUnreachable(f"cannot list {self.url(prefix)}: {self._describe_error(exc)}") from None
+            raise self._unreadable(exc, f"list {self.url(prefix)}") from None
 
     # -- writes --------------------------------------------------------------------------------------------------
 
@@ -219,9 +262,14 @@ class GCSStore(ObjectStore):
         _, api_errors, _, _ = _sdk()
         try:
             self._blob(name).delete(timeout=self.timeout, retry=None)
-        except api_errors.NotFound:
-            return
         except self._failures() as exc:
+            if self._no_bucket(exc):
+                raise DestinationError(self._missing(f"delete {self.url(name)}")) from None
+            if isinstance(exc, api_errors.NotFound):
+                return
+            _, _, _, http_errors = _sdk()
+            if isinstance(exc, http_errors.ConnectionError) and _not_sent(exc):
+                raise DestinationUnreachable(f"cannot delete {self.url(name)}: {self._describe_error(exc)}") from None
             raise DestinationError(f"cannot delete {self.url(name)}: {self._describe_error(exc)}") from None
 
     # -- the startup checks --------------------------------------------------------------------------------------
@@ -229,16 +277,17 @@ class GCSStore(ObjectStore):
     def check_conditions(self) -> None:
         """Refuses a bucket whose single-request uploads ignore ``ifGenerationMatch``: a probe object is created twice
         (the second must answer 412), rewritten on a generation it does not have (412 again) and on its own
-        (accepted), then deleted. Once per process and store."""
+        (accepted), then deleted; then racing creates of another probe object (exactly one may win). Once per
+        process and store."""
         where = (self.endpoint_url, self.bucket)
         if where in _CONDITIONS_CHECKED:
             return
-        key = self._probe_name()
 
         def create_again():
             self._send(key, b"2", 0)
 
         with self._probing("honours conditional writes"):
+            key = self._probe_name()
             generation = int(self._send(key, b"1", 0))
             try:
                 self._must_refuse(create_again, "a second conditional create (ifGenerationMatch=0) of one object",
@@ -246,8 +295,10 @@ class GCSStore(ObjectStore):
                 self._must_refuse(lambda: self._send(key, b"3", generation + 1), "a write conditional on a "
                                   "generation the object does not have", "two parties could both move a key's pointer")
                 self._send(key, b"4", generation)
+                self._race(f"{key}-race")
             finally:
                 self.delete(key)
+                self.delete(f"{key}-race")
         _CONDITIONS_CHECKED.add(where)
 
     def check_resumable_conditions(self) -> None:
@@ -257,9 +308,9 @@ class GCSStore(ObjectStore):
         where = (self.endpoint_url, self.bucket)
         if where in _RESUMABLE_CHECKED:
             return
-        key = self._probe_name()
         probe = b"\0" * (SINGLE_REQUEST_LIMIT + 1)
         with self._probing("honours conditions on resumable uploads"):
+            key = self._probe_name()
             self._resumable(key, io.BytesIO(probe), len(probe))
             try:
                 self._must_refuse(lambda: self._resumable(key, io.BytesIO(probe), len(probe)), "a second "
@@ -280,6 +331,8 @@ class GCSStore(ObjectStore):
             yield
         except self._failures() as exc:
             code = getattr(exc, "code", None)
+            if self._no_bucket(exc):
+                raise DestinationError(self._missing(f"check that gs://{self.bucket} {what}")) from None
             if isinstance(code, int) and 400 <= code < 500:
                 raise DestinationError(
                     f"the store refused the check that gs://{self.bucket} {what}: {self._describe_error(exc)}"
@@ -287,6 +340,16 @@ class GCSStore(ObjectStore):
             raise DestinationUnreachable(
                 f"cannot do the check that gs://{self.bucket} {what}: {self._describe_error(exc)}"
             ) from None
+
+    def _race(self, name: str) -> None:
+        accepted = racing_creates(lambda body: self._send(name, body, 0), self._refused_condition)
+        problem = race_problem(accepted, self.read(name))
+        if problem:
+            raise DestinationError(
+                f"gs://{self.bucket} {problem}: its check that an object is absent and its write are not one atomic "
+                "step, so two parties racing for a key's place or pointer could both win silently. Refusing to "
+                "publish to it"
+            )
 
     def _must_refuse(self, write, what: str, risk: str) -> None:
         try:
@@ -303,13 +366,8 @@ class GCSStore(ObjectStore):
     def _probe_name(self) -> str:
         """A fresh probe object's name, after removing probes an hour older than the newest (left by processes
         killed mid-check; the store's own timestamps, not this machine's clock)."""
-        try:
-            probes = list(_client(*self.client_settings).list_blobs(
-                self.bucket, prefix=self._key(_PROBE_FOLDER), timeout=self.timeout, retry=None))  # fmt: skip
-        except self._failures() as exc:
-            raise DestinationUnreachable(
-                f"cannot list gs://{self.bucket} probes: {self._describe_error(exc)}"
-            ) from None
+        probes = list(_client(*self.client_settings).list_blobs(
+            self.bucket, prefix=self._key(_PROBE_FOLDER), timeout=self.timeout, retry=None))  # fmt: skip
         newest = max((blob.time_created for blob in probes if blob.time_created), default=None)
         for blob in probes:
             if newest is not None and blob.time_created and (newest - blob.time_created).total_seconds() > 3600:

@@ -458,6 +458,10 @@ class LocalDestination(PublishingDestination):
         """The spec and settings that build this destination again."""
         return self.root, {}
 
+    def root_of(self, export: str) -> str:  # noqa: ARG002 - one folder holds every export's own
+        """The folder, absolute: a relative one names another folder from another working directory."""
+        return str(Path(self.root).expanduser().resolve())
+
     def deferred(self) -> contextlib.AbstractContextManager:
         return self.store.deferred()
 

@@ -11,13 +11,30 @@ from __future__ import annotations
 import functools
 import importlib
 import pkgutil
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from export_ledger.errors import ConfigurationError
+from export_ledger.errors import ConfigurationError, userinfo_end
 
 #: Spec prefixes that look like a URL: a folder path never starts with one.
 _URL_SCHEMES = ("s3", "gs", "az", "abfs", "ftp", "http", "https", "delta", "file")
+#: The keys of an Azure Storage connection string (``DefaultEndpointsProtocol=https;AccountName=..;AccountKey=..``).
+_CONNECTION_STRING_KEY = re.compile(
+    r"(?:^|;)\s*(DefaultEndpointsProtocol|AccountName|AccountKey|SharedAccessSignature|BlobEndpoint|EndpointSuffix"
+    r"|SharedAccessKeyName|SharedAccessKey)\s*=",
+    re.IGNORECASE,
+)
+#: A query parameter that carries a credential: a presigned URL's (``X-Amz-Signature``, ``X-Goog-Signature``), a SAS
+#: token's (``sv``, ``sig``), or anything named like a secret.
+_CREDENTIAL_PARAMETER = re.compile(
+    r"(?:^|[?&;])(?:x-(?:amz|goog)-[\w-]+|sv|se|sp|sr|[\w.-]*(?:pass|secret|token|key|sig|credential)[\w.-]*)=",
+    re.IGNORECASE,
+)
+#: ``user:password@host`` written as a folder path (scp's ``user:password@host:/path``); a drive's ``C:\`` is not.
+_LOCAL_USERINFO = re.compile(r"^[^/\\:@]+:[^/\\]*@")
+#: The settings of a scheme that hold or name credentials (``DestinationResource`` fields).
+_CREDENTIAL_SETTING = re.compile(r"key|secret|token|credential|account_name")
 
 
 @dataclass(frozen=True)
@@ -89,6 +106,7 @@ def destination_from(
     """
     if not isinstance(spec, str) or not spec.strip():
         raise ConfigurationError(f"{what} must be {kinds()}")
+    refuse_credentials(spec, what)
     scheme = scheme_of(spec)
     if not scheme.prefix and ("://" in spec or spec.split(":", 1)[0] in _URL_SCHEMES):
         raise ConfigurationError(f"{what} scheme {spec.split(':', 1)[0]!r} is not supported; use {kinds()}")
@@ -98,3 +116,70 @@ def destination_from(
         raise ConfigurationError(f"{what} {spec!r}: {problem}")
     given = {k: v for k, v in (credentials or {}).items() if v is not None and k in scheme.credentials}
     return cls.from_spec(spec, ledger_url=ledger_url, credentials=given)
+
+
+def refuse_credentials(spec: str, what: str = "destination") -> None:
+    """Refuses a destination spec that carries a credential, without repeating it.
+
+    A spec is stored and shown: in the ledger (every key's location), in run output and ``status --json``, in the
+    Dagster UI's resource config. So it never holds a credential: not a ``user:password@`` (``s3://KEY:SECRET@bucket``),
+    not a query string on an object-store spec (a presigned URL's ``?X-Amz-Signature=``, a SAS token's
+    ``?sv=..&sig=``), not an Azure connection string given as the destination (it would be a local folder named with
+    its AccountKey). The message names the setting, shows the spec with the secret part replaced by ``***`` and says
+    where the credentials go instead: the destination's own settings (``AWS_SECRET_ACCESS_KEY``, ...), passed as
+    Dagster ``EnvVar`` s.
+
+    Raises:
+        ConfigurationError: naming ``what``, the kind of credential, the spec as shown and the settings to use.
+    """
+    found = _credential_in(spec)
+    if found is None:
+        return
+    problem, shown, scheme = found
+    raise ConfigurationError(
+        f"{what} carries {problem}: {shown!r}. A destination spec is stored and shown (the ledger, run output, the "
+        f"Dagster UI), so it never holds a credential; {_where_credentials_go(scheme, url_like='://' in spec)}"
+    )
+
+
+def _credential_in(spec: str) -> tuple[str, str, Scheme] | None:
+    """``(what the spec carries, the spec with it masked, the scheme whose settings take it)``, or None."""
+    if _CONNECTION_STRING_KEY.search(spec):
+        keys = [match.group(1) for match in _CONNECTION_STRING_KEY.finditer(spec)]
+        shown = ";".join(f"{key}=***" for key in keys)
+        return "an Azure Storage connection string (its key or signature is a secret)", shown, scheme_of("az://")
+    scheme = scheme_of(spec)
+    head, separator, rest = spec.partition("://")
+    if separator:
+        problems, end = [], userinfo_end(rest)
+        authority = rest.split("/", 1)[0]
+        if end >= 0 and ("@" in authority or ":" in authority):  # a bucket or container name holds neither
+            problems.append("a user name and password (user:password@)")
+            rest = "***" + rest[end:]
+        if "?" in rest:
+            problems.append("a query string (a presigned URL's signature or a SAS token goes there)")
+            rest = rest.split("?", 1)[0] + "?***"
+        return (" and ".join(problems), f"{head}://{rest}", scheme) if problems else None
+    if _LOCAL_USERINFO.match(spec):
+        return "a user name and password (user:password@)", "***" + spec[spec.rfind("@") :], scheme
+    if "?" in spec and _CREDENTIAL_PARAMETER.search(spec[spec.index("?") :]):
+        return "a query string with a credential", spec.split("?", 1)[0] + "?***", scheme
+    return None
+
+
+def _where_credentials_go(scheme: Scheme, *, url_like: bool) -> str:
+    """Where the credentials go instead: the environment variables of export_ledger.settings that the scheme's
+    destination reads (every object store's, for a URL no destination takes)."""
+    from export_ledger.settings import CLOUD_ENV, S3_ENV
+
+    by_setting = {**S3_ENV, **CLOUD_ENV}
+    taking = [scheme] if scheme.credentials or not url_like else [s for s in schemes() if s.credentials]
+    settings = [name for s in taking for name in s.credentials if _CREDENTIAL_SETTING.search(name)]
+    names = list(dict.fromkeys(by_setting[name] for name in settings if name in by_setting))
+    if not names:
+        return f"{scheme.example} takes no credentials: write it without one"
+    written = scheme.example if scheme.credentials else f"one of {kinds()}"
+    return (
+        f"write it as {written} and give the credentials in the environment ({', '.join(names)}), which the code "
+        "location passes to Dagster by name (EnvVar), never by value"
+    )

@@ -2,13 +2,17 @@
 
 Conditions are the store's own: ``If-None-Match: *`` creates only if absent, ``If-Match: <etag>`` replaces only the
 version read. Before its first write (once per process and store) the store is checked to honour both, and a store
-that ignores either is refused: there a retry could replace an export, or two parties both move a pointer.
+that ignores either is refused: there a retry could replace an export, or two parties both move a pointer. So is a
+store that lets more than one of several racing creates win (:func:`~export_ledger.destinations.store.racing_creates`
+says what that check can and cannot show).
 
 What a failed write means is classified, because a database transaction cannot commit a remote upload. The client
 makes exactly one send per call (botocore's own retries are off: a blind resend is the thing to avoid):
 
 * nothing was sent (connection refused, a connect timeout, no credentials) or the store refused it (a 4xx other than
-  412/409): the write did not happen;
+  412/409): the write did not happen (``DestinationUnreachable`` when the store could not be reached);
+* the bucket does not exist (404 ``NoSuchBucket``): a read cannot tell (``DestinationUnreachable``, never "absent"),
+  a write did not happen (``DestinationError``); both name the bucket;
 * sent but unanswered (read timeout, connection cut before the response, a 5xx): it may or may not have happened;
 * 412 (409: a concurrent conditional write won): the condition did not hold; nothing was written by this call.
 
@@ -32,7 +36,16 @@ from export_ledger.destinations.base import DestinationError, DestinationUnreach
 from export_ledger.destinations.publishing import PublishingDestination
 from export_ledger.destinations.registry import Scheme
 from export_ledger.destinations.staging import staging_folder
-from export_ledger.destinations.store import AlreadyExists, Blob, ObjectStore, PreconditionFailed, Upload
+from export_ledger.destinations.store import (
+    AlreadyExists,
+    Blob,
+    ObjectStore,
+    PreconditionFailed,
+    Upload,
+    race_problem,
+    racing_creates,
+)
+from export_ledger.errors import redact_text
 
 _CHUNK = 1 << 20
 _BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
@@ -92,7 +105,7 @@ class S3Store(ObjectStore):
         return f"s3://{self.bucket}/{self._key(name)}"
 
     def describe(self) -> str:
-        where = f" at {self.endpoint_url}" if self.endpoint_url else ""
+        where = f" at {redact_text(self.endpoint_url)}" if self.endpoint_url else ""
         return f"s3://{self.bucket}/{self.prefix}{where}"
 
     # -- classification ----------------------------------------------------------------------------------------
@@ -112,12 +125,33 @@ class S3Store(ObjectStore):
         name = type(exc).__name__
         return f"{name} (HTTP {status})" if status else name
 
+    @staticmethod
+    def _no_bucket(exc) -> bool:
+        response = getattr(exc, "response", None) or {}
+        return response.get("Error", {}).get("Code") == "NoSuchBucket"
+
     def _absent(self, exc) -> bool:
+        if self._no_bucket(exc):
+            return False
         return self._status(exc) == 404 or exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404")
+
+    def _missing(self, what: str) -> str:
+        where = f" at {redact_text(self.endpoint_url)}" if self.endpoint_url else ""
+        return (
+            f"cannot {what}: the bucket {self.bucket!r} does not exist{where} (create it, or correct the destination)"
+        )
+
+    def _unreadable(self, exc, what: str) -> DestinationUnreachable:
+        """The error for a failed read: the read cannot tell what is there."""
+        if self._no_bucket(exc):
+            return DestinationUnreachable(self._missing(what))
+        return DestinationUnreachable(f"cannot {what}: {self._describe_error(exc)}")
 
     def _write_failed(self, exc, what: str) -> DestinationError:
         """The error for a failed write: certainly not written, or an unknown outcome."""
         _, _, errors = _boto()
+        if self._no_bucket(exc):
+            return DestinationError(self._missing(what))
         if isinstance(exc, errors.ClientError):
             status = self._status(exc)
             if status is not None and status >= 500:
@@ -130,7 +164,7 @@ class S3Store(ObjectStore):
         if isinstance(exc, not_sent):
             # Connection refused, a connect timeout, no credentials: nothing was sent. (A TLS error can come after the
             # request went out whole, and other connection errors too: those are unknown outcomes.)
-            return DestinationError(f"cannot reach the store for {what}: {self._describe_error(exc)}")
+            return DestinationUnreachable(f"cannot reach the store for {what}: {self._describe_error(exc)}")
         return PublishOutcomeUnknown(f"{what} got no answer ({self._describe_error(exc)}): it may or may not exist")
 
     # -- reads ---------------------------------------------------------------------------------------------------
@@ -142,9 +176,9 @@ class S3Store(ObjectStore):
         except errors.ClientError as exc:
             if self._absent(exc):
                 return None
-            raise DestinationUnreachable(f"cannot read {self.url(name)}: {self._describe_error(exc)}") from None
+            raise self._unreadable(exc, f"read {self.url(name)}") from None
         except errors.BotoCoreError as exc:
-            raise DestinationUnreachable(f"cannot read {self.url(name)}: {self._describe_error(exc)}") from None
+            raise self._unreadable(exc, f"read {self.url(name)}") from None
 
     def _body(self, name: str, response, consume) -> object:
         _, _, errors = _boto()
@@ -184,7 +218,7 @@ class S3Store(ObjectStore):
             pages = self._s3().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=start)
             return [item["Key"][cut:] for page in pages for item in page.get("Contents", [])]
         except (errors.ClientError, errors.BotoCoreError) as exc:
-            raise DestinationUnreachable(f"cannot list {self.url(prefix)}: {self._describe_error(exc)}") from None
+            raise self._unreadable(exc, f"list {self.url(prefix)}") from None
 
     # -- writes --------------------------------------------------------------------------------------------------
 
@@ -217,7 +251,7 @@ class S3Store(ObjectStore):
             )
         except errors.ClientError as exc:
             # 412: not at the version read; 404: deleted since; 409: a concurrent conditional write won.
-            if self._status(exc) in (404, 409, 412):
+            if self._status(exc) in (404, 409, 412) and not self._no_bucket(exc):
                 raise PreconditionFailed(f"{self.url(name)} changed since it was read") from None
             raise self._write_failed(exc, f"writing {self.url(name)}") from None
         except errors.BotoCoreError as exc:
@@ -229,6 +263,10 @@ class S3Store(ObjectStore):
         try:
             self._s3().delete_object(Bucket=self.bucket, Key=self._key(name))
         except (errors.ClientError, errors.BotoCoreError) as exc:
+            if self._no_bucket(exc):
+                raise DestinationError(self._missing(f"delete {self.url(name)}")) from None
+            if isinstance(exc, (errors.EndpointConnectionError, errors.ConnectTimeoutError)):
+                raise DestinationUnreachable(f"cannot delete {self.url(name)}: {self._describe_error(exc)}") from None
             raise DestinationError(f"cannot delete {self.url(name)}: {self._describe_error(exc)}") from None
 
     # -- the startup check ---------------------------------------------------------------------------------------
@@ -236,7 +274,9 @@ class S3Store(ObjectStore):
     def check_conditions(self) -> None:
         """Refuses a store that ignores ``If-None-Match: *`` or ``If-Match``: a probe object is created twice (the
         second must answer 412), rewritten on an ETag it does not have (412 again) and on its own (accepted), then
-        deleted. Once per process and store."""
+        deleted; then :data:`~export_ledger.destinations.store.RACERS` creates of another probe object are sent at
+        once, and exactly one may be accepted (:func:`~export_ledger.destinations.store.racing_creates` says what
+        that shows and what it cannot). Once per process and store."""
         where = (self.endpoint_url, self.bucket)
         if where in _CONDITIONS_CHECKED:
             return
@@ -251,10 +291,15 @@ class S3Store(ObjectStore):
                 self._must_refuse(client, key, b"3", {"IfMatch": _NO_SUCH_ETAG}, "a write conditional on an ETag the "
                                   "object does not have (If-Match)", "two parties could both move a key's pointer")
                 client.put_object(Bucket=self.bucket, Key=key, Body=b"4", IfMatch=etag)
+                self._race(client, f"{key}-race")
             finally:
                 client.delete_object(Bucket=self.bucket, Key=key)
+                client.delete_object(Bucket=self.bucket, Key=f"{key}-race")
         except errors.ClientError as exc:
             status = self._status(exc)
+            if self._no_bucket(exc):
+                what = f"check that s3://{self.bucket} honours conditional writes"
+                raise DestinationError(self._missing(what)) from None
             if status is not None and 400 <= status < 500:
                 raise DestinationError(
                     f"the store refused the check that s3://{self.bucket} honours conditional writes: "
@@ -268,6 +313,22 @@ class S3Store(ObjectStore):
                 f"cannot check that s3://{self.bucket} honours conditional writes: {self._describe_error(exc)}"
             ) from None
         _CONDITIONS_CHECKED.add(where)
+
+    def _race(self, client, key: str) -> None:
+        """Racing creates of ``key``: exactly one may win (409: a concurrent conditional write won, S3's answer too)."""
+        _, _, errors = _boto()
+        accepted = racing_creates(
+            lambda body: client.put_object(Bucket=self.bucket, Key=key, Body=body, IfNoneMatch="*"),
+            lambda exc: isinstance(exc, errors.ClientError) and self._status(exc) in (409, 412),
+        )
+        found = self.get(key.removeprefix(f"{self.prefix}/") if self.prefix else key)
+        problem = race_problem(accepted, None if found is None else found.data)
+        if problem:
+            raise DestinationError(
+                f"s3://{self.bucket} {problem}: its check that an object is absent and its write are not one atomic "
+                f"step, so two parties racing for a key's place or pointer could both win silently. Refusing to "
+                "publish to it"
+            )
 
     def _must_refuse(self, client, key: str, body: bytes, condition: dict, what: str, risk: str) -> None:
         _, _, errors = _boto()
@@ -338,6 +399,8 @@ class _S3Upload(Upload):
         try:
             upload_id = client.create_multipart_upload(Bucket=store.bucket, Key=key)["UploadId"]
         except (errors.ClientError, errors.BotoCoreError) as exc:
+            if store._no_bucket(exc):
+                raise DestinationError(store._missing(what)) from None
             raise DestinationError(f"the store refused {what}: {store._describe_error(exc)}") from None
         parts = []
         try:

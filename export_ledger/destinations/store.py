@@ -13,8 +13,10 @@ write:
 from __future__ import annotations
 
 import contextlib
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -96,8 +98,9 @@ class ObjectStore(ABC):
         """Deletes the object (absent: nothing to do)."""
 
     def check_conditions(self) -> None:  # noqa: B027 - a hook: most stores need nothing
-        """Refuses a store that ignores the conditions (a second create accepted, a stale version accepted), before
-        its first write. Stores that implement the conditions themselves need no check."""
+        """Refuses a store that ignores the conditions (a second create accepted, a stale version accepted, more than
+        one of :data:`RACERS` racing creates accepted: see :func:`racing_creates`), before its first write. Stores
+        that implement the conditions themselves need no check."""
 
     def describe(self) -> str:
         return self.url("")
@@ -129,3 +132,56 @@ class ObjectStore(ABC):
     def settle(self, names: list[str]) -> None:  # noqa: B027 - a hook: most stores need nothing
         """Makes objects that exist already durable (a repair records what an earlier party wrote, perhaps inside a
         deferral it never synced): at once outside :meth:`deferred`, at the next :meth:`sync` within."""
+
+
+#: How many conditional creates of one new object the startup check sends at once.
+RACERS = 8
+
+
+def racing_creates(
+    create: Callable[[bytes], object], refused: Callable[[BaseException], bool], racers: int = RACERS
+) -> list[bytes]:
+    """Sends ``racers`` conditional creates of one new object at once, each with bytes of its own, and returns the
+    bytes of those the store accepted.
+
+    A store that honours a create-only-if-absent as one atomic step accepts exactly one, and then holds its bytes.
+    A second create sent *after* the first (what a sequential probe checks) only shows that the store evaluates the
+    condition at all: a gateway that checks, then writes, passes it. Racing creates can catch such a store, when the
+    race hits its window between check and write; they cannot prove the opposite (a store that passes one race may
+    lose the next), which rests on the store's documented guarantee.
+
+    Each create runs on its own thread, released together by a barrier. A refused create (``refused(exc)``) lost the
+    race; any other error is raised once every create has finished.
+    """
+    bodies = [f"export-ledger race probe {n} of {racers}".encode() for n in range(racers)]
+    start = threading.Barrier(racers)
+
+    def one(body: bytes) -> bytes | None:
+        start.wait(timeout=30)
+        try:
+            create(body)
+        except Exception as exc:
+            if refused(exc):
+                return None
+            raise
+        return body
+
+    with ThreadPoolExecutor(max_workers=racers, thread_name_prefix="race-probe") as pool:
+        futures = [pool.submit(one, body) for body in bodies]
+    failures = [future.exception() for future in futures if future.exception() is not None]
+    if failures:
+        raise failures[0]
+    return [body for body in (future.result() for future in futures) if body is not None]
+
+
+def race_problem(accepted: list[bytes], held: bytes | None, racers: int = RACERS) -> str | None:
+    """What :func:`racing_creates`' outcome shows wrong with the store (``held``: the object's bytes afterwards),
+    or None: more than one create accepted, or the object holding other bytes than the one accepted create's (or
+    any bytes, when none was accepted)."""
+    if len(accepted) > 1:
+        return f"accepted {len(accepted)} of {racers} conditional creates of one new object sent at once"
+    if accepted and held != accepted[0]:
+        return f"accepted one of {racers} conditional creates of one new object sent at once, but holds other bytes"
+    if not accepted and held is not None:
+        return f"refused all {racers} conditional creates of one new object sent at once, but holds one of them"
+    return None

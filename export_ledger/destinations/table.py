@@ -50,7 +50,13 @@ _KINDS = {
     pa.bool_(): ("bool", sa.Boolean),
 }
 _ARROW = {sql_kind: arrow for arrow, (sql_kind, _) in _KINDS.items()}
-_TABLE_RE = re.compile(r"[a-z_][a-z0-9_]{0,52}")
+#: PostgreSQL's longest name, in bytes (NAMEDATALEN - 1); a longer one fails SQLAlchemy's DDL (``IdentifierError``).
+NAME_BYTES = 63
+#: A rows table's longest name: its ``<table>_manifests`` and ``<table>_revisions`` (10 more) must fit
+#: :data:`NAME_BYTES`. SQLite has no limit of its own; the same one applies there, so a ledger's tables are the same
+#: on both databases (a ledger moves from one to the other).
+TABLE_NAME_BYTES = NAME_BYTES - len("_manifests")
+_TABLE_RE = re.compile(rf"[a-z_][a-z0-9_]{{0,{TABLE_NAME_BYTES - 1}}}")
 # The ledger's own tables, and the manifest tables a ledger-table destination would add beside them.
 _LEDGER_TABLES = {*ledger_metadata.tables, *(f"{name}_manifests" for name in ledger_metadata.tables)}
 #: Rows per INSERT (one ``executemany``): the rows go in as they arrive, so the Python values of at most this many
@@ -202,6 +208,25 @@ class SqlTableDestination(TransactionalDestination):
         """The rows table of ``export``: ``table`` itself, or with ``{export}`` replaced by the export's name."""
         return self.table.replace("{export}", export)
 
+    @staticmethod
+    def check_export(spec: str, export: str) -> str | None:
+        """Why ``spec`` cannot hold ``export``'s rows (None: it can): the table name it makes for that export, with
+        ``{export}`` replaced by the export's real name, must leave its companion tables' names within PostgreSQL's
+        limit (:data:`TABLE_NAME_BYTES`). :meth:`check_spec` can only check a stand-in name."""
+        table = spec.removeprefix("ledger-table:")
+        name = table.replace("{export}", export)
+        if name in _LEDGER_TABLES:
+            return f"export {export!r} would be stored in the ledger's own table {name!r}"
+        size = len(name.encode("utf-8"))
+        if size <= TABLE_NAME_BYTES:
+            return None
+        return (
+            f"export {export!r} would be stored in the table {name!r} ({size} bytes) and {name + '_manifests'!r} "
+            f"({size + len('_manifests')} bytes), over the limit of {NAME_BYTES} bytes of a PostgreSQL name; a "
+            f"ledger table's name may have at most {TABLE_NAME_BYTES} (on SQLite too, so that a ledger's tables are "
+            "the same on both): shorten the table's or the export's name"
+        )
+
     def _engine(self) -> sa.Engine:
         return ledger_engine(self.url)
 
@@ -225,6 +250,9 @@ class SqlTableDestination(TransactionalDestination):
             ) from None
 
     def _write(self, connection, target: ExportTarget, rows: pa.Table | TableStream, manifest: Manifest) -> Manifest:
+        problem = self.check_export(self.table, target.export)
+        if problem:
+            raise DestinationError(f"{problem}; nothing was written")
         columns = {}
         for field in rows.schema:
             if field.type not in _KINDS:

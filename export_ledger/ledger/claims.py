@@ -18,6 +18,7 @@ from sqlalchemy.engine import Connection
 from export_ledger.calendar import tz_database_version
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger import transitions as T
+from export_ledger.ledger.contracts import Decided
 from export_ledger.ledger.errors import FencedOut, InvalidTransition, LedgerError
 from export_ledger.ledger.records import AlreadyCompleted, Claim, ExportRecord, Restatement
 from export_ledger.ledger.rows import INSERT_ATTEMPT, INSERT_RUN, RUN_BY_KEY_LOCKED, abandoned_values, attempt_values
@@ -106,16 +107,18 @@ class Claims:
         attempts: list[dict] = []
         with ledger.atomic() as conn:
             now = ledger.now(conn)
-            refused = ledger.contracts.decide_in(conn, contracts, now, _spans(keys)) if contracts else {}
+            decided = ledger.contracts.decide_in(conn, contracts, now, _spans(keys)) if contracts else Decided()
+            refused = decided.refusals
             found = _find_many(conn, keys)
+            records = {k: ExportRecord.from_row(row) for k, row in found.items()}
+            moved = ledger.contracts.moved_in(conn, list(records.values()), decided, contracts) if contracts else {}
             requests = ledger.restatements.open_in(conn, [row.logical_key for row in found.values()])
             supersedes = ledger.restatements.current_in(conn, list(requests))
             marks: dict[str, dt.date | None] = {}
             names = [str(key) for key in keys]
             for i in sorted(range(len(keys)), key=names.__getitem__):
                 key = keys[i]
-                row = found.get((key.export, key.tenant, key.window.timezone, key.window.business_date))
-                record = ExportRecord.from_row(row) if row is not None else None
+                record = records.get((key.export, key.tenant, key.window.timezone, key.window.business_date))
                 if record is None and key.export not in marks:
                     marks[key.export] = ledger.retention.low_water_in(conn, key.export)
                 request = requests.get(record.logical_key) if record is not None else None
@@ -130,8 +133,11 @@ class Claims:
                 contract_refusal = refused.get((key.export, key.tenant))
                 if contract_refusal is not None and not isinstance(decision, Skip):
                     decision = Refuse(contract_refusal)
+                elif record is not None and record.logical_key in moved and _may_carry_writes(decision, request):
+                    decision = Refuse(moved[record.logical_key])
+                contract_id = decided.in_force.get((key.export, key.tenant))
                 outcomes[i] = self._apply_claim(
-                    conn, key, record, request, decision, attempt_id, now, inserts, attempts, supersedes
+                    conn, key, record, request, decision, attempt_id, now, inserts, attempts, supersedes, contract_id
                 )
             if inserts:
                 conn.execute(INSERT_RUN, inserts)  # one executemany, in logical key order
@@ -157,9 +163,11 @@ class Claims:
         inserts: list[dict],
         attempts: list[dict],
         supersedes: Mapping[str, tuple[int, str]],
+        contract_id: int | None = None,
     ) -> ClaimOutcome:
         """One key's decision, applied inside the group's transaction (rows to insert go to ``inserts`` and
-        ``attempts`` for the caller to write, in key order)."""
+        ``attempts`` for the caller to write, in key order). ``contract_id`` is the contract the key is claimed
+        under (None: no contract checked, the key's own is kept)."""
         expires = now + self.ledger.lease_ttl
         if isinstance(decision, Skip):
             attempts.append(
@@ -181,7 +189,7 @@ class Claims:
                     window_start_utc=key.window.start_utc, window_end_utc=key.window.end_utc,
                     tz_database=tz_database, state=ExportState.IN_PROGRESS.value, lease_owner=attempt_id,
                     lease_expires_at=expires, attempt_started_at=now, fencing_token=1, claim_count=1,
-                    created_at=now, updated_at=now,
+                    created_at=now, updated_at=now, contract_id=contract_id,
                 )
             )  # fmt: skip
             return Claim(str(key), attempt_id, 1, key.window, now, expires, None, tz_database)
@@ -199,6 +207,7 @@ class Claims:
                 updated_at=now,
                 # What an earlier attempt meant to write is not this attempt's: it is judged by its own export.
                 sha256=None, location=None,
+                **({} if contract_id is None else {"contract_id": contract_id}),
             ),
         )  # fmt: skip
         if not moved:  # the row is locked: only a bug gets here
@@ -349,7 +358,7 @@ def _find_many(conn: Connection, keys: Sequence[LogicalKey]) -> dict[tuple, sa.R
     of the same days as well: they are released at the commit, moments later.
     """
     query = (
-        sa.select(*RUN_COLUMNS, export_runs.c.claim_count)
+        sa.select(*RUN_COLUMNS, export_runs.c.claim_count, export_runs.c.contract_id)
         .where(
             export_runs.c.export.in_(sorted({k.export for k in keys})),
             export_runs.c.tenant.in_(sorted({k.tenant for k in keys})),
@@ -360,6 +369,13 @@ def _find_many(conn: Connection, keys: Sequence[LogicalKey]) -> dict[tuple, sa.R
         .with_for_update()
     )
     return {(row.export, row.tenant, row.timezone, row.business_date): row for row in conn.execute(query)}
+
+
+def _may_carry_writes(decision, request: Restatement | None) -> bool:
+    """Whether a claim taking ``decision`` carries a key whose earlier attempts may have written at its destination:
+    a takeover (the holder's outcome is unknown), a restatement (the current revision is there) or a retry of a failed
+    restatement. A retry of a failed first export does not: nothing of it was published anywhere."""
+    return decision is T.TAKE_OVER or decision is T.RESTATE or (decision is T.CLAIM_RETRY and request is not None)
 
 
 def _spans(keys: Sequence[LogicalKey]) -> dict[tuple[str, str], tuple[dt.date, dt.date]]:

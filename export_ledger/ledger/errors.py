@@ -44,7 +44,13 @@ class BelowLowWater(LedgerError):
 
 
 class ContractChanged(LedgerError):
-    """The code's calendar contract differs from the one the ledger recorded for the export."""
+    """The code's contract (calendar or terms: :mod:`export_ledger.contract`) differs from the one the ledger
+    recorded for the tenant."""
+
+
+class DestinationMoved(LedgerError):
+    """A key's earlier attempts may have written to the destination its contract recorded, and this claim would
+    publish it to another: two exports of one key. Refused until the key is settled where it was written."""
 
 
 class EmptyWindow(LedgerError):

@@ -11,6 +11,7 @@ import sqlalchemy as sa
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger.records import AttemptRecord, DaySummary, ExportRecord
 from export_ledger.ledger.schema import (
+    AttemptOutcome,
     ExportState,
     export_attempts,
     export_contracts,
@@ -251,6 +252,46 @@ class Queries:
             rows = conn.execute(sa.select(export_attempts).order_by(export_attempts.c.id))
             return [AttemptRecord.from_row(row) for row in rows]
 
+    def attempts_after(
+        self, after: int | None, *, limit: int, exports: Sequence[str] = ()
+    ) -> tuple[list[AttemptRecord], int, bool]:
+        """Attempt rows with an id above ``after``, oldest first: at most ``limit`` rows read from the primary key,
+        those of ``exports`` kept (all when empty); the id to pass next time; and whether more rows may follow (the
+        read was full). ``after`` None starts ``limit`` rows back from the newest."""
+        attempts = export_attempts.c
+        with self.ledger.atomic(read_only=True) as conn:
+            if after is None:
+                newest = conn.execute(sa.select(sa.func.coalesce(sa.func.max(attempts.id), 0))).scalar_one()
+                after = max(0, newest - limit)
+            rows = conn.execute(
+                sa.select(export_attempts, export_runs.c.export)
+                .select_from(export_attempts.join(export_runs, export_runs.c.logical_key == attempts.logical_key))
+                .where(attempts.id > after)
+                .order_by(attempts.id)
+                .limit(limit)
+            ).all()
+        wanted = set(exports)
+        kept = [_attempt(row) for row in rows if not wanted or row.export in wanted]
+        return kept, rows[-1].id if rows else after, len(rows) == limit
+
+    def held_by_runs(self, run_ids: Sequence[str], *, limit: int = 1000) -> list[ExportRecord]:
+        """Keys ``in_progress`` whose lease (live or ended) an attempt of one of these Dagster runs holds (its id is
+        the run id, or ``<run id>/<step key>``), at most ``limit``: read on the index of the state."""
+        if not run_ids:
+            return []
+        owner = export_runs.c.lease_owner
+        query = (
+            self._select()
+            .where(
+                export_runs.c.state == ExportState.IN_PROGRESS.value,
+                sa.or_(*(sa.or_(owner == run, owner.startswith(f"{run}/", autoescape=True)) for run in run_ids)),
+            )
+            .order_by(export_runs.c.logical_key)
+            .limit(limit)
+        )
+        with self.ledger.atomic(read_only=True) as conn:
+            return [ExportRecord.from_row(r) for r in conn.execute(query)]
+
     def committed_by(self, attempt: str, *, limit: int = 1000) -> list[ExportRecord]:
         """Keys an attempt completed (its other keys, when one of them is being reconciled), at most ``limit``."""
         query = (
@@ -303,3 +344,9 @@ class Queries:
                     found.append((row.export, row.timezone, row.business_date))
                     cursor[name] = row.id
         return list(dict.fromkeys(found)), cursor
+
+
+def _attempt(row: sa.Row) -> AttemptRecord:
+    """An attempt row read with its key's export, as ``export_attempts`` alone."""
+    values = {column.name: row._mapping[column.name] for column in export_attempts.c}
+    return AttemptRecord(**{**values, "outcome": AttemptOutcome(values["outcome"])})

@@ -37,6 +37,9 @@ class ExportRecord:
     #: Export claims since the key's last operator resolution or restatement request (schema version 6; None when
     #: the read did not select it).
     claim_count: int | None = None
+    #: The contract the key was last claimed under (schema version 9; None before it, or when the read did not
+    #: select it).
+    contract_id: int | None = None
 
     @classmethod
     def from_row(cls, row: sa.Row) -> ExportRecord:

@@ -26,6 +26,7 @@ from export_ledger.ledger import transitions as T
 from export_ledger.ledger.errors import MESSAGE_LIMIT, InvalidTransition, RestatementRefused
 from export_ledger.ledger.operators import append_in
 from export_ledger.ledger.records import Claim, CompletionEvidence, ExportRecord, Restatement, Revision
+from export_ledger.ledger.retention import lock_export_in
 from export_ledger.ledger.rows import RUN_BY_KEY_LOCKED
 from export_ledger.ledger.schema import ExportState, export_drift, export_restatements, export_revisions
 
@@ -65,8 +66,16 @@ class Restatements:
             raise RestatementRefused("a restatement names who asked for it")
         ledger = self.ledger
         with ledger.atomic() as conn:
+            # Shared with other requests, exclusive to a prune: the key and the mark below are read as a prune left
+            # them, and no prune deletes this key before the request commits (issue #26).
+            lock_export_in(conn, logical_key.partition("/")[0], shared=True)
             now = ledger.now(conn)
             row = conn.execute(RUN_BY_KEY_LOCKED, {"k_key": logical_key}).first()
+            closed = ledger.retention.closed_refusal(
+                conn, logical_key, None if row is None else row.business_date, "a restatement"
+            )
+            if closed is not None:
+                raise RestatementRefused(closed)
             if row is None:
                 raise RestatementRefused(f"unknown logical key {logical_key!r}: the ledger has no export with it")
             record = ExportRecord.from_row(row)
@@ -82,6 +91,14 @@ class Restatements:
                 raise RestatementRefused(
                     f"{logical_key} is {record.state.value}: only a completed key is restated (a key that is not "
                     "completed gets its first export by a rerun)"
+                )
+            moved = ledger.contracts.moved_key_in(conn, record)
+            if moved is not None:
+                was, now_at = moved
+                raise RestatementRefused(
+                    f"{logical_key} was exported to {was['kind']} {was['root']}, where its revisions stay (the export "
+                    f"moved to {now_at['kind']} {now_at['root']} and kept its exported keys): a restatement would "
+                    "publish its next revision at the new destination, beside nothing. Refused"
                 )
             rows = self._revision_rows(conn, logical_key)
             if not rows:

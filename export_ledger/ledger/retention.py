@@ -7,6 +7,16 @@ all (never exported, such as tonight's) unless an operator closes those explicit
 A tenant is expected on a date from its calendar contract's start date on (every tenant the ledger holds a contract
 or a key of). The horizon is a business date in the tenants' own zones: the earliest "today" among them, less the
 days asked. :meth:`Retention.plan` says what :meth:`Retention.prune` would do.
+
+A prune and a restatement request of the same export never interleave (issue #26): the prune holds the export's
+retention lock from before it plans until it commits, and a request holds it shared from before it reads its key until
+it commits, then refuses a key below the mark (:meth:`Retention.closed_refusal`). So either the request lands first
+and the prune's plan sees it (the mark stops at its key), or the prune lands first and the request is refused naming
+the mark: never a request whose key was deleted under it. A completed key leaves ``completed`` only through a
+restatement, which needs a request, so under the lock the rows the prune deletes are the rows it planned on. On
+PostgreSQL the lock is a transaction-scoped advisory lock: a guard in the DELETE alone would not do (the plan, made in
+READ COMMITTED, cannot see a request still in flight, and a DELETE that waited on the key's row lock deletes the row
+without evaluating its conditions on the request table again). SQLite's write transactions are serialized already.
 """
 
 from __future__ import annotations
@@ -33,6 +43,19 @@ from export_ledger.ledger.schema import (
 
 #: Dates listed as never exported in a plan (the count is exact; the list is for the operator to read).
 LISTED_DATES = 50
+#: The class of the retention locks (PostgreSQL advisory locks of two keys: this class and the export's hash; the
+#: contracts' locks are of the one-key form, a space of their own).
+RETENTION_LOCK_CLASS = 0x52455400
+
+
+def lock_export_in(conn: Connection, export: str, *, shared: bool = False) -> None:
+    """Takes ``export``'s retention lock until ``conn``'s transaction ends: exclusive for a prune, shared for a
+    restatement request (requests of one export do not wait for each other). SQLite: nothing to take, its write
+    transactions are serialized already."""
+    if conn.dialect.name != "postgresql":
+        return
+    take = sa.func.pg_advisory_xact_lock_shared if shared else sa.func.pg_advisory_xact_lock
+    conn.execute(sa.select(take(RETENTION_LOCK_CLASS, sa.func.hashtext(export))))
 
 
 @dataclass(frozen=True)
@@ -82,6 +105,36 @@ class Retention:
             sa.select(export_low_water.c.low_water_date).where(export_low_water.c.export == export)
         ).scalar()
 
+    def closed_refusal(
+        self, conn: Connection, logical_key: str, business_date: dt.date | None, what: str
+    ) -> str | None:
+        """Why ``what`` (``a restatement``) is refused for a key below its export's low-water mark, read in
+        ``conn``'s transaction (which holds the export's retention lock); None when the key is not below it. A key
+        with no record (``business_date`` None) whose window starts before the mark may have been pruned: the
+        refusal says so."""
+        export, _, rest = logical_key.partition("/")
+        mark = self.low_water_in(conn, export)
+        if mark is None:
+            return None
+        closed = f"the retention low-water mark of {export} ({mark.isoformat()})"
+        if business_date is None:
+            try:
+                start = dt.datetime.fromisoformat(rest.rpartition("/")[2].replace("Z", "+00:00"))
+            except ValueError:
+                return None
+            if start.date() >= mark:
+                return None
+            return (
+                f"unknown logical key {logical_key!r}: the ledger has no record of it, and the records of business "
+                f"dates before {closed} were pruned: {what} of a key of those dates is refused"
+            )
+        if business_date >= mark:
+            return None
+        return (
+            f"{logical_key} (business date {business_date}) is below {closed}: dates before the mark are closed and "
+            f"their records are pruned, so {what} of it is refused"
+        )
+
     def plan(self, older_than_days: int, *, export: str | None = None, close_unexported: bool = False) -> list[PrunePlan]:
         """What :meth:`prune` would do, changing nothing."""
         with self.ledger.atomic(read_only=True) as conn:
@@ -115,6 +168,9 @@ class Retention:
         with self.ledger.atomic() as conn:
             now = self.ledger.now(conn)
             for name in _names(conn, export):
+                # Held until the commit: no restatement request of the export is in flight while it plans and
+                # deletes, and none starts before the new mark is committed (see the module's docstring).
+                lock_export_in(conn, name)
                 plan = self._plan(conn, name, older_than_days, close_unexported, now)
                 plans.append(plan)
                 if plan.mark is None or plan.mark == plan.previous_mark:

@@ -96,6 +96,9 @@ export_runs = sa.Table(
     # Schema version 6: export claims since the key's last operator resolution or restatement request (a claim that
     # only holds the key, by reconciliation or an operator, does not count). Automatic reruns stop at a limit of it.
     sa.Column("claim_count", sa.Integer, nullable=False, server_default="0"),
+    # Schema version 9: the export_contracts row in force when an attempt last claimed the key to export it (NULL
+    # before version 9): operator commands act on the destination it records (export_ledger.contract).
+    sa.Column("contract_id", sa.BigInteger),
     sa.UniqueConstraint("export", "tenant", "timezone", "business_date", name="uq_export_runs_business_day"),
     _in("state", ExportState),
     sa.CheckConstraint("window_end_utc >= window_start_utc", name="ck_window_ordered"),
@@ -150,8 +153,10 @@ export_low_water = sa.Table(
     sa.Column("updated_at", UtcDateTime, nullable=False),
 )
 
-# The calendar contract each export was produced under (zone, start date, cadence, window policy). Append-only: the
-# latest row is in force; a new row is written only by the first materialization or by an operator's acceptance.
+# The contract each export's tenants are exported under (export_ledger.contract): the calendar (zone, start date,
+# cadence, window policy, earlier zones) and, from schema version 9, the terms (destination, file format, schema,
+# source, version). Append-only: the latest row is in force; a new row is written only by a first claim or by an
+# operator's acceptance.
 export_contracts = sa.Table(
     "export_contracts",
     metadata,
@@ -335,10 +340,12 @@ export_missed_partitions = sa.Table(
 
 #: export_runs' columns before schema version 4: what every read selects, so a read-only open of a version 3 ledger
 #: (which has no source_fingerprint) reads as it is. The fingerprint is read on its own, where it is needed.
-RUN_COLUMNS = tuple(column for column in export_runs.c if column.name not in ("source_fingerprint", "claim_count"))
+RUN_COLUMNS = tuple(
+    column for column in export_runs.c if column.name not in ("source_fingerprint", "claim_count", "contract_id")
+)
 
 # The schema's version history (see export_ledger.ledger.store): one row per version reached, never changed.
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 export_ledger_schema = sa.Table(
     "export_ledger_schema",
     metadata,

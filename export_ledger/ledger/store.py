@@ -15,6 +15,8 @@ Schema versions:
 * 5: ``export_restatements`` and ``export_revisions``.
 * 6: ``export_runs.claim_count``, unique revision numbers per key, ``export_contract_refusals``, partition indexes.
 * 7: a restatement request may close ``unchanged`` (its new data was the current revision's: nothing published).
+* 8: ``ix_export_runs_day_summary`` (the sensor's per-day summaries from an index alone).
+* 9: ``export_runs.contract_id``: the contract (and so the destination) each key was last claimed under.
 
 **One clock.** Every decision that involves time reads :func:`database_now` inside the deciding transaction:
 PostgreSQL's ``now()`` (the server's clock, the same for every worker whatever its own clock says), or the host's

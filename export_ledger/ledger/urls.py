@@ -19,7 +19,7 @@ from pathlib import Path
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Engine, make_url
 
-from export_ledger.errors import SECRET_NAME, ConfigurationError
+from export_ledger.errors import SECRET_NAME, ConfigurationError, mask_userinfo, userinfo_end
 
 #: ``scheme:`` at the start of a URL; a plain path has none (``./x``, ``/x``, ``var/x``, ``~/x``).
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*:")
@@ -42,17 +42,33 @@ def redact_url(url: str) -> str:
     """The URL for messages: the password of its userinfo and every query parameter named like a secret
     (password, secret, token, key, sig) replaced by ``***``.
 
-    A plain path holds no secret and is returned as it is. A string that starts like a URL but does not parse is
-    shown by its scheme alone, with a note saying the rest is hidden: where its password is cannot be known.
+    The password is everything between the user name's ``:`` and the userinfo's last ``@``, so an un-encoded ``@``
+    in it never shows its tail as the host (``postgresql://u:p@ss@db/x`` is shown ``postgresql://u:***@db/x``;
+    SQLAlchemy itself would read the host ``ss@db``). A plain path holds no secret and is returned as it is. A string
+    that starts like a URL but does not parse is shown by its scheme alone, with a note saying the rest is hidden:
+    where its password is cannot be known.
     """
     if is_plain_path(url):
         return url
     try:
-        parsed = make_url(url)
+        parsed = make_url(mask_userinfo(url))
     except Exception:
         return f"{url.split(':', 1)[0]}:<rest hidden: not a valid URL>"
     query = {name: ("***" if SECRET_NAME.search(name) else value) for name, value in parsed.query.items()}
     return parsed.set(query=query).render_as_string(hide_password=True).replace("%2A%2A%2A", "***")
+
+
+def holds_secret(url: str) -> bool:
+    """Whether a database URL carries a secret: a password in its userinfo (``user:password@``), or a query
+    parameter named like one (``?password=``, ``?sslkey=``...). A plain path holds none."""
+    if is_plain_path(url):
+        return False
+    _, found, rest = url.partition("://")
+    end = userinfo_end(rest) if found else -1
+    if end >= 0 and ":" in rest[:end]:
+        return True
+    query = rest.partition("?")[2]
+    return any(SECRET_NAME.search(part.partition("=")[0]) for part in re.split(r"[&;]", query) if part)
 
 
 def database_url(text: str, *, what: str = "database URL") -> URL:
@@ -64,6 +80,14 @@ def database_url(text: str, *, what: str = "database URL") -> URL:
     """
     if is_plain_path(text):
         return URL.create("sqlite", database=str(Path(text).expanduser().absolute()))
+    scheme, _, rest = text.partition("://")
+    end = userinfo_end(rest)
+    if ":" in rest[: max(end, 0)] and "@" in rest[:end].split(":", 1)[1]:
+        # SQLAlchemy would read the password's tail as the host and connect there.
+        raise ConfigurationError(
+            f"the password in the {what} {redact_url(text)!r} holds an un-encoded '@': write it as %40 "
+            "(percent-encode the password: urllib.parse.quote(password, safe=''))"
+        )
     try:
         parsed = make_url(text)
     except Exception as exc:  # SQLAlchemy's own message quotes the URL, password included

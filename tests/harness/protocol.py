@@ -851,11 +851,17 @@ def _delta_place(uri: str, latest, key: str, revision: int, version: int, where:
 
     from export_ledger.destinations.delta import KEY_COLUMN, MANIFEST_METADATA, ROW_COLUMN
 
-    entry = Path(uri) / "_delta_log" / f"{version:020d}.json"
+    # The commit is the first log entry from K#r<N>'s version that carries K#r<N> (Delta may have rebased it over other
+    # keys' commits), its manifest in that entry's commit metadata.
     text = None
-    if entry.exists():
-        infos = [json.loads(line).get("commitInfo") for line in entry.read_bytes().splitlines()]
-        text = next((info.get(MANIFEST_METADATA) for info in infos if info), None)
+    for entry in sorted((Path(uri) / "_delta_log").glob("*.json")):
+        if int(entry.stem) < version:
+            continue
+        actions = [json.loads(line) for line in entry.read_bytes().splitlines()]
+        if any(action.get("txn", {}).get("appId") == f"{key}#r{revision}" for action in actions):
+            version = int(entry.stem)
+            text = next((a["commitInfo"].get(MANIFEST_METADATA) for a in actions if "commitInfo" in a), None)
+            break
     if text is None:
         return Place(f"{where}/r{revision}@v{version}", f"r{revision}-unknown", revision, None,
                      problem=f"no manifest in the commit of version {version}")  # fmt: skip

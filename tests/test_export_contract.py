@@ -1,0 +1,301 @@
+"""Each key carries its export contract (issue #26): what a key's export *is* (its destination, file format, schema,
+source and version, with its tenant's calendar) is recorded at the tenant's first claim and checked at every claim,
+and every edge (a run worker, an operator command) acts from what the ledger recorded, never from its own environment.
+
+Each test here failed on 8fa414b, where only the calendar was recorded: a worker that lost its source settings
+exported the sample and recorded it completed, and operator commands acted on whatever folder their environment
+named.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import threading
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import sqlalchemy as sa
+from pipeline_helpers import failure_message, ledger_at, make_defs, run_partition
+
+from export_ledger import cli
+from export_ledger.calendar import window_for
+from export_ledger.contract import calendar_of
+from export_ledger.destinations import LocalDestination
+from export_ledger.failpoints import ENV_VAR as FAILPOINTS
+from export_ledger.keys import LogicalKey
+from export_ledger.ledger import ContractChanged, DestinationMoved, ExportLedger, ExportState, RestatementRefused
+from export_ledger.spec import ExportSpec
+from resources.invoices import SampleInvoiceSource, SqlInvoiceSource, invoices_table
+from tests.builders import evidence_for
+
+KEY_7 = "invoice_export/acme/2026-03-07T05:00:00Z"
+KEY_8 = "invoice_export/acme/2026-03-08T05:00:00Z"
+
+
+def _sql_source(tmp_path: Path) -> SqlInvoiceSource:
+    """An invoices table holding the sample's rows of March 2026 for acme: a real SQL source."""
+    url = f"sqlite:///{tmp_path / 'source.sqlite3'}"
+    engine = sa.create_engine(url)
+    table = invoices_table()
+    table.metadata.create_all(engine)
+    start = dt.datetime(2026, 3, 1, tzinfo=dt.timezone.utc)
+    rows = SampleInvoiceSource().rows("acme", start, start + dt.timedelta(days=14))
+    with engine.begin() as conn:
+        conn.execute(table.insert(), rows.to_dict("records"))
+    engine.dispose()
+    return SqlInvoiceSource(url=url, table="invoices")
+
+
+def _refusals(tmp_path: Path) -> list[dict]:
+    return ledger_at(tmp_path).contracts.refusals()
+
+
+def test_a_worker_that_lost_its_source_settings_is_refused_not_exported_from_the_sample(tmp_path, instance):
+    source = _sql_source(tmp_path)
+    assert run_partition(make_defs(tmp_path, source=source), instance, "2026-03-07").success
+    # What a run worker without EXPORTS_SOURCE_URL built on 8fa414b: the same code location on the sample source.
+    lost = run_partition(make_defs(tmp_path, source=SampleInvoiceSource()), instance, "2026-03-08")
+
+    assert not lost.success, "a worker whose source is not the recorded one must not export"
+    message = failure_message(lost)
+    assert "source sql (" in message and "-> sample" in message, f"the refusal says what changed:\n{message}"
+    assert "table invoices" in message and "password" not in message
+    ledger = ledger_at(tmp_path)
+    assert ledger.queries.get(KEY_8) is None, "refused before any row: nothing exported, nothing recorded"
+    assert not (tmp_path / "exports" / "invoice_export" / "tenant=acme" / "date=2026-03-08").exists()
+    (refusal,) = _refusals(tmp_path)
+    assert refusal["tenant"] == "acme" and json.loads(refusal["wanted"])["terms"]["source"]["kind"] == "sample", (
+        "the refusal is kept, with both contracts, and escalated until accepted or the worker is fixed"
+    )
+    assert run_partition(make_defs(tmp_path, source=source), instance, "2026-03-08").success, (
+        "the worker with its settings back runs, and closes the refusal"
+    )
+    assert _refusals(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        (dict(file_format="parquet"), "file format csv -> parquet"),
+        (dict(version=2), "version None -> 2"),
+        (dict(columns={"invoice_id": "string", "tenant": "string", "occurred_at": "timestamp"}), "columns dropped: amount"),
+        (
+            dict(columns={"invoice_id": "string", "tenant": "string", "amount": "float", "occurred_at": "timestamp"}),
+            "column order invoice_id, tenant, occurred_at, amount -> invoice_id, tenant, amount, occurred_at",
+        ),
+        (
+            dict(columns={"invoice_id": "string", "tenant": "string", "occurred_at": "timestamp", "amount": "string"}),
+            "column kinds changed: amount float -> string",
+        ),
+        (dict(id_columns=["invoice_id", "tenant"]), "id columns ['invoice_id'] -> ['invoice_id', 'tenant']"),
+        (dict(destination_root="elsewhere"), "destination local"),
+    ],
+)
+def test_a_claim_under_another_contract_is_refused_naming_what_changed(tmp_path, clocked_ledger, change, said):
+    columns = {"invoice_id": "string", "tenant": "string", "occurred_at": "timestamp", "amount": "float"}
+    base = dict(
+        name="invoice_export", source=lambda tenant, start, end: None, columns=columns, id_columns=["invoice_id"],
+        time_column="occurred_at", tenant_column="tenant", tenants=["acme"], timezone="America/New_York",
+        start_date="2026-01-01",
+    )  # fmt: skip
+    here = LocalDestination(root=str(tmp_path / "exports"))
+    ledger = clocked_ledger.get_ledger()
+    first = ExportSpec(**base).contract("acme", here)
+    ledger.claims.claim(_key(7), "run-1/x", contract=first)
+    root = change.pop("destination_root", None)
+    there = LocalDestination(root=str(tmp_path / root)) if root else here
+    changed = ExportSpec(**{**base, **change}).contract("acme", there)
+
+    with pytest.raises(ContractChanged) as refused:
+        ledger.claims.claim(_key(8), "run-2/x", contract=changed)
+    assert said in str(refused.value), str(refused.value)
+    assert "export-ledger accept-contract --export invoice_export --keep-exported" in str(refused.value)
+    assert ledger.queries.get(str(_key(8))) is None
+    assert ledger.contracts.in_force("invoice_export", "acme") == first, "the contract in force is unchanged"
+
+
+def test_accept_contract_keeps_or_restates_the_keys_already_exported(tmp_path, instance, capsys):
+    assert run_partition(make_defs(tmp_path), instance, "2026-03-07").success
+    parquet = make_defs(tmp_path, file_format="parquet")
+    assert not run_partition(parquet, instance, "2026-03-08").success
+    url = ["--ledger-url", f"sqlite:///{tmp_path / 'ledger.sqlite3'}"]
+    accept = [*url, "accept-contract", "--export", "invoice_export", "--reason", "partners read Parquet now"]
+
+    assert cli.main(accept) == 2, "the terms changed: the operator must say what becomes of the exported keys"
+    assert "--keep-exported" in capsys.readouterr().err
+    assert cli.main([*accept, "--restate-exported"]) == 0
+    out = capsys.readouterr().out
+    assert "file format csv -> parquet" in out and "restatements requested for 1 key(s)" in out
+    ledger = ledger_at(tmp_path)
+    assert [r.logical_key for r in ledger.restatements.requests(export="invoice_export")] == [KEY_7]
+    entry = ledger.operators.entries()[-1]
+    assert entry["action"] == "accept-contract" and "file format csv -> parquet" in entry["detail"], (
+        "the acceptance is audited in the operator log"
+    )
+    assert run_partition(parquet, instance, "2026-03-08").success, "the new contract is in force"
+    assert run_partition(parquet, instance, "2026-03-07").success, "the restatement publishes revision 2"
+    assert ledger.restatements.current_revision(KEY_7).revision == 2
+    assert ledger.restatements.current_revision(KEY_7).location.endswith("r2-t2")
+    assert cli.main([*accept, "--keep-exported"]) == 1, "nothing is refused any more: nothing to accept"
+    assert "no refused contract to accept" in capsys.readouterr().err
+
+
+def test_a_new_destination_keeps_exported_keys_where_they_are_and_operator_commands_follow_them(
+    tmp_path, instance, capsys, monkeypatch
+):
+    assert run_partition(make_defs(tmp_path), instance, "2026-03-07").success
+    moved = make_defs(tmp_path, destination=str(tmp_path / "new-exports"))
+    assert not run_partition(moved, instance, "2026-03-08").success
+    url = ["--ledger-url", f"sqlite:///{tmp_path / 'ledger.sqlite3'}"]
+    accept = [*url, "accept-contract", "--export", "invoice_export", "--reason", "moved to the new disk"]
+    assert cli.main([*accept, "--restate-exported"]) == 2
+    assert "keys already exported stay at local" in capsys.readouterr().err
+    assert cli.main([*accept, "--keep-exported"]) == 0
+    assert run_partition(moved, instance, "2026-03-08").success
+    assert (tmp_path / "new-exports" / "invoice_export" / "tenant=acme" / "date=2026-03-08").is_dir()
+
+    ledger = ledger_at(tmp_path)
+    with pytest.raises(RestatementRefused, match="where its revisions stay"):
+        ledger.restatements.request(KEY_7, reason="late invoices", requested_by="ops")
+    assert cli.main([*url, "restate", KEY_7, "--reason", "late invoices"]) == 1
+    assert "a restatement would publish its next revision at the new destination" in capsys.readouterr().err
+    assert ledger.queries.get(KEY_7).state is ExportState.COMPLETED, "revision 1 stays current where it is"
+    assert run_partition(moved, instance, "2026-03-07").success, "nothing to do for 2026-03-07: it is exported"
+
+
+def _key(day: int) -> LogicalKey:
+    return LogicalKey("invoice_export", "acme", window_for(dt.date(2026, 3, day), "America/New_York"))
+
+
+def _published_unrecorded(tmp_path: Path, instance, monkeypatch) -> ExportLedger:
+    """acme's 2026-03-08 published at tmp_path/exports by an attempt that died before its ledger commit, its lease
+    over: what reconciliation and operators meet after a lost worker."""
+    defs = make_defs(tmp_path, lease_ttl_seconds=1)
+    monkeypatch.setenv(FAILPOINTS, "before_commit=raise")
+    assert not run_partition(defs, instance, "2026-03-08").success
+    monkeypatch.delenv(FAILPOINTS)
+    time.sleep(1.2)
+    ledger = ledger_at(tmp_path)
+    assert ledger.queries.get(KEY_8).state is ExportState.IN_PROGRESS
+    return ledger
+
+
+def test_reconcile_judges_a_key_where_its_contract_says_not_where_the_environment_points(
+    tmp_path, instance, capsys, monkeypatch
+):
+    ledger = _published_unrecorded(tmp_path, instance, monkeypatch)
+    other = tmp_path / "other-folder"
+    url = ["--ledger-url", f"sqlite:///{tmp_path / 'ledger.sqlite3'}"]
+    token = ledger.queries.get(KEY_8).fencing_token
+
+    assert cli.main([*url, "reconcile", "--destination", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert str(other) in err and str((tmp_path / "exports").resolve()) in err, f"both are named: {err}"
+    assert ledger.queries.get(KEY_8).fencing_token == token, "refused before the key was held"
+    assert not other.exists(), "no fence written into the wrong folder"
+
+    monkeypatch.setenv("EXPORTS_DESTINATION", str(other))  # an operator's shell pointing elsewhere
+    assert cli.main([*url, "reconcile"]) == 0
+    assert ledger.queries.get(KEY_8).state is ExportState.COMPLETED, "published at its real destination: recorded"
+    assert not other.exists()
+
+
+def test_resolve_discards_at_the_keys_destination_and_refuses_another(tmp_path, instance, capsys, monkeypatch):
+    ledger = _published_unrecorded(tmp_path, instance, monkeypatch)
+    other = tmp_path / "other-folder"
+    url = ["--ledger-url", f"sqlite:///{tmp_path / 'ledger.sqlite3'}"]
+    discard = [*url, "resolve", KEY_8, "--discard-destination", "--reason", "bad rows"]
+
+    assert cli.main([*discard, "--destination", str(other)]) == 2
+    assert "Leave --destination out" in capsys.readouterr().err
+    assert ledger.queries.get(KEY_8).state is ExportState.IN_PROGRESS
+
+    monkeypatch.setenv("EXPORTS_DESTINATION", str(other))
+    assert cli.main(discard) == 0, capsys.readouterr().err
+    assert ledger.queries.get(KEY_8).state is ExportState.FAILED
+    key_folder = tmp_path / "exports" / "invoice_export" / "tenant=acme" / "date=2026-03-08"
+    pointer = key_folder / "_current.json"
+    assert not pointer.exists() or json.loads(pointer.read_text()).get("revision", 0) == 0, (
+        "the export that was current at its real destination is discarded, not left current"
+    )
+    assert not other.exists()
+
+
+def test_a_contract_recorded_before_terms_existed_gets_them_at_the_next_claim(tmp_path, clocked_ledger):
+    ledger = clocked_ledger.get_ledger()
+    spec = ExportSpec(
+        name="invoice_export", source=lambda tenant, start, end: pd.DataFrame(), columns={"id": "string",
+        "at": "timestamp"}, id_columns=["id"], time_column="at", tenants=["acme"], timezone="America/New_York",
+        start_date="2026-01-01",
+    )  # fmt: skip
+    contract = spec.contract("acme", LocalDestination(root=str(tmp_path)))
+    ledger.contracts.accept("invoice_export", calendar_of(contract), "what release 0.5 recorded")
+
+    claim = ledger.claims.claim(_key(8), "run-1/x", contract=contract)
+
+    assert claim.fencing_token == 1, "the same calendar: not refused"
+    assert ledger.contracts.in_force("invoice_export", "acme") == contract
+    assert ledger.contracts.history("invoice_export")[-1]["reason"] == "terms recorded at the first claim that gave them"
+    other = spec.contract("acme", LocalDestination(root=str(tmp_path / "b")))
+    with pytest.raises(ContractChanged, match="destination local"):
+        ledger.claims.claim(_key(9), "run-2/x", contract=other)
+
+
+@pytest.mark.postgres
+def test_a_takeover_across_destinations_is_refused_until_the_key_is_settled_where_it_was_written(
+    tmp_path, postgres_url, clock
+):
+    """The race an acceptance cannot see: a first claim under the old contract commits just after a new destination
+    is accepted (the acceptance found no key to settle), and its attempt dies. A takeover under the new contract
+    would fence and publish at the new destination while the old one may hold its export: refused, naming both.
+    The window is held open on PostgreSQL by a connection that keeps export_runs from being written."""
+    ledger = ExportLedger(postgres_url, clock=clock)
+    spec = ExportSpec(
+        name="invoice_export", source=lambda tenant, start, end: pd.DataFrame(), columns={"id": "string",
+        "at": "timestamp"}, id_columns=["id"], time_column="at", tenants=["acme"], timezone="America/New_York",
+        start_date="2026-01-01",
+    )  # fmt: skip
+    old, new = LocalDestination(root=str(tmp_path / "a")), LocalDestination(root=str(tmp_path / "b"))
+    settled = ledger.claims.claim(_key(7), "run-0/x", contract=spec.contract("acme", old))  # in force: old
+    ledger.completions.complete(settled, evidence_for(settled))
+    engine = sa.create_engine(postgres_url)
+    claimed: list = []
+    with engine.connect() as blocker:
+        blocker.execute(sa.text("LOCK TABLE export_runs IN SHARE MODE"))  # reads pass, the claim's insert waits
+        worker = threading.Thread(
+            target=lambda: claimed.append(
+                ExportLedger(postgres_url, clock=clock).claims.claim(
+                    _key(8), "run-1/x", contract=spec.contract("acme", old)
+                )
+            )
+        )
+        worker.start()
+        _wait_for_a_lock_wait(engine)
+        ledger.contracts.accept(
+            "invoice_export", spec.contract("acme", new), "moved", tenant="acme", operator="ops", exported="keep"
+        )
+        blocker.rollback()
+    worker.join(timeout=30)
+    assert claimed and claimed[0].fencing_token == 1, "the first claim under the old contract committed after it"
+    clock.advance(seconds=ledger.lease_ttl.total_seconds() + 1)
+
+    with pytest.raises(DestinationMoved, match=r"publishes to local .*/a; this attempt publishes to local .*/b"):
+        ledger.claims.claim(_key(8), "run-2/x", contract=spec.contract("acme", new))
+    assert ledger.queries.get(str(_key(8))).lease_owner == "run-1/x", "left to reconciliation, at a"
+    engine.dispose()
+
+
+def _wait_for_a_lock_wait(engine: sa.Engine) -> None:
+    deadline = time.monotonic() + 30
+    with engine.connect() as conn:
+        while time.monotonic() < deadline:
+            waiting = conn.execute(
+                sa.text("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")
+            ).scalar()
+            if waiting:
+                return
+            time.sleep(0.05)
+    raise AssertionError("the claim never waited on the held lock")

@@ -1,0 +1,160 @@
+"""Every call of each object store classified when the store cannot be used: S3 on moto, GCS on fake-gcs-server and
+Azure Blob on Azurite, each once at a closed port (unreachable) and once with a bucket or container that does not
+exist.
+
+What each answer means is part of the store contract (``export_ledger/destinations/store.py``): a read that cannot
+tell raises ``DestinationUnreachable`` (never "absent": a missing container read as an absent pointer would let
+reconciliation judge a published key lost), a write that certainly did not happen raises ``DestinationError`` (never
+an unknown outcome, a failed condition or a conflict), and the startup probe refuses the store with one of the two.
+No message carries the SDK's own text, which can quote a URL and its SAS token.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import socket
+import uuid
+
+import pytest
+from builders import key_for
+from cloud_fixtures import AZURITE_ACCOUNT, AZURITE_KEY
+
+from export_ledger.destinations import DestinationError, DestinationUnreachable, PublishOutcomeUnknown
+from export_ledger.destinations.azure import AzureDestination
+from export_ledger.destinations.gcs import GCSDestination
+from export_ledger.destinations.s3 import S3Destination
+from export_ledger.destinations.store import AlreadyExists, PreconditionFailed
+from export_ledger.ledger import ExportLedger
+from export_ledger.ledger.schema import ExportState
+from export_ledger.reconcile import Verdict, reconcile_batch
+
+SECRET = "SECRETcanary-0b9f"
+TIMEOUTS = {"connect_timeout_seconds": 2.0, "read_timeout_seconds": 3.0}
+
+
+def closed_port() -> int:
+    """A loopback port nobody listens on: connecting is refused at once."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def azure_sas() -> str:
+    from azure.storage.blob import AccountSasPermissions, ResourceTypes, generate_account_sas
+
+    return generate_account_sas(
+        AZURITE_ACCOUNT, AZURITE_KEY, ResourceTypes(service=True, container=True, object=True),
+        AccountSasPermissions(read=True, write=True, delete=True, list=True, create=True),
+        expiry=dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=1),
+    )  # fmt: skip
+
+
+def s3_destination(endpoint: str, bucket: str) -> S3Destination:
+    return S3Destination(bucket=bucket, prefix="exports", endpoint_url=endpoint, access_key_id="testing",
+                         secret_access_key=SECRET, **TIMEOUTS)  # fmt: skip
+
+
+def gcs_destination(endpoint: str, bucket: str) -> GCSDestination:
+    return GCSDestination(bucket=bucket, prefix="exports", gcs_endpoint_url=endpoint, **TIMEOUTS)
+
+
+def azure_destination(endpoint: str, container: str, **credentials) -> AzureDestination:
+    credentials = credentials or {"azure_account_name": AZURITE_ACCOUNT, "azure_account_key": AZURITE_KEY}
+    return AzureDestination(container=container, prefix="exports", azure_endpoint_url=endpoint, **credentials,
+                            **TIMEOUTS)  # fmt: skip
+
+
+@pytest.fixture(params=["s3", "gcs", "azure"])
+def kind(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def unreachable_store(kind):
+    """``(store, secrets that must never show)`` at a closed port."""
+    port = closed_port()
+    if kind == "s3":
+        return s3_destination(f"http://127.0.0.1:{port}", "exports-bucket").store, [SECRET]
+    if kind == "gcs":
+        return gcs_destination(f"http://127.0.0.1:{port}", "exports-bucket").store, []
+    sas = azure_sas()
+    signature = sas.split("sig=", 1)[1].split("&", 1)[0]
+    endpoint = f"http://127.0.0.1:{port}/{AZURITE_ACCOUNT}"
+    return azure_destination(endpoint, "exports", azure_sas_token=sas).store, [signature]
+
+
+@pytest.fixture
+def missing_destination(request, kind):
+    """A destination on a running server whose bucket or container does not exist, and that name."""
+    name = f"missing-{uuid.uuid4().hex[:12]}"
+    server = {"s3": "s3_server", "gcs": "gcs_server", "azure": "azurite_server"}[kind]
+    endpoint = request.getfixturevalue(server)
+    return {"s3": s3_destination, "gcs": gcs_destination, "azure": azure_destination}[kind](endpoint, name), name
+
+
+def uploaded(store, name: str) -> None:
+    upload = store.upload(name)
+    upload.handle.write(b"a,b\n1,2\n")
+    upload.commit()
+
+
+CALLS = {
+    "check_conditions": lambda store: store.check_conditions(),
+    "list": lambda store: store.list("invoice_export/"),
+    "get": lambda store: store.get("invoice_export/_current.json"),
+    "digest": lambda store: store.digest("invoice_export/r1-t1/data.csv"),
+    "read": lambda store: store.read("invoice_export/r1-t1/manifest.json"),
+    "put_if_absent": lambda store: store.put_if_absent("invoice_export/r1-t1/manifest.json", b"{}"),
+    "put_if_match (create)": lambda store: store.put_if_match("invoice_export/_current.json", b"{}", None),
+    "put_if_match (replace)": lambda store: store.put_if_match("invoice_export/_current.json", b"{}", "1"),
+    "upload": lambda store: uploaded(store, "invoice_export/r1-t1/data.csv"),
+    "delete": lambda store: store.delete("invoice_export/r1-t1/data.csv"),
+}
+READS = {"list", "get", "digest", "read"}
+#: What the SDKs' messages for a refused connection say (urllib3's, botocore's, azure-core's).
+SDK_TEXT = ("Connection refused", "HTTPConnectionPool", "Max retries", "Could not connect", "Errno")
+
+
+@pytest.mark.parametrize("call", list(CALLS))
+def test_every_store_call_at_a_closed_port_is_unreachable_and_quotes_no_sdk_text(unreachable_store, call):
+    store, secrets = unreachable_store
+    with pytest.raises(DestinationUnreachable) as refused:
+        CALLS[call](store)
+    message = str(refused.value)
+    assert not any(secret in message for secret in secrets), f"a credential in the message: {message}"
+    assert not any(sdk in message for sdk in SDK_TEXT), f"the SDK's own text (it quotes the request): {message}"
+
+
+@pytest.mark.parametrize("call", list(CALLS))
+def test_every_store_call_on_a_missing_bucket_or_container_names_it_and_never_reads_absent(
+    missing_destination, call
+):
+    destination, name = missing_destination
+    store = destination.store
+    expected = DestinationUnreachable if call in READS else DestinationError
+    with pytest.raises(expected) as refused:
+        result = CALLS[call](store)
+        pytest.fail(f"{call} on a missing bucket or container answered {result!r}")
+    error = refused.value
+    assert not isinstance(error, (PublishOutcomeUnknown, PreconditionFailed, AlreadyExists)), (
+        f"{call}: nothing was written and no condition failed, got {type(error).__name__}: {error}"
+    )
+    assert f"{name!r} does not exist" in str(error), f"{call}: the message names the bucket or container: {error}"
+
+
+def test_a_key_reconciled_against_a_missing_bucket_or_container_stays_unknown_naming_it(
+    missing_destination, sqlite_url
+):
+    """Read as "absent", a missing container would let reconciliation record a published key ``failed`` (and rerun
+    it): the destination cannot say, so the key stays as it was."""
+    destination, name = missing_destination
+    ledger = ExportLedger(sqlite_url)
+    key = key_for()
+    ledger.completions.mark_remote_unknown(ledger.claims.claim(key, "run-1"), TimeoutError("answer lost"))
+
+    report = reconcile_batch(ledger, destination, limit=10, after=None, reconciler="reconciliation-test")
+
+    (finding,) = report.findings
+    assert finding.verdict is Verdict.UNREACHABLE, f"{finding.verdict}: {finding.detail}"
+    assert f"{name!r} does not exist" in finding.detail, finding.detail
+    assert ledger.queries.get(str(key)).state is ExportState.REMOTE_UNKNOWN, "the key is left for a later look"

@@ -1,0 +1,320 @@
+"""Secrets written where they do not belong: a password with un-encoded characters in a database URL, credentials in
+a destination spec, a ledger URL with its password given to ``build_definitions`` as an argument.
+
+Each is either masked (a URL's password, in every message) or refused before it is stored anywhere (a destination
+spec that carries a credential; a ledger URL whose password would be shown in the Dagster UI's resource config),
+and the refusal never repeats the secret.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import dagster as dg
+import pandas as pd
+import pytest
+from builders import key_for
+
+from definitions import build_definitions
+from export_ledger import ExportSpec, cli
+from export_ledger.dagster import LedgerResource, ledgered_definitions
+from export_ledger.destinations import destination_from
+from export_ledger.destinations.azure import AzureDestination
+from export_ledger.destinations.gcs import GCSDestination
+from export_ledger.destinations.s3 import S3Destination
+from export_ledger.errors import ConfigurationError, redact_text
+from export_ledger.ledger import ExportLedger, LedgerUnavailable, redact_url
+
+PROJECT = Path(__file__).resolve().parent.parent
+
+# -- 1. a URL's password, whatever characters it holds ---------------------------------------------------------------
+
+#: (URL, how messages show it, pieces of the password that must never show).
+PASSWORD_SHAPES = [
+    pytest.param(
+        "postgresql+psycopg2://exporter:hunter@2-tail@db.internal:5432/ledger",
+        "postgresql+psycopg2://exporter:***@db.internal:5432/ledger",
+        ["hunter", "2-tail"],
+        id="at-sign-in-password",
+    ),
+    pytest.param(
+        "postgresql+psycopg2://exporter:hun:ter2@db.internal:5432/ledger",
+        "postgresql+psycopg2://exporter:***@db.internal:5432/ledger",
+        ["hun:ter2", "ter2"],
+        id="colon-in-password",
+    ),
+    pytest.param(
+        "postgresql+psycopg2://exporter:pa/ss-word@db.internal/ledger",
+        "postgresql+psycopg2://exporter:***@db.internal/ledger",
+        ["pa/ss", "ss-word"],
+        id="slash-in-password",
+    ),
+    pytest.param(
+        "postgresql+psycopg2://exporter:pw@v6-tail@[::1]:5432/ledger",
+        "postgresql+psycopg2://exporter:***@[::1]:5432/ledger",
+        ["v6-tail"],
+        id="ipv6-host",
+    ),
+    pytest.param(
+        "postgresql+psycopg2://exporter@db.internal:5432/ledger",
+        "postgresql+psycopg2://exporter@db.internal:5432/ledger",
+        [],
+        id="no-password",
+    ),
+]
+
+
+@pytest.mark.parametrize(("url", "shown", "hidden"), PASSWORD_SHAPES)
+def test_a_url_password_is_masked_up_to_the_last_at_sign_before_the_host(url, shown, hidden):
+    assert redact_url(url) == shown, "the whole password is masked and the real host is shown"
+    assert redact_text(f"cannot reach {url}: refused") == f"cannot reach {shown}: refused", "the same in free text"
+    assert redact_text(f"cannot reach {url!r}") == f"cannot reach {shown!r}", "and in a quoted URL"
+    for piece in hidden:
+        assert piece not in redact_url(url) and piece not in redact_text(url), f"{piece!r} is part of the password"
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql+psycopg2://exporter:hunter@2-tail@127.0.0.1:9/ledger",
+        "postgresql+psycopg2://exporter:pw@v6-tail@[::1]:9/ledger",
+    ],
+)
+def test_a_ledger_url_whose_password_holds_an_unencoded_at_sign_is_refused_naming_the_fix(url, capfd):
+    with pytest.raises((ConfigurationError, LedgerUnavailable)) as refused:
+        ExportLedger(url)
+    message = str(refused.value)
+    assert "un-encoded '@'" in message and "%40" in message, message
+    assert "2-tail" not in message and "v6-tail" not in message, "the password's tail is not shown as the host"
+
+    assert cli.main(["--ledger-url", url, "status"]) == 1
+    err = capfd.readouterr().err
+    assert "%40" in err and "2-tail" not in err and "v6-tail" not in err and "hunter" not in err, err
+
+
+# -- 2. a destination spec that carries a credential ------------------------------------------------------------------
+
+SECRET = "SECRETcanary-5e0a7c"
+#: (spec, how the refusal shows it, a setting the refusal names as the place for the credentials).
+CREDENTIAL_SPECS = [
+    pytest.param(f"s3://AKIAEXAMPLE:{SECRET}@exports-bucket/p", "s3://***@exports-bucket/p", "AWS_SECRET_ACCESS_KEY",
+                 id="s3-user-and-password"),
+    pytest.param(f"s3://AKIAEXAMPLE:pa/{SECRET}@exports-bucket/p", "s3://***@exports-bucket/p",
+                 "AWS_SECRET_ACCESS_KEY", id="s3-password-with-slash"),
+    pytest.param(f"az://account:{SECRET}@exports/p", "az://***@exports/p", "AZURE_STORAGE_ACCOUNT_KEY",
+                 id="az-user-and-password"),
+    pytest.param(f"gs://user:{SECRET}@exports-bucket/p", "gs://***@exports-bucket/p", "GOOGLE_APPLICATION_CREDENTIALS",
+                 id="gs-user-and-password"),
+    pytest.param(f"delta:s3://AKIAEXAMPLE:{SECRET}@exports-bucket/t", "delta:s3://***@exports-bucket/t",
+                 "AWS_SECRET_ACCESS_KEY", id="delta-s3-user-and-password"),
+    pytest.param(f"s3://exports-bucket/p?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Signature={SECRET}",
+                 "s3://exports-bucket/p?***", "AWS_SECRET_ACCESS_KEY", id="s3-presigned"),
+    pytest.param(f"gs://exports-bucket/p?X-Goog-Algorithm=GOOG4-RSA-SHA256&X-Goog-Signature={SECRET}",
+                 "gs://exports-bucket/p?***", "GOOGLE_APPLICATION_CREDENTIALS", id="gs-signed"),
+    pytest.param(f"az://exports/p?sv=2022-11-02&ss=b&srt=co&sp=rwdlac&se=2026-12-31T00:00:00Z&sig={SECRET}",
+                 "az://exports/p?***", "AZURE_STORAGE_SAS_TOKEN", id="az-sas"),
+    pytest.param(f"az://exports/p?{SECRET}", "az://exports/p?***", "AZURE_STORAGE_SAS_TOKEN", id="any-query"),
+    pytest.param(f"DefaultEndpointsProtocol=https;AccountName=acct;AccountKey={SECRET}==;EndpointSuffix=core.windows.net",
+                 "DefaultEndpointsProtocol=***;AccountName=***;AccountKey=***;EndpointSuffix=***",
+                 "AZURE_STORAGE_ACCOUNT_KEY", id="azure-connection-string"),
+    pytest.param(f"https://acct.blob.core.windows.net/exports?sv=2022-11-02&sig={SECRET}",
+                 "https://acct.blob.core.windows.net/exports?***", "AZURE_STORAGE_SAS_TOKEN", id="sas-url"),
+    pytest.param(f"exporter:{SECRET}@files.example:/srv/exports", "***@files.example:/srv/exports", "no credentials",
+                 id="scp-style-folder"),
+    pytest.param(f"./exports?sig={SECRET}", "./exports?***", "no credentials", id="folder-with-a-signature"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("spec", "shown", "setting"), CREDENTIAL_SPECS)
+def test_a_destination_spec_with_a_credential_is_refused_without_repeating_it(
+    spec, shown, setting, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)  # a spec taken for a folder would be created here
+    with pytest.raises(ConfigurationError) as refused:
+        destination_from(spec, ledger_url="", credentials={"azure_account_name": "acct"}, what="EXPORTS_DESTINATION")
+    message = str(refused.value)
+    assert SECRET not in message, f"the refusal repeats the secret: {message}"
+    assert message.startswith("EXPORTS_DESTINATION carries "), "the refusal names the setting and the problem"
+    assert repr(shown) in message, "the spec is shown with the secret part replaced"
+    assert setting in message, "the refusal says where the credentials go instead"
+    assert list(tmp_path.iterdir()) == [], "nothing is created"
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["s3://exports-bucket/team@corp/p", "./exports/key=2026", "ledger-table:exported_{export}", "az://exports/p"],
+)
+def test_destination_specs_without_credentials_are_still_accepted(spec):
+    destination_from(spec, ledger_url="sqlite://", credentials={"azure_account_name": "acct"})
+
+
+SOME_SPECS = [CREDENTIAL_SPECS[0], CREDENTIAL_SPECS[5], CREDENTIAL_SPECS[9]]
+
+
+def orders(destination: str | None = None) -> ExportSpec:
+    return ExportSpec(
+        name="orders", source=lambda tenant, start, end: pd.DataFrame(), tenants=["acme"],
+        columns={"order_id": "string", "tenant": "string", "placed_at": "timestamp"}, id_columns=["order_id"],
+        time_column="placed_at", tenant_column="tenant", timezone="America/New_York", start_date="2026-01-01",
+        destination=destination,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("spec", "shown", "setting"), SOME_SPECS)
+def test_an_exports_own_destination_with_a_credential_fails_the_code_location_load_without_repeating_it(
+    spec, shown, setting, sqlite_url
+):
+    with pytest.raises(ConfigurationError) as refused:
+        ledgered_definitions([orders(spec)], environ={"EXPORTS_LEDGER_URL": sqlite_url})
+    message = str(refused.value)
+    assert message.startswith("destination of export orders carries ") and repr(shown) in message, message
+    assert SECRET not in message
+
+
+@pytest.mark.parametrize(("spec", "shown", "setting"), SOME_SPECS)
+def test_exports_destination_or_a_destination_argument_with_a_credential_fails_build_definitions(
+    spec, shown, setting, sqlite_url
+):
+    environ = {"EXPORTS_LEDGER_URL": sqlite_url, "EXPORTS_DESTINATION": spec}
+    with pytest.raises(ConfigurationError) as from_environment:
+        build_definitions(environ=environ)
+    with pytest.raises(ConfigurationError) as from_argument:
+        build_definitions(destination=spec, environ={"EXPORTS_LEDGER_URL": sqlite_url})
+    for refused, setting_name in ((from_environment, "EXPORTS_DESTINATION"), (from_argument, "destination argument")):
+        message = str(refused.value)
+        assert setting_name in message and repr(shown) in message and setting in message, message
+        assert SECRET not in message
+
+
+@pytest.mark.parametrize(("spec", "shown", "setting"), SOME_SPECS)
+def test_the_cli_refuses_a_destination_with_a_credential_exit_1_without_printing_it(
+    spec, shown, setting, sqlite_url, tmp_path, monkeypatch, capfd
+):
+    for name in ("EXPORTS_SOURCE_URL", "EXPORTS_TENANTS", "EXPORTS_FILE_FORMAT"):
+        monkeypatch.delenv(name, raising=False)
+    ledger = ExportLedger(sqlite_url)
+    long_ago = dt.datetime.now(dt.timezone.utc) - dt.timedelta(hours=1)
+    ExportLedger(sqlite_url, clock=lambda: long_ago).claims.claim(key_for(), "dead-run/invoice_export")  # stuck
+    assert ledger.queries.get(str(key_for())) is not None
+    monkeypatch.setenv("EXPORTS_LEDGER_URL", sqlite_url)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("EXPORTS_DESTINATION", spec)
+
+    printed = {}
+    for argv in (["reconcile", "-f", str(PROJECT / "definitions.py")], ["reconcile"]):
+        printed[argv[-1]] = (cli.main(argv), *capfd.readouterr())
+    monkeypatch.delenv("EXPORTS_DESTINATION")
+    printed["--destination"] = (cli.main(["reconcile", "--destination", spec]), *capfd.readouterr())
+
+    for how, (code, out, err) in printed.items():
+        setting_name = "--destination" if how == "--destination" else "EXPORTS_DESTINATION"
+        assert code == 1, f"{how}: exit 1 (runtime error), got {code}: {err}"
+        assert f"{setting_name} carries" in err and repr(shown) in err, f"{how}: {err}"
+        assert SECRET not in out + err, f"{how}: the secret is printed"
+    assert not (tmp_path / "DefaultEndpointsProtocol=https;AccountName=acct").exists()
+
+
+@pytest.mark.process
+def test_the_code_location_load_error_never_shows_a_destination_credential(tmp_path, sqlite_url):
+    ExportLedger(sqlite_url)
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("EXPORTS_", "AWS_", "AZURE_"))},
+        "DAGSTER_HOME": str(tmp_path),
+        "EXPORTS_LEDGER_URL": sqlite_url,
+        "EXPORTS_DESTINATION": f"az://exports/p?sv=2022-11-02&sig={SECRET}",
+    }
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "dagster"), "definitions", "validate", "-f", "definitions.py"],
+        cwd=PROJECT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode != 0 and "EXPORTS_DESTINATION carries a query string" in output, output[-3000:]
+    assert SECRET not in output, "the load error (shown by the webserver and the daemon) repeats the secret"
+
+
+# -- 3. the ledger URL's password never reaches the UI's resource config ---------------------------------------------
+
+PASSWORD = "PWcanary-41d2"
+LEDGER_WITH_PASSWORD = f"postgresql+psycopg2://exporter:{PASSWORD}@db.internal:5432/ledger"
+
+
+def ui_resource_config(defs: dg.Definitions) -> dict[str, dict]:
+    """Every top-level resource's configured values as the Dagster UI gets them (GraphQL ``configuredValues``, which
+    Dagster takes from the default value of the resource's config schema)."""
+    resources = defs.get_repository_def().get_top_level_resources()
+    return {
+        name: json.loads(resource.config_schema.default_value_as_json_str)
+        for name, resource in resources.items()
+        if resource.config_schema.default_provided
+    }
+
+
+@pytest.fixture
+def no_exports_settings(monkeypatch):
+    for name in [name for name in os.environ if name.startswith(("EXPORTS_", "AWS_", "AZURE_"))]:
+        monkeypatch.delenv(name)
+
+
+def test_a_ledger_url_from_the_environment_stays_an_envvar_when_lease_ttl_seconds_is_given(
+    monkeypatch, no_exports_settings, tmp_path
+):
+    monkeypatch.setenv("EXPORTS_LEDGER_URL", LEDGER_WITH_PASSWORD)
+    monkeypatch.setenv("EXPORTS_DESTINATION", str(tmp_path / "exports"))
+
+    config = ui_resource_config(build_definitions(lease_ttl_seconds=60))
+
+    assert PASSWORD not in json.dumps(config), "the password is in the UI's resource config"
+    assert config["ledger"]["url"] == {"env": "EXPORTS_LEDGER_URL"}, "the ledger URL is passed by name"
+    assert config["ledger"]["lease_ttl_seconds"] == 60, "the argument is still applied"
+    destinations = [values for name, values in config.items() if name.endswith("__destination")]
+    assert destinations and all(d["ledger_url"] == {"env": "EXPORTS_LEDGER_URL"} for d in destinations)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        pytest.param(lambda: build_definitions(ledger_url=LEDGER_WITH_PASSWORD), id="ledger_url-argument"),
+        pytest.param(lambda: build_definitions(ledger_url=LEDGER_WITH_PASSWORD, lease_ttl_seconds=60), id="with-ttl"),
+        pytest.param(
+            lambda: build_definitions(ledger_url=f"postgresql+psycopg2://exporter@db/ledger?password={PASSWORD}"),
+            id="password-as-query-parameter",
+        ),
+        pytest.param(
+            lambda: ledgered_definitions([orders()], environ={"EXPORTS_LEDGER_URL": LEDGER_WITH_PASSWORD}),
+            id="environ-mapping",
+        ),  # fmt: skip
+        pytest.param(
+            lambda: ledgered_definitions([orders()], ledger=LedgerResource(url=LEDGER_WITH_PASSWORD)),
+            id="ledger-resource",
+        ),  # fmt: skip
+    ],
+)
+def test_a_ledger_url_with_a_password_given_as_a_value_is_refused_saying_how_to_give_it_by_name(
+    build, no_exports_settings
+):
+    with pytest.raises(ConfigurationError) as refused:
+        build()
+    message = str(refused.value)
+    assert PASSWORD not in message, message
+    assert "Dagster UI's resource config" in message, "the refusal says why"
+    assert "EXPORTS_LEDGER_URL" in message and "EnvVar" in message and "PGPASSWORD" in message, "and what to do"
+
+
+def test_a_ledger_url_without_a_password_is_still_taken_as_an_argument(no_exports_settings, tmp_path):
+    url = "postgresql+psycopg2://exporter@db.internal:5432/ledger"
+    config = ui_resource_config(build_definitions(ledger_url=url, destination=str(tmp_path), lease_ttl_seconds=60))
+    assert config["ledger"]["url"] == url and config["ledger"]["lease_ttl_seconds"] == 60
+
+
+def test_an_endpoint_setting_with_a_credential_is_masked_where_a_destination_describes_itself():
+    azure = AzureDestination(container="exports", azure_endpoint_url=f"https://acct.blob.core.windows.net/?sig={SECRET}")
+    s3 = S3Destination(bucket="exports-bucket", endpoint_url=f"https://minio:{SECRET}@minio.internal:9000")
+    gcs = GCSDestination(bucket="exports-bucket", gcs_endpoint_url=f"https://gcs.internal/?token={SECRET}")
+    for destination in (azure, s3, gcs):
+        shown = destination.store.describe()
+        assert SECRET not in shown and "***" in shown, f"the endpoint's credential is shown: {shown}"

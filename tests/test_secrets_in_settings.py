@@ -180,11 +180,11 @@ def test_an_exports_own_destination_with_a_credential_fails_the_code_location_lo
 def test_exports_destination_or_a_destination_argument_with_a_credential_fails_build_definitions(
     spec, shown, setting, sqlite_url
 ):
-    environ = {"EXPORTS_LEDGER_URL": sqlite_url, "EXPORTS_DESTINATION": spec}
+    environ = {"EXPORTS_SOURCE": "sample", "EXPORTS_LEDGER_URL": sqlite_url, "EXPORTS_DESTINATION": spec}
     with pytest.raises(ConfigurationError) as from_environment:
         build_definitions(environ=environ)
     with pytest.raises(ConfigurationError) as from_argument:
-        build_definitions(destination=spec, environ={"EXPORTS_LEDGER_URL": sqlite_url})
+        build_definitions(destination=spec, environ={"EXPORTS_SOURCE": "sample", "EXPORTS_LEDGER_URL": sqlite_url})
     for refused, setting_name in ((from_environment, "EXPORTS_DESTINATION"), (from_argument, "destination argument")):
         message = str(refused.value)
         assert setting_name in message and repr(shown) in message and setting in message, message
@@ -225,6 +225,7 @@ def test_the_code_location_load_error_never_shows_a_destination_credential(tmp_p
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith(("EXPORTS_", "AWS_", "AZURE_"))},
         "DAGSTER_HOME": str(tmp_path),
+        "EXPORTS_SOURCE": "sample",
         "EXPORTS_LEDGER_URL": sqlite_url,
         "EXPORTS_DESTINATION": f"az://exports/p?sv=2022-11-02&sig={SECRET}",
     }
@@ -258,6 +259,7 @@ def ui_resource_config(defs: dg.Definitions) -> dict[str, dict]:
 def no_exports_settings(monkeypatch):
     for name in [name for name in os.environ if name.startswith(("EXPORTS_", "AWS_", "AZURE_"))]:
         monkeypatch.delenv(name)
+    monkeypatch.setenv("EXPORTS_SOURCE", "sample")  # the reference location's source is always chosen
 
 
 def test_a_ledger_url_from_the_environment_stays_an_envvar_when_lease_ttl_seconds_is_given(

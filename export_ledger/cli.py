@@ -18,9 +18,9 @@ Subcommands, each with a readable table or ``--json``::
     export-ledger upgrade
 
 ``status`` and ``attempts`` only read. ``reconcile`` does once what the reconciliation sensor does each tick:
-it probes each stuck key at the destination its contract records and records what it finds. ``prune`` deletes old completion
-records and keeps a low-water mark; ``drift`` does once what the drift sensor does each tick (re-reads the sources of
-recently completed keys and records which are stale); ``status --state stale`` lists them with their counts;
+it probes each stuck key at the destination its contract records and records what it finds. ``prune`` deletes old
+completion records and keeps a low-water mark; ``drift`` does once what the drift sensor does each tick (re-reads the
+sources of recently completed keys and records which are stale); ``status --state stale`` lists them with their counts;
 ``accept-contract`` records an operator's acceptance of a changed contract (the one the refused claims named, or a
 calendar given by its options) and what becomes of the keys already exported. ``restate`` records a request to publish
 the next revision of completed keys (published by the partition's next materialization: the command it prints, a
@@ -30,9 +30,9 @@ launch from the UI, or the reconciliation sensor), or withdraws one; ``revisions
 The ledger is found from ``--ledger-url``, else ``EXPORTS_LEDGER_URL``, else ``./var/ledger.sqlite3``. A key's
 destination is the one its contract records: ``reconcile``, ``resolve`` and ``restate --withdraw`` act there, and refuse
 a ``--destination`` that names another (only a key claimed before release 0.6, which records none, takes
-``--destination``, else ``EXPORTS_DESTINATION``). Credentials come from the environment, never the ledger. Export names come from the ledger: ``--export`` names
-one it knows. ``restate``, ``reconcile`` and ``drift`` take a code location as ``dagster`` does (``-f FILE`` or
-``-m MODULE``, ``-a ATTRIBUTE``): only then is it imported (:mod:`export_ledger.dagster.code_location`), its declared
+``--destination``, else ``EXPORTS_DESTINATION``). Credentials come from the environment, never the ledger. Export
+names come from the ledger: ``--export`` names one it knows. ``restate``, ``reconcile`` and ``drift`` take a code
+location as ``dagster`` does (``-f FILE`` or ``-m MODULE``, ``-a ATTRIBUTE``): only then is it imported (:mod:`export_ledger.dagster.code_location`), its declared
 exports and destinations are used, and the printed ``dagster`` commands repeat those options. ``drift`` needs the
 sources: a code location, or ``--specs module:attribute`` (an ``ExportSpec`` or a list of them). Each command is one
 call of :mod:`export_ledger.operations` (or of the ledger) and renders what it returns.

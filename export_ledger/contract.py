@@ -26,7 +26,12 @@ from export_ledger.frames import ExportSchema
 
 #: The key of the terms inside a contract; a contract recorded before release 0.6 has none (calendar only).
 TERMS = "terms"
-_CALENDAR_WORDS = {"timezone": "zone", "start_date": "start date", "cadence": "cadence", "window_policy": "window policy"}
+_CALENDAR_WORDS = {
+    "timezone": "zone",
+    "start_date": "start date",
+    "cadence": "cadence",
+    "window_policy": "window policy",
+}
 
 
 def export_terms(
@@ -37,8 +42,8 @@ def export_terms(
     source: Mapping[str, Any],
     version: str | int | None = None,
 ) -> dict:
-    """The terms of one export: ``destination`` is :meth:`Destination.identity`, ``source`` :meth:`ExportSource.identity`
-    (or :func:`asset_source` for rows from an asset of the user's own)."""
+    """The terms of one export: ``destination`` is :meth:`Destination.identity`, ``source``
+    :meth:`ExportSource.identity` (or :func:`asset_source` for rows from an asset of the user's own)."""
     return {
         "destination": dict(destination),
         "file_format": file_format,

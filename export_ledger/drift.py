@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from export_ledger.placement import recorded_destinations
 from export_ledger.calendar import load_zone
 from export_ledger.destinations.base import (
     Destination,
@@ -44,6 +43,7 @@ from export_ledger.fingerprint import Fingerprint, id_hashes, version_hashes
 from export_ledger.frames import ExportSchema, FrameBatches, _to_arrow, read_table
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger import DriftChanges, DriftFinding, DriftRecord, ExportLedger, ExportRecord
+from export_ledger.placement import recorded_destinations
 from export_ledger.protocol import target_for
 from export_ledger.restate import DRIFT_REQUESTER, RequestReport, current_revisions, restate_stale
 from export_ledger.spec import ExportSpec

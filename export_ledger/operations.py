@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import datetime as dt
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from export_ledger.placement import DestinationMismatch, recorded_destinations
 from export_ledger.destinations import Destination, destination_from
 from export_ledger.drift import DriftReport, LookbackGap, beyond_lookback, drift_pass
 from export_ledger.errors import ExportLedgerError
 from export_ledger.ledger import ExportLedger, ExportRecord, ExportState, Restatement, RestatementRefused
 from export_ledger.ledger.contracts import RESTATE, Accepted
+from export_ledger.placement import DestinationMismatch, recorded_destinations
 from export_ledger.reconcile import ReconcileReport, reconcile_batch
 from export_ledger.restate import (
     DEFAULT_LOCATION,

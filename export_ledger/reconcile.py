@@ -135,7 +135,7 @@ class ReconcileReport:
 
 def reconcile_batch(
     ledger: ExportLedger,
-    destination: Destination | Mapping[str, Destination] | Callable[[Sequence[ExportRecord]], Mapping[str, Destination]],
+    destination: Destination | Mapping[str, Destination] | Callable[[Sequence[ExportRecord]], Mapping[str, Destination]],  # noqa: E501
     *,
     limit: int,
     after: str | None,

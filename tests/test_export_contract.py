@@ -81,7 +81,10 @@ def test_a_worker_that_lost_its_source_settings_is_refused_not_exported_from_the
     [
         (dict(file_format="parquet"), "file format csv -> parquet"),
         (dict(version=2), "version None -> 2"),
-        (dict(columns={"invoice_id": "string", "tenant": "string", "occurred_at": "timestamp"}), "columns dropped: amount"),
+        (
+            dict(columns={"invoice_id": "string", "tenant": "string", "occurred_at": "timestamp"}),
+            "columns dropped: amount",
+        ),
         (
             dict(columns={"invoice_id": "string", "tenant": "string", "amount": "float", "occurred_at": "timestamp"}),
             "column order invoice_id, tenant, occurred_at, amount -> invoice_id, tenant, amount, occurred_at",
@@ -238,7 +241,9 @@ def test_a_contract_recorded_before_terms_existed_gets_them_at_the_next_claim(tm
 
     assert claim.fencing_token == 1, "the same calendar: not refused"
     assert ledger.contracts.in_force("invoice_export", "acme") == contract
-    assert ledger.contracts.history("invoice_export")[-1]["reason"] == "terms recorded at the first claim that gave them"
+    assert ledger.contracts.history("invoice_export")[-1]["reason"] == (
+        "terms recorded at the first claim that gave them"
+    )
     other = spec.contract("acme", LocalDestination(root=str(tmp_path / "b")))
     with pytest.raises(ContractChanged, match="destination local"):
         ledger.claims.claim(_key(9), "run-2/x", contract=other)

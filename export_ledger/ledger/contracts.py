@@ -391,7 +391,13 @@ class Contracts:
             return self._accept_in(conn, ledger.now(conn), export, contract, reason, tenant, operator, exported)
 
     def accept_refused(
-        self, export: str, reason: str, *, tenant: str | None = None, operator: str = "unknown", exported: str | None = None
+        self,
+        export: str,
+        reason: str,
+        *,
+        tenant: str | None = None,
+        operator: str = "unknown",
+        exported: str | None = None,
     ) -> list[Accepted]:
         """Accepts the contract the code asked for in each open refusal of ``export`` (``tenant``'s only, when
         given): the way out of a refusal, without retyping the contract. One transaction for all of them.
@@ -480,8 +486,8 @@ class Contracts:
         if moved and exported == RESTATE:
             raise ValueError(
                 f"the destination of {export} changes ({_where(previous)} -> {_where(contract)}): keys already "
-                f"exported stay at {_where(previous)} with their revisions (--keep-exported); a restatement publishes a "
-                "key's next revision beside its current one, which is at the old destination"
+                f"exported stay at {_where(previous)} with their revisions (--keep-exported); a restatement "
+                "publishes a key's next revision beside its current one, which is at the old destination"
             )
         if not moved:
             return

@@ -138,7 +138,7 @@ def key_destination(
     named = given_destination(given, settings=settings, ledger_url=ledger.url)
     return recorded_destinations(
         ledger, [record], credentials=settings.s3_credentials(), given=named,
-        fallback=lambda export: destination_for(export, settings=settings, ledger_url=ledger.url),
+        fallback=lambda export: named or destination_for(export, settings=settings, ledger_url=ledger.url),
     )[record.logical_key]  # fmt: skip
 
 
@@ -228,6 +228,8 @@ def reconcile_once(
                 "reconcile it on its own with --export E (and its --destination), or name the code location with -f "
                 "FILE or -m MODULE"
             )
+        if named is not None:
+            return named
         return destination_for(name, settings=settings, ledger_url=ledger.url, location=location)
 
     def placed(records: Sequence[ExportRecord]) -> dict[str, Destination]:

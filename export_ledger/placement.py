@@ -40,7 +40,8 @@ def recorded_destinations(
             recorded one, and their settings lend credentials to a recorded root of the same kind.
         given: A destination an operator named (``--destination``): refused unless it is the recorded one.
         fallback: For a key whose ledger records no destination (claimed before schema version 9 under a contract of
-            an older release): the destination to use, by export. None: such a key is refused.
+            an older release): the destination to use, by export (it decides whether ``given`` answers). None:
+            ``given`` answers for such a key, else it is refused.
 
     Raises:
         DestinationMismatch: ``given`` is not where a key's contract says its export is (both named).
@@ -52,10 +53,10 @@ def recorded_destinations(
     for record in records:
         place = destination_of(contracts.get(record.logical_key))
         if place is None:
-            if given is not None:
-                chosen[record.logical_key] = given
-            elif fallback is not None:
+            if fallback is not None:
                 chosen[record.logical_key] = fallback(record.export)
+            elif given is not None:
+                chosen[record.logical_key] = given
             else:
                 raise ExportLedgerError(
                     f"{record.logical_key}: the ledger records no destination for it (claimed before release 0.6): "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import threading
+import time
 
 import dagster as dg
 import pandas as pd
@@ -334,12 +335,18 @@ def test_reconcile_never_judges_a_key_at_a_destination_it_was_not_published_to(t
     assert ledger.queries.get(str(key)).state is ExportState.COMPLETED
 
 
-def test_reconcile_without_export_refuses_a_ledger_of_several_exports(tmp_path, sqlite_url, capsys):
-    ledger = ExportLedger(sqlite_url)
+def test_reconcile_without_export_refuses_stuck_keys_of_several_exports_that_record_no_destination(
+    tmp_path, sqlite_url, capsys
+):
+    """Keys claimed with no contract (as before release 0.6) record no destination: one --destination for several
+    exports would judge a key published elsewhere absent. (Keys that record theirs are each judged there.)"""
+    ledger = ExportLedger(sqlite_url, lease_ttl=dt.timedelta(seconds=1))
     for export in ("invoice_export", "orders"):
         ledger.claims.claim(key_for(export=export), f"run/{export}")
-    assert cli.main(["--ledger-url", sqlite_url, "reconcile", "--destination", str(tmp_path / "x")]) != 0
+    time.sleep(1.1)  # the leases end: both keys are stuck
+    assert cli.main(["--ledger-url", sqlite_url, "reconcile", "--destination", str(tmp_path / "x")]) == 2
     assert "--export" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists(), "no fence written anywhere"
 
 
 # -- retention -----------------------------------------------------------------------------------------------

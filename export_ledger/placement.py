@@ -75,11 +75,14 @@ def recorded_destinations(
         elif own is not None and own.identity(record.export) == place:
             chosen[record.logical_key] = own
         else:
-            key = f"{place['kind']}|{place['root']}"
+            key = repr(sorted(place.items()))
             if key not in built:
                 lent = dict(credentials or {})
                 if own is not None and own.kind == place["kind"] and hasattr(own, "spec"):
                     lent.update({k: v for k, v in own.spec()[1].items() if v is not None})
+                # The store the contract records (its endpoint, its account), whatever the environment names: only
+                # credentials come from here.
+                lent.update({k: v for k, v in place.items() if k not in ("kind", "root")})
                 built[key] = destination_from(
                     place["root"], ledger_url=ledger.url, credentials=lent,
                     what=f"the destination {record.export}'s contract records",

@@ -366,14 +366,9 @@ def _unreachable_store(ws: Workspace) -> str | None:
     return ws.run(ws.moved(ws.defs())) or None
 
 
-def _fix_bucket(ws: Workspace) -> dg.Definitions:
-    ws.destination = ws.s3()
-    return ws.moved(ws.defs())  # another bucket: another destination, accepted
-
-
 def _fix_endpoint(ws: Workspace) -> dg.Definitions:
     ws.destination = ws.s3()
-    return ws.defs()  # the same bucket at its real endpoint: the same destination
+    return ws.moved(ws.defs())  # the same bucket at another endpoint: another store, accepted
 
 
 _MISFIT_TABLE = "CREATE TABLE exported_invoices (logical_key VARCHAR(300), row_number BIGINT, invoice_id TEXT)"
@@ -477,7 +472,7 @@ CASES = [
         _missing_bucket,
         ("the bucket 'no-such-bucket-5c1e' does not exist", "create it, or correct the destination"),
         reaches_a_run=True,
-        fix=_fix_bucket,
+        fix=_fix_endpoint,
     ),
     BadInput(
         "destination-s3-unreachable",

@@ -375,6 +375,7 @@ class AzureDestination(PublishingDestination):
     block_size_bytes: int = 8 << 20
 
     pool = "exports-azure"
+    locators = ("azure_endpoint_url", "azure_account_name")
 
     def __post_init__(self) -> None:
         _sdk()  # a configured destination without its package fails here, naming the extra

@@ -18,6 +18,7 @@ all ask it.
 from __future__ import annotations
 
 import enum
+from urllib.parse import urlsplit, urlunsplit
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -269,9 +270,29 @@ class Destination(ABC):
             return self.describe()
         return spec()[0].replace("{export}", export)
 
+    #: The settings that say *which* store a root is in (an endpoint, an account): recorded with the root in the
+    #: export's contract (never a credential), so that an edge whose environment names another store is refused.
+    locators: tuple[str, ...] = ()
+
     def identity(self, export: str) -> dict:
-        """The destination of ``export`` as its contract records it: ``{"kind": ..., "root": ...}``."""
-        return {"kind": self.kind, "root": self.root_of(export)}
+        """The destination of ``export`` as its contract records it: ``{"kind": ..., "root": ...}``, and the
+        :attr:`locators` that are set (an endpoint's URL without userinfo or query)."""
+        found = {"kind": self.kind, "root": self.root_of(export)}
+        settings = self.spec()[1] if hasattr(self, "spec") else {}
+        for name in self.locators:
+            value = settings.get(name)
+            if value:
+                found[name] = _locator(str(value))
+        return found
+
+
+def _locator(value: str) -> str:
+    """An endpoint URL without its userinfo, query or fragment (an account name is returned as it is)."""
+    parts = urlsplit(value)
+    if not parts.scheme or not parts.netloc:
+        return value
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, host, parts.path.rstrip("/"), "", ""))
 
 
 class TransactionalDestination(Destination):

@@ -229,6 +229,7 @@ class DeltaDestination(PublishingDestination):
     file_retention_days: int = 7
 
     pool = "exports-delta"
+    locators = ("endpoint_url",)
 
     @property
     def store(self):

@@ -439,6 +439,7 @@ class GCSDestination(PublishingDestination):
     chunk_size_bytes: int = 32 << 20
 
     pool = "exports-gcs"
+    locators = ("gcs_endpoint_url",)
 
     def __post_init__(self) -> None:
         _sdk()  # a configured destination without its package fails here, naming the extra

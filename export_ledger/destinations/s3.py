@@ -467,6 +467,7 @@ class S3Destination(PublishingDestination):
     part_size_bytes: int = 64 << 20
 
     pool = "exports-s3"
+    locators = ("endpoint_url",)
 
     @functools.cached_property
     def store(self) -> S3Store:

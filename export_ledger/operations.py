@@ -18,7 +18,7 @@ from export_ledger.destinations import Destination, destination_from
 from export_ledger.drift import DriftReport, LookbackGap, beyond_lookback, drift_pass
 from export_ledger.errors import ExportLedgerError
 from export_ledger.ledger import ExportLedger, ExportRecord, ExportState, Restatement, RestatementRefused
-from export_ledger.ledger.contracts import RESTATE, Accepted
+from export_ledger.ledger.contracts import Acceptance
 from export_ledger.placement import DestinationMismatch, recorded_destinations
 from export_ledger.reconcile import ReconcileReport, reconcile_batch
 from export_ledger.restate import (
@@ -26,7 +26,6 @@ from export_ledger.restate import (
     asset_name_for,
     materialize_command,
     records_of,
-    request_each,
     request_for_date,
 )
 from export_ledger.settings import Settings
@@ -292,15 +291,6 @@ def restate(
 # -- accept-contract -------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class ContractAccepted:
-    """What one ``accept-contract`` recorded: each accepted contract, and the restatements it requested."""
-
-    accepted: list[Accepted]
-    restated: int = 0
-    refused: int = 0
-
-
 def accept_contract(
     ledger: ExportLedger,
     export: str,
@@ -310,51 +300,27 @@ def accept_contract(
     tenant: str | None = None,
     exported: str | None = None,
     calendar: Mapping | None = None,
-    page: int = 500,
-) -> ContractAccepted:
+) -> Acceptance:
     """Accepts the contract each open refusal of ``export`` (``tenant``'s) names, or the ``calendar`` given (the
-    terms in force kept); with ``exported="restate"`` then requests a restatement of every key already exported in
-    scope, ``page`` keys at a time.
+    terms in force kept); with ``exported="restate"`` the restatement of every key already exported is requested in
+    the same transaction (:meth:`~export_ledger.ledger.contracts.Contracts.accept_refused`).
 
     Raises:
         UsageRefused: an export-wide calendar for an export whose tenants are in other zones.
-        ValueError, ContractChanged, LedgerError: as :meth:`Contracts.accept` and :meth:`Contracts.accept_refused`.
+        ValueError, ContractChanged, LedgerError: as the ledger's acceptance says.
     """
     require_export(ledger, export)
-    if calendar is not None:
-        if tenant is None:
-            zone = calendar.get("timezone")
-            elsewhere = sorted(t for t, c in ledger.contracts.tenant_contracts(export).items() if c["timezone"] != zone)
-            if elsewhere:
-                raise UsageRefused(
-                    f"{export} has tenants in other zones than {zone} ({', '.join(elsewhere[:5])}"
-                    f"{', ...' if len(elsewhere) > 5 else ''}): accept per tenant with --tenant"
-                )
-        accepted = [
-            ledger.contracts.accept(export, calendar, reason, tenant=tenant, operator=operator, exported=exported)
-        ]
-    else:
-        accepted = ledger.contracts.accept_refused(
-            export, reason, tenant=tenant, operator=operator, exported=exported
-        )
-    done = ContractAccepted(accepted)
-    if exported != RESTATE:
-        return done
-    offset = 0
-    while True:
-        # Pages of completed keys in key order; each requested key stays completed (with its request), so the same
-        # page is not read twice: the offset moves past the keys refused (an open request already, say).
-        records = ledger.queries.records(
-            export=export, tenant=tenant, states=[ExportState.COMPLETED], limit=page, offset=offset
-        )
-        if not records:
-            return done
-        report = request_each(
-            ledger, [(r.logical_key, reason) for r in records], requested_by=f"accept-contract ({operator})"
-        )
-        done.restated += len(report.requested)
-        done.refused += len(report.refused)
-        offset += len(records)
+    if calendar is None:
+        return ledger.contracts.accept_refused(export, reason, tenant=tenant, operator=operator, exported=exported)
+    if tenant is None:
+        zone = calendar.get("timezone")
+        elsewhere = sorted(t for t, c in ledger.contracts.tenant_contracts(export).items() if c["timezone"] != zone)
+        if elsewhere:
+            raise UsageRefused(
+                f"{export} has tenants in other zones than {zone} ({', '.join(elsewhere[:5])}"
+                f"{', ...' if len(elsewhere) > 5 else ''}): accept per tenant with --tenant"
+            )
+    return ledger.contracts.accept(export, calendar, reason, tenant=tenant, operator=operator, exported=exported)
 
 
 # -- drift -----------------------------------------------------------------------------------------------------------
@@ -405,7 +371,6 @@ __all__ = [
     "KEY_FORM",
     "CodeLocation",
     "Command",
-    "ContractAccepted",
     "DestinationMismatch",
     "Drifted",
     "Reconciled",

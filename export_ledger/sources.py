@@ -11,19 +11,22 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import inspect
+import re
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pandas as pd
 import sqlalchemy as sa
+from sqlalchemy.engine import URL
 
 from export_ledger.calendar import require_aware
 from export_ledger.contract import digest
-from export_ledger.errors import SourceError
+from export_ledger.errors import ConfigurationError, SourceError
 from export_ledger.frames import ExportSchema
-from export_ledger.ledger.urls import create_engine, database_url, redact_url
+from export_ledger.ledger.urls import create_engine, database_url, is_plain_path, redact_url
 
 #: Rows per batch when a source streams. Measured on a 6-column export from PostgreSQL (benchmarks/streaming.py):
 #: a batch costs about 1.3 KB a row while it is in flight (the driver's row objects, the DataFrame, the Arrow table,
@@ -146,7 +149,7 @@ class SqlSource(ExportSource):
         missing = [name for name in (":tenant", ":start", ":end") if name not in self.query]
         if missing:
             raise ValueError(f"SqlSource query must use the bound parameters {missing}")
-        database_url(self.url, what="SqlSource URL")  # a URL that cannot be opened fails where it is declared
+        url_identity(self.url)  # a URL that cannot be opened (or a keyword DSN) fails where it is declared
 
     def identity(self) -> dict:
         return {"kind": "sql", "url": url_identity(self.url), "query_sha256": digest(self.query)}
@@ -300,19 +303,48 @@ class _BoundUtc(sa.types.TypeDecorator):
 
 
 def qualified_name(thing: object) -> str:
-    """``module.QualName`` of a function, method, class or ``functools.partial`` (its function's name)."""
+    """``module.QualName`` of a function, method, class or ``functools.partial`` (its function's name, and a digest
+    of the arguments it binds when they are plain values: ``read(table="a")`` and ``read(table="b")`` read other
+    data; an argument that is an object of its own is left out, as its text may change from run to run)."""
+    bound = []
     while isinstance(thing, functools.partial):
+        plain = [a for a in (*thing.args, *sorted(thing.keywords.items())) if _plain(a)]
+        bound.append(repr(plain))
         thing = thing.func
     if not hasattr(thing, "__qualname__") and not isinstance(thing, type):
         thing = type(thing)  # a callable object: its class
-    return f"{getattr(thing, '__module__', '?')}.{getattr(thing, '__qualname__', type(thing).__qualname__)}"
+    name = f"{getattr(thing, '__module__', '?')}.{getattr(thing, '__qualname__', type(thing).__qualname__)}"
+    return f"{name}[{digest(''.join(bound))}]" if bound else name
+
+
+def _plain(value: object) -> bool:
+    if isinstance(value, (str, int, float, bool, type(None), dt.date)):
+        return True
+    return isinstance(value, (tuple, list)) and all(_plain(v) for v in value)
 
 
 def url_identity(url: str) -> str:
-    """A database URL as a source's identity: its dialect, host, port and database, without the user, password or
-    query (none of which says *which* data is read, and some of which are secrets)."""
+    """A database URL as a source's identity: its database system (not the driver: another image with another
+    driver reads the same data), host, port and database (a SQLite file's absolute path), without the user, password
+    or query (none of which says *which* data is read, and some of which are secrets). A ``key=value`` connection
+    string is refused, without echo: its password would be taken for a file name.
+
+    Example:
+        >>> url_identity("postgresql+psycopg2://app:secret@db.example:5432/prod?sslmode=require")
+        'postgresql://db.example:5432/prod'
+    """
+    if is_plain_path(url) and re.search(r"(^|\s)\w+\s*=", url):
+        raise ConfigurationError(
+            "the source URL looks like a key=value connection string, which is not a URL (it would be opened as a "
+            "file of that name): write it as postgresql+psycopg2://user@host/database, with the password in PGPASSWORD"
+        )
     parsed = database_url(url, what="source URL")
-    return parsed.set(username=None, password=None, query={}).render_as_string(hide_password=True)
+    database = parsed.database
+    if parsed.get_backend_name() == "sqlite" and database and database != ":memory:":
+        database = str(Path(database).expanduser().resolve())
+    return URL.create(parsed.get_backend_name(), host=parsed.host, port=parsed.port, database=database).render_as_string(
+        hide_password=True
+    )
 
 
 def as_source(source: ExportSource | Callable | None) -> ExportSource | None:

@@ -122,6 +122,8 @@ class ExportSpec:
                     f"unknown file format {self.file_format!r}: expected one of {sorted(FILE_FORMATS)}"
                 )
             object.__setattr__(self, "source", as_source(self.source))
+            if self.source is not None:
+                self.source.identity()  # recorded in every claim's contract: one that cannot be made fails here
             if self.stream_rows is not None and (
                 isinstance(self.stream_rows, bool) or not isinstance(self.stream_rows, int) or self.stream_rows <= 0
             ):

@@ -21,13 +21,15 @@ import sqlalchemy as sa
 from pipeline_helpers import failure_message, ledger_at, make_defs, run_partition
 
 from export_ledger import cli
-from export_ledger.calendar import window_for
+from export_ledger.calendar import ExportCalendar, ZoneMove, window_for
 from export_ledger.contract import calendar_of
 from export_ledger.destinations import LocalDestination
 from export_ledger.failpoints import ENV_VAR as FAILPOINTS
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger import ContractChanged, DestinationMoved, ExportLedger, ExportState, RestatementRefused
+from export_ledger.reconcile import reconcile_batch
 from export_ledger.spec import ExportSpec
+from export_ledger.tenants import Tenant
 from resources.invoices import SampleInvoiceSource, SqlInvoiceSource, invoices_table
 from tests.builders import evidence_for
 
@@ -249,58 +251,193 @@ def test_a_contract_recorded_before_terms_existed_gets_them_at_the_next_claim(tm
         ledger.claims.claim(_key(9), "run-2/x", contract=other)
 
 
-@pytest.mark.postgres
 def test_a_takeover_across_destinations_is_refused_until_the_key_is_settled_where_it_was_written(
-    tmp_path, postgres_url, clock
+    tmp_path, clocked_ledger, clock
 ):
-    """The race an acceptance cannot see: a first claim under the old contract commits just after a new destination
-    is accepted (the acceptance found no key to settle), and its attempt dies. A takeover under the new contract
-    would fence and publish at the new destination while the old one may hold its export: refused, naming both.
-    The window is held open on PostgreSQL by a connection that keeps export_runs from being written."""
-    ledger = ExportLedger(postgres_url, clock=clock)
+    """A new destination is accepted while a key is in progress at the old one. Its takeover under the new contract
+    would fence and publish at the new destination while the old one may hold its export: refused, naming both,
+    until reconciliation settles it at the old one; then it is exported at the new one."""
+    ledger = clocked_ledger.get_ledger()
     spec = ExportSpec(
         name="invoice_export", source=lambda tenant, start, end: pd.DataFrame(), columns={"id": "string",
         "at": "timestamp"}, id_columns=["id"], time_column="at", tenants=["acme"], timezone="America/New_York",
         start_date="2026-01-01",
     )  # fmt: skip
     old, new = LocalDestination(root=str(tmp_path / "a")), LocalDestination(root=str(tmp_path / "b"))
-    settled = ledger.claims.claim(_key(7), "run-0/x", contract=spec.contract("acme", old))  # in force: old
-    ledger.completions.complete(settled, evidence_for(settled))
-    engine = sa.create_engine(postgres_url)
-    claimed: list = []
-    with engine.connect() as blocker:
-        blocker.execute(sa.text("LOCK TABLE export_runs IN SHARE MODE"))  # reads pass, the claim's insert waits
-        worker = threading.Thread(
-            target=lambda: claimed.append(
-                ExportLedger(postgres_url, clock=clock).claims.claim(
-                    _key(8), "run-1/x", contract=spec.contract("acme", old)
-                )
-            )
-        )
-        worker.start()
-        _wait_for_a_lock_wait(engine)
-        ledger.contracts.accept(
-            "invoice_export", spec.contract("acme", new), "moved", tenant="acme", operator="ops", exported="keep"
-        )
-        blocker.rollback()
-    worker.join(timeout=30)
-    assert claimed and claimed[0].fencing_token == 1, "the first claim under the old contract committed after it"
+    ledger.claims.claim(_key(8), "run-1/x", contract=spec.contract("acme", old))  # then its worker is lost
+    ledger.contracts.accept("invoice_export", spec.contract("acme", new), "moved", operator="ops", exported="keep")
     clock.advance(seconds=ledger.lease_ttl.total_seconds() + 1)
 
     with pytest.raises(DestinationMoved, match=r"publishes to local .*/a; this attempt publishes to local .*/b"):
         ledger.claims.claim(_key(8), "run-2/x", contract=spec.contract("acme", new))
     assert ledger.queries.get(str(_key(8))).lease_owner == "run-1/x", "left to reconciliation, at a"
+
+    report = reconcile_batch(ledger, new, limit=10, after=None, reconciler="reconciler")
+    (finding,) = report.findings
+    assert finding.detail.startswith("nothing of revision 1 is published"), "judged at a, where it was claimed"
+    assert not (tmp_path / "b").exists(), "nothing fenced at the new destination"
+    assert ledger.claims.claim(_key(8), "run-3/x", contract=spec.contract("acme", new)).fencing_token == 3, (
+        "settled as failed at a: nothing of it anywhere, so it is exported at b"
+    )
+
+
+@pytest.mark.postgres
+def test_an_acceptance_waits_for_the_claims_in_flight_and_never_recuts_a_day_they_claimed(postgres_url, clock):
+    """A claim decided on the old contract must not commit after an acceptance of the new one: a zone move accepted
+    meanwhile would cut that day a second time. The claim holds the export's acceptance lock shared until it
+    commits; the acceptance waits, then sees the day and refuses. The window is held open on PostgreSQL by a
+    connection that keeps export_runs from being written."""
+    ledger = ExportLedger(postgres_url, clock=clock)
+    new_york = ExportCalendar("America/New_York", "2026-01-01").contract()
+    ledger.claims.claim(_key(8), "run-0/x", contract=new_york)  # the contract in force: New York
+    moved = ExportCalendar("Europe/Dublin", "2026-01-01", (ZoneMove("2026-03-09", "America/New_York"),)).contract()
+    engine = sa.create_engine(postgres_url)
+    claimed, accepted = [], []
+
+    def claim() -> None:
+        claimed.append(ledger.claims.claim(_key(10), "run-1/x", contract=new_york))
+
+    def accept() -> None:
+        try:
+            ledger.contracts.accept("invoice_export", moved, "moved", tenant="acme")
+            accepted.append("accepted")
+        except Exception as exc:  # noqa: BLE001 - the assertion below reads what it was
+            accepted.append(f"{type(exc).__name__}: {exc}")
+
+    with engine.connect() as blocker:
+        blocker.execute(sa.text("LOCK TABLE export_runs IN SHARE MODE"))  # reads pass, the claim's insert waits
+        claiming = threading.Thread(target=claim)
+        claiming.start()
+        _wait_for_lock_waits(engine, 1)
+        accepting = threading.Thread(target=accept)
+        accepting.start()
+        _wait_for_lock_waits(engine, 1, "advisory", accepted)
+        assert not accepted, f"the acceptance waits for the claim decided on the contract it replaces: {accepted}"
+        blocker.rollback()
+    claiming.join(timeout=30)
+    accepting.join(timeout=30)
+    assert claimed and claimed[0].fencing_token == 1
+    assert accepted and "already has 2026-03-10 in America/New_York" in accepted[0], (
+        "then it sees the day claimed in New York and refuses to re-cut it"
+    )
     engine.dispose()
 
 
-def _wait_for_a_lock_wait(engine: sa.Engine) -> None:
+def _wait_for_lock_waits(engine: sa.Engine, count: int, event: str | None = None, seen: object = None) -> None:
+    """Until ``count`` sessions wait on a lock (of kind ``event``, e.g. ``advisory``, when given)."""
     deadline = time.monotonic() + 30
+    query = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+    if event is not None:
+        query += f" AND wait_event = '{event}'"  # a constant of this test
     with engine.connect() as conn:
         while time.monotonic() < deadline:
-            waiting = conn.execute(
-                sa.text("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")
-            ).scalar()
-            if waiting:
+            waiting = conn.execute(sa.text(query)).scalar()
+            conn.rollback()  # pg_stat_activity is read once per transaction: a new one sees the sessions as they are
+            if waiting >= count:
                 return
             time.sleep(0.05)
-    raise AssertionError("the claim never waited on the held lock")
+    raise AssertionError(f"{count} transaction(s) never waited on the held locks ({seen})")
+
+
+def test_a_new_tenant_onboarded_by_a_worker_pointed_elsewhere_is_refused_like_the_others(tmp_path, instance):
+    """The calendar is each tenant's own, the terms are the export's: a tenant's first claim under other terms is
+    refused too, never recorded as the export's new terms (review of issue #26)."""
+    assert run_partition(make_defs(tmp_path), instance, "2026-03-07").success
+    elsewhere = run_partition(
+        make_defs(tmp_path, tenants=("acme", "beta"), destination=str(tmp_path / "var-exports")), instance, "2026-03-08"
+    )
+    assert not elsewhere.success
+    ledger = ledger_at(tmp_path)
+    assert ledger.queries.records(tenant="beta") == [], "beta's first claim is refused: nothing exported"
+    assert {r["tenant"] for r in ledger.contracts.refusals()} == {"acme", "beta"}
+    assert not (tmp_path / "var-exports").exists()
+
+
+def test_accepting_new_terms_records_them_for_every_tenant_of_every_zone(tmp_path, instance, capsys):
+    zones = [Tenant("acme"), Tenant("dub", "Europe/Dublin")]
+    assert run_partition(make_defs(tmp_path, tenants=zones), instance, "2026-03-07").success
+    dublin = make_defs(tmp_path, tenants=zones).resolve_job_def("invoice_export__europe_dublin_job")
+    assert dublin.execute_in_process(partition_key="2026-03-07", instance=instance).success
+    parquet = make_defs(tmp_path, tenants=zones, file_format="parquet")
+    assert not run_partition(parquet, instance, "2026-03-08").success  # the New York asset: acme refused
+    url = ["--ledger-url", f"sqlite:///{tmp_path / 'ledger.sqlite3'}"]
+
+    assert cli.main([*url, "accept-contract", "--export", "invoice_export", "--keep-exported", "--reason", "x"]) == 0
+    ledger = ledger_at(tmp_path)
+    terms = {t: ledger.contracts.in_force("invoice_export", t)["terms"]["file_format"] for t in ("acme", "dub")}
+    assert terms == {"acme": "parquet", "dub": "parquet"}, "dub was never refused, and has the export's terms too"
+    job = parquet.resolve_job_def("invoice_export__europe_dublin_job")
+    assert job.execute_in_process(partition_key="2026-03-08", instance=instance).success
+
+
+def test_a_calendar_accepted_alone_never_closes_a_refusal_of_new_terms(tmp_path, instance, capsys):
+    assert run_partition(make_defs(tmp_path), instance, "2026-03-07").success
+    assert not run_partition(make_defs(tmp_path, file_format="parquet"), instance, "2026-03-08").success
+    url = ["--ledger-url", f"sqlite:///{tmp_path / 'ledger.sqlite3'}"]
+    calendar = ["--timezone", "America/New_York", "--start-date", "2026-01-01", "--reason", "x"]
+
+    assert cli.main([*url, "accept-contract", "--export", "invoice_export", *calendar]) == 1
+    assert "also change its terms (file format csv -> parquet)" in capsys.readouterr().err
+    assert [r["tenant"] for r in ledger_at(tmp_path).contracts.refusals()] == ["acme"], "still escalated"
+
+
+def test_a_key_claimed_before_release_0_6_records_no_destination_whatever_came_after(tmp_path, clocked_ledger):
+    """A key claimed with no contract (as release 0.5 did) is placed by --destination or EXPORTS_DESTINATION, never
+    by the terms a later claim recorded for its tenant (review of issue #26)."""
+    ledger = clocked_ledger.get_ledger()
+    legacy = ledger.claims.claim(_key(7), "run-0/x")  # no contract: what an older release recorded
+    spec = ExportSpec(
+        name="invoice_export", source=lambda tenant, start, end: pd.DataFrame(), columns={"id": "string",
+        "at": "timestamp"}, id_columns=["id"], time_column="at", tenants=["acme"], timezone="America/New_York",
+        start_date="2026-01-01",
+    )  # fmt: skip
+    ledger.claims.claim(_key(8), "run-1/x", contract=spec.contract("acme", LocalDestination(root=str(tmp_path / "n"))))
+
+    places = ledger.contracts.of_keys([ledger.queries.get(legacy.logical_key), ledger.queries.get(str(_key(8)))])
+    assert places[legacy.logical_key] is None, "no recorded destination: the operator's --destination answers"
+    assert places[str(_key(8))]["terms"]["destination"]["root"].endswith("/n")
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "same"),
+    [
+        ("postgresql+psycopg2://app:secret@db.example/prod", "postgresql+psycopg2://app@db.example/prod", True),
+        ("postgresql://app_v1@db.example/prod", "postgresql://app_v2@db.example/prod?sslmode=require", True),
+        ("postgresql://db.example/prod", "postgresql+psycopg2://db.example/prod", True),
+        ("postgresql://db.example/prod", "postgresql://db.example/staging", False),
+        ("postgresql://db-a.example/prod", "postgresql://db-b.example/prod", False),
+    ],
+)
+def test_a_sql_sources_identity_is_its_database_not_its_user_password_or_driver(first, second, same):
+    from export_ledger.sources import url_identity
+
+    assert (url_identity(first) == url_identity(second)) is same
+    assert "app" not in url_identity(first) and "secret" not in url_identity(first)
+
+
+def test_a_keyword_connection_string_is_refused_without_echo_where_the_source_is_declared():
+    from export_ledger.errors import ConfigurationError
+    from export_ledger.sources import SqlSource
+
+    with pytest.raises(ConfigurationError) as refused:
+        SqlSource("host=db.example password=s3cret dbname=prod", "SELECT 1 WHERE :tenant :start :end")
+    assert "key=value connection string" in str(refused.value) and "s3cret" not in str(refused.value)
+
+
+def test_sources_and_tables_named_relatively_are_recorded_absolutely(tmp_path, monkeypatch):
+    import functools
+
+    from export_ledger.destinations.delta import DeltaDestination
+    from export_ledger.sources import CallableSource, url_identity
+
+    monkeypatch.chdir(tmp_path)
+    assert url_identity("sqlite:///./src.db") == f"sqlite:///{tmp_path.resolve() / 'src.db'}"
+    assert DeltaDestination(table="./tables/{export}").identity("orders")["root"] == (
+        f"delta:{tmp_path.resolve() / 'tables' / 'orders'}"
+    )
+
+    def read(tenant, start, end, table):
+        return pd.DataFrame()
+
+    a, b = (CallableSource(functools.partial(read, table=name)).identity() for name in ("a", "b"))
+    assert a != b, "a partial reading another table is another source"

@@ -25,7 +25,7 @@ from export_ledger.calendar import ExportCalendar, ZoneMove
 from export_ledger.dagster.sensors import RELAUNCH_TAG
 from export_ledger.destinations import LocalDestination
 from export_ledger.frames import ExportSchema
-from export_ledger.ledger import ExportLedger, ExportState
+from export_ledger.ledger import ContractChanged, ExportLedger, ExportState
 from export_ledger.ledger.contracts import Contracts
 from export_ledger.protocol import ExportItem, ExportOutcomeUnknown, export_key
 from resources.invoices import SampleInvoiceSource
@@ -138,9 +138,10 @@ def test_dates_refused_by_a_contract_are_launched_again_once_it_is_accepted(tmp_
 
 @pytest.mark.postgres
 def test_a_claim_refused_while_the_contract_is_accepted_keeps_no_refusal(postgres_url, monkeypatch):
-    """PostgreSQL, READ COMMITTED: a claim decided against the old contract while an operator accepts the new one.
-    Guard: the claim takes the export's contract lock (the one ``accept`` takes) before it keeps a refusal, and
-    decides again; without it the refusal commits after the acceptance and stays open for ever."""
+    """PostgreSQL, READ COMMITTED: an operator accepts the new contract while a claim is deciding against the old one.
+    Guard: the claim holds the export's acceptance lock (shared) from before it reads the contract, so the acceptance
+    (exclusive) waits for the claim to commit its refusal, then closes it; no refusal stays open for ever, and the
+    next claim runs under the accepted contract."""
     ledger = ExportLedger(postgres_url)
     ny = ExportCalendar("America/New_York", "2026-01-01").contract()
     chicago = ExportCalendar("America/Chicago", "2026-01-01", (ZoneMove("2026-03-02", "America/New_York"),)).contract()
@@ -151,19 +152,26 @@ def test_a_claim_refused_while_the_contract_is_accepted_keeps_no_refusal(postgre
 
     def racing(self, conn, export, wanted):
         decided = original(self, conn, export, wanted)
-        if decided[1] and not accepted:  # the claim would refuse: the operator accepts meanwhile, and commits
-            worker = threading.Thread(target=lambda: accepted.append(
-                operator.contracts.accept("invoice_export", chicago, "moved", tenant="globex") or True))  # fmt: skip
-            worker.start()
-            worker.join(timeout=30)
-            assert accepted, "the acceptance waited for the claim: it must not hold the lock yet"
+        if decided[1] and not accepted:  # the claim would refuse: the operator accepts meanwhile
+            accepted.append(threading.Thread(target=lambda: accepted.append(
+                operator.contracts.accept("invoice_export", chicago, "moved", tenant="globex"))))  # fmt: skip
+            accepted[0].start()
+            accepted[0].join(timeout=2)
+            assert len(accepted) == 1, "the acceptance waits for the claim that decides on the contract it replaces"
         return decided
 
     monkeypatch.setattr(Contracts, "_decisions", racing)
-    claim = ledger.claims.claim(key_for(dt.date(2026, 3, 2), tenant="globex", timezone="America/Chicago"), "r1/x",
+    with pytest.raises(ContractChanged):
+        ledger.claims.claim(
+            key_for(dt.date(2026, 3, 2), tenant="globex", timezone="America/Chicago"), "r1/x", contract=chicago
+        )
+    monkeypatch.undo()
+    accepted[0].join(timeout=30)
+    assert len(accepted) == 2, "the acceptance went through once the claim committed"
+    assert not ledger.contracts.refusals(), "and closed the refusal the claim kept"
+    claim = ledger.claims.claim(key_for(dt.date(2026, 3, 2), tenant="globex", timezone="America/Chicago"), "r2/x",
                                 contract=chicago)  # fmt: skip
-    assert claim.fencing_token == 1, "decided again under the lock: the accepted contract is in force"
-    assert not ledger.contracts.refusals()
+    assert claim.fencing_token == 1, "the accepted contract is in force"
 
 
 def test_every_refused_tenant_is_counted(sqlite_url, clock):

@@ -18,9 +18,9 @@ all ask it.
 from __future__ import annotations
 
 import enum
-from urllib.parse import urlsplit, urlunsplit
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
 
 from export_ledger.errors import ExportLedgerError
 from export_ledger.frames import Manifest

@@ -255,6 +255,14 @@ class DeltaDestination(PublishingDestination):
     def describe(self) -> str:
         return f"delta:{self.table}"
 
+    def root_of(self, export: str) -> str:
+        """``delta:`` and the table's URL, or its absolute path: a relative one names another table from another
+        working directory."""
+        table = self.table_for(export)
+        if "://" not in table:
+            table = str(Path(table).expanduser().resolve())
+        return f"delta:{table}"
+
     def table_for(self, export: str) -> str:
         return self.table.replace("{export}", export)
 

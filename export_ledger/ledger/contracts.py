@@ -56,6 +56,15 @@ class Decided:
     in_force: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
+@dataclass
+class Acceptance:
+    """What one acceptance recorded: each contract accepted, and the restatements it requested."""
+
+    accepted: list[Accepted]
+    restated: int = 0
+    refused: int = 0
+
+
 @dataclass(frozen=True)
 class Accepted:
     """One tenant's (or the whole export's) accepted contract: what was in force before, and what changed."""
@@ -68,7 +77,7 @@ class Accepted:
 
 
 class Contracts:
-    """The calendar contracts of :class:`~export_ledger.ledger.ExportLedger`."""
+    """The export contracts (each tenant's calendar, the export's terms) of :class:`~export_ledger.ledger.ExportLedger`."""
 
     def __init__(self, ledger) -> None:
         self.ledger = ledger
@@ -88,65 +97,88 @@ class Contracts:
         ``dates`` gives the first and last business date each tenant's claim asked for: a refusal keeps them, so that
         they are launched again once it closes.
 
-        A contract without terms (a low-level caller's calendar alone) is compared on its calendar only.
+        The calendar is each tenant's own; the terms are the export's: a tenant's first claim is refused when its
+        terms differ from the export's in force (a new tenant onboarded by a worker pointed elsewhere). A contract
+        without terms (a low-level caller's calendar alone) is compared on its calendar only.
 
-        On PostgreSQL two first claims of one export must not both record theirs, and a refusal must not be kept
-        after an operator's acceptance it did not see: when a contract is to be recorded or a tenant refused, the
-        transaction takes an advisory lock on the export's name (the one :meth:`accept` takes; before any row lock, so
-        that claims never wait for each other in two orders), then decides again. SQLite's ``BEGIN IMMEDIATE``
-        already serializes.
+        On PostgreSQL a claim holds the export's acceptance lock shared until it commits, so an operator's acceptance
+        (which takes it exclusively) is never interleaved with a claim decided on the contract it replaces. Two first
+        claims of one export must not both record theirs, and a refusal must not be kept after an acceptance it did
+        not see: to record a contract or refuse a tenant, the transaction also takes the export's contract lock (the
+        one an acceptance takes next), then decides again. SQLite's ``BEGIN IMMEDIATE`` already serializes.
         """
         by_export: dict[str, dict[str, Mapping]] = {}
         for (export, tenant), contract in contracts.items():
             by_export.setdefault(export, {})[tenant] = contract
         decided = Decided()
         for export, wanted in sorted(by_export.items()):
+            _lock_acceptance(conn, export, shared=True)
             inserts, refused, matched = self._decisions(conn, export, wanted)
             if (inserts or refused) and _lock_export(conn, export):
                 inserts, refused, matched = self._decisions(conn, export, wanted)
             if inserts:
                 conn.execute(
                     export_contracts.insert(),
-                    [{"export": export, "contract": t, "recorded_at": now, "reason": why} for t, why in inserts],
-                )
-                _, own = _in_force(conn, export)  # the rows just recorded are the tenants' own, and the latest
-                recorded = {json.loads(text)["tenant"] for text, _ in inserts}
-                matched.update({tenant: own[tenant][0] for tenant in recorded})
+                    [
+                        {"export": export, "contract": _tenant_row(c, t), "recorded_at": now, "reason": why,
+                         **self._tenant_column(t)}
+                        for t, c, why in inserts
+                    ],
+                )  # fmt: skip
+                _, own = _in_force_for(conn, export, [t for t, _, _ in inserts])  # the rows just recorded
+                matched.update({tenant: own[tenant][0] for tenant, _, _ in inserts})
             spans = {tenant: (dates or {}).get((export, tenant)) for tenant in refused}
             self._keep_refusals(conn, export, wanted, refused, now, spans)
             decided.refusals.update({(export, tenant): error for tenant, (error, _) in refused.items()})
             decided.in_force.update({(export, tenant): row_id for tenant, row_id in matched.items()})
         return decided
 
+    def _tenant_column(self, tenant: str | None) -> dict:
+        """``export_contracts.tenant`` for a new row (schema version 9; an older ledger keeps it in the JSON only)."""
+        return {"tenant": tenant} if self.ledger.supports(KEY_CONTRACTS_SCHEMA_VERSION) else {}
+
     def _decisions(
         self, conn: Connection, export: str, wanted: Mapping[str, Mapping]
-    ) -> tuple[list[tuple[str, str]], dict[str, tuple[ContractChanged, str]], dict[str, int]]:
-        """The contracts to record (tenant row JSON, reason), the refusals (tenant -> (error, recorded JSON)) and
-        the contract row each matching tenant is claimed under (tenant -> row id)."""
-        wide, own = _in_force(conn, export)
-        inserts, refused, unsure, matched = [], {}, [], {}
+    ) -> tuple[list[tuple[str, Mapping, str]], dict[str, tuple[ContractChanged, str]], dict[str, int]]:
+        """The contracts to record (tenant, contract, reason), the refusals (tenant -> (error, recorded JSON)) and
+        the contract row each matching tenant is claimed under (tenant -> row id). Reads the claimed tenants' rows
+        only, and parses one only when its text is not the wanted contract's."""
+        wide, own = _in_force_for(conn, export, list(wanted))
+        inserts, refused, unsure, matched, first = [], {}, [], {}, []
         for tenant, contract in wanted.items():
             mine = own.get(tenant)
             recorded = mine if mine is not None and (wide is None or mine[0] > wide[0]) else wide
             if recorded is None:
-                inserts.append((_tenant_row(contract, tenant), "first claim"))
+                first.append((tenant, contract))
                 continue
-            held = json.loads(recorded[1])
+            if recorded[1] == (_tenant_row(contract, tenant) if recorded is mine else canonical(contract)):
+                matched[tenant] = recorded[0]
+                continue
+            held = _parsed(recorded[1])
             if _same(held, contract):
                 matched[tenant] = recorded[0]
             elif terms_of(held) is None and calendar_of(held) == calendar_of(contract):
                 # Recorded by a release that kept the calendar alone: nothing to compare the terms with.
-                inserts.append((_tenant_row(contract, tenant), "terms recorded at the first claim that gave them"))
+                inserts.append((tenant, contract, "terms recorded at the first claim that gave them"))
             else:
-                unsure.append((tenant, contract, recorded[1], mine is None))
+                unsure.append((tenant, contract, canonical(held), mine is None))
         # A tenant the ledger holds no key of has no history to protect: an export-wide contract that disagrees with
-        # it (a new tenant in another zone) does not refuse it; its own contract is recorded instead.
+        # its calendar (a new tenant in another zone) does not refuse it; its own contract is recorded instead.
         with_keys = _tenants_with_keys(conn, export, [t for t, _, _, wide_only in unsure if wide_only])
         for tenant, contract, recorded, wide_only in unsure:
-            if wide_only and tenant not in with_keys:
-                inserts.append((_tenant_row(contract, tenant), "first claim"))
+            if wide_only and tenant not in with_keys and terms_of(contract) == terms_of(json.loads(recorded)):
+                first.append((tenant, contract))
             else:
                 refused[tenant] = (changed(export, tenant, recorded, contract), recorded)
+        # A new tenant's calendar is its own, but the terms are the export's: one onboarded by a worker whose
+        # environment names another destination, source, format or schema is refused like the others would be.
+        terms = _export_terms(conn, export) if any(terms_of(c) is not None for _, c in first) else None
+        for tenant, contract in first:
+            if terms is not None and terms_of(contract) is not None and terms_of(contract) != terms:
+                recorded = canonical(with_terms(calendar_of(contract), terms))
+                refused[tenant] = (changed(export, tenant, recorded, contract), recorded)
+            else:
+                inserts.append((tenant, contract, "first claim"))
         return inserts, refused, matched
 
     def _keep_refusals(
@@ -245,13 +277,13 @@ class Contracts:
         ).scalar()
         if contract_id is None:
             return None
-        wide, own = _in_force(conn, record.export)
+        wide, own = _in_force_for(conn, record.export, [record.tenant])
         mine = own.get(record.tenant)
         chosen = mine if mine is not None and (wide is None or mine[0] > wide[0]) else wide
         if chosen is None or chosen[0] == contract_id:
             return None
         was = destination_of(_contracts_by_id(conn, {contract_id}).get(contract_id))
-        now = destination_of(json.loads(chosen[1]))
+        now = destination_of(_parsed(chosen[1]))
         return (was, now) if was is not None and now is not None and was != now else None
 
     # -- reads ---------------------------------------------------------------------------------------------------
@@ -278,32 +310,22 @@ class Contracts:
         return {t: json.loads(text) for t, (row_id, text) in own.items() if wide is None or row_id > wide[0]}
 
     def of_keys(self, records: Sequence) -> dict[str, dict | None]:
-        """The contract each key was last claimed under (its ``contract_id``), or for a key claimed before schema
-        version 9 its tenant's contract in force; None when the ledger holds none. By logical key; one read of the
-        keys' contracts and one per export of the others."""
-        found: dict[str, dict | None] = {}
+        """The contract each key was last claimed under (its ``contract_id``), by logical key; None for a key claimed
+        before schema version 9 (or by a caller that checked no contract): its ledger never recorded where it went,
+        whatever its tenant's contract says now. One read of the keys and one of their contracts."""
+        found: dict[str, dict | None] = {r.logical_key: None for r in records}
+        if not records or not self.ledger.supports(KEY_CONTRACTS_SCHEMA_VERSION):
+            return found
         with self.ledger.atomic(read_only=True) as conn:
-            ids: dict[str, int] = {}
-            if self.ledger.supports(KEY_CONTRACTS_SCHEMA_VERSION) and records:
-                rows = conn.execute(
-                    sa.select(export_runs.c.logical_key, export_runs.c.contract_id).where(
-                        export_runs.c.logical_key.in_([r.logical_key for r in records]),
-                        export_runs.c.contract_id.is_not(None),
-                    )
+            rows = conn.execute(
+                sa.select(export_runs.c.logical_key, export_runs.c.contract_id).where(
+                    export_runs.c.logical_key.in_([r.logical_key for r in records]),
+                    export_runs.c.contract_id.is_not(None),
                 )
-                ids = dict(rows.all())
+            )
+            ids = dict(rows.all())
             held = _contracts_by_id(conn, set(ids.values()))
-            in_force: dict[str, tuple] = {}
-            for record in records:
-                if record.logical_key in ids:
-                    found[record.logical_key] = held.get(ids[record.logical_key])
-                    continue
-                if record.export not in in_force:
-                    in_force[record.export] = _in_force(conn, record.export)
-                wide, own = in_force[record.export]
-                mine = own.get(record.tenant)
-                chosen = mine if mine is not None and (wide is None or mine[0] > wide[0]) else wide
-                found[record.logical_key] = None if chosen is None else json.loads(chosen[1])
+        found.update({key: held.get(contract_id) for key, contract_id in ids.items()})
         return found
 
     def history(self, export: str) -> list[dict]:
@@ -365,30 +387,38 @@ class Contracts:
         tenant: str | None = None,
         operator: str = "unknown",
         exported: str | None = None,
-    ) -> Accepted:
+    ) -> Acceptance:
         """Records ``contract`` as the one in force for ``tenant`` of ``export`` (every tenant when None), with the
-        operator's reason, in the operator log too; closes the tenant's (or every tenant's) open refusal.
+        operator's reason, in the operator log too; closes the open refusals it answers.
 
         A contract given without terms (a calendar alone, as ``accept-contract --timezone`` gives it) keeps the terms
-        in force. When the terms change, ``exported`` says what becomes of the keys already exported: ``keep`` (they
-        stay as they are, each under the contract it was exported with) or ``restate`` (the caller then requests a
-        restatement of each: :func:`export_ledger.restate.request_each`); a new destination can only ``keep`` them.
+        in force, and is refused while a refusal in scope asks for other terms (it would close that refusal without
+        accepting it). New terms are the export's, for every tenant (see :meth:`accept_refused`).
 
         Raises:
-            ValueError: no reason; terms changed without ``exported``; ``restate`` with a new destination.
+            ValueError: no reason; new terms without ``exported``, or for one ``tenant``; ``restate`` with a new
+                destination or with no new terms.
             ContractChanged: the contract puts a day the ledger already holds in another zone than the one it was
-                exported in (a zone changed without a move, or a move on or before a day already exported); or the
-                destination changes while a key in scope may still be written at the old one (in progress, unknown
-                outcome, conflict, or an open restatement request).
+                exported in (a zone changed without a move, or a move on or before a day already exported); a new
+                destination while a key of the export has an open restatement; a calendar while refused terms wait.
         """
-        if not reason or not reason.strip():
-            raise ValueError("accepting a contract change needs a reason")
-        if exported not in (None, KEEP, RESTATE):
-            raise ValueError(f"exported must be {KEEP!r} or {RESTATE!r}, got {exported!r}")
+        _check_reason(reason, exported)
         ledger = self.ledger
         with ledger.atomic() as conn:
-            _lock_export(conn, export)  # a claim deciding on the old contract commits its refusal before, or sees this
-            return self._accept_in(conn, ledger.now(conn), export, contract, reason, tenant, operator, exported)
+            _lock_acceptance(conn, export)  # waits for the claims in flight, decided on the contract it replaces
+            _lock_export(conn, export)
+            if terms_of(contract) is None:
+                asked = self._open_refusals(conn, export, tenant)
+                kept = _export_terms(conn, export)
+                other = sorted({canonical(terms_of(w)) for _, w in asked if terms_of(w) not in (None, kept)})
+                if other:
+                    raise ContractChanged(
+                        f"the refused claims of {export} also change its terms "
+                        f"({'; '.join(changes(with_terms({}, kept), with_terms({}, json.loads(other[0]))))}): a "
+                        f"calendar accepted alone would close their refusals without accepting them. Accept what they "
+                        f"ask with: export-ledger accept-contract --export {export} --keep-exported --reason \"...\""
+                    )
+            return self._accept_all(conn, ledger.now(conn), export, {tenant: contract}, reason, operator, exported)
 
     def accept_refused(
         self,
@@ -398,126 +428,180 @@ class Contracts:
         tenant: str | None = None,
         operator: str = "unknown",
         exported: str | None = None,
-    ) -> list[Accepted]:
+    ) -> Acceptance:
         """Accepts the contract the code asked for in each open refusal of ``export`` (``tenant``'s only, when
-        given): the way out of a refusal, without retyping the contract. One transaction for all of them.
+        given): the way out of a refusal, without retyping the contract. One transaction for all of it.
+
+        Each refused tenant's calendar is accepted for that tenant. New terms are the export's: they are recorded for
+        every tenant of the export (refused so far or not, each with its own calendar), every refusal of the export
+        is closed, and ``exported`` says what becomes of the keys already exported: ``keep`` (each stays as it is,
+        under the contract it was exported with) or ``restate`` (a restatement request for each completed key, in
+        this transaction). A new destination can only ``keep`` them, and waits for the export's open restatements.
 
         Raises:
             LedgerError: no open refusal to accept.
-            ValueError, ContractChanged: as :meth:`accept` says, for any of them (then none is accepted).
+            ValueError, ContractChanged: as :meth:`accept` says (then nothing is accepted).
         """
-        if not reason or not reason.strip():
-            raise ValueError("accepting a contract change needs a reason")
+        _check_reason(reason, exported)
         ledger = self.ledger
         with ledger.atomic() as conn:
+            _lock_acceptance(conn, export)
             _lock_export(conn, export)
-            now = ledger.now(conn)
-            table = export_contract_refusals
-            query = sa.select(table.c.tenant, table.c.wanted).where(
-                table.c.export == export, table.c.closed_at.is_(None)
-            )
-            if tenant is not None:
-                query = query.where(table.c.tenant == tenant)
-            refused = conn.execute(query.order_by(table.c.tenant)).all()
+            refused = self._open_refusals(conn, export, tenant)
             if not refused:
                 whose = "" if tenant is None else f" for tenant {tenant}"
                 raise LedgerError(
                     f"{export} has no refused contract to accept{whose}: its claims match the contract in force. To "
                     "declare a calendar change ahead of the code, give --timezone and --start-date"
                 )
-            return [
-                self._accept_in(conn, now, export, json.loads(wanted), reason, name, operator, exported)
-                for name, wanted in refused
-            ]
+            return self._accept_all(conn, ledger.now(conn), export, dict(refused), reason, operator, exported)
 
-    def _accept_in(
+    def _open_refusals(self, conn: Connection, export: str, tenant: str | None) -> list[tuple[str, dict]]:
+        """The open refusals of ``export`` (``tenant``'s), as (tenant, the contract its claims asked for)."""
+        if not self.ledger.supports(REFUSALS_SCHEMA_VERSION):
+            return []
+        table = export_contract_refusals
+        query = sa.select(table.c.tenant, table.c.wanted).where(table.c.export == export, table.c.closed_at.is_(None))
+        if tenant is not None:
+            query = query.where(table.c.tenant == tenant)
+        return [(name, json.loads(wanted)) for name, wanted in conn.execute(query.order_by(table.c.tenant))]
+
+    def _accept_all(
         self,
         conn: Connection,
         now: dt.datetime,
         export: str,
-        contract: Mapping,
+        wanted: Mapping[str | None, Mapping],
         reason: str,
-        tenant: str | None,
         operator: str,
         exported: str | None,
-    ) -> Accepted:
+    ) -> Acceptance:
+        """Records the contracts ``wanted`` (by tenant; None: export-wide), the export's new terms for every tenant
+        when they change, closes the refusals they answer, logs it, and restates the exported keys if asked."""
         wide, own = _in_force(conn, export)
-        mine = own.get(tenant) if tenant is not None else None
-        before = mine if mine is not None and (wide is None or mine[0] > wide[0]) else wide
-        if tenant is None and before is None and own:
-            before = max(own.values())  # the newest tenant's: what an export-wide acceptance replaces for most
-        previous = None if before is None else json.loads(before[1])
-        contract = {k: v for k, v in contract.items() if k != "tenant"}
-        if terms_of(contract) is None and terms_of(previous) is not None:
-            contract = with_terms(contract, terms_of(previous))  # a calendar alone keeps the terms in force
-        said = changes(previous, contract) if previous is not None else ["first contract"]
-        if previous is not None and terms_of(previous) is not None and terms_of(previous) != terms_of(contract):
-            self._check_terms_change(conn, export, tenant, previous, contract, exported)
-        self._check_zones(conn, export, tenant, contract)
-        text = canonical(contract) if tenant is None else _tenant_row(contract, tenant)
-        conn.execute(
-            export_contracts.insert().values(
-                export=export, contract=text, recorded_at=now, reason=reason.strip()[:MESSAGE_LIMIT]
+        current = _export_terms(conn, export)
+        asked = {canonical(terms_of(c)) for c in wanted.values() if terms_of(c) is not None}
+        if len(asked) > 1:
+            raise ContractChanged(
+                f"the refused claims of {export} ask for {len(asked)} different sets of terms (two deploys at once?): "
+                "put one version of the code back, let its claims be refused again, then accept"
             )
-        )
+        terms = json.loads(asked.pop()) if asked else current
+        renewed = current is not None and terms is not None and terms != current
+        if renewed:
+            if exported is None:
+                raise ValueError(
+                    f"the terms of {export} change ({'; '.join(changes(with_terms({}, current), with_terms({}, terms)))}"
+                    "): say what becomes of the keys already exported: keep them as they are (--keep-exported) or "
+                    "restate them as new revisions (--restate-exported)"
+                )
+            self._check_terms_change(conn, export, current, terms, exported)
+            scope: dict[str | None, Mapping] = {name: _parsed(text) for name, (_, text) in own.items()}
+            if wide is not None:
+                scope[None] = _parsed(wide[1])
+            scope.update(wanted)  # the refused tenants' calendars are what they asked for
+        else:
+            if exported == RESTATE:
+                raise ValueError(
+                    f"the terms of {export} do not change: there is nothing to restate (a day already exported keeps "
+                    "its calendar); use --keep-exported or neither"
+                )
+            scope = dict(wanted)
+        accepted = []
+        for name, contract in sorted(scope.items(), key=lambda item: (item[0] is not None, item[0] or "")):
+            held = own.get(name) if name is not None else None
+            before = held if held is not None and (wide is None or held[0] > wide[0]) else wide
+            previous = None if before is None else _parsed(before[1])
+            if name is None and before is None and own:
+                previous = _parsed(max(own.values())[1])  # an export-wide calendar replaces the tenants' own
+            contract = with_terms(calendar_of(contract), terms if terms is not None else terms_of(contract))
+            if previous is None or calendar_of(previous) != calendar_of(contract):
+                self._check_zones(conn, export, name, contract)
+            text = canonical(contract) if name is None else _tenant_row(contract, name)
+            conn.execute(
+                export_contracts.insert().values(
+                    export=export, contract=text, recorded_at=now, reason=reason.strip()[:MESSAGE_LIMIT],
+                    **self._tenant_column(name),
+                )
+            )  # fmt: skip
+            accepted.append(Accepted(export, name, previous, contract, changes(previous, contract) if previous else
+                                     ["first contract"]))  # fmt: skip
         if self.ledger.supports(REFUSALS_SCHEMA_VERSION):
             table = export_contract_refusals
             closing = table.update().where(table.c.export == export, table.c.closed_at.is_(None))
-            if tenant is not None:
-                closing = closing.where(table.c.tenant == tenant)
+            if not renewed and None not in wanted:
+                closing = closing.where(table.c.tenant.in_([name for name in wanted if name is not None]))
             conn.execute(closing.values(closed_at=now, relaunch_pending=table.c.first_date.is_not(None)))
-        scope = "every tenant" if tenant is None else f"tenant {tenant}"
-        kept = f"; keys already exported: {exported}" if exported else ""
-        append_in(conn, now, operator, "accept-contract", f"{scope}: {'; '.join(said)}{kept}", reason, export)
-        return Accepted(export, tenant, previous, contract, said)
+        said = sorted({change for a in accepted for change in a.changes})
+        who = "every tenant" if renewed or None in wanted else "tenant " + ", ".join(sorted(n for n in wanted if n))
+        kept = f"; keys already exported: {exported}" if renewed else ""
+        append_in(conn, now, operator, "accept-contract", f"{who}: {'; '.join(said) or 'no change'}{kept}", reason,
+                  export)  # fmt: skip
+        done = Acceptance(accepted)
+        if renewed and exported == RESTATE:
+            self._restate_exported(conn, now, export, reason, operator, done)
+        return done
+
+    def _restate_exported(
+        self, conn: Connection, now: dt.datetime, export: str, reason: str, operator: str, done: Acceptance
+    ) -> None:
+        """A restatement request for each completed key of ``export``, in the acceptance's transaction (all of them
+        or, if anything fails, none and no acceptance), read a page at a time in key order."""
+        from export_ledger.ledger.errors import RestatementRefused
+        from export_ledger.ledger.retention import lock_export_in
+
+        lock_export_in(conn, export, shared=True)  # a prune waits, as for any request
+        runs = export_runs.c
+        after = ""
+        while True:
+            page = conn.execute(
+                sa.select(runs.logical_key)
+                .where(runs.export == export, runs.state == ExportState.COMPLETED.value, runs.logical_key > after)
+                .order_by(runs.logical_key)
+                .limit(500)
+            ).scalars().all()
+            if not page:
+                return
+            for key in page:
+                try:
+                    self.ledger.restatements.request_in(
+                        conn, now, key, reason=reason.strip(), requested_by=f"accept-contract ({operator})"[:300]
+                    )
+                    done.restated += 1
+                except RestatementRefused:
+                    done.refused += 1  # an open request already: it stands, with its own reason
+            after = page[-1]
 
     def _check_terms_change(
-        self, conn: Connection, export: str, tenant: str | None, previous: Mapping, contract: Mapping, exported
+        self, conn: Connection, export: str, current: Mapping, terms: Mapping, exported: str
     ) -> None:
-        """New terms need the operator's word on the keys already exported; a new destination also needs every key
-        in scope settled where its attempts wrote (no attempt of it can still be under way, unknown or disputed)."""
-        if exported is None:
-            raise ValueError(
-                f"the terms of {export} change ({'; '.join(changes(previous, contract))}): say what becomes of the "
-                "keys already exported: keep them as they are (--keep-exported) or restate them as new revisions "
-                "(--restate-exported)"
-            )
-        moved = destination_of(previous) != destination_of(contract)
-        if moved and exported == RESTATE:
-            raise ValueError(
-                f"the destination of {export} changes ({_where(previous)} -> {_where(contract)}): keys already "
-                f"exported stay at {_where(previous)} with their revisions (--keep-exported); a restatement "
-                "publishes a key's next revision beside its current one, which is at the old destination"
-            )
+        """A new destination keeps the keys already exported where they are, and waits for the export's open
+        restatements (each would publish its next revision beside nothing). Keys in progress, of unknown outcome or
+        in conflict at the old destination are settled there: a claim that would carry one of them over is refused
+        (:class:`DestinationMoved`) until reconciliation or an operator settles it where it was written."""
+        moved = current.get("destination") != terms.get("destination")
         if not moved:
             return
+        was, now = _place(current.get("destination")), _place(terms.get("destination"))
+        if exported == RESTATE:
+            raise ValueError(
+                f"the destination of {export} changes ({was} -> {now}): keys already exported stay at {was} with "
+                "their revisions (--keep-exported); a restatement publishes a key's next revision beside its current "
+                "one, which is at the old destination"
+            )
         from export_ledger.ledger.schema import export_restatements
 
-        runs = export_runs.c
-        unsettled = sa.select(runs.logical_key, runs.state).where(
-            runs.export == export,
-            runs.state.in_(
-                [ExportState.IN_PROGRESS.value, ExportState.REMOTE_UNKNOWN.value, ExportState.CONFLICT.value]
-            ),
-        )
-        requests = sa.select(export_restatements.c.logical_key).where(
-            export_restatements.c.export == export, export_restatements.c.closed_at.is_(None)
-        )
-        if tenant is not None:
-            unsettled = unsettled.where(runs.tenant == tenant)
-            requests = requests.where(export_restatements.c.tenant == tenant)
-        held = conn.execute(unsettled.order_by(runs.logical_key).limit(1)).first()
-        asked = conn.execute(requests.order_by(export_restatements.c.logical_key).limit(1)).first()
-        if held is not None or asked is not None:
-            which = (
-                f"{held.logical_key} is {held.state} (settle it there first: export-ledger reconcile, or resolve)"
-                if held is not None
-                else f"{asked.logical_key} has an open restatement (publish or withdraw it there first)"
-            )
+        asked = conn.execute(
+            sa.select(export_restatements.c.logical_key)
+            .where(export_restatements.c.export == export, export_restatements.c.closed_at.is_(None))
+            .order_by(export_restatements.c.logical_key)
+            .limit(1)
+        ).first()
+        if asked is not None:
             raise ContractChanged(
-                f"the destination of {export} changes ({_where(previous)} -> {_where(contract)}), but {which}: an "
-                f"attempt of it may still write at {_where(previous)}, and a key exported at two destinations is two "
-                "exports. Accept again once every key is settled"
+                f"the destination of {export} changes ({was} -> {now}), but {asked.logical_key} has an open "
+                f"restatement, which would publish its next revision at the new destination beside nothing: publish "
+                "or withdraw it at the old one first (export-ledger restate --withdraw), then accept again"
             )
 
     def _check_zones(self, conn: Connection, export: str, tenant: str | None, contract: Mapping) -> None:
@@ -545,6 +629,32 @@ class Contracts:
                     f"{held.business_date + dt.timedelta(days=1)} or later: --move "
                     f"{held.business_date + dt.timedelta(days=1)}:{held.timezone})"
                 )
+
+
+#: The class of the advisory lock an acceptance takes exclusively and every claim shared (two-key form: apart from
+#: the contract lock below and the retention lock of export_ledger.ledger.retention).
+ACCEPTANCE_LOCK_CLASS = 8926
+
+
+def _lock_acceptance(conn: Connection, export: str, *, shared: bool = False) -> None:
+    """PostgreSQL: ``export``'s acceptance lock until the transaction ends (shared for a claim, exclusive for an
+    acceptance). SQLite's write transactions are serialized already."""
+    if conn.dialect.name != "postgresql":
+        return
+    take = sa.func.pg_advisory_xact_lock_shared if shared else sa.func.pg_advisory_xact_lock
+    conn.execute(sa.select(take(ACCEPTANCE_LOCK_CLASS, sa.func.hashtext(export))))
+
+
+def _check_reason(reason: str, exported: str | None) -> None:
+    if not reason or not reason.strip():
+        raise ValueError("accepting a contract change needs a reason")
+    if exported not in (None, KEEP, RESTATE):
+        raise ValueError(f"exported must be {KEEP!r} or {RESTATE!r}, got {exported!r}")
+
+
+def _place(destination: Mapping | None) -> str:
+    place = destination or {}
+    return f"{place.get('kind')} {place.get('root')}"
 
 
 def _lock_export(conn: Connection, export: str) -> bool:
@@ -596,6 +706,47 @@ def _in_force(conn: Connection, export: str) -> tuple[tuple[int, str] | None, di
         else:
             own[tenant] = entry
     return wide, own
+
+
+def _in_force_for(
+    conn: Connection, export: str, tenants: Sequence[str]
+) -> tuple[tuple[int, str] | None, dict[str, tuple[int, str]]]:
+    """Like :func:`_in_force`, for ``tenants`` only and with each row's stored text (tenant rows name their tenant):
+    the latest export-wide row and each tenant's latest own row, read by ``export_contracts.tenant`` (schema version
+    9), so a claim reads what it compares, not the export's whole history."""
+    table = export_contracts.c
+    latest = (
+        sa.select(sa.func.max(table.id))
+        .where(table.export == export, sa.or_(table.tenant.is_(None), table.tenant.in_(sorted(set(tenants)))))
+        .group_by(table.tenant)
+    )
+    rows = conn.execute(sa.select(table.id, table.tenant, table.contract).where(table.id.in_(latest)))
+    wide, own = None, {}
+    for row_id, tenant, text in rows:
+        if tenant is None:
+            wide = (row_id, text)
+        else:
+            own[tenant] = (row_id, text)
+    return wide, own
+
+
+def _export_terms(conn: Connection, export: str) -> dict | None:
+    """The export's terms in force: those of its newest contract row (every row written since release 0.6 carries
+    them, and an acceptance of new terms writes one for every tenant), or None (no contract, or one without terms)."""
+    text = conn.execute(
+        sa.select(export_contracts.c.contract)
+        .where(export_contracts.c.export == export)
+        .order_by(export_contracts.c.id.desc())
+        .limit(1)
+    ).scalar()
+    return None if text is None else terms_of(json.loads(text))
+
+
+def _parsed(text: str) -> dict:
+    """A stored contract without its tenant."""
+    contract = json.loads(text)
+    contract.pop("tenant", None)
+    return contract
 
 
 def _tenants_with_keys(conn: Connection, export: str, tenants: list[str]) -> set[str]:
@@ -660,11 +811,6 @@ def moved_destination(logical_key: str, was: Mapping, now: Mapping) -> Destinati
         "refused: settle it where it was written (export-ledger reconcile for a key in progress; export-ledger restate "
         "--withdraw for a restatement), then run it again"
     )
-
-
-def _where(contract: Mapping | None) -> str:
-    place = destination_of(contract) or {}
-    return f"{place.get('kind')} {place.get('root')}"
 
 
 def _short(contract: Mapping) -> str:

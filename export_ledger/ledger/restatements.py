@@ -69,52 +69,59 @@ class Restatements:
             # Shared with other requests, exclusive to a prune: the key and the mark below are read as a prune left
             # them, and no prune deletes this key before the request commits (issue #26).
             lock_export_in(conn, logical_key.partition("/")[0], shared=True)
-            now = ledger.now(conn)
-            row = conn.execute(RUN_BY_KEY_LOCKED, {"k_key": logical_key}).first()
-            closed = ledger.retention.closed_refusal(
-                conn, logical_key, None if row is None else row.business_date, "a restatement"
+            return self.request_in(conn, ledger.now(conn), logical_key, reason=reason, requested_by=requested_by)
+
+    def request_in(
+        self, conn: Connection, now: dt.datetime, logical_key: str, *, reason: str, requested_by: str
+    ) -> Restatement:
+        """:meth:`request` inside ``conn``'s transaction, which holds the export's retention lock (shared, at least:
+        :func:`~export_ledger.ledger.retention.lock_export_in`), with a reason and requester already checked."""
+        ledger = self.ledger
+        row = conn.execute(RUN_BY_KEY_LOCKED, {"k_key": logical_key}).first()
+        closed = ledger.retention.closed_refusal(
+            conn, logical_key, None if row is None else row.business_date, "a restatement"
+        )
+        if closed is not None:
+            raise RestatementRefused(closed)
+        if row is None:
+            raise RestatementRefused(f"unknown logical key {logical_key!r}: the ledger has no export with it")
+        record = ExportRecord.from_row(row)
+        pending = self.open_in(conn, [logical_key]).get(logical_key)
+        if pending is not None:
+            raise RestatementRefused(
+                f"{logical_key} already has an open restatement (revision {pending.revision}, requested by "
+                f"{pending.requested_by} at {pending.requested_at.isoformat()}: {pending.reason!r}); it is "
+                "published by the partition's next materialization, or withdrawn with "
+                f"`export-ledger restate --withdraw {logical_key} --reason ...`"
             )
-            if closed is not None:
-                raise RestatementRefused(closed)
-            if row is None:
-                raise RestatementRefused(f"unknown logical key {logical_key!r}: the ledger has no export with it")
-            record = ExportRecord.from_row(row)
-            pending = self.open_in(conn, [logical_key]).get(logical_key)
-            if pending is not None:
-                raise RestatementRefused(
-                    f"{logical_key} already has an open restatement (revision {pending.revision}, requested by "
-                    f"{pending.requested_by} at {pending.requested_at.isoformat()}: {pending.reason!r}); it is "
-                    "published by the partition's next materialization, or withdrawn with "
-                    f"`export-ledger restate --withdraw {logical_key} --reason ...`"
-                )
-            if record.state is not ExportState.COMPLETED:
-                raise RestatementRefused(
-                    f"{logical_key} is {record.state.value}: only a completed key is restated (a key that is not "
-                    "completed gets its first export by a rerun)"
-                )
-            moved = ledger.contracts.moved_key_in(conn, record)
-            if moved is not None:
-                was, now_at = moved
-                raise RestatementRefused(
-                    f"{logical_key} was exported to {was['kind']} {was['root']}, where its revisions stay (the export "
-                    f"moved to {now_at['kind']} {now_at['root']} and kept its exported keys): a restatement would "
-                    "publish its next revision at the new destination, beside nothing. Refused"
-                )
-            rows = self._revision_rows(conn, logical_key)
-            if not rows:
-                conn.execute(_INSERT_REVISION, _revision_values(Revision.first(record)))  # the history starts whole
-            current = rows[-1].revision if rows else 1
-            asked = conn.execute(
-                sa.select(sa.func.max(export_restatements.c.revision)).where(
-                    export_restatements.c.logical_key == logical_key
-                )
-            ).scalar()
-            values = dict(
-                logical_key=logical_key, export=record.export, tenant=record.tenant,
-                business_date=record.business_date, revision=max(current, asked or 0) + 1, reason=reason,
-                requested_by=requested_by[:300], requested_at=now, base_token=record.fencing_token,
-            )  # fmt: skip
-            new_id = conn.execute(export_restatements.insert().values(**values)).inserted_primary_key[0]
+        if record.state is not ExportState.COMPLETED:
+            raise RestatementRefused(
+                f"{logical_key} is {record.state.value}: only a completed key is restated (a key that is not "
+                "completed gets its first export by a rerun)"
+            )
+        moved = ledger.contracts.moved_key_in(conn, record)
+        if moved is not None:
+            was, now_at = moved
+            raise RestatementRefused(
+                f"{logical_key} was exported to {was['kind']} {was['root']}, where its revisions stay (the export "
+                f"moved to {now_at['kind']} {now_at['root']} and kept its exported keys): a restatement would "
+                "publish its next revision at the new destination, beside nothing. Refused"
+            )
+        rows = self._revision_rows(conn, logical_key)
+        if not rows:
+            conn.execute(_INSERT_REVISION, _revision_values(Revision.first(record)))  # the history starts whole
+        current = rows[-1].revision if rows else 1
+        asked = conn.execute(
+            sa.select(sa.func.max(export_restatements.c.revision)).where(
+                export_restatements.c.logical_key == logical_key
+            )
+        ).scalar()
+        values = dict(
+            logical_key=logical_key, export=record.export, tenant=record.tenant,
+            business_date=record.business_date, revision=max(current, asked or 0) + 1, reason=reason,
+            requested_by=requested_by[:300], requested_at=now, base_token=record.fencing_token,
+        )  # fmt: skip
+        new_id = conn.execute(export_restatements.insert().values(**values)).inserted_primary_key[0]
         return Restatement(id=new_id, closed_at=None, outcome=None, **values)
 
     def withdraw_unclaimed(self, logical_key: str, *, operator: str, reason: str) -> ExportRecord:

@@ -165,7 +165,11 @@ export_contracts = sa.Table(
     sa.Column("contract", sa.Text, nullable=False),  # canonical JSON
     sa.Column("recorded_at", UtcDateTime, nullable=False),
     sa.Column("reason", sa.String(500), nullable=False),
+    # Schema version 9: the tenant a row is for (NULL: export-wide), also named in its JSON: a claim reads its tenants'
+    # latest rows by it instead of every row of the export.
+    sa.Column("tenant", sa.String(63)),
     sa.Index("ix_export_contracts_export", "export", "id"),
+    sa.Index("ix_export_contracts_tenant", "export", "tenant", "id"),
 )
 
 # Operators' decisions that concern no single key's attempt (a prune that closes dates never exported): who, what,

@@ -342,9 +342,8 @@ def url_identity(url: str) -> str:
     database = parsed.database
     if parsed.get_backend_name() == "sqlite" and database and database != ":memory:":
         database = str(Path(database).expanduser().resolve())
-    return URL.create(parsed.get_backend_name(), host=parsed.host, port=parsed.port, database=database).render_as_string(
-        hide_password=True
-    )
+    identity = URL.create(parsed.get_backend_name(), host=parsed.host, port=parsed.port, database=database)
+    return identity.render_as_string(hide_password=True)
 
 
 def as_source(source: ExportSource | Callable | None) -> ExportSource | None:

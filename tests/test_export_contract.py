@@ -31,7 +31,6 @@ from export_ledger.reconcile import reconcile_batch
 from export_ledger.spec import ExportSpec
 from export_ledger.tenants import Tenant
 from resources.invoices import SampleInvoiceSource, SqlInvoiceSource, invoices_table
-from tests.builders import evidence_for
 
 KEY_7 = "invoice_export/acme/2026-03-07T05:00:00Z"
 KEY_8 = "invoice_export/acme/2026-03-08T05:00:00Z"

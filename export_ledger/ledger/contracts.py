@@ -77,7 +77,8 @@ class Accepted:
 
 
 class Contracts:
-    """The export contracts (each tenant's calendar, the export's terms) of :class:`~export_ledger.ledger.ExportLedger`."""
+    """The export contracts (each tenant's calendar, the export's terms) of
+    :class:`~export_ledger.ledger.ExportLedger`."""
 
     def __init__(self, ledger) -> None:
         self.ledger = ledger
@@ -490,10 +491,10 @@ class Contracts:
         renewed = current is not None and terms is not None and terms != current
         if renewed:
             if exported is None:
+                said = "; ".join(changes(with_terms({}, current), with_terms({}, terms)))
                 raise ValueError(
-                    f"the terms of {export} change ({'; '.join(changes(with_terms({}, current), with_terms({}, terms)))}"
-                    "): say what becomes of the keys already exported: keep them as they are (--keep-exported) or "
-                    "restate them as new revisions (--restate-exported)"
+                    f"the terms of {export} change ({said}): say what becomes of the keys already exported: keep them "
+                    "as they are (--keep-exported) or restate them as new revisions (--restate-exported)"
                 )
             self._check_terms_change(conn, export, current, terms, exported)
             scope: dict[str | None, Mapping] = {name: _parsed(text) for name, (_, text) in own.items()}

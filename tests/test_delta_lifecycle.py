@@ -431,3 +431,98 @@ def test_sixteen_parties_making_the_table_at_once_make_it_once(tmp_path):
         outcomes = run_together([lambda fence=fence: fence() and "fenced"] * 16)
         assert outcomes == ["fenced"] * 16, f"a lost race to make the table uses the winner's: {outcomes}"
         assert len(log_actions(destination, "metaData")) == 1, "made once: a lost create never replaces the table's"
+
+
+# -- rules of the table that refuse rows before anything is committed -------------------------------------------------
+
+
+def check_constraint(destination: DeltaDestination) -> None:
+    delta_table(destination).alter.add_constraint({"positive_total": "total > 0"})
+
+
+def column_invariant(destination: DeltaDestination) -> None:
+    """A table its owner made with an invariant on ``total`` (Delta writer version 2), before the first export."""
+    fields = [
+        deltalake.Field("order_id", "string"), deltalake.Field("tenant", "string"),
+        deltalake.Field("placed_at", "timestamp"),
+        deltalake.Field("total", "double", metadata={"delta.invariants": json.dumps(
+            {"expression": {"expression": "total > 0"}})}),
+        deltalake.Field(KEY_COLUMN, "string"), deltalake.Field("_export_row", "long"),
+    ]  # fmt: skip
+    deltalake.DeltaTable.create(
+        destination.table_for("invoice_export"), deltalake.Schema(fields), partition_by=[KEY_COLUMN],
+        configuration={"delta.logRetentionDuration": "interval 3650 days"},
+    )  # fmt: skip
+
+
+RULES = {"check constraint": (check_constraint, "positive_total"), "column invariant": (column_invariant, "'total'")}
+
+
+def data_files(destination: DeltaDestination) -> set[str]:
+    root = Path(destination.table_for("invoice_export"))
+    return {str(path.relative_to(root)) for path in root.rglob("*.parquet")}
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_rows_a_table_rule_refuses_fail_the_key_naming_the_rule_and_nothing_is_committed(destination, ledger, rule):
+    first, later = key_for(DAY, tenant="acme"), key_for(DAY, tenant="beta")
+    add_rule, named = RULES[rule]
+    if rule == "column invariant":
+        add_rule(destination)
+    export_key(ledger, destination, SCHEMA, item(first, orders(first)), "run-1/x")
+    if rule == "check constraint":
+        add_rule(destination)
+    version = delta_table(destination).version()
+    with pytest.raises(DestinationError) as refused:
+        export_key(ledger, destination, SCHEMA, item(later, orders(later, total=-7.25)), "run-2/x")
+    assert not isinstance(refused.value, (PublishOutcomeUnknown, ExportOutcomeUnknown)), "Delta refused: known"
+    assert ledger.queries.get(str(later)).state is ExportState.FAILED, "nothing was committed: failed, not unknown"
+    [attempt] = ledger.queries.attempts(str(later))
+    assert attempt.outcome is AttemptOutcome.FAILED, attempt.error_message
+    assert named in attempt.error_message and "total > 0" in attempt.error_message, (
+        f"the message names the table's rule: {attempt.error_message}"
+    )
+    assert "-7.25" not in attempt.error_message and "beta-1772" not in attempt.error_message, "no row is quoted"
+    table = delta_table(destination)
+    assert table.version() == version and table.transaction_version(str(later)) is None, "nothing was committed"
+    assert export_key(ledger, destination, SCHEMA, item(later, orders(later)), "run-3/x").status == "exported", (
+        "rows that keep the rule export on the next run: the refusal is no loop"
+    )
+
+
+def test_a_restatement_on_an_append_only_table_fails_naming_the_property_and_writes_no_rows(destination, ledger):
+    key = key_for(DAY)
+    export_key(ledger, destination, SCHEMA, item(key, orders(key)), "run-1/x")
+    delta_table(destination).alter.set_table_properties({"delta.appendOnly": "true"})
+    files = data_files(destination)
+    ledger.restatements.request(str(key), reason="late rows", requested_by="ops")
+    with pytest.raises(DestinationError) as refused:
+        export_key(ledger, destination, SCHEMA, item(key, orders(key, total=13.0)), "run-2/x")
+    assert not isinstance(refused.value, (PublishOutcomeUnknown, ExportOutcomeUnknown)), "refused before writing"
+    message = str(refused.value)
+    assert "delta.appendOnly" in message and "kept changing" not in message, f"the property is named: {message}"
+    [_, attempt] = ledger.queries.attempts(str(key))
+    assert attempt.outcome is AttemptOutcome.FAILED and "delta.appendOnly" in attempt.error_message, attempt
+    table = delta_table(destination)
+    assert table.transaction_version(str(key)) == 1, "revision 1 is still the key's rows"
+    assert data_files(destination) == files, "no rows were written, not even files no commit references"
+    assert ledger.restatements.current_revision(str(key)).revision == 1
+
+
+def test_rows_that_break_a_generated_columns_expression_are_refused_naming_the_column(destination):
+    fields = [
+        deltalake.Field("order_id", "string"), deltalake.Field("total", "double"),
+        deltalake.Field("doubled", "double", metadata={"delta.generationExpression": "total * 2"}),
+        deltalake.Field(KEY_COLUMN, "string"), deltalake.Field("_export_row", "long"),
+    ]  # fmt: skip
+    deltalake.DeltaTable.create(destination.table_for("invoice_export"), deltalake.Schema(fields),
+                                partition_by=[KEY_COLUMN],
+                                configuration={"delta.logRetentionDuration": "interval 3650 days"})  # fmt: skip
+    key = key_for(DAY)
+    rows = pa.table({"order_id": ["acme-1"], "total": [1.5], "doubled": [4.0]})
+    staged = destination.stage(target_of(key), 1, rows, "csv", manifest_for(key, 1))
+    with pytest.raises(DestinationError, match=r"generated column 'doubled' \(total \* 2\)") as refused:
+        destination.commit(staged, 1, superseded=0)
+    assert not isinstance(refused.value, PublishOutcomeUnknown), "refused before any log entry was written"
+    assert "acme-1" not in str(refused.value), "no row is quoted"
+    assert delta_table(destination).transaction_version(str(key)) is None

@@ -90,6 +90,14 @@ _NEEDED_FOR = {
     FILE_RETENTION_SETTING: "a superseded revision is read by time travel until the ledger has recorded the "
     "revision that replaced it",
 }
+#: The table property that makes Delta refuse any commit removing rows (a restatement's).
+APPEND_ONLY = "delta.appendOnly"
+_CONSTRAINT = "delta.constraints."
+#: What a lost race's ``CommitFailedError`` says after "Failed to commit transaction: " (delta-rs' conflict checker).
+_CONFLICTS = (
+    "Commit failed: a concurrent", "Concurrent transaction failed", "Metadata changed since last commit",
+    "Protocol changed since last commit",
+)  # fmt: skip
 _INTERVAL_RE = re.compile(r"interval\s+(\d+)\s+(second|minute|hour|day|week)s?", re.IGNORECASE)
 _UNIT_SECONDS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400, "week": 604800}
 #: Delta's own defaults of the settings when the table does not set them (unset txn retention: never expires).
@@ -139,6 +147,50 @@ def parse_interval(text: str) -> dt.timedelta | None:
     if found is None:
         return None
     return dt.timedelta(seconds=int(found.group(1)) * _UNIT_SECONDS[found.group(2).lower()])
+
+
+def _lost_race(exc: Exception) -> bool:
+    """Whether a failed commit lost a race to a commit Delta could not rebase it over (of the same key, a fence of
+    it, or a change of the table's metadata or protocol), or past its rebases: read again and judge anew. Any other
+    ``CommitFailedError`` (the log entry's write failed, a feature the table needs) is no race, and is not retried."""
+    if not isinstance(exc, _deltalake().exceptions.CommitFailedError):
+        return False
+    reason = str(exc)
+    if reason.startswith("Tried committing existing table version"):
+        return True  # a lost race for the next log entry, not rebased (max_commit_retries=0)
+    reason = reason.removeprefix("Failed to commit transaction: ")
+    return reason.isdigit() or reason.startswith(_CONFLICTS)
+
+
+def _rows_refused(exc: Exception) -> bool:
+    """Whether Delta refused the rows themselves: a CHECK constraint, a column invariant or a generated column's
+    expression failed while the rows were written, before any log entry was (delta-rs' data checker; its message
+    quotes rows, so it is never passed on)."""
+    return "Invalid data found" in str(exc)
+
+
+def _append_only(table) -> bool:
+    return table.metadata().configuration.get(APPEND_ONLY, "").strip().lower() == "true"
+
+
+def _rules(table) -> str:
+    """The table's own rules on its rows, in words (names and expressions from its metadata, never a row)."""
+    configuration = table.metadata().configuration
+    rules = [f"CHECK constraint {name.removeprefix(_CONSTRAINT)!r} ({expression})"
+             for name, expression in sorted(configuration.items()) if name.startswith(_CONSTRAINT)]  # fmt: skip
+    for column in table.schema().fields:
+        metadata = column.metadata or {}
+        if "delta.invariants" in metadata:
+            try:
+                expression = json.loads(metadata["delta.invariants"])["expression"]["expression"]
+            except (ValueError, KeyError, TypeError):
+                expression = "unreadable"
+            rules.append(f"the invariant of column {column.name!r} ({expression})")
+        if "delta.generationExpression" in metadata:
+            rules.append(f"generated column {column.name!r} ({metadata['delta.generationExpression']})")
+    if len(rules) == 1:
+        return f"the table's {rules[0]}"
+    return f"one of the table's rules ({'; '.join(rules)})" if rules else "the table's constraints"
 
 
 def _serialize(table: pa.Table) -> bytes:
@@ -640,9 +692,9 @@ class DeltaDestination(PublishingDestination):
                 table.create_write_transaction(
                     [], mode="append", schema=table.schema(), partition_by=[KEY_COLUMN], commit_properties=properties
                 )
-            except deltalake.exceptions.CommitFailedError:
-                continue  # a commit of this key (or of the table's metadata) landed since the read: read it again
             except (OSError, deltalake.exceptions.DeltaError) as exc:
+                if _lost_race(exc):
+                    continue  # a commit of this key (or of the table's metadata) landed since the read: read it again
                 raise PublishOutcomeUnknown(
                     f"{self.describe()}: the fence's commit failed ({type(exc).__name__})"
                 ) from None
@@ -706,11 +758,22 @@ class DeltaDestination(PublishingDestination):
                     f"{self.describe()}: {'; '.join(changes)}; nothing of {key} was written (a table's columns "
                     "change only by its owner, with DeltaTable.alter, never by an export)"
                 )
+            if target.revision > 1 and _append_only(table):
+                raise DestinationError(
+                    f"{self.describe()} is append-only ({APPEND_ONLY}=true): a restatement replaces the key's rows, "
+                    f"which Delta refuses there; nothing of {key} revision {target.revision} was written (restate "
+                    f"only once the table's owner sets {APPEND_ONLY} to false)"
+                )
             try:
                 version = self._write(table, staged, token)
-            except deltalake.exceptions.CommitFailedError:
-                continue  # a commit of this key (or of the table's metadata) landed since the read: read again
             except (OSError, deltalake.exceptions.DeltaError) as exc:
+                if _lost_race(exc):
+                    continue  # a commit of this key (or of the table's metadata) landed since the read: read again
+                if _rows_refused(exc):
+                    raise DestinationError(
+                        f"{self.describe()}: rows of {key} revision {target.revision} break {_rules(table)}; Delta "
+                        "refused them before committing, so nothing of it was written"
+                    ) from None
                 raise PublishOutcomeUnknown(
                     f"{self.describe()}: the commit of {key} revision {target.revision} failed ({type(exc).__name__})",
                     sha256=manifest.sha256, location=self.location(target),

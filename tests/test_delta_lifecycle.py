@@ -526,3 +526,34 @@ def test_rows_that_break_a_generated_columns_expression_are_refused_naming_the_c
     assert not isinstance(refused.value, PublishOutcomeUnknown), "refused before any log entry was written"
     assert "acme-1" not in str(refused.value), "no row is quoted"
     assert delta_table(destination).transaction_version(str(key)) is None
+
+
+def upgrade_to_a_writer_feature_deltalake_lacks(destination: DeltaDestination) -> None:
+    """The next log entry raises the table's protocol to a writer feature deltalake does not know, as a newer Delta
+    writer's upgrade of the table would."""
+    log = Path(destination.table_for("invoice_export")) / "_delta_log"
+    protocol = {"minReaderVersion": 1, "minWriterVersion": 7, "writerFeatures": ["futureWriterFeature"]}
+    entry = [{"protocol": protocol}, {"commitInfo": {"operation": "UPGRADE PROTOCOL"}}]
+    next_entry = log / f"{delta_table(destination).version() + 1:020d}.json"
+    next_entry.write_text("".join(json.dumps(action) + "\n" for action in entry))
+
+
+def test_a_table_needing_a_writer_feature_deltalake_lacks_fails_the_key_at_once_naming_the_feature(destination, ledger):
+    """Delta refuses before writing anything: no race, so nothing is read again and written 16 times."""
+    first, later = key_for(DAY, tenant="acme"), key_for(DAY, tenant="beta")
+    export_key(ledger, destination, SCHEMA, item(first, orders(first)), "run-1/x")
+    upgrade_to_a_writer_feature_deltalake_lacks(destination)
+    version, files = delta_table(destination).version(), data_files(destination)
+    with pytest.raises(DestinationError) as refused:
+        export_key(ledger, destination, SCHEMA, item(later, orders(later)), "run-2/x")
+    assert not isinstance(refused.value, (PublishOutcomeUnknown, ExportOutcomeUnknown)), "refused before writing"
+    message = str(refused.value)
+    assert "futureWriterFeature" in message and "kept changing" not in message, f"the feature is named: {message}"
+    [attempt] = ledger.queries.attempts(str(later))
+    assert attempt.outcome is AttemptOutcome.FAILED, attempt.error_message
+    assert delta_table(destination).version() == version and data_files(destination) == files, "nothing was written"
+    ledger.restatements.request(str(first), reason="late rows", requested_by="ops")
+    with pytest.raises(DestinationError, match="refused the fence of .*futureWriterFeature") as refused:
+        export_key(ledger, destination, SCHEMA, item(first, orders(first, total=13.0)), "run-3/x")
+    assert not isinstance(refused.value, (PublishOutcomeUnknown, ExportOutcomeUnknown)), "the fence, refused: known"
+    assert delta_table(destination).version() == version, "not even the restatement's fence was written"

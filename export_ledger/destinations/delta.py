@@ -162,11 +162,27 @@ def _lost_race(exc: Exception) -> bool:
     return reason.isdigit() or reason.startswith(_CONFLICTS)
 
 
-def _rows_refused(exc: Exception) -> bool:
-    """Whether Delta refused the rows themselves: a CHECK constraint, a column invariant or a generated column's
-    expression failed while the rows were written, before any log entry was (delta-rs' data checker; its message
-    quotes rows, so it is never passed on)."""
-    return "Invalid data found" in str(exc)
+def _refusal(exc: Exception, table) -> str | None:
+    """Why Delta refused a write before any log entry was written, in words naming the table's rule or protocol (never
+    a row: the data checker's own message quotes rows); None when the failure is no such refusal.
+
+    * ``Invalid data found``: a CHECK constraint, a column invariant or a generated column's expression failed while
+      the rows were being written (delta-rs' data checker), before the commit;
+    * ``Unsupported table features required``: the table's protocol needs a writer feature this deltalake lacks, checked
+      before anything is written."""
+    reason = str(exc)
+    if "Invalid data found" in reason:
+        return f"its rows break {_rules(table)}"
+    if isinstance(exc, _deltalake().exceptions.CommitFailedError) and reason.startswith(
+        "Unsupported table features required"
+    ):
+        protocol = table.protocol()
+        features = ", ".join(protocol.writer_features or ()) or "none listed"
+        return (
+            f"the table needs a writer feature this deltalake cannot write (writer version "
+            f"{protocol.min_writer_version}, features: {features})"
+        )
+    return None
 
 
 def _append_only(table) -> bool:
@@ -695,6 +711,11 @@ class DeltaDestination(PublishingDestination):
             except (OSError, deltalake.exceptions.DeltaError) as exc:
                 if _lost_race(exc):
                     continue  # a commit of this key (or of the table's metadata) landed since the read: read it again
+                refusal = _refusal(exc, table)
+                if refusal:
+                    raise DestinationError(
+                        f"{self.describe()}: Delta refused the fence of {logical_key} before writing it: {refusal}"
+                    ) from None
                 raise PublishOutcomeUnknown(
                     f"{self.describe()}: the fence's commit failed ({type(exc).__name__})"
                 ) from None
@@ -769,10 +790,11 @@ class DeltaDestination(PublishingDestination):
             except (OSError, deltalake.exceptions.DeltaError) as exc:
                 if _lost_race(exc):
                     continue  # a commit of this key (or of the table's metadata) landed since the read: read again
-                if _rows_refused(exc):
+                refusal = _refusal(exc, table)
+                if refusal:
                     raise DestinationError(
-                        f"{self.describe()}: rows of {key} revision {target.revision} break {_rules(table)}; Delta "
-                        "refused them before committing, so nothing of it was written"
+                        f"{self.describe()}: Delta refused the commit of {key} revision {target.revision} before "
+                        f"writing it: {refusal}; nothing of it was written"
                     ) from None
                 raise PublishOutcomeUnknown(
                     f"{self.describe()}: the commit of {key} revision {target.revision} failed ({type(exc).__name__})",

@@ -7,6 +7,7 @@ import datetime as dt
 import functools
 import hashlib
 import json
+import shutil
 import threading
 from pathlib import Path
 
@@ -557,3 +558,18 @@ def test_a_table_needing_a_writer_feature_deltalake_lacks_fails_the_key_at_once_
         export_key(ledger, destination, SCHEMA, item(first, orders(first, total=13.0)), "run-3/x")
     assert not isinstance(refused.value, (PublishOutcomeUnknown, ExportOutcomeUnknown)), "the fence, refused: known"
     assert delta_table(destination).version() == version, "not even the restatement's fence was written"
+
+
+def test_a_table_dropped_and_made_again_at_the_same_path_is_judged_by_the_new_tables_log(destination):
+    """A long-lived process (a code server, the reconciliation sensor's) keeps what it read of log entries: those of
+    a table since dropped must not stand for the entries of the table made again at the same path."""
+    key = key_for(DAY)
+    destination.commit(staged_for(destination, key, 1), 1, superseded=0)
+    seen = destination.verify(target_of(key), logical_key=str(key), superseded=0)
+    assert seen.verdict is Verdict.PUBLISHED and seen.manifest.fencing_token == 1, seen.detail
+    shutil.rmtree(destination.table_for("invoice_export"))
+    again = staged_for(destination, key, 2)
+    destination.commit(again, 2, superseded=0)
+    seen = destination.verify(target_of(key), logical_key=str(key), superseded=0, expected_sha256=again.manifest.sha256)
+    assert seen.verdict is Verdict.PUBLISHED, f"the new table's commit is intact: {seen.detail}"
+    assert seen.manifest.fencing_token == 2 and seen.location.endswith("/r1-t2"), "read from the new table's entry"

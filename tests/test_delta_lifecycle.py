@@ -18,6 +18,7 @@ import pytest
 deltalake = pytest.importorskip("deltalake")
 
 from export_ledger.destinations import ExportTarget, Fenced, PointerMoved, Verdict  # noqa: E402
+from export_ledger.destinations import delta as delta_module  # noqa: E402
 from export_ledger.destinations.base import (  # noqa: E402
     DestinationError,
     DestinationUnreachable,
@@ -422,6 +423,51 @@ def test_a_commit_made_from_an_old_read_lands_over_other_keys_commits_but_never_
     with pytest.raises(deltalake.exceptions.CommitFailedError):
         destination._write(read, staged_for(destination, late, 4), 4)
     assert delta_table(destination).transaction_version(str(late)) is None, "the fenced party's rows never landed"
+
+
+class Overtaken(DeltaDestination):
+    """A destination whose next write is overtaken: the change in ``_BEFORE_NEXT_WRITE`` lands between its read of
+    the table and its own commit."""
+
+    def _write(self, table, staged, token: int) -> int:
+        if _BEFORE_NEXT_WRITE:
+            _BEFORE_NEXT_WRITE.pop()(self)
+        return super()._write(table, staged, token)
+
+
+_BEFORE_NEXT_WRITE: list = []
+#: A change that lands first, and how many times Delta may rebase the commit over commits it does not conflict with.
+OVERTAKERS = {
+    "another key's commit, past the commit's rebases": (
+        lambda d: d.commit(staged_for(d, key_for(DAY, tenant="beta"), 1), 1, superseded=0), 0
+    ),
+    "a change of the table's properties": (
+        lambda d: delta_table(d).alter.set_table_properties({"delta.checkpointInterval": "50"}), 100
+    ),
+    "a CHECK constraint the rows keep (a protocol upgrade)": (
+        lambda d: delta_table(d).alter.add_constraint({"positive_total": "total > 0"}), 100
+    ),
+    "an OPTIMIZE rewriting the key's files": (lambda d: delta_table(d).optimize.z_order(["order_id"]), 100),
+}
+
+
+@pytest.mark.parametrize("overtaker", list(OVERTAKERS))
+def test_a_restatement_that_loses_a_race_reads_the_table_again_and_lands(tmp_path, monkeypatch, overtaker):
+    change, rebases = OVERTAKERS[overtaker]
+    monkeypatch.setattr(delta_module, "_REBASES", rebases)
+    destination = Overtaken(str(tmp_path / "delta" / "{export}"))
+    key = key_for(DAY, tenant="acme")
+    destination.commit(staged_for(destination, key, 1), 1, superseded=0)
+    rows = pa.table({"order_id": ["acme-r2"], "total": [2.0]})
+    restated = destination.stage(target_of(key, 2), 2, rows, "csv", manifest_for(key, 2, revision=2))
+    _BEFORE_NEXT_WRITE.append(change)
+    destination.commit(restated, 2, superseded=1)
+    assert not _BEFORE_NEXT_WRITE, "the change landed between the read and the commit"
+    table = delta_table(destination)
+    assert table.transaction_version(str(key)) == 2, "read again, the restatement landed"
+    assert table.to_pyarrow_table(filters=[(KEY_COLUMN, "=", str(key))]).column("order_id").to_pylist() == ["acme-r2"]
+    seen = destination.verify(target_of(key, 2), logical_key=str(key), superseded=1)
+    assert seen.verdict is Verdict.PUBLISHED, seen.detail
 
 
 def test_sixteen_parties_making_the_table_at_once_make_it_once(tmp_path):

@@ -158,11 +158,8 @@ def _lost_race(exc: Exception) -> bool:
     ``CommitFailedError`` (the log entry's write failed, a feature the table needs) is no race, and is not retried."""
     if not isinstance(exc, _deltalake().exceptions.CommitFailedError):
         return False
-    reason = str(exc)
-    if reason.startswith("Tried committing existing table version"):
-        return True  # a lost race for the next log entry, not rebased (max_commit_retries=0)
-    reason = reason.removeprefix("Failed to commit transaction: ")
-    return reason.isdigit() or reason.startswith(_CONFLICTS)
+    reason = str(exc).removeprefix("Failed to commit transaction: ")
+    return reason.isdigit() or reason.startswith(_CONFLICTS)  # past its rebases (their count), or a conflict
 
 
 def _refusal(exc: Exception, table) -> str | None:

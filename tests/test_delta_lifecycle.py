@@ -7,6 +7,7 @@ import datetime as dt
 import functools
 import hashlib
 import json
+import shutil
 import threading
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 deltalake = pytest.importorskip("deltalake")
 
 from export_ledger.destinations import ExportTarget, Fenced, PointerMoved, Verdict  # noqa: E402
+from export_ledger.destinations import delta as delta_module  # noqa: E402
 from export_ledger.destinations.base import (  # noqa: E402
     DestinationError,
     DestinationUnreachable,
@@ -423,6 +425,51 @@ def test_a_commit_made_from_an_old_read_lands_over_other_keys_commits_but_never_
     assert delta_table(destination).transaction_version(str(late)) is None, "the fenced party's rows never landed"
 
 
+class Overtaken(DeltaDestination):
+    """A destination whose next write is overtaken: the change in ``_BEFORE_NEXT_WRITE`` lands between its read of
+    the table and its own commit."""
+
+    def _write(self, table, staged, token: int) -> int:
+        if _BEFORE_NEXT_WRITE:
+            _BEFORE_NEXT_WRITE.pop()(self)
+        return super()._write(table, staged, token)
+
+
+_BEFORE_NEXT_WRITE: list = []
+#: A change that lands first, and how many times Delta may rebase the commit over commits it does not conflict with.
+OVERTAKERS = {
+    "another key's commit, past the commit's rebases": (
+        lambda d: d.commit(staged_for(d, key_for(DAY, tenant="beta"), 1), 1, superseded=0), 0
+    ),
+    "a change of the table's properties": (
+        lambda d: delta_table(d).alter.set_table_properties({"delta.checkpointInterval": "50"}), 100
+    ),
+    "a CHECK constraint the rows keep (a protocol upgrade)": (
+        lambda d: delta_table(d).alter.add_constraint({"positive_total": "total > 0"}), 100
+    ),
+    "an OPTIMIZE rewriting the key's files": (lambda d: delta_table(d).optimize.z_order(["order_id"]), 100),
+}
+
+
+@pytest.mark.parametrize("overtaker", list(OVERTAKERS))
+def test_a_restatement_that_loses_a_race_reads_the_table_again_and_lands(tmp_path, monkeypatch, overtaker):
+    change, rebases = OVERTAKERS[overtaker]
+    monkeypatch.setattr(delta_module, "_REBASES", rebases)
+    destination = Overtaken(str(tmp_path / "delta" / "{export}"))
+    key = key_for(DAY, tenant="acme")
+    destination.commit(staged_for(destination, key, 1), 1, superseded=0)
+    rows = pa.table({"order_id": ["acme-r2"], "total": [2.0]})
+    restated = destination.stage(target_of(key, 2), 2, rows, "csv", manifest_for(key, 2, revision=2))
+    _BEFORE_NEXT_WRITE.append(change)
+    destination.commit(restated, 2, superseded=1)
+    assert not _BEFORE_NEXT_WRITE, "the change landed between the read and the commit"
+    table = delta_table(destination)
+    assert table.transaction_version(str(key)) == 2, "read again, the restatement landed"
+    assert table.to_pyarrow_table(filters=[(KEY_COLUMN, "=", str(key))]).column("order_id").to_pylist() == ["acme-r2"]
+    seen = destination.verify(target_of(key, 2), logical_key=str(key), superseded=1)
+    assert seen.verdict is Verdict.PUBLISHED, seen.detail
+
+
 def test_sixteen_parties_making_the_table_at_once_make_it_once(tmp_path):
     for attempt in range(5):
         destination = DeltaDestination(str(tmp_path / f"t{attempt}" / "{export}"))
@@ -431,3 +478,144 @@ def test_sixteen_parties_making_the_table_at_once_make_it_once(tmp_path):
         outcomes = run_together([lambda fence=fence: fence() and "fenced"] * 16)
         assert outcomes == ["fenced"] * 16, f"a lost race to make the table uses the winner's: {outcomes}"
         assert len(log_actions(destination, "metaData")) == 1, "made once: a lost create never replaces the table's"
+
+
+# -- rules of the table that refuse rows before anything is committed -------------------------------------------------
+
+
+def check_constraint(destination: DeltaDestination) -> None:
+    delta_table(destination).alter.add_constraint({"positive_total": "total > 0"})
+
+
+def column_invariant(destination: DeltaDestination) -> None:
+    """A table its owner made with an invariant on ``total`` (Delta writer version 2), before the first export."""
+    fields = [
+        deltalake.Field("order_id", "string"), deltalake.Field("tenant", "string"),
+        deltalake.Field("placed_at", "timestamp"),
+        deltalake.Field("total", "double", metadata={"delta.invariants": json.dumps(
+            {"expression": {"expression": "total > 0"}})}),
+        deltalake.Field(KEY_COLUMN, "string"), deltalake.Field("_export_row", "long"),
+    ]  # fmt: skip
+    deltalake.DeltaTable.create(
+        destination.table_for("invoice_export"), deltalake.Schema(fields), partition_by=[KEY_COLUMN],
+        configuration={"delta.logRetentionDuration": "interval 3650 days"},
+    )  # fmt: skip
+
+
+RULES = {"check constraint": (check_constraint, "positive_total"), "column invariant": (column_invariant, "'total'")}
+
+
+def data_files(destination: DeltaDestination) -> set[str]:
+    root = Path(destination.table_for("invoice_export"))
+    return {str(path.relative_to(root)) for path in root.rglob("*.parquet")}
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_rows_a_table_rule_refuses_fail_the_key_naming_the_rule_and_nothing_is_committed(destination, ledger, rule):
+    first, later = key_for(DAY, tenant="acme"), key_for(DAY, tenant="beta")
+    add_rule, named = RULES[rule]
+    if rule == "column invariant":
+        add_rule(destination)
+    export_key(ledger, destination, SCHEMA, item(first, orders(first)), "run-1/x")
+    if rule == "check constraint":
+        add_rule(destination)
+    version = delta_table(destination).version()
+    with pytest.raises(DestinationError) as refused:
+        export_key(ledger, destination, SCHEMA, item(later, orders(later, total=-7.25)), "run-2/x")
+    assert not isinstance(refused.value, (PublishOutcomeUnknown, ExportOutcomeUnknown)), "Delta refused: known"
+    assert ledger.queries.get(str(later)).state is ExportState.FAILED, "nothing was committed: failed, not unknown"
+    [attempt] = ledger.queries.attempts(str(later))
+    assert attempt.outcome is AttemptOutcome.FAILED, attempt.error_message
+    assert named in attempt.error_message and "total > 0" in attempt.error_message, (
+        f"the message names the table's rule: {attempt.error_message}"
+    )
+    assert "-7.25" not in attempt.error_message and "beta-1772" not in attempt.error_message, "no row is quoted"
+    table = delta_table(destination)
+    assert table.version() == version and table.transaction_version(str(later)) is None, "nothing was committed"
+    assert export_key(ledger, destination, SCHEMA, item(later, orders(later)), "run-3/x").status == "exported", (
+        "rows that keep the rule export on the next run: the refusal is no loop"
+    )
+
+
+def test_a_restatement_on_an_append_only_table_fails_naming_the_property_and_writes_no_rows(destination, ledger):
+    key = key_for(DAY)
+    export_key(ledger, destination, SCHEMA, item(key, orders(key)), "run-1/x")
+    delta_table(destination).alter.set_table_properties({"delta.appendOnly": "true"})
+    files = data_files(destination)
+    ledger.restatements.request(str(key), reason="late rows", requested_by="ops")
+    with pytest.raises(DestinationError) as refused:
+        export_key(ledger, destination, SCHEMA, item(key, orders(key, total=13.0)), "run-2/x")
+    assert not isinstance(refused.value, (PublishOutcomeUnknown, ExportOutcomeUnknown)), "refused before writing"
+    message = str(refused.value)
+    assert "delta.appendOnly" in message and "kept changing" not in message, f"the property is named: {message}"
+    [_, attempt] = ledger.queries.attempts(str(key))
+    assert attempt.outcome is AttemptOutcome.FAILED and "delta.appendOnly" in attempt.error_message, attempt
+    table = delta_table(destination)
+    assert table.transaction_version(str(key)) == 1, "revision 1 is still the key's rows"
+    assert data_files(destination) == files, "no rows were written, not even files no commit references"
+    assert ledger.restatements.current_revision(str(key)).revision == 1
+
+
+def test_rows_that_break_a_generated_columns_expression_are_refused_naming_the_column(destination):
+    fields = [
+        deltalake.Field("order_id", "string"), deltalake.Field("total", "double"),
+        deltalake.Field("doubled", "double", metadata={"delta.generationExpression": "total * 2"}),
+        deltalake.Field(KEY_COLUMN, "string"), deltalake.Field("_export_row", "long"),
+    ]  # fmt: skip
+    deltalake.DeltaTable.create(destination.table_for("invoice_export"), deltalake.Schema(fields),
+                                partition_by=[KEY_COLUMN],
+                                configuration={"delta.logRetentionDuration": "interval 3650 days"})  # fmt: skip
+    key = key_for(DAY)
+    rows = pa.table({"order_id": ["acme-1"], "total": [1.5], "doubled": [4.0]})
+    staged = destination.stage(target_of(key), 1, rows, "csv", manifest_for(key, 1))
+    with pytest.raises(DestinationError, match=r"generated column 'doubled' \(total \* 2\)") as refused:
+        destination.commit(staged, 1, superseded=0)
+    assert not isinstance(refused.value, PublishOutcomeUnknown), "refused before any log entry was written"
+    assert "acme-1" not in str(refused.value), "no row is quoted"
+    assert delta_table(destination).transaction_version(str(key)) is None
+
+
+def upgrade_to_a_writer_feature_deltalake_lacks(destination: DeltaDestination) -> None:
+    """The next log entry raises the table's protocol to a writer feature deltalake does not know, as a newer Delta
+    writer's upgrade of the table would."""
+    log = Path(destination.table_for("invoice_export")) / "_delta_log"
+    protocol = {"minReaderVersion": 1, "minWriterVersion": 7, "writerFeatures": ["futureWriterFeature"]}
+    entry = [{"protocol": protocol}, {"commitInfo": {"operation": "UPGRADE PROTOCOL"}}]
+    next_entry = log / f"{delta_table(destination).version() + 1:020d}.json"
+    next_entry.write_text("".join(json.dumps(action) + "\n" for action in entry))
+
+
+def test_a_table_needing_a_writer_feature_deltalake_lacks_fails_the_key_at_once_naming_the_feature(destination, ledger):
+    """Delta refuses before writing anything: no race, so nothing is read again and written 16 times."""
+    first, later = key_for(DAY, tenant="acme"), key_for(DAY, tenant="beta")
+    export_key(ledger, destination, SCHEMA, item(first, orders(first)), "run-1/x")
+    upgrade_to_a_writer_feature_deltalake_lacks(destination)
+    version, files = delta_table(destination).version(), data_files(destination)
+    with pytest.raises(DestinationError) as refused:
+        export_key(ledger, destination, SCHEMA, item(later, orders(later)), "run-2/x")
+    assert not isinstance(refused.value, (PublishOutcomeUnknown, ExportOutcomeUnknown)), "refused before writing"
+    message = str(refused.value)
+    assert "futureWriterFeature" in message and "kept changing" not in message, f"the feature is named: {message}"
+    [attempt] = ledger.queries.attempts(str(later))
+    assert attempt.outcome is AttemptOutcome.FAILED, attempt.error_message
+    assert delta_table(destination).version() == version and data_files(destination) == files, "nothing was written"
+    ledger.restatements.request(str(first), reason="late rows", requested_by="ops")
+    with pytest.raises(DestinationError, match="refused the fence of .*futureWriterFeature") as refused:
+        export_key(ledger, destination, SCHEMA, item(first, orders(first, total=13.0)), "run-3/x")
+    assert not isinstance(refused.value, (PublishOutcomeUnknown, ExportOutcomeUnknown)), "the fence, refused: known"
+    assert delta_table(destination).version() == version, "not even the restatement's fence was written"
+
+
+def test_a_table_dropped_and_made_again_at_the_same_path_is_judged_by_the_new_tables_log(destination):
+    """A long-lived process (a code server, the reconciliation sensor's) keeps what it read of log entries: those of
+    a table since dropped must not stand for the entries of the table made again at the same path."""
+    key = key_for(DAY)
+    destination.commit(staged_for(destination, key, 1), 1, superseded=0)
+    seen = destination.verify(target_of(key), logical_key=str(key), superseded=0)
+    assert seen.verdict is Verdict.PUBLISHED and seen.manifest.fencing_token == 1, seen.detail
+    shutil.rmtree(destination.table_for("invoice_export"))
+    again = staged_for(destination, key, 2)
+    destination.commit(again, 2, superseded=0)
+    seen = destination.verify(target_of(key), logical_key=str(key), superseded=0, expected_sha256=again.manifest.sha256)
+    assert seen.verdict is Verdict.PUBLISHED, f"the new table's commit is intact: {seen.detail}"
+    assert seen.manifest.fencing_token == 2 and seen.location.endswith("/r1-t2"), "read from the new table's entry"

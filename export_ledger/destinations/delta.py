@@ -27,7 +27,10 @@ party whose token is below the fence read can never commit, and a fence that lan
 fail and be judged again. Readers see only committed table versions: a key's rows appear all at once or not at all.
 
 **Columns**: an export whose columns differ from the table's (one dropped, added, retyped or made nullable) is
-refused before anything is written, naming the columns; a reordered export is written by name.
+refused before anything is written, naming the columns; a reordered export is written by name. So are a restatement
+of an append-only table (``delta.appendOnly``), and what Delta itself refuses before writing a log entry: rows that
+break the table's CHECK constraints, invariants or generated columns, a protocol needing a writer feature deltalake
+lacks (each named from the table's metadata, never a row). Only a lost race is read again and retried.
 
 **Retention**: ``delta.setTransactionRetentionDuration`` (txn identifiers) and ``delta.logRetentionDuration`` (the
 commit entries holding the manifests) are set to ``retention_days`` when the table is created, and
@@ -43,7 +46,6 @@ import hashlib
 import io
 import json
 import re
-import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -64,6 +66,7 @@ from export_ledger.destinations.base import (
 )
 from export_ledger.destinations.publishing import Pointer, PublishingDestination, StagedExport
 from export_ledger.destinations.registry import Scheme
+from export_ledger.destinations.s3 import S3Destination, _boto
 from export_ledger.destinations.store import race_problem, racing_creates
 from export_ledger.errors import ConfigurationError, ManifestError
 from export_ledger.frames import Manifest, TableStream, write_table
@@ -90,6 +93,14 @@ _NEEDED_FOR = {
     FILE_RETENTION_SETTING: "a superseded revision is read by time travel until the ledger has recorded the "
     "revision that replaced it",
 }
+#: The table property that makes Delta refuse any commit removing rows (a restatement's).
+APPEND_ONLY = "delta.appendOnly"
+_CONSTRAINT = "delta.constraints."
+#: What a lost race's ``CommitFailedError`` says after "Failed to commit transaction: " (delta-rs' conflict checker).
+_CONFLICTS = (
+    "Commit failed: a concurrent", "Concurrent transaction failed", "Metadata changed since last commit",
+    "Protocol changed since last commit",
+)  # fmt: skip
 _INTERVAL_RE = re.compile(r"interval\s+(\d+)\s+(second|minute|hour|day|week)s?", re.IGNORECASE)
 _UNIT_SECONDS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400, "week": 604800}
 #: Delta's own defaults of the settings when the table does not set them (unset txn retention: never expires).
@@ -139,6 +150,63 @@ def parse_interval(text: str) -> dt.timedelta | None:
     if found is None:
         return None
     return dt.timedelta(seconds=int(found.group(1)) * _UNIT_SECONDS[found.group(2).lower()])
+
+
+def _lost_race(exc: Exception) -> bool:
+    """Whether a failed commit lost a race to a commit Delta could not rebase it over (of the same key, a fence of
+    it, or a change of the table's metadata or protocol), or past its rebases: read again and judge anew. Any other
+    ``CommitFailedError`` (the log entry's write failed, a feature the table needs) is no race, and is not retried."""
+    if not isinstance(exc, _deltalake().exceptions.CommitFailedError):
+        return False
+    reason = str(exc).removeprefix("Failed to commit transaction: ")
+    return reason.isdigit() or reason.startswith(_CONFLICTS)  # past its rebases (their count), or a conflict
+
+
+def _refusal(exc: Exception, table) -> str | None:
+    """Why Delta refused a write before any log entry was written, in words naming the table's rule or protocol (never
+    a row: the data checker's own message quotes rows); None when the failure is no such refusal.
+
+    * ``Invalid data found``: a CHECK constraint, a column invariant or a generated column's expression failed while
+      the rows were being written (delta-rs' data checker), before the commit;
+    * ``Unsupported table features required``: the table's protocol needs a writer feature this deltalake lacks, checked
+      before anything is written."""
+    reason = str(exc)
+    if "Invalid data found" in reason:
+        return f"its rows break {_rules(table)}"
+    if isinstance(exc, _deltalake().exceptions.CommitFailedError) and reason.startswith(
+        "Unsupported table features required"
+    ):
+        protocol = table.protocol()
+        features = ", ".join(protocol.writer_features or ()) or "none listed"
+        return (
+            f"the table needs a writer feature this deltalake cannot write (writer version "
+            f"{protocol.min_writer_version}, features: {features})"
+        )
+    return None
+
+
+def _append_only(table) -> bool:
+    return table.metadata().configuration.get(APPEND_ONLY, "").strip().lower() == "true"
+
+
+def _rules(table) -> str:
+    """The table's own rules on its rows, in words (names and expressions from its metadata, never a row)."""
+    configuration = table.metadata().configuration
+    rules = [f"CHECK constraint {name.removeprefix(_CONSTRAINT)!r} ({expression})"
+             for name, expression in sorted(configuration.items()) if name.startswith(_CONSTRAINT)]  # fmt: skip
+    for column in table.schema().fields:
+        metadata = column.metadata or {}
+        if "delta.invariants" in metadata:
+            try:
+                expression = json.loads(metadata["delta.invariants"])["expression"]["expression"]
+            except (ValueError, KeyError, TypeError):
+                expression = "unreadable"
+            rules.append(f"the invariant of column {column.name!r} ({expression})")
+        if "delta.generationExpression" in metadata:
+            rules.append(f"generated column {column.name!r} ({metadata['delta.generationExpression']})")
+    if len(rules) == 1:
+        return f"the table's {rules[0]}"
+    return f"one of the table's rules ({'; '.join(rules)})" if rules else "the table's constraints"
 
 
 def _serialize(table: pa.Table) -> bytes:
@@ -301,7 +369,7 @@ class DeltaDestination(PublishingDestination):
         except deltalake.exceptions.TableNotFoundError:
             return None
         except (OSError, deltalake.exceptions.DeltaError) as exc:
-            raise DestinationUnreachable(f"cannot read {self.describe()}: {type(exc).__name__}") from None
+            raise self._unreadable(export, exc) from None
         self._check_retention(uri, table)
         return table
 
@@ -347,10 +415,10 @@ class DeltaDestination(PublishingDestination):
     def check_table(self, export: str) -> None:
         """The startup check: refuses a store that ignores conditional puts (:meth:`check_conditions`) and a table
         whose retention is too short (see :attr:`retention_days`)."""
-        self.check_conditions()
+        self.check_conditions(export)
         self._open(export)
 
-    def check_conditions(self) -> None:
+    def check_conditions(self, export: str) -> None:
         """Refuses an S3 store that ignores ``If-None-Match: *`` before this destination's first commit to it.
 
         Every fence and commit relies on Delta's put-if-absent of the next log entry (``aws_conditional_put``): a
@@ -360,20 +428,46 @@ class DeltaDestination(PublishingDestination):
         created twice with ``If-None-Match: *`` with the endpoint, region and credentials Delta's storage options
         are made of; the second create must be refused. Then racing creates of another probe object: exactly one may
         win (:func:`~export_ledger.destinations.store.racing_creates` says what that can and cannot show). Local
-        paths need no check (a log entry is renamed into place without replacing one)."""
+        paths need no check (a log entry is renamed into place without replacing one).
+
+        The probe is the S3 destination's: its objects are under the table's own folder (``.export-ledger-probe/``,
+        which a credential scoped to the table reaches; probes older than an hour by the store's clock, left by a
+        killed process, are removed first), one send per request (a lost answer is never resent blind: that makes
+        the check fail as unreachable, never judge the store), and the store's errors named as that destination
+        names them. Once per process, endpoint and bucket."""
         if not self.table.startswith("s3://"):
             return
-        bucket = self.table.removeprefix("s3://").split("/", 1)[0]
-        if (self.endpoint_url, bucket) in _CONDITIONS_CHECKED:
+        store = self._store(export)
+        if (self.endpoint_url, store.bucket) in _CONDITIONS_CHECKED:
             return
-        client, errors = self._s3_client()
-        probe = f".export-ledger-probe/{uuid.uuid4().hex}"
+        _, _, errors = _boto()
+        what = f"check that {store.url('')} honours conditional puts"
+        try:
+            self._probe(store)
+        except errors.ClientError as exc:
+            if store._no_bucket(exc):
+                raise DestinationError(f"{self.describe()}: {store._missing(what)}") from None
+            status = store._status(exc)
+            if status is not None and 400 <= status < 500:
+                raise DestinationError(
+                    f"{self.describe()}: the store refused the {what}: {store._describe_error(exc)}"
+                ) from None
+            raise DestinationUnreachable(f"{self.describe()}: cannot {what}: {store._describe_error(exc)}") from None
+        except errors.BotoCoreError as exc:
+            raise DestinationUnreachable(f"{self.describe()}: cannot {what}: {store._describe_error(exc)}") from None
+        _CONDITIONS_CHECKED.add((self.endpoint_url, store.bucket))
+
+    def _probe(self, store) -> None:
+        """:meth:`check_conditions`' probe on ``store`` (the table's folder); raises the store's own errors."""
+        _, _, errors = _boto()
+        client, bucket = store._s3(), store.bucket
+        probe = store._probe_key()
         try:
             client.put_object(Bucket=bucket, Key=probe, Body=b"1", IfNoneMatch="*")
             try:
                 client.put_object(Bucket=bucket, Key=probe, Body=b"2", IfNoneMatch="*")
             except errors.ClientError as exc:
-                if exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") not in (409, 412):
+                if store._status(exc) not in (409, 412):
                     raise
             else:
                 raise ConfigurationError(
@@ -383,13 +477,9 @@ class DeltaDestination(PublishingDestination):
                 )
             accepted = racing_creates(
                 lambda body: client.put_object(Bucket=bucket, Key=f"{probe}-race", Body=body, IfNoneMatch="*"),
-                lambda exc: isinstance(exc, errors.ClientError)
-                and exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (409, 412),
+                lambda exc: isinstance(exc, errors.ClientError) and store._status(exc) in (409, 412),
             )
-            try:
-                held = client.get_object(Bucket=bucket, Key=f"{probe}-race")["Body"].read()
-            except client.exceptions.NoSuchKey:
-                held = None
+            held = store.read(f"{probe}-race".removeprefix(f"{store.prefix}/"))
             problem = race_problem(accepted, held)
             if problem:
                 raise ConfigurationError(
@@ -397,18 +487,35 @@ class DeltaDestination(PublishingDestination):
                     "two parties could commit the same Delta table version and overwrite each other. Refusing to "
                     "publish to it; use a store that honours conditional puts"
                 )
-        except (errors.BotoCoreError, errors.ClientError) as exc:
-            raise DestinationError(
-                f"{self.describe()}: the check that the store honours conditional puts failed ({type(exc).__name__})"
-            ) from None
         finally:
+            for key in (probe, f"{probe}-race"):
+                try:
+                    client.delete_object(Bucket=bucket, Key=key)
+                except (errors.BotoCoreError, errors.ClientError):
+                    pass  # left behind, a probe is swept by a later check once an hour old; the verdict stands
+
+    def _store(self, export: str):
+        """The export's table folder as the S3 destination's store (:class:`~export_ledger.destinations.s3.S3Store`):
+        its client (one send per request, explicit timeouts), its probe folder and its words for the store's errors."""
+        bucket, _, prefix = self.table_for(export).removeprefix("s3://").partition("/")
+        return S3Destination(
+            bucket=bucket, prefix=prefix.strip("/"), endpoint_url=self.endpoint_url, region_name=self.region_name,
+            access_key_id=self.access_key_id, secret_access_key=self.secret_access_key,
+            session_token=self.session_token,
+        ).store  # fmt: skip
+
+    def _unreadable(self, export: str, exc: Exception) -> DestinationUnreachable:
+        """Why the table could not be read: on S3, the store's answer to a listing of the table's log (a missing
+        bucket, the HTTP status, an endpoint that does not answer), as the S3 destination words it (deltalake's own
+        error says only that it is an ``OSError``); the error's class when the store answers the listing."""
+        if self.table.startswith("s3://"):
+            store = self._store(export)
+            _, _, errors = _boto()
             try:
-                client.delete_object(Bucket=bucket, Key=probe)
-                client.delete_object(Bucket=bucket, Key=f"{probe}-race")
-            except (errors.BotoCoreError, errors.ClientError):
-                pass  # nothing names the probe: left behind it is only clutter, and the check's verdict stands
-            client.close()
-        _CONDITIONS_CHECKED.add((self.endpoint_url, bucket))
+                store._s3().list_objects_v2(Bucket=store.bucket, Prefix=store._key("_delta_log/"), MaxKeys=1)
+            except (errors.ClientError, errors.BotoCoreError) as found:
+                return store._unreadable(found, f"read {self.describe()}")
+        return DestinationUnreachable(f"cannot read {self.describe()}: {type(exc).__name__}")
 
     def _key_of(self, table, target: ExportTarget) -> str | None:
         start = table.transaction_version(folder_id(target))
@@ -450,8 +557,9 @@ class DeltaDestination(PublishingDestination):
         start = None if table is None else table.transaction_version(revision_id(key, revision))
         if start is None:
             return None
+        table_id = table.metadata().id
         for version in range(start, table.version() + 1):
-            entry = self._entry(export, version)
+            entry = self._entry(export, table_id, version)
             if entry is None:
                 return None
             if revision_id(key, revision) in entry.app_ids:
@@ -459,7 +567,10 @@ class DeltaDestination(PublishingDestination):
         return None
 
     @functools.lru_cache(maxsize=1024)  # noqa: B019 - a committed entry never changes; the destination is frozen
-    def _entry(self, export: str, version: int) -> _Entry | None:
+    def _entry(self, export: str, table_id: str, version: int) -> _Entry | None:
+        """What log entry ``version`` of the table says, kept for the process's life: keyed by the table's id (its
+        ``metaData`` id, made with the table) as well as the path, so that a table dropped and made again at the
+        same path is never read through the entries of the one before."""
         actions = self._log_entry(export, version)
         if actions is None:
             return None
@@ -499,7 +610,7 @@ class DeltaDestination(PublishingDestination):
         uri = self.table_for(export).rstrip("/")
         try:
             if uri.startswith("s3://"):
-                payload = self._s3_get(uri, name)
+                payload = self._store(export).read(name)
             else:
                 payload = (Path(uri.removeprefix("file://")) / name).read_bytes()
         except FileNotFoundError:
@@ -509,28 +620,6 @@ class DeltaDestination(PublishingDestination):
         if payload is None:
             return None
         return [json.loads(line) for line in payload.splitlines() if line.strip()]
-
-    def _s3_client(self):
-        from export_ledger.destinations.s3 import _boto
-
-        boto3, _, errors = _boto()
-        client = boto3.client(
-            "s3", endpoint_url=self.endpoint_url, region_name=self.region_name, aws_access_key_id=self.access_key_id,
-            aws_secret_access_key=self.secret_access_key, aws_session_token=self.session_token,
-        )  # fmt: skip
-        return client, errors
-
-    def _s3_get(self, uri: str, name: str) -> bytes | None:
-        bucket, _, prefix = uri.removeprefix("s3://").partition("/")
-        client, errors = self._s3_client()
-        try:
-            return client.get_object(Bucket=bucket, Key=f"{prefix}/{name}".lstrip("/"))["Body"].read()
-        except client.exceptions.NoSuchKey:
-            return None
-        except (errors.BotoCoreError, errors.ClientError) as exc:
-            raise DestinationUnreachable(f"cannot read {self.describe()}: {type(exc).__name__}") from None
-        finally:
-            client.close()
 
     def pointer(self, target: ExportTarget) -> Pointer:
         return self._state(target)[1]
@@ -627,7 +716,7 @@ class DeltaDestination(PublishingDestination):
         """Raises ``K#fence`` to ``token`` with an empty commit, made from the table version read: Delta rebases it
         over other keys' commits, and refuses it over one that carries ``K#fence`` (a fence or commit of this key)."""
         deltalake = _deltalake()
-        self.check_conditions()  # no commit goes to a store that ignores If-None-Match
+        self.check_conditions(target.export)  # no commit goes to a store that ignores If-None-Match
         for _ in range(_ROUNDS):
             table, current = self._state(target, logical_key)
             if current.fence > token:
@@ -648,9 +737,14 @@ class DeltaDestination(PublishingDestination):
                 table.create_write_transaction(
                     [], mode="append", schema=table.schema(), partition_by=[KEY_COLUMN], commit_properties=properties
                 )
-            except deltalake.exceptions.CommitFailedError:
-                continue  # a commit of this key (or of the table's metadata) landed since the read: read it again
             except (OSError, deltalake.exceptions.DeltaError) as exc:
+                if _lost_race(exc):
+                    continue  # a commit of this key (or of the table's metadata) landed since the read: read it again
+                refusal = _refusal(exc, table)
+                if refusal:
+                    raise DestinationError(
+                        f"{self.describe()}: Delta refused the fence of {logical_key} before writing it: {refusal}"
+                    ) from None
                 raise PublishOutcomeUnknown(
                     f"{self.describe()}: the fence's commit failed ({type(exc).__name__})"
                 ) from None
@@ -688,9 +782,10 @@ class DeltaDestination(PublishingDestination):
     def commit(self, staged: StagedExport, token: int, *, superseded: int) -> Pointer:
         """The rows and the key's txn actions in one commit, made from the table version at which the fence and the
         key's revision were read (Delta rebases it over other keys' commits only). Idempotent: a key already at this
-        place is success. Rows whose columns do not fit the table's are refused before anything is written."""
+        place is success. Rows whose columns do not fit the table's, and a restatement of an append-only table, are
+        refused before anything is written; so are rows Delta refuses (its constraints) and a table it cannot write."""
         deltalake = _deltalake()
-        self.check_conditions()
+        self.check_conditions(staged.target.export)
         target, manifest = staged.target, staged.manifest
         key = manifest.logical_key
         for _ in range(_ROUNDS):
@@ -714,11 +809,23 @@ class DeltaDestination(PublishingDestination):
                     f"{self.describe()}: {'; '.join(changes)}; nothing of {key} was written (a table's columns "
                     "change only by its owner, with DeltaTable.alter, never by an export)"
                 )
+            if target.revision > 1 and _append_only(table):
+                raise DestinationError(
+                    f"{self.describe()} is append-only ({APPEND_ONLY}=true): a restatement replaces the key's rows, "
+                    f"which Delta refuses there; nothing of {key} revision {target.revision} was written (restate "
+                    f"only once the table's owner sets {APPEND_ONLY} to false)"
+                )
             try:
                 version = self._write(table, staged, token)
-            except deltalake.exceptions.CommitFailedError:
-                continue  # a commit of this key (or of the table's metadata) landed since the read: read again
             except (OSError, deltalake.exceptions.DeltaError) as exc:
+                if _lost_race(exc):
+                    continue  # a commit of this key (or of the table's metadata) landed since the read: read again
+                refusal = _refusal(exc, table)
+                if refusal:
+                    raise DestinationError(
+                        f"{self.describe()}: Delta refused the commit of {key} revision {target.revision} before "
+                        f"writing it: {refusal}; nothing of it was written"
+                    ) from None
                 raise PublishOutcomeUnknown(
                     f"{self.describe()}: the commit of {key} revision {target.revision} failed ({type(exc).__name__})",
                     sha256=manifest.sha256, location=self.location(target),

@@ -108,7 +108,7 @@ def ledgered_definitions(
     resources: dict = {LEDGER_KEY: ledger}
     definitions: list = list(assets)
     checks, jobs, schedules, health_jobs = [], [], [], []
-    shared_tables: dict[str, list[str]] = {}
+    ledger_tables: dict[str, list[tuple[str, str]]] = {}  # table -> (export, its role there)
     for spec in exports:
         spec_destination = spec.destination or destination or settings.destination
         what = (
@@ -117,8 +117,9 @@ def ledgered_definitions(
         )  # fmt: skip
         resource = _destination_resource(spec_destination, ledger, settings, secrets_by_name, what)
         table = resource.spec.removeprefix("ledger-table:") if resource.spec.startswith("ledger-table:") else None
-        if table is not None and "{export}" not in table:
-            shared_tables.setdefault(table, []).append(spec.name)
+        if table is not None:
+            for role, name in SqlTableDestination(url="", table=table).tables_for(spec.name).items():
+                ledger_tables.setdefault(name, []).append((spec.name, role))
         problem = SqlTableDestination.check_export(resource.spec, spec.name) if table is not None else None
         if problem:  # checked with the export's own name: every run would fail on it (issue 26)
             raise ConfigurationError(f"{what} {resource.spec!r}: {problem}")
@@ -175,12 +176,7 @@ def ledgered_definitions(
             jobs.append(job)
             if group.schedule_time is not None:
                 schedules.append(build_nightly_schedule(job, spec, group))
-    for table, sharing in shared_tables.items():
-        if len(sharing) > 1:
-            raise ConfigurationError(
-                f"exports {sharing} would share the ledger table {table!r}; give each its own, for example "
-                "ledger-table:exported_{export}"
-            )
+    _refuse_shared_tables(ledger_tables)
     sensor = build_reconciliation_sensor(exports, jobs, batch_size=reconcile_batch_size, stuck_after=stuck_after)
     _DECLARED[sensor] = tuple(exports)
     sensors = [sensor]
@@ -231,6 +227,21 @@ def _pool_kind(spec: Destination | str) -> str:
     if isinstance(spec, Destination):
         return spec.pool
     return scheme_of(spec).load().pool
+
+
+def _refuse_shared_tables(ledger_tables: Mapping[str, Sequence[tuple[str, str]]]) -> None:
+    """Refuses two exports whose ``ledger-table:`` destinations resolve to one table: a rows table, ``_manifests`` or
+    ``_revisions`` table of one is one of the other's (``t_{export}`` for exports ``inv`` and ``inv_manifests``), and
+    every run of both would fail on the other's table."""
+    for table, users in ledger_tables.items():
+        if len(users) > 1:
+            roles = ", ".join(f"{export}'s {role} table" for export, role in users)
+            raise ConfigurationError(
+                f"exports {[export for export, _ in users]} would share the ledger table {table!r} ({roles}); give "
+                "each export tables of its own (a rows table, with its _manifests and _revisions beside it): for "
+                "example ledger-table:exported_{export}, and rename an export or give it a destination of its own "
+                "where that still collides"
+            )
 
 
 def _refuse_secret_ledger_url(url: str | dg.EnvVar) -> None:

@@ -443,6 +443,48 @@ def test_a_loss_committed_after_a_later_row_is_still_read_and_its_dead_run_faile
     assert _status(instance, live) is dg.DagsterRunStatus.STARTED
 
 
+@pytest.mark.postgres
+def test_a_run_is_not_judged_while_an_id_below_its_latest_rows_is_missing(postgres_url, instance, tmp_path, clock):
+    """A takeover's transaction fails after its INSERT took an id: that id never commits. Until GAP_WAIT has passed
+    the sensor cannot tell it from a row about to commit, so it judges no run meanwhile: the run below lost a key
+    (the row before the missing id) and was heard from (the row after it)."""
+    ledger = ExportLedger(postgres_url, clock=clock)
+    defs = make_defs(tmp_path, tenants=["acme", "globex", "initech"])
+    run = _started_run(defs, instance)
+    ttl = ledger.lease_ttl.total_seconds()
+    lost, kept, doomed = (key_for(dt.date(2026, 3, 8), tenant=tenant) for tenant in ("acme", "globex", "initech"))
+    claims = ledger.claims.claim_many([lost, kept], f"{run.run_id}/invoice_export")
+    ledger.claims.claim(doomed, "doomed/invoice_export")
+    clock.advance(seconds=ttl - 60)
+    (renewed,) = ledger.claims.renew_many([claims[1]])
+    clock.advance(seconds=61)
+    ledger.claims.claim(lost, "a-retry/invoice_export")  # the run's loss
+    engine = sa.create_engine(postgres_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text(
+            "CREATE FUNCTION refuse_doomed() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            "IF NEW.attempt_id LIKE 'doomed/%' THEN RAISE EXCEPTION 'refused by the test'; END IF; RETURN NEW; END $$"
+        ))  # fmt: skip
+        conn.execute(sa.text(
+            "CREATE TRIGGER refuse_doomed AFTER INSERT ON export_attempts FOR EACH ROW EXECUTE FUNCTION refuse_doomed()"
+        ))  # fmt: skip
+    engine.dispose()
+    with pytest.raises(sa.exc.DBAPIError, match="refused by the test"):  # its row took an id, then it rolled back
+        ledger.claims.claim(doomed, "another/invoice_export")
+    ledger.completions.complete(renewed, evidence_for(renewed))  # the run is heard from, after the missing id
+    ids = [a.id for a in ledger.queries.all_attempts()]
+    assert len(ids) == 2 and ids[1] - ids[0] == 2, f"one id is missing between the loss and the completion: {ids}"
+
+    clock.advance(seconds=ttl)  # a lease after the loss
+    log = logging.getLogger("test_dead_runs")
+    watch, ended = end_dead_runs(instance, ledger, ["invoice_export"], Watch(after=0), limit=10, log=log)
+    assert ended == [] and watch.after == ids[0], "nothing past the missing id is taken, and nobody is judged"
+    clock.advance(seconds=GAP_WAIT.total_seconds())
+    watch, ended = end_dead_runs(instance, ledger, ["invoice_export"], watch, limit=10, log=log)
+    assert watch.after == ids[1] and watch.waiting is None, "an id missing for GAP_WAIT is passed over"
+    assert ended == [] and _status(instance, run) is dg.DagsterRunStatus.STARTED, "the run was heard from"
+
+
 def _sequence_at(engine: sa.Engine) -> int:
     """The last id export_attempts' sequence gave (committed or not)."""
     with engine.connect() as conn:

@@ -486,6 +486,9 @@ def test_a_run_is_not_judged_while_an_id_below_its_latest_rows_is_missing(postgr
 
 
 def _sequence_at(engine: sa.Engine) -> int:
-    """The last id export_attempts' sequence gave (committed or not)."""
+    """The last id export_attempts' sequence gave (committed or not); 0 before its first (a fresh sequence reads
+    ``last_value`` 1 with ``is_called`` false)."""
     with engine.connect() as conn:
-        return conn.execute(sa.text("SELECT last_value FROM export_attempts_id_seq")).scalar_one()
+        return conn.execute(
+            sa.text("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM export_attempts_id_seq")
+        ).scalar_one()

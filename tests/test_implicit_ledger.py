@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 from pipeline_helpers import DAGSTER, PROJECT

@@ -90,8 +90,12 @@ def test_a_template_that_makes_one_of_the_ledgers_own_tables_is_refused(sqlite_u
         (_spec("inv"), _spec("inv_revisions"), "t_inv_revisions", "inv's revisions table, inv_revisions's rows table"),
         # A table named outright beside a template.
         (_spec("inv", destination="ledger-table:shared_manifests"), _spec("shared"), "t_shared_manifests", None),
-        (_spec("inv", destination="ledger-table:t_shared_manifests"), _spec("shared"), "t_shared_manifests",
-         "inv's rows table, shared's manifests table"),
+        (
+            _spec("inv", destination="ledger-table:t_shared_manifests"),
+            _spec("shared"),
+            "t_shared_manifests",
+            "inv's rows table, shared's manifests table",
+        ),
     ],
 )
 def test_exports_whose_ledger_tables_collide_are_refused_at_load_naming_both(sqlite_url, first, second, shared,

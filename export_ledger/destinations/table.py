@@ -209,7 +209,7 @@ class SqlTableDestination(TransactionalDestination):
         return self.table.replace("{export}", export)
 
     def tables_for(self, export: str) -> dict[str, str]:
-        """Every table ``export``'s rows use, by role: its rows table, ``<table>_manifests`` and ``<table>_revisions``."""
+        """The tables of ``export``, by role: its rows table, ``<table>_manifests`` and ``<table>_revisions``."""
         name = self.table_for(export)
         return {"rows": name, "manifests": f"{name}_manifests", "revisions": f"{name}_revisions"}
 

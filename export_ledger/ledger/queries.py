@@ -21,6 +21,7 @@ from export_ledger.ledger.schema import (
     export_runs,
 )
 
+
 @dataclass(frozen=True)
 class AttemptPage:
     """Attempt rows read in id order after an id (:meth:`Queries.attempts_after`).

@@ -386,6 +386,12 @@ def _kind_refusal(series: pd.Series, kind: str) -> str | None:
     string column are decoded as UTF-8 text: telling them apart would cost a scan of every text column).
     """
     dtype = series.dtype
+    if isinstance(dtype, pd.SparseDtype):
+        # pandas counts a sparse column as its values' kind; Arrow cannot convert it (a raw TypeError).
+        return (
+            f"is sparse, found dtype {dtype} (kind {kind!r} takes {KIND_TAKES[kind]}): make it dense first "
+            "(series.sparse.to_dense())"
+        )
     if kind == "timestamp":
         accepted = isinstance(dtype, pd.DatetimeTZDtype)
         refusal = "must hold timezone-aware timestamps"

@@ -108,6 +108,8 @@ class Settings:
             name.
         openlineage_url: ``EXPORTS_OPENLINEAGE_URL``, or None when unset (no lineage events).
         openlineage_namespace: ``EXPORTS_OPENLINEAGE_NAMESPACE``: the OpenLineage job namespace.
+        implicit_ledger_url: The URL ``ledger_url`` defaulted to (``./var/ledger.sqlite3``) when
+            ``EXPORTS_LEDGER_URL`` was unset, else None: see :attr:`ledger_is_implicit`.
     """
 
     ledger_url: str
@@ -123,6 +125,13 @@ class Settings:
     openlineage_url: str | None = None
     openlineage_namespace: str = DEFAULT_OPENLINEAGE_NAMESPACE
     environ: Mapping[str, str] = field(default_factory=dict, repr=False)
+    implicit_ledger_url: str | None = None
+
+    @property
+    def ledger_is_implicit(self) -> bool:
+        """The ledger is the local SQLite file nobody chose: ``EXPORTS_LEDGER_URL`` was unset and no other URL was
+        given since (a ``dataclasses.replace`` of ``ledger_url`` makes it explicit). A file private to each host."""
+        return self.implicit_ledger_url is not None and self.ledger_url == self.implicit_ledger_url
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None, *, base: Path | None = None) -> Settings:
@@ -137,8 +146,10 @@ class Settings:
         allow_below = env.get("EXPORTS_ALLOW_BELOW_LOW_WATER", "")
         if allow_below not in ("", "0", "1"):
             raise ConfigurationError(f"EXPORTS_ALLOW_BELOW_LOW_WATER must be 0 or 1, got {allow_below!r}")
+        ledger_url = ledger_url_from(env.get(LEDGER_URL_ENV) or "", base)
         return cls(
-            ledger_url=ledger_url_from(env.get(LEDGER_URL_ENV) or "", base),
+            ledger_url=ledger_url,
+            implicit_ledger_url=None if env.get(LEDGER_URL_ENV) else ledger_url,
             ledger_url_from_env=bool(env.get(LEDGER_URL_ENV)),
             destination=env.get(DESTINATION_ENV) or default_destination(base),
             tenants=tenants,

@@ -119,6 +119,11 @@ KINDS = [
     ("timestamp", "ISO strings", _series([WINDOW.start_utc.isoformat()] * ROWS), False),
     ("timestamp", "object of datetimes", _series([WINDOW.start_utc] * ROWS, object), False),
     ("timestamp", "int64", _series([4711, 2, 3, 4]), False),
+    # Sparse columns: Arrow cannot convert them (a raw TypeError before, reported as "details withheld").
+    ("int", "sparse int64", _series(pd.arrays.SparseArray([4711, 0, 0, 4])), False),
+    ("float", "sparse float64", _series(pd.arrays.SparseArray([4711.5, 0.0, 0.0, 4.0])), False),
+    ("bool", "sparse bool", _series(pd.arrays.SparseArray([True, False, False, True])), False),
+    ("string", "sparse str", _series(pd.arrays.SparseArray(["4711", "b", "c", "d"])), False),
 ]
 
 
@@ -158,6 +163,16 @@ def test_booleans_in_a_float_column_are_refused_not_exported_as_one_and_zero(dty
     stream = validate_batches(FrameBatches([frame]), schema_of("float"), WINDOW, "orders/acme")
     with pytest.raises(FrameError, match=f"batch 1.*column 'v' must be numeric, found dtype {dtype}"):
         write_rows(stream, "csv", _Discarded())
+
+
+@pytest.mark.parametrize("ordered", [True, False], ids=["arrow-path", "pandas-path"])
+def test_a_sparse_column_is_refused_by_name_saying_how_to_make_it_dense(ordered):
+    frame = frame_with(pd.Series(pd.arrays.SparseArray([4711, 0, 0, 4])), ordered=ordered)
+    with pytest.raises(FrameError) as refused:
+        validate_frame(frame, schema_of("int"), WINDOW, "orders/acme")
+    message = str(refused.value)
+    assert "column 'v' is sparse, found dtype Sparse[int64, 0]" in message, message
+    assert ".sparse.to_dense()" in message, f"the refusal says how to export it: {message}"
 
 
 @pytest.mark.parametrize(

@@ -82,6 +82,38 @@ def test_a_template_that_makes_one_of_the_ledgers_own_tables_is_refused(sqlite_u
         ledgered_definitions([_spec("runs")], environ=environ)
 
 
+@pytest.mark.parametrize(
+    ("first", "second", "shared", "roles"),
+    [
+        # The reviewer's case (issue 26): t_inv's manifests table is t_inv_manifests, the rows table of the other.
+        (_spec("inv"), _spec("inv_manifests"), "t_inv_manifests", "inv's manifests table, inv_manifests's rows table"),
+        (_spec("inv"), _spec("inv_revisions"), "t_inv_revisions", "inv's revisions table, inv_revisions's rows table"),
+        # A table named outright beside a template.
+        (_spec("inv", destination="ledger-table:shared_manifests"), _spec("shared"), "t_shared_manifests", None),
+        (
+            _spec("inv", destination="ledger-table:t_shared_manifests"),
+            _spec("shared"),
+            "t_shared_manifests",
+            "inv's rows table, shared's manifests table",
+        ),
+    ],
+)
+def test_exports_whose_ledger_tables_collide_are_refused_at_load_naming_both(sqlite_url, first, second, shared,
+                                                                            roles):  # fmt: skip
+    """Before, only specs without ``{export}`` were compared (by the rows table alone): these loaded, then every run
+    of both exports failed on the other's table."""
+    environ = {"EXPORTS_LEDGER_URL": sqlite_url, "EXPORTS_DESTINATION": "ledger-table:t_{export}"}
+    if roles is None:  # shared_manifests and t_shared_manifests: no collision, loads
+        assert ledgered_definitions([first, second], environ=environ)
+        return
+    with pytest.raises(ConfigurationError) as refused:
+        ledgered_definitions([first, second], environ=environ)
+    message = str(refused.value)
+    assert f"exports ['{first.name}', '{second.name}'] would share the ledger table '{shared}'" in message, message
+    assert roles in message, f"the message says which table of each export it is: {message}"
+    assert _tables(sqlite_url) == [], "refused before anything runs"
+
+
 def test_the_longest_export_name_that_fits_exports_into_its_ledger_table(ledger_url):
     environ = {"EXPORTS_LEDGER_URL": ledger_url, "EXPORTS_DESTINATION": "ledger-table:exported_{export}"}
     defs = ledgered_definitions([_spec(LONGEST)], environ=environ)

@@ -11,7 +11,7 @@ from export_ledger import cli
 from export_ledger.calendar import ExportCalendar, ZoneMove, window_for
 from export_ledger.contract import calendar_of
 from export_ledger.keys import LogicalKey
-from export_ledger.ledger import BelowLowWater, CompletionEvidence, ContractChanged, ExportLedger
+from export_ledger.ledger import BelowLowWater, CompletionEvidence, ContractChanged, ExportLedger, RestatementRefused
 from export_ledger.ledger.schema import ExportState
 from export_ledger.tenants import Tenant
 
@@ -78,6 +78,34 @@ def test_a_first_claim_below_the_low_water_mark_is_refused_unless_overridden(age
 
     override = ExportLedger(ledger_url, clock=clock, allow_below_low_water=True)
     assert override.claims.claim(pruned_key, "operator/invoice_export").fencing_token == 1
+
+
+def test_a_restatement_of_an_unknown_key_says_it_was_pruned_only_when_its_date_is_surely_before_the_mark(
+    sqlite_url, clock
+):
+    """The refusal reads the key's date from its window start (the key does not name its zone): a Tokyo key on the
+    mark date itself starts the day before in UTC. It must not be told its date was pruned (the review, issue 26)."""
+    ledger = ExportLedger(sqlite_url, clock=clock)
+    for day in range(1, 7):
+        key = LogicalKey("invoice_export", "acme", window_for(dt.date(2026, 1, day), "Asia/Tokyo"))
+        claim = ledger.claims.claim(key, f"run-{day}/invoice_export")
+        ledger.completions.complete(claim, CompletionEvidence(f"/exports/{day}", "ab" * 32, 9, claim.attempt_id, 1))
+    (plan,) = ledger.retention.prune(TO_JAN_5)
+    assert (plan.mark, plan.pruned) == (dt.date(2026, 1, 5), 4)
+
+    on_the_mark = LogicalKey("invoice_export", "globex", window_for(dt.date(2026, 1, 5), "Asia/Tokyo"))
+    with pytest.raises(RestatementRefused) as refused:
+        ledger.restatements.request(str(on_the_mark), reason="late invoices", requested_by="ops")
+    message = str(refused.value)
+    assert f"unknown logical key '{on_the_mark}'" in message and "2026-01-04T15:00:00Z" in message, message
+    assert "of those dates" not in message and "never exported, or pruned" in message, (
+        f"a key that may be on the mark date is not said to be of a pruned date: {message}"
+    )
+
+    pruned = LogicalKey("invoice_export", "acme", window_for(dt.date(2026, 1, 3), "Asia/Tokyo"))
+    surely = r"business dates before the retention low-water mark of invoice_export \(2026-01-05\) were pruned: a "
+    with pytest.raises(RestatementRefused, match=surely + "restatement of a key of those dates"):
+        ledger.restatements.request(str(pruned), reason="late invoices", requested_by="ops")
 
 
 def test_the_low_water_mark_never_moves_back(aged_ledger, clock):

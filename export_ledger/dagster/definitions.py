@@ -61,7 +61,9 @@ def ledgered_definitions(
     Args:
         exports: The declared exports (names unique). An export without a source is exported from an asset of your
             own, passed in ``assets``, whose ``io_manager_key`` is ``f"{name}__io_manager"``.
-        ledger: A ready ledger resource; default from the settings (``EXPORTS_LEDGER_URL`` or ``./var/ledger.sqlite3``).
+        ledger: A ready ledger resource; default from the settings (``EXPORTS_LEDGER_URL`` or ``./var/ledger.sqlite3``;
+            that file is this host's alone, so it is refused beside a destination on an object store or a Delta
+            table on a URL: set ``EXPORTS_LEDGER_URL`` or pass a ledger).
             ``EXPORTS_LEDGER_URL`` read from the process environment is passed to Dagster by name (``EnvVar``); a
             ledger URL with a password given as a value (a ``LedgerResource``'s url, or read from ``environ``) is
             refused, because Dagster shows resource config values in its UI.
@@ -89,6 +91,7 @@ def ledgered_definitions(
     settings = settings or Settings.from_environment(environ)
     secrets_by_name = environ is None  # reading the process environment: hand secrets over by name
 
+    implicit_ledger = ledger is None and settings.ledger_is_implicit
     if ledger is None:
         url = dg.EnvVar(LEDGER_URL_ENV) if settings.ledger_url_from_env and secrets_by_name else settings.ledger_url
         ledger = LedgerResource(
@@ -108,7 +111,7 @@ def ledgered_definitions(
     resources: dict = {LEDGER_KEY: ledger}
     definitions: list = list(assets)
     checks, jobs, schedules, health_jobs = [], [], [], []
-    shared_tables: dict[str, list[str]] = {}
+    ledger_tables: dict[str, list[tuple[str, str]]] = {}  # table -> (export, its role there)
     for spec in exports:
         spec_destination = spec.destination or destination or settings.destination
         what = (
@@ -116,9 +119,12 @@ def ledgered_definitions(
             else "the destination argument" if destination else "EXPORTS_DESTINATION"
         )  # fmt: skip
         resource = _destination_resource(spec_destination, ledger, settings, secrets_by_name, what)
+        if implicit_ledger:
+            _refuse_private_ledger(spec.name, resource.spec, what)
         table = resource.spec.removeprefix("ledger-table:") if resource.spec.startswith("ledger-table:") else None
-        if table is not None and "{export}" not in table:
-            shared_tables.setdefault(table, []).append(spec.name)
+        if table is not None:
+            for role, name in SqlTableDestination(url="", table=table).tables_for(spec.name).items():
+                ledger_tables.setdefault(name, []).append((spec.name, role))
         problem = SqlTableDestination.check_export(resource.spec, spec.name) if table is not None else None
         if problem:  # checked with the export's own name: every run would fail on it (issue 26)
             raise ConfigurationError(f"{what} {resource.spec!r}: {problem}")
@@ -175,12 +181,7 @@ def ledgered_definitions(
             jobs.append(job)
             if group.schedule_time is not None:
                 schedules.append(build_nightly_schedule(job, spec, group))
-    for table, sharing in shared_tables.items():
-        if len(sharing) > 1:
-            raise ConfigurationError(
-                f"exports {sharing} would share the ledger table {table!r}; give each its own, for example "
-                "ledger-table:exported_{export}"
-            )
+    _refuse_shared_tables(ledger_tables)
     sensor = build_reconciliation_sensor(exports, jobs, batch_size=reconcile_batch_size, stuck_after=stuck_after)
     _DECLARED[sensor] = tuple(exports)
     sensors = [sensor]
@@ -231,6 +232,39 @@ def _pool_kind(spec: Destination | str) -> str:
     if isinstance(spec, Destination):
         return spec.pool
     return scheme_of(spec).load().pool
+
+
+def _refuse_private_ledger(export: str, spec: str, what: str) -> None:
+    """Refuses the implicit ledger (``./var/ledger.sqlite3``, a file of this host's) for a destination every host
+    writes: an object store or a Delta table on a URL. A run worker whose environment lost ``EXPORTS_LEDGER_URL``
+    would export there and record it in a ledger of its own, where no contract check, sensor or operator sees it.
+    (A local folder is this host's too, and stays allowed: the Quickstart.)"""
+    place = spec.removeprefix("delta:")
+    if "://" not in place or place.startswith("file://"):
+        return
+    scheme = spec[: len(spec) - len(place)] + place.split("://", 1)[0] + "://"
+    raise ConfigurationError(
+        f"export {export} goes to {scheme} ({what}), a store every host writes, but {LEDGER_URL_ENV} is not set: "
+        "the ledger would be ./var/ledger.sqlite3 in the working directory, a file of this host's alone, so a run "
+        "worker would record its exports where no other worker, sensor or operator sees them. Set "
+        f"{LEDGER_URL_ENV} to the shared ledger (the same in the code location, the daemon and every run worker), or "
+        "pass ledger=LedgerResource(url=...) in code"
+    )
+
+
+def _refuse_shared_tables(ledger_tables: Mapping[str, Sequence[tuple[str, str]]]) -> None:
+    """Refuses two exports whose ``ledger-table:`` destinations resolve to one table: a rows table, ``_manifests`` or
+    ``_revisions`` table of one is one of the other's (``t_{export}`` for exports ``inv`` and ``inv_manifests``), and
+    every run of both would fail on the other's table."""
+    for table, users in ledger_tables.items():
+        if len(users) > 1:
+            roles = ", ".join(f"{export}'s {role} table" for export, role in users)
+            raise ConfigurationError(
+                f"exports {[export for export, _ in users]} would share the ledger table {table!r} ({roles}); give "
+                "each export tables of its own (a rows table, with its _manifests and _revisions beside it): for "
+                "example ledger-table:exported_{export}, and rename an export or give it a destination of its own "
+                "where that still collides"
+            )
 
 
 def _refuse_secret_ledger_url(url: str | dg.EnvVar) -> None:

@@ -12,6 +12,7 @@ import datetime as dt
 import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
 import dagster as dg
 
@@ -24,7 +25,7 @@ from export_ledger.dagster.assets import (
     stuck_check_evaluation,
 )
 from export_ledger.dagster.io_manager import LISTED_KEYS, key_table, status_command
-from export_ledger.dead_runs import Watch, judge_runs
+from export_ledger.dead_runs import Finding, Watch, judge_runs
 from export_ledger.deadlines import late_keys
 from export_ledger.errors import CalendarError
 from export_ledger.ledger import DEFAULT_MAX_ATTEMPTS, ExportLedger, ExportState, PartitionWork, Restatement
@@ -260,12 +261,15 @@ def end_dead_runs(
     run's slots after ``free_slots_after_run_end_seconds``), Dagster's run retries and this sensor's reruns proceed.
 
     Reads the attempt rows of ``exports`` after ``watch.after`` (at most ``attempts_read``) and judges the runs
-    that lost keys once it has read them all (a run heard from in a row not read yet must not be ended). A run judged
-    not ended leaves the watch: the next key it loses brings it back. Returns the watch to keep and the runs ended.
+    that lost keys once it has read them all, none missing below the highest read (a run heard from in a row not read
+    yet must not be ended). A run is ended only once it has been quiet for a lease (the ledger's) after its latest
+    loss: a run whose loss is recent stays in the watch and is judged again; any other verdict takes it out of the
+    watch, and the next key it loses brings it back. Returns the watch to keep and the runs ended.
     """
-    rows, after, more = ledger.queries.attempts_after(watch.after, limit=attempts_read, exports=exports)
-    watch = watch.seen(rows, after)
-    if more or not watch.losing:
+    page = ledger.queries.attempts_after(watch.after, limit=attempts_read, exports=exports)
+    now = ledger.now()
+    watch = watch.seen(page, now)
+    if page.full or watch.waiting is not None or not watch.losing:
         return watch, []
     losing = sorted(watch.losing.values(), key=lambda run: run.last_lost_at)[:limit]  # the longest lost first
     records = instance.get_run_records(
@@ -273,15 +277,17 @@ def end_dead_runs(
     )
     in_flight = {record.dagster_run.run_id: record.dagster_run for record in records}
     held = ledger.queries.held_by_runs(sorted(in_flight))
-    ended = []
-    for verdict in judge_runs(watch, sorted(in_flight), held, ledger.now()):
+    ended, recent = [], set()
+    for verdict in judge_runs(watch, sorted(in_flight), held, now, ledger.lease_ttl):
         if verdict.ended:
             _mark_failed(instance, in_flight[verdict.run_id], verdict.why, log)
             ended.append(verdict.run_id)
         else:
+            if verdict.finding is Finding.RECENT:
+                recent.add(verdict.run_id)
             log.info(f"run {verdict.run_id} lost export keys but is not ended: {verdict.why}")
-    judged = {run.run_id for run in losing}
-    return Watch(after, {run_id: run for run_id, run in watch.losing.items() if run_id not in judged}), ended
+    judged = {run.run_id for run in losing} - recent
+    return replace(watch, losing={run_id: run for run_id, run in watch.losing.items() if run_id not in judged}), ended
 
 
 def _mark_failed(instance: dg.DagsterInstance, run: dg.DagsterRun, why: str, log) -> None:

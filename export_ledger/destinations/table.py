@@ -208,6 +208,11 @@ class SqlTableDestination(TransactionalDestination):
         """The rows table of ``export``: ``table`` itself, or with ``{export}`` replaced by the export's name."""
         return self.table.replace("{export}", export)
 
+    def tables_for(self, export: str) -> dict[str, str]:
+        """The tables of ``export``, by role: its rows table, ``<table>_manifests`` and ``<table>_revisions``."""
+        name = self.table_for(export)
+        return {"rows": name, "manifests": f"{name}_manifests", "revisions": f"{name}_revisions"}
+
     @staticmethod
     def check_export(spec: str, export: str) -> str | None:
         """Why ``spec`` cannot hold ``export``'s rows (None: it can): the table name it makes for that export, with

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import sqlalchemy as sa
 
@@ -19,6 +20,25 @@ from export_ledger.ledger.schema import (
     export_restatements,
     export_runs,
 )
+
+
+@dataclass(frozen=True)
+class AttemptPage:
+    """Attempt rows read in id order after an id (:meth:`Queries.attempts_after`).
+
+    Attributes:
+        after: The id they were read after.
+        ids: Every id read, in order, whatever its export: an id missing between two of them was not visible to the
+            read (its transaction not committed yet, rolled back, or its row pruned).
+        rows: The rows of the exports asked for, in id order.
+        full: The read reached its limit: more rows may follow.
+    """
+
+    after: int
+    ids: tuple[int, ...]
+    rows: tuple[AttemptRecord, ...]
+    full: bool
+
 
 #: Days probed per statement by :meth:`Queries.unfinished_days` (SQLite allows 500 terms in a compound select).
 DAYS_PER_PROBE = 100
@@ -252,12 +272,9 @@ class Queries:
             rows = conn.execute(sa.select(export_attempts).order_by(export_attempts.c.id))
             return [AttemptRecord.from_row(row) for row in rows]
 
-    def attempts_after(
-        self, after: int | None, *, limit: int, exports: Sequence[str] = ()
-    ) -> tuple[list[AttemptRecord], int, bool]:
+    def attempts_after(self, after: int | None, *, limit: int, exports: Sequence[str] = ()) -> AttemptPage:
         """Attempt rows with an id above ``after``, oldest first: at most ``limit`` rows read from the primary key,
-        those of ``exports`` kept (all when empty); the id to pass next time; and whether more rows may follow (the
-        read was full). ``after`` None starts ``limit`` rows back from the newest."""
+        those of ``exports`` kept (all when empty). ``after`` None starts ``limit`` rows back from the newest."""
         attempts = export_attempts.c
         with self.ledger.atomic(read_only=True) as conn:
             if after is None:
@@ -271,8 +288,8 @@ class Queries:
                 .limit(limit)
             ).all()
         wanted = set(exports)
-        kept = [_attempt(row) for row in rows if not wanted or row.export in wanted]
-        return kept, rows[-1].id if rows else after, len(rows) == limit
+        kept = tuple(_attempt(row) for row in rows if not wanted or row.export in wanted)
+        return AttemptPage(after, tuple(row.id for row in rows), kept, len(rows) == limit)
 
     def held_by_runs(self, run_ids: Sequence[str], *, limit: int = 1000) -> list[ExportRecord]:
         """Keys ``in_progress`` whose lease (live or ended) an attempt of one of these Dagster runs holds (its id is

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from export_ledger.calendar import load_zone
+from export_ledger.calendar import load_zone, utc_iso
 from export_ledger.ledger.operators import append_in
 from export_ledger.ledger.schema import (
     ExportState,
@@ -122,11 +122,20 @@ class Retention:
                 start = dt.datetime.fromisoformat(rest.rpartition("/")[2].replace("Z", "+00:00"))
             except ValueError:
                 return None
-            if start.date() >= mark:
+            # The key names its window's start, not its zone: its business date is the date of that instant in a
+            # zone between UTC-12 and UTC+14.
+            earliest, latest = ((start + dt.timedelta(hours=h)).date() for h in (-12, 14))
+            if earliest >= mark:
                 return None
+            if latest < mark:
+                return (
+                    f"unknown logical key {logical_key!r}: the ledger has no record of it, and the records of "
+                    f"business dates before {closed} were pruned: {what} of a key of those dates is refused"
+                )
             return (
-                f"unknown logical key {logical_key!r}: the ledger has no record of it, and the records of business "
-                f"dates before {closed} were pruned: {what} of a key of those dates is refused"
+                f"unknown logical key {logical_key!r}: the ledger has no record of it (never exported, or pruned: its "
+                f"window starts at {utc_iso(start)}, so by its zone its business date may be on or before "
+                f"{closed}, and the records of business dates before the mark were pruned); {what} of it is refused"
             )
         if business_date >= mark:
             return None

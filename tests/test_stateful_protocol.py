@@ -219,9 +219,11 @@ CAUGHT_BY = {
     "request_revision_numbering": (r"invariant 4 ", 300, False),
     "window_end": (r"invariant 8 ", 200, False),
     "contract_refusal": (r"invariant (K|D|3|6) ", 100, False),
-    "moved_refusal": (r"invariant (K|D|3|C) ", 100, False),
+    "moved_refusal": (r"invariant (K|D|3|C) ", 400, True),
 }
-#: The export contract's guards: explored by the machine with the contract's rules.
+#: The export contract's guards: explored by the machine with the contract's rules. ``moved_refusal`` needs a key
+#: completed, a new destination accepted, then a restatement (about 140 examples, 20 s here): the default tier shows it
+#: on that path by hand (test_without_the_moved_refusal_the_same_path_is_caught).
 CONTRACT_MUTATIONS = {"contract_refusal", "moved_refusal"}
 
 

@@ -156,8 +156,6 @@ class ProtocolMachine(RuleBasedStateMachine):
     backend = "sqlite"
     destination_kind = "local"
     liveness = True
-    #: Whether the export contract's rules run (see :func:`machine_for`).
-    contracts = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -180,19 +178,22 @@ class ProtocolMachine(RuleBasedStateMachine):
 
     # -- setup -----------------------------------------------------------------------------------------------
 
-    @initialize(keys=st.integers(0, 1), history=st.booleans())
+    @initialize(keys=st.integers(0, 1))
     @guarded
-    def setup(self, keys: int, history: bool) -> None:
-        """One key (the late one, whose window ends after the start) or two; with ``history``, the early key (when
-        there are two) was exported before the example starts, by the first code (so that deploys and restatements
-        meet a key already completed under a contract)."""
+    def setup(self, keys: int) -> None:
+        """One key (the late one, whose window ends after the start) or two."""
+        self._setup(keys)
+
+    def _setup(self, keys: int, history: bool = False) -> None:
+        """With ``history``, the early key (when there are two) was exported before the example starts, by the first
+        code."""
         self.world = World(self.backend, self.destination_kind)
         self.keys = KEYS[-(keys + 1) :]
         self.tracks = {(str(key), at): Track() for key in self.keys for at in range(len(PLACES))}
         self.recorded = {str(key): {} for key in self.keys}
         self.codes = [Code()]
         STATS["examples"] += 1
-        if history and self.contracts and len(self.keys) > 1:
+        if history and len(self.keys) > 1:
             earlier = ExportAttempt(self._name("history"), self.keys[0], 0, source_fails=False, variant=0)
             self.parties.append(earlier)
             while not earlier.done:
@@ -230,17 +231,18 @@ class ProtocolMachine(RuleBasedStateMachine):
         which=st.integers(0, 1),
         offset=st.sampled_from([0, 0, -1800, -600, -30, 30, 600, 1800, 7200]),
         source_fails=st.integers(0, 5).map(lambda n: n == 0),
-        stale=STALE,
     )
     @guarded
-    def start_attempt(self, which: int, offset: int, source_fails: bool, stale: int) -> None:
-        """A worker starts an attempt on a key: its first step, the claim. It runs the code deployed last, or (a worker
-        with a stale environment) an earlier one."""
+    def start_attempt(self, which: int, offset: int, source_fails: bool) -> None:
+        """A worker starts an attempt on a key: its first step, the claim."""
+        self._start_attempt(which, offset, source_fails, self.codes[-1])
+
+    def _start_attempt(self, which: int, offset: int, source_fails: bool, code: Code) -> None:
         self._count("start_attempt")
         key = self.keys[which % len(self.keys)]
         variant = self.numbers["attempt"] + 1
         attempt = ExportAttempt(self._name("attempt"), key, offset, source_fails=source_fails, variant=variant,
-                                code=self._code(stale))  # fmt: skip
+                                code=code)  # fmt: skip
         self.parties.append(attempt)
         self.step(attempt)
 
@@ -348,12 +350,14 @@ class ProtocolMachine(RuleBasedStateMachine):
         late=st.sampled_from([0, 0, 1, 300]),
         who=st.sampled_from(["attempt", "attempt", "reconciler"]),
         offset=st.sampled_from([0, -1800, 1800]),
-        stale=STALE,
     )
     @guarded
-    def take_over(self, index: int, late: int, who: str, offset: int, stale: int) -> None:
+    def take_over(self, index: int, late: int, who: str, offset: int) -> None:
         """A party's lease runs out (the clock set to its expiry, or ``late`` seconds after) while it still believes
         in it, and a new attempt (or a reconciler) comes for its key at once: its first step."""
+        self._take_over(index, late, who, offset, self.codes[-1])
+
+    def _take_over(self, index: int, late: int, who: str, offset: int, code: Code) -> None:
         self._count("take_over")
         held = [p for p in self.live() if p.claim is not None]
         party = held[index % len(held)]
@@ -365,62 +369,9 @@ class ProtocolMachine(RuleBasedStateMachine):
         else:
             variant = self.numbers["attempt"] + 1
             newcomer = ExportAttempt(self._name("attempt"), party.key, offset, source_fails=False, variant=variant,
-                                     code=self._code(stale))  # fmt: skip
+                                     code=code)  # fmt: skip
         self.parties.append(newcomer)
         self.step(newcomer)
-
-    # -- rules: the export contract -------------------------------------------------------------------------------
-
-    def _code(self, stale: int) -> Code:
-        """The code deployed last, or ``stale`` deploys before it (a worker that has not picked up the new code)."""
-        return self.codes[max(0, len(self.codes) - 1 - stale)]
-
-    @precondition(lambda self: self.contracts and len(self.codes) < MAX_CODES)
-    @rule(what=st.sampled_from(("destination",) * 3 + CHANGES))  # a new destination is the change that matters most
-    @guarded
-    def deploy(self, what: str) -> None:
-        """A deploy changes what the export is: its destination (A <-> B), file format, column order, source or
-        version. Attempts started from now on run it (but for a worker with a stale environment)."""
-        self._count(f"deploy {what}")
-        self.codes.append(self.codes[-1].changed(what))
-
-    def _acceptable(self, ahead: bool) -> list[str]:
-        """The tenants an acceptance would change: ``ahead``, whose contract in force is not the latest code's;
-        else, those with a refusal open."""
-        if ahead:
-            return sorted(t for t, code in self.in_force_code.items() if code != self.codes[-1])
-        return sorted(self.refused_tenants)
-
-    @precondition(lambda self: self.contracts and (self._acceptable(True) or self._acceptable(False)))
-    @rule(which=st.integers(0, 1), ahead=st.booleans())
-    @guarded
-    def accept_contract(self, which: int, ahead: bool) -> None:
-        """``export-ledger accept-contract --keep-exported`` for a tenant: the contract its refused code asked for
-        (``accept_refused``), or (``ahead``) the contract of the code deployed last, declared before its claims
-        (``accept``), becomes the one in force. Refused itself while a key of the tenant may still be written at the
-        old destination (or, for ``accept_refused``, when no claim was refused)."""
-        self._count("accept_contract")
-        contracts = self.world.ledger.contracts
-        ahead = ahead if self._acceptable(ahead) else not ahead
-        tenants = self._acceptable(ahead)
-        tenant = tenants[which % len(tenants)]
-        key = next(key for key in self.keys if key.tenant == tenant)
-        code = self.codes[-1] if ahead else self.refused_tenants[tenant]
-        try:
-            if ahead:
-                accepted = [contracts.accept(EXPORT, self.world.contract(key, code), "deployed", tenant=tenant,
-                                             operator="ops", exported="keep")]  # fmt: skip
-            else:
-                accepted = contracts.accept_refused(EXPORT, "deployed", tenant=tenant, operator="ops",
-                                                    exported="keep")  # fmt: skip
-        except (LedgerError, ValueError) as exc:
-            STATS[f"accept-contract refused: {type(exc).__name__}"] += 1
-            return
-        self.refused_tenants.pop(tenant, None)
-        self.in_force_code[tenant] = code
-        moved = any(a.previous and a.previous["terms"]["destination"] != a.accepted["terms"]["destination"]
-                    for a in accepted)  # fmt: skip
-        STATS[f"accept-contract {'of a new destination' if moved else 'of new terms'}"] += 1
 
     # -- rules: reconciliation and operators ---------------------------------------------------------------------
 
@@ -448,16 +399,19 @@ class ProtocolMachine(RuleBasedStateMachine):
         return found
 
     @precondition(lambda self: self._where(S.COMPLETED, request=False))
-    @rule(which=st.integers(0, 1), launch=st.booleans())
+    @rule(which=st.integers(0, 1))
     @guarded
-    def request_restatement(self, which: int, launch: bool) -> None:
-        """An operator (or the drift sensor) asks for the next revision of a completed key; with ``launch``, the run
-        that publishes it starts at once (as ``export-ledger restate`` launches it), on the code deployed last: its
-        first step, the claim."""
+    def request_restatement(self, which: int) -> None:
+        """An operator (or the drift sensor) asks for the next revision of a completed key."""
+        self._restate(which, launch=False)
+
+    def _restate(self, which: int, *, launch: bool) -> None:
+        """The request; with ``launch``, the run that publishes it starts at once (as ``export-ledger restate``
+        launches it), on the code deployed last: its first step, the claim."""
         self._count("request_restatement")
         keys = self._where(S.COMPLETED, request=False)
         key = keys[which % len(keys)]
-        if self._request(key) and launch and self.contracts and len(self.live()) < MAX_LIVE:
+        if self._request(key) and launch and len(self.live()) < MAX_LIVE:
             variant = self.numbers["attempt"] + 1
             attempt = ExportAttempt(self._name("attempt"), key, 0, source_fails=False, variant=variant,
                                     code=self.codes[-1])  # fmt: skip
@@ -921,6 +875,105 @@ class ProtocolMachine(RuleBasedStateMachine):
                                 "it")  # fmt: skip
 
 
+class ContractMachine(ProtocolMachine):
+    """The machine with the export contract's rules: deploys that change what the export is, attempts on the code
+    deployed last or (a stale environment) an earlier one, accept-contract, a key exported before the example starts,
+    restatements that launch their run. (Rules of the same name replace the protocol machine's, with one more
+    choice each.)"""
+
+    @initialize(keys=st.integers(0, 1), history=st.booleans())
+    @guarded
+    def setup(self, keys: int, history: bool) -> None:
+        """As the protocol machine's; with ``history``, the early key (when there are two) was exported before the
+        example starts, by the first code (so that deploys and restatements meet a key completed under a contract)."""
+        self._setup(keys, history)
+
+    @precondition(lambda self: len(self.live()) < MAX_LIVE)
+    @rule(
+        which=st.integers(0, 1),
+        offset=st.sampled_from([0, 0, -1800, -600, -30, 30, 600, 1800, 7200]),
+        source_fails=st.integers(0, 5).map(lambda n: n == 0),
+        stale=STALE,
+    )
+    @guarded
+    def start_attempt(self, which: int, offset: int, source_fails: bool, stale: int) -> None:
+        """A worker starts an attempt on a key: its first step, the claim. It runs the code deployed last, or (a worker
+        with a stale environment) an earlier one."""
+        self._start_attempt(which, offset, source_fails, self._code(stale))
+
+    @precondition(lambda self: any(p.claim is not None for p in self.live()) and len(self.live()) < MAX_LIVE)
+    @rule(
+        index=st.integers(0, MAX_LIVE - 1),
+        late=st.sampled_from([0, 0, 1, 300]),
+        who=st.sampled_from(["attempt", "attempt", "reconciler"]),
+        offset=st.sampled_from([0, -1800, 1800]),
+        stale=STALE,
+    )
+    @guarded
+    def take_over(self, index: int, late: int, who: str, offset: int, stale: int) -> None:
+        """As the protocol machine's, the newcomer on the code deployed last or an earlier one."""
+        self._take_over(index, late, who, offset, self._code(stale))
+
+    @precondition(lambda self: self._where(S.COMPLETED, request=False))
+    @rule(which=st.integers(0, 1), launch=st.booleans())
+    @guarded
+    def request_restatement(self, which: int, launch: bool) -> None:
+        """An operator (or the drift sensor) asks for the next revision of a completed key; with ``launch``, its run
+        starts at once on the code deployed last."""
+        self._restate(which, launch=launch)
+
+    def _code(self, stale: int) -> Code:
+        """The code deployed last, or ``stale`` deploys before it (a worker that has not picked up the new code)."""
+        return self.codes[max(0, len(self.codes) - 1 - stale)]
+
+    @precondition(lambda self: len(self.codes) < MAX_CODES)
+    @rule(what=st.sampled_from(("destination",) * 3 + CHANGES))  # a new destination is the change that matters most
+    @guarded
+    def deploy(self, what: str) -> None:
+        """A deploy changes what the export is: its destination (A <-> B), file format, column order, source or
+        version. Attempts started from now on run it (but for a worker with a stale environment)."""
+        self._count(f"deploy {what}")
+        self.codes.append(self.codes[-1].changed(what))
+
+    def _acceptable(self, ahead: bool) -> list[str]:
+        """The tenants an acceptance would change: ``ahead``, whose contract in force is not the latest code's;
+        else, those with a refusal open."""
+        if ahead:
+            return sorted(t for t, code in self.in_force_code.items() if code != self.codes[-1])
+        return sorted(self.refused_tenants)
+
+    @precondition(lambda self: self._acceptable(True) or self._acceptable(False))
+    @rule(which=st.integers(0, 1), ahead=st.booleans())
+    @guarded
+    def accept_contract(self, which: int, ahead: bool) -> None:
+        """``export-ledger accept-contract --keep-exported`` for a tenant: the contract its refused code asked for
+        (``accept_refused``), or (``ahead``) the contract of the code deployed last, declared before its claims
+        (``accept``), becomes the one in force. Refused itself while a key of the tenant may still be written at the
+        old destination (or, for ``accept_refused``, when no claim was refused)."""
+        self._count("accept_contract")
+        contracts = self.world.ledger.contracts
+        ahead = ahead if self._acceptable(ahead) else not ahead
+        tenants = self._acceptable(ahead)
+        tenant = tenants[which % len(tenants)]
+        key = next(key for key in self.keys if key.tenant == tenant)
+        code = self.codes[-1] if ahead else self.refused_tenants[tenant]
+        try:
+            if ahead:
+                accepted = [contracts.accept(EXPORT, self.world.contract(key, code), "deployed", tenant=tenant,
+                                             operator="ops", exported="keep")]  # fmt: skip
+            else:
+                accepted = contracts.accept_refused(EXPORT, "deployed", tenant=tenant, operator="ops",
+                                                    exported="keep")  # fmt: skip
+        except (LedgerError, ValueError) as exc:
+            STATS[f"accept-contract refused: {type(exc).__name__}"] += 1
+            return
+        self.refused_tenants.pop(tenant, None)
+        self.in_force_code[tenant] = code
+        moved = any(a.previous and a.previous["terms"]["destination"] != a.accepted["terms"]["destination"]
+                    for a in accepted)  # fmt: skip
+        STATS[f"accept-contract {'of a new destination' if moved else 'of new terms'}"] += 1
+
+
 def _at(place: tuple[int | None, str]) -> str:
     at, name = place
     return f"{name} at {'?' if at is None else PLACES[at]}"
@@ -941,6 +994,6 @@ def _terms(contract: dict | None) -> str:
 def machine_for(backend: str, destination: str, *, contracts: bool = True) -> type[ProtocolMachine]:
     """The machine on a ledger backend (``sqlite``, ``postgres``) and a destination A (``local``, ``s3``), with the
     export contract's rules or (``contracts`` False) without them."""
-    suffix = "" if contracts else "_one_code"
-    return type(f"ProtocolMachine_{backend}_{destination}{suffix}", (ProtocolMachine,),
-                dict(backend=backend, destination_kind=destination, contracts=contracts))  # fmt: skip
+    base = ContractMachine if contracts else ProtocolMachine
+    return type(f"{base.__name__}_{backend}_{destination}", (base,),
+                dict(backend=backend, destination_kind=destination))  # fmt: skip

@@ -44,10 +44,22 @@ class Exploration:
 
 
 def explore(
-    bounds: Bounds, guards: Guards | None = None, *, liveness: bool = True, max_states: int = 2_000_000
+    bounds: Bounds,
+    guards: Guards | None = None,
+    *,
+    liveness: bool = True,
+    max_states: int = 2_000_000,
+    ignore: frozenset[str] = frozenset(),
 ) -> Exploration:
-    """Explores every state reachable within ``bounds`` under ``guards``; stops at the first broken invariant."""
+    """Explores every state reachable within ``bounds`` under ``guards``; stops at the first broken invariant.
+    ``ignore``: invariants (by name) not checked, to see what a mutation breaks beyond the invariant that states its
+    guard."""
     protocol = Protocol(bounds, guards or Guards())
+    contracts = bounds.contracts
+
+    def check(state: State) -> str | None:
+        return check_state(state, contracts, ignore)
+
     canonical = protocol.canonical
     started = time.perf_counter()
     first = initial_state(bounds)
@@ -74,14 +86,14 @@ def explore(
             len(states), transitions, max(depth), time.perf_counter() - started, protocol.bound_hits, invariant, trace
         )
 
-    broken = check_state(first)
+    broken = check(first)
     if broken:
         return found(broken, 0)
     while queue:
         here = queue.popleft()
         for move in protocol.successors(states[here]):
             transitions += 1
-            if move.violation:
+            if move.violation and move.violation not in ignore:
                 return found(move.violation, here, move)
             state = canonical(move.state)
             there = index.get(state)
@@ -93,7 +105,7 @@ def explore(
                 states.append(state)
                 parent.append(here)
                 depth.append(depth[here] + 1)
-                broken = check_state(state)
+                broken = check(state)
                 if broken:
                     return found(broken, there)
                 queue.append(there)

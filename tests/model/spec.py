@@ -10,7 +10,11 @@ Everything here is re-stated from the docs, not from ``export_ledger`` (nothing 
   the highest fence ever written);
 * the parties: workers (export attempts, each with its own clock offset and a budget of attempts: the automatic
   reruns), one reconciler and one operator, each with a program counter through its steps and what it remembers;
-* the budget of faults (crashes, errors, unknown outcomes) and of operator commands left.
+* the budget of faults (crashes, errors, unknown outcomes) and of operator commands left;
+* when contracts are modelled (``Bounds.contracts``): two destinations (each its own pointers and places), the tenant's
+  contract in force (a version; 0 until the first claim records its own), each key's contract (the one in force when
+  an attempt last claimed it) and the destination of its recorded place; each worker's code names a contract (a deploy
+  that moved the destination, or a worker left with a stale environment) and publishes at that contract's destination.
 
 Time is relative: the ledger's clock moves by ``tick``, which shortens every lease and the wait for the window's end.
 A party's own clock is the ledger's plus its offset; the protocol never uses it, and a mutation does.
@@ -45,12 +49,13 @@ JUDGE = "judge"
 SETBACK_READ, SETBACK_WRITE = "setback_read", "setback_write"
 DELETE = "delete"
 RECORD = "record"
+ACCEPT_RECORD = "accept_record"  # accept-contract: its keys were checked; the new contract is still to be recorded
 
 # -- kinds of transition -------------------------------------------------------------------------------------------
 
 STEP = "step"  # a party doing its job, or the clock ticking: what liveness may use
 FAULT = "fault"  # a crash, an error, an unknown outcome, an unreachable destination
-COMMAND = "command"  # an operator starting a command (restate, withdraw, discard, accept)
+COMMAND = "command"  # an operator starting a command (restate, withdraw, discard, accept, accept_contract)
 
 DATA, MANIFEST = "data", "manifest"
 
@@ -78,6 +83,8 @@ class Row(NamedTuple):
     current_place: tuple[int, int] | None = None
     request: int = 0  # the open restatement request's revision; 0: none open
     rev_high: int = 0  # the highest revision the key ever had or was ever asked for
+    contract: int = 0  # the contract in force when an attempt last claimed the key (contract_id); 0: none
+    at: int = 0  # the destination of the recorded current place (part of the recorded location)
 
 
 class Dest(NamedTuple):
@@ -91,7 +98,7 @@ class Ghost(NamedTuple):
     """Facts kept for the invariants only; no party reads them."""
 
     issued: frozenset = frozenset()  # revision numbers ever given (first export, requests)
-    recorded: frozenset = frozenset()  # places ever recorded as a completed revision
+    recorded: frozenset = frozenset()  # places ever recorded as a completed revision: (revision, token, destination)
     max_fence: int = 0  # the highest fence ever written to the pointer
 
 
@@ -110,18 +117,21 @@ class Party(NamedTuple):
     verdict: str = ""  # reconciler: what it judged; operator: the command
     prev: str = ""  # the key's state before a hold (to give it back)
     left: tuple[int, ...] = ()  # worker: attempts left to run, per key (each key's automatic reruns)
+    at: int = 0  # the destination it acts at: a worker's code's; the reconciler's and operator's, the key's contract's
+    contract: int = 0  # operator: the contract accept-contract records
 
 
 class State(NamedTuple):
     window: int  # ticks of the ledger's clock until the keys' window ends
     rows: tuple[Row, ...]
-    dests: tuple[Dest, ...]
+    dests: tuple[Dest, ...]  # per (destination, key): index destination * keys + key
     ghosts: tuple[Ghost, ...]
     workers: tuple[Party, ...]
     recon: Party
     oper: Party
     faults: int  # faults left
     ops: int  # operator commands left
+    in_force: int = 0  # the tenant's contract in force (0: none recorded yet; the first claim records its own)
 
 
 class Move(NamedTuple):
@@ -170,6 +180,15 @@ class Guards:
     withdraw_checks_pointer: bool = True
     #: A ``remote_unknown`` key is never claimed (only reconciliation or an operator may take it).
     claim_refuses_remote_unknown: bool = True
+    #: A claim whose contract is not the one in force is refused (``ContractChanged``), in the claim's transaction.
+    claim_checks_contract: bool = True
+    #: A claim that would carry a key whose earlier attempts may have written at the destination its contract
+    #: records (a takeover, a restatement, a retry of a failed restatement) over to another destination is refused
+    #: (``DestinationMoved``).
+    claim_refuses_moved_key: bool = True
+    #: accept-contract moves the destination only when no key is in_progress, remote_unknown or conflict, and none
+    #: has an open restatement request.
+    accept_checks_settled_keys: bool = True
 
     @classmethod
     def names(cls) -> list[str]:
@@ -194,16 +213,45 @@ class Bounds:
     ttl: int = 2  # lease length in ticks
     window: int = 1  # ticks until the window ends
     faults: int = 1
-    commands: tuple[str, ...] = ()  # operator commands available: restate, withdraw, discard, accept
+    commands: tuple[str, ...] = ()  # operator commands: restate, withdraw, discard, accept, accept_contract
     operator_commands: int = 0  # how many the operator runs
     #: Start with every key completed at revision 1 (place r1-t1), so that restatements fit in small bounds.
     start_completed: bool = False
     reconciler: bool = True
     max_token: int = 0  # 0: computed from the other bounds (see token_bound)
+    #: The destination (0: A, 1: B) of each contract version 1, 2, ...; empty: contracts are not modelled (one
+    #: destination, no contract checked).
+    contracts: tuple[int, ...] = ()
+    #: The contract each worker's code names (as many as workers); empty: all 1 when contracts are modelled.
+    worker_codes: tuple[int, ...] = ()
+    #: The contract in force at the start (recorded by the tenant's earlier claims); 0: none, the first claim records
+    #: its own. With ``start_completed``, 1.
+    in_force: int = 0
+
+    def __post_init__(self) -> None:
+        if self.worker_codes and len(self.worker_codes) != len(self.worker_offsets):
+            raise ValueError("one contract per worker")
+        named = (*self.worker_codes, self.in_force) if self.in_force else self.worker_codes
+        if any(not 1 <= c <= len(self.contracts) for c in named):
+            raise ValueError("a contract that is not among the contracts")
 
     @property
     def workers(self) -> int:
         return len(self.worker_offsets)
+
+    @property
+    def destinations(self) -> int:
+        return max(self.contracts) + 1 if self.contracts else 1
+
+    def code(self, worker: int) -> int:
+        """The contract worker ``worker``'s code names (0: contracts are not modelled)."""
+        if not self.contracts:
+            return 0
+        return self.worker_codes[worker] if self.worker_codes else 1
+
+    def home(self, contract: int) -> int:
+        """The destination contract ``contract`` records (A, 0, for none)."""
+        return self.contracts[contract - 1] if contract else 0
 
     def token_bound(self) -> int:
         """Tokens are finite without this bound (each claim spends an attempt, each hold needs a stuck key); the
@@ -237,16 +285,20 @@ def places_of(dest: Dest) -> list[tuple[int, int]]:
 
 
 def initial_state(bounds: Bounds) -> State:
-    rows, dests, ghosts = [], [], []
-    for _ in range(bounds.keys):
+    """Every key never claimed (no contract recorded), or with ``start_completed`` completed at revision 1 under
+    contract 1 (when contracts are modelled), at that contract's destination."""
+    rows, ghosts = [], []
+    dests = [Dest()] * (bounds.destinations * bounds.keys)
+    in_force = 1 if bounds.contracts and bounds.start_completed else bounds.in_force
+    home = bounds.home(in_force)
+    for k in range(bounds.keys):
         if bounds.start_completed:
             place = (1, 1)
-            rows.append(Row(COMPLETED, 1, None, 0, 1, place, 0, 1))
-            dests.append(Dest(Pointer(1, 1, 1, place), frozenset(place_objects(place))))
-            ghosts.append(Ghost(frozenset({1}), frozenset({place}), 1))
+            rows.append(Row(COMPLETED, 1, None, 0, 1, place, 0, 1, in_force, home))
+            dests[home * bounds.keys + k] = Dest(Pointer(1, 1, 1, place), frozenset(place_objects(place)))
+            ghosts.append(Ghost(frozenset({1}), frozenset({place + (home,)}), 1))
         else:
             rows.append(Row())
-            dests.append(Dest())
             ghosts.append(Ghost())
     workers = tuple(Party(left=(bounds.attempts_per_worker,) * bounds.keys) for _ in bounds.worker_offsets)
     window = 0 if bounds.start_completed else bounds.window
@@ -260,6 +312,7 @@ def initial_state(bounds: Bounds) -> State:
         Party(),
         bounds.faults,
         bounds.operator_commands,
+        in_force,
     )
 
 
@@ -283,8 +336,10 @@ class Protocol:
         self.keys = range(self.bounds.keys)
         # Workers are interchangeable when no decision reads their clocks (the protocol as documented) or when
         # their clocks agree: a state and its copy with workers renamed are explored once.
+        # Workers whose code names different contracts are never interchangeable.
         offsets = set(self.bounds.worker_offsets)
-        self.symmetric = self.guards.judge_time_by_ledger_clock or len(offsets) == 1
+        codes = {self.bounds.code(i) for i in range(self.bounds.workers)}
+        self.symmetric = (self.guards.judge_time_by_ledger_clock or len(offsets) == 1) and len(codes) == 1
 
     def canonical(self, s: State) -> State:
         """``s`` with its workers sorted (and the lease owners in the ledger renamed to match)."""
@@ -332,9 +387,19 @@ class Protocol:
     def with_row(s: State, k: int, row: Row) -> State:
         return s._replace(rows=_set(s.rows, k, row))
 
-    @staticmethod
-    def with_dest(s: State, k: int, dest: Dest) -> State:
-        return s._replace(dests=_set(s.dests, k, dest))
+    def slot(self, p: Party) -> int:
+        """Where the party's key's folder is in ``State.dests``: at the destination the party acts at."""
+        return p.at * self.bounds.keys + p.key
+
+    def dest(self, s: State, p: Party) -> Dest:
+        return s.dests[self.slot(p)]
+
+    def with_dest(self, s: State, p: Party, dest: Dest) -> State:
+        return s._replace(dests=_set(s.dests, self.slot(p), dest))
+
+    def where(self, p: Party) -> str:
+        """The party's key, and its destination when there are several (for the trace)."""
+        return f"key{p.key}" + ("@" + "AB"[p.at] if self.bounds.destinations > 1 else "")
 
     @staticmethod
     def with_ghost(s: State, k: int, ghost: Ghost) -> State:
@@ -344,19 +409,24 @@ class Protocol:
         """The party ends what it was doing (a worker keeps its attempts left)."""
         return self.with_party(s, who, Party(left=self.party(s, who).left))
 
-    def write_pointer(self, s: State, k: int, new: Pointer, *, may_go_back: bool = False) -> tuple[State, str | None]:
-        """Stores ``new`` as the pointer (a fresh version tag) and checks the pointer's transition invariants."""
-        dest, ghost = s.dests[k], s.ghosts[k]
+    def write_pointer(self, s: State, p: Party, new: Pointer, *, may_go_back: bool = False) -> tuple[State, str | None]:
+        """Stores ``new`` as the pointer of the party's key at its destination (a fresh version tag) and checks the
+        pointer's transition invariants. The highest fence is the key's, at any destination (tokens are the key's)."""
+        k = p.key
+        dest, ghost = self.dest(s, p), s.ghosts[k]
         new = new._replace(ver=1)  # present; with every read-and-swap folded into one move, tags need no history
         violation = None
         if new.rev < dest.ptr.rev and not may_go_back:
             violation = "pointer_revision_never_decreases"
-        s = self.with_dest(s, k, dest._replace(ptr=new))
+        s = self.with_dest(s, p, dest._replace(ptr=new))
         return self.with_ghost(s, k, ghost._replace(max_fence=max(ghost.max_fence, new.fence))), violation
 
-    def finish(self, s: State, who: str, to: str, *, place=None, rev: int = 0) -> tuple[State, str | None]:
+    def finish(
+        self, s: State, who: str, to: str, *, place=None, rev: int = 0, at: int | None = None
+    ) -> tuple[State, str | None]:
         """A finishing ledger move of the party's key, guarded by state, token and owner (see the guard); refused
-        silently (a ``fenced`` attempt row) when the guard does not hold. Then the party is idle."""
+        silently (a ``fenced`` attempt row) when the guard does not hold. Then the party is idle. A completion
+        records ``place`` at the party's destination (``at``: at another, the place recorded before)."""
         p = self.party(s, who)
         k = p.key
         row = s.rows[k]
@@ -372,10 +442,16 @@ class Protocol:
                 if row.token != p.token:
                     violation = "no_completion_from_a_fenced_token"
                 row = row._replace(
-                    state=COMPLETED, owner=None, lease=0, current_rev=rev, current_place=place, request=0
+                    state=COMPLETED,
+                    owner=None,
+                    lease=0,
+                    current_rev=rev,
+                    current_place=place,
+                    request=0,
+                    at=p.at if at is None else at,
                 )
                 ghost = s.ghosts[k]
-                s = self.with_ghost(s, k, ghost._replace(recorded=ghost.recorded | {place}))
+                s = self.with_ghost(s, k, ghost._replace(recorded=ghost.recorded | {place + (row.at,)}))
             else:
                 row = row._replace(state=to, owner=None, lease=0)
             s = self.with_row(s, k, row)
@@ -448,19 +524,49 @@ class Protocol:
         if token > self.max_token:
             self.bound_hits += 1
             return
+        left = self.party(s, who).left
+        left = _set(left, k, left[k] - 1)
+        code = self.bounds.code(int(who[1:]))
+        in_force = s.in_force or code  # the first claim records its own contract
+        if code:
+            refusal = self.contract_refusal(row, code, in_force)
+            if refusal:
+                # A refused run: it spends one of the automatic reruns and changes nothing else (the refusal is
+                # escalated once the reruns are spent).
+                idle = self.with_party(s, who, Party(left=left))
+                out.append(Move(f"{who}'s claim of key{k} is refused: {refusal}", STEP, idle))
+                return
+            if code != in_force:
+                violation = violation or "claim_under_the_contract_in_force"
         r, sup = under_way(row)
         row = row._replace(
-            state=IN_PROGRESS, token=token, owner=who, lease=self.bounds.ttl, rev_high=max(row.rev_high, r)
-        )
-        s2 = self.with_row(s, k, row)
+            state=IN_PROGRESS, token=token, owner=who, lease=self.bounds.ttl, rev_high=max(row.rev_high, r),
+            contract=in_force,
+        )  # fmt: skip
+        s2 = self.with_row(s, k, row)._replace(in_force=in_force)
         if r == 1 and token == 1:
             ghost = s.ghosts[k]
             s2 = self.with_ghost(s2, k, ghost._replace(issued=ghost.issued | {1}))
         pc = FENCE_READ if token > 1 and g.fence_before_publishing else PROBE
-        left = self.party(s, who).left
-        left = _set(left, k, left[k] - 1)
-        p = Party(pc, k, token, r, sup, None, fenced_pred, left=left)
-        out.append(Move(f"{who} claims key{k} (t{token}, r{r}, s{sup})", STEP, self.with_party(s2, who, p), violation))
+        p = Party(pc, k, token, r, sup, None, fenced_pred, left=left, at=self.bounds.home(code))
+        label = f"{who} claims {self.where(p)} (t{token}, r{r}, s{sup}" + (f", c{code})" if code else ")")
+        out.append(Move(label, STEP, self.with_party(s2, who, p), violation))
+
+    def contract_refusal(self, row: Row, code: int, in_force: int) -> str:
+        """Why a claim under contract ``code`` is refused ("": it is not), in the claim's transaction: its contract
+        is not the one in force (``ContractChanged``); or it would carry the key from the destination its contract
+        records, where an earlier attempt may have written (a takeover, a restatement or the retry of a failed one),
+        over to another (``DestinationMoved``)."""
+        g, home = self.guards, self.bounds.home
+        if code != in_force and g.claim_checks_contract:
+            return f"its contract c{code} is not the one in force (c{in_force})"
+        carries = row.state == IN_PROGRESS or (row.request and row.state in (COMPLETED, FAILED))
+        # The code compares destinations only for a key claimed under a contract that is no longer in force.
+        stale = row.contract and row.contract != in_force
+        if carries and stale and home(row.contract) != home(code) and g.claim_refuses_moved_key:
+            was, now = "AB"[home(row.contract)], "AB"[home(code)]
+            return f"its contract c{row.contract} publishes at {was}, this one at {now}"
+        return ""
 
     def attempt_error(
         self,
@@ -487,12 +593,12 @@ class Protocol:
         """A pointer read, then a write decided from it. Under compare-and-swap the two are one move: the swap
         succeeds only if nothing wrote the pointer since the read, which is the read and write at one instant (a
         lost swap reads again). Without it (the mutation), the read's value is written blindly later: two moves."""
-        q = p._replace(pc=write_pc, seen=s.dests[p.key].ptr)
+        q = p._replace(pc=write_pc, seen=self.dest(s, p).ptr)
         s2 = self.with_party(s, who, q)
         if self.guards.pointer_compare_and_swap:
             write(s2, who, q, out)
         else:
-            out.append(Move(f"{who} reads key{p.key}'s pointer {label}", STEP, s2))
+            out.append(Move(f"{who} reads {self.where(p)}'s pointer {label}", STEP, s2))
 
     def w_fence_read(self, s, who, p, out):
         self.read_then(s, who, p, out, FENCE_WRITE, "to fence", self.w_fence_write)
@@ -500,16 +606,16 @@ class Protocol:
 
     def fence_write(self, s: State, who: str, p: Party, out: list[Move], next_pc: str, on_fenced, on_unknown):
         """``fence(t)``: raise the fence to t, keeping what the pointer names (shared by every party)."""
-        k, seen, t = p.key, p.seen, p.token
-        dest = s.dests[k]
+        seen, t = p.seen, p.token
+        dest = self.dest(s, p)
         if seen.fence > t:
             s2, v = on_fenced(s)
-            out.append(Move(f"{who} is fenced at key{k} (fence {seen.fence} > t{t})", STEP, s2, v))
+            out.append(Move(f"{who} is fenced at {self.where(p)} (fence {seen.fence} > t{t})", STEP, s2, v))
             return
         if seen.fence == t and seen.ver:
             out.append(
                 Move(
-                    f"{who} finds key{k} already fenced at t{t}",
+                    f"{who} finds {self.where(p)} already fenced at t{t}",
                     STEP,
                     self.with_party(s, who, p._replace(pc=next_pc, fenced_pred=True)),
                 )
@@ -518,17 +624,17 @@ class Protocol:
         if self.guards.pointer_compare_and_swap and dest.ptr.ver != seen.ver:
             out.append(
                 Move(
-                    f"{who}'s fence of key{k} loses the compare-and-swap; reads again",
+                    f"{who}'s fence of {self.where(p)} loses the compare-and-swap; reads again",
                     STEP,
                     self.with_party(s, who, p._replace(pc=FENCE_READ)),
                 )
             )
             return
-        s2, v = self.write_pointer(s, k, seen._replace(fence=t))
-        fenced = s2.dests[k].ptr
+        s2, v = self.write_pointer(s, p, seen._replace(fence=t))
+        fenced = self.dest(s2, p).ptr
         out.append(
             Move(
-                f"{who} fences key{k} at t{t}",
+                f"{who} fences {self.where(p)} at t{t}",
                 STEP,
                 self.with_party(s2, who, p._replace(pc=next_pc, seen=fenced, fenced_pred=True)),
                 v,
@@ -536,9 +642,9 @@ class Protocol:
         )
         if s.faults:
             s3, v3 = on_unknown(self.fault(self.with_party(s2, who, p._replace(seen=fenced))))
-            out.append(Move(f"{who}'s fence of key{k} lands, outcome unknown", FAULT, s3, v or v3))
+            out.append(Move(f"{who}'s fence of {self.where(p)} lands, outcome unknown", FAULT, s3, v or v3))
             s4, v4 = on_unknown(self.fault(s))
-            out.append(Move(f"{who}'s fence of key{k} is lost, outcome unknown", FAULT, s4, v4))
+            out.append(Move(f"{who}'s fence of {self.where(p)} is lost, outcome unknown", FAULT, s4, v4))
 
     def w_fence_write(self, s, who, p, out):
         self.fence_write(
@@ -553,37 +659,36 @@ class Protocol:
         if s.faults:
             to = self.error_state(p)
             s2, v = self.finish(self.fault(s), who, to)
-            out.append(Move(f"{who}'s fence of key{p.key} is refused by the store; records {to}", FAULT, s2, v))
+            out.append(Move(f"{who}'s fence of {self.where(p)} is refused by the store; records {to}", FAULT, s2, v))
 
     def w_probe(self, s, who, p, out):
-        k = p.key
-        dest = s.dests[k]
+        dest = self.dest(s, p)
         ptr = p.seen if p.seen is not None else dest.ptr
         if ptr.rev == p.rev:
             if intact(dest, ptr.place):
                 nxt = p._replace(pc=RECORD, found=ptr.place, verdict="repaired", seen=ptr)
                 out.append(
                     Move(
-                        f"{who} probes key{k}: r{p.rev} already committed at {fmt(ptr.place)}",
+                        f"{who} probes {self.where(p)}: r{p.rev} already committed at {fmt(ptr.place)}",
                         STEP,
                         self.with_party(s, who, nxt),
                     )
                 )
             else:
                 s2, v = self.finish(s, who, CONFLICT)
-                out.append(Move(f"{who} probes key{k}: r{p.rev} named but not intact; conflict", STEP, s2, v))
+                out.append(Move(f"{who} probes {self.where(p)}: r{p.rev} named but not intact; conflict", STEP, s2, v))
         elif ptr.rev == p.sup:
             pc = SWEEP if p.token > 1 else STAGE_DATA
             out.append(
                 Move(
-                    f"{who} probes key{k}: pointer at s{p.sup}",
+                    f"{who} probes {self.where(p)}: pointer at s{p.sup}",
                     STEP,
                     self.with_party(s, who, p._replace(pc=pc, seen=ptr)),
                 )
             )
         else:
             s2, v = self.finish(s, who, CONFLICT)
-            out.append(Move(f"{who} probes key{k}: pointer at r{ptr.rev}; conflict", STEP, s2, v))
+            out.append(Move(f"{who} probes {self.where(p)}: pointer at r{ptr.rev}; conflict", STEP, s2, v))
         if p.seen is not None and p.seen.rev != p.sup and self.guards.probe_error_past_s_is_remote_unknown:
             # The pointer names something else than s and could not be verified: what readers see is not known to
             # be nothing, so this is not `failed` (the code's rule; the docs' "an error before step 7 records
@@ -606,35 +711,37 @@ class Protocol:
             doomed.append(place)
         return doomed
 
-    def delete_place(self, s: State, k: int, place) -> State:
-        dest = s.dests[k]
-        return self.with_dest(s, k, dest._replace(objects=dest.objects - set(place_objects(place))))
+    def delete_place(self, s: State, p: Party, place) -> State:
+        dest = self.dest(s, p)
+        return self.with_dest(s, p, dest._replace(objects=dest.objects - set(place_objects(place))))
 
     def w_sweep(self, s, who, p, out):
-        k = p.key
-        doomed = self.doomed_by_sweep(s.dests[k], p.token, p.seen)
+        doomed = self.doomed_by_sweep(self.dest(s, p), p.token, p.seen)
         if doomed:
-            s2 = self.delete_place(s, k, doomed[0])
-            out.append(Move(f"{who} sweeps {fmt(doomed[0])} of key{k}", STEP, s2))
+            s2 = self.delete_place(s, p, doomed[0])
+            out.append(Move(f"{who} sweeps {fmt(doomed[0])} of {self.where(p)}", STEP, s2))
             self.attempt_error(s, who, p, out, f"delete of {fmt(doomed[0])}", effect=s2)
         else:
             out.append(
-                Move(f"{who} finishes its sweep of key{k}", STEP, self.with_party(s, who, p._replace(pc=STAGE_DATA)))
+                Move(
+                    f"{who} finishes its sweep of {self.where(p)}",
+                    STEP,
+                    self.with_party(s, who, p._replace(pc=STAGE_DATA)),
+                )
             )
             self.attempt_error(s, who, p, out, "listing")
 
     def stage(self, s, who, p, out, kind: str, next_pc: str):
-        k = p.key
-        dest = s.dests[k]
+        dest = self.dest(s, p)
         obj = (p.rev, p.token, kind)
         if obj in dest.objects:  # put_if_absent refused: a place is written by one party only
             s2, v = self.finish(s, who, self.error_state(p))
             out.append(Move(f"{who}'s put_if_absent of {kind} is refused", STEP, s2, v))
             return
-        s2 = self.with_dest(s, k, dest._replace(objects=dest.objects | {obj}))
+        s2 = self.with_dest(s, p, dest._replace(objects=dest.objects | {obj}))
         out.append(
             Move(
-                f"{who} stages {kind} of {fmt((p.rev, p.token))} at key{k}",
+                f"{who} stages {kind} of {fmt((p.rev, p.token))} at {self.where(p)}",
                 STEP,
                 self.with_party(s2, who, p._replace(pc=next_pc)),
             )
@@ -654,11 +761,11 @@ class Protocol:
     def w_commit_write(self, s, who, p, out):
         """Step 7: ``commit(t, place)``, the one step that changes what readers see."""
         g, k, seen, t = self.guards, p.key, p.seen, p.token
-        dest, mine = s.dests[k], (p.rev, p.token)
+        dest, mine = self.dest(s, p), (p.rev, p.token)
         if seen.place == mine:
             out.append(
                 Move(
-                    f"{who} finds its commit of key{k} landed",
+                    f"{who} finds its commit of {self.where(p)} landed",
                     STEP,
                     self.with_party(s, who, p._replace(pc=RECORD, found=mine, verdict=COMPLETED)),
                 )
@@ -666,27 +773,29 @@ class Protocol:
             return
         if g.commit_checks_fence and seen.fence > t:
             s2, v = self.finish(s, who, CONFLICT)
-            out.append(Move(f"{who}'s commit of key{k} is fenced (fence {seen.fence} > t{t})", STEP, s2, v))
+            out.append(Move(f"{who}'s commit of {self.where(p)} is fenced (fence {seen.fence} > t{t})", STEP, s2, v))
             return
         if g.commit_checks_superseded and seen.rev != p.sup:
             s2, v = self.finish(s, who, CONFLICT)
-            out.append(Move(f"{who}'s commit of key{k} finds r{seen.rev}, not s{p.sup}: conflict", STEP, s2, v))
+            out.append(
+                Move(f"{who}'s commit of {self.where(p)} finds r{seen.rev}, not s{p.sup}: conflict", STEP, s2, v)
+            )
             return
         if g.pointer_compare_and_swap and dest.ptr.ver != seen.ver:
             out.append(
                 Move(
-                    f"{who}'s commit of key{k} loses the compare-and-swap; reads again",
+                    f"{who}'s commit of {self.where(p)} loses the compare-and-swap; reads again",
                     STEP,
                     self.with_party(s, who, p._replace(pc=COMMIT_READ)),
                 )
             )
             return
-        s2, v = self.write_pointer(s, k, Pointer(0, t, p.rev, mine))
+        s2, v = self.write_pointer(s, p, Pointer(0, t, p.rev, mine))
         if t < s.ghosts[k].max_fence:
             v = v or "no_stale_token_visible"
         out.append(
             Move(
-                f"{who} commits {fmt(mine)} at key{k}",
+                f"{who} commits {fmt(mine)} at {self.where(p)}",
                 STEP,
                 self.with_party(s2, who, p._replace(pc=RECORD, found=mine, verdict=COMPLETED)),
                 v,
@@ -695,16 +804,23 @@ class Protocol:
         if s.faults:
             s3, v3 = self.finish(self.fault(s2), who, REMOTE_UNKNOWN)
             out.append(
-                Move(f"{who}'s commit of key{k} lands, outcome unknown; records remote_unknown", FAULT, s3, v or v3)
+                Move(
+                    f"{who}'s commit of {self.where(p)} lands, outcome unknown; records remote_unknown",
+                    FAULT,
+                    s3,
+                    v or v3,
+                )
             )
             s4, v4 = self.finish(self.fault(s), who, REMOTE_UNKNOWN)
             out.append(
-                Move(f"{who}'s commit of key{k} is lost, outcome unknown; records remote_unknown", FAULT, s4, v4)
+                Move(
+                    f"{who}'s commit of {self.where(p)} is lost, outcome unknown; records remote_unknown", FAULT, s4, v4
+                )
             )
 
     def w_record(self, s, who, p, out):
         s2, v = self.finish(s, who, COMPLETED, place=p.found, rev=p.rev)
-        out.append(Move(f"{who} records key{p.key} completed at {fmt(p.found)} ({p.verdict})", STEP, s2, v))
+        out.append(Move(f"{who} records {self.where(p)} completed at {fmt(p.found)} ({p.verdict})", STEP, s2, v))
 
     # -- the reconciler ------------------------------------------------------------------------------------------
 
@@ -719,7 +835,7 @@ class Protocol:
                     continue
                 r, sup = under_way(row)
                 if not g.reconcile_holds_before_judging:
-                    q = Party(JUDGE, k, row.token, r, sup, prev=row.state)
+                    q = Party(JUDGE, k, row.token, r, sup, prev=row.state, at=self.bounds.home(row.contract))
                     out.append(Move(f"rec looks at stuck key{k} without holding it", STEP, self.with_party(s, REC, q)))
                     continue
                 violation = "no_takeover_of_a_live_lease" if row.state == IN_PROGRESS and row.lease > 0 else None
@@ -729,7 +845,7 @@ class Protocol:
                     continue
                 held = row._replace(state=IN_PROGRESS, token=token, owner=REC, lease=self.bounds.ttl)
                 pc = FENCE_READ if g.reconcile_fences_before_judging else JUDGE
-                q = Party(pc, k, token, r, sup, prev=row.state)
+                q = Party(pc, k, token, r, sup, prev=row.state, at=self.bounds.home(row.contract))
                 out.append(
                     Move(
                         f"rec holds stuck key{k} (t{token})",
@@ -747,7 +863,7 @@ class Protocol:
         elif p.pc == FENCE_WRITE:
             self.rec_fence_write(s, REC, p, out)
         elif p.pc == JUDGE:
-            dest = s.dests[k]
+            dest = self.dest(s, p)
             ptr = p.seen if p.seen is not None else dest.ptr
             if ptr.rev == p.rev and intact(dest, ptr.place):
                 q, what = p._replace(pc=RECORD, verdict=COMPLETED, found=ptr.place), f"r{p.rev} at {fmt(ptr.place)}"
@@ -755,18 +871,18 @@ class Protocol:
                 q, what = p._replace(pc=RECORD, verdict=FAILED), f"s{p.sup}: nothing of r{p.rev} visible"
             else:
                 q, what = p._replace(pc=RECORD, verdict=CONFLICT), f"r{ptr.rev}, neither r{p.rev} nor s{p.sup}"
-            out.append(Move(f"rec judges key{k}: pointer names {what}", STEP, self.with_party(s, REC, q)))
+            out.append(Move(f"rec judges {self.where(p)}: pointer names {what}", STEP, self.with_party(s, REC, q)))
             if s.faults:
                 out.append(
                     Move(
-                        f"rec cannot reach key{k}'s destination",
+                        f"rec cannot reach {self.where(p)}'s destination",
                         FAULT,
                         self.with_party(self.fault(s), REC, p._replace(pc=RECORD, verdict=REMOTE_UNKNOWN)),
                     )
                 )
         elif p.pc == RECORD:
             s2, v = self.finish(s, REC, p.verdict, place=p.found, rev=p.rev)
-            out.append(Move(f"rec records key{k} {p.verdict}", STEP, s2, v))
+            out.append(Move(f"rec records {self.where(p)} {p.verdict}", STEP, s2, v))
 
     def rec_fence_write(self, s, who, p, out):
         self.fence_write(
@@ -795,8 +911,11 @@ class Protocol:
         if s.faults:
             out.append(Move(f"op crashes at {p.pc}", FAULT, self.idle(self.fault(s), OP)))
         k = p.key
-        dest = s.dests[k]
-        if p.pc == FENCE_READ:
+        dest = self.dest(s, p)
+        if p.pc == ACCEPT_RECORD:
+            s2 = self.idle(s._replace(in_force=p.contract), OP)
+            out.append(Move(f"op records c{p.contract} as the contract in force", STEP, s2))
+        elif p.pc == FENCE_READ:
             self.read_then(s, OP, p, out, FENCE_WRITE, "to fence", self.op_fence_write)
         elif p.pc == FENCE_WRITE:
             self.op_fence_write(s, OP, p, out)
@@ -806,21 +925,29 @@ class Protocol:
                 if ptr.rev == p.rev and intact(dest, ptr.place):
                     q = p._replace(pc=RECORD, found=ptr.place)
                     out.append(
-                        Move(f"op accepts key{k}'s r{p.rev} at {fmt(ptr.place)}", STEP, self.with_party(s, OP, q))
+                        Move(
+                            f"op accepts {self.where(p)}'s r{p.rev} at {fmt(ptr.place)}",
+                            STEP,
+                            self.with_party(s, OP, q),
+                        )
                     )
                 else:
                     s2, v = self.release(s, OP)
-                    out.append(Move(f"op refuses to accept key{k} (pointer at r{ptr.rev})", STEP, s2, v))
+                    out.append(Move(f"op refuses to accept {self.where(p)} (pointer at r{ptr.rev})", STEP, s2, v))
             else:  # withdraw of a failed restatement
                 names_s = ptr.rev == p.sup and ptr.place == p.found  # found: the recorded place, read at the hold
                 if names_s or not g.withdraw_checks_pointer:
                     q = p._replace(pc=RECORD)
                     out.append(
-                        Move(f"op withdraws key{k}'s r{p.rev} (pointer at r{ptr.rev})", STEP, self.with_party(s, OP, q))
+                        Move(
+                            f"op withdraws {self.where(p)}'s r{p.rev} (pointer at r{ptr.rev})",
+                            STEP,
+                            self.with_party(s, OP, q),
+                        )
                     )
                 else:
                     s2, v = self.release(s, OP)
-                    out.append(Move(f"op refuses to withdraw key{k}: pointer names r{ptr.rev}", STEP, s2, v))
+                    out.append(Move(f"op refuses to withdraw {self.where(p)}: pointer names r{ptr.rev}", STEP, s2, v))
         elif p.pc == SETBACK_READ:
             self.read_then(s, OP, p, out, SETBACK_WRITE, "to set it back", self.setback_write)
         elif p.pc == SETBACK_WRITE:
@@ -830,13 +957,13 @@ class Protocol:
         elif p.pc == RECORD:
             if p.verdict == "discard":
                 s2, v = self.finish(s, OP, FAILED)
-                out.append(Move(f"op records key{k} failed (discarded)", STEP, s2, v))
+                out.append(Move(f"op records {self.where(p)} failed (discarded)", STEP, s2, v))
             elif p.verdict == "accept":
                 s2, v = self.finish(s, OP, COMPLETED, place=p.found, rev=p.rev)
-                out.append(Move(f"op records key{k} completed at {fmt(p.found)}", STEP, s2, v))
+                out.append(Move(f"op records {self.where(p)} completed at {fmt(p.found)}", STEP, s2, v))
             else:
-                s2, v = self.finish(s, OP, COMPLETED, place=p.found, rev=p.sup)
-                out.append(Move(f"op records key{k} completed again at s{p.sup}", STEP, s2, v))
+                s2, v = self.finish(s, OP, COMPLETED, place=p.found, rev=p.sup, at=s.rows[k].at)
+                out.append(Move(f"op records {self.where(p)} completed again at s{p.sup}", STEP, s2, v))
 
     def op_fence_write(self, s, who, p, out):
         after = SETBACK_READ if p.verdict == "discard" else JUDGE
@@ -870,7 +997,10 @@ class Protocol:
         if command == "discard":
             sup = row.current_rev
         held = row._replace(state=IN_PROGRESS, token=token, owner=OP, lease=self.bounds.ttl)
-        q = Party(FENCE_READ, k, token, r, sup, found=row.current_place, verdict=command, prev=row.state)
+        q = Party(
+            FENCE_READ, k, token, r, sup, found=row.current_place, verdict=command, prev=row.state,
+            at=self.bounds.home(row.contract),
+        )  # fmt: skip
         s2 = self.with_party(self.with_row(s, k, held), OP, q)._replace(ops=s.ops - 1)
         out.append(Move(f"op starts {command} of key{k} (holds t{token})", COMMAND, s2, violation))
 
@@ -890,19 +1020,39 @@ class Protocol:
     def op_accept(self, s: State, k: int, out: list[Move]) -> None:
         self.hold(s, k, "accept", out, (CONFLICT, FAILED, REMOTE_UNKNOWN, IN_PROGRESS))
 
+    def op_accept_contract(self, s: State, k: int, out: list[Move]) -> None:
+        """``accept-contract --keep-exported`` for the tenant (every key): another contract becomes the one in force.
+        A new destination is refused while a key is in_progress, remote_unknown or conflict, or has an open
+        restatement request (the guard). Two moves, its check of the keys and then its record, because on PostgreSQL
+        they interleave with claims: a claim that matches the contract in force takes no lock the acceptance waits
+        for, and the acceptance reads the keys' states without locking them (READ COMMITTED)."""
+        if k or not s.in_force:
+            return
+        home = self.bounds.home
+        for contract in range(1, len(self.bounds.contracts) + 1):
+            if contract == s.in_force:
+                continue
+            moved = home(contract) != home(s.in_force)
+            unsettled = any(row.state in (IN_PROGRESS, REMOTE_UNKNOWN, CONFLICT) or row.request for row in s.rows)
+            if moved and unsettled and self.guards.accept_checks_settled_keys:
+                continue  # refused: ContractChanged, nothing recorded
+            q = Party(ACCEPT_RECORD, verdict="accept_contract", contract=contract)
+            s2 = self.with_party(s, OP, q)._replace(ops=s.ops - 1)
+            out.append(Move(f"op starts accept-contract c{contract} (keys checked)", COMMAND, s2))
+
     def setback_write(self, s: State, who: str, p: Party, out: list[Move]) -> None:
         """The discard's pointer write: back to the recorded revision s (or nothing), fence t, by compare-and-swap."""
-        k, seen, t = p.key, p.seen, p.token
-        dest = s.dests[k]
+        seen, t = p.seen, p.token
+        dest = self.dest(s, p)
         restore = (p.sup, p.found) if p.found is not None else (0, None)
         if seen.fence > t:
             s2, v = self.release(s, OP)
-            out.append(Move(f"op's set-back of key{k} is fenced", STEP, s2, v))
+            out.append(Move(f"op's set-back of {self.where(p)} is fenced", STEP, s2, v))
             return
         if (seen.rev, seen.place) == restore and seen.ver:
             out.append(
                 Move(
-                    f"op finds key{k}'s pointer already at s{p.sup}",
+                    f"op finds {self.where(p)}'s pointer already at s{p.sup}",
                     STEP,
                     self.with_party(s, OP, p._replace(pc=DELETE)),
                 )
@@ -911,23 +1061,30 @@ class Protocol:
         if self.guards.pointer_compare_and_swap and dest.ptr.ver != seen.ver:
             out.append(
                 Move(
-                    f"op's set-back of key{k} loses the compare-and-swap; reads again",
+                    f"op's set-back of {self.where(p)} loses the compare-and-swap; reads again",
                     STEP,
                     self.with_party(s, OP, p._replace(pc=SETBACK_READ)),
                 )
             )
             return
-        s2, v = self.write_pointer(s, k, Pointer(0, t, restore[0], restore[1]), may_go_back=True)
+        s2, v = self.write_pointer(s, p, Pointer(0, t, restore[0], restore[1]), may_go_back=True)
         out.append(
-            Move(f"op sets key{k}'s pointer back to s{p.sup}", STEP, self.with_party(s2, OP, p._replace(pc=DELETE)), v)
+            Move(
+                f"op sets {self.where(p)}'s pointer back to s{p.sup}",
+                STEP,
+                self.with_party(s2, OP, p._replace(pc=DELETE)),
+                v,
+            )
         )
         if s.faults:
             s3, v3 = self.release(self.fault(s2), OP)
-            out.append(Move(f"op's set-back of key{k} lands but reports an error; released", FAULT, s3, v or v3))
+            out.append(
+                Move(f"op's set-back of {self.where(p)} lands but reports an error; released", FAULT, s3, v or v3)
+            )
 
     def discard_delete(self, s: State, p: Party, out: list[Move]) -> None:
-        k, t = p.key, p.token
-        dest = s.dests[k]
+        t = p.token
+        dest = self.dest(s, p)
         doomed = []
         for place in places_of(dest):
             rev, tok = place
@@ -938,16 +1095,18 @@ class Protocol:
             if rev == p.rev or place == p.seen.place:
                 doomed.append(place)
         if doomed:
-            s2 = self.delete_place(s, k, doomed[0])
-            out.append(Move(f"op deletes {fmt(doomed[0])} of key{k}", STEP, s2))
+            s2 = self.delete_place(s, p, doomed[0])
+            out.append(Move(f"op deletes {fmt(doomed[0])} of {self.where(p)}", STEP, s2))
             if s.faults:
                 s3, v3 = self.release(self.fault(s2), OP)
                 out.append(Move(f"op's delete of {fmt(doomed[0])} lands but reports an error; released", FAULT, s3, v3))
         elif dest.ptr.fence > t:
             s2, v = self.release(s, OP)
-            out.append(Move(f"op finds key{k} fenced above t{t} after its discard; released", STEP, s2, v))
+            out.append(Move(f"op finds {self.where(p)} fenced above t{t} after its discard; released", STEP, s2, v))
         else:
-            out.append(Move(f"op has deleted key{k}'s r{p.rev}", STEP, self.with_party(s, OP, p._replace(pc=RECORD))))
+            out.append(
+                Move(f"op has deleted {self.where(p)}'s r{p.rev}", STEP, self.with_party(s, OP, p._replace(pc=RECORD)))
+            )
 
 
 def fmt(place) -> str:
@@ -961,7 +1120,8 @@ INVARIANTS = {
     "one_place_per_recorded_revision": "at most one place of a key is recorded per revision (docs 1)",
     "one_current_revision": "a completed key records one current revision, at one place (docs 2)",
     "ledger_and_pointer_agree": "completed: the pointer names the recorded revision; failed: the recorded s; "
-    "in_progress/remote_unknown: s or a place of r; only conflict may hold anything else (docs 3, 6)",
+    "in_progress/remote_unknown: s or a place of r; only conflict may hold anything else (docs 3, 6); all at the "
+    "destination the key's contract records, and nothing visible at another",
     "revision_numbers_unique": "a request's revision was never given before (docs 4)",
     "pointer_revision_never_decreases": "except an operator's discard (docs 4)",
     "no_stale_token_visible": "no commit with a token below a fence already written succeeds (docs 5)",
@@ -970,44 +1130,68 @@ INVARIANTS = {
     "no_claim_before_window_end": "no key is claimed before its window ends by the ledger's clock (docs 8)",
     "no_takeover_of_a_live_lease": "no claim or hold takes a key whose lease is live by the ledger's clock",
     "liveness": "once faults stop, every key ends completed or escalated (docs 9)",
+    "one_destination_per_key": "at most one destination's pointer names a place of a key (one export, not two)",
+    "completed_at_its_contracts_destination": "a completed key's recorded place is at the destination its contract "
+    "records",
+    "claim_under_the_contract_in_force": "no claim succeeds under a contract other than the one in force",
 }
 
 
-def check_state(s: State) -> str | None:
-    """The first state invariant ``s`` breaks, by name, or None."""
-    for row, dest, ghost in zip(s.rows, s.dests, s.ghosts, strict=True):
-        ptr = dest.ptr
-        if ptr.rev and not intact(dest, ptr.place):
-            return "nothing_named_is_deleted"
-        for place in ghost.recorded:
-            if not intact(dest, place):
-                return "nothing_named_is_deleted"
+def check_state(s: State, contracts: tuple[int, ...] = (), ignore: frozenset[str] = frozenset()) -> str | None:
+    """The first state invariant ``s`` breaks, by name, or None (``contracts``: ``Bounds.contracts``; ``ignore``:
+    invariants not checked, to see what else a mutation breaks)."""
+    for name in _broken(s, contracts):
+        if name not in ignore:
+            return name
+    return None
+
+
+def _broken(s: State, contracts: tuple[int, ...]):
+    """The state invariants ``s`` breaks, by name, in the order they are checked."""
+    keys = len(s.rows)
+    folders = [s.dests[at * keys : (at + 1) * keys] for at in range(len(s.dests) // keys)]
+    for k, (row, ghost) in enumerate(zip(s.rows, s.ghosts, strict=True)):
+        dests = [folder[k] for folder in folders]
+        for dest in dests:
+            if dest.ptr.rev and not intact(dest, dest.ptr.place):
+                yield "nothing_named_is_deleted"
+        for rev, tok, at in ghost.recorded:
+            if not intact(dests[at], (rev, tok)):
+                yield "nothing_named_is_deleted"
         if len({place[0] for place in ghost.recorded}) != len(ghost.recorded):
-            return "one_place_per_recorded_revision"
+            yield "one_place_per_recorded_revision"
         if row.state == COMPLETED and (
             row.current_rev < 1 or row.current_place is None or row.current_place[0] != row.current_rev
         ):
-            return "one_current_revision"
+            yield "one_current_revision"
+        visible = [at for at, dest in enumerate(dests) if dest.ptr.place is not None]
+        if len(visible) > 1:
+            yield "one_destination_per_key"
+        home = contracts[row.contract - 1] if row.contract else 0
+        if row.state == COMPLETED and row.at != home:
+            yield "completed_at_its_contracts_destination"
+        ptr = dests[home].ptr
         names_s = ptr.rev == row.current_rev and ptr.place == row.current_place
         if row.state in (COMPLETED, FAILED) and not names_s:
-            return "ledger_and_pointer_agree"
+            yield "ledger_and_pointer_agree"
         if row.state in (IN_PROGRESS, REMOTE_UNKNOWN) and not (names_s or ptr.rev == under_way(row)[0]):
-            return "ledger_and_pointer_agree"
+            yield "ledger_and_pointer_agree"
         if row.state == NONE and ptr.rev:
-            return "ledger_and_pointer_agree"
-    return None
+            yield "ledger_and_pointer_agree"
+        if row.state != CONFLICT and any(at != home for at in visible):
+            yield "ledger_and_pointer_agree"  # visible at a destination the key's contract does not record
 
 
 def settled(s: State) -> bool:
     """Every key is completed (with no request a worker could still pick up) or escalated (conflict, or failed with
-    the automatic reruns spent)."""
+    the automatic reruns spent, or never claimed with them spent: every run refused by the contract)."""
     for k, row in enumerate(s.rows):
         reruns_left = any(w.left[k] for w in s.workers)
         if row.state == CONFLICT:
             continue
         if row.state == COMPLETED and not (row.request and reruns_left):
             continue
-        if row.state == FAILED and not reruns_left:
+        if row.state in (FAILED, NONE) and not reruns_left:
             continue
         return False
     return True

@@ -1,6 +1,6 @@
-"""The stateful protocol test's pieces (tests/test_stateful_protocol.py): the world (ledger, destination, faults,
-an independent reader), the parties that drive the protocol one step at a time, the state machine, and the guards
-its mutation tests remove."""
+"""The stateful protocol test's pieces (tests/test_stateful_protocol.py): the world (ledger, two destinations, faults,
+the code a worker runs, an independent reader), the parties that drive the protocol one step at a time, the state
+machine, and the guards its mutation tests remove."""
 
 import os
 import tempfile

@@ -1,8 +1,12 @@
 """The state machine: parties interleaved step by step over one or two keys, the ledger's clock moved by any amount
-at any step, faults at the pointer's compare-and-swap, reconciliation, restatements, withdrawals and resolutions;
-docs/protocol.md's invariants checked after every rule by reading what a reader sees; liveness at teardown.
+at any step, faults at the pointer's compare-and-swap, reconciliation, restatements, withdrawals and resolutions,
+deploys that change the export's contract (destination A or B, file format, column order, source, version) and the
+operator's accept-contract; docs/protocol.md's invariants and the export contract's checked after every rule by
+reading what a reader of each destination sees; liveness at teardown.
 
-:func:`machine_for` builds the machine class for a ledger backend and a destination kind. A violation raises
+:func:`machine_for` builds the machine class for a ledger backend and a destination kind, with or without the export
+contract's rules (deploys, accept-contract, a key exported before the example, restatements that launch their run;
+without them every attempt runs the one code, and the protocol's own interleavings get every step). A violation raises
 :class:`ProtocolViolation`, whose message starts with the invariant's number and name.
 """
 
@@ -20,7 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from export_ledger import resolve as resolving
 from export_ledger import restate
 from export_ledger.keys import LogicalKey
-from export_ledger.ledger import AlreadyCompleted, Claim, ExportState, LedgerError
+from export_ledger.ledger import AlreadyCompleted, Claim, ContractChanged, DestinationMoved, ExportState, LedgerError
 from export_ledger.reconcile import reconcile_batch
 from stateful.parties import (
     COMMIT,
@@ -37,15 +41,20 @@ from stateful.parties import (
     Party,
     Reconciler,
 )
-from stateful.world import FAULTS, KEYS, LEASE, KeyRows, World, parse_place
+from stateful.world import CHANGES, EXPORT, FAULTS, KEYS, LEASE, PLACES, Code, KeyRows, World, canonical, parse_place
 
 S = ExportState
 MAX_ATTEMPTS = 3  # the sensor's automatic reruns (DEFAULT_MAX_ATTEMPTS)
 STUCK_AFTER = dt.timedelta(hours=1)
 MAX_LIVE = 4  # parties alive at once
+MAX_CODES = 4  # codes deployed in one example (the first included)
+#: The claim refusals of the export contract (``ContractChanged``, ``DestinationMoved``).
+CONTRACT_REFUSALS = (ContractChanged.__name__, DestinationMoved.__name__)
 #: Where ``run_until`` may pause a party (an attempt's steps, a reconciler's; "end": it runs to its end).
 STEPS = (FENCE, PROBE, READ, SWEEP, STAGE, COMMIT, RECORD, HOLD, EXAMINE, FINISH, "end")
 
+#: How many deploys back an attempt's code is: mostly the latest, sometimes a stale environment's.
+STALE = st.sampled_from([0, 0, 0, 1, 2])
 #: What the machines explored, over every example of the process (reset by the tests that print it).
 STATS: Counter = Counter()
 
@@ -65,13 +74,12 @@ def place_of(location: str) -> str:
 
 @dataclass
 class Track:
-    """What the machine has seen of one key so far."""
+    """What the machine has seen of one key at one destination so far."""
 
     max_fence: int = 0
     revision: int = 0
     place: str | None = None
     named: set[str] = field(default_factory=set)  # places a pointer named (and no discard removed since)
-    recorded: dict[int, str] = field(default_factory=dict)  # revision -> the place the ledger recorded for it
     tokens: list[int] = field(default_factory=list)  # tokens issued by claims and holds, in order
     requested: set[int] = field(default_factory=set)  # revision numbers ever requested
 
@@ -95,6 +103,28 @@ def expected_claim(key: LogicalKey, before: KeyRows, now: dt.datetime) -> str:
         return "NeedsReconciliation"
     live = run.lease_expires_at is not None and run.lease_expires_at > now
     return "LeaseHeld" if live else "claim"
+
+
+def expected_contract(before: KeyRows, contract: dict, wanted: str) -> str | None:
+    """The refusal the export contract adds to the claim ``wanted`` (:func:`expected_claim`), or None: an independent
+    model of the claim's contract checks, from the key's rows and the contracts recorded, as read just before.
+
+    Refused with ``ContractChanged`` unless its contract is the tenant's contract in force (or none is recorded yet:
+    then it is recorded); a key already completed is skipped first. A claim that would take a key over, restate it or
+    retry its failed restatement is refused with ``DestinationMoved`` when the key was last claimed under a contract
+    no longer in force that publishes at another destination than this claim."""
+    in_force, run = before.in_force, before.run
+    if wanted == "completed":
+        return None
+    if in_force is not None and canonical(in_force) != canonical(contract):
+        return ContractChanged.__name__
+    if wanted != "claim" or run is None or before.contract is None:
+        return None
+    has_request = before.open_request is not None
+    carries = run.state == S.IN_PROGRESS.value or (has_request and run.state in (S.COMPLETED.value, S.FAILED.value))
+    stale = canonical(before.contract) != canonical(in_force or contract)
+    moved = before.contract["terms"]["destination"] != contract["terms"]["destination"]
+    return DestinationMoved.__name__ if carries and stale and moved else None
 
 
 def _outcome_name(outcome) -> str:
@@ -133,7 +163,13 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.broken = False
         self.parties: list[Party] = []
         self.keys: tuple[LogicalKey, ...] = ()
-        self.tracks: dict[str, Track] = {}
+        self.tracks: dict[tuple[str, int], Track] = {}  # by key and destination
+        self.recorded: dict[str, dict[int, tuple[int | None, str]]] = {}  # key -> revision -> (destination, place)
+        self.codes: list[Code] = []  # every code deployed, the latest last
+        # What the machine knows of the contracts, to pick an acceptance that can change something: each tenant's
+        # code whose contract is in force, and the code its last claim refused by the contract brought.
+        self.in_force_code: dict[str, Code] = {}
+        self.refused_tenants: dict[str, Code] = {}
         self.numbers = Counter()
         self.discarded: set[str] = set()
         self._fence_before = 0
@@ -145,10 +181,25 @@ class ProtocolMachine(RuleBasedStateMachine):
     @initialize(keys=st.integers(0, 1))
     @guarded
     def setup(self, keys: int) -> None:
+        """One key (the late one, whose window ends after the start) or two."""
+        self._setup(keys)
+
+    def _setup(self, keys: int, history: bool = False) -> None:
+        """With ``history``, the early key (when there are two) was exported before the example starts, by the first
+        code."""
         self.world = World(self.backend, self.destination_kind)
-        self.keys = KEYS[-(keys + 1) :]  # one key: the late one, whose window ends after the start
-        self.tracks = {str(key): Track() for key in self.keys}
+        self.keys = KEYS[-(keys + 1) :]
+        self.tracks = {(str(key), at): Track() for key in self.keys for at in range(len(PLACES))}
+        self.recorded = {str(key): {} for key in self.keys}
+        self.codes = [Code()]
         STATS["examples"] += 1
+        if history and len(self.keys) > 1:
+            earlier = ExportAttempt(self._name("history"), self.keys[0], 0, source_fails=False, variant=0)
+            self.parties.append(earlier)
+            while not earlier.done:
+                self.step(earlier)
+                self.check()
+            STATS[f"history: {earlier.outcome}"] += 1
 
     def teardown(self) -> None:
         try:
@@ -184,10 +235,14 @@ class ProtocolMachine(RuleBasedStateMachine):
     @guarded
     def start_attempt(self, which: int, offset: int, source_fails: bool) -> None:
         """A worker starts an attempt on a key: its first step, the claim."""
+        self._start_attempt(which, offset, source_fails, self.codes[-1])
+
+    def _start_attempt(self, which: int, offset: int, source_fails: bool, code: Code) -> None:
         self._count("start_attempt")
         key = self.keys[which % len(self.keys)]
         variant = self.numbers["attempt"] + 1
-        attempt = ExportAttempt(self._name("attempt"), key, offset, source_fails=source_fails, variant=variant)
+        attempt = ExportAttempt(self._name("attempt"), key, offset, source_fails=source_fails, variant=variant,
+                                code=code)  # fmt: skip
         self.parties.append(attempt)
         self.step(attempt)
 
@@ -300,6 +355,9 @@ class ProtocolMachine(RuleBasedStateMachine):
     def take_over(self, index: int, late: int, who: str, offset: int) -> None:
         """A party's lease runs out (the clock set to its expiry, or ``late`` seconds after) while it still believes
         in it, and a new attempt (or a reconciler) comes for its key at once: its first step."""
+        self._take_over(index, late, who, offset, self.codes[-1])
+
+    def _take_over(self, index: int, late: int, who: str, offset: int, code: Code) -> None:
         self._count("take_over")
         held = [p for p in self.live() if p.claim is not None]
         party = held[index % len(held)]
@@ -310,7 +368,8 @@ class ProtocolMachine(RuleBasedStateMachine):
             newcomer: Party = Reconciler(self._name("reconciler"), party.key, offset)
         else:
             variant = self.numbers["attempt"] + 1
-            newcomer = ExportAttempt(self._name("attempt"), party.key, offset, source_fails=False, variant=variant)
+            newcomer = ExportAttempt(self._name("attempt"), party.key, offset, source_fails=False, variant=variant,
+                                     code=code)  # fmt: skip
         self.parties.append(newcomer)
         self.step(newcomer)
 
@@ -324,7 +383,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         self._count("reconcile_pass")
         world = self.world
         with self._faulty(fault):
-            report = reconcile_batch(world.ledger, world.destination, limit=10, after=None,
+            report = reconcile_batch(world.ledger, world.placed, limit=10, after=None, exports=[EXPORT],
                                      reconciler=self._name("reconcile-pass"))  # fmt: skip
         for finding in report.findings:
             STATS[f"reconcile pass judged {finding.verdict.value}"] += 1
@@ -344,9 +403,20 @@ class ProtocolMachine(RuleBasedStateMachine):
     @guarded
     def request_restatement(self, which: int) -> None:
         """An operator (or the drift sensor) asks for the next revision of a completed key."""
+        self._restate(which, launch=False)
+
+    def _restate(self, which: int, *, launch: bool) -> None:
+        """The request; with ``launch``, the run that publishes it starts at once (as ``export-ledger restate``
+        launches it), on the code deployed last: its first step, the claim."""
         self._count("request_restatement")
         keys = self._where(S.COMPLETED, request=False)
-        self._request(keys[which % len(keys)])
+        key = keys[which % len(keys)]
+        if self._request(key) and launch and len(self.live()) < MAX_LIVE:
+            variant = self.numbers["attempt"] + 1
+            attempt = ExportAttempt(self._name("attempt"), key, 0, source_fails=False, variant=variant,
+                                    code=self.codes[-1])  # fmt: skip
+            self.parties.append(attempt)
+            self.step(attempt)
 
     @precondition(lambda self: self._where(S.COMPLETED, S.FAILED, request=True))
     @rule(which=st.integers(0, 1), fault=st.sampled_from([None] * 4 + list(FAULTS)))
@@ -383,26 +453,38 @@ class ProtocolMachine(RuleBasedStateMachine):
         finally:
             self.world.faults.disarm()
 
-    def _request(self, key: LogicalKey) -> None:
+    def _request(self, key: LogicalKey) -> bool:
+        """Asks for the key's next revision; whether it was recorded."""
         seen = self._revisions_seen(key)
         try:
             request = self.world.ledger.restatements.request(str(key), reason="amounts corrected", requested_by="ops")
         except LedgerError as exc:
             STATS[f"restatement refused: {type(exc).__name__}"] += 1
-            return
+            return False
         STATS["restatement requested"] += 1
+        run = self.world.rows.key(key)
+        if run.contract is not None and canonical(run.contract) != canonical(run.in_force):
+            moved = run.contract["terms"]["destination"] != run.in_force["terms"]["destination"]
+            STATS[f"restatement requested of a key whose contract is no longer in force{' (moved)' * moved}"] += 1
         if request.revision <= seen:
             raise violation("4", "revision numbers unique", f"{key}: a request got revision {request.revision} "
                             f"although revision {seen} was already had or asked for")  # fmt: skip
+        return True
 
     def _withdraw(self, key: LogicalKey) -> None:
         try:
-            restate.withdraw(self.world.ledger, self.world.destination, str(key), operator="ops",
+            restate.withdraw(self.world.ledger, self._placed(key), str(key), operator="ops",
                              reason="asked by mistake")  # fmt: skip
         except LedgerError as exc:
             STATS[f"withdraw refused: {type(exc).__name__}"] += 1
             return
         STATS["withdrawn"] += 1
+
+    def _placed(self, key: LogicalKey):
+        """Where an operator's command acts on ``key``: where the library places it (its contract's destination), as
+        the CLI asks (``operations.key_destination``)."""
+        record = self.world.ledger.queries.get(str(key))
+        return self.world.destination if record is None else self.world.placed([record])[str(key)]
 
     def _resolve(self, key: LogicalKey, action: str) -> None:
         if action == resolving.DISCARD:
@@ -410,7 +492,7 @@ class ProtocolMachine(RuleBasedStateMachine):
             # the pointer may go back to the recorded revision whatever the command answered.
             self.discarded.add(str(key))
         try:
-            resolving.resolve_key(self.world.ledger, self.world.destination, str(key), action=action, operator="ops",
+            resolving.resolve_key(self.world.ledger, self._placed(key), str(key), action=action, operator="ops",
                                   reason="looked at it")  # fmt: skip
         except LedgerError as exc:
             STATS[f"resolve {action} refused: {type(exc).__name__}"] += 1
@@ -420,10 +502,11 @@ class ProtocolMachine(RuleBasedStateMachine):
     # -- checks at the moment a party acts ---------------------------------------------------------------------
 
     def on_claim(self, party: ExportAttempt, before: KeyRows, now: dt.datetime, outcome) -> None:
-        """Invariant 8 and the claim's guards (docs/protocol.md step 1), by the ledger's clock only."""
+        """Invariant 8, the claim's guards (docs/protocol.md step 1), by the ledger's clock only, and its contract's."""
         key, run, request = party.key, before.run, before.open_request
         wanted, got = expected_claim(key, before, now), _outcome_name(outcome)
         STATS[f"claim {got}"] += 1
+        wanted = self.check_claim_contract(party, before, wanted, got) or wanted
         if isinstance(outcome, Claim):
             if key.window.end_utc > now:
                 raise violation("8", "no claim before the window ends", f"{key} claimed at {now.isoformat()} by the "
@@ -447,6 +530,48 @@ class ProtocolMachine(RuleBasedStateMachine):
                             f"allows {wanted} (state {run.state if run else None}, lease until "
                             f"{run.lease_expires_at if run else None}, ledger now {now})")  # fmt: skip
 
+    def check_claim_contract(self, party: ExportAttempt, before: KeyRows, wanted: str, got: str) -> str | None:
+        """Invariant K: the claim's contract checks decide as :func:`expected_contract` says; a claim that succeeds
+        leaves the key naming its own contract, the one in force; a claim refused by the contract changes nothing.
+        Returns the refusal expected (None: the claim's other guards decide)."""
+        key, contract = party.key, party.contract
+        refusal = expected_contract(before, contract, wanted)
+        if before.in_force is not None and canonical(before.in_force) != canonical(contract):
+            self.refused_tenants[key.tenant] = party.code  # kept open by the ledger, even for a key completed
+        else:
+            self.refused_tenants.pop(key.tenant, None)  # a claim under the contract in force closes the refusal
+            self.in_force_code[key.tenant] = party.code  # recorded by the first claim, or matched
+        if refusal is not None or got in CONTRACT_REFUSALS:
+            STATS[f"contract: {got} (expected {refusal or wanted})"] += 1
+        if refusal is not None and got != refusal:
+            raise violation("K", "the contract at claim", f"{key}: the claim of {party.name} (code "
+                            f"{party.code.describe()}) ended {got}, where the contract allows only {refusal} (the "
+                            f"key was claimed under {_terms(before.contract)}, in force {_terms(before.in_force)}, "
+                            f"the claim brings {_terms(contract)})")  # fmt: skip
+        if refusal is None and got in CONTRACT_REFUSALS:
+            raise violation("K", "the contract at claim", f"{key}: the claim of {party.name} was refused ({got}) "
+                            f"under the contract in force {_terms(before.in_force)}")  # fmt: skip
+        after = self.world.rows.key(key)
+        if got in CONTRACT_REFUSALS:
+            changed = (before.run is None) != (after.run is None) or (
+                before.run is not None and dict(before.run._mapping) != dict(after.run._mapping)
+            )
+            if changed:
+                raise violation("K", "a refused claim changes nothing", f"{key}: refused ({got}), yet its row went "
+                                f"from {before.run} to {after.run}")  # fmt: skip
+            left = [(row.outcome, row.error_class) for row in self.world.rows.attempts(party.name)]
+            if any(found != ("refused", got) for found in left) or len(left) > 1:
+                raise violation("K", "a refused claim changes nothing", f"{key}: refused ({got}), yet {party.name} "
+                                f"left the attempt rows {left} (at most one, refused)")  # fmt: skip
+        elif got == "claim":
+            if after.contract is None or canonical(after.contract) != canonical(contract):
+                raise violation("K", "the contract at claim", f"{key}: claimed by {party.name} under "
+                                f"{_terms(contract)}, yet the key names {_terms(after.contract)}")  # fmt: skip
+            if after.in_force is None or canonical(after.in_force) != canonical(contract):
+                raise violation("K", "the contract at claim", f"{key}: claimed under {_terms(contract)}, the "
+                                f"contract in force is {_terms(after.in_force)}")  # fmt: skip
+        return refusal
+
     def on_hold(self, party: Reconciler, found, current, now: dt.datetime, claim) -> None:
         """A reconciliation hold: only a stuck key (``remote_unknown``, or a lease ended by the ledger's clock) that
         nobody moved since it was found, with the next token."""
@@ -468,14 +593,14 @@ class ProtocolMachine(RuleBasedStateMachine):
                                 f"{current.fencing_token}")  # fmt: skip
 
     def _issued(self, key: LogicalKey, token: int, what: str) -> None:
-        tokens = self.tracks[str(key)].tokens
+        tokens = self.tracks[(str(key), 0)].tokens  # tokens are the key's, whatever the destination
         if tokens and token <= tokens[-1]:
             raise violation("T", "tokens never reused", f"{key}: {what} got token {token} after {tokens}")
         tokens.append(token)
 
     def before_commit(self, party: ExportAttempt) -> None:
-        view = self.world.view(party.key)
-        self._fence_before = max(view.fence, self.tracks[str(party.key)].max_fence)
+        view = self.world.view(party.key, party.code.at)
+        self._fence_before = max(view.fence, self.tracks[(str(party.key), party.code.at)].max_fence)
         self._place_before = view.place
 
     def after_commit(self, party: ExportAttempt, pointer) -> None:
@@ -516,10 +641,13 @@ class ProtocolMachine(RuleBasedStateMachine):
     def _revisions_seen(self, key: LogicalKey) -> int:
         """The highest revision the key ever had or was asked for, from the machine's own records, the ledger's rows
         and what the destination holds."""
-        track, rows, view = self.tracks[str(key)], self.world.rows.key(key), self.world.view(key)
-        at_destination = [p.revision for p in view.places.values() if p.revision is not None]
-        requested = [r.revision for r in rows.requests]
-        return max([0, view.revision, *track.recorded, *track.requested, *requested, *at_destination])
+        rows, recorded = self.world.rows.key(key), self.recorded[str(key)]
+        seen = [0, *recorded, *[r.revision for r in rows.requests]]
+        for at in range(len(PLACES)):
+            view = self.world.view(key, at)
+            seen += [view.revision, *self.tracks[(str(key), at)].requested]
+            seen += [p.revision for p in view.places.values() if p.revision is not None]
+        return max(seen)
 
     @invariant()
     @guarded
@@ -535,11 +663,54 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.discarded.clear()
 
     def check_key(self, key: LogicalKey, rows: KeyRows) -> None:
+        """Every invariant of one key: at the destination its contract records (its home: where reconciliation and the
+        operator's commands act), docs/protocol.md's; at the other, nothing visible; and D, one export per key."""
         name = str(key)
-        track = self.tracks[name]
-        view = self.world.view(key)
+        views = [self.world.view(key, at) for at in range(len(PLACES))]
+        home = 0 if rows.run is None or rows.contract is None else self.world.home_of(rows.contract)
+        if home is None:
+            raise violation("D", "each key at its contract's destination", f"{name}: its contract records "
+                            f"{_terms(rows.contract)}, neither A nor B")  # fmt: skip
+        visible = [PLACES[at] for at, view in enumerate(views) if view.place is not None]
+        if len(visible) > 1:
+            where = ", ".join(f"{PLACES[at]}: r{v.revision} at {v.place}" for at, v in enumerate(views))
+            raise violation("D", "one destination per key", f"{name}: its export is visible at both ({where})")
+        for at, view in enumerate(views):
+            if at != home:
+                self.check_elsewhere(key, rows, view, self.tracks[(name, at)], at)
+        self.check_home(key, rows, views, self.tracks[(name, home)], home)
+
+    def check_elsewhere(self, key: LogicalKey, rows: KeyRows, view, track: Track, at: int) -> None:
+        """A destination the key's contract does not record: its pointer names nothing (only a conflict may hold
+        something anywhere), what a pointer named there stays, its fence never goes down."""
+        name = str(key)
+        if view.problems:
+            raise violation("2", "one current revision", f"{name} at {PLACES[at]}: {'; '.join(view.problems)}")
+        if view.fence < track.max_fence:
+            raise violation("5", "no effect of a stale token", f"{name} at {PLACES[at]}: the pointer's fence went "
+                            f"from {track.max_fence} down to {view.fence}")  # fmt: skip
+        if view.place is not None and rows.state != S.CONFLICT.value:
+            raise violation("D", "each key at its contract's destination", f"{name} is {rows.state} under a contract "
+                            f"that records {PLACES[1 - at]}, yet {PLACES[at]}'s pointer names r{view.revision} at "
+                            f"{view.place}")  # fmt: skip
+        for place in sorted(track.named):
+            found = view.places.get(place)
+            if found is None or not found.intact:
+                raise violation("7", "nothing named is deleted", f"{name} at {PLACES[at]}: {place} (named by the "
+                                "pointer) is gone")  # fmt: skip
+        track.max_fence = max(track.max_fence, view.fence)
+        track.revision, track.place = view.revision, view.place
+        if view.place is not None:
+            track.named.add(view.place)
+
+    def check_home(self, key: LogicalKey, rows: KeyRows, views: list, track: Track, home: int) -> None:
+        """docs/protocol.md's invariants at the destination the key's contract records (``views``: what a reader sees
+        at each destination)."""
+        name = str(key)
+        view = views[home]
         record, current, request = rows.run, rows.current, rows.open_request
         discarded = name in self.discarded
+        recorded = self.recorded[name]
 
         # 2. Exactly one current revision: the pointer names one intact place, or nothing.
         if view.problems:
@@ -573,22 +744,28 @@ class ProtocolMachine(RuleBasedStateMachine):
             raise violation("4", "revision numbers unique", f"{name}: requested revisions {asked}")
         track.requested.update(asked)
 
-        # 1. One logical export per key: one place per recorded revision, for good.
+        # 1. One logical export per key: one place per recorded revision, at one destination, for good.
         for revision in rows.revisions or ([current] if current is not None else []):
-            place = place_of(revision.location)
-            known = track.recorded.setdefault(revision.revision, place)
+            place = (self.world.at_of(revision.location), place_of(revision.location))
+            known = recorded.setdefault(revision.revision, place)
             if known != place:
                 raise violation("1", "one export per revision", f"{name}: revision {revision.revision} recorded at "
-                                f"{place}, earlier at {known}")  # fmt: skip
+                                f"{_at(place)}, earlier at {_at(known)}")  # fmt: skip
+
+        # D. A completed key is verified at the destination its contract records: its recorded location is there
+        # (and 3 below: the pointer there names it, with its sha256).
+        state = S(record.state) if record is not None else None
+        if state is S.COMPLETED and self.world.at_of(record.location) != home:
+            raise violation("D", "each key at its contract's destination", f"{name} is completed at "
+                            f"{record.location}; its contract records {PLACES[home]}")  # fmt: skip
 
         # 3 and 6. The ledger and the pointer agree.
-        state = S(record.state) if record is not None else None
         s_place = place_of(current.location) if current is not None else None
         names_s = view.revision == recorded_revision and (recorded_revision == 0 or view.place == s_place)
         under_way = request.revision if request is not None else (1 if current is None else None)
-        where = f"{name} is {state.value if state else 'unknown'}, the pointer names r{view.revision} at " \
-                f"{view.place} (fence {view.fence}); recorded r{recorded_revision} at {s_place}, under way " \
-                f"r{under_way}"  # fmt: skip
+        where = f"{name} is {state.value if state else 'unknown'}, the pointer at {PLACES[home]} names " \
+                f"r{view.revision} at {view.place} (fence {view.fence}); recorded r{recorded_revision} at " \
+                f"{s_place}, under way r{under_way}"  # fmt: skip
         if state is None and (view.revision != 0 or view.has_pointer):
             raise violation("3", "the ledger and the pointer agree", where)
         if state is S.COMPLETED:
@@ -609,12 +786,16 @@ class ProtocolMachine(RuleBasedStateMachine):
         # 7. Nothing a pointer named (and no discard removed since) and nothing a recorded revision names is
         # deleted.
         if discarded:
-            track.named = {p for p in track.named if p in track.recorded.values() or p == view.place}
-        for place in sorted(track.named | set(track.recorded.values())):
+            track.named = {p for p in track.named if (home, p) in recorded.values() or p == view.place}
+        for place in sorted(track.named):
             found = view.places.get(place)
             if found is None or not found.intact:
-                what = "recorded" if place in track.recorded.values() else "named by the pointer"
-                raise violation("7", "nothing named is deleted", f"{name}: {place} ({what}) is "
+                raise violation("7", "nothing named is deleted", f"{name}: {place} (named by the pointer at "
+                                f"{PLACES[home]}) is {'gone' if found is None else 'no longer intact'}")  # fmt: skip
+        for at, place in sorted(set(recorded.values()), key=str):
+            found = views[at].places.get(place) if at is not None else None
+            if found is None or not found.intact:
+                raise violation("7", "nothing named is deleted", f"{name}: {_at((at, place))} (recorded) is "
                                 f"{'gone' if found is None else 'no longer intact'}")  # fmt: skip
 
         track.max_fence = max(track.max_fence, view.fence)
@@ -626,8 +807,9 @@ class ProtocolMachine(RuleBasedStateMachine):
 
     def settle(self) -> None:
         """Invariant 9: faults stop, time passes beyond every lease, the parties still alive wake up and run to their
-        end, then reconciliation and fresh attempts (automatic reruns while they last, restatements asked for) run
-        until nothing changes. Every key must end completed or escalated."""
+        end, then reconciliation and fresh attempts (automatic reruns while they last, restatements asked for, run by
+        the code deployed last) run until nothing changes. Every key must end completed or escalated (a key whose
+        reruns the contract refuses, by its tenant's open refusal or as a key that waits too long)."""
         world = self.world
         world.faults.enabled = False
         world.clock.advance((LEASE * 2).total_seconds())
@@ -635,10 +817,12 @@ class ProtocolMachine(RuleBasedStateMachine):
             while not party.done:
                 self.step(party)
                 self.check()
+        refused: dict[str, str] = {}  # key -> the contract's refusal of its last rerun
         for round_ in range(10):
             world.clock.advance((LEASE * 2).total_seconds())
             progressed = False
-            report = reconcile_batch(world.ledger, world.destination, limit=10, after=None, reconciler="settle")
+            report = reconcile_batch(world.ledger, world.placed, limit=10, after=None, reconciler="settle",
+                                     exports=[EXPORT])  # fmt: skip
             progressed |= bool(report.findings)
             self.check()
             for key in self.keys:
@@ -651,34 +835,165 @@ class ProtocolMachine(RuleBasedStateMachine):
                 )
                 if not wanted:
                     continue
-                attempt = ExportAttempt(self._name("settle"), key, 0, source_fails=False, variant=1000 + round_)
+                attempt = ExportAttempt(self._name("settle"), key, 0, source_fails=False, variant=1000 + round_,
+                                        code=self.codes[-1])  # fmt: skip
                 self.parties.append(attempt)
                 while not attempt.done:
                     self.step(attempt)
                     self.check()
-                progressed = True
+                refusal = next((r for r in CONTRACT_REFUSALS if r in attempt.outcome), None)
+                if refusal is None:
+                    refused.pop(str(key), None)
+                    progressed = True
+                else:
+                    refused[str(key)] = refusal
             if not progressed:
                 break
+        if refused:
+            world.clock.advance(STUCK_AFTER.total_seconds())  # a restatement refused long enough is escalated
         escalations = world.ledger.attention.needs_attention(STUCK_AFTER, max_attempts=MAX_ATTEMPTS)
         escalated = {e.logical_key for e in escalations}
+        refused_tenants = {e.tenant for e in escalations if e.logical_key is None and e.state == "refused"}
         for key in self.keys:
             record = world.ledger.queries.get(str(key))
             request = world.ledger.restatements.open_requests([str(key)]).get(str(key))
             done = record is not None and record.state is S.COMPLETED and request is None
             spent = record is not None and record.state is S.FAILED and record.claim_count >= MAX_ATTEMPTS
             given_up = record is not None and record.state is S.CONFLICT
-            STATS[f"settled {'completed' if done else record.state.value if record else 'never claimed'}"] += 1
-            if not (done or spent or given_up):
+            by_contract = refused.get(str(key))
+            if by_contract is not None and not (str(key) in escalated or key.tenant in refused_tenants):
+                raise violation("9", "liveness", f"{key}: its reruns are refused ({by_contract}) but needs_attention "
+                                "lists neither the key nor its tenant's refusal")  # fmt: skip
+            state = "completed" if done else record.state.value if record else "never claimed"
+            STATS[f"settled {state}{f' ({by_contract})' if by_contract and not done else ''}"] += 1
+            if not (done or spent or given_up or by_contract):
                 raise violation("9", "liveness", f"{key} ends {record.state.value if record else 'never claimed'} "
                                 f"(claims {record.claim_count if record else None}, open request {request}) once "
                                 "faults stopped and reconciliation and reruns ran")  # fmt: skip
-            if not done and str(key) not in escalated:
+            if not done and not by_contract and str(key) not in escalated:
                 raise violation("9", "liveness", f"{key} ends {record.state.value} but needs_attention does not list "
                                 "it")  # fmt: skip
 
 
+class ContractMachine(ProtocolMachine):
+    """The machine with the export contract's rules: deploys that change what the export is, attempts on the code
+    deployed last or (a stale environment) an earlier one, accept-contract, a key exported before the example starts,
+    restatements that launch their run. (Rules of the same name replace the protocol machine's, with one more
+    choice each.)"""
+
+    @initialize(keys=st.integers(0, 1), history=st.booleans())
+    @guarded
+    def setup(self, keys: int, history: bool) -> None:
+        """As the protocol machine's; with ``history``, the early key (when there are two) was exported before the
+        example starts, by the first code (so that deploys and restatements meet a key completed under a contract)."""
+        self._setup(keys, history)
+
+    @precondition(lambda self: len(self.live()) < MAX_LIVE)
+    @rule(
+        which=st.integers(0, 1),
+        offset=st.sampled_from([0, 0, -1800, -600, -30, 30, 600, 1800, 7200]),
+        source_fails=st.integers(0, 5).map(lambda n: n == 0),
+        stale=STALE,
+    )
+    @guarded
+    def start_attempt(self, which: int, offset: int, source_fails: bool, stale: int) -> None:
+        """A worker starts an attempt on a key: its first step, the claim. It runs the code deployed last, or (a worker
+        with a stale environment) an earlier one."""
+        self._start_attempt(which, offset, source_fails, self._code(stale))
+
+    @precondition(lambda self: any(p.claim is not None for p in self.live()) and len(self.live()) < MAX_LIVE)
+    @rule(
+        index=st.integers(0, MAX_LIVE - 1),
+        late=st.sampled_from([0, 0, 1, 300]),
+        who=st.sampled_from(["attempt", "attempt", "reconciler"]),
+        offset=st.sampled_from([0, -1800, 1800]),
+        stale=STALE,
+    )
+    @guarded
+    def take_over(self, index: int, late: int, who: str, offset: int, stale: int) -> None:
+        """As the protocol machine's, the newcomer on the code deployed last or an earlier one."""
+        self._take_over(index, late, who, offset, self._code(stale))
+
+    @precondition(lambda self: self._where(S.COMPLETED, request=False))
+    @rule(which=st.integers(0, 1), launch=st.booleans())
+    @guarded
+    def request_restatement(self, which: int, launch: bool) -> None:
+        """An operator (or the drift sensor) asks for the next revision of a completed key; with ``launch``, its run
+        starts at once on the code deployed last."""
+        self._restate(which, launch=launch)
+
+    def _code(self, stale: int) -> Code:
+        """The code deployed last, or ``stale`` deploys before it (a worker that has not picked up the new code)."""
+        return self.codes[max(0, len(self.codes) - 1 - stale)]
+
+    @precondition(lambda self: len(self.codes) < MAX_CODES)
+    @rule(what=st.sampled_from(("destination",) * 3 + CHANGES))  # a new destination is the change that matters most
+    @guarded
+    def deploy(self, what: str) -> None:
+        """A deploy changes what the export is: its destination (A <-> B), file format, column order, source or
+        version. Attempts started from now on run it (but for a worker with a stale environment)."""
+        self._count(f"deploy {what}")
+        self.codes.append(self.codes[-1].changed(what))
+
+    def _acceptable(self, ahead: bool) -> list[str]:
+        """The tenants an acceptance would change: ``ahead``, whose contract in force is not the latest code's;
+        else, those with a refusal open."""
+        if ahead:
+            return sorted(t for t, code in self.in_force_code.items() if code != self.codes[-1])
+        return sorted(self.refused_tenants)
+
+    @precondition(lambda self: self._acceptable(True) or self._acceptable(False))
+    @rule(which=st.integers(0, 1), ahead=st.booleans())
+    @guarded
+    def accept_contract(self, which: int, ahead: bool) -> None:
+        """``export-ledger accept-contract --keep-exported`` for a tenant: the contract its refused code asked for
+        (``accept_refused``), or (``ahead``) the contract of the code deployed last, declared before its claims
+        (``accept``), becomes the one in force. Refused itself while a key of the tenant may still be written at the
+        old destination (or, for ``accept_refused``, when no claim was refused)."""
+        self._count("accept_contract")
+        contracts = self.world.ledger.contracts
+        ahead = ahead if self._acceptable(ahead) else not ahead
+        tenants = self._acceptable(ahead)
+        tenant = tenants[which % len(tenants)]
+        key = next(key for key in self.keys if key.tenant == tenant)
+        code = self.codes[-1] if ahead else self.refused_tenants[tenant]
+        try:
+            if ahead:
+                accepted = [contracts.accept(EXPORT, self.world.contract(key, code), "deployed", tenant=tenant,
+                                             operator="ops", exported="keep")]  # fmt: skip
+            else:
+                accepted = contracts.accept_refused(EXPORT, "deployed", tenant=tenant, operator="ops",
+                                                    exported="keep")  # fmt: skip
+        except (LedgerError, ValueError) as exc:
+            STATS[f"accept-contract refused: {type(exc).__name__}"] += 1
+            return
+        self.refused_tenants.pop(tenant, None)
+        self.in_force_code[tenant] = code
+        moved = any(a.previous and a.previous["terms"]["destination"] != a.accepted["terms"]["destination"]
+                    for a in accepted)  # fmt: skip
+        STATS[f"accept-contract {'of a new destination' if moved else 'of new terms'}"] += 1
+
+
+def _at(place: tuple[int | None, str]) -> str:
+    at, name = place
+    return f"{name} at {'?' if at is None else PLACES[at]}"
+
+
+def _terms(contract: dict | None) -> str:
+    """A contract's terms, short, for a violation's message."""
+    if contract is None:
+        return "no contract"
+    terms = contract.get("terms") or {}
+    columns = ",".join(name for name, _ in (terms.get("schema") or {}).get("columns", []))
+    root = (terms.get("destination") or {}).get("root", "?")
+    return (f"[{root.rsplit('/', 1)[-1]} {terms.get('file_format')} {columns} {(terms.get('source') or {}).get('name')}"
+            f" v{terms.get('version')}]")  # fmt: skip
+
+
 @functools.cache
-def machine_for(backend: str, destination: str) -> type[ProtocolMachine]:
-    """The machine on a ledger backend (``sqlite``, ``postgres``) and a destination (``local``, ``s3``)."""
-    return type(f"ProtocolMachine_{backend}_{destination}", (ProtocolMachine,),
+def machine_for(backend: str, destination: str, *, contracts: bool = True) -> type[ProtocolMachine]:
+    """The machine on a ledger backend (``sqlite``, ``postgres``) and a destination A (``local``, ``s3``), with the
+    export contract's rules or (``contracts`` False) without them."""
+    base = ContractMachine if contracts else ProtocolMachine
+    return type(f"{base.__name__}_{backend}_{destination}", (base,),
                 dict(backend=backend, destination_kind=destination))  # fmt: skip

@@ -210,6 +210,44 @@ def request_revision_numbering(monkeypatch) -> None:
     monkeypatch.setattr(restatements, "sa", _ForgetfulSa())
 
 
+def contract_refusal(monkeypatch) -> None:
+    """A claim whose contract is not the one in force is refused (``ContractChanged``): the comparison made to find
+    every contract the same as the one recorded (so the claim goes on, under the contract in force)."""
+    from export_ledger.ledger import contracts
+
+    monkeypatch.setattr(contracts, "_same", lambda held, wanted: True)
+
+
+def moved_refusal(monkeypatch) -> None:
+    """A claim that would carry a key whose earlier attempts may have written at its contract's destination over to
+    another (a takeover, a restatement, the retry of a failed restatement) is refused (``DestinationMoved``): no key
+    ever found moved."""
+    from export_ledger.ledger.contracts import Contracts
+
+    monkeypatch.setattr(Contracts, "moved_in", lambda self, conn, records, decided, contracts: {})
+
+
+def accept_settled_check(monkeypatch) -> None:
+    """accept-contract moves the destination only when no key of the scope is in_progress, remote_unknown or conflict,
+    or has an open restatement request: the check told that the destination does not move.
+
+    Not caught, and not in the tests: the machine's keys all name the contract they were claimed under, and every
+    key the acceptance could leave unsettled at the old destination is then refused with ``DestinationMoved`` when
+    the new contract's code comes for it, or settled where its contract says by reconciliation and operators (the
+    model check shows the same: docs/model-check.md). The check is what protects keys that name no contract
+    (claimed before schema version 9), which the machine does not make."""
+    from export_ledger.contract import destination_of, terms_of, with_terms
+    from export_ledger.ledger.contracts import Contracts
+
+    check = Contracts._check_terms_change
+
+    def destination_unmoved(self, conn, export, tenant, previous, contract, exported):
+        unmoved = with_terms(previous, {**terms_of(previous), "destination": destination_of(contract)})
+        return check(self, conn, export, tenant, unmoved, contract, exported)
+
+    monkeypatch.setattr(Contracts, "_check_terms_change", destination_unmoved)
+
+
 MUTATIONS = {
     "commit_fence_check": commit_fence_check,
     "fence_write": fence_write,
@@ -225,4 +263,7 @@ MUTATIONS = {
     "discard_restore": discard_restore,
     "reconciler_judge": reconciler_judge,
     "request_revision_numbering": request_revision_numbering,
+    "contract_refusal": contract_refusal,
+    "moved_refusal": moved_refusal,
+    "accept_settled_check": accept_settled_check,
 }

@@ -1,14 +1,15 @@
 """The parties of docs/protocol.md, each advanced one protocol step at a time with the library's own step functions.
 
-An :class:`ExportAttempt` is ``export_key`` taken apart: claim (``ledger.claims.claim_many``), fence
+An :class:`ExportAttempt` is ``export_key`` taken apart, run by a worker whose code (:class:`~stateful.world.Code`)
+says what the export is: claim (``ledger.claims.claim_many``, with the contract its code declares), fence
 (``destination.fence``, or a read of the pointer for token 1), probe (``destination.verify``), read and validate
 the source, sweep, stage, commit (``destination.commit``) and record (``ledger.completions.complete``). A failure is
 recorded the way ``export_key`` records it (``fail``; ``mark_remote_unknown`` for an unknown outcome, and for a
 takeover's error before its fence landed; ``mark_conflict``), and a party that lost the key stops.
 
-A :class:`Reconciler` is ``reconcile_batch`` for one key taken apart: find it stuck
-(``ledger.attention.stuck``), hold (``ledger.claims.hold_many``), fence and judge (``reconcile.examine``), finish
-(``ledger.completions.finish_many``).
+An attempt publishes at its code's destination. A :class:`Reconciler` is ``reconcile_batch`` for one key taken apart:
+find it stuck (``ledger.attention.stuck``), hold (``ledger.claims.hold_many``), fence and judge (``reconcile.examine``)
+at the destination the library places the key (its contract's), finish (``ledger.completions.finish_many``).
 
 Each party has a clock offset of its own. It is never given to the library (the ledger's clock is the only clock
 the library sees); the parties only use it to say what they *believe* (``believes_live``), so that the machine can
@@ -27,7 +28,7 @@ from export_ledger.frames import Manifest, data_file_name, validate_frame
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger import Claim, CompletionEvidence, ExportState, FencedOut, LedgerError
 from export_ledger.protocol import ExportConflict, target_for
-from stateful.world import SCHEMA, World, frame_for
+from stateful.world import Code, World, frame_for
 
 CLAIM, FENCE, PROBE, READ, SWEEP, STAGE, COMMIT, RECORD = (
     "claim", "fence", "probe", "read", "sweep", "stage", "commit", "record",
@@ -72,9 +73,12 @@ class ExportAttempt(Party):
     #: before that rule (a mutation test's way to show the rule is needed; the library's own is in protocol.py).
     failed_before_fence = False
 
-    def __init__(self, name: str, key: LogicalKey, offset: float, *, source_fails: bool, variant: int) -> None:
+    def __init__(
+        self, name: str, key: LogicalKey, offset: float, *, source_fails: bool, variant: int, code: Code | None = None
+    ) -> None:
         super().__init__(name, key, offset)
-        self.source_fails, self.variant = source_fails, variant
+        self.source_fails, self.variant, self.code = source_fails, variant, code or Code()
+        self.contract: dict | None = None
         self.next = CLAIM
         self.pointer = None
         self.table = None
@@ -88,6 +92,10 @@ class ExportAttempt(Party):
     @property
     def target(self):
         return target_for(self.key, self.claim.revision)
+
+    def destination(self, world: World):
+        """Where this attempt publishes: its code's destination, whatever the ledger records."""
+        return world.destinations[self.code.at]
 
     def step(self, world: World, observer) -> str:
         """Runs the next step; returns what happened (for the history)."""
@@ -109,7 +117,9 @@ class ExportAttempt(Party):
     def _claim(self, world: World, observer) -> str:
         before = world.rows.key(self.key)
         now = world.clock.now
-        (outcome,) = world.ledger.claims.claim_many([self.key], self.name)
+        self.contract = world.contract(self.key, self.code)
+        contracts = {(self.key.export, self.key.tenant): self.contract}
+        (outcome,) = world.ledger.claims.claim_many([self.key], self.name, contracts=contracts)
         observer.on_claim(self, before, now, outcome)
         if not isinstance(outcome, Claim):
             return self.finish(f"claim refused: {type(outcome).__name__}")
@@ -120,17 +130,18 @@ class ExportAttempt(Party):
 
     def _fence(self, world: World, observer) -> str:
         claim = self.claim
+        destination = self.destination(world)
         if claim.fencing_token > 1:
-            self.pointer = world.destination.fence(self.target, claim.fencing_token, logical_key=claim.logical_key)
+            self.pointer = destination.fence(self.target, claim.fencing_token, logical_key=claim.logical_key)
             self.fenced_predecessor = True
         else:
-            self.pointer = world.destination.pointer(self.target)
+            self.pointer = destination.pointer(self.target)
         self.next = PROBE
         return f"pointer fence {self.pointer.fence} r{self.pointer.revision}"
 
     def _probe(self, world: World, observer) -> str:
         claim = self.claim
-        verification = world.destination.verify(
+        verification = self.destination(world).verify(
             self.target, logical_key=claim.logical_key, superseded=claim.superseded_revision, pointer=self.pointer
         )
         if verification.verdict is Verdict.PUBLISHED:
@@ -145,9 +156,10 @@ class ExportAttempt(Party):
     def _read(self, world: World, observer) -> str:
         if self.source_fails:
             raise SourceError("the source failed (injected)")
-        self.fingerprint = Fingerprint(SCHEMA.id_columns, SCHEMA.version_column)
+        schema = self.code.schema()
+        self.fingerprint = Fingerprint(schema.id_columns, schema.version_column)
         self.table = validate_frame(
-            frame_for(self.key, self.variant), SCHEMA, self.claim.window, self.claim.logical_key, self.key.tenant,
+            frame_for(self.key, self.variant), schema, self.claim.window, self.claim.logical_key, self.key.tenant,
             fingerprint=self.fingerprint,
         )  # fmt: skip
         self.next = SWEEP
@@ -156,7 +168,7 @@ class ExportAttempt(Party):
     def _sweep(self, world: World, observer) -> str:
         removed = 0
         if self.claim.fencing_token > 1:
-            removed = world.destination.sweep(self.target, self.claim.fencing_token, self.pointer)
+            removed = self.destination(world).sweep(self.target, self.claim.fencing_token, self.pointer)
         self.next = STAGE
         return f"swept {removed}"
 
@@ -165,20 +177,22 @@ class ExportAttempt(Party):
         template = Manifest.build(
             logical_key=claim.logical_key, export=self.key.export, tenant=self.key.tenant, window=claim.window,
             row_count=0, sha256="", attempt_id=claim.attempt_id, fencing_token=claim.fencing_token,
-            data_file=data_file_name("csv"), tz_database=claim.tz_database, revision=claim.revision,
+            data_file=data_file_name(self.code.file_format), tz_database=claim.tz_database, revision=claim.revision,
             supersedes=claim.supersedes,
         )  # fmt: skip
-        self.staged = world.destination.stage(self.target, claim.fencing_token, self.table, "csv", template)
+        self.staged = self.destination(world).stage(
+            self.target, claim.fencing_token, self.table, self.code.file_format, template
+        )
         self.next = COMMIT
         return f"staged {self.staged.target.place}"
 
     def _commit(self, world: World, observer) -> str:
         claim, staged = self.claim, self.staged
         observer.before_commit(self)
-        pointer = world.destination.commit(staged, claim.fencing_token, superseded=claim.superseded_revision)
+        pointer = self.destination(world).commit(staged, claim.fencing_token, superseded=claim.superseded_revision)
         observer.after_commit(self, pointer)
         self.evidence = CompletionEvidence(
-            location=world.destination.location(staged.target), sha256=staged.manifest.sha256,
+            location=self.destination(world).location(staged.target), sha256=staged.manifest.sha256,
             row_count=staged.manifest.row_count, attempt_id=claim.attempt_id, fencing_token=claim.fencing_token,
             source_fingerprint=self.fingerprint.encode(), revision=claim.revision,
         )  # fmt: skip
@@ -258,7 +272,8 @@ class Reconciler(Party):
             self.next = EXAMINE
             return f"held token {claim.fencing_token}"
         if step == EXAMINE:
-            self.finding = reconcile.examine(world.destination, self.record, self.claim)
+            place = world.placed([self.record])[self.record.logical_key]  # where its contract says its export is
+            self.finding = reconcile.examine(place, self.record, self.claim)
             self.next = FINISH
             return f"judged {self.finding.verdict.value}"
         before = observer.before_finish(self)

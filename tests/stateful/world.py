@@ -1,6 +1,7 @@
-"""One example's world: a fresh ledger (SQLite or a PostgreSQL schema of its own), a destination (a local folder, or
-a bucket on moto's S3 server) behind a store that injects faults, the ledger's controllable clock, and a reader that
-looks at the destination the way an outside reader does, without the library.
+"""One example's world: a fresh ledger (SQLite or a PostgreSQL schema of its own), two destinations behind stores that
+inject faults (A: a local folder, or a bucket on moto's S3 server; B: another local folder), the ledger's controllable
+clock, the code a worker runs (:class:`Code`: the export's contract as the worker's environment declares it), and a
+reader that looks at each destination the way an outside reader does, without the library.
 
 The reader is deliberately written from docs/protocol.md alone: it lists the key's folder, parses ``_current.json``,
 follows it to the manifest and the data file, and hashes the data itself. It shares nothing with
@@ -16,22 +17,30 @@ import os
 import shutil
 import tempfile
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import quote
 
 import pandas as pd
 import sqlalchemy as sa
 
-from export_ledger.calendar import window_for
+from export_ledger.calendar import calendar_contract, window_for
+from export_ledger.contract import export_terms, with_terms
 from export_ledger.destinations import LocalDestination
 from export_ledger.destinations.base import DestinationError, PublishOutcomeUnknown
 from export_ledger.destinations.publishing import PublishingDestination
 from export_ledger.destinations.store import ObjectStore
 from export_ledger.frames import ExportSchema
 from export_ledger.keys import LogicalKey
-from export_ledger.ledger import ExportLedger, dispose_engines
-from export_ledger.ledger.schema import export_restatements, export_revisions, export_runs
+from export_ledger.ledger import ExportLedger, ExportRecord, dispose_engines
+from export_ledger.ledger.schema import (
+    export_attempts,
+    export_contracts,
+    export_restatements,
+    export_revisions,
+    export_runs,
+)
+from export_ledger.placement import recorded_destinations
 
 UTC = dt.timezone.utc
 EXPORT = "orders"
@@ -49,6 +58,47 @@ KEYS = (
     LogicalKey(EXPORT, "globex", window_for(dt.date(2026, 3, 19), "America/New_York")),
 )
 POSTGRES_ADMIN_URL = os.environ.get("EXPORTS_TEST_POSTGRES_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
+
+
+#: The destinations' names, by index: A (local or S3) and B (a local folder).
+PLACES = "AB"
+START_DATE = "2026-01-01"
+
+
+@dataclass(frozen=True)
+class Code:
+    """What a worker's code and environment say the export is (its contract's terms): the destination (0: A, 1: B),
+    the file format, the columns in file order, the source's name and the export's version."""
+
+    at: int = 0
+    file_format: str = "csv"
+    columns: tuple[str, ...] = tuple(SCHEMA.columns)
+    source: str = "orders.read"
+    version: int | None = None
+
+    def schema(self) -> ExportSchema:
+        return ExportSchema({name: SCHEMA.columns[name] for name in self.columns}, SCHEMA.time_column,
+                            SCHEMA.id_columns)  # fmt: skip
+
+    def changed(self, what: str) -> Code:
+        """This code after a deploy that changes ``what``."""
+        if what == "destination":
+            return replace(self, at=1 - self.at)
+        if what == "file_format":
+            return replace(self, file_format="parquet" if self.file_format == "csv" else "csv")
+        if what == "columns":
+            return replace(self, columns=self.columns[1:] + self.columns[:1])
+        if what == "source":
+            return replace(self, source=self.source + "_v2")
+        return replace(self, version=(self.version or 0) + 1)
+
+    def describe(self) -> str:
+        columns = ",".join(c[0] for c in self.columns)
+        return f"{PLACES[self.at]}/{self.file_format}/{columns}/{self.source}/v{self.version}"
+
+
+#: What a deploy may change.
+CHANGES = ("destination", "file_format", "columns", "source", "version")
 
 
 def frame_for(key: LogicalKey, variant: int) -> pd.DataFrame:
@@ -164,10 +214,17 @@ class FaultyDestination(PublishingDestination):
     def __init__(self, inner: PublishingDestination, faults: Faults) -> None:
         self.inner = inner
         self._store = FaultyStore(inner.store, faults)
+        self.pool = inner.pool  # its kind, as a contract records it
 
     @property
     def store(self) -> ObjectStore:
         return self._store
+
+    def spec(self):
+        return self.inner.spec()
+
+    def identity(self, export: str) -> dict:
+        return self.inner.identity(export)
 
 
 # -- the independent reader ----------------------------------------------------------------------------------------
@@ -332,6 +389,12 @@ class S3Reader:
 _RUNS = sa.select(export_runs)
 _REVISIONS = sa.select(export_revisions).order_by(export_revisions.c.logical_key, export_revisions.c.revision)
 _REQUESTS = sa.select(export_restatements).order_by(export_restatements.c.id)
+_CONTRACTS = sa.select(export_contracts.c.id, export_contracts.c.contract).order_by(export_contracts.c.id)
+
+
+def canonical(contract) -> str:
+    """A contract compared as JSON with sorted keys, without the tenant it is recorded for."""
+    return json.dumps({k: v for k, v in dict(contract).items() if k != "tenant"}, sort_keys=True)
 
 
 @dataclass
@@ -350,6 +413,8 @@ class KeyRows:
     run: sa.Row | None
     revisions: list = field(default_factory=list)
     requests: list = field(default_factory=list)
+    contract: dict | None = None  # the contract its row names (contract_id), read from export_contracts
+    in_force: dict | None = None  # its tenant's contract in force (the latest recorded for it, or for every tenant)
 
     @property
     def state(self) -> str | None:
@@ -386,13 +451,40 @@ class LedgerRows:
                 rows.setdefault(revision.logical_key, KeyRows(None)).revisions.append(revision)
             for request in conn.execute(_REQUESTS):
                 rows.setdefault(request.logical_key, KeyRows(None)).requests.append(request)
+            contracts = {row_id: json.loads(text) for row_id, text in conn.execute(_CONTRACTS)}
+        for found in rows.values():
+            if found.run is not None:
+                found.contract = contracts.get(found.run.contract_id)
+                found.in_force = in_force(contracts, found.run.tenant)
         return rows
 
     def key(self, key: LogicalKey) -> KeyRows:
-        return self.read().get(str(key), KeyRows(None))
+        found = self.read().get(str(key), KeyRows(None))
+        if found.run is None:
+            found.in_force = self.in_force(key.tenant)
+        return found
+
+    def attempts(self, attempt_id: str) -> list[sa.Row]:
+        """The attempt rows an attempt left (outcome and error class)."""
+        query = sa.select(export_attempts.c.outcome, export_attempts.c.error_class).where(
+            export_attempts.c.attempt_id == attempt_id
+        )
+        with self.engine.connect() as conn:
+            return list(conn.execute(query.order_by(export_attempts.c.id)))
+
+    def in_force(self, tenant: str) -> dict | None:
+        with self.engine.connect() as conn:
+            contracts = {row_id: json.loads(text) for row_id, text in conn.execute(_CONTRACTS)}
+        return in_force(contracts, tenant)
 
     def close(self) -> None:
         self.engine.dispose()
+
+
+def in_force(contracts: dict[int, dict], tenant: str) -> dict | None:
+    """The tenant's contract in force, as docs say: the latest recorded for it or for every tenant (no tenant)."""
+    mine = [row_id for row_id, c in contracts.items() if c.get("tenant") in (None, tenant)]
+    return contracts[max(mine)] if mine else None
 
 
 # -- backends ------------------------------------------------------------------------------------------------------
@@ -456,7 +548,7 @@ class World:
         if destination == "local":
             root = self.tmp / "exports"
             inner: PublishingDestination = LocalDestination(str(root))
-            self.reader = LocalReader(root)
+            reader: LocalReader | S3Reader = LocalReader(root)
         else:
             import boto3
 
@@ -479,11 +571,52 @@ class World:
                 bucket=bucket, prefix="exports", endpoint_url=endpoint, access_key_id="testing",
                 secret_access_key="testing", read_timeout_seconds=30.0, connect_timeout_seconds=5.0,
             )  # fmt: skip
-            self.reader = S3Reader(client, bucket, "exports")
-        self.destination = FaultyDestination(inner, self.faults)
+            reader = S3Reader(client, bucket, "exports")
+        elsewhere = self.tmp / "moved"
+        #: A and B; the same faults are armed for both (a step writes at one of them).
+        self.destinations = [FaultyDestination(inner, self.faults),
+                             FaultyDestination(LocalDestination(str(elsewhere)), self.faults)]  # fmt: skip
+        self.readers = [reader, LocalReader(elsewhere)]
+        self.destination = self.destinations[0]
+        self.homes = [d.identity(EXPORT) for d in self.destinations]
+        self.prefixes = [d.store.url("") for d in self.destinations]
 
-    def view(self, key: LogicalKey) -> KeyView:
-        return read_view(self.reader.objects(key), key)
+    def view(self, key: LogicalKey, at: int = 0) -> KeyView:
+        """The key as a reader of destination ``at`` sees it."""
+        return read_view(self.readers[at].objects(key), key)
+
+    def contract(self, key: LogicalKey, code: Code) -> dict:
+        """The contract a claim of ``key`` by ``code`` is checked against: the tenant's calendar (its key's zone) and
+        the code's terms, built with the library's own functions as an export's spec builds them."""
+        terms = export_terms(
+            destination=self.destinations[code.at].identity(EXPORT), file_format=code.file_format,
+            schema=code.schema(), source={"kind": "callable", "name": code.source}, version=code.version,
+        )  # fmt: skip
+        return with_terms(calendar_contract(key.window.timezone, START_DATE), terms)
+
+    def home_of(self, contract: dict | None) -> int | None:
+        """Which destination a contract records (None: no contract, or none of A and B)."""
+        place = (contract or {}).get("terms", {}).get("destination")
+        return self.homes.index(place) if place in self.homes else None
+
+    def at_of(self, location: str) -> int | None:
+        """Which destination a recorded location is at (None: neither)."""
+        found = [at for at, prefix in enumerate(self.prefixes) if location.startswith(prefix)]
+        return max(found, key=lambda at: len(self.prefixes[at])) if found else None
+
+    def placed(self, records: list[ExportRecord]) -> dict[str, FaultyDestination]:
+        """Where the library says each key's export is (:func:`recorded_destinations`, as ``export-ledger
+        reconcile``, ``resolve`` and ``restate --withdraw`` ask it), as this world's destination there (its faults
+        armed)."""
+        here = self.destination
+        chosen = recorded_destinations(self.ledger, records, known=here, fallback=lambda _: here)
+        found = {}
+        for name, destination in chosen.items():
+            identity = destination.identity(EXPORT)
+            if identity not in self.homes:
+                raise AssertionError(f"{name}: the library placed it at {identity}, neither A nor B")
+            found[name] = self.destinations[self.homes.index(identity)]
+        return found
 
     def close(self) -> None:
         for close in reversed(self._closers):

@@ -110,13 +110,13 @@ def expected_contract(before: KeyRows, contract: dict, wanted: str) -> str | Non
     model of the claim's contract checks, from the key's rows and the contracts recorded, as read just before.
 
     Refused with ``ContractChanged`` unless its contract is the tenant's contract in force (or none is recorded yet:
-    then it is recorded); a key already completed is skipped first. A claim that would take a key over, restate it or
+    then it is recorded, unless its terms are not the export's); a key already completed is skipped first. A claim that would take a key over, restate it or
     retry its failed restatement is refused with ``DestinationMoved`` when the key was last claimed under a contract
     no longer in force that publishes at another destination than this claim."""
     in_force, run = before.in_force, before.run
     if wanted == "completed":
         return None
-    if in_force is not None and canonical(in_force) != canonical(contract):
+    if contract_mismatch(before, contract):
         return ContractChanged.__name__
     if wanted != "claim" or run is None or before.contract is None:
         return None
@@ -125,6 +125,14 @@ def expected_contract(before: KeyRows, contract: dict, wanted: str) -> str | Non
     stale = canonical(before.contract) != canonical(in_force or contract)
     moved = before.contract["terms"]["destination"] != contract["terms"]["destination"]
     return DestinationMoved.__name__ if carries and stale and moved else None
+
+
+def contract_mismatch(before: KeyRows, contract: dict) -> bool:
+    """Whether a claim's contract is not the one in force: the tenant's, or, for a tenant with none yet, the export's
+    terms (the calendar is the tenant's own, the terms are the export's)."""
+    if before.in_force is not None:
+        return canonical(before.in_force) != canonical(contract)
+    return before.export_terms is not None and before.export_terms != contract.get("terms")
 
 
 def _outcome_name(outcome) -> str:
@@ -536,7 +544,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         Returns the refusal expected (None: the claim's other guards decide)."""
         key, contract = party.key, party.contract
         refusal = expected_contract(before, contract, wanted)
-        if before.in_force is not None and canonical(before.in_force) != canonical(contract):
+        if contract_mismatch(before, contract):
             self.refused_tenants[key.tenant] = party.code  # kept open by the ledger, even for a key completed
         else:
             self.refused_tenants.pop(key.tenant, None)  # a claim under the contract in force closes the refusal
@@ -959,16 +967,20 @@ class ContractMachine(ProtocolMachine):
         code = self.codes[-1] if ahead else self.refused_tenants[tenant]
         try:
             if ahead:
-                accepted = [contracts.accept(EXPORT, self.world.contract(key, code), "deployed", tenant=tenant,
-                                             operator="ops", exported="keep")]  # fmt: skip
+                accepted = contracts.accept(EXPORT, self.world.contract(key, code), "deployed", tenant=tenant,
+                                            operator="ops", exported="keep").accepted  # fmt: skip
             else:
                 accepted = contracts.accept_refused(EXPORT, "deployed", tenant=tenant, operator="ops",
-                                                    exported="keep")  # fmt: skip
+                                                    exported="keep").accepted  # fmt: skip
         except (LedgerError, ValueError) as exc:
             STATS[f"accept-contract refused: {type(exc).__name__}"] += 1
             return
-        self.refused_tenants.pop(tenant, None)
-        self.in_force_code[tenant] = code
+        # The terms are the export's: new terms are recorded for every tenant (each keeps its own calendar), and
+        # every refusal of the export is closed; a calendar alone is the tenant's.
+        for done in accepted:
+            if done.tenant is not None:
+                self.refused_tenants.pop(done.tenant, None)
+                self.in_force_code[done.tenant] = code
         moved = any(a.previous and a.previous["terms"]["destination"] != a.accepted["terms"]["destination"]
                     for a in accepted)  # fmt: skip
         STATS[f"accept-contract {'of a new destination' if moved else 'of new terms'}"] += 1

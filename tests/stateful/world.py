@@ -415,6 +415,7 @@ class KeyRows:
     requests: list = field(default_factory=list)
     contract: dict | None = None  # the contract its row names (contract_id), read from export_contracts
     in_force: dict | None = None  # its tenant's contract in force (the latest recorded for it, or for every tenant)
+    export_terms: dict | None = None  # the export's terms in force: those of the newest contract recorded
 
     @property
     def state(self) -> str | None:
@@ -453,6 +454,7 @@ class LedgerRows:
                 rows.setdefault(request.logical_key, KeyRows(None)).requests.append(request)
             contracts = {row_id: json.loads(text) for row_id, text in conn.execute(_CONTRACTS)}
         for found in rows.values():
+            found.export_terms = terms_in_force(contracts)
             if found.run is not None:
                 found.contract = contracts.get(found.run.contract_id)
                 found.in_force = in_force(contracts, found.run.tenant)
@@ -461,7 +463,9 @@ class LedgerRows:
     def key(self, key: LogicalKey) -> KeyRows:
         found = self.read().get(str(key), KeyRows(None))
         if found.run is None:
-            found.in_force = self.in_force(key.tenant)
+            with self.engine.connect() as conn:
+                contracts = {row_id: json.loads(text) for row_id, text in conn.execute(_CONTRACTS)}
+            found.in_force, found.export_terms = in_force(contracts, key.tenant), terms_in_force(contracts)
         return found
 
     def attempts(self, attempt_id: str) -> list[sa.Row]:
@@ -479,6 +483,12 @@ class LedgerRows:
 
     def close(self) -> None:
         self.engine.dispose()
+
+
+def terms_in_force(contracts: dict[int, dict]) -> dict | None:
+    """The export's terms in force, as docs say: those of the newest contract recorded (an acceptance of new terms
+    records them for every tenant)."""
+    return contracts[max(contracts)].get("terms") if contracts else None
 
 
 def in_force(contracts: dict[int, dict], tenant: str) -> dict | None:

@@ -149,7 +149,7 @@ class SqlSource(ExportSource):
         missing = [name for name in (":tenant", ":start", ":end") if name not in self.query]
         if missing:
             raise ValueError(f"SqlSource query must use the bound parameters {missing}")
-        url_identity(self.url)  # a URL that cannot be opened (or a keyword DSN) fails where it is declared
+        url_identity(self.url, what="SqlSource URL")  # an unusable URL (or a keyword DSN) fails where it is declared
 
     def identity(self) -> dict:
         return {"kind": "sql", "url": url_identity(self.url), "query_sha256": digest(self.query)}
@@ -323,7 +323,7 @@ def _plain(value: object) -> bool:
     return isinstance(value, (tuple, list)) and all(_plain(v) for v in value)
 
 
-def url_identity(url: str) -> str:
+def url_identity(url: str, *, what: str = "source URL") -> str:
     """A database URL as a source's identity: its database system (not the driver: another image with another
     driver reads the same data), host, port and database (a SQLite file's absolute path), without the user, password
     or query (none of which says *which* data is read, and some of which are secrets). A ``key=value`` connection
@@ -335,10 +335,10 @@ def url_identity(url: str) -> str:
     """
     if is_plain_path(url) and re.search(r"(^|\s)\w+\s*=", url):
         raise ConfigurationError(
-            "the source URL looks like a key=value connection string, which is not a URL (it would be opened as a "
+            f"the {what} looks like a key=value connection string, which is not a URL (it would be opened as a "
             "file of that name): write it as postgresql+psycopg2://user@host/database, with the password in PGPASSWORD"
         )
-    parsed = database_url(url, what="source URL")
+    parsed = database_url(url, what=what)
     database = parsed.database
     if parsed.get_backend_name() == "sqlite" and database and database != ":memory:":
         database = str(Path(database).expanduser().resolve())

@@ -126,6 +126,13 @@ CREDENTIAL_SPECS = [
                  "https://acct.blob.core.windows.net/exports?***", "AZURE_STORAGE_SAS_TOKEN", id="sas-url"),
     pytest.param(f"exporter:{SECRET}@files.example:/srv/exports", "***@files.example:/srv/exports", "no credentials",
                  id="scp-style-folder"),
+    pytest.param(f"exporter:{SECRET}/tail@files.example:/srv/exports", "***@files.example:/srv/exports",
+                 "no credentials", id="scp-style-password-with-slash"),
+    pytest.param(f"sv=2022-11-02&ss=b&srt=co&sp=rwdlac&se=2026-12-31T00:00:00Z&sig={SECRET}%3D", "***",
+                 "AZURE_STORAGE_SAS_TOKEN", id="bare-sas-token"),
+    pytest.param(f"sig={SECRET}%3D&sv=2022-11-02", "***", "AZURE_STORAGE_SAS_TOKEN", id="bare-sas-signature-first"),
+    pytest.param(f"X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Signature={SECRET}", "***",
+                 "no credentials", id="bare-presigned-query"),
     pytest.param(f"./exports?sig={SECRET}", "./exports?***", "no credentials", id="folder-with-a-signature"),
 ]  # fmt: skip
 
@@ -147,7 +154,8 @@ def test_a_destination_spec_with_a_credential_is_refused_without_repeating_it(
 
 @pytest.mark.parametrize(
     "spec",
-    ["s3://exports-bucket/team@corp/p", "./exports/key=2026", "ledger-table:exported_{export}", "az://exports/p"],
+    ["s3://exports-bucket/team@corp/p", "./exports/key=2026", "ledger-table:exported_{export}", "az://exports/p",
+     "key=2026", "./R&D/exports", "/srv/exports/user@host"],
 )
 def test_destination_specs_without_credentials_are_still_accepted(spec):
     destination_from(spec, ledger_url="sqlite://", credentials={"azure_account_name": "acct"})

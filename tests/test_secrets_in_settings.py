@@ -328,3 +328,16 @@ def test_an_endpoint_setting_with_a_credential_is_masked_where_a_destination_des
     for destination in (azure, s3, gcs):
         shown = destination.store.describe()
         assert SECRET not in shown and "***" in shown, f"the endpoint's credential is shown: {shown}"
+
+
+def test_a_store_repr_never_shows_its_client_credentials():
+    """A store is printed in tracebacks and debug logs: its client settings (the secret key, the SAS token) stay out."""
+    stores = [
+        S3Destination(bucket="exports-bucket", secret_access_key=SECRET, session_token=SECRET).store,
+        AzureDestination(container="exports", azure_account_name="acct", azure_account_key=SECRET).store,
+        AzureDestination(container="exports", azure_account_name="acct", azure_sas_token=f"sv=1&sig={SECRET}").store,
+        GCSDestination(bucket="exports-bucket", gcs_credentials_file=f"/keys/{SECRET}.json").store,
+    ]
+    for store in stores:
+        assert SECRET not in repr(store) and SECRET not in str(store), f"a credential in {type(store).__name__}'s repr"
+        assert "exports" in repr(store), "the repr still says which store it is"

@@ -31,7 +31,7 @@ import hashlib
 import io
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from export_ledger.destinations.base import DestinationError, DestinationUnreachable, PublishOutcomeUnknown
@@ -110,7 +110,7 @@ class GCSStore(ObjectStore):
     bucket: str
     prefix: str
     endpoint_url: str | None
-    client_settings: tuple
+    client_settings: tuple = field(repr=False)  # endpoint, project, key file: the client's, not for printing
     timeout: tuple[float, float]
     chunk_size: int
 

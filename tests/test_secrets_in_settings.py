@@ -180,7 +180,7 @@ def test_an_exports_own_destination_with_a_credential_fails_the_code_location_lo
     with pytest.raises(ConfigurationError) as refused:
         ledgered_definitions([orders(spec)], environ={"EXPORTS_LEDGER_URL": sqlite_url})
     message = str(refused.value)
-    assert message.startswith("destination of export orders carries ") and repr(shown) in message, message
+    assert message.startswith("export 'orders': destination carries ") and repr(shown) in message, message
     assert SECRET not in message
 
 
@@ -341,3 +341,11 @@ def test_a_store_repr_never_shows_its_client_credentials():
     for store in stores:
         assert SECRET not in repr(store) and SECRET not in str(store), f"a credential in {type(store).__name__}'s repr"
         assert "exports" in repr(store), "the repr still says which store it is"
+
+
+def test_an_export_spec_refuses_a_destination_with_a_credential_without_repeating_it():
+    with pytest.raises(ConfigurationError) as refused:
+        orders(f"s3://AKIAEXAMPLE:{SECRET}@exports-bucket/p")
+    message = str(refused.value)
+    assert message.startswith("export 'orders': destination carries a user name and password"), message
+    assert SECRET not in message

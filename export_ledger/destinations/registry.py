@@ -145,6 +145,11 @@ def refuse_credentials(spec: str, what: str = "destination") -> None:
     )
 
 
+def holds_credential(spec: str) -> bool:
+    """Whether a destination spec carries a credential (what :func:`refuse_credentials` refuses)."""
+    return _credential_in(spec) is not None
+
+
 def _credential_in(spec: str) -> tuple[str, str, Scheme] | None:
     """``(what the spec carries, the spec with it masked, the scheme whose settings take it)``, or None."""
     if _CONNECTION_STRING_KEY.search(spec):

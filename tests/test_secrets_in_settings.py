@@ -25,8 +25,11 @@ from export_ledger import ExportSpec, cli
 from export_ledger.dagster import LedgerResource, ledgered_definitions
 from export_ledger.destinations import destination_from
 from export_ledger.destinations.azure import AzureDestination
+from export_ledger.destinations.delta import DeltaDestination
 from export_ledger.destinations.gcs import GCSDestination
+from export_ledger.destinations.local import LocalDestination
 from export_ledger.destinations.s3 import S3Destination
+from export_ledger.destinations.table import SqlTableDestination
 from export_ledger.errors import ConfigurationError, redact_text
 from export_ledger.ledger import ExportLedger, LedgerUnavailable, redact_url
 
@@ -349,3 +352,96 @@ def test_an_export_spec_refuses_a_destination_with_a_credential_without_repeatin
     message = str(refused.value)
     assert message.startswith("export 'orders': destination carries a user name and password"), message
     assert SECRET not in message
+
+
+# -- 4. a destination's own secrets reach the UI's resource config by name, or are refused ----------------------------
+
+CANARY = "SECRETobj-canary-7c1e"
+SAS = f"sv=2022-11-02&ss=b&srt=co&sp=rwdlac&sig={CANARY}"
+
+#: (a destination built in Python with ``secret`` in one of its secret settings, the setting, its variable).
+DESTINATIONS_WITH_A_SECRET = [
+    pytest.param(lambda secret: S3Destination(bucket="exports-bucket", access_key_id="AKIAEXAMPLE",
+                                              secret_access_key=secret),
+                 CANARY, "secret_access_key", "AWS_SECRET_ACCESS_KEY", id="s3-secret-access-key"),
+    pytest.param(lambda secret: S3Destination(bucket="exports-bucket", session_token=secret),
+                 CANARY, "session_token", "AWS_SESSION_TOKEN", id="s3-session-token"),
+    pytest.param(lambda secret: AzureDestination(container="exports", azure_account_name="acct",
+                                                 azure_account_key=secret),
+                 CANARY, "azure_account_key", "AZURE_STORAGE_ACCOUNT_KEY", id="azure-account-key"),
+    pytest.param(lambda secret: AzureDestination(container="exports", azure_account_name="acct", azure_sas_token=secret),
+                 SAS, "azure_sas_token", "AZURE_STORAGE_SAS_TOKEN", id="azure-sas-token"),
+    pytest.param(lambda secret: DeltaDestination(table="s3://exports-bucket/t/{export}", secret_access_key=secret),
+                 CANARY, "secret_access_key", "AWS_SECRET_ACCESS_KEY", id="delta-secret-access-key"),
+    pytest.param(lambda secret: SqlTableDestination(url=secret, table="exported_orders"),
+                 LEDGER_WITH_PASSWORD, "ledger_url", "EXPORTS_LEDGER_URL", id="table-url-with-password"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("make", "secret", "setting", "variable"), DESTINATIONS_WITH_A_SECRET)
+def test_a_destination_objects_secret_given_as_a_value_is_refused_naming_the_setting_and_its_variable(
+    make, secret, setting, variable, no_exports_settings, sqlite_url
+):
+    with pytest.raises(ConfigurationError) as refused:
+        ledgered_definitions([orders()], destination=make(secret), environ={"EXPORTS_LEDGER_URL": sqlite_url})
+    message = str(refused.value)
+    assert CANARY not in message and PASSWORD not in message, f"the refusal repeats the secret: {message}"
+    assert message.startswith("the destination argument"), f"the refusal names where the destination came from: {message}"
+    assert setting in message and variable in message and "EnvVar" in message, f"and what to do instead: {message}"
+
+
+@pytest.mark.parametrize(("make", "secret", "setting", "variable"), DESTINATIONS_WITH_A_SECRET)
+def test_a_destination_objects_secret_held_by_its_variable_reaches_dagster_by_name(
+    make, secret, setting, variable, no_exports_settings, monkeypatch, sqlite_url
+):
+    monkeypatch.setenv(variable, secret)  # the code location's environment holds the secret under its own name
+    ledger = LedgerResource(url=sqlite_url) if variable != "EXPORTS_LEDGER_URL" else None
+    defs = ledgered_definitions([orders()], ledger=ledger, destination=make(secret))
+
+    config = ui_resource_config(defs)
+    assert CANARY not in json.dumps(config) and PASSWORD not in json.dumps(config), "a secret in the UI's config"
+    assert config["orders__destination"][setting] == {"env": variable}, "the secret is passed by its variable's name"
+    with dg.build_resources({"destination": defs.resources["orders__destination"]}) as resources:
+        assert resources.destination.get_destination() == make(secret), "the variable resolves to the same value"
+
+
+@pytest.mark.parametrize(
+    "destination",
+    [
+        pytest.param(lambda: DeltaDestination(table=f"s3://AKIAEXAMPLE:{SECRET}@exports-bucket/t/{{export}}"),
+                     id="delta-table-url-with-userinfo"),
+        pytest.param(lambda: LocalDestination(root=f"exporter:{SECRET}@files.example:/srv/exports"), id="scp-folder"),
+        pytest.param(lambda: S3Destination(bucket="exports-bucket", endpoint_url=f"https://minio:{SECRET}@minio:9000"),
+                     id="s3-endpoint-with-userinfo"),
+    ],
+)  # fmt: skip
+def test_a_destination_object_whose_spec_or_endpoint_carries_a_credential_is_refused_without_repeating_it(
+    destination, no_exports_settings, sqlite_url
+):
+    with pytest.raises(ConfigurationError) as refused:
+        ledgered_definitions([orders()], destination=destination(), environ={"EXPORTS_LEDGER_URL": sqlite_url})
+    message = str(refused.value)
+    assert message.startswith("the destination argument"), message
+    assert SECRET not in message, f"the refusal repeats the secret: {message}"
+
+
+def test_a_secret_read_from_an_environ_mapping_is_refused_like_the_ledger_url_unless_the_process_holds_it(
+    no_exports_settings, monkeypatch, sqlite_url
+):
+    environ = {
+        "EXPORTS_LEDGER_URL": sqlite_url,
+        "EXPORTS_DESTINATION": "s3://exports-bucket/p",
+        "AWS_ACCESS_KEY_ID": "AKIAEXAMPLE",
+        "AWS_SECRET_ACCESS_KEY": CANARY,
+    }
+    with pytest.raises(ConfigurationError) as refused:
+        ledgered_definitions([orders()], environ=environ)
+    message = str(refused.value)
+    assert CANARY not in message, f"the refusal repeats the secret: {message}"
+    assert "AWS_SECRET_ACCESS_KEY" in message and "EnvVar" in message, f"it names the variable and the fix: {message}"
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", CANARY)  # the same value in the code location's own environment
+    config = ui_resource_config(ledgered_definitions([orders()], environ=environ))
+    assert config["orders__destination"]["secret_access_key"] == {"env": "AWS_SECRET_ACCESS_KEY"}
+    assert config["orders__destination"]["access_key_id"] == "AKIAEXAMPLE", "a setting that is no secret stays a value"
+    assert CANARY not in json.dumps(config)

@@ -19,6 +19,8 @@ import dagster as dg
 import pandas as pd
 import pytest
 from builders import key_for
+from cloud_fixtures import AZURITE_ACCOUNT, AZURITE_KEY
+from pipeline_helpers import failure_message, run_partition
 
 from definitions import build_definitions
 from export_ledger import ExportSpec, cli
@@ -445,3 +447,36 @@ def test_a_secret_read_from_an_environ_mapping_is_refused_like_the_ledger_url_un
     assert config["orders__destination"]["secret_access_key"] == {"env": "AWS_SECRET_ACCESS_KEY"}
     assert config["orders__destination"]["access_key_id"] == "AKIAEXAMPLE", "a setting that is no secret stays a value"
     assert CANARY not in json.dumps(config)
+
+
+# -- 5. EXPORTS_DESTINATION=az://... with its settings in the environment --------------------------------------------
+
+
+def test_an_azure_destination_from_the_environment_loads_with_its_credentials_and_exports(
+    no_exports_settings, monkeypatch, tmp_path, azurite_server, azure_container, instance
+):
+    """The load-time check of ``EXPORTS_DESTINATION`` builds the destination with the settings it will run with: an
+    ``az://`` destination needs its account or endpoint, which are settings, not part of the spec."""
+    for name, value in {
+        "EXPORTS_LEDGER_URL": f"sqlite:///{tmp_path / 'ledger.sqlite3'}",
+        "EXPORTS_DESTINATION": f"az://{azure_container}/exports",
+        "EXPORTS_TENANTS": "acme",
+        "EXPORTS_AZURE_ENDPOINT_URL": azurite_server,
+        "AZURE_STORAGE_ACCOUNT_NAME": AZURITE_ACCOUNT,
+        "AZURE_STORAGE_ACCOUNT_KEY": AZURITE_KEY,
+    }.items():
+        monkeypatch.setenv(name, value)
+
+    defs = build_definitions()
+
+    config = ui_resource_config(defs)["invoice_export__destination"]
+    assert config["azure_account_key"] == {"env": "AZURE_STORAGE_ACCOUNT_KEY"}, "the key is passed by name"
+    assert AZURITE_KEY not in json.dumps(ui_resource_config(defs))
+    result = run_partition(defs, instance, "2026-03-08")
+    assert result.success, failure_message(result)
+    from azure.storage.blob import BlobServiceClient
+
+    service = BlobServiceClient(azurite_server, credential={"account_name": AZURITE_ACCOUNT, "account_key": AZURITE_KEY})
+    names = [blob.name for blob in service.get_container_client(azure_container).list_blobs()]
+    service.close()
+    assert any(name.startswith("exports/invoice_export/tenant=acme/date=2026-03-08/") for name in names), names

@@ -273,7 +273,9 @@ def _destination_resource(
         ledger_variable = ledger.url.env_var_name if isinstance(ledger.url, dg.EnvVar) else LEDGER_URL_ENV
         return DestinationResource.of(spec, what=what, ledger_variable=ledger_variable)
     values = {name: settings.environ.get(var) for name, var in settings.s3_secrets.items()}
-    destination_from(spec, ledger_url="", what=what)  # a bad spec fails here, naming the setting
+    # A bad spec fails here, naming the setting; built with the settings it will run with (an az:// destination
+    # needs its account or endpoint, which are settings, not part of the spec).
+    destination_from(spec, ledger_url="", credentials={**values, "region_name": settings.region_name}, what=what)
     given = {}
     for name, var in settings.s3_secrets.items():
         if by_name:

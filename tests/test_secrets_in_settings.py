@@ -348,6 +348,16 @@ def test_a_store_repr_never_shows_its_client_credentials():
         assert "exports" in repr(store), "the repr still says which store it is"
 
 
+def test_a_ledger_url_read_from_an_environ_mapping_goes_by_name_when_the_process_environment_holds_it(
+    no_exports_settings, monkeypatch, tmp_path
+):
+    monkeypatch.setenv("EXPORTS_LEDGER_URL", LEDGER_WITH_PASSWORD)  # the same value the mapping gives
+    environ = {"EXPORTS_LEDGER_URL": LEDGER_WITH_PASSWORD, "EXPORTS_DESTINATION": str(tmp_path / "exports")}
+    config = ui_resource_config(ledgered_definitions([orders()], environ=environ))
+    assert config["ledger"]["url"] == {"env": "EXPORTS_LEDGER_URL"}, "passed by name, as a secret from the environment"
+    assert PASSWORD not in json.dumps(config)
+
+
 def test_an_export_spec_refuses_a_destination_with_a_credential_without_repeating_it():
     with pytest.raises(ConfigurationError) as refused:
         orders(f"s3://AKIAEXAMPLE:{SECRET}@exports-bucket/p")

@@ -113,7 +113,9 @@ class ExportSpec:
             validate_slug(self.name, "export name")
             if self.destination is not None:  # first: any later refusal may print the declaration, secret and all
                 if not isinstance(self.destination, str) or not self.destination.strip():
-                    raise ConfigurationError(f"destination must be a destination spec or None, got {self.destination!r}")
+                    text = isinstance(self.destination, str)
+                    got = repr(self.destination) if text else type(self.destination).__name__  # an object: no repr
+                    raise ConfigurationError(f"destination must be a destination spec (a text) or None, got {got}")
                 refuse_credentials(self.destination, "destination")
             declared = as_tenants(self.tenants)
             tenants = tuple(t.id for t in declared)

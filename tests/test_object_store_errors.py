@@ -175,7 +175,8 @@ def write_key_file(path, text: str | None) -> str:
 
 @pytest.mark.parametrize(
     "key_file",
-    [pytest.param(None, id="missing"), pytest.param("{}", id="not-a-service-account"), pytest.param("{", id="not-json")],
+    [pytest.param(None, id="missing"), pytest.param("{}", id="not-a-service-account"),
+     pytest.param("{", id="not-json")],
 )
 @pytest.mark.parametrize("call", list(CALLS))
 def test_every_gcs_call_with_an_unusable_credentials_file_is_refused_naming_the_setting(call, key_file, tmp_path):
@@ -222,8 +223,10 @@ for name, call in calls.items():
 print(json.dumps(answers))
 """
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GOOGLE_", "GCE_", "CLOUDSDK_"))}
+    # No metadata server is ever asked (NO_GCE_CHECK), and its address, were it asked, is a closed loopback port.
     env.update(HOME=str(tmp_path), CLOUDSDK_CONFIG=str(tmp_path / "gcloud"), NO_GCE_CHECK="true",
-               GCE_METADATA_HOST=f"127.0.0.1:{closed_port()}", GCE_METADATA_IP=f"127.0.0.1:{closed_port()}")  # fmt: skip
+               GCE_METADATA_HOST=f"127.0.0.1:{closed_port()}",
+               GCE_METADATA_IP=f"127.0.0.1:{closed_port()}")  # fmt: skip
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     answers = json.loads(done.stdout.strip().splitlines()[-1])

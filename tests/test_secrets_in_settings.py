@@ -18,6 +18,7 @@ from pathlib import Path
 import dagster as dg
 import pandas as pd
 import pytest
+from azure.storage.blob import BlobServiceClient
 from builders import key_for
 from cloud_fixtures import AZURITE_ACCOUNT, AZURITE_KEY
 from pipeline_helpers import failure_message, run_partition
@@ -365,6 +366,12 @@ def test_an_export_spec_refuses_a_destination_with_a_credential_without_repeatin
     assert message.startswith("export 'orders': destination carries a user name and password"), message
     assert SECRET not in message
 
+    with pytest.raises(ConfigurationError) as not_a_spec:  # an object where a spec goes: named by its type alone
+        orders(S3Destination(bucket="exports-bucket", endpoint_url=f"https://minio:{SECRET}@minio:9000"))
+    message = str(not_a_spec.value)
+    assert "destination must be a destination spec" in message and "got S3Destination" in message, message
+    assert SECRET not in message
+
 
 # -- 4. a destination's own secrets reach the UI's resource config by name, or are refused ----------------------------
 
@@ -381,7 +388,8 @@ DESTINATIONS_WITH_A_SECRET = [
     pytest.param(lambda secret: AzureDestination(container="exports", azure_account_name="acct",
                                                  azure_account_key=secret),
                  CANARY, "azure_account_key", "AZURE_STORAGE_ACCOUNT_KEY", id="azure-account-key"),
-    pytest.param(lambda secret: AzureDestination(container="exports", azure_account_name="acct", azure_sas_token=secret),
+    pytest.param(lambda secret: AzureDestination(container="exports", azure_account_name="acct",
+                                                 azure_sas_token=secret),
                  SAS, "azure_sas_token", "AZURE_STORAGE_SAS_TOKEN", id="azure-sas-token"),
     pytest.param(lambda secret: DeltaDestination(table="s3://exports-bucket/t/{export}", secret_access_key=secret),
                  CANARY, "secret_access_key", "AWS_SECRET_ACCESS_KEY", id="delta-secret-access-key"),
@@ -398,7 +406,7 @@ def test_a_destination_objects_secret_given_as_a_value_is_refused_naming_the_set
         ledgered_definitions([orders()], destination=make(secret), environ={"EXPORTS_LEDGER_URL": sqlite_url})
     message = str(refused.value)
     assert CANARY not in message and PASSWORD not in message, f"the refusal repeats the secret: {message}"
-    assert message.startswith("the destination argument"), f"the refusal names where the destination came from: {message}"
+    assert message.startswith("the destination argument"), f"the refusal names where it came from: {message}"
     assert setting in message and variable in message and "EnvVar" in message, f"and what to do instead: {message}"
 
 
@@ -484,9 +492,8 @@ def test_an_azure_destination_from_the_environment_loads_with_its_credentials_an
     assert AZURITE_KEY not in json.dumps(ui_resource_config(defs))
     result = run_partition(defs, instance, "2026-03-08")
     assert result.success, failure_message(result)
-    from azure.storage.blob import BlobServiceClient
-
-    service = BlobServiceClient(azurite_server, credential={"account_name": AZURITE_ACCOUNT, "account_key": AZURITE_KEY})
+    key = {"account_name": AZURITE_ACCOUNT, "account_key": AZURITE_KEY}
+    service = BlobServiceClient(azurite_server, credential=key)
     names = [blob.name for blob in service.get_container_client(azure_container).list_blobs()]
     service.close()
     assert any(name.startswith("exports/invoice_export/tenant=acme/date=2026-03-08/") for name in names), names

@@ -25,6 +25,7 @@ import pandas as pd
 from export_ledger.calendar import ExportCalendar, check_schedule_time
 from export_ledger.contract import asset_source, export_terms, with_terms
 from export_ledger.destinations.base import Destination
+from export_ledger.destinations.registry import refuse_credentials
 from export_ledger.errors import ConfigurationError, ExportLedgerError
 from export_ledger.frames import FILE_FORMATS, ExportSchema
 from export_ledger.keys import validate_slug
@@ -57,7 +58,8 @@ class ExportSpec:
         nullable: Columns that may be null; every other column is required on every row.
         file_format: ``csv`` or ``parquet``.
         destination: A destination spec of this export's own (folder, ``s3://bucket/prefix``,
-            ``ledger-table:<table>``); None uses the code location's (``EXPORTS_DESTINATION``).
+            ``ledger-table:<table>``); None uses the code location's (``EXPORTS_DESTINATION``). A spec that carries a
+            credential (``user:password@``, a signature or SAS token) is refused here, without repeating it.
         description: Shown in the Dagster UI.
         stream_rows: Stream each key's rows from the source in batches of this many rows, validated, written and
             hashed batch by batch, instead of one DataFrame: memory bounded by a batch (plus 8-10 bytes a row for the
@@ -109,6 +111,12 @@ class ExportSpec:
     def __post_init__(self) -> None:
         try:
             validate_slug(self.name, "export name")
+            if self.destination is not None:  # first: any later refusal may print the declaration, secret and all
+                if not isinstance(self.destination, str) or not self.destination.strip():
+                    text = isinstance(self.destination, str)
+                    got = repr(self.destination) if text else type(self.destination).__name__  # an object: no repr
+                    raise ConfigurationError(f"destination must be a destination spec (a text) or None, got {got}")
+                refuse_credentials(self.destination, "destination")
             declared = as_tenants(self.tenants)
             tenants = tuple(t.id for t in declared)
             if not tenants:

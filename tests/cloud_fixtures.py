@@ -175,9 +175,14 @@ def azurite_server() -> Iterator[str]:
 
 
 @pytest.fixture
-def azure_container(azurite_server: str) -> Iterator[str]:
-    """A new, empty container on ``azurite_server``, deleted afterwards."""
+def azure_container(azurite_server: str, monkeypatch) -> Iterator[str]:
+    """A new, empty container on ``azurite_server``, deleted afterwards. Azurite's account and key are in the process
+    environment, as a deployment holds its own: a destination built in Python with them reaches Dagster by name
+    (``EnvVar("AZURE_STORAGE_ACCOUNT_KEY")``)."""
     from azure.storage.blob import BlobServiceClient
+
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", AZURITE_ACCOUNT)
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_KEY", AZURITE_KEY)
 
     key = {"account_name": AZURITE_ACCOUNT, "account_key": AZURITE_KEY}
     service = BlobServiceClient(azurite_server, credential=key)

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 from s3_support import FaultProxy, start_s3_server, stop_s3_server
 
-__all__ = ["fault_proxy", "s3", "s3_bucket", "s3_credentials", "s3_server"]
+__all__ = ["fault_proxy", "s3", "s3_bucket", "s3_credentials", "s3_environment", "s3_server"]
 
 
 @pytest.fixture(scope="session")
@@ -36,8 +36,19 @@ def s3_credentials() -> dict[str, str]:
 
 
 @pytest.fixture
-def s3_bucket(s3_server: str, s3_credentials: dict[str, str]) -> Iterator[str]:
-    """A new, empty bucket on ``s3_server`` (``exports-<hex>``), emptied and deleted afterwards."""
+def s3_environment(s3_credentials: dict[str, str], monkeypatch) -> dict[str, str]:
+    """The dummy credentials in the process environment, as a deployment holds its own: a destination built in Python
+    with them reaches Dagster by name (``EnvVar("AWS_SECRET_ACCESS_KEY")``), and one holding a secret the environment
+    does not is refused. A test that sets other values sets them after this fixture."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_credentials["aws_access_key_id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_credentials["aws_secret_access_key"])
+    return s3_credentials
+
+
+@pytest.fixture
+def s3_bucket(s3_server: str, s3_credentials: dict[str, str], s3_environment) -> Iterator[str]:
+    """A new, empty bucket on ``s3_server`` (``exports-<hex>``), emptied and deleted afterwards; the credentials are
+    in the environment (:func:`s3_environment`)."""
     import boto3
 
     client = boto3.client("s3", endpoint_url=s3_server, **s3_credentials)

@@ -225,6 +225,7 @@ class Workspace:
         import boto3
 
         server = self.request.getfixturevalue("s3_server")
+        self.request.getfixturevalue("s3_environment")  # the destination's credentials, passed to Dagster by name
         self.s3_client = boto3.client(
             "s3",
             endpoint_url=server,

@@ -185,6 +185,37 @@ def test_a_bad_value_is_refused_naming_the_file_line_export_and_field(sandbox, s
     assert "defs.yaml:7" in message, "the error points at the export's entry in the file"
 
 
+YAML_SECRET = "SECRETyaml-canary-92d4"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        with_field(f"destination: s3://AKIAEXAMPLE:{YAML_SECRET}@exports-bucket/orders\n      file_format: xlsx"),
+        with_field(f"destination: s3://AKIAEXAMPLE:{YAML_SECRET}@exports-bucket/orders"),
+    ],
+    ids=["with-another-bad-field", "alone"],
+)
+def test_an_exports_destination_with_a_credential_is_refused_without_showing_the_entry(sandbox, shop_env, text):
+    """The load error (``dg check defs``, the webserver) would otherwise quote the export's entry, secret included."""
+    message = refusal(sandbox, text)
+    assert YAML_SECRET not in message, f"the load error shows the secret: {message}"
+    assert "export 'orders': destination carries a user name and password" in message, message
+    assert "'s3://***@exports-bucket/orders'" in message and "AWS_SECRET_ACCESS_KEY" in message, message
+    assert "exports.0" in message, f"the error names the export's place in the YAML: {message}"
+
+
+def test_a_component_destination_with_a_credential_is_refused_naming_the_yaml_attribute(sandbox, shop_env):
+    text = COMPONENT_YAML.replace(
+        'destination: "{{ context.project_root }}/var/exports"',
+        f"destination: s3://AKIAEXAMPLE:{YAML_SECRET}@exports-bucket/orders",
+    )
+    message = refusal(sandbox, text)
+    assert YAML_SECRET not in message, f"the load error shows the secret: {message}"
+    assert "LedgeredExports attribute destination carries a user name and password" in message, message
+    assert "destination argument" not in message, "a YAML attribute is not a Python argument"
+
+
 def test_a_value_of_the_wrong_type_is_refused_at_its_field(sandbox, shop_env) -> None:
     message = refusal(sandbox, COMPONENT_YAML.replace("id_columns: [order_id]", "id_columns: {order_id: 1}"))
     assert "0.id_columns" in message and "valid array" in message, message

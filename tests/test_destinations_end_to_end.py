@@ -4,6 +4,7 @@ reconciliation sensor from the destination's evidence. The same steps, the same 
 
 from __future__ import annotations
 
+import dagster as dg
 import pytest
 from builders import key_for
 from object_buckets import delta_destination, object_destination
@@ -56,7 +57,8 @@ def test_a_partition_a_backfill_a_restatement_and_a_crash_after_publish_on_each_
         tmp_path, tenants=["acme", "globex"], ledger=clocked_ledger, destination=destination, source=source
     )
     ledger = clocked_ledger.get_ledger()
-    target_destination = defs.resources["invoice_export__destination"].get_destination()
+    with dg.build_resources({"destination": defs.resources["invoice_export__destination"]}) as built:
+        target_destination = built.destination.get_destination()  # its EnvVars read, as a run reads them
 
     first = run_partition(defs, instance, FIRST)
     assert first.success, failure_message(first)

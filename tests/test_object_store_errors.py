@@ -12,7 +12,11 @@ No message carries the SDK's own text, which can quote a URL and its SAS token.
 from __future__ import annotations
 
 import datetime as dt
+import json
+import os
 import socket
+import subprocess
+import sys
 import uuid
 
 import pytest
@@ -158,3 +162,73 @@ def test_a_key_reconciled_against_a_missing_bucket_or_container_stays_unknown_na
     assert finding.verdict is Verdict.UNREACHABLE, f"{finding.verdict}: {finding.detail}"
     assert f"{name!r} does not exist" in finding.detail, finding.detail
     assert ledger.queries.get(str(key)).state is ExportState.REMOTE_UNKNOWN, "the key is left for a later look"
+
+
+# -- a GCS client that cannot be built --------------------------------------------------------------------------------
+
+
+def write_key_file(path, text: str | None) -> str:
+    if text is not None:
+        path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "key_file",
+    [pytest.param(None, id="missing"), pytest.param("{}", id="not-a-service-account"),
+     pytest.param("{", id="not-json")],
+)
+@pytest.mark.parametrize("call", list(CALLS))
+def test_every_gcs_call_with_an_unusable_credentials_file_is_refused_naming_the_setting(call, key_file, tmp_path):
+    """The key file is read when the client is built, before anything is sent: each call says which setting is wrong
+    (a raw FileNotFoundError or JSON error out of a read would be taken for an unknown outcome)."""
+    credentials_file = write_key_file(tmp_path / "key.json", key_file)
+    destination = GCSDestination(bucket="exports-bucket", prefix="exports", gcs_credentials_file=credentials_file,
+                                 gcs_endpoint_url=f"http://127.0.0.1:{closed_port()}", **TIMEOUTS)  # fmt: skip
+    with pytest.raises(DestinationUnreachable) as refused:
+        CALLS[call](destination.store)
+    message = str(refused.value)
+    assert "gcs_credentials_file" in message and "GOOGLE_APPLICATION_CREDENTIALS" in message, message
+    assert "nothing was sent" in message, message
+
+
+@pytest.mark.process
+def test_every_gcs_call_without_default_credentials_is_refused_naming_the_settings(tmp_path):
+    """Without a key file, an endpoint or application default credentials (run in a fresh process whose environment
+    has none, and that never asks a metadata server), each call says which settings give credentials."""
+    script = f"""
+import json
+from export_ledger.destinations import DestinationUnreachable
+from export_ledger.destinations.gcs import GCSDestination
+
+store = GCSDestination(bucket="exports-bucket", prefix="exports").store
+calls = {{
+    "check_conditions": lambda: store.check_conditions(),
+    "list": lambda: store.list("invoice_export/"),
+    "get": lambda: store.get("invoice_export/_current.json"),
+    "digest": lambda: store.digest("invoice_export/r1-t1/data.csv"),
+    "put_if_absent": lambda: store.put_if_absent("invoice_export/m.json", b"{{}}"),
+    "put_if_match": lambda: store.put_if_match("invoice_export/_current.json", b"{{}}", None),
+    "delete": lambda: store.delete("invoice_export/r1-t1/data.csv"),
+}}
+answers = {{}}
+for name, call in calls.items():
+    try:
+        call()
+        answers[name] = "no error"
+    except DestinationUnreachable as exc:
+        answers[name] = str(exc)
+    except Exception as exc:
+        answers[name] = "raw " + type(exc).__name__
+print(json.dumps(answers))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GOOGLE_", "GCE_", "CLOUDSDK_"))}
+    # No metadata server is ever asked (NO_GCE_CHECK), and its address, were it asked, is a closed loopback port.
+    env.update(HOME=str(tmp_path), CLOUDSDK_CONFIG=str(tmp_path / "gcloud"), NO_GCE_CHECK="true",
+               GCE_METADATA_HOST=f"127.0.0.1:{closed_port()}",
+               GCE_METADATA_IP=f"127.0.0.1:{closed_port()}")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    answers = json.loads(done.stdout.strip().splitlines()[-1])
+    for call, answer in answers.items():
+        assert "GOOGLE_APPLICATION_CREDENTIALS" in answer and "no Google credentials" in answer, f"{call}: {answer}"

@@ -59,7 +59,7 @@ def s3_destination(bucket: str, endpoint_url: str) -> S3Destination:
         prefix=PREFIX,
         endpoint_url=endpoint_url,
         access_key_id="testing",
-        secret_access_key="testing",
+        secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"],  # the environment's (s3_bucket's, or cli_env's)
         connect_timeout_seconds=5,
         read_timeout_seconds=5,
     )

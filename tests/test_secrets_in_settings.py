@@ -18,15 +18,21 @@ from pathlib import Path
 import dagster as dg
 import pandas as pd
 import pytest
+from azure.storage.blob import BlobServiceClient
 from builders import key_for
+from cloud_fixtures import AZURITE_ACCOUNT, AZURITE_KEY
+from pipeline_helpers import failure_message, run_partition
 
 from definitions import build_definitions
 from export_ledger import ExportSpec, cli
 from export_ledger.dagster import LedgerResource, ledgered_definitions
 from export_ledger.destinations import destination_from
 from export_ledger.destinations.azure import AzureDestination
+from export_ledger.destinations.delta import DeltaDestination
 from export_ledger.destinations.gcs import GCSDestination
+from export_ledger.destinations.local import LocalDestination
 from export_ledger.destinations.s3 import S3Destination
+from export_ledger.destinations.table import SqlTableDestination
 from export_ledger.errors import ConfigurationError, redact_text
 from export_ledger.ledger import ExportLedger, LedgerUnavailable, redact_url
 
@@ -126,6 +132,13 @@ CREDENTIAL_SPECS = [
                  "https://acct.blob.core.windows.net/exports?***", "AZURE_STORAGE_SAS_TOKEN", id="sas-url"),
     pytest.param(f"exporter:{SECRET}@files.example:/srv/exports", "***@files.example:/srv/exports", "no credentials",
                  id="scp-style-folder"),
+    pytest.param(f"exporter:{SECRET}/tail@files.example:/srv/exports", "***@files.example:/srv/exports",
+                 "no credentials", id="scp-style-password-with-slash"),
+    pytest.param(f"sv=2022-11-02&ss=b&srt=co&sp=rwdlac&se=2026-12-31T00:00:00Z&sig={SECRET}%3D", "***",
+                 "AZURE_STORAGE_SAS_TOKEN", id="bare-sas-token"),
+    pytest.param(f"sig={SECRET}%3D&sv=2022-11-02", "***", "AZURE_STORAGE_SAS_TOKEN", id="bare-sas-signature-first"),
+    pytest.param(f"X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Signature={SECRET}", "***",
+                 "no credentials", id="bare-presigned-query"),
     pytest.param(f"./exports?sig={SECRET}", "./exports?***", "no credentials", id="folder-with-a-signature"),
 ]  # fmt: skip
 
@@ -147,7 +160,8 @@ def test_a_destination_spec_with_a_credential_is_refused_without_repeating_it(
 
 @pytest.mark.parametrize(
     "spec",
-    ["s3://exports-bucket/team@corp/p", "./exports/key=2026", "ledger-table:exported_{export}", "az://exports/p"],
+    ["s3://exports-bucket/team@corp/p", "./exports/key=2026", "ledger-table:exported_{export}", "az://exports/p",
+     "key=2026", "./R&D/exports", "/srv/exports/user@host"],
 )
 def test_destination_specs_without_credentials_are_still_accepted(spec):
     destination_from(spec, ledger_url="sqlite://", credentials={"azure_account_name": "acct"})
@@ -172,7 +186,7 @@ def test_an_exports_own_destination_with_a_credential_fails_the_code_location_lo
     with pytest.raises(ConfigurationError) as refused:
         ledgered_definitions([orders(spec)], environ={"EXPORTS_LEDGER_URL": sqlite_url})
     message = str(refused.value)
-    assert message.startswith("destination of export orders carries ") and repr(shown) in message, message
+    assert message.startswith("export 'orders': destination carries ") and repr(shown) in message, message
     assert SECRET not in message
 
 
@@ -320,3 +334,166 @@ def test_an_endpoint_setting_with_a_credential_is_masked_where_a_destination_des
     for destination in (azure, s3, gcs):
         shown = destination.store.describe()
         assert SECRET not in shown and "***" in shown, f"the endpoint's credential is shown: {shown}"
+
+
+def test_a_store_repr_never_shows_its_client_credentials():
+    """A store is printed in tracebacks and debug logs: its client settings (the secret key, the SAS token) stay out."""
+    stores = [
+        S3Destination(bucket="exports-bucket", secret_access_key=SECRET, session_token=SECRET).store,
+        AzureDestination(container="exports", azure_account_name="acct", azure_account_key=SECRET).store,
+        AzureDestination(container="exports", azure_account_name="acct", azure_sas_token=f"sv=1&sig={SECRET}").store,
+        GCSDestination(bucket="exports-bucket", gcs_credentials_file=f"/keys/{SECRET}.json").store,
+    ]
+    for store in stores:
+        assert SECRET not in repr(store) and SECRET not in str(store), f"a credential in {type(store).__name__}'s repr"
+        assert "exports" in repr(store), "the repr still says which store it is"
+
+
+def test_a_ledger_url_read_from_an_environ_mapping_goes_by_name_when_the_process_environment_holds_it(
+    no_exports_settings, monkeypatch, tmp_path
+):
+    monkeypatch.setenv("EXPORTS_LEDGER_URL", LEDGER_WITH_PASSWORD)  # the same value the mapping gives
+    environ = {"EXPORTS_LEDGER_URL": LEDGER_WITH_PASSWORD, "EXPORTS_DESTINATION": str(tmp_path / "exports")}
+    config = ui_resource_config(ledgered_definitions([orders()], environ=environ))
+    assert config["ledger"]["url"] == {"env": "EXPORTS_LEDGER_URL"}, "passed by name, as a secret from the environment"
+    assert PASSWORD not in json.dumps(config)
+
+
+def test_an_export_spec_refuses_a_destination_with_a_credential_without_repeating_it():
+    with pytest.raises(ConfigurationError) as refused:
+        orders(f"s3://AKIAEXAMPLE:{SECRET}@exports-bucket/p")
+    message = str(refused.value)
+    assert message.startswith("export 'orders': destination carries a user name and password"), message
+    assert SECRET not in message
+
+    with pytest.raises(ConfigurationError) as not_a_spec:  # an object where a spec goes: named by its type alone
+        orders(S3Destination(bucket="exports-bucket", endpoint_url=f"https://minio:{SECRET}@minio:9000"))
+    message = str(not_a_spec.value)
+    assert "destination must be a destination spec" in message and "got S3Destination" in message, message
+    assert SECRET not in message
+
+
+# -- 4. a destination's own secrets reach the UI's resource config by name, or are refused ----------------------------
+
+CANARY = "SECRETobj-canary-7c1e"
+SAS = f"sv=2022-11-02&ss=b&srt=co&sp=rwdlac&sig={CANARY}"
+
+#: (a destination built in Python with ``secret`` in one of its secret settings, the setting, its variable).
+DESTINATIONS_WITH_A_SECRET = [
+    pytest.param(lambda secret: S3Destination(bucket="exports-bucket", access_key_id="AKIAEXAMPLE",
+                                              secret_access_key=secret),
+                 CANARY, "secret_access_key", "AWS_SECRET_ACCESS_KEY", id="s3-secret-access-key"),
+    pytest.param(lambda secret: S3Destination(bucket="exports-bucket", session_token=secret),
+                 CANARY, "session_token", "AWS_SESSION_TOKEN", id="s3-session-token"),
+    pytest.param(lambda secret: AzureDestination(container="exports", azure_account_name="acct",
+                                                 azure_account_key=secret),
+                 CANARY, "azure_account_key", "AZURE_STORAGE_ACCOUNT_KEY", id="azure-account-key"),
+    pytest.param(lambda secret: AzureDestination(container="exports", azure_account_name="acct",
+                                                 azure_sas_token=secret),
+                 SAS, "azure_sas_token", "AZURE_STORAGE_SAS_TOKEN", id="azure-sas-token"),
+    pytest.param(lambda secret: DeltaDestination(table="s3://exports-bucket/t/{export}", secret_access_key=secret),
+                 CANARY, "secret_access_key", "AWS_SECRET_ACCESS_KEY", id="delta-secret-access-key"),
+    pytest.param(lambda secret: SqlTableDestination(url=secret, table="exported_orders"),
+                 LEDGER_WITH_PASSWORD, "ledger_url", "EXPORTS_LEDGER_URL", id="table-url-with-password"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("make", "secret", "setting", "variable"), DESTINATIONS_WITH_A_SECRET)
+def test_a_destination_objects_secret_given_as_a_value_is_refused_naming_the_setting_and_its_variable(
+    make, secret, setting, variable, no_exports_settings, sqlite_url
+):
+    with pytest.raises(ConfigurationError) as refused:
+        ledgered_definitions([orders()], destination=make(secret), environ={"EXPORTS_LEDGER_URL": sqlite_url})
+    message = str(refused.value)
+    assert CANARY not in message and PASSWORD not in message, f"the refusal repeats the secret: {message}"
+    assert message.startswith("the destination argument"), f"the refusal names where it came from: {message}"
+    assert setting in message and variable in message and "EnvVar" in message, f"and what to do instead: {message}"
+
+
+@pytest.mark.parametrize(("make", "secret", "setting", "variable"), DESTINATIONS_WITH_A_SECRET)
+def test_a_destination_objects_secret_held_by_its_variable_reaches_dagster_by_name(
+    make, secret, setting, variable, no_exports_settings, monkeypatch, sqlite_url
+):
+    monkeypatch.setenv(variable, secret)  # the code location's environment holds the secret under its own name
+    ledger = LedgerResource(url=sqlite_url) if variable != "EXPORTS_LEDGER_URL" else None
+    defs = ledgered_definitions([orders()], ledger=ledger, destination=make(secret))
+
+    config = ui_resource_config(defs)
+    assert CANARY not in json.dumps(config) and PASSWORD not in json.dumps(config), "a secret in the UI's config"
+    assert config["orders__destination"][setting] == {"env": variable}, "the secret is passed by its variable's name"
+    with dg.build_resources({"destination": defs.resources["orders__destination"]}) as resources:
+        assert resources.destination.get_destination() == make(secret), "the variable resolves to the same value"
+
+
+@pytest.mark.parametrize(
+    "destination",
+    [
+        pytest.param(lambda: DeltaDestination(table=f"s3://AKIAEXAMPLE:{SECRET}@exports-bucket/t/{{export}}"),
+                     id="delta-table-url-with-userinfo"),
+        pytest.param(lambda: LocalDestination(root=f"exporter:{SECRET}@files.example:/srv/exports"), id="scp-folder"),
+        pytest.param(lambda: S3Destination(bucket="exports-bucket", endpoint_url=f"https://minio:{SECRET}@minio:9000"),
+                     id="s3-endpoint-with-userinfo"),
+    ],
+)  # fmt: skip
+def test_a_destination_object_whose_spec_or_endpoint_carries_a_credential_is_refused_without_repeating_it(
+    destination, no_exports_settings, sqlite_url
+):
+    with pytest.raises(ConfigurationError) as refused:
+        ledgered_definitions([orders()], destination=destination(), environ={"EXPORTS_LEDGER_URL": sqlite_url})
+    message = str(refused.value)
+    assert message.startswith("the destination argument"), message
+    assert SECRET not in message, f"the refusal repeats the secret: {message}"
+
+
+def test_a_secret_read_from_an_environ_mapping_is_refused_like_the_ledger_url_unless_the_process_holds_it(
+    no_exports_settings, monkeypatch, sqlite_url
+):
+    environ = {
+        "EXPORTS_LEDGER_URL": sqlite_url,
+        "EXPORTS_DESTINATION": "s3://exports-bucket/p",
+        "AWS_ACCESS_KEY_ID": "AKIAEXAMPLE",
+        "AWS_SECRET_ACCESS_KEY": CANARY,
+    }
+    with pytest.raises(ConfigurationError) as refused:
+        ledgered_definitions([orders()], environ=environ)
+    message = str(refused.value)
+    assert CANARY not in message, f"the refusal repeats the secret: {message}"
+    assert "AWS_SECRET_ACCESS_KEY" in message and "EnvVar" in message, f"it names the variable and the fix: {message}"
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", CANARY)  # the same value in the code location's own environment
+    config = ui_resource_config(ledgered_definitions([orders()], environ=environ))
+    assert config["orders__destination"]["secret_access_key"] == {"env": "AWS_SECRET_ACCESS_KEY"}
+    assert config["orders__destination"]["access_key_id"] == "AKIAEXAMPLE", "a setting that is no secret stays a value"
+    assert CANARY not in json.dumps(config)
+
+
+# -- 5. EXPORTS_DESTINATION=az://... with its settings in the environment --------------------------------------------
+
+
+def test_an_azure_destination_from_the_environment_loads_with_its_credentials_and_exports(
+    no_exports_settings, monkeypatch, tmp_path, azurite_server, azure_container, instance
+):
+    """The load-time check of ``EXPORTS_DESTINATION`` builds the destination with the settings it will run with: an
+    ``az://`` destination needs its account or endpoint, which are settings, not part of the spec."""
+    for name, value in {
+        "EXPORTS_LEDGER_URL": f"sqlite:///{tmp_path / 'ledger.sqlite3'}",
+        "EXPORTS_DESTINATION": f"az://{azure_container}/exports",
+        "EXPORTS_TENANTS": "acme",
+        "EXPORTS_AZURE_ENDPOINT_URL": azurite_server,
+        "AZURE_STORAGE_ACCOUNT_NAME": AZURITE_ACCOUNT,
+        "AZURE_STORAGE_ACCOUNT_KEY": AZURITE_KEY,
+    }.items():
+        monkeypatch.setenv(name, value)
+
+    defs = build_definitions()
+
+    config = ui_resource_config(defs)["invoice_export__destination"]
+    assert config["azure_account_key"] == {"env": "AZURE_STORAGE_ACCOUNT_KEY"}, "the key is passed by name"
+    assert AZURITE_KEY not in json.dumps(ui_resource_config(defs))
+    result = run_partition(defs, instance, "2026-03-08")
+    assert result.success, failure_message(result)
+    key = {"account_name": AZURITE_ACCOUNT, "account_key": AZURITE_KEY}
+    service = BlobServiceClient(azurite_server, credential=key)
+    names = [blob.name for blob in service.get_container_client(azure_container).list_blobs()]
+    service.close()
+    assert any(name.startswith("exports/invoice_export/tenant=acme/date=2026-03-08/") for name in names), names

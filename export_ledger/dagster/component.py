@@ -35,8 +35,13 @@ from typing import Annotated, Any
 
 import dagster as dg
 
+# Dagster's own error for a failed resolution: raised as it is, it is shown without the YAML snippet that Dagster
+# adds to any other error (the snippet would quote a credential). The class has no public alias in dagster 1.13.
+from dagster.components.resolved.errors import ResolutionException
+
 from export_ledger.dagster.definitions import ledgered_definitions
 from export_ledger.dagster.resources import LedgerResource
+from export_ledger.destinations.registry import holds_credential, refuse_credentials
 from export_ledger.errors import ConfigurationError, ExportLedgerError
 from export_ledger.settings import Settings
 from export_ledger.sources import SqlSource
@@ -118,14 +123,27 @@ def _sql_source(model: SqlSourceModel, export: str) -> EnvSqlSource:
 
 
 def _export_spec(context: dg.ResolutionContext, model: ExportModel) -> ExportSpec:
-    """The export as ExportSpec checks it; a refusal is re-raised at the export's place in the YAML."""
+    """The export as ExportSpec checks it; a refusal is re-raised at the export's place in the YAML, with the entry
+    quoted, unless the entry holds a credential (its ``destination``): then it is named by file, line and path only,
+    because the load error is shown by ``dg check defs``, the webserver and the daemon."""
     try:
         fields = model.model_dump(exclude={"source"})
         return ExportSpec(source=_sql_source(model.source, model.name), **fields)
     except ExportLedgerError as exc:
+        if model.destination is not None and holds_credential(model.destination):
+            raise ResolutionException(
+                f"{_place(context)}: {type(exc).__name__}: {exc}\n(the entry is not quoted: it holds a credential)"
+            ) from None
         raise context.build_resolve_fn_exc(
             [f"{type(exc).__name__}: {exc}\n"], field_name="exports", model=model
         ) from None
+
+
+def _place(context: dg.ResolutionContext) -> str:
+    """Where the value being resolved is: ``<file>:<line> - attributes.exports.0`` (the file when known)."""
+    path = ".".join(str(part) for part in context.path)
+    tree = context.source_position_tree
+    return f"{tree.lookup_closest_and_path(context.path, trace=None)[0]} - {path}" if tree else path
 
 
 ResolvedExport = Annotated[ExportSpec, dg.Resolver(_export_spec, model_field_type=ExportModel)]
@@ -169,6 +187,8 @@ class LedgeredExports(dg.Component, dg.Resolvable):
                 lease_ttl_seconds=settings.lease_ttl_seconds,
                 allow_below_low_water=settings.allow_below_low_water,
             )
+        if self.destination is not None:  # named as the YAML attribute it is, not as ledgered_definitions' argument
+            refuse_credentials(self.destination, "the LedgeredExports attribute destination")
         return ledgered_definitions(self.exports, ledger=ledger, destination=self.destination, settings=settings)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
@@ -22,7 +23,7 @@ from export_ledger.dagster.assets import (
 from export_ledger.dagster.drift_sensor import build_drift_sensor
 from export_ledger.dagster.health_sensor import build_health_sensor, health_job_name
 from export_ledger.dagster.io_manager import LedgeredExportIOManager
-from export_ledger.dagster.resources import DestinationResource, LedgerResource
+from export_ledger.dagster.resources import DestinationResource, LedgerResource, is_secret, secret_by_name
 from export_ledger.dagster.schedules import build_nightly_schedule
 from export_ledger.dagster.sensors import build_reconciliation_sensor, job_selection
 from export_ledger.destinations import Destination, destination_from
@@ -68,7 +69,10 @@ def ledgered_definitions(
             ledger URL with a password given as a value (a ``LedgerResource``'s url, or read from ``environ``) is
             refused, because Dagster shows resource config values in its UI.
         destination: The default destination (a spec or a destination object); default from the settings
-            (``EXPORTS_DESTINATION`` or ``./var/exports``). An export's own ``destination`` wins over it.
+            (``EXPORTS_DESTINATION`` or ``./var/exports``). An export's own ``destination`` wins over it. A
+            destination object's secrets (``secret_access_key``, ``azure_account_key``, ``azure_sas_token``, a URL
+            with a password, ...) are passed by name, as ``EnvVar`` of their variable (``AWS_SECRET_ACCESS_KEY``,
+            ...), when the process environment holds the same value there, and refused otherwise.
         settings: Settings already read; default :meth:`Settings.from_environment` on ``environ``.
         max_partitions_per_run: Backfills run in chunks of at most this many partitions; None for one run per range;
             default ``EXPORTS_MAX_PARTITIONS_PER_RUN`` or 31.
@@ -78,7 +82,9 @@ def ledgered_definitions(
         drift_batch_size: Completed keys the drift sensor re-reads from their source per tick.
         drift_sensor_running: Start the drift sensor by default (it re-reads sources, so it starts stopped).
         assets: Further assets of your own (the producers of exports without a source, their upstreams).
-        environ: The environment to read; default ``os.environ`` (secrets are then passed as ``EnvVar``).
+        environ: The environment to read; default ``os.environ`` (secrets are then passed as ``EnvVar``). A secret
+            read from a mapping is passed by name where the process environment holds the same value, and refused
+            otherwise.
 
     Example:
         >>> defs = ledgered_definitions([orders, payments])  # doctest: +SKIP
@@ -93,7 +99,9 @@ def ledgered_definitions(
 
     implicit_ledger = ledger is None and settings.ledger_is_implicit
     if ledger is None:
-        url = dg.EnvVar(LEDGER_URL_ENV) if settings.ledger_url_from_env and secrets_by_name else settings.ledger_url
+        url = settings.ledger_url
+        if settings.ledger_url_from_env and (secrets_by_name or _held_by_process(LEDGER_URL_ENV, settings)):
+            url = dg.EnvVar(LEDGER_URL_ENV)
         ledger = LedgerResource(
             url=url,
             lease_ttl_seconds=settings.lease_ttl_seconds,
@@ -267,13 +275,21 @@ def _refuse_shared_tables(ledger_tables: Mapping[str, Sequence[tuple[str, str]]]
             )
 
 
+def _held_by_process(variable: str, settings: Settings) -> bool:
+    """Whether a secret read from an ``environ`` mapping is also the process environment's own value, so it can be
+    passed by name like any secret read from there."""
+    value = settings.environ.get(variable)
+    return bool(value) and holds_secret(value) and os.environ.get(variable) == value
+
+
 def _refuse_secret_ledger_url(url: str | dg.EnvVar) -> None:
     """Refuses a ledger URL with a password given as a value: Dagster shows every resource's config values in its UI
     (the ledger's, and each destination's ``ledger_url``), so a secret must reach it by name, as an ``EnvVar``."""
     if isinstance(url, str) and holds_secret(url):
         raise ConfigurationError(
             f"the ledger URL {redact_url(url)!r} holds a password, and given as a value (an argument, a "
-            "LedgerResource's url, or EXPORTS_LEDGER_URL read from an environ mapping) it would be shown in the "
+            "LedgerResource's url, or EXPORTS_LEDGER_URL read from an environ mapping that the process environment "
+            "does not hold) it would be shown in the "
             f"Dagster UI's resource config. Give it by name: set {LEDGER_URL_ENV} in the code location's environment "
             f"and pass neither a URL nor environ (it is then passed as EnvVar({LEDGER_URL_ENV!r})), or pass "
             "LedgerResource(url=dg.EnvVar('YOUR_VARIABLE')), or leave the password out of the URL and let the "
@@ -284,10 +300,22 @@ def _refuse_secret_ledger_url(url: str | dg.EnvVar) -> None:
 def _destination_resource(
     spec: Destination | str, ledger: LedgerResource, settings: Settings, by_name: bool, what: str
 ) -> DestinationResource:
+    """The destination's resource. Its settings read from the environment go by name (``EnvVar``) when that is the
+    process environment; read from an ``environ`` mapping, a secret goes by name only where the process environment
+    holds the same value, and is refused otherwise (as the ledger URL is)."""
     if isinstance(spec, Destination):
-        return DestinationResource.of(spec)
-    destination_from(spec, ledger_url="", what=what)  # a bad spec fails here, naming the setting
-    secrets = {
-        name: (dg.EnvVar(var) if by_name else settings.environ.get(var)) for name, var in settings.s3_secrets.items()
-    }
-    return DestinationResource(spec=spec, ledger_url=ledger.url, region_name=settings.region_name, **secrets)
+        ledger_variable = ledger.url.env_var_name if isinstance(ledger.url, dg.EnvVar) else LEDGER_URL_ENV
+        return DestinationResource.of(spec, what=what, ledger_variable=ledger_variable)
+    values = {name: settings.environ.get(var) for name, var in settings.s3_secrets.items()}
+    # A bad spec fails here, naming the setting; built with the settings it will run with (an az:// destination
+    # needs its account or endpoint, which are settings, not part of the spec).
+    destination_from(spec, ledger_url="", credentials={**values, "region_name": settings.region_name}, what=what)
+    given = {}
+    for name, var in settings.s3_secrets.items():
+        if by_name:
+            given[name] = dg.EnvVar(var)
+        elif is_secret(name, values[name]):
+            given[name] = secret_by_name(values[name], var, f"{var} (read from the environ mapping) is a secret")
+        else:
+            given[name] = values[name]
+    return DestinationResource(spec=spec, ledger_url=ledger.url, region_name=settings.region_name, **given)

@@ -1,15 +1,50 @@
 """Dagster resources: configuration in, plain export_ledger objects out (a ledger, a destination).
 
 Settings that may hold secrets are given as Dagster ``EnvVar``s by :func:`export_ledger.dagster.ledgered_definitions`,
-so the UI and run config show variable names, never values.
+so the UI and run config show variable names, never values: Dagster shows every resource's configured values in its
+UI (GraphQL ``configuredValues``). A secret that cannot be given by name is refused (:func:`secret_by_name`).
 """
 
 import datetime as dt
+import os
 
 import dagster as dg
 
 from export_ledger.destinations import Destination, destination_from
+from export_ledger.destinations.registry import refuse_credentials
+from export_ledger.errors import ConfigurationError
 from export_ledger.ledger import ExportLedger
+from export_ledger.ledger.urls import holds_secret
+from export_ledger.settings import CLOUD_ENV, LEDGER_URL_ENV, S3_ENV
+
+#: Every destination setting read from the environment, by the variable it is read from.
+SETTING_ENV = {**S3_ENV, **CLOUD_ENV}
+#: The destination settings that are secrets whatever their value.
+SECRET_SETTINGS = frozenset({"secret_access_key", "session_token", "azure_account_key", "azure_sas_token"})
+
+
+def is_secret(setting: str, value: object) -> bool:
+    """Whether a destination setting's value is a secret: a key or token, or a URL (an endpoint, the ledger's) that
+    carries a password or a signature."""
+    if not value or not isinstance(value, str):
+        return False
+    return setting in SECRET_SETTINGS or (setting.endswith("_url") and holds_secret(value))
+
+
+def secret_by_name(value: str, variable: str, refusal: str) -> dg.EnvVar:
+    """A secret as Dagster gets it: ``EnvVar(variable)`` when the code location's process environment holds this
+    very value under ``variable`` (a run worker then reads it there too), so the UI shows the name, never the value.
+
+    Raises:
+        ConfigurationError: the process environment does not hold it; the message (``refusal`` and what to do)
+            names the setting and the variable, never the value.
+    """
+    if os.environ.get(variable) == value:
+        return dg.EnvVar(variable)
+    raise ConfigurationError(
+        f"{refusal}, and given as a value it would be shown in the Dagster UI's resource config. Give it by name: set "
+        f"{variable} to it in the code location's environment, and it is passed to Dagster as EnvVar({variable!r})"
+    )
 
 
 class LedgerResource(dg.ConfigurableResource):
@@ -97,7 +132,27 @@ class DestinationResource(dg.ConfigurableResource):
         )
 
     @classmethod
-    def of(cls, destination: Destination) -> "DestinationResource":
-        """The resource for a destination built in Python (tests, scripts)."""
+    def of(
+        cls, destination: Destination, *, what: str = "destination", ledger_variable: str = LEDGER_URL_ENV
+    ) -> "DestinationResource":
+        """The resource for a destination built in Python. Its secrets reach Dagster by name: each secret setting
+        (``secret_access_key``, ``azure_account_key``, an endpoint or table URL with a password, ...) becomes
+        ``EnvVar`` of the variable it is read from (``AWS_SECRET_ACCESS_KEY``, ...; a table destination's URL: the
+        ledger's, ``ledger_variable``) when the process environment holds that very value there.
+
+        Raises:
+            ConfigurationError: naming ``what`` and the setting: the spec carries a credential, or a secret setting
+                holds a value the process environment does not.
+        """
         spec, settings = destination.spec()
-        return cls(spec=spec, ledger_url=getattr(destination, "url", ""), **settings)
+        refuse_credentials(spec, what)
+        kind = type(destination).__name__
+        for name, value in settings.items():
+            if is_secret(name, value):
+                settings[name] = secret_by_name(value, SETTING_ENV[name], f"{what}: the {kind}'s {name} is a secret")
+        ledger_url = getattr(destination, "url", "")
+        if is_secret("ledger_url", ledger_url):
+            ledger_url = secret_by_name(
+                ledger_url, ledger_variable, f"{what}: the {kind}'s url (the ledger_url setting) holds a password"
+            )
+        return cls(spec=spec, ledger_url=ledger_url, **settings)

@@ -88,7 +88,8 @@ class AzureStore(ObjectStore):
     container: str
     prefix: str
     account_url: str
-    client_settings: tuple  # account_url, name, key, sas, container, connect and read timeouts
+    #: account_url, name, key, sas, container, connect and read timeouts (the key and SAS token: never printed)
+    client_settings: tuple = field(repr=False)
     sizes: tuple[int, int]  # single-put limit and block size of data uploads
 
     def _client(self, sizes: tuple[int, int] | None = None):

@@ -31,7 +31,7 @@ import hashlib
 import io
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from export_ledger.destinations.base import DestinationError, DestinationUnreachable, PublishOutcomeUnknown
@@ -110,12 +110,36 @@ class GCSStore(ObjectStore):
     bucket: str
     prefix: str
     endpoint_url: str | None
-    client_settings: tuple
+    client_settings: tuple = field(repr=False)  # endpoint, project, key file: the client's, not for printing
     timeout: tuple[float, float]
     chunk_size: int
 
+    def _connect(self):
+        """The client. Building it reads the key file (``gcs_credentials_file``) or finds application default
+        credentials, before anything is sent: a setting that cannot give one is refused here, named, for every call
+        alike (a raw ``FileNotFoundError`` out of a read would be taken for an unknown outcome)."""
+        _, _, auth_errors, _ = _sdk()
+        try:
+            return _client(*self.client_settings)
+        except (OSError, ValueError, auth_errors.GoogleAuthError) as exc:
+            from export_ledger.settings import CLOUD_ENV
+
+            variable = CLOUD_ENV["gcs_credentials_file"]
+            if self.client_settings[2]:  # the key file
+                problem = (
+                    f"gcs_credentials_file ({variable}) names no readable service-account key file "
+                    f"({type(exc).__name__})"
+                )
+            else:
+                problem = (
+                    f"no Google credentials were found ({type(exc).__name__}): set {variable} (the "
+                    "gcs_credentials_file setting) to a service-account key file, or run where application default "
+                    "credentials exist"
+                )
+            raise DestinationUnreachable(f"cannot use gs://{self.bucket}: {problem}; nothing was sent") from None
+
     def _bucket(self):
-        return _client(*self.client_settings).bucket(self.bucket)
+        return self._connect().bucket(self.bucket)
 
     def _key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix else name
@@ -216,7 +240,7 @@ class GCSStore(ObjectStore):
     def list(self, prefix: str) -> list[str]:
         cut = len(self.prefix) + 1 if self.prefix else 0
         try:
-            blobs = _client(*self.client_settings).list_blobs(
+            blobs = self._connect().list_blobs(
                 self.bucket, prefix=self._key(prefix), timeout=self.timeout, retry=None
             )
             return [blob.name[cut:] for blob in blobs]
@@ -366,7 +390,7 @@ class GCSStore(ObjectStore):
     def _probe_name(self) -> str:
         """A fresh probe object's name, after removing probes an hour older than the newest (left by processes
         killed mid-check; the store's own timestamps, not this machine's clock)."""
-        probes = list(_client(*self.client_settings).list_blobs(
+        probes = list(self._connect().list_blobs(
             self.bucket, prefix=self._key(_PROBE_FOLDER), timeout=self.timeout, retry=None))  # fmt: skip
         newest = max((blob.time_created for blob in probes if blob.time_created), default=None)
         for blob in probes:

@@ -31,8 +31,11 @@ _CREDENTIAL_PARAMETER = re.compile(
     r"(?:^|[?&;])(?:x-(?:amz|goog)-[\w-]+|sv|se|sp|sr|[\w.-]*(?:pass|secret|token|key|sig|credential)[\w.-]*)=",
     re.IGNORECASE,
 )
-#: ``user:password@host`` written as a folder path (scp's ``user:password@host:/path``); a drive's ``C:\`` is not.
-_LOCAL_USERINFO = re.compile(r"^[^/\\:@]+:[^/\\]*@")
+#: ``user:password@host`` written as a folder path (scp's ``user:password@host:/path``, the password may hold a ``/``
+#: when a host follows as ``host:``); a drive's ``C:\`` is not.
+_LOCAL_USERINFO = re.compile(r"^[^/\\:@]+:(?:[^/\\]*@|.*@[^/\\:@]+:)")
+#: A SAS token's signature (``sig=``), the part of a bare SAS token (``sv=..&sig=..``, no ``?``) that is the secret.
+_SAS_SIGNATURE = re.compile(r"(?:^|[?&;])sig=", re.IGNORECASE)
 #: The settings of a scheme that hold or name credentials (``DestinationResource`` fields).
 _CREDENTIAL_SETTING = re.compile(r"key|secret|token|credential|account_name")
 
@@ -142,6 +145,11 @@ def refuse_credentials(spec: str, what: str = "destination") -> None:
     )
 
 
+def holds_credential(spec: str) -> bool:
+    """Whether a destination spec carries a credential (what :func:`refuse_credentials` refuses)."""
+    return _credential_in(spec) is not None
+
+
 def _credential_in(spec: str) -> tuple[str, str, Scheme] | None:
     """``(what the spec carries, the spec with it masked, the scheme whose settings take it)``, or None."""
     if _CONNECTION_STRING_KEY.search(spec):
@@ -164,6 +172,12 @@ def _credential_in(spec: str) -> tuple[str, str, Scheme] | None:
         return "a user name and password (user:password@)", "***" + spec[spec.rfind("@") :], scheme
     if "?" in spec and _CREDENTIAL_PARAMETER.search(spec[spec.index("?") :]):
         return "a query string with a credential", spec.split("?", 1)[0] + "?***", scheme
+    if "?" not in spec and _SAS_SIGNATURE.search(spec):  # a SAS token pasted without its URL: no "?" before it
+        return "an Azure SAS token (its sig= is a secret)", "***", scheme_of("az://")
+    parameter = _CREDENTIAL_PARAMETER.search(spec) if "?" not in spec and "&" in spec else None
+    if parameter:  # parameters joined by "&" with no "?": a query string pasted without its URL
+        cut = parameter.start() + (spec[parameter.start()] in "&;")
+        return "a query string with a credential", spec[:cut] + "***", scheme
     return None
 
 

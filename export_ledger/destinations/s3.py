@@ -91,7 +91,7 @@ class S3Store(ObjectStore):
     bucket: str
     prefix: str
     endpoint_url: str | None
-    client_settings: tuple
+    client_settings: tuple = field(repr=False)  # the secret key and session token: never printed
     multipart_threshold: int
     part_size: int
 

@@ -216,6 +216,16 @@ def _step_failure(result: dg.ExecuteInProcessResult) -> tuple[str | None, str]:
     return None, "the run failed without a step failure"
 
 
+def destination_environment(spec: dict) -> dict[str, str]:
+    """The secrets a run worker of this destination has in its environment, as a deployment gives them: a destination
+    object's secret reaches Dagster by name (``EnvVar``) only where the process environment holds it."""
+    if spec["kind"] == "s3":
+        return {"AWS_SECRET_ACCESS_KEY": spec.get("secret_access_key", "testing")}
+    if spec["kind"] == "azure":
+        return {"AZURE_STORAGE_ACCOUNT_KEY": spec["account_key"]}
+    return {}
+
+
 def child_main(spec: AttemptSpec) -> int:
     """The body of a forked child: set its failpoints and temp folder, run the attempt, write the result file.
 
@@ -228,6 +238,7 @@ def child_main(spec: AttemptSpec) -> int:
         os.environ.pop(FAILPOINTS, None)
     if spec.tmpdir:
         tempfile.tempdir = spec.tmpdir
+    os.environ.update(destination_environment(spec.destination))
     result = run_attempt(spec)
     if spec.result_path:
         partial = f"{spec.result_path}.partial"

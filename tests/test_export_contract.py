@@ -54,7 +54,7 @@ def _refusals(tmp_path: Path) -> list[dict]:
     return ledger_at(tmp_path).contracts.refusals()
 
 
-def test_a_worker_that_lost_its_source_settings_is_refused_not_exported_from_the_sample(tmp_path, instance):
+def test_a_worker_that_lost_its_source_settings_is_refused_not_exported_from_the_sample(tmp_path, instance, capsys):
     source = _sql_source(tmp_path)
     assert run_partition(make_defs(tmp_path, source=source), instance, "2026-03-07").success
     # What a run worker without EXPORTS_SOURCE_URL built on 8fa414b: the same code location on the sample source.
@@ -71,6 +71,9 @@ def test_a_worker_that_lost_its_source_settings_is_refused_not_exported_from_the
     assert refusal["tenant"] == "acme" and json.loads(refusal["wanted"])["terms"]["source"]["kind"] == "sample", (
         "the refusal is kept, with both contracts, and escalated until accepted or the worker is fixed"
     )
+    assert cli.main(["--ledger-url", f"sqlite:///{tmp_path / 'ledger.sqlite3'}", "status", "--needs-attention"]) == 0
+    listed = capsys.readouterr().out
+    assert "-> sample" in listed and "accept-contract --export invoice_export --keep-exported" in listed, listed
     assert run_partition(make_defs(tmp_path, source=source), instance, "2026-03-08").success, (
         "the worker with its settings back runs, and closes the refusal"
     )

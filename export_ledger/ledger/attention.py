@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import sqlalchemy as sa
 
 from export_ledger.ledger import transitions as T
+from export_ledger.contract import changes, terms_of
 from export_ledger.ledger.contracts import accept_command, count_open_per_zone
 from export_ledger.ledger.records import ExportRecord
 from export_ledger.ledger.schema import ExportState, export_missed_partitions, export_restatements, export_runs
@@ -463,13 +464,15 @@ class Attention:
     def _refusals(self, exports: Sequence[str], limit: int, *, tenants: Sequence[str] = ()) -> list[Escalation]:
         found = []
         for row in self.ledger.contracts.refusals(exports=exports, tenants=tenants, limit=limit):
-            wanted = json.loads(row["wanted"])
+            wanted, recorded = json.loads(row["wanted"]), json.loads(row["recorded"])
+            said = "; ".join(changes(recorded, wanted)) or "its recorded text differs"
+            renewed = terms_of(recorded) is not None and terms_of(wanted) not in (None, terms_of(recorded))
+            command = accept_command(row["export"], wanted, None if renewed else row["tenant"], terms_changed=renewed)
             found.append(
                 Escalation(
                     row["export"], row["tenant"], wanted.get("timezone"), None, "refused", row["first_refused_at"],
-                    f"calendar contract changed in code, refused {row['refusals']} time(s): the ledger recorded "
-                    f"{row['recorded']}, the code says {row['wanted']}; accept it (recorded) with: "
-                    f"{accept_command(row['export'], wanted, row['tenant'])}, or restore the recorded contract in code",
+                    f"contract changed in code ({said}), refused {row['refusals']} time(s); accept it (recorded) "
+                    f"with: {command}, or restore the recorded contract in code",
                 )
             )  # fmt: skip
         return found

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import sys
 import uuid
 from collections.abc import Iterator
 from urllib.parse import quote
@@ -47,6 +48,24 @@ def postgres_unavailable_reason() -> str | None:
         return f"PostgreSQL not reachable at {engine.url.render_as_string(hide_password=True)}: {type(exc).__name__}"
     finally:
         engine.dispose()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``--dist loadgroup`` every test marked ``xdist_group`` must carry its group in its node id (what the
+    scheduler reads): without it, the tests of a group run on any worker and each worker makes the group's expensive
+    fixtures again (a fresh install, the deploy image, the benchmark smoke run). pytest 9.2 with pytest-xdist 3.8 drops
+    it silently (pytest-xdist#1386)."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    lost = [item.nodeid for item in items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+    if lost:
+        message = (
+            f"--dist loadgroup: {len(lost)} test(s) marked xdist_group lost their group (first: {lost[0]}); "
+            "this pytest and pytest-xdist do not work together (pytest-xdist#1386): install pytest<9.2"
+        )
+        sys.stderr.write(message + "\n")  # a worker's error reaches the controller as an internal error only
+        raise pytest.UsageError(message)
 
 
 @pytest.fixture(scope="session")

@@ -8,15 +8,20 @@ For each zone and each day ``d`` the window is checked three ways:
   non-empty window starts at an instant whose local date is ``d`` and whose previous microsecond is before ``d``, and
   its last microsecond is still on ``d`` or earlier; an empty window starts on a later local date.
 
-A deterministic sample of zones runs by default; the sweep over every zone the calendar accepts
+A deterministic sample of 40 zones runs by default, every day of each. The sweep over every zone the calendar accepts
 (``zoneinfo.available_timezones()`` less ``localtime``, ``posixrules`` and ``Factory``, one zone of each distinct rule
-set) is marked slow.
+set) is marked slow: there, each zone is checked on every day within two days of a change of its UTC offset (found
+apart from the library, by sampling ``zoneinfo`` at each UTC noon: a window is cut from two local midnights, each
+within 14 hours of the day's UTC midnight, so only those days can be cut differently from a plain day) and on one
+day in 61 besides. ``EXPORTS_TILING_EVERY_DAY=1`` checks every day of every zone (about two minutes on 2 cores).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import importlib.resources
+import os
+import sys
 import zoneinfo
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -80,27 +85,78 @@ SAMPLE_ZONES = DST_TABLE_ZONES + [
 ]
 
 
-def check_zone(zone: str) -> tuple[str, int, list[str]]:
-    """Checks every day of ``zone``; returns the zone, the number of days checked and (a few) failures."""
+#: Besides the days around its offset changes, the slow sweep checks one day in this many of each zone.
+STRIDE = 61
+#: Days checked on either side of a change of a zone's UTC offset.
+MARGIN = 2
+
+
+def offset_change_days(zone: str) -> list[int]:
+    """Indices (days from FIRST_DAY) of the days whose window a change of ``zone``'s UTC offset can touch, found with
+    ``zoneinfo`` alone: the offset sampled at each UTC noon, a change between two noons marking the days within
+    MARGIN of either. (A change undone within the same 24 hours would go unseen: the tz database has none.)"""
     tz = zoneinfo.ZoneInfo(zone)
-    shared = windows_between(FIRST_DAY, LAST_DAY, zone)
+    start = dt.datetime.combine(FIRST_DAY, dt.time(12), dt.timezone.utc) - dt.timedelta(days=MARGIN + 1)
+    marked: set[int] = set()
+    previous = start.astimezone(tz).utcoffset()
+    for step in range(1, DAYS + 2 * MARGIN + 3):
+        instant = start + dt.timedelta(days=step)
+        offset = instant.astimezone(tz).utcoffset()
+        if offset != previous:
+            day = (instant.date() - FIRST_DAY).days
+            marked.update(range(day - MARGIN - 1, day + MARGIN + 1))
+        previous = offset
+    return sorted(index for index in marked if 0 <= index < DAYS)
+
+
+def runs_of(indices: list[int]) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive day indices, as (first, last) inclusive."""
+    runs: list[tuple[int, int]] = []
+    for index in indices:
+        if runs and runs[-1][1] == index - 1:
+            runs[-1] = (runs[-1][0], index)
+        else:
+            runs.append((index, index))
+    return runs
+
+
+def check_zone(zone: str, every_day: bool = True) -> tuple[str, int, list[str]]:
+    """Checks every day of ``zone`` (else the days around its offset changes and one day in STRIDE); returns the
+    zone, the number of days checked and (a few) failures."""
+    if every_day:
+        runs = [(0, DAYS - 1)]
+    else:
+        runs = runs_of(sorted({*offset_change_days(zone), *range(len(zone) % STRIDE, DAYS, STRIDE)}))
     failures: list[str] = []
+    checked = 0
+    for first, last in runs:
+        checked += _check_run(zone, first, last, failures)
+        if len(failures) >= MAX_REPORTED_PER_ZONE:
+            break
+    return zone, checked, failures
+
+
+def _check_run(zone: str, first: int, last: int, failures: list[str]) -> int:
+    """Checks the days FIRST_DAY + first .. FIRST_DAY + last of ``zone``, appending (a few) failures."""
+    tz = zoneinfo.ZoneInfo(zone)
+    shared = windows_between(FIRST_DAY + dt.timedelta(days=first), FIRST_DAY + dt.timedelta(days=last), zone)
 
     def fail(day: dt.date, what: str) -> None:
         failures.append(f"{zone} {day}: {what}")
 
     previous = None
     checked = 0
-    for index in range(DAYS):
+    for index in range(first, last + 1):
         day = FIRST_DAY + dt.timedelta(days=index)
         window = window_for(day, zone)
         start, end = window.start_utc, window.end_utc
         checked += 1
 
-        if window.business_date != day or shared[index].business_date != day:
+        between = shared[index - first]
+        if window.business_date != day or between.business_date != day:
             fail(day, "window carries the wrong business date")
-        if (shared[index].start_utc, shared[index].end_utc) != (start, end):
-            fail(day, f"windows_between gives [{shared[index].start_utc}, {shared[index].end_utc}), "
+        if (between.start_utc, between.end_utc) != (start, end):
+            fail(day, f"windows_between gives [{between.start_utc}, {between.end_utc}), "
                       f"window_for gives [{start}, {end})")
         if not start <= end:
             fail(day, f"ends before it starts: [{start}, {end})")
@@ -122,15 +178,15 @@ def check_zone(zone: str) -> tuple[str, int, list[str]]:
         if len(failures) >= MAX_REPORTED_PER_ZONE:
             break
         previous = window
-    return zone, checked, failures
+    return checked
 
 
-def sweep(zones: list[str]) -> tuple[int, int, list[str]]:
+def sweep(zones: list[str], every_day: bool = True) -> tuple[int, int, list[str]]:
     """Checks ``zones`` on two worker processes; returns zones checked, windows checked and failures."""
     failures: list[str] = []
     windows = 0
     with ProcessPoolExecutor(max_workers=2) as pool:
-        for _zone, checked, zone_failures in pool.map(check_zone, zones):
+        for _zone, checked, zone_failures in pool.map(check_zone, zones, [every_day] * len(zones)):
             windows += checked
             failures.extend(zone_failures)
     return len(zones), windows, failures
@@ -172,11 +228,49 @@ def test_windows_tile_utc_timeline_for_every_available_zone_1970_to_2037() -> No
     for zone in all_zones:
         distinct.setdefault(tz_rules(zone), zone)
 
-    zones, windows, failures = sweep(sorted(distinct.values()))
+    every_day = os.environ.get("EXPORTS_TILING_EVERY_DAY") == "1"
+    zones, windows, failures = sweep(sorted(distinct.values()), every_day)
 
-    print(f"tiling: {len(all_zones)} zones, {zones} distinct rule sets x {DAYS} days = {windows} windows "
-          f"({tz_database_version('UTC')})")  # fmt: skip
-    assert zones > 100 and windows == zones * DAYS, "every day of every distinct zone was checked"
+    print(f"tiling: {len(all_zones)} zones, {zones} distinct rule sets, {windows} windows "
+          f"({'every day' if every_day else 'days around offset changes, and one in ' + str(STRIDE)}; "
+          f"{tz_database_version('UTC')})")  # fmt: skip
+    assert zones > 100, "every distinct zone was checked"
+    if every_day:
+        assert windows == zones * DAYS, "every day of every distinct zone was checked"
+    else:
+        assert windows >= zones * (DAYS // STRIDE), "at least one day in STRIDE of every distinct zone was checked"
     assert failures == [], "consecutive windows must tile the UTC timeline under the written policy:\n" + "\n".join(
         failures
     )
+
+
+def test_the_days_around_offset_changes_are_found_apart_from_the_library() -> None:
+    """The slow sweep's choice of days: New York's 2026 DST changes (March 8 and November 1), Apia's skipped
+    2011-12-30, and nothing in UTC."""
+    new_york = {FIRST_DAY + dt.timedelta(days=i) for i in offset_change_days("America/New_York")}
+    apia = {FIRST_DAY + dt.timedelta(days=i) for i in offset_change_days("Pacific/Apia")}
+
+    assert {dt.date(2026, 3, 8), dt.date(2026, 11, 1)} <= new_york
+    assert dt.date(2026, 6, 1) not in new_york, "a plain summer day is no change day"
+    assert {dt.date(2011, 12, 29), dt.date(2011, 12, 30), dt.date(2011, 12, 31)} <= apia
+    assert offset_change_days("UTC") == []
+
+
+def test_a_window_cut_wrong_on_a_change_day_is_found_by_the_slow_sweeps_choice_of_days(monkeypatch) -> None:
+    """The reduced sweep still fails when the library cuts a DST day wrong (here: New York's 2026-03-08 window one
+    hour too long at its start)."""
+    import export_ledger.calendar as calendar
+
+    real = calendar.window_for
+
+    def wrong(day, timezone):
+        window = real(day, timezone)
+        if day == dt.date(2026, 3, 8) and timezone == "America/New_York":
+            return calendar.ExportWindow(day, timezone, window.start_utc - dt.timedelta(hours=1), window.end_utc)
+        return window
+
+    monkeypatch.setattr(sys.modules[__name__], "window_for", wrong)
+    _zone, checked, failures = check_zone("America/New_York", every_day=False)
+
+    assert 0 < checked < DAYS // 10, f"the reduced sweep checks a few days of the zone: {checked}"
+    assert any("2026-03-08" in failure for failure in failures), failures

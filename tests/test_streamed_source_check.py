@@ -14,7 +14,7 @@ import pytest
 
 from export_ledger import ExportSpec
 from export_ledger.dagster import ledgered_definitions
-from export_ledger.dagster.assets import CHECK_NAME, export_check
+from export_ledger.dagster.checks import CHECK_NAME, export_check
 from export_ledger.destinations import LocalDestination
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger import ExportLedger

@@ -11,19 +11,19 @@ from collections.abc import Mapping, Sequence
 
 import dagster as dg
 
-from export_ledger.dagster.assets import (
-    HEALTH_CHECK_NAME,
-    LEDGER_KEY,
-    build_drift_check,
-    build_export_asset,
-    build_partition_checks,
-    build_stuck_check,
-    resource_keys,
-)
+from export_ledger.dagster.assets import build_export_asset
+from export_ledger.dagster.checks import HEALTH_CHECK_NAME, build_drift_check, build_partition_checks, build_stuck_check
 from export_ledger.dagster.drift_sensor import build_drift_sensor
 from export_ledger.dagster.health_sensor import build_health_sensor, health_job_name
 from export_ledger.dagster.io_manager import LedgeredExportIOManager
-from export_ledger.dagster.resources import DestinationResource, LedgerResource, is_secret, secret_by_name
+from export_ledger.dagster.resources import (
+    LEDGER_KEY,
+    DestinationResource,
+    LedgerResource,
+    is_secret,
+    resource_keys,
+    secret_by_name,
+)
 from export_ledger.dagster.schedules import build_nightly_schedule
 from export_ledger.dagster.sensors import build_reconciliation_sensor, job_selection
 from export_ledger.destinations import Destination, destination_from

@@ -20,8 +20,9 @@ from collections.abc import Sequence
 
 import dagster as dg
 
-from export_ledger.dagster.assets import LEDGER_KEY, drift_check_evaluation, resource_keys
+from export_ledger.dagster.checks import drift_check_evaluation
 from export_ledger.dagster.io_manager import LISTED_KEYS
+from export_ledger.dagster.resources import LEDGER_KEY, resource_keys
 from export_ledger.drift import DEFAULT_DRIFT_BATCH, DEFAULT_LOOKBACK_DAYS, describe, drift_pass, stale_digest
 from export_ledger.ledger import DriftRecord, ExportLedger
 from export_ledger.spec import ExportSpec

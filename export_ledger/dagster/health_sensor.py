@@ -22,8 +22,9 @@ from dagster._core.storage.asset_check_execution_record import AssetCheckExecuti
 from dagster._core.storage.event_log.base import PartitionKeyFilter
 
 from export_ledger.calendar import utc_iso
-from export_ledger.dagster.assets import HEALTH_CHECK_NAME, LEDGER_KEY, health_evaluations
+from export_ledger.dagster.checks import HEALTH_CHECK_NAME, health_evaluations
 from export_ledger.dagster.io_manager import LISTED_KEYS
+from export_ledger.dagster.resources import LEDGER_KEY
 from export_ledger.ledger import DEFAULT_MAX_ATTEMPTS, ExportLedger
 from export_ledger.spec import ExportSpec
 

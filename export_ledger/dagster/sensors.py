@@ -17,14 +17,9 @@ from dataclasses import replace
 import dagster as dg
 
 from export_ledger.calendar import ExportCalendar, utc_iso
-from export_ledger.dagster.assets import (
-    LEDGER_KEY,
-    asset_groups,
-    late_by_asset,
-    resource_keys,
-    stuck_check_evaluation,
-)
+from export_ledger.dagster.checks import asset_groups, late_by_asset, stuck_check_evaluation
 from export_ledger.dagster.io_manager import LISTED_KEYS, key_table, status_command
+from export_ledger.dagster.resources import LEDGER_KEY, resource_keys
 from export_ledger.dead_runs import Finding, Watch, judge_runs
 from export_ledger.deadlines import late_keys
 from export_ledger.errors import CalendarError

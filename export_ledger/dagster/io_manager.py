@@ -17,7 +17,7 @@ from export_ledger.calendar import ExportCalendar
 from export_ledger.contract import asset_source, export_terms, with_terms
 from export_ledger.dagster.resources import DestinationResource, LedgerResource
 from export_ledger.destinations import DestinationError, ExportTarget, Verdict, place_of_location
-from export_ledger.errors import FrameError
+from export_ledger.errors import FrameError, safe_message
 from export_ledger.frames import ExportSchema, check_column_names, read_table
 from export_ledger.keys import LogicalKey, attempt_id
 from export_ledger.ledger import ExportRecord, Restatement, Revision
@@ -91,6 +91,7 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
             )
         except Exception:
             _record_finished_partitions(context, obj, attempt)
+            _before_failing(context, obj)
             if lineage is not None:
                 lineage.finish(context.run_id, job, obj, destination, failed=True)
             raise
@@ -265,6 +266,17 @@ def _record_finished_partitions(context: dg.OutputContext, batch: ExportBatch, a
                 description="every key of this partition was exported by this run; other partitions of the run failed",
             )
         )
+
+
+def _before_failing(context: dg.OutputContext, batch: ExportBatch) -> None:
+    """The batch's own last word before the step fails (its checks' verdicts): a failure there is logged, by its class
+    and the library's words only, and never hides the export's own error, raised next."""
+    if batch.on_failure is None:
+        return
+    try:
+        batch.on_failure()
+    except Exception as exc:
+        context.log.warning(f"the run's verdicts on its partitions could not be reported: {safe_message(exc)}")
 
 
 #: Per-key lists in event metadata stop here: a partition of 1,000 tenants stays readable in the UI, and the full list

@@ -4,23 +4,16 @@
 import datetime as dt
 import functools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import dagster as dg
 
 from export_ledger.calendar import ExportCalendar, parse_business_date, utc_iso
-from export_ledger.dagster.checks import (
-    due,
-    export_check,
-    health_evaluation,
-    latest_materializations,
-    targeting,
-)
-from export_ledger.dagster.io_manager import LISTED_KEYS, by_partition, status_command
+from export_ledger.dagster.checks import PARTITION_CHECKS, check_specs, partition_tenants, step_verdicts
+from export_ledger.dagster.io_manager import LISTED_KEYS, status_command
 from export_ledger.dagster.partitions import dagster_disagreement, partitions_def
 from export_ledger.dagster.resources import LEDGER_KEY, resource_keys
 from export_ledger.frames import FrameBatches
-from export_ledger.health import partition_health
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger import (
     ExportLedger,
@@ -69,8 +62,13 @@ def build_export_asset(
     The asset plans (which keys, which windows, which are already done: those are skipped before the source is
     read) and reads the source; the export's I/O manager claims, publishes and records each key. A tenant whose
     calendar contract changed unaccepted is left out and the run fails naming it, after the others are exported.
-    Once every key is recorded, each partition of the run gets its own ``export_matches_source_and_ledger`` and
-    ``partition_health`` verdicts (a failed key fails the step, so Dagster marks its partitions failed).
+
+    Its checks are its own (:func:`~export_ledger.dagster.checks.check_specs`), reported by its one step for the
+    checks the run selected: once every key is recorded, each partition of the run gets its
+    ``export_matches_source_and_ledger`` and ``partition_health`` verdicts, judged from what the run read and wrote
+    and targeting the partition's materialization. A failed key fails the step (so Dagster marks its partitions
+    failed), after every partition's verdicts are reported. Run for its checks alone (the health sensor's run, a
+    check executed from the UI), the step exports nothing and judges from the ledger.
     """
     if spec.source is None:
         raise ValueError(f"export {spec.name!r} has no source: declare its asset yourself with ledgered_io_manager")
@@ -80,30 +78,50 @@ def build_export_asset(
     partitions = partitions_def(calendar, group.last_date)
     calendars = {tenant: spec.calendar_for(tenant) for tenant in group.tenants}
     several = len(spec.groups) > 1
+    asset_key = dg.AssetKey(group.asset_name)
 
     # Backfill policies are a beta Dagster API; the chunking they give is the documented way to bound backfills.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", dg.BetaWarning)
-        asset_decorator = dg.asset(
-            name=group.asset_name,
-            partitions_def=partitions,
-            io_manager_key=io_manager_key,
-            backfill_policy=backfill_policy,
-            pool=pool,
+        asset = dg.AssetSpec(
+            key=asset_key,
             group_name=spec.name if several else None,
             tags={"export-ledger/export": spec.name, "export-ledger/zone": zone_slug(group.timezone)},
-            required_resource_keys={LEDGER_KEY, destination_key},
             description=_description(spec, group),
             kinds=asset_kinds(spec, destination_scheme),
             freshness_policy=freshness_policy(spec, group),
             owners=list(spec.owners) or None,
             metadata={"dagster/column_schema": column_schema(spec)},
+        ).with_io_manager_key(io_manager_key)
+        asset_decorator = dg.multi_asset(
+            name=group.asset_name,
+            specs=[asset],
+            # Declared here, not as @asset_check definitions: a check defined apart is a step (and a process) of its
+            # own in every run that selects the export, and judges later, apart from the run that knows the answer.
+            check_specs=check_specs(asset_key, partitions),
+            # Any subset of the asset and its checks runs as this one step: the export's job leaves out the whole
+            # asset's checks (the sensors report them), the health sensor's job runs partition_health alone.
+            can_subset=True,
+            partitions_def=partitions,
+            backfill_policy=backfill_policy,
+            pool=pool,
+            required_resource_keys={LEDGER_KEY, destination_key},
         )
 
     @asset_decorator
     def _export(context: dg.AssetExecutionContext, config: ExportRunConfig) -> Iterator:
         book = getattr(context.resources, LEDGER_KEY).get_ledger()
         destination = getattr(context.resources, destination_key).get_destination()
+        selected = {key.name for key in context.selected_asset_check_keys}
+        verdicts = functools.partial(
+            step_verdicts, context.instance, spec, group, book, destination, selected, stuck_after=stuck_after,
+            max_attempts=max_attempts,
+        )  # fmt: skip
+        if asset_key not in context.selected_asset_keys:
+            # Its checks alone: nothing is exported, each selected check is judged from the ledger.
+            _log_events(context, verdicts(_checked_days(context, spec, group, calendar, selected)))
+            yield from _check_outputs(context)
+            return
         # Checked at claim: what this run would export (its calendar, destination, format, schema, source) must be
         # the contract in force for each tenant, else its claims are refused and escalated.
         contracts = {tenant: spec.contract(tenant, destination) for tenant in group.tenants}
@@ -185,28 +203,46 @@ def build_export_asset(
             if streamed:
                 metadata["streamed_keys"] = streamed
             metadata["every_key"] = dg.MetadataValue.text(status_command(spec.name, [partition_key]))
-            context.add_asset_metadata(metadata, partition_key=partition_key)
+            context.add_asset_metadata(metadata, asset_key=asset_key, partition_key=partition_key)
             if here:  # a day the zone skipped has no key, so no verdict
                 tenants_by_day[day] = [item.key.tenant for item in here]
         batch = ExportBatch(spec.schema, items)
-        yield dg.Output(batch)
-        # The I/O manager has published and recorded every key by now: check what actually landed, per partition.
-        asset_key = dg.AssetKey(group.asset_name)
-        grouped = by_partition(batch.results)
-        # Dagster counts a partitioned check's evaluation in the partition's status only when it targets the
-        # partition's latest materialization (else the check's partitions show as Missing): read them once.
-        targets = latest_materializations(context.instance, asset_key, sorted({*grouped, *map(str, tenants_by_day)}))
-        for partition_key, results in grouped.items():
-            evaluation = export_check(spec, book, destination, results, asset_key=asset_key, partition=partition_key)
-            context.log_event(targeting(evaluation, targets.get(partition_key)))
-        verdicts = partition_health(
-            book, spec.name, tenants_by_day, stuck_after=stuck_after, max_attempts=max_attempts, due=due(spec)
-        )
-        for verdict in verdicts.values():
-            evaluation = health_evaluation(asset_key, verdict)
-            context.log_event(targeting(evaluation, targets.get(evaluation.partition)))
+        # A failed key fails the step inside the I/O manager, and this code never runs again: it reports the run's
+        # verdicts from there first (every partition's, the finished ones' materializations recorded by then).
+        batch.on_failure = lambda: _log_events(context, verdicts(tenants_by_day, batch))
+        yield dg.MaterializeResult(asset_key=asset_key, value=batch)
+        # The I/O manager has published and recorded every key, and Dagster each partition's materialization.
+        _log_events(context, verdicts(tenants_by_day, batch))
+        yield from _check_outputs(context)
 
     return _export
+
+
+def _checked_days(
+    context: dg.AssetExecutionContext, spec: ExportSpec, group: TenantGroup, calendar: ExportCalendar, selected
+) -> dict[dt.date, list[str]]:
+    """The run's dates and each one's tenants with a key, for checks run alone; a partitioned check needs a date."""
+    if not (context.has_partition_key or context.has_partition_key_range):
+        if selected & set(PARTITION_CHECKS):
+            raise dg.Failure(f"{', '.join(sorted(selected & set(PARTITION_CHECKS)))}: judged per partition, run them "
+                             "for one or more partitions")  # fmt: skip
+        return {}
+    days = [calendar.window(key).business_date for key in context.partition_keys]
+    return {day: partition_tenants(spec, group, calendar, day) for day in days}
+
+
+def _log_events(context: dg.AssetExecutionContext, evaluations: Iterable[dg.AssetCheckEvaluation]) -> None:
+    for evaluation in evaluations:
+        context.log_event(evaluation)
+
+
+def _check_outputs(context: dg.AssetExecutionContext) -> Iterator[dg.Output]:
+    """An output for each check the step was asked for: its verdicts were logged per partition (a check result has no
+    partition of its own), and Dagster expects the outputs besides. Without them the run logs, every time, that the
+    step "did not yield or return expected outputs"."""
+    for key in sorted(context.selected_asset_check_keys, key=lambda k: k.name):
+        # The output name of a check spec: AssetsDefinition's own mapping (not marked public in Dagster 1.13).
+        yield dg.Output(None, output_name=context.assets_def.get_output_name_for_asset_check_key(key))
 
 
 def _restate_tenants(config: ExportRunConfig, group: TenantGroup) -> list[str] | None:

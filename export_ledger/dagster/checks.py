@@ -1,9 +1,14 @@
-"""The asset checks of an export's asset: their names, how each verdict is computed, and the ``no_stuck_exports``
-and ``source_unchanged`` checks."""
+"""The asset checks of an export's asset: their names and specs, and how each verdict is computed.
+
+Every check of an export with a source is declared on its asset (:func:`check_specs`) and reported by the asset's
+own step (:func:`step_verdicts`): selecting the export runs one step in one process. The per-partition checks are
+judged by the run that exported the partition, from what it read and wrote; the whole asset's (``no_stuck_exports``,
+``source_unchanged``) by the reconciliation and drift sensors, as runless evaluations when they change.
+"""
 
 import datetime as dt
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 
 import dagster as dg
 from dagster._core.definitions.asset_checks.asset_check_evaluation import (  # the target of a check's evaluation
@@ -11,9 +16,8 @@ from dagster._core.definitions.asset_checks.asset_check_evaluation import (  # t
 )
 
 from export_ledger.calendar import ExportCalendar, utc_iso
-from export_ledger.dagster.io_manager import LISTED_KEYS, status_command
-from export_ledger.dagster.partitions import partitions_def
-from export_ledger.dagster.resources import LEDGER_KEY, resource_keys
+from export_ledger.dagster.io_manager import LISTED_KEYS, by_partition, status_command
+from export_ledger.dagster.resources import LEDGER_KEY
 from export_ledger.deadlines import due_at, late_keys
 from export_ledger.destinations import Destination, Verdict, place_of_location
 from export_ledger.drift import describe
@@ -22,7 +26,7 @@ from export_ledger.health import SEVERE, STATUSES, PartitionHealth, partition_he
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger import AttentionSummary, DriftRecord, Escalation, ExportLedger, ExportRecord, ExportState
 from export_ledger.placement import recorded_destinations
-from export_ledger.protocol import ExportResult, target_for
+from export_ledger.protocol import ExportBatch, ExportResult, target_for
 from export_ledger.spec import ExportSpec
 from export_ledger.tenants import TenantGroup
 
@@ -64,28 +68,43 @@ def targeting(
 
 
 def export_check(
-    spec: ExportSpec,
     ledger: ExportLedger,
     destination: Destination,
     results: Sequence[ExportResult | ExportRecord],
     *,
     asset_key: dg.AssetKey,
     partition: str,
+    unfinished: Sequence[str] = (),
 ) -> dg.AssetCheckEvaluation:
     """``export_matches_source_and_ledger`` of one partition: each of its keys completed in the ledger, its current
     recorded revision intact where it was recorded
     (:meth:`~export_ledger.destinations.Destination.verify_recorded`: its manifest names the key, its data's sha256
-    is the ledger's), and its row count what the run read from the source (a ledger record's: the source's count)."""
+    is the ledger's), and its row count what was read and recorded, never counted at the source again.
+
+    Args:
+        results: The partition's keys as the run left them (each :class:`~export_ledger.protocol.ExportResult`
+            carries the rows the run read and wrote, or for a key already completed the ledger's count), or as the
+            ledger holds them (an :class:`~export_ledger.ledger.ExportRecord`, for the check run on its own).
+        unfinished: Keys of the partition the run did not finish (failed, refused, or not reached): each is judged as
+            the ledger now holds it.
+    """
     problems: list[str] = []
-    records = {result.logical_key: ledger.queries.get(result.logical_key) for result in results}
+    keys = [*(r.logical_key for r in results), *unfinished]
+    records = {key: ledger.queries.get(key) for key in keys}
     # A key exported under an earlier contract (kept when the destination changed) is checked where it was exported.
     places = recorded_destinations(
         ledger, [r for r in records.values() if r is not None], known=destination, fallback=lambda _: destination
     )
-    for result in results:
-        record = records[result.logical_key]
+    # What the run read and wrote (a streamed callable source is a generator, read once: issue 26), else the count
+    # the ledger recorded when the key was exported: the source is never read again here.
+    read = {
+        r.logical_key: r.row_count for r in results if isinstance(r, ExportResult) and r.status != "already_completed"
+    }
+    for logical_key in keys:
+        record = records[logical_key]
         if record is None or record.state is not ExportState.COMPLETED:
-            problems.append(f"{result.logical_key}: not completed in the ledger")
+            state = record.state.value if record is not None else "never claimed"
+            problems.append(f"{logical_key}: not completed in the ledger ({state})")
             continue
         current = ledger.restatements.current_revision(record.logical_key)
         key = LogicalKey(record.export, record.tenant, record.window)
@@ -96,30 +115,28 @@ def export_check(
         if seen.verdict is not Verdict.PUBLISHED:
             problems.append(f"{record.logical_key}: {seen.detail}")
             continue
-        # A run's result: the rows it read and wrote, never a second read of the source (a streamed callable
-        # source is a generator, read once: issue 26). A ledger record (the check run on its own): the source's count.
-        expected_rows = (
-            result.row_count
-            if isinstance(result, ExportResult)
-            else spec.count(record.tenant, record.window_start_utc, record.window_end_utc)
-        )
         published_rows = seen.manifest.row_count
-        if expected_rows is not None and published_rows != expected_rows:
-            problems.append(f"{record.logical_key}: {published_rows} rows published, {expected_rows} read from source")
+        if logical_key in read:
+            if published_rows != read[logical_key]:
+                problems.append(f"{logical_key}: {published_rows} rows published, {read[logical_key]} read from source")
+        elif record.row_count is not None and published_rows != record.row_count:
+            problems.append(
+                f"{logical_key}: {published_rows} rows published, {record.row_count} recorded in the ledger"
+            )
     return dg.AssetCheckEvaluation(
         check_name=CHECK_NAME,
         asset_key=asset_key,
         partition=partition,
         passed=not problems,
         severity=dg.AssetCheckSeverity.ERROR,
-        metadata={"keys_checked": len(results), "problems": dg.MetadataValue.json(problems[:LISTED_KEYS])},
-        description=f"{len(problems)} of {len(results)} keys differ" if problems else f"{len(results)} keys match",
+        metadata={"keys_checked": len(keys), "problems": dg.MetadataValue.json(problems[:LISTED_KEYS])},
+        description=f"{len(problems)} of {len(keys)} keys differ" if problems else f"{len(keys)} keys match",
     )
 
 
 CHECK_DESCRIPTION = (
     "each key of the partition is completed in the ledger, its current revision's data at the destination has the "
-    "ledger's sha256, and its row count equals the source's for its window"
+    "ledger's sha256, and its row count is the one the run read from the source (recorded in the ledger)"
 )
 HEALTH_DESCRIPTION = (
     "the ledger's verdict on the partition: healthy (every tenant exported, current, source unchanged), or the worst "
@@ -195,7 +212,7 @@ def health_evaluations(
                 day = calendar.window(partition).business_date
             except CalendarError:
                 continue  # not a date of this calendar: nothing of it to report
-            tenants_by_day[day] = _partition_tenants(spec, group, calendar, day)
+            tenants_by_day[day] = partition_tenants(spec, group, calendar, day)
         verdicts = partition_health(
             ledger, spec.name, tenants_by_day, stuck_after=stuck_after, max_attempts=max_attempts, due=due(spec)
         )
@@ -203,7 +220,7 @@ def health_evaluations(
     return evaluations
 
 
-def _partition_tenants(spec: ExportSpec, group: TenantGroup, calendar: ExportCalendar, day: dt.date) -> list[str]:
+def partition_tenants(spec: ExportSpec, group: TenantGroup, calendar: ExportCalendar, day: dt.date) -> list[str]:
     """The tenants whose key a partition of ``group`` holds on ``day``: those of its zone that day, except a tenant
     whose own calendar skipped the day (an empty window has no key)."""
     tenants = []
@@ -215,86 +232,113 @@ def _partition_tenants(spec: ExportSpec, group: TenantGroup, calendar: ExportCal
     return tenants
 
 
-def build_partition_checks(
-    spec: ExportSpec,
-    group: TenantGroup,
-    *,
-    stuck_after: dt.timedelta,
-    max_attempts: int = 3,
-) -> list[dg.AssetChecksDefinition]:
-    """The two partitioned checks of one zone's asset, runnable on any partition from the UI: the export's run
-    reports them for its partitions, the sensors for the partitions a tick changed.
+STUCK_DESCRIPTION = (
+    "no key of the asset waits for a person: none in conflict, none failed with its automatic reruns spent, none "
+    "failed, remote_unknown or abandoned in_progress too long, none late, no tenant refused by its calendar contract "
+    "(reported by reconciliation_sensor when that changes)"
+)
+DRIFT_DESCRIPTION = (
+    "no exported key's source changed since it was exported (as last found by drift_sensor, which reports it when "
+    "the set of stale keys changes)"
+)
+#: The checks judged per partition (the others are the whole asset's).
+PARTITION_CHECKS = (CHECK_NAME, HEALTH_CHECK_NAME)
 
-    - ``export_matches_source_and_ledger``: what landed is what the ledger recorded and the source holds.
-    - ``partition_health``: the ledger's verdict (:mod:`export_ledger.health`).
+
+def check_specs(asset_key: dg.AssetKey, partitions: dg.PartitionsDefinition) -> list[dg.AssetCheckSpec]:
+    """The checks of an export's asset, declared on the asset so that its own step reports them (one step, one
+    process, whatever is selected: :func:`step_verdicts`).
+
+    - ``export_matches_source_and_ledger`` (per partition): what landed is what the ledger recorded and the run read.
+    - ``partition_health`` (per partition): the ledger's verdict (:mod:`export_ledger.health`).
+    - ``no_stuck_exports`` and ``source_unchanged``: the whole asset's, reported by the reconciliation and drift
+      sensors; a run reports them only when a person selects them (the
+      UI's or the CLI's materialize selects every check of the asset), so that no check it planned is left without
+      a verdict.
     """
     with warnings.catch_warnings():
         # Partitioned checks are a preview Dagster API; they are what puts a verdict on each partition in the UI.
         warnings.simplefilter("ignore", dg.PreviewWarning)
-        return _partition_checks(spec, group, stuck_after=stuck_after, max_attempts=max_attempts)
+        return [
+            dg.AssetCheckSpec(CHECK_NAME, asset=asset_key, partitions_def=partitions, description=CHECK_DESCRIPTION),
+            dg.AssetCheckSpec(
+                HEALTH_CHECK_NAME, asset=asset_key, partitions_def=partitions, description=HEALTH_DESCRIPTION
+            ),
+            dg.AssetCheckSpec(STUCK_CHECK_NAME, asset=asset_key, description=STUCK_DESCRIPTION),
+            dg.AssetCheckSpec(DRIFT_CHECK_NAME, asset=asset_key, description=DRIFT_DESCRIPTION),
+        ]
 
 
-def _partition_checks(
-    spec: ExportSpec, group: TenantGroup, *, stuck_after: dt.timedelta, max_attempts: int
-) -> list[dg.AssetChecksDefinition]:
-    calendar = ExportCalendar(group.timezone, spec.start_date)
-    partitions = partitions_def(calendar, group.last_date)
+def step_verdicts(
+    instance: dg.DagsterInstance,
+    spec: ExportSpec,
+    group: TenantGroup,
+    ledger: ExportLedger,
+    destination: Destination,
+    selected: Set[str],
+    tenants_by_day: Mapping[dt.date, Sequence[str]],
+    batch: ExportBatch | None = None,
+    *,
+    stuck_after: dt.timedelta,
+    max_attempts: int = 3,
+) -> list[dg.AssetCheckEvaluation]:
+    """The verdicts an export's step reports: each ``selected`` check (by name), for each partition of
+    ``tenants_by_day`` (a partition's date and its tenants with a key) for the partitioned ones.
+
+    ``batch``: the run's export (its items, and the results the I/O manager recorded), judged from what the run read
+    and wrote; None: the checks run alone (the health sensor's run, a check executed from the UI), judged from the
+    ledger. The source is never read. Each partition's verdict targets the partition's latest materialization (this
+    run's, for a partition it exported): Dagster counts a partitioned check's evaluation in the partition's status
+    only when it targets that materialization, else the check's partition shows as Missing.
+    """
     asset_key = dg.AssetKey(group.asset_name)
-    destination_key = resource_keys(spec)[0]
-
-    def days_of(context: dg.AssetCheckExecutionContext) -> dict[dt.date, list[str]]:
-        op = context.op_execution_context
-        keys = op.partition_keys if op.has_partition_key or op.has_partition_key_range else []
-        return {
-            (day := calendar.window(key).business_date): _partition_tenants(spec, group, calendar, day) for key in keys
-        }
-
-    def worst(evaluations: list[dg.AssetCheckEvaluation], context: dg.AssetCheckExecutionContext):
-        """One result for the check's step: the partition's verdict; for a range, each partition's is logged and
-        the step's result is the first failing one's (or the last passing one's)."""
-        if not evaluations:
-            return dg.AssetCheckResult(passed=False, metadata={"problem": "no partition selected"})
-        if len(evaluations) > 1:
-            for evaluation in evaluations:
-                context.op_execution_context.log_event(evaluation)
-        chosen = next((e for e in evaluations if not e.passed), evaluations[-1])
-        return dg.AssetCheckResult(
-            passed=chosen.passed, severity=chosen.severity, metadata=chosen.metadata, description=chosen.description
-        )
-
-    @dg.asset_check(
-        asset=asset_key,
-        name=CHECK_NAME,
-        partitions_def=partitions,
-        description=CHECK_DESCRIPTION,
-        required_resource_keys={LEDGER_KEY, destination_key},
-    )
-    def _matches(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
-        book = getattr(context.resources, LEDGER_KEY).get_ledger()
-        destination = getattr(context.resources, destination_key).get_destination()
-        evaluations = []
-        for day, tenants in days_of(context).items():
-            records = book.queries.records(export=spec.name, business_dates=[day], tenants=tenants)
-            evaluations.append(
-                export_check(spec, book, destination, records, asset_key=asset_key, partition=day.isoformat())
+    partitions = [day.isoformat() for day in sorted(tenants_by_day)]
+    targets = latest_materializations(instance, asset_key, partitions) if selected & set(PARTITION_CHECKS) else {}
+    evaluations = []
+    if CHECK_NAME in selected:
+        for partition, (results, unfinished) in _partition_keys(spec, ledger, tenants_by_day, batch).items():
+            evaluation = export_check(
+                ledger, destination, results, asset_key=asset_key, partition=partition, unfinished=unfinished
             )
-        return worst(evaluations, context)
-
-    @dg.asset_check(
-        asset=asset_key,
-        name=HEALTH_CHECK_NAME,
-        partitions_def=partitions,
-        description=HEALTH_DESCRIPTION,
-        required_resource_keys={LEDGER_KEY},
-    )
-    def _health(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
-        book = getattr(context.resources, LEDGER_KEY).get_ledger()
+            evaluations.append(targeting(evaluation, targets.get(partition)))
+    if HEALTH_CHECK_NAME in selected:
         verdicts = partition_health(
-            book, spec.name, days_of(context), stuck_after=stuck_after, max_attempts=max_attempts, due=due(spec)
+            ledger, spec.name, tenants_by_day, stuck_after=stuck_after, max_attempts=max_attempts, due=due(spec)
         )
-        return worst([health_evaluation(asset_key, v) for v in verdicts.values()], context)
+        for verdict in verdicts.values():
+            evaluation = health_evaluation(asset_key, verdict)
+            evaluations.append(targeting(evaluation, targets.get(evaluation.partition)))
+    if STUCK_CHECK_NAME in selected:
+        evaluations.append(
+            stuck_evaluation(spec, ledger, group.asset_name, stuck_after=stuck_after, max_attempts=max_attempts)
+        )
+    if DRIFT_CHECK_NAME in selected:
+        evaluations.append(drift_evaluation(spec, ledger, group))
+    return evaluations
 
-    return [_matches, _health]
+
+def _partition_keys(
+    spec: ExportSpec,
+    ledger: ExportLedger,
+    tenants_by_day: Mapping[dt.date, Sequence[str]],
+    batch: ExportBatch | None,
+) -> dict[str, tuple[Sequence[ExportResult | ExportRecord], list[str]]]:
+    """Each partition's keys to judge: the run's results and the keys it did not finish, or the ledger's records."""
+    if batch is None:
+        return {
+            day.isoformat(): (ledger.queries.records(export=spec.name, business_dates=[day], tenants=tenants), [])
+            for day, tenants in sorted(tenants_by_day.items())
+        }
+    results = by_partition(batch.results)
+    finished = {r.logical_key for r in batch.results}
+    unfinished: dict[str, list[str]] = {}
+    for item in batch.items:
+        if str(item.key) not in finished:
+            unfinished.setdefault(item.partition_key, []).append(str(item.key))
+    return {
+        partition: (results.get(partition, []), unfinished.get(partition, []))
+        for partition in sorted({*results, *unfinished})
+    }
 
 
 def late_by_asset(spec: ExportSpec, late: Sequence[Escalation]) -> dict[str, list[Escalation]]:
@@ -350,12 +394,24 @@ def asset_groups(spec: ExportSpec, summary: AttentionSummary) -> dict[str, tuple
     return by_asset
 
 
+def stuck_evaluation(
+    spec: ExportSpec, ledger: ExportLedger, asset_name: str, *, stuck_after: dt.timedelta, max_attempts: int = 3
+) -> dg.AssetCheckEvaluation:
+    """``no_stuck_exports`` of one asset of ``spec`` as the ledger now holds it: its escalated keys (counted in the
+    ledger, whatever the backlog) and its late ones."""
+    summary = ledger.attention.summary(stuck_after, max_attempts=max_attempts, exports=[spec.name])
+    count, listed = asset_groups(spec, summary)[asset_name]
+    late = late_by_asset(spec, late_keys(ledger, [spec], limit=LISTED_KEYS)).get(asset_name, [])
+    listed = (late + listed)[:LISTED_KEYS]
+    return stuck_check_evaluation(dg.AssetKey(asset_name), count + len(late), listed, stuck_after)
+
+
 def build_stuck_check(
     spec: ExportSpec, stuck_after: dt.timedelta, *, asset_name: str | None = None, max_attempts: int = 3
 ) -> dg.AssetChecksDefinition:
-    """``no_stuck_exports`` of one export's asset (``asset_name``, default the export's) on demand from the UI; the
-    reconciliation sensor reports the same verdict each time the set of escalated keys changes. Counted in the
-    ledger, whatever the backlog."""
+    """``no_stuck_exports`` of an export without a source, whose asset is the user's own (an export with a source
+    declares it on its asset: :func:`check_specs`). The reconciliation sensor reports the same verdict each time the
+    set of escalated keys changes; this check is what lists it on the asset, and runs it on demand from the UI."""
     asset_name = asset_name or spec.name
 
     @dg.asset_check(
@@ -366,11 +422,7 @@ def build_stuck_check(
     )
     def _no_stuck_exports(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
         ledger = getattr(context.resources, LEDGER_KEY).get_ledger()
-        summary = ledger.attention.summary(stuck_after, max_attempts=max_attempts, exports=[spec.name])
-        count, listed = asset_groups(spec, summary)[asset_name]
-        late = late_by_asset(spec, late_keys(ledger, [spec], limit=LISTED_KEYS)).get(asset_name, [])
-        count, listed = count + len(late), (late + listed)[:LISTED_KEYS]
-        evaluation = stuck_check_evaluation(dg.AssetKey(asset_name), count, listed, stuck_after)
+        evaluation = stuck_evaluation(spec, ledger, asset_name, stuck_after=stuck_after, max_attempts=max_attempts)
         return dg.AssetCheckResult(
             passed=evaluation.passed,
             severity=evaluation.severity,
@@ -416,31 +468,10 @@ def drift_check_evaluation(
     )
 
 
-def build_drift_check(
-    export: str, *, asset_name: str | None = None, tenants: Sequence[str] | None = None
-) -> dg.AssetChecksDefinition:
-    """``source_unchanged`` of one export's asset, on demand from the UI: the stale keys the ledger holds for the
-    asset's tenants (what the drift sensor last found; running the check does not re-read the source)."""
-    asset_name = asset_name or export
-    members = None if tenants is None else set(tenants)
-
-    @dg.asset_check(
-        asset=asset_name,
-        name=DRIFT_CHECK_NAME,
-        description="no exported key's source changed since it was exported",
-        required_resource_keys={LEDGER_KEY},
-    )
-    def _source_unchanged(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
-        drift = getattr(context.resources, LEDGER_KEY).get_ledger().drift
-        tenants = sorted(members) if members is not None else ()
-        listed = drift.open_records(export=export, tenants=tenants, limit=LISTED_KEYS)
-        counts = drift.open_count(export=export, tenants=tenants)
-        evaluation = drift_check_evaluation(dg.AssetKey(asset_name), listed, counts)
-        return dg.AssetCheckResult(
-            passed=evaluation.passed,
-            severity=evaluation.severity,
-            metadata=evaluation.metadata,
-            description=evaluation.description,
-        )
-
-    return _source_unchanged
+def drift_evaluation(spec: ExportSpec, ledger: ExportLedger, group: TenantGroup) -> dg.AssetCheckEvaluation:
+    """``source_unchanged`` of one asset of ``spec``: the stale keys the ledger holds for its tenants (what the drift
+    sensor last found; the source is not read), counted in the ledger with the first ones listed."""
+    tenants = list(group.tenants) if len(spec.groups) > 1 else []
+    listed = ledger.drift.open_records(export=spec.name, tenants=tenants, limit=LISTED_KEYS)
+    counts = ledger.drift.open_count(export=spec.name, tenants=tenants)
+    return drift_check_evaluation(dg.AssetKey(group.asset_name), listed, counts)

@@ -11,7 +11,7 @@ from collections import Counter
 import dagster as dg
 import pandas as pd
 import pytest
-from pipeline_helpers import failure_message, make_defs, run_range
+from pipeline_helpers import JOB, failure_message, make_defs, run_range
 
 from export_ledger import ExportSpec
 from export_ledger.dagster import ledgered_definitions
@@ -180,3 +180,38 @@ def test_dagster_keeps_one_runless_evaluation_of_a_partitioned_check_per_partiti
         instance.report_runless_asset_event(dg.AssetCheckEvaluation(**check, passed=True, partition=GOOD))
         with pytest.raises(Exception, match="UNIQUE constraint failed"):
             instance.report_runless_asset_event(dg.AssetCheckEvaluation(**check, passed=False, partition=GOOD))
+
+
+@pytest.mark.parametrize("where", ["asset", "io_manager"])
+def test_a_run_refused_before_it_exports_leaves_each_dates_verdict_as_the_ledger_says(
+    tmp_path, instance, monkeypatch, where
+):
+    """A run that fails before exporting anything (a launchpad config naming an unknown tenant, refused by the asset;
+    the I/O manager failing before its export, here its lineage emitter) reports the ledger's verdicts for its dates:
+    left planned, Dagster would show dates that passed as 'execution failed' although nothing changed (found by the
+    review of issue 27)."""
+    defs = make_defs(tmp_path, tenants=("acme", "globex"))
+    assert run_range(defs, instance, GOOD, ALSO_GOOD).success
+    config = None
+    if where == "asset":
+        config = {"ops": {"invoice_export": {"config": {"restate_reason": "x", "restate_tenants": ["typo"]}}}}
+    else:
+        from export_ledger import lineage
+
+        def refuse(*_args, **_kwargs):
+            raise RuntimeError("the lineage settings are unusable")
+
+        monkeypatch.setattr(lineage.LineageEmitter, "from_settings", refuse)
+    result = defs.resolve_job_def(JOB).execute_in_process(
+        instance=instance,
+        raise_on_error=False,
+        run_config=config,
+        tags={"dagster/asset_partition_range_start": GOOD, "dagster/asset_partition_range_end": ALSO_GOOD},
+    )
+
+    assert not result.success, "the run is refused"
+    for check in CHECKS:
+        latest = _executions(instance, check)
+        assert {p: (r.run_id, r.status.value) for p, r in latest.items() if p} == {
+            day: (result.run_id, "SUCCEEDED") for day in (GOOD, BAD, ALSO_GOOD)
+        }, f"{check}: each date judged by the refused run from the ledger (every key completed): passed"

@@ -4,7 +4,7 @@
 import datetime as dt
 import functools
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import dagster as dg
 
@@ -13,6 +13,7 @@ from export_ledger.dagster.checks import PARTITION_CHECKS, check_specs, partitio
 from export_ledger.dagster.io_manager import LISTED_KEYS, status_command
 from export_ledger.dagster.partitions import dagster_disagreement, partitions_def
 from export_ledger.dagster.resources import LEDGER_KEY, resource_keys
+from export_ledger.errors import safe_message
 from export_ledger.frames import FrameBatches
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger import (
@@ -122,6 +123,25 @@ def build_export_asset(
             _log_events(context, verdicts(_checked_days(context, spec, group, calendar, selected)))
             yield from _check_outputs(context)
             return
+        try:
+            batch, tenants_by_day = _plan(context, config, book, destination)
+        except Exception:
+            # Refused before anything was exported (a bad launchpad config, an unreadable ledger): the run's checks
+            # are planned for its partitions, and a check left planned shows each date "execution failed" though
+            # nothing changed. The ledger holds the truth: its verdicts are reported, then the error is raised.
+            _report_or_warn(context, lambda: verdicts(_checked_days(context, spec, group, calendar, selected)))
+            raise
+        # A failed key fails the step inside the I/O manager, and this code never runs again: it reports the run's
+        # verdicts from there first (every partition's, the finished ones' materializations recorded by then; the
+        # ledger's, when it failed before exporting anything).
+        batch.on_failure = lambda exported: _log_events(context, verdicts(tenants_by_day, batch if exported else None))
+        yield dg.MaterializeResult(asset_key=asset_key, value=batch)
+        # The I/O manager has published and recorded every key, and Dagster each partition's materialization.
+        _log_events(context, verdicts(tenants_by_day, batch))
+        yield from _check_outputs(context)
+
+    def _plan(context, config: ExportRunConfig, book, destination) -> tuple[ExportBatch, dict[dt.date, list[str]]]:
+        """The run's batch (which keys, which windows, which are already done) and each date's tenants with a key."""
         # Checked at claim: what this run would export (its calendar, destination, format, schema, source) must be
         # the contract in force for each tenant, else its claims are refused and escalated.
         contracts = {tenant: spec.contract(tenant, destination) for tenant in group.tenants}
@@ -206,16 +226,18 @@ def build_export_asset(
             context.add_asset_metadata(metadata, asset_key=asset_key, partition_key=partition_key)
             if here:  # a day the zone skipped has no key, so no verdict
                 tenants_by_day[day] = [item.key.tenant for item in here]
-        batch = ExportBatch(spec.schema, items)
-        # A failed key fails the step inside the I/O manager, and this code never runs again: it reports the run's
-        # verdicts from there first (every partition's, the finished ones' materializations recorded by then).
-        batch.on_failure = lambda: _log_events(context, verdicts(tenants_by_day, batch))
-        yield dg.MaterializeResult(asset_key=asset_key, value=batch)
-        # The I/O manager has published and recorded every key, and Dagster each partition's materialization.
-        _log_events(context, verdicts(tenants_by_day, batch))
-        yield from _check_outputs(context)
+        return ExportBatch(spec.schema, items), tenants_by_day
 
     return _export
+
+
+def _report_or_warn(context: dg.AssetExecutionContext, evaluations: Callable[[], Iterable[dg.AssetCheckEvaluation]]):
+    """Reports the verdicts ``evaluations`` gives on a step about to fail; a failure to judge them is a warning in the
+    library's words, never hiding the step's own error."""
+    try:
+        _log_events(context, evaluations())
+    except Exception as exc:
+        context.log.warning(f"the run's verdicts on its partitions could not be reported: {safe_message(exc)}")
 
 
 def _checked_days(

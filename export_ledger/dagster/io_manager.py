@@ -75,11 +75,15 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
         from export_ledger.lineage import LineageEmitter
         from export_ledger.settings import Settings
 
-        destination = self.destination.get_destination()
-        lineage = LineageEmitter.from_settings(Settings.from_environment(), log=log)
-        job = context.asset_key.to_user_string() if context.has_asset_key else context.step_key
-        if lineage is not None:
-            lineage.start(context.run_id, job, obj, destination)
+        try:
+            destination = self.destination.get_destination()
+            lineage = LineageEmitter.from_settings(Settings.from_environment(), log=log)
+            job = context.asset_key.to_user_string() if context.has_asset_key else context.step_key
+            if lineage is not None:
+                lineage.start(context.run_id, job, obj, destination)
+        except Exception:
+            _before_failing(context, obj, exported=False)  # nothing exported: the verdicts are the ledger's
+            raise
         try:
             export_batch(
                 self.ledger.get_ledger(),
@@ -268,13 +272,13 @@ def _record_finished_partitions(context: dg.OutputContext, batch: ExportBatch, a
         )
 
 
-def _before_failing(context: dg.OutputContext, batch: ExportBatch) -> None:
+def _before_failing(context: dg.OutputContext, batch: ExportBatch, exported: bool = True) -> None:
     """The batch's own last word before the step fails (its checks' verdicts): a failure there is logged, by its class
     and the library's words only, and never hides the export's own error, raised next."""
     if batch.on_failure is None:
         return
     try:
-        batch.on_failure()
+        batch.on_failure(exported)
     except Exception as exc:
         context.log.warning(f"the run's verdicts on its partitions could not be reported: {safe_message(exc)}")
 

@@ -203,6 +203,11 @@ class ExportBatch:
     items: list[ExportItem]
     results: list[ExportResult] = field(default_factory=list)
     failures: list[KeyFailure] = field(default_factory=list)
+    #: Called by the I/O manager when the batch failed, once every other key is recorded and just before it fails the
+    #: step: what the asset reports about the run (its checks' verdicts) must be said then, since a failed step never
+    #: returns to the asset's code. Its argument says whether the export ran at all (False: it failed before, e.g. the
+    #: destination could not be built, and the ledger alone holds the truth). None: nothing to say.
+    on_failure: Callable[[bool], None] | None = field(default=None, repr=False, compare=False)
 
 
 def target_for(key: LogicalKey, revision: int = 1, place: str | None = None) -> ExportTarget:

@@ -920,9 +920,10 @@ def test_a_healthy_a_failed_and_a_stale_partition_look_different_in_chromium(
     selenium_webdriver, stack: Stack, tmp_path: Path
 ):
     """One date left alone, one on which globex's source is down (the step fails: Dagster marks the partition
-    failed), one exported and then found changed at its source (drift recorded in the ledger; the daemon's
-    partition_health_sensor runs that partition's check again). The asset's Partitions page tells the failed date
-    apart; its partition_health check's Partitions tab tells all three apart, each with the ledger's verdict.
+    failed, and the failed run reports the date's verdict before it fails), one exported and then found changed at
+    its source (drift recorded in the ledger; the daemon's partition_health_sensor runs that partition's check
+    again). The asset's Partitions page tells the failed date apart; its partition_health check's Partitions tab tells
+    all three apart, each with the ledger's verdict.
 
     Runs last, with the reconciliation sensor stopped while it looks: that sensor reruns the failed date (its
     source still down) until the key escalates, and the pictures would show the rerun in progress instead."""
@@ -946,7 +947,7 @@ def _partitions_in_three_states_shown_apart(selenium_webdriver, stack: Stack, tm
     assert ledger.drift.record([finding], []).opened == [changed.logical_key]
     assert stack.wait_for_run(failed)["status"] == "FAILURE"
     snapshot = _eventually(
-        "partition_health_sensor's runs reporting the failed and the stale date",
+        "the failed run's verdict on its date and partition_health_sensor's on the stale date",
         lambda: _partition_health_snapshot(stack, dates),
         90,
         interval=2,

@@ -1,7 +1,8 @@
 """Per-partition truth: each partition's ``partition_health`` verdict, computed from the ledger in one place, reported
-by the export's run for its own partitions and, for what changes a partition without a run of it, by
-``partition_health_sensor`` through a run of the partition's check. The statuses a person must tell apart in the UI
-(healthy, failed, stale, restating, escalated, missing) each come out as themselves."""
+by the export's run for its own partitions (a failed run's too) and, for what changes a partition without a run of it,
+by ``partition_health_sensor`` through a run of the export's step for the partition's check alone. The statuses a
+person must tell apart in the UI (healthy, failed, stale, restating, escalated, missing) each come out as themselves.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import pytest
 from builders import key_for
 from dagster._core.storage.asset_check_execution_record import AssetCheckExecutionRecordStatus
 from dagster._core.storage.event_log.base import PartitionKeyFilter
-from pipeline_helpers import check_evaluations, make_defs, run_partition, run_range, tick
+from pipeline_helpers import check_evaluations, failure_message, make_defs, run_partition, run_range, tick
 
 from export_ledger.errors import SourceError
+from export_ledger.failpoints import ENV_VAR as FAILPOINTS
 from export_ledger.health import partition_health
 from export_ledger.ledger.drift import DriftFinding
 from resources.invoices import SampleInvoiceSource
@@ -100,15 +102,21 @@ def test_the_run_reports_its_own_partitions_and_the_sensor_reruns_the_check_of_t
         "it judges the partition's materialization (without a target, Dagster shows the check's partition Missing)"
     )
 
+    # The run that failed for globex reported its partition's verdict before it failed: nothing to ask for it either.
+    failed = _latest(instance, FAILED)
+    assert failed is not None and not failed.passed and failed.metadata["status"].value == "failed", (
+        "a failed run's partition gets its failing verdict from the run itself"
+    )
+
     second = tick(defs, instance, cursor, sensor_name="partition_health_sensor")
     requests = {r.tags["dagster/partition"]: r for r in second.result.run_requests}
-    assert set(requests) == {FAILED, STALE, RESTATING, ESCALATED}, "each partition the ledger changed without a run"
+    assert set(requests) == {STALE, RESTATING, ESCALATED}, "each partition the ledger changed without a run"
     assert {r.job_name for r in requests.values()} == {"invoice_export_health_job"}
 
     job = defs.resolve_job_def("invoice_export_health_job")
     for partition in sorted(requests):
         assert job.execute_in_process(tags=requests[partition].tags, instance=instance).success
-    shown = {p: _latest(instance, p) for p in requests}
+    shown = {p: _latest(instance, p) for p in (FAILED, *requests)}
     assert {p: (e.passed, e.metadata["status"].value) for p, e in shown.items()} == {
         FAILED: (False, "failed"),
         STALE: (False, "stale"),
@@ -137,17 +145,23 @@ def test_a_failed_tenant_fails_its_partition_in_dagster_and_its_rerun_makes_it_h
     assert verdict.passed and verdict.description == "healthy: 2 of 2 tenants exported"
 
 
-def test_a_check_planned_by_a_run_whose_export_failed_is_asked_for_again(tmp_path, instance, clocked_ledger):
-    """Materialize from the UI plans the checks as steps of their own; when the export step fails they are skipped
-    and their records stay planned: the sensor must not take that for a check still running."""
-    SOURCE.day = FAILED
+def test_a_check_planned_by_a_run_that_died_before_judging_is_asked_for_again(
+    tmp_path, instance, clocked_ledger, monkeypatch
+):
+    """A run plans its checks (Materialize from the UI, the export's job); one whose step died before it could judge
+    (a crash once its keys were recorded: nothing after it runs, as in a killed process) leaves them planned: the
+    sensor must not take that for a check still running."""
+    SOURCE.day = None
     defs = make_defs(tmp_path, tenants=TENANTS, ledger=clocked_ledger, source=SOURCE)
     first = tick(defs, instance, sensor_name="partition_health_sensor")
     asset = dg.AssetKey("invoice_export")
     job = defs.resolve_implicit_global_asset_job_def().get_subset(
         asset_selection={asset}, asset_check_selection={dg.AssetCheckKey(asset, "partition_health")}
     )
-    assert not job.execute_in_process(partition_key=FAILED, instance=instance, raise_on_error=False).success
+    monkeypatch.setenv(FAILPOINTS, "after_commit=crash")
+    died = job.execute_in_process(partition_key=FAILED, instance=instance, raise_on_error=False)
+    monkeypatch.delenv(FAILPOINTS)
+    assert not died.success and "SimulatedCrash" in failure_message(died)
     records = instance.event_log_storage.get_asset_check_execution_history(
         dg.AssetCheckKey(asset, "partition_health"), limit=1, partition_filter=PartitionKeyFilter(key=FAILED)
     )

@@ -7,6 +7,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import dagster as dg
 import pytest
 from pipeline_helpers import (
     DAGSTER,
@@ -95,3 +96,47 @@ def test_sigkill_after_publish_is_repaired_by_the_next_attempt_once_the_lease_ex
     assert record.state is ExportState.COMPLETED and record.committed_attempt == killed_manifest.attempt_id
     assert [a.outcome for a in ledger.queries.attempts(KEY)] == [AttemptOutcome.ABANDONED, AttemptOutcome.REPAIRED]
     assert "customer" not in output and "@example.com" not in output, "no customer data in CLI output"
+
+
+def test_materializing_the_export_from_the_cli_is_one_step_whose_checks_name_its_materialization(tmp_path):
+    """``dagster asset materialize --select invoice_export`` selects the asset and every check of it: all are the
+    asset's own, so the run is one step in one process, and the partition's checks judge what it materialized."""
+    env = _env(tmp_path)
+    code, output = finish(materialize(env, partition="2026-03-08"))
+    assert code == 0, output[-3000:]
+    assert "did not yield or return expected outputs" not in output, "every check the step was asked for is answered"
+
+    instance = dg.DagsterInstance.from_config(env["DAGSTER_HOME"])
+    try:
+        (run,) = instance.get_runs()
+        events = [e for e in instance.all_logs(run.run_id) if e.dagster_event is not None]
+        steps = [e for e in events if e.dagster_event.event_type is dg.DagsterEventType.STEP_START]
+        assert [e.step_key for e in steps] == ["invoice_export"], "one step: no check has a step of its own"
+        (worker,) = [e for e in events if e.dagster_event.event_type is dg.DagsterEventType.STEP_WORKER_STARTED]
+        judged = (dg.DagsterEventType.ASSET_MATERIALIZATION, dg.DagsterEventType.ASSET_CHECK_EVALUATION)
+        assert {e.dagster_event.pid for e in events if e.dagster_event.event_type in judged} == {
+            worker.dagster_event.pid
+        }, "one worker process exports and judges"
+        # Its storage id as the asset's materializations are indexed (what a check's target names).
+        (materialization,) = instance.fetch_materializations(dg.AssetKey("invoice_export"), limit=10).records
+        assert materialization.run_id == run.run_id and materialization.partition_key == "2026-03-08"
+        planned = {
+            e.dagster_event.event_specific_data.check_name
+            for e in events
+            if e.dagster_event.event_type is dg.DagsterEventType.ASSET_CHECK_EVALUATION_PLANNED
+        }
+        evaluations = {
+            e.dagster_event.event_specific_data.check_name: e.dagster_event.event_specific_data
+            for e in events
+            if e.dagster_event.event_type is dg.DagsterEventType.ASSET_CHECK_EVALUATION
+        }
+        assert sorted(evaluations) == sorted(planned), "every check the run planned has its verdict"
+        for check in ("export_matches_source_and_ledger", "partition_health"):
+            verdict = evaluations[check]
+            assert verdict.passed and verdict.partition == "2026-03-08", (check, verdict.description)
+            target = verdict.target_materialization_data
+            assert (target.run_id, target.storage_id) == (run.run_id, materialization.storage_id), (
+                f"{check} names this run's materialization of the partition"
+            )
+    finally:
+        instance.dispose()

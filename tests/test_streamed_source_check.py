@@ -14,7 +14,7 @@ import pytest
 
 from export_ledger import ExportSpec
 from export_ledger.dagster import ledgered_definitions
-from export_ledger.dagster.assets import CHECK_NAME, export_check
+from export_ledger.dagster.checks import CHECK_NAME, export_check
 from export_ledger.destinations import LocalDestination
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger import ExportLedger
@@ -88,8 +88,8 @@ def test_a_streaming_callable_source_exports_and_its_checks_pass_reading_it_once
         [_spec(source)], environ={"EXPORTS_LEDGER_URL": ledger_url, "EXPORTS_DESTINATION": str(tmp_path / "exports")}
     )
 
-    # What `dagster asset materialize --select orders --partition 2026-03-08` runs: the asset and its checks, each
-    # check a step of its own.
+    # What `dagster asset materialize --select orders --partition 2026-03-08` runs: the asset and its checks, all
+    # reported by the asset's one step.
     with dg.instance_for_test() as instance:
         result = defs.resolve_implicit_global_asset_job_def().execute_in_process(
             partition_key=PARTITION, instance=instance, asset_selection=[dg.AssetKey("orders")], raise_on_error=False
@@ -107,8 +107,9 @@ def test_a_streaming_callable_source_exports_and_its_checks_pass_reading_it_once
         for e in result.all_events
         if e.event_type_value == "ASSET_CHECK_EVALUATION" and e.event_specific_data.check_name == CHECK_NAME
     ]
-    assert len(evaluations) == 2, "the asset's step reports the check, and the check's own step evaluates it"
+    assert len(evaluations) == 1, "the asset's one step reports the check, once: no step of its own judges it again"
     assert all(e.passed and e.metadata["keys_checked"].value == 2 for e in evaluations), evaluations
+    assert [e.step_key for e in result.all_events if e.is_step_start] == ["orders"], "one step"
 
 
 def test_the_runs_check_fails_when_what_is_published_is_not_what_the_run_read(tmp_path):
@@ -126,10 +127,10 @@ def test_the_runs_check_fails_when_what_is_published_is_not_what_the_run_read(tm
     results = export_batch(ledger, destination, ExportBatch(spec.schema, items), "run-1/orders")
     asset_key = dg.AssetKey("orders")
 
-    held = export_check(spec, ledger, destination, results, asset_key=asset_key, partition=PARTITION)
+    held = export_check(ledger, destination, results, asset_key=asset_key, partition=PARTITION)
     assert held.passed, held.metadata
     misread = [dataclasses.replace(results[0], row_count=results[0].row_count + 1), results[1]]
-    judged = export_check(spec, ledger, destination, misread, asset_key=asset_key, partition=PARTITION)
+    judged = export_check(ledger, destination, misread, asset_key=asset_key, partition=PARTITION)
     assert not judged.passed, "a run that read other rows than were published fails its check"
     assert judged.metadata["problems"].value == [
         "orders/acme/2026-03-08T05:00:00Z: 23 rows published, 24 read from source"

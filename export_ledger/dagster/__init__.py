@@ -6,18 +6,14 @@ Example:
     >>> defs = ledgered_definitions([orders, payments])  # doctest: +SKIP
 """
 
-from export_ledger.dagster.assets import (
+from export_ledger.dagster.assets import ExportRunConfig, build_export_asset
+from export_ledger.dagster.checks import (
     CHECK_NAME,
     DRIFT_CHECK_NAME,
-    LEDGER_KEY,
     STUCK_CHECK_NAME,
-    ExportRunConfig,
-    build_drift_check,
-    build_export_asset,
     build_stuck_check,
     drift_check_evaluation,
     export_check,
-    resource_keys,
     stuck_check_evaluation,
 )
 from export_ledger.dagster.component import LedgeredExports
@@ -25,7 +21,7 @@ from export_ledger.dagster.definitions import declared_exports, ledgered_definit
 from export_ledger.dagster.drift_sensor import build_drift_sensor, drift_check_evaluations
 from export_ledger.dagster.io_manager import LedgeredExportIOManager, partition_metadata
 from export_ledger.dagster.partitions import calendar_of, dagster_disagreement, partitions_def
-from export_ledger.dagster.resources import DestinationResource, LedgerResource
+from export_ledger.dagster.resources import LEDGER_KEY, DestinationResource, LedgerResource, resource_keys
 from export_ledger.dagster.schedules import build_nightly_schedule
 from export_ledger.dagster.sensors import (
     build_reconciliation_sensor,
@@ -44,7 +40,6 @@ __all__ = [
     "ExportRunConfig",
     "LedgerResource",
     "LedgeredExportIOManager",
-    "build_drift_check",
     "build_drift_sensor",
     "build_export_asset",
     "build_nightly_schedule",

@@ -20,8 +20,8 @@ from types import ModuleType
 
 import dagster as dg
 
-from export_ledger.dagster.assets import resource_keys
 from export_ledger.dagster.definitions import declared_exports
+from export_ledger.dagster.resources import resource_keys
 from export_ledger.errors import ConfigurationError
 from export_ledger.operations import CodeLocation
 

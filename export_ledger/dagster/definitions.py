@@ -11,19 +11,19 @@ from collections.abc import Mapping, Sequence
 
 import dagster as dg
 
-from export_ledger.dagster.assets import (
-    HEALTH_CHECK_NAME,
-    LEDGER_KEY,
-    build_drift_check,
-    build_export_asset,
-    build_partition_checks,
-    build_stuck_check,
-    resource_keys,
-)
+from export_ledger.dagster.assets import build_export_asset
+from export_ledger.dagster.checks import HEALTH_CHECK_NAME, build_stuck_check
 from export_ledger.dagster.drift_sensor import build_drift_sensor
 from export_ledger.dagster.health_sensor import build_health_sensor, health_job_name
 from export_ledger.dagster.io_manager import LedgeredExportIOManager
-from export_ledger.dagster.resources import DestinationResource, LedgerResource, is_secret, secret_by_name
+from export_ledger.dagster.resources import (
+    LEDGER_KEY,
+    DestinationResource,
+    LedgerResource,
+    is_secret,
+    resource_keys,
+    secret_by_name,
+)
 from export_ledger.dagster.schedules import build_nightly_schedule
 from export_ledger.dagster.sensors import build_reconciliation_sensor, job_selection
 from export_ledger.destinations import Destination, destination_from
@@ -155,7 +155,6 @@ def ledgered_definitions(
             start_date=spec.start_date,
             version=None if spec.version is None else str(spec.version),
         )
-        several = len(spec.groups) > 1
         # One asset, job and schedule per zone of the export: a Dagster partitions definition has one zone.
         for group in spec.groups:
             if spec.source is not None:
@@ -165,7 +164,7 @@ def ledgered_definitions(
                         destination_scheme=_scheme(spec_destination),
                     )
                 )  # fmt: skip
-                checks.extend(build_partition_checks(spec, group, stuck_after=stuck_after))
+                # The export's step alone, for its partition_health check: nothing exported, judged from the ledger.
                 health_jobs.append(
                     dg.define_asset_job(
                         health_job_name(group.asset_name),
@@ -175,13 +174,9 @@ def ledgered_definitions(
                         description=f"partition_health of {group.asset_name}, run by partition_health_sensor",
                     )
                 )
-            checks.append(build_stuck_check(spec, stuck_after, asset_name=group.asset_name))
-            if spec.source is not None:  # only an export with a source can be read again
-                checks.append(
-                    build_drift_check(
-                        spec.name, asset_name=group.asset_name, tenants=group.tenants if several else None
-                    )
-                )
+            else:
+                # An asset of the user's own: its no_stuck_exports can only be a check defined beside it.
+                checks.append(build_stuck_check(spec, stuck_after, asset_name=group.asset_name))
             job = dg.define_asset_job(
                 f"{group.asset_name}_job",
                 selection=job_selection(group.asset_name, drift_check=spec.source is not None),

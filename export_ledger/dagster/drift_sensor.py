@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 import dagster as dg
 
-from export_ledger.dagster.assets import LEDGER_KEY, drift_check_evaluation, resource_keys
-from export_ledger.dagster.io_manager import LISTED_KEYS
+from export_ledger.dagster.checks import drift_evaluation
+from export_ledger.dagster.resources import LEDGER_KEY, resource_keys
 from export_ledger.drift import DEFAULT_DRIFT_BATCH, DEFAULT_LOOKBACK_DAYS, describe, drift_pass, stale_digest
 from export_ledger.ledger import DriftRecord, ExportLedger
 from export_ledger.spec import ExportSpec
@@ -32,15 +32,7 @@ _NOTHING_STALE = stale_digest({})
 def drift_check_evaluations(exports: Sequence[ExportSpec], book: ExportLedger) -> list[dg.AssetCheckEvaluation]:
     """One ``source_unchanged`` verdict per export asset, counted in the ledger (one count per asset) with the first
     stale keys listed; an asset of several zones counts its tenants' keys."""
-    evaluations = []
-    for spec in exports:
-        several = len(spec.groups) > 1
-        for group in spec.groups:
-            tenants = list(group.tenants) if several else []
-            listed = book.drift.open_records(export=spec.name, tenants=tenants, limit=LISTED_KEYS)
-            counts = book.drift.open_count(export=spec.name, tenants=tenants)
-            evaluations.append(drift_check_evaluation(dg.AssetKey(group.asset_name), listed, counts))
-    return evaluations
+    return [drift_evaluation(spec, book, group) for spec in exports for group in spec.groups]
 
 
 def _asset_of(spec: ExportSpec, record: DriftRecord) -> str:

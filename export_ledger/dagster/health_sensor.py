@@ -1,13 +1,17 @@
 """``partition_health_sensor``: each partition's ``partition_health`` verdict in the UI follows the ledger.
 
-An export's run reports the verdict of its own partitions from its step. What changes a partition without a run of
-it — a key that failed, a reconciliation, a drift found, a restatement asked, a key escalated by the passing of time —
-is found here from the ledger, and the partition's check is run again (a run of the asset's ``..._health_job`` for
-that partition) when its verdict differs from the one the UI shows.
+An export's run reports the verdict of its own partitions from its step, a failed run's included. What changes a
+partition without a run of it — a reconciliation, a drift found, a restatement asked, a key escalated by the passing
+of time — is found here from the ledger, and the partition's check is judged again when its verdict differs from the
+one the UI shows: by a run of the asset's ``..._health_job`` for that partition, which is the export's one step asked
+for ``partition_health`` alone (nothing exported, nothing read from the source, judged from the ledger).
 
-Why runs, not runless check evaluations: Dagster 1.13 stores a runless evaluation of a partitioned check under the
-run id ``""``, and its unique index on (asset, check, run id, partition) refuses the second one for the same
-partition. A run of the check is what Dagster itself records without limit.
+Why runs, not runless check evaluations (the way the reconciliation and drift sensors report ``no_stuck_exports`` and
+``source_unchanged``): Dagster 1.13 stores a runless evaluation of a partitioned check under the run id ``""``, and its
+unique index on (asset, check, run id, partition) refuses the second one for the same partition (measured with
+dagster 1.13.27 on SQLite and PostgreSQL: ``IntegrityError``, which would fail the sensor's tick). An unpartitioned
+check has a NULL partition, which the index does not compare, so those two can be reported runless on every change.
+A run of the check is what Dagster itself records without limit.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from dagster._core.storage.asset_check_execution_record import AssetCheckExecuti
 from dagster._core.storage.event_log.base import PartitionKeyFilter
 
 from export_ledger.calendar import utc_iso
-from export_ledger.dagster.assets import HEALTH_CHECK_NAME, LEDGER_KEY, health_evaluations
+from export_ledger.dagster.checks import HEALTH_CHECK_NAME, health_evaluations
 from export_ledger.dagster.io_manager import LISTED_KEYS
+from export_ledger.dagster.resources import LEDGER_KEY
 from export_ledger.ledger import DEFAULT_MAX_ATTEMPTS, ExportLedger
 from export_ledger.spec import ExportSpec
 
@@ -58,9 +63,9 @@ def build_health_sensor(
         default_status=dg.DefaultSensorStatus.RUNNING,
         required_resource_keys={LEDGER_KEY},
         description=(
-            "Runs partition_health again on each partition the ledger changed without a run of it (a failure, a "
-            "reconciliation, drift, a restatement request, an escalation), so each partition's verdict in the UI is "
-            "the ledger's."
+            "Judges partition_health again (a one-step run of the check alone) on each partition the ledger changed "
+            "without a run of it (a reconciliation, drift, a restatement request, an escalation), so each partition's "
+            "verdict in the UI is the ledger's."
         ),
     )
     def partition_health_sensor(context: dg.SensorEvaluationContext, **_resources) -> dg.SensorResult:
@@ -96,7 +101,8 @@ def health_requests(
     stuck_after: dt.timedelta,
     max_attempts: int,
 ) -> list[dg.RunRequest]:
-    """A run of ``partition_health`` for each touched partition whose verdict differs from its latest recorded one.
+    """A run of ``partition_health`` alone for each touched partition whose verdict differs from its latest recorded
+    one.
 
     The run key names the verdict and the evaluation it replaces: the same change asked again on the next tick
     (its run not finished yet) launches nothing twice, and a verdict that comes back after another is asked anew."""
@@ -138,8 +144,9 @@ def _latest(instance: dg.DagsterInstance, asset_key: dg.AssetKey, partition: str
         return None, 0
     record = records[0]
     if record.status is AssetCheckExecutionRecordStatus.PLANNED:
-        # Planned by a run: still to come while the run runs; a run that ended without evaluating it (its export
-        # step failed, so the check's step was skipped) shows no verdict, and the check is asked for again.
+        # Planned by a run: still to come while the run runs; a run that ended without evaluating it (its step died
+        # before it could judge, or it was asked for the check and refused its run config) shows no verdict, and the
+        # check is asked for again.
         run = instance.get_run_by_id(record.run_id)
         if run is not None and not run.is_finished:
             return "running", record.id

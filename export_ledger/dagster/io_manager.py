@@ -17,7 +17,7 @@ from export_ledger.calendar import ExportCalendar
 from export_ledger.contract import asset_source, export_terms, with_terms
 from export_ledger.dagster.resources import DestinationResource, LedgerResource
 from export_ledger.destinations import DestinationError, ExportTarget, Verdict, place_of_location
-from export_ledger.errors import FrameError
+from export_ledger.errors import FrameError, safe_message
 from export_ledger.frames import ExportSchema, check_column_names, read_table
 from export_ledger.keys import LogicalKey, attempt_id
 from export_ledger.ledger import ExportRecord, Restatement, Revision
@@ -75,11 +75,15 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
         from export_ledger.lineage import LineageEmitter
         from export_ledger.settings import Settings
 
-        destination = self.destination.get_destination()
-        lineage = LineageEmitter.from_settings(Settings.from_environment(), log=log)
-        job = context.asset_key.to_user_string() if context.has_asset_key else context.step_key
-        if lineage is not None:
-            lineage.start(context.run_id, job, obj, destination)
+        try:
+            destination = self.destination.get_destination()
+            lineage = LineageEmitter.from_settings(Settings.from_environment(), log=log)
+            job = context.asset_key.to_user_string() if context.has_asset_key else context.step_key
+            if lineage is not None:
+                lineage.start(context.run_id, job, obj, destination)
+        except Exception:
+            _before_failing(context, obj, exported=False)  # nothing exported: the verdicts are the ledger's
+            raise
         try:
             export_batch(
                 self.ledger.get_ledger(),
@@ -91,6 +95,7 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
             )
         except Exception:
             _record_finished_partitions(context, obj, attempt)
+            _before_failing(context, obj)
             if lineage is not None:
                 lineage.finish(context.run_id, job, obj, destination, failed=True)
             raise
@@ -265,6 +270,17 @@ def _record_finished_partitions(context: dg.OutputContext, batch: ExportBatch, a
                 description="every key of this partition was exported by this run; other partitions of the run failed",
             )
         )
+
+
+def _before_failing(context: dg.OutputContext, batch: ExportBatch, exported: bool = True) -> None:
+    """The batch's own last word before the step fails (its checks' verdicts): a failure there is logged, by its class
+    and the library's words only, and never hides the export's own error, raised next."""
+    if batch.on_failure is None:
+        return
+    try:
+        batch.on_failure(exported)
+    except Exception as exc:
+        context.log.warning(f"the run's verdicts on its partitions could not be reported: {safe_message(exc)}")
 
 
 #: Per-key lists in event metadata stop here: a partition of 1,000 tenants stays readable in the UI, and the full list

@@ -16,6 +16,15 @@ from export_ledger.errors import ConfigurationError
 from export_ledger.ledger import ExportLedger
 from export_ledger.ledger.urls import holds_secret
 from export_ledger.settings import CLOUD_ENV, LEDGER_URL_ENV, S3_ENV
+from export_ledger.spec import ExportSpec
+
+#: The resource key of the ledger, shared by every export of a code location.
+LEDGER_KEY = "ledger"
+
+
+def resource_keys(spec: ExportSpec) -> tuple[str, str]:
+    """The resource keys of an export's destination and I/O manager."""
+    return f"{spec.name}__destination", f"{spec.name}__io_manager"
 
 #: Every destination setting read from the environment, by the variable it is read from.
 SETTING_ENV = {**S3_ENV, **CLOUD_ENV}

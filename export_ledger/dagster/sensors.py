@@ -17,14 +17,15 @@ from dataclasses import replace
 import dagster as dg
 
 from export_ledger.calendar import ExportCalendar, utc_iso
-from export_ledger.dagster.assets import (
-    LEDGER_KEY,
+from export_ledger.dagster.checks import (
+    DRIFT_CHECK_NAME,
+    STUCK_CHECK_NAME,
     asset_groups,
     late_by_asset,
-    resource_keys,
     stuck_check_evaluation,
 )
 from export_ledger.dagster.io_manager import LISTED_KEYS, key_table, status_command
+from export_ledger.dagster.resources import LEDGER_KEY, resource_keys
 from export_ledger.dead_runs import Finding, Watch, judge_runs
 from export_ledger.deadlines import late_keys
 from export_ledger.errors import CalendarError
@@ -688,14 +689,11 @@ def build_reconciliation_sensor(
 
 
 def job_selection(asset_name: str, *, drift_check: bool = False) -> dg.AssetSelection:
-    """An export's asset (the export's name, or one zone's asset) alone: its run reports the partitioned checks
-    (``export_matches_source_and_ledger``, ``partition_health``) of its own partitions from its step, the
-    reconciliation sensor reports ``no_stuck_exports`` and the drift sensor ``source_unchanged`` (``drift_check``: the
-    export has a source, so the checks exist)."""
-    reported = [dg.AssetCheckKey(dg.AssetKey(asset_name), "no_stuck_exports")]
-    if drift_check:
-        reported += [
-            dg.AssetCheckKey(dg.AssetKey(asset_name), name)
-            for name in ("source_unchanged", "export_matches_source_and_ledger", "partition_health")
-        ]
-    return dg.AssetSelection.assets(asset_name) - dg.AssetSelection.checks(*reported)
+    """An export's asset (the export's name, or one zone's asset) and its partitioned checks: its run's one step
+    reports ``export_matches_source_and_ledger`` and ``partition_health`` for its own partitions. The whole asset's
+    checks are left out, each reported by its sensor when it changes: ``no_stuck_exports`` (reconciliation) and
+    ``source_unchanged`` (drift; ``drift_check``: the export has a source, so the check exists)."""
+    whole = [STUCK_CHECK_NAME, *([DRIFT_CHECK_NAME] if drift_check else [])]
+    return dg.AssetSelection.assets(asset_name) - dg.AssetSelection.checks(
+        *(dg.AssetCheckKey(dg.AssetKey(asset_name), name) for name in whole)
+    )

@@ -141,6 +141,17 @@ def test_each_key_is_read_once_by_a_run_with_every_check_and_never_by_a_check_ru
         ).execute_in_process(partition_key="2026-03-08", instance=instance)
         (verdict,) = alone.get_asset_check_evaluations()
         assert verdict.passed and verdict.metadata["keys_checked"].value == 2, verdict
+        # The same on a date never exported: its two keys were never claimed, which fails it (it used to pass with
+        # "0 keys match", found by the review of issue 27).
+        never = implicit.get_subset(
+            asset_check_selection={dg.AssetCheckKey(asset, "export_matches_source_and_ledger")}, asset_selection=set()
+        ).execute_in_process(partition_key="2026-03-09", instance=instance)
+        (verdict,) = never.get_asset_check_evaluations()
+        assert not verdict.passed, verdict
+        assert verdict.metadata["problems"].value == [
+            f"orders/{tenant}/2026-03-09T04:00:00Z: not completed in the ledger (never claimed)"
+            for tenant in ("acme", "globex")
+        ], verdict.metadata
     assert sorted(reads) == [(t, dt.datetime(2026, 3, 8, 5, tzinfo=dt.timezone.utc)) for t in ("acme", "globex")]
     assert set(reads.values()) == {1}, f"one read per key, none by a check: {reads}"
 

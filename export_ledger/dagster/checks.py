@@ -325,10 +325,19 @@ def _partition_keys(
 ) -> dict[str, tuple[Sequence[ExportResult | ExportRecord], list[str]]]:
     """Each partition's keys to judge: the run's results and the keys it did not finish, or the ledger's records."""
     if batch is None:
-        return {
-            day.isoformat(): (ledger.queries.records(export=spec.name, business_dates=[day], tenants=tenants), [])
-            for day, tenants in sorted(tenants_by_day.items())
-        }
+        judged: dict[str, tuple[Sequence[ExportRecord], list[str]]] = {}
+        for day, tenants in sorted(tenants_by_day.items()):
+            records = ledger.queries.records(export=spec.name, business_dates=[day], tenants=tenants)
+            # A tenant with a key on this date and no record was never claimed: judged as such, never passed over
+            # (a check run alone on a date never exported said "0 keys match", passed).
+            claimed = {r.tenant for r in records}
+            never = [
+                str(LogicalKey(spec.name, tenant, spec.calendar_for(tenant).window(day.isoformat())))
+                for tenant in tenants
+                if tenant not in claimed
+            ]
+            judged[day.isoformat()] = (records, never)
+        return judged
     results = by_partition(batch.results)
     finished = {r.logical_key for r in batch.results}
     unfinished: dict[str, list[str]] = {}

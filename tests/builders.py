@@ -1,8 +1,11 @@
-"""Shared builders for tests: logical keys and completion evidence (plain functions, importable anywhere)."""
+"""Shared builders for tests: logical keys, completion evidence, a key's orders (plain functions, importable
+anywhere)."""
 
 from __future__ import annotations
 
 import datetime as dt
+
+import pandas as pd
 
 from export_ledger.calendar import window_for
 from export_ledger.keys import LogicalKey
@@ -64,3 +67,17 @@ def sql_invoices(url: str, day: dt.date, tenants: tuple[str, ...], *, table: str
     finally:
         engine.dispose()
     return ids
+
+
+def hourly_orders(key: LogicalKey) -> pd.DataFrame:
+    """Hourly orders of the key's tenant inside its window (order_id, tenant, placed_at, total)."""
+    start, end = pd.Timestamp(key.window.start_utc), pd.Timestamp(key.window.end_utc)
+    times = pd.date_range(start.ceil("h"), end, freq="h", inclusive="left").as_unit("us")
+    return pd.DataFrame(
+        {
+            "order_id": [f"{key.tenant}-{int(t.timestamp())}" for t in times],
+            "tenant": [key.tenant] * len(times),
+            "placed_at": times,
+            "total": [12.5] * len(times),
+        }
+    )

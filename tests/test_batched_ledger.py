@@ -14,10 +14,9 @@ import json
 import threading
 from pathlib import Path
 
-import pandas as pd
 import pytest
 import sqlalchemy as sa
-from builders import evidence_for, key_for
+from builders import evidence_for, hourly_orders, key_for
 from pipeline_helpers import places, published_dirs
 
 from export_ledger.destinations import LocalDestination
@@ -40,22 +39,9 @@ TENANTS = [f"t{i:02d}" for i in range(6)]
 DAY = dt.date(2026, 3, 2)
 
 
-def orders(key) -> pd.DataFrame:
-    """Hourly orders of the key's tenant inside its window."""
-    start, end = pd.Timestamp(key.window.start_utc), pd.Timestamp(key.window.end_utc)
-    times = pd.date_range(start.ceil("h"), end, freq="h", inclusive="left").as_unit("us")
-    return pd.DataFrame(
-        {
-            "order_id": [f"{key.tenant}-{int(t.timestamp())}" for t in times],
-            "tenant": [key.tenant] * len(times),
-            "placed_at": times,
-            "total": [12.5] * len(times),
-        }
-    )
-
-
 def batch_of(keys) -> ExportBatch:
-    return ExportBatch(SCHEMA, [ExportItem(key, key.window.business_date.isoformat(), orders(key)) for key in keys])
+    items = [ExportItem(key, key.window.business_date.isoformat(), hourly_orders(key)) for key in keys]
+    return ExportBatch(SCHEMA, items)
 
 
 def current_manifest(folder: Path) -> Manifest:

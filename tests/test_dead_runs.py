@@ -18,7 +18,7 @@ import dagster as dg
 import pandas as pd
 import pytest
 import sqlalchemy as sa
-from builders import evidence_for, key_for
+from builders import evidence_for, hourly_orders, key_for
 from pipeline_helpers import JOB, make_defs, tick
 
 from export_ledger.dagster.sensors import end_dead_runs
@@ -327,20 +327,6 @@ ORDERS = ExportSchema(
 )
 
 
-def _orders(key) -> pd.DataFrame:
-    """Hourly orders of the key's tenant inside its window."""
-    start, end = pd.Timestamp(key.window.start_utc), pd.Timestamp(key.window.end_utc)
-    times = pd.date_range(start.ceil("h"), end, freq="h", inclusive="left").as_unit("us")
-    return pd.DataFrame(
-        {
-            "order_id": [f"{key.tenant}-{int(t.timestamp())}" for t in times],
-            "tenant": [key.tenant] * len(times),
-            "placed_at": times,
-            "total": [12.5] * len(times),
-        }
-    )
-
-
 def test_a_run_whose_group_leases_ended_while_it_read_one_slow_key_is_not_marked_failed(
     tmp_path, instance, clocked_ledger, clock
 ):
@@ -362,7 +348,7 @@ def test_a_run_whose_group_leases_ended_while_it_read_one_slow_key_is_not_marked
                 clock.advance(seconds=ttl + 1)
                 cursor.append(tick(defs, instance).cursor)
                 during.append(_status(instance, run))
-            return _orders(key)
+            return hourly_orders(key)
 
         return read
 
@@ -417,7 +403,7 @@ def test_a_loss_committed_after_a_later_row_is_still_read_and_its_dead_run_faile
         ))  # fmt: skip
         newest = conn.execute(sa.text("SELECT coalesce(max(id), 0) FROM export_attempts")).scalar_one()
     holder = engine.connect()
-    holder.execute(sa.text(f"SELECT pg_advisory_lock({HELD})"))
+    holder.execute(sa.text("SELECT pg_advisory_lock(:id)"), {"id": HELD})
     retry = threading.Thread(target=ledger.claims.claim, args=(dead_key, "a-retry/invoice_export"))
     try:
         retry.start()  # the retry takes the dead run's key over: its abandoned row gets id newest + 1, uncommitted
@@ -429,7 +415,7 @@ def test_a_loss_committed_after_a_later_row_is_still_read_and_its_dead_run_faile
         watch, ended = end_dead_runs(instance, ledger, ["invoice_export"], watch, limit=10, log=log)
         assert ended == [], "the loss is not committed yet: nothing to judge"
     finally:
-        holder.execute(sa.text(f"SELECT pg_advisory_unlock({HELD})"))
+        holder.execute(sa.text("SELECT pg_advisory_unlock(:id)"), {"id": HELD})
         retry.join(timeout=30)
         holder.close()
         engine.dispose()

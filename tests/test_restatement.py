@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from builders import hourly_orders as orders
 
 from export_ledger.destinations import LocalDestination
 from export_ledger.destinations.base import Fenced, PointerMoved
@@ -39,7 +40,7 @@ from export_ledger.reconcile import reconcile_batch
 from export_ledger.resolve import resolve_key
 from export_ledger.restate import withdraw
 from tests.builders import key_for
-from tests.test_batched_ledger import SCHEMA, orders
+from tests.test_batched_ledger import SCHEMA
 
 DAY = dt.date(2026, 3, 2)
 

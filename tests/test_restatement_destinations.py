@@ -16,6 +16,7 @@ import json
 
 import pytest
 import sqlalchemy as sa
+from builders import hourly_orders as orders
 
 from export_ledger.destinations.base import ExportTarget, Fenced, PointerMoved, Verdict
 from export_ledger.destinations.publishing import POINTER_NAME, Pointer, StagedExport
@@ -30,7 +31,7 @@ from export_ledger.reconcile import reconcile_batch
 from export_ledger.resolve import resolve_key
 from tests.builders import key_for
 from tests.object_buckets import KINDS, Bucket, bucket_for, delta_destination, object_destination
-from tests.test_batched_ledger import SCHEMA, orders
+from tests.test_batched_ledger import SCHEMA
 from tests.test_restatement import DAY, corrected, item
 
 PREFIX = "exports"

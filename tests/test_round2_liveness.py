@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 import dagster as dg
 import pandas as pd
 import pytest
+from builders import hourly_orders as orders
 from pipeline_helpers import failure_message, make_defs, run_partition, run_range, tick
 
 from assets.invoices import INVOICE_COLUMNS
@@ -49,7 +50,6 @@ from tests.round2_support import (  # noqa: F401  (fixtures: ledger, local)
     s3_destination,
     s3_folder,
 )
-from tests.test_batched_ledger import orders
 
 NY = "America/New_York"
 PARTITION = "2026-03-08"

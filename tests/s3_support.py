@@ -20,11 +20,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
-
-if TYPE_CHECKING:
-    from moto.server import ThreadedMotoServer
 
 LOOPBACK = "127.0.0.1"
 _MAX_HEAD_BYTES = 64 * 1024
@@ -35,30 +31,75 @@ _BLACK_HOLE_PROBE_SECONDS = 0.5
 _BLACK_HOLE_MAX_QUEUE = 16
 
 
-def start_s3_server() -> tuple[ThreadedMotoServer, str]:
-    """Start moto's S3-compatible HTTP server on 127.0.0.1 and return it with its endpoint URL.
+class MotoServer:
+    """moto's S3 server on a thread, with each conditional write made one atomic step as real S3 makes it.
 
-    Port 0 lets the OS pick a free port at bind time (no window between choosing a port and binding it, and
-    ``ThreadedMotoServer.start()`` would wait forever on a port already taken).
+    moto checks ``If-None-Match``/``If-Match`` and then stores the object in two steps on the request's thread, so on a
+    loaded machine two conditional creates of one object sent at once can both succeed (seen in CI: 2 of 8). The
+    S3 destination's startup probe rightly refuses such a store, which turns a test of something else into a
+    refusal. Every conditional ``PUT``/``POST`` therefore runs under one lock for the whole process (moto's backend
+    is one per process, whichever server a request reaches); plain requests run concurrently as before. The probe's
+    refusal of a store that is not atomic is tested through the fault proxy, which strips the condition.
     """
-    from moto.server import ThreadedMotoServer  # here, not at module level: importing this module needs no moto
 
-    # Werkzeug logs every request to stderr at INFO on a handler of its own; keep warnings and errors only.
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    server = ThreadedMotoServer(ip_address=LOOPBACK, port=0, verbose=False)
+    def __init__(self, ip_address: str = LOOPBACK, port: int = 0) -> None:
+        self._address = (ip_address, port)
+        self._server = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        from moto.server import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+        from werkzeug.serving import make_server
+
+        # Werkzeug logs every request to stderr at INFO on a handler of its own; keep warnings and errors only.
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)
+        app = _atomic_conditional_writes(DomainDispatcherApplication(create_backend_app))
+        # Port 0: the OS picks a free port at bind time (no window between choosing a port and binding it).
+        self._server = make_server(*self._address, app, threaded=True, request_handler=MotoRequestHandler)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="moto-s3", daemon=True)
+        self._thread.start()
+
+    def get_host_and_port(self) -> tuple[str, int]:
+        assert self._server is not None, "start() first"
+        host, port = self._server.server_address[:2]
+        return str(host), port
+
+    def stop(self) -> None:
+        if self._server is None:
+            return
+        self._server.shutdown()
+        if self._thread is not None:
+            self._thread.join(_JOIN_TIMEOUT_SECONDS)
+        self._server.server_close()  # shutdown() ends the loop but leaves the listening socket open
+        self._server = None
+
+
+_CONDITIONAL_WRITES = threading.Lock()
+
+
+def _atomic_conditional_writes(app):
+    def serialized(environ, start_response):
+        conditional = "HTTP_IF_NONE_MATCH" in environ or "HTTP_IF_MATCH" in environ
+        if not conditional or environ.get("REQUEST_METHOD") not in ("PUT", "POST"):
+            return app(environ, start_response)
+        with _CONDITIONAL_WRITES:
+            # The response body is built before the lock is released: moto's answers are lists, never lazy.
+            return list(app(environ, start_response))
+
+    return serialized
+
+
+def start_s3_server(ip_address: str = LOOPBACK) -> tuple[MotoServer, str]:
+    """Start moto's S3-compatible HTTP server on ``ip_address`` and return it with its endpoint URL."""
+    server = MotoServer(ip_address)
     server.start()
     host, port = server.get_host_and_port()
     return server, f"http://{host}:{port}"
 
 
-def stop_s3_server(server: ThreadedMotoServer) -> None:
+def stop_s3_server(server: MotoServer) -> None:
     """Stop a server from :func:`start_s3_server` and release its port."""
     server.stop()
-    # stop() ends the serve loop and joins its thread but leaves the listening socket open; moto has no public
-    # way to close it.
-    wsgi_server = getattr(server, "_server", None)
-    if wsgi_server is not None:
-        wsgi_server.server_close()
 
 
 class Fault(enum.StrEnum):

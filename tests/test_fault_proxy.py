@@ -304,3 +304,75 @@ def test_default_retry_of_a_cut_conditional_put_answers_412(default_retry_client
     )
     assert fault_proxy.forwarded["PUT"] == 2
     assert stored_body(direct, s3_bucket, "_manifest.json") == b"{}"
+
+
+def _racy_store():
+    """A WSGI app that checks ``If-None-Match: *`` and stores in two steps with a pause between, as moto does (its pause
+    is the scheduler's, on a loaded machine): unguarded, every racing create passes the check."""
+    stored: list[bytes] = []
+
+    def app(environ, start_response):
+        absent = not stored
+        time.sleep(0.02)
+        if environ.get("HTTP_IF_NONE_MATCH") == "*" and not absent:
+            start_response("412 Precondition Failed", [])
+            return [b""]
+        stored.append(environ["wsgi.input"].read())
+        start_response("200 OK", [])
+        return [b""]
+
+    return app, stored
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["guarded", "unguarded"])
+def test_racing_conditional_creates_have_one_winner_only_under_the_test_servers_lock(guarded):
+    """The moto server of these tests serializes conditional writes (s3_support.MotoServer), because moto's own check
+    and store are two steps: without the lock, creates sent at once all win and the S3 destination's startup probe
+    refuses the store (a CI failure of a crash test that was about something else)."""
+    import io
+
+    from s3_support import _atomic_conditional_writes
+
+    app, stored = _racy_store()
+    served = _atomic_conditional_writes(app) if guarded else app
+    statuses: list[str] = []
+
+    def create(number: int) -> None:
+        environ = {
+            "REQUEST_METHOD": "PUT",
+            "HTTP_IF_NONE_MATCH": "*",
+            "wsgi.input": io.BytesIO(str(number).encode()),
+        }
+        list(served(environ, lambda status, headers: statuses.append(status)))
+
+    threads = [threading.Thread(target=create, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    winners = statuses.count("200 OK")
+    if guarded:
+        assert (winners, len(stored)) == (1, 1), statuses
+    else:
+        assert winners > 1, "the racy store no longer races: this test shows nothing about the lock"
+
+
+def test_conditional_creates_sent_at_once_to_the_test_server_have_one_winner(direct, s3_bucket):
+    """The same through boto3 on the real test server: eight creates of one key at once, repeated."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    for round_number in range(5):
+        key = f"race-{round_number}"
+
+        def create(number: int, key=key) -> str:
+            try:
+                direct.put_object(Bucket=s3_bucket, Key=key, Body=str(number).encode(), IfNoneMatch="*")
+                return "created"
+            except ClientError as exc:
+                return exc.response["Error"]["Code"]
+
+        with ThreadPoolExecutor(8) as pool:
+            outcomes = list(pool.map(create, range(8)))
+        assert outcomes.count("created") == 1, outcomes
+        assert set(outcomes) - {"created"} <= {"PreconditionFailed", "ConditionalRequestConflict"}, outcomes

@@ -13,27 +13,21 @@ moto keeps its buckets in process-global state, so the servers started here (one
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 from collections.abc import Iterable
 
-from s3_support import stop_s3_server
+from s3_support import start_s3_server, stop_s3_server
 
 POSTGRES = ("127.0.0.1", 5432)
 
 
 def start_s3_servers(addresses: Iterable[str]) -> dict[str, tuple[object, str]]:
-    """One ``ThreadedMotoServer`` bound to each address on a port the OS picks; ``{address: (server, endpoint)}``."""
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    """One moto server (``s3_support.MotoServer``) bound to each address on a port the OS picks; moto's backend is one
+    per process, so every address serves the same buckets. ``{address: (server, endpoint)}``."""
     servers: dict[str, tuple[object, str]] = {}
     try:
         for address in addresses:
-            server = ThreadedMotoServer(ip_address=address, port=0, verbose=False)
-            server.start()
-            host, port = server.get_host_and_port()
-            servers[address] = (server, f"http://{host}:{port}")
+            servers[address] = start_s3_server(address)
     except BaseException:
         stop_s3_servers(servers)
         raise

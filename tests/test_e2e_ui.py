@@ -249,6 +249,33 @@ class Stack:
         assert data["__typename"] == "LaunchRunSuccess", data
         return data["run"]["runId"]
 
+    def launch_backfill(self, partitions: list[str], asset: str = ASSET, **tags: str) -> str:
+        """Launches a backfill of ``partitions`` from the UI's GraphQL, as the Materialize dialog does; its id."""
+        launched = self.gql(
+            """mutation($params: LaunchBackfillParams!) { launchPartitionBackfill(backfillParams: $params) {
+                 __typename ... on LaunchBackfillSuccess { backfillId } ... on Error { message } } }""",
+            params={
+                "partitionNames": partitions,
+                "assetSelection": [{"path": [asset]}],
+                "tags": [{"key": key, "value": value} for key, value in tags.items()],
+            },
+        )["launchPartitionBackfill"]
+        assert launched["__typename"] == "LaunchBackfillSuccess", launched
+        return launched["backfillId"]
+
+    def wait_for_backfill(self, backfill_id: str, timeout: float) -> dict:
+        """The backfill once it has finished (succeeded or not), with its runs."""
+
+        def finished():
+            backfill = self.gql(
+                """query($id: String!) { partitionBackfillOrError(backfillId: $id) { ... on PartitionBackfill {
+                     status runs { runId status startTime endTime tags { key value } } } } }""",
+                id=backfill_id,
+            )["partitionBackfillOrError"]
+            return backfill["status"] not in ("REQUESTED", "CANCELING", "FAILING") and backfill
+
+        return _eventually(f"backfill {backfill_id} finishing", finished, timeout, 2, diagnostics=self.diagnostics)
+
     def run(self, run_id: str) -> dict:
         return self.gql(
             """query($id: ID!) { runOrError(runId: $id) { __typename ... on Run {
@@ -528,24 +555,9 @@ def test_a_partition_restated_from_the_launchpad_config_publishes_revision_2_wit
 @pytest.mark.postgres
 def test_backfill_runs_in_chunks_and_never_exceeds_the_pool_or_the_backfill_run_limit(stack: Stack):
     partitions = [f"2026-02-{day:02d}" for day in range(1, 13)]
-    launched = stack.gql(
-        """mutation($params: LaunchBackfillParams!) { launchPartitionBackfill(backfillParams: $params) {
-             __typename ... on LaunchBackfillSuccess { backfillId } ... on Error { message } } }""",
-        params={"partitionNames": partitions, "assetSelection": [{"path": [ASSET]}]},
-    )["launchPartitionBackfill"]
-    assert launched["__typename"] == "LaunchBackfillSuccess", launched
-    backfill_id = launched["backfillId"]
-
-    def backfill_finished():
-        backfill = stack.gql(
-            """query($id: String!) { partitionBackfillOrError(backfillId: $id) { ... on PartitionBackfill {
-                 status runs { runId status startTime endTime tags { key value } } } } }""",
-            id=backfill_id,
-        )["partitionBackfillOrError"]
-        return backfill["status"] not in ("REQUESTED", "CANCELING", "FAILING") and backfill
-
-    # A wait, not a speed limit: about 95 s on 2 idle cores; CI runs the marked tiers on both cores at once (-n 2).
-    backfill = _eventually("the backfill finishing", backfill_finished, 480, interval=2, diagnostics=stack.diagnostics)
+    backfill_id = stack.launch_backfill(partitions)
+    # A wait, not a speed limit: about 95 s on 2 idle cores; CI runs the marked tiers on both cores at once.
+    backfill = stack.wait_for_backfill(backfill_id, 480)
     runs = backfill["runs"]
     assert backfill["status"] in ("COMPLETED", "COMPLETED_SUCCESS"), backfill
     assert [run["status"] for run in runs] == ["SUCCESS"] * len(runs)
@@ -839,14 +851,17 @@ def _partition_health_snapshot(stack: Stack, dates: tuple[str, ...]) -> dict | N
     node = stack.gql(
         """query($asset: [String!]!) { assetNodeOrError(assetKey: {path: $asset}) { ... on AssetNode {
              assetPartitionStatuses { ... on TimePartitionStatuses { ranges { startKey endKey status } } }
-             assetCheckOrError(checkName: "partition_health") { ... on AssetCheck {
+             health: assetCheckOrError(checkName: "partition_health") { ... on AssetCheck {
+               partitionStatuses { ... on AssetCheckTimePartitionStatuses { ranges { startKey endKey status } } } } }
+             matches: assetCheckOrError(checkName: "export_matches_source_and_ledger") { ... on AssetCheck {
                partitionStatuses { ... on AssetCheckTimePartitionStatuses { ranges { startKey endKey status } } } } }
            } } }""",
         asset=[ASSET],
     )["assetNodeOrError"]
     return {
         "asset": _status_of(node["assetPartitionStatuses"]["ranges"], dates),
-        "check": _status_of(node["assetCheckOrError"]["partitionStatuses"]["ranges"], dates),
+        "check": _status_of(node["health"]["partitionStatuses"]["ranges"], dates),
+        "matches": _status_of(node["matches"]["partitionStatuses"]["ranges"], dates),
         "verdicts": verdicts,
     }
 
@@ -919,11 +934,12 @@ class _Page:
 def test_a_healthy_a_failed_and_a_stale_partition_look_different_in_chromium(
     selenium_webdriver, stack: Stack, tmp_path: Path
 ):
-    """One date left alone, one on which globex's source is down (the step fails: Dagster marks the partition
-    failed, and the failed run reports the date's verdict before it fails), one exported and then found changed at
-    its source (drift recorded in the ledger; the daemon's partition_health_sensor runs that partition's check
-    again). The asset's Partitions page tells the failed date apart; its partition_health check's Partitions tab tells
-    all three apart, each with the ledger's verdict.
+    """A backfill of three dates in one chunk: one date left alone, one on which globex's source is down (the step
+    fails: Dagster marks the partition failed, and the failed run reports every date's verdicts before it fails), one
+    exported and then found changed at its source (drift recorded in the ledger; the daemon's partition_health_sensor
+    runs that partition's check again). The asset's Partitions page tells the failed date apart; its partition_health
+    check's Partitions tab tells all three apart, each with the ledger's verdict; export_matches_source_and_ledger
+    passes on the failed run's good dates.
 
     Runs last, with the reconciliation sensor stopped while it looks: that sensor reruns the failed date (its
     source still down) until the key escalates, and the pictures would show the rerun in progress instead."""
@@ -936,18 +952,23 @@ def _partitions_in_three_states_shown_apart(selenium_webdriver, stack: Stack, tm
     dates = (HEALTHY_DATE, OUTAGE_DATE, STALE_DATE)
     # The sensor's first tick starts its cursor at the ledger's present: the changes below must come after it.
     _eventually("partition_health_sensor ticking", lambda: stack.sensor_ticks("partition_health_sensor"), 60)
-    # Two runs at once (the pool's limit): both good dates in one run, as a backfill chunk would be; the outage's
-    # date without automatic retries, so that its key stays failed (not escalated) while the test looks at it.
-    exported = stack.launch_partition((HEALTHY_DATE, STALE_DATE), job=JOB)
-    failed = stack.launch_partition(OUTAGE_DATE, job=JOB, **{"dagster/max_retries": "0"})
-    assert stack.wait_for_run(exported)["status"] == "SUCCESS", "\n".join(stack.messages(exported)[-15:])
+    # One backfill of the three dates, from the UI's GraphQL as the Materialize dialog launches it: one chunk, so one
+    # run that fails on globex's outage date after exporting the other keys. No automatic retry, so that the outage's
+    # key stays failed (not escalated) while the test looks at it.
+    backfill = stack.wait_for_backfill(stack.launch_backfill(sorted(dates), **{"dagster/max_retries": "0"}), 240)
+    (run,) = backfill["runs"]
+    assert run["status"] == "FAILURE", "\n".join(stack.messages(run["runId"])[-15:])
+    tags = _tags(run)
+    assert (tags["dagster/asset_partition_range_start"], tags["dagster/asset_partition_range_end"]) == (
+        min(dates),
+        max(dates),
+    ), "the three dates are one backfill chunk"
     ledger = stack.ledger()
     changed = _records_by_date(ledger, [STALE_DATE])[(STALE_DATE, "acme")]
     finding = DriftFinding(changed, rows_added=2, rows_removed=0, rows_changed=None, source_fingerprint="e2e")
     assert ledger.drift.record([finding], []).opened == [changed.logical_key]
-    assert stack.wait_for_run(failed)["status"] == "FAILURE"
     snapshot = _eventually(
-        "the failed run's verdict on its date and partition_health_sensor's on the stale date",
+        "the failed run's verdicts on its dates and partition_health_sensor's on the stale date",
         lambda: _partition_health_snapshot(stack, dates),
         90,
         interval=2,
@@ -958,11 +979,17 @@ def _partitions_in_three_states_shown_apart(selenium_webdriver, stack: Stack, tm
     reported = time.monotonic() - began
 
     # What the pages read. Dagster's own status of a partition: a failed tenant fails its date, stale data is still
-    # served (materialized). The check's: passed, failed with an error, failed with a warning, and why.
+    # served (materialized); the failed run's good dates are materialized by it. partition_health: passed, failed
+    # with an error, failed with a warning, and why. export_matches_source_and_ledger, reported by the same failed
+    # run for each of its dates: the good dates pass (the run's failure is not theirs), the outage's date fails.
     assert snapshot["asset"] == {HEALTHY_DATE: "MATERIALIZED", OUTAGE_DATE: "FAILED", STALE_DATE: "MATERIALIZED"}
     assert snapshot["check"] == {HEALTHY_DATE: "SUCCEEDED", OUTAGE_DATE: "FAILED", STALE_DATE: "FAILED"}, (
         "each date's check status counts its latest verdict (an evaluation must target the date's materialization)"
     )
+    assert snapshot["matches"] == {HEALTHY_DATE: "SUCCEEDED", OUTAGE_DATE: "FAILED", STALE_DATE: "SUCCEEDED"}, (
+        "a failed run's good dates keep their passed verdict, never 'execution failed'"
+    )
+    assert set(stack.materialized_partitions(list(dates)).values()) == {run["runId"]}
     verdicts = snapshot["verdicts"]
     assert verdicts == {
         HEALTHY_DATE: ("SUCCEEDED", None, "healthy", "healthy: 2 of 2 tenants exported"),

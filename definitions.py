@@ -62,9 +62,16 @@ def invoice_source_from(env: Mapping[str, str]) -> InvoiceSource:
         )
     if choice and given:
         raise ConfigurationError(f"EXPORTS_SOURCE=sample and {' and '.join(given)} choose two sources: set one")
+    sample_only = [name for name in SAMPLE_SWITCHES if env.get(name)]
+    if sample_only and not choice:
+        raise ConfigurationError(f"{' and '.join(sample_only)} apply to the sample source only (EXPORTS_SOURCE=sample)")
     if choice:
         cadence = positive_int("EXPORTS_SAMPLE_CADENCE_MINUTES", env.get("EXPORTS_SAMPLE_CADENCE_MINUTES", "15"))
-        return SampleInvoiceSource(cadence_minutes=cadence)
+        return SampleInvoiceSource(
+            cadence_minutes=cadence,
+            outages=frozenset(_sample_outages(env.get("EXPORTS_SAMPLE_OUTAGE") or "")),
+            voided=frozenset(_dates("EXPORTS_SAMPLE_VOIDED", env.get("EXPORTS_SAMPLE_VOIDED") or "")),
+        )
     if not given:
         raise ConfigurationError(
             "no invoice source: set EXPORTS_SOURCE=sample for the sample invoices, or EXPORTS_SOURCE_URL and "
@@ -74,6 +81,34 @@ def invoice_source_from(env: Mapping[str, str]) -> InvoiceSource:
         (missing,) = set(sql) - set(given)
         raise ConfigurationError(f"{given[0]} is set without {missing}: a SQL source needs both")
     return SqlInvoiceSource(url=sql["EXPORTS_SOURCE_URL"], table=sql["EXPORTS_SOURCE_TABLE"])
+
+
+#: The sample source's switches, to see each partition status from the UI (README: *Each partition's status*).
+SAMPLE_SWITCHES = ("EXPORTS_SAMPLE_OUTAGE", "EXPORTS_SAMPLE_VOIDED")
+
+
+def _dates(setting: str, text: str) -> list[dt.date]:
+    """Comma-separated ISO dates; anything else names the setting and the entry."""
+    dates = []
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        try:
+            dates.append(dt.date.fromisoformat(entry))
+        except ValueError:
+            raise ConfigurationError(f"{setting}: {entry!r} is not a date (YYYY-MM-DD)") from None
+    return dates
+
+
+def _sample_outages(text: str) -> list[tuple[str, dt.date]]:
+    """``tenant@YYYY-MM-DD`` entries, comma-separated."""
+    outages = []
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        tenant, at, day = entry.partition("@")
+        if not at:
+            raise ConfigurationError(f"EXPORTS_SAMPLE_OUTAGE: {entry!r} is not tenant@YYYY-MM-DD")
+        validate_slug(tenant, "EXPORTS_SAMPLE_OUTAGE tenant")
+        (date,) = _dates("EXPORTS_SAMPLE_OUTAGE", day)
+        outages.append((tenant, date))
+    return outages
 
 
 def build_definitions(
@@ -147,6 +182,14 @@ def build_definitions(
         )
     if source is None:
         source = invoice_source_from(env)
+        if isinstance(source, SampleInvoiceSource):
+            named = {t.id if isinstance(t, Tenant) else t for t in tenants}
+            unknown = sorted({tenant for tenant, _ in source.outages} - named)
+            if unknown:
+                raise ConfigurationError(
+                    f"EXPORTS_SAMPLE_OUTAGE names {', '.join(unknown)}, not among the tenants "
+                    f"({', '.join(sorted(named))})"
+                )
     spec = invoice_export(
         source=source,
         tenants=tenants,

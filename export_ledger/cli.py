@@ -482,6 +482,7 @@ def _require_sqlite_ledger(parsed: URL) -> None:
 
 def _status(ledger: ExportLedger, args: argparse.Namespace, settings: Settings) -> str:
     _known_export(ledger, args.export)
+    operations.require_tenant(ledger, args.tenant, args.export)
     if args.needs_attention:
         return _needs_attention(ledger, args)
     if STALE in args.states:
@@ -946,6 +947,9 @@ def _restate(ledger: ExportLedger, args: argparse.Namespace, settings: Settings)
         raise UsageError("--export and --tenant go with --date; a LOGICAL_KEY names its export and tenant")
     if args.reason is None:
         raise UsageError('restate needs a reason: --reason "..." (kept with the revision for good)')
+    if by_date:
+        _known_export(ledger, args.export)
+        operations.require_tenant(ledger, args.tenant, args.export)
     if args.withdraw:
         operations.require_key(ledger, args.logical_key)
         record = withdraw(
@@ -1014,6 +1018,7 @@ def _accept_contract(ledger: ExportLedger, args: argparse.Namespace, settings: S
     if not args.reason.strip():
         raise UsageError("--reason must say why the contract changed")
     _known_export(ledger, args.export)
+    operations.require_tenant(ledger, args.tenant, args.export)
     if (args.timezone is None) != (args.start_date is None) or (args.move and args.timezone is None):
         raise UsageError("--timezone and --start-date go together (with --move): they declare a calendar")
     calendar = None

@@ -92,6 +92,16 @@ def require_export(ledger: ExportLedger, export: str | None) -> None:
         raise ExportLedgerError(f"the ledger knows no export named {export!r} (known: {listed})")
 
 
+def require_tenant(ledger: ExportLedger, tenant: str | None, export: str | None = None) -> None:
+    """Refuses a tenant id the ledger has never seen (of ``export`` when given), listing those it knows."""
+    if tenant is None or ledger.queries.has_tenant(tenant, export=export):
+        return
+    known = ledger.queries.tenants(export=export)
+    listed = ", ".join(known[:20]) + (f", ... ({len(known)} in all)" if len(known) > 20 else "")
+    scope = f" of export {export!r}" if export is not None else ""
+    raise ExportLedgerError(f"the ledger knows no tenant {tenant!r}{scope} (known: {listed or 'none yet'})")
+
+
 # -- destinations ----------------------------------------------------------------------------------------------------
 
 

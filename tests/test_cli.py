@@ -211,10 +211,10 @@ def test_status_reads_at_most_500_keys_by_default(capsys, tmp_path, clock):
 
 
 def test_status_without_matches_says_so_in_table_and_prints_an_empty_array_in_json(capsys, ledger_url):
-    code, out, err = run(capsys, "--ledger-url", ledger_url, "status", "--tenant", "umbrella")
+    code, out, err = run(capsys, "--ledger-url", ledger_url, "status", "--tenant", "acme", "--state", "failed")
     assert (code, out.strip(), err) == (0, "no exports match", "")
 
-    code, out, err = run(capsys, "--ledger-url", ledger_url, "status", "--tenant", "umbrella", "--json")
+    code, out, err = run(capsys, "--ledger-url", ledger_url, "status", "--tenant", "acme", "--state", "failed", "--json")
     assert (code, json.loads(out), err) == (0, [], "")
 
 
@@ -490,3 +490,27 @@ def test_status_of_an_export_the_ledger_does_not_know_names_the_known_ones(capsy
 
     assert code == 1 and out == ""
     assert "no export named 'orders'" in err and "invoice_export" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("status", "--tenant", "hooli"),
+        ("status", "--export", "invoice_export", "--tenant", "hooli"),
+        ("restate", "--export", "invoice_export", "--date", "2026-03-07", "--tenant", "hooli", "--reason", "typo"),
+        ("accept-contract", "--export", "invoice_export", "--tenant", "hooli", "--keep-exported", "--reason", "typo"),
+    ],
+    ids=["status", "status-of-an-export", "restate", "accept-contract"],
+)
+def test_a_tenant_the_ledger_does_not_know_is_an_error_naming_the_known_ones(capsys, ledger_url, argv):
+    """A typo in --tenant is not an empty result (or a request for nothing): like --export, it lists what is known."""
+    code, out, err = run(capsys, "--ledger-url", ledger_url, *argv)
+
+    assert code == 1 and out == ""
+    assert "no tenant 'hooli'" in err and "acme, globex, initech" in err, err
+
+
+def test_a_known_tenant_is_listed_as_before(capsys, ledger_url):
+    code, out, _ = run(capsys, "--ledger-url", ledger_url, "status", "--tenant", "globex")
+
+    assert code == 0 and "globex" in out and "acme" not in out

@@ -15,6 +15,7 @@ from export_ledger.ledger.schema import (
     AttemptOutcome,
     ExportState,
     export_attempts,
+    export_contract_refusals,
     export_contracts,
     export_drift,
     export_restatements,
@@ -132,6 +133,29 @@ class Queries:
             names = set(conn.execute(sa.select(export_runs.c.export).distinct()).scalars())
             names |= set(conn.execute(sa.select(export_contracts.c.export).distinct()).scalars())
         return sorted(names)
+
+    def tenants(self, *, export: str | None = None, limit: int = 100) -> list[str]:
+        """Tenant ids the ledger has a key or a contract row of (of one export when given), sorted: at most ``limit``
+        of each table (a listing for a message, not a census)."""
+        queries = [
+            sa.select(table.c.tenant).where(table.c.tenant.is_not(None), *_of_export(table, export))
+            for table in (export_contracts, export_runs, export_contract_refusals)
+        ]
+        with self.ledger.atomic(read_only=True) as conn:
+            found = {t for q in queries for t in conn.execute(q.distinct().limit(limit)).scalars()}
+        return sorted(found)
+
+    def has_tenant(self, tenant: str, *, export: str | None = None) -> bool:
+        """Whether the ledger has a contract row, a key or a refused claim of ``tenant`` (of ``export`` when given):
+        a row read from each table at most."""
+        with self.ledger.atomic(read_only=True) as conn:
+            return any(
+                conn.execute(
+                    sa.select(sa.literal(1)).where(table.c.tenant == tenant, *_of_export(table, export)).limit(1)
+                ).first()
+                is not None
+                for table in (export_contracts, export_runs, export_contract_refusals)
+            )
 
     def day_summaries(
         self, *, export: str, timezone: str | None, days: Sequence[dt.date], tenants: Sequence[str]
@@ -367,3 +391,7 @@ def _attempt(row: sa.Row) -> AttemptRecord:
     """An attempt row read with its key's export, as ``export_attempts`` alone."""
     values = {column.name: row._mapping[column.name] for column in export_attempts.c}
     return AttemptRecord(**{**values, "outcome": AttemptOutcome(values["outcome"])})
+
+
+def _of_export(table: sa.Table, export: str | None) -> list:
+    return [] if export is None else [table.c.export == export]

@@ -740,12 +740,13 @@ def _needs_attention(ledger: ExportLedger, args: argparse.Namespace) -> str:
         late = [e for e in late_keys(ledger, specs, limit=args.limit) if not args.tenant or e.tenant == args.tenant]
         listed = {e.logical_key for e in found}
         found = [*(e for e in late if e.logical_key not in listed), *found][: args.limit]
+    ways = [operations.ways_out(ledger, e, location) for e in found]
     if args.json:
         return _dump(
             [
                 {**(_record_json(e.record) if e.record else _escalation_json(e)), "state": e.state,
-                 "needs_attention": e.why}
-                for e in found
+                 "needs_attention": e.why, "ways_out": out}
+                for e, out in zip(found, ways, strict=True)
             ]
         )  # fmt: skip
     if not found:
@@ -753,7 +754,12 @@ def _needs_attention(ledger: ExportLedger, args: argparse.Namespace) -> str:
     rows = [
         (e.name, e.state, e.record.claim_count if e.record else None, _short_time(e.since), e.why) for e in found
     ]
-    return _table(("LOGICAL KEY", "STATE", "CLAIMS", "SINCE", "WHY, AND THE WAY OUT"), rows) + _more(len(found), args)
+    table = _table(("LOGICAL KEY", "STATE", "CLAIMS", "SINCE", "WHY, AND THE WAY OUT"), rows)
+    # Commands are printed whole, never wrapped: they are to be pasted.
+    listed = [f"  {e.name}\n" + "\n".join(f"    {command}" for command in out) for e, out in zip(found, ways, strict=True) if out]
+    if listed:
+        table += "\n\nways out, to paste (fill in each --reason):\n" + "\n".join(listed)
+    return table + _more(len(found), args)
 
 
 def _escalation_json(escalation) -> dict:
@@ -858,10 +864,11 @@ def _location_note(args: argparse.Namespace, commands: Sequence[operations.Comma
     """Printed commands without -f/-m assume this repository's layout: say so, and how to have the exact ones."""
     if not commands or args.python_file or args.module_name:
         return []
-    return [
-        "(the commands assume the code location is ./definitions.py; pass -f FILE or -m MODULE [-a ATTRIBUTE] "
-        "and they name yours)"
-    ]
+    if Path("definitions.py").is_file():  # what operations.location_args names, or its placeholder
+        assumed = "assume the code location is ./definitions.py"
+    else:
+        assumed = "name YOUR_DEFINITIONS.py where yours goes (there is no ./definitions.py here)"
+    return [f"(the commands {assumed}; pass -f FILE or -m MODULE [-a ATTRIBUTE] and they name yours)"]
 
 
 def _default_operator() -> str:

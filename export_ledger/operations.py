@@ -13,17 +13,20 @@ import datetime as dt
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from export_ledger.destinations import Destination, destination_from
 from export_ledger.drift import DriftReport, LookbackGap, beyond_lookback, drift_pass
 from export_ledger.errors import ExportLedgerError
 from export_ledger.ledger import ExportLedger, ExportRecord, ExportState, Restatement, RestatementRefused
+from export_ledger.ledger.attention import Escalation
 from export_ledger.ledger.contracts import Acceptance
 from export_ledger.placement import DestinationMismatch, recorded_destinations
 from export_ledger.reconcile import ReconcileReport, reconcile_batch
 from export_ledger.restate import (
     DEFAULT_LOCATION,
     asset_name_for,
+    asset_name_of_zone,
     materialize_command,
     records_of,
     request_for_date,
@@ -180,12 +183,58 @@ def publish_commands(
 ) -> list[Command]:
     """One ``dagster asset materialize`` per (asset, partition) of ``records``, in ``location`` (without one:
     :data:`export_ledger.restate.DEFAULT_LOCATION`, said so by the caller)."""
-    dagster_args = location.dagster_args if location is not None else DEFAULT_LOCATION
+    dagster_args = location_args(location)
     commands: dict[str, str] = {}
     for record in records:
         asset, note = asset_of(ledger, record, location)
         commands[materialize_command(asset, record.business_date.isoformat(), dagster_args)] = note
     return [Command(text, note) for text, note in sorted(commands.items())]
+
+
+def location_args(location: CodeLocation | None, cwd: Path | None = None) -> tuple[str, ...]:
+    """The code location options a printed ``dagster`` command repeats: the operator's own (``-f``/``-m``), else
+    ``-f definitions.py`` where that file exists in the working directory, else a placeholder to fill in (a printed
+    command never names a file that is not there)."""
+    if location is not None:
+        return tuple(location.dagster_args)
+    if ((cwd or Path.cwd()) / DEFAULT_LOCATION[1]).is_file():
+        return DEFAULT_LOCATION
+    return ("-f", "YOUR_DEFINITIONS.py")
+
+
+def ways_out(ledger: ExportLedger, escalation: Escalation, location: CodeLocation | None) -> list[str]:
+    """The commands that end ``escalation``, to paste (a ``--reason "..."`` to fill in): the same policy for the CLI
+    and anything else that shows escalations. A refused contract's command is in its ``why`` already."""
+    e, args = escalation, location_args(location)
+    key, day = e.logical_key, e.business_date or (e.record.business_date if e.record is not None else None)
+    rerun = []
+    if day is not None:
+        if e.record is not None:
+            asset = asset_of(ledger, e.record, location)[0]
+        else:
+            asset = _asset_of_zone(ledger, e.export, e.timezone, location)
+        rerun = [materialize_command(asset, day.isoformat(), args)]
+    resolve = [f'export-ledger resolve {key} --{way}-destination --reason "..."' for way in ("accept", "discard")]
+    if e.state == ExportState.CONFLICT.value:
+        return resolve
+    if e.state == ExportState.IN_PROGRESS.value:  # abandoned: the reconciler judges it from the destination
+        return [f"export-ledger reconcile --export {e.export}"]
+    if e.state == ExportState.REMOTE_UNKNOWN.value:  # and where the destination cannot tell, a person decides
+        return [f"export-ledger reconcile --export {e.export}", *resolve]
+    if e.state == "restating":
+        return [*rerun, f'export-ledger restate --withdraw {key} --reason "..."']
+    if e.state in (ExportState.FAILED.value, "never claimed", "late"):
+        return rerun
+    return []
+
+
+def _asset_of_zone(ledger: ExportLedger, export: str, zone: str | None, location: CodeLocation | None) -> str:
+    """The asset of ``export``'s partitions in ``zone`` (a partition no key of which was claimed)."""
+    spec = location.spec(export) if location is not None else None
+    group = spec.group_of_zone(zone) if spec is not None and zone is not None else None
+    if group is not None:
+        return group.asset_name
+    return export if zone is None else asset_name_of_zone(ledger, export, zone)[0]
 
 
 # -- reconcile -------------------------------------------------------------------------------------------------------

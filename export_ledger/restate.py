@@ -152,7 +152,12 @@ def asset_name_for(ledger: ExportLedger, record: ExportRecord) -> tuple[str, boo
     _, sep, step = (record.committed_attempt or "").partition("/")
     if sep and step and "/" not in step and (step == record.export or step.startswith(f"{record.export}__")):
         return step, True
-    export, zone = record.export, record.timezone
+    return asset_name_of_zone(ledger, record.export, record.timezone)
+
+
+def asset_name_of_zone(ledger: ExportLedger, export: str, zone: str) -> tuple[str, bool]:
+    """The asset of ``export``'s partitions in ``zone``, from the zones its contracts name, and whether it is certain
+    (see :func:`asset_name_for`)."""
     zones = [contract.get("timezone") for contract in ledger.contracts.tenant_contracts(export).values()]
     wide = ledger.contracts.recorded(export)
     if wide is not None and wide.get("timezone") == zone:

@@ -104,8 +104,17 @@ def test_status_table_lists_every_export_with_its_state_date_zone_rows_and_commi
 
     assert code == 0 and err == ""
     header, *rows = out.strip().splitlines()
-    for column in ("LOGICAL KEY", "STATE", "BUSINESS DATE", "ZONE", "ROWS", "COMMITTED ATTEMPT", "LEASE OWNER",
-                   "LEASE EXPIRES", "UPDATED"):
+    for column in (
+        "LOGICAL KEY",
+        "STATE",
+        "BUSINESS DATE",
+        "ZONE",
+        "ROWS",
+        "COMMITTED ATTEMPT",
+        "LEASE OWNER",
+        "LEASE EXPIRES",
+        "UPDATED",
+    ):
         assert column in header, f"the status table should have a {column} column"
     assert {row.split()[0] for row in rows} == ALL_KEYS, "every logical export should have one row"
     acme_7 = next(row.split() for row in rows if row.startswith(ACME_7 + " "))
@@ -146,9 +155,24 @@ def test_status_json_round_trips_with_utc_z_timestamps_and_plain_dates(capsys, l
 def test_status_json_exposes_only_the_chosen_ledger_fields(capsys, ledger_url):
     # The CLI picks fields one by one, so a column added to the ledger is not printed until someone decides so.
     expected = {
-        "logical_key", "export", "tenant", "business_date", "timezone", "window_start_utc", "window_end_utc", "state",
-        "row_count", "committed_attempt", "location", "sha256", "fencing_token", "lease_owner", "lease_expires_at",
-        "created_at", "updated_at", "revision",
+        "logical_key",
+        "export",
+        "tenant",
+        "business_date",
+        "timezone",
+        "window_start_utc",
+        "window_end_utc",
+        "state",
+        "row_count",
+        "committed_attempt",
+        "location",
+        "sha256",
+        "fencing_token",
+        "lease_owner",
+        "lease_expires_at",
+        "created_at",
+        "updated_at",
+        "revision",
     }
     for record in status_json(capsys, ledger_url):
         assert set(record) == expected
@@ -164,8 +188,9 @@ def test_status_json_exposes_only_the_chosen_ledger_fields(capsys, ledger_url):
         pytest.param(["--from", "2026-03-08", "--to", "2026-03-08"], {ACME_8, GLOBEX_8, PAYMENTS_ACME_8}, id="one-day"),
         pytest.param(["--state", "failed"], {GLOBEX_7}, id="state"),
         pytest.param(["--state", "in_progress", "--state", "remote_unknown"], {GLOBEX_8, INITECH_9}, id="states"),
-        pytest.param(["--tenant", "acme", "--export", "invoice_export", "--state", "completed"], {ACME_7, ACME_8},
-                     id="combined"),
+        pytest.param(
+            ["--tenant", "acme", "--export", "invoice_export", "--state", "completed"], {ACME_7, ACME_8}, id="combined"
+        ),
     ],
 )
 def test_status_filters_select_exactly_the_matching_exports(capsys, ledger_url, filters, expected):
@@ -214,7 +239,9 @@ def test_status_without_matches_says_so_in_table_and_prints_an_empty_array_in_js
     code, out, err = run(capsys, "--ledger-url", ledger_url, "status", "--tenant", "acme", "--state", "failed")
     assert (code, out.strip(), err) == (0, "no exports match", "")
 
-    code, out, err = run(capsys, "--ledger-url", ledger_url, "status", "--tenant", "acme", "--state", "failed", "--json")
+    code, out, err = run(
+        capsys, "--ledger-url", ledger_url, "status", "--tenant", "acme", "--state", "failed", "--json"
+    )
     assert (code, json.loads(out), err) == (0, [], "")
 
 
@@ -430,7 +457,11 @@ def run_console(*argv: str, env: dict[str, str] | None = None) -> subprocess.Com
     environ.update(env or {}, PYTHONPATH=str(PROJECT_ROOT))
     return subprocess.run(
         [str(Path(sys.executable).parent / "export-ledger"), *argv],
-        cwd=PROJECT_ROOT, env=environ, capture_output=True, text=True, timeout=60,
+        cwd=PROJECT_ROOT,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
@@ -471,7 +502,11 @@ def test_importing_the_cli_or_naming_a_ledger_does_not_load_dagster_or_the_code_
     environ = dict(os.environ, PYTHONPATH=str(PROJECT_ROOT))
     result = subprocess.run(
         [sys.executable, "-c", check, "--ledger-url", ledger_url, "status"],
-        cwd=PROJECT_ROOT, env=environ, capture_output=True, text=True, timeout=60,
+        cwd=PROJECT_ROOT,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
     assert result.returncode == 0, result.stderr
@@ -514,3 +549,75 @@ def test_a_known_tenant_is_listed_as_before(capsys, ledger_url):
     code, out, _ = run(capsys, "--ledger-url", ledger_url, "status", "--tenant", "globex")
 
     assert code == 0 and "globex" in out and "acme" not in out
+
+
+def test_needs_attention_prints_each_escalations_way_out_as_commands_to_paste(
+    capsys, ledger_url, tmp_path, monkeypatch
+):
+    """Each escalated key's way out as whole commands (never wrapped into the table's column), in the code location
+    of the working directory when its definitions.py is there, else with a placeholder for it: a printed command never
+    names a file that is not where it is printed."""
+    monkeypatch.chdir(tmp_path)
+    argv = [
+        "--ledger-url",
+        ledger_url,
+        "status",
+        "--needs-attention",
+        "--max-attempts",
+        "1",
+        "--stuck-after-hours",
+        "1",
+    ]
+
+    code, out, _ = run(capsys, *argv)
+
+    assert code == 0
+    _, ways = out.split("ways out, to paste (fill in each --reason):\n")
+    assert ways.splitlines() == [
+        "  invoice_export/globex/2026-03-07T05:00:00Z",
+        "    dagster asset materialize -f YOUR_DEFINITIONS.py --select invoice_export --partition 2026-03-07",
+        "  invoice_export/globex/2026-03-08T05:00:00Z",
+        "    export-ledger reconcile --export invoice_export",
+        "  invoice_export/initech/2026-03-09T04:00:00Z",
+        "    export-ledger reconcile --export invoice_export",
+        '    export-ledger resolve invoice_export/initech/2026-03-09T04:00:00Z --accept-destination --reason "..."',
+        '    export-ledger resolve invoice_export/initech/2026-03-09T04:00:00Z --discard-destination --reason "..."',
+    ]
+
+    (tmp_path / "definitions.py").write_text("")
+    code, out, _ = run(capsys, *argv)
+    assert "    dagster asset materialize -f definitions.py --select invoice_export --partition 2026-03-07" in out
+
+    code, out, _ = run(capsys, *argv, "--json")
+    by_key = {item["logical_key"]: item["ways_out"] for item in json.loads(out)}
+    assert by_key["invoice_export/globex/2026-03-07T05:00:00Z"] == [
+        "dagster asset materialize -f definitions.py --select invoice_export --partition 2026-03-07"
+    ]
+
+
+def test_the_way_out_of_a_never_claimed_partition_a_restatement_and_a_conflict(sqlite_url, tmp_path, monkeypatch):
+    from export_ledger import operations
+    from export_ledger.ledger.attention import Escalation
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "definitions.py").write_text("")
+    ledger = ExportLedger(sqlite_url)
+    since = dt.datetime(2026, 3, 9, tzinfo=dt.timezone.utc)
+    day = dt.date(2026, 3, 8)
+    key = "invoice_export/acme/2026-03-08T05:00:00Z"
+
+    def way(state, zone="America/New_York", logical_key=key):
+        escalation = Escalation("invoice_export", None, zone, logical_key, state, since, "why", None, day)
+        return operations.ways_out(ledger, escalation, None)
+
+    rerun = "dagster asset materialize -f definitions.py --select {} --partition 2026-03-08"
+    assert way("never claimed", logical_key=None) == [rerun.format("invoice_export")]
+    assert way("restating") == [
+        rerun.format("invoice_export"),
+        f'export-ledger restate --withdraw {key} --reason "..."',
+    ]
+    assert way("conflict") == [
+        f'export-ledger resolve {key} --accept-destination --reason "..."',
+        f'export-ledger resolve {key} --discard-destination --reason "..."',
+    ]
+    assert way("refused", logical_key=None) == [], "a refused contract's command is in its why already"

@@ -106,7 +106,10 @@ def test_without_a_code_location_the_printed_command_says_what_it_assumes(capsys
     code, out, _ = run(capsys, "restate", completed, "--reason", "late rows")
 
     assert code == 0
-    assert "-f definitions.py" in out and "pass -f FILE or -m MODULE" in out, out
+    assert "-f YOUR_DEFINITIONS.py" in out and "no ./definitions.py here" in out, (
+        "a printed command never names a file that is not where it is printed"
+    )
+    assert "pass -f FILE or -m MODULE" in out, out
 
 
 @pytest.mark.parametrize(

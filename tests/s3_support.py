@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import enum
+import io
 import logging
 import socket
 import threading
@@ -34,12 +35,13 @@ _BLACK_HOLE_MAX_QUEUE = 16
 class MotoServer:
     """moto's S3 server on a thread, with each conditional write made one atomic step as real S3 makes it.
 
-    moto checks ``If-None-Match``/``If-Match`` and then stores the object in two steps on the request's thread, so on a
-    loaded machine two conditional creates of one object sent at once can both succeed (seen in CI: 2 of 8). The
-    S3 destination's startup probe rightly refuses such a store, which turns a test of something else into a
-    refusal. Every conditional ``PUT``/``POST`` therefore runs under one lock for the whole process (moto's backend
-    is one per process, whichever server a request reaches); plain requests run concurrently as before. The probe's
-    refusal of a store that is not atomic is tested through the fault proxy, which strips the condition.
+    moto checks ``If-None-Match``/``If-Match`` and then stores (or deletes) the object in two steps on the request's
+    thread, so on a loaded machine two conditional creates of one object sent at once can both succeed (seen in CI:
+    2 of 8). The S3 destination's startup probe rightly refuses such a store, which turns a test of something else
+    into a refusal. Every conditional ``PUT``/``POST``/``DELETE`` therefore runs, its body read first, under one lock
+    for the whole process (moto's backend is one per process, whichever server a request reaches); plain requests
+    run concurrently as before. The probe's refusal of a store that is not atomic is tested through the fault proxy,
+    which strips the condition.
     """
 
     def __init__(self, ip_address: str = LOOPBACK, port: int = 0) -> None:
@@ -80,8 +82,14 @@ _CONDITIONAL_WRITES = threading.Lock()
 def _atomic_conditional_writes(app):
     def serialized(environ, start_response):
         conditional = "HTTP_IF_NONE_MATCH" in environ or "HTTP_IF_MATCH" in environ
-        if not conditional or environ.get("REQUEST_METHOD") not in ("PUT", "POST"):
+        if not conditional or environ.get("REQUEST_METHOD") not in ("PUT", "POST", "DELETE"):
             return app(environ, start_response)
+        # The body is read whole before the lock, as S3 evaluates a condition once the request is complete: a client
+        # frozen mid-upload (SIGSTOP, a cut link) must neither hold every other conditional write nor win the race
+        # against the party that fenced it.
+        length = environ.get("CONTENT_LENGTH")
+        body = environ["wsgi.input"].read(int(length)) if length else environ["wsgi.input"].read()
+        environ["wsgi.input"] = io.BytesIO(body)
         with _CONDITIONAL_WRITES:
             # The response body is built before the lock is released: moto's answers are lists, never lazy.
             return list(app(environ, start_response))

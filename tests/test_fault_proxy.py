@@ -376,3 +376,25 @@ def test_conditional_creates_sent_at_once_to_the_test_server_have_one_winner(dir
             outcomes = list(pool.map(create, range(8)))
         assert outcomes.count("created") == 1, outcomes
         assert set(outcomes) - {"created"} <= {"PreconditionFailed", "ConditionalRequestConflict"}, outcomes
+
+
+def test_a_client_frozen_mid_upload_holds_no_other_conditional_write(s3_server, direct, s3_bucket):
+    """The lock of the test server is taken once a request's body is whole: a conditional PUT whose client stops
+    after its head and part of its body (a SIGSTOP, a cut link) does not block a conditional PUT of another key."""
+    import socket
+    from urllib.parse import urlsplit
+
+    host, port = urlsplit(s3_server).hostname, urlsplit(s3_server).port
+    stalled = socket.create_connection((host, port))
+    try:
+        stalled.sendall(
+            f"PUT /{s3_bucket}/stalled HTTP/1.1\r\nHost: {host}:{port}\r\nIf-None-Match: *\r\n"
+            "Content-Length: 100\r\n\r\n".encode() + b"x" * 10
+        )
+        time.sleep(0.3)  # the server's handler is now reading the rest of the body
+        started = time.monotonic()
+        direct.put_object(Bucket=s3_bucket, Key="other", Body=b"hello", IfNoneMatch="*")
+        assert time.monotonic() - started < 2, "a conditional write of another key waited for the frozen client"
+    finally:
+        stalled.close()
+    assert stored_body(direct, s3_bucket, "other") == b"hello"

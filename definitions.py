@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import re
 from collections.abc import Mapping, Sequence
 
 import dagster as dg
@@ -62,16 +63,15 @@ def invoice_source_from(env: Mapping[str, str]) -> InvoiceSource:
         )
     if choice and given:
         raise ConfigurationError(f"EXPORTS_SOURCE=sample and {' and '.join(given)} choose two sources: set one")
-    sample_only = [name for name in SAMPLE_SWITCHES if env.get(name)]
+    sample_only = [name for name in SAMPLE_SWITCHES if (env.get(name) or "").strip()]
     if sample_only and not choice:
-        raise ConfigurationError(f"{' and '.join(sample_only)} apply to the sample source only (EXPORTS_SOURCE=sample)")
+        raise ConfigurationError(
+            f"{' and '.join(sample_only)} {'apply' if len(sample_only) > 1 else 'applies'} to the sample source only "
+            "(EXPORTS_SOURCE=sample)"
+        )
     if choice:
         cadence = positive_int("EXPORTS_SAMPLE_CADENCE_MINUTES", env.get("EXPORTS_SAMPLE_CADENCE_MINUTES", "15"))
-        return SampleInvoiceSource(
-            cadence_minutes=cadence,
-            outages=frozenset(_sample_outages(env.get("EXPORTS_SAMPLE_OUTAGE") or "")),
-            voided=frozenset(_dates("EXPORTS_SAMPLE_VOIDED", env.get("EXPORTS_SAMPLE_VOIDED") or "")),
-        )
+        return SampleInvoiceSource(cadence_minutes=cadence)
     if not given:
         raise ConfigurationError(
             "no invoice source: set EXPORTS_SOURCE=sample for the sample invoices, or EXPORTS_SOURCE_URL and "
@@ -87,28 +87,45 @@ def invoice_source_from(env: Mapping[str, str]) -> InvoiceSource:
 SAMPLE_SWITCHES = ("EXPORTS_SAMPLE_OUTAGE", "EXPORTS_SAMPLE_VOIDED")
 
 
-def _dates(setting: str, text: str) -> list[dt.date]:
-    """Comma-separated ISO dates; anything else names the setting and the entry."""
-    dates = []
-    for entry in filter(None, (part.strip() for part in text.split(","))):
-        try:
-            dates.append(dt.date.fromisoformat(entry))
-        except ValueError:
-            raise ConfigurationError(f"{setting}: {entry!r} is not a date (YYYY-MM-DD)") from None
-    return dates
+def _date(setting: str, text: str) -> dt.date:
+    """One date written YYYY-MM-DD; anything else names the setting and the entry."""
+    try:
+        if re.fullmatch(r"\d{4}-\d{2}-\d{2}", text):
+            return dt.date.fromisoformat(text)
+    except ValueError:
+        pass
+    raise ConfigurationError(f"{setting}: {text!r} is not a date (YYYY-MM-DD)")
 
 
-def _sample_outages(text: str) -> list[tuple[str, dt.date]]:
-    """``tenant@YYYY-MM-DD`` entries, comma-separated."""
-    outages = []
-    for entry in filter(None, (part.strip() for part in text.split(","))):
+def _entries(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def sample_switches(env: Mapping[str, str], spec) -> tuple[frozenset, frozenset]:
+    """``EXPORTS_SAMPLE_OUTAGE`` (``tenant@YYYY-MM-DD,...``) and ``EXPORTS_SAMPLE_VOIDED`` (``YYYY-MM-DD,...``) as the
+    sample source takes them: ``(tenant, window start in UTC)`` of each business date in the tenant's own calendar
+    (a tenant east of UTC+12 has its own day's window, not the next one's)."""
+    outages = set()
+    for entry in _entries(env.get("EXPORTS_SAMPLE_OUTAGE") or ""):
         tenant, at, day = entry.partition("@")
-        if not at:
+        if not at or not tenant or not day.strip():
             raise ConfigurationError(f"EXPORTS_SAMPLE_OUTAGE: {entry!r} is not tenant@YYYY-MM-DD")
         validate_slug(tenant, "EXPORTS_SAMPLE_OUTAGE tenant")
-        (date,) = _dates("EXPORTS_SAMPLE_OUTAGE", day)
-        outages.append((tenant, date))
-    return outages
+        if tenant not in spec.tenants:
+            raise ConfigurationError(
+                f"EXPORTS_SAMPLE_OUTAGE names {tenant}, not among the tenants ({', '.join(sorted(spec.tenants))})"
+            )
+        outages.add((tenant, _window_start(spec, tenant, _date("EXPORTS_SAMPLE_OUTAGE", day.strip()))))
+    voided = {
+        (tenant, _window_start(spec, tenant, _date("EXPORTS_SAMPLE_VOIDED", day)))
+        for day in _entries(env.get("EXPORTS_SAMPLE_VOIDED") or "")
+        for tenant in spec.tenants
+    }
+    return frozenset(outages), frozenset(voided)
+
+
+def _window_start(spec, tenant: str, day: dt.date) -> dt.datetime:
+    return spec.calendar_for(tenant).window_of(day).start_utc
 
 
 def build_definitions(
@@ -182,14 +199,6 @@ def build_definitions(
         )
     if source is None:
         source = invoice_source_from(env)
-        if isinstance(source, SampleInvoiceSource):
-            named = {t.id if isinstance(t, Tenant) else t for t in tenants}
-            unknown = sorted({tenant for tenant, _ in source.outages} - named)
-            if unknown:
-                raise ConfigurationError(
-                    f"EXPORTS_SAMPLE_OUTAGE names {', '.join(unknown)}, not among the tenants "
-                    f"({', '.join(sorted(named))})"
-                )
     spec = invoice_export(
         source=source,
         tenants=tenants,
@@ -199,6 +208,8 @@ def build_definitions(
         file_format=file_format or settings.file_format or "csv",
         deadline=deadline or env.get("EXPORTS_DEADLINE") or None,
     )
+    if isinstance(source, SampleInvoiceSource) and any((env.get(name) or "").strip() for name in SAMPLE_SWITCHES):
+        source.outages, source.voided = sample_switches(env, spec)  # business dates: each tenant's own window
     return ledgered_definitions(
         [spec],
         ledger=ledger,

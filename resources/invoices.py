@@ -61,25 +61,20 @@ class SampleInvoiceSource(InvoiceSource):
     """
 
     cadence_minutes: int = 15
-    #: ``(tenant, date)`` pairs whose reads fail as a real source's outage would (``SourceError``).
-    outages: frozenset[tuple[str, dt.date]] = frozenset()
-    #: Dates whose last invoice of each tenant was voided after the fact: read again, the window has one row fewer,
-    #: as a source corrected after its export (drift detection finds it).
-    voided: frozenset[dt.date] = frozenset()
+    #: ``(tenant, window start in UTC)`` of the windows whose reads fail as a real source's outage would
+    #: (``SourceError``): each tenant's business date, resolved in its own calendar (see definitions.py).
+    outages: frozenset[tuple[str, dt.datetime]] = frozenset()
+    #: ``(tenant, window start in UTC)`` of the windows whose last invoice was voided after the fact: read again, the
+    #: window has one row fewer, as a source corrected after its export (drift detection finds it).
+    voided: frozenset[tuple[str, dt.datetime]] = frozenset()
 
     def identity(self) -> dict:
         # The cadence, outages and voided invoices are what the sample holds (like the rows of a table), not which
         # source it is.
         return {**super().identity(), "kind": "sample"}
 
-    @staticmethod
-    def _dated(start: dt.datetime, end: dt.datetime, dates) -> bool:
-        """Whether the window holds noon UTC of one of ``dates``: its business date in every zone from UTC-11 to
-        UTC+11 (the sample's switches name business dates, and the source sees only UTC bounds)."""
-        return any(start <= dt.datetime.combine(day, dt.time(12), dt.timezone.utc) < end for day in dates)
-
-    def _voided(self, start_utc: dt.datetime, end_utc: dt.datetime) -> bool:
-        return bool(self.voided) and self._dated(*_bounds(start_utc, end_utc), self.voided)
+    def _voided(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> bool:
+        return bool(self.voided) and (tenant, _bounds(start_utc, end_utc)[0]) in self.voided
 
     def _indices(self, start_utc: dt.datetime, end_utc: dt.datetime) -> range:
         if self.cadence_minutes <= 0:
@@ -93,17 +88,16 @@ class SampleInvoiceSource(InvoiceSource):
     def count(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> int:
         self._refuse_if_down(tenant, start_utc, end_utc)
         total = len(self._indices(start_utc, end_utc))
-        return max(total - 1, 0) if self._voided(start_utc, end_utc) else total
+        return max(total - 1, 0) if self._voided(tenant, start_utc, end_utc) else total
 
     def _refuse_if_down(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> None:
-        down = {day for who, day in self.outages if who == tenant}
-        if down and self._dated(*_bounds(start_utc, end_utc), down):
+        if self.outages and (tenant, _bounds(start_utc, end_utc)[0]) in self.outages:
             raise SourceError(f"the sample source is down for tenant {tenant!r} (EXPORTS_SAMPLE_OUTAGE)")
 
     def rows(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> pd.DataFrame:
         self._refuse_if_down(tenant, start_utc, end_utc)
         indices = self._indices(start_utc, end_utc)
-        if self._voided(start_utc, end_utc) and len(indices):
+        if self._voided(tenant, start_utc, end_utc) and len(indices):
             indices = indices[:-1]
         k = np.arange(indices.start, indices.stop, dtype=np.int64)
         seed = int.from_bytes(hashlib.sha256(tenant.encode()).digest()[:4], "big")

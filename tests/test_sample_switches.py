@@ -83,20 +83,28 @@ def test_a_voided_date_reads_one_invoice_fewer_per_tenant_and_drift_finds_it(tmp
 
 
 @pytest.mark.parametrize(
-    ("zone", "offset_hours"),
-    [("America/New_York", -5), ("Asia/Kolkata", 5.5), ("Pacific/Honolulu", -10), ("Asia/Tokyo", 9)],
+    "zone",
+    ["America/New_York", "Asia/Kolkata", "Pacific/Pago_Pago", "Pacific/Apia", "Pacific/Kiritimati", "Etc/GMT+12"],
 )
-def test_a_switch_names_the_business_date_in_each_zone_the_reference_location_uses(zone, offset_hours):
+def test_a_switch_names_the_business_date_in_each_tenants_own_zone(tmp_path, zone):
+    """Resolved in each tenant's calendar: a tenant at UTC+13 or +14 (the reference examples' Apia) or at UTC-12 is
+    down, or voided, on the date named, never on the day before or after it."""
     day = dt.date(2026, 3, 8)
-    source = SampleInvoiceSource(cadence_minutes=60, outages=frozenset({("acme", day)}), voided=frozenset({day}))
+    source = SampleInvoiceSource(cadence_minutes=60)
+    build_definitions(
+        tenants={"acme": zone, "globex": zone},
+        source=source,
+        environ=_environ(tmp_path, EXPORTS_SAMPLE_OUTAGE="acme@2026-03-08", EXPORTS_SAMPLE_VOIDED="2026-03-08"),
+    )
+    full = SampleInvoiceSource(cadence_minutes=60)
 
     with pytest.raises(SourceError, match="EXPORTS_SAMPLE_OUTAGE"):
         source.rows("acme", *_window(zone, day))
-    full = SampleInvoiceSource(cadence_minutes=60)
-    assert len(source.rows("globex", *_window(zone, day))) == len(full.rows("globex", *_window(zone, day))) - 1
+    assert len(source.rows("globex", *_window(zone, day))) == full.count("globex", *_window(zone, day)) - 1
     assert source.count("globex", *_window(zone, day)) == full.count("globex", *_window(zone, day)) - 1
     for other in (day - dt.timedelta(days=1), day + dt.timedelta(days=1)):
         assert len(source.rows("acme", *_window(zone, other))) == full.count("acme", *_window(zone, other))
+    assert source.identity() == full.identity(), "the switches are the sample's data, never its contract"
 
 
 @pytest.mark.parametrize(
@@ -105,10 +113,13 @@ def test_a_switch_names_the_business_date_in_each_zone_the_reference_location_us
         ({"EXPORTS_SAMPLE_OUTAGE": "globex"}, "EXPORTS_SAMPLE_OUTAGE: 'globex' is not tenant@YYYY-MM-DD"),
         ({"EXPORTS_SAMPLE_OUTAGE": "globex@2026-02-30"}, "EXPORTS_SAMPLE_OUTAGE: '2026-02-30' is not a date"),
         ({"EXPORTS_SAMPLE_OUTAGE": "hooli@2026-03-08"}, "names hooli, not among the tenants (acme, globex, initech)"),
+        ({"EXPORTS_SAMPLE_OUTAGE": "globex@"}, "EXPORTS_SAMPLE_OUTAGE: 'globex@' is not tenant@YYYY-MM-DD"),
+        ({"EXPORTS_SAMPLE_OUTAGE": "@2026-03-08"}, "EXPORTS_SAMPLE_OUTAGE: '@2026-03-08' is not tenant@YYYY-MM-DD"),
         ({"EXPORTS_SAMPLE_VOIDED": "yesterday"}, "EXPORTS_SAMPLE_VOIDED: 'yesterday' is not a date"),
+        ({"EXPORTS_SAMPLE_VOIDED": "20260308"}, "EXPORTS_SAMPLE_VOIDED: '20260308' is not a date (YYYY-MM-DD)"),
         (
             {"EXPORTS_SOURCE": "", "EXPORTS_SAMPLE_VOIDED": "2026-03-08", "EXPORTS_SOURCE_URL": "sqlite://"},
-            "EXPORTS_SAMPLE_VOIDED apply to the sample source only",
+            "EXPORTS_SAMPLE_VOIDED applies to the sample source only",
         ),
     ],
 )

@@ -99,8 +99,8 @@ def require_tenant(ledger: ExportLedger, tenant: str | None, export: str | None 
     """Refuses a tenant id the ledger has never seen (of ``export`` when given), listing those it knows."""
     if tenant is None or ledger.queries.has_tenant(tenant, export=export):
         return
-    known = ledger.queries.tenants(export=export)
-    listed = ", ".join(known[:20]) + (f", ... ({len(known)} in all)" if len(known) > 20 else "")
+    known, more = ledger.queries.tenants(export=export)
+    listed = ", ".join(known[:20]) + (", ..." if more or len(known) > 20 else "")
     scope = f" of export {export!r}" if export is not None else ""
     raise ExportLedgerError(f"the ledger knows no tenant {tenant!r}{scope} (known: {listed or 'none yet'})")
 

@@ -621,3 +621,21 @@ def test_the_way_out_of_a_never_claimed_partition_a_restatement_and_a_conflict(s
         f'export-ledger resolve {key} --discard-destination --reason "..."',
     ]
     assert way("refused", logical_key=None) == [], "a refused contract's command is in its why already"
+
+
+def test_the_known_tenants_listed_are_the_first_in_order_and_say_when_there_are_more(capsys, tmp_path, clock):
+    url = f"sqlite:///{tmp_path / 'many.sqlite3'}"
+    ExportLedger(url, clock=clock).claims.claim_many([key(f"t{i:03d}", 8) for i in range(150)], "run-many/x")
+
+    code, _, err = run(capsys, "--ledger-url", url, "status", "--tenant", "t999")
+
+    assert code == 1
+    assert "(known: t000, t001, t002" in err and "t019, ...)" in err, err
+
+
+def test_needs_attention_for_a_tenant_with_no_trace_in_the_ledger_is_not_refused(capsys, ledger_url):
+    """A tenant the code declares can be late before it has a key, and a partition never claimed concerns every
+    tenant: --needs-attention --tenant is not checked against the ledger."""
+    code, out, err = run(capsys, "--ledger-url", ledger_url, "status", "--needs-attention", "--tenant", "newcomer")
+
+    assert (code, err) == (0, "") and "no export key needs attention" in out

@@ -398,9 +398,9 @@ def test_sigstop_at_a_random_moment_then_takeover_never_lets_the_frozen_owner_co
         )
         harness.tally[f"A {a_told} / B {b_told}{' (B waited for frozen A)' if b_blocked else ''} / C {told(last)}"] += 1
         if a_told == "exported" and b_told == "already_completed" and not b_blocked:
-            scale *= 0.8  # A had committed before it froze
+            scale = max(scale * 0.8, 0.25)  # A had committed before it froze
         elif a_told in ("LeaseHeld", "already_completed"):
-            scale *= 1.15  # A froze before its claim: B claimed (or completed) first
+            scale = min(scale * 1.15, 4.0)  # A froze before its claim: B claimed (or completed) first
         # Once a known S3 defect let B record `conflict` here (A frozen between its two PUTs, B's data differing).
         # Each party now writes a place of its own token, and B sweeps A's: a frozen owner's leftovers can never be a
         # conflict for the party that fenced it.

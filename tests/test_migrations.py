@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import json
 import shutil
 from pathlib import Path
 
@@ -222,3 +223,18 @@ def test_upgrade_is_refused_for_a_ledger_newer_than_this_release(tmp_path):
     with pytest.raises(LedgerUnavailable, match="newer than this release"):
         ExportLedger(url)
     assert upgrade(sa.create_engine(url)) == [], "an upgrade never goes back"
+
+
+def test_a_ledger_of_release_0_4_0_is_read_by_tenant_and_a_typo_is_named(ledger_040, capsys):
+    """The tenant check reads only the tables this schema has (no refusals before version 6, no contract tenants
+    before 9): status --tenant on an older ledger lists the tenant's keys, and a typo lists the known tenants."""
+    from export_ledger import cli
+
+    before = _digest(ledger_040)
+    assert cli.main(["--ledger-url", ledger_040, "status", "--tenant", "acme", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert listed and {item["tenant"] for item in listed} == {"acme"}
+    assert cli.main(["--ledger-url", ledger_040, "status", "--tenant", "acmee"]) == 1
+    assert "the ledger knows no tenant 'acmee' (known: acme, globex" in capsys.readouterr().err
+    dispose_engines()
+    assert _digest(ledger_040) == before, "a read-open never writes"

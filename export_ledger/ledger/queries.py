@@ -134,28 +134,40 @@ class Queries:
             names |= set(conn.execute(sa.select(export_contracts.c.export).distinct()).scalars())
         return sorted(names)
 
-    def tenants(self, *, export: str | None = None, limit: int = 100) -> list[str]:
-        """Tenant ids the ledger has a key or a contract row of (of one export when given), sorted: at most ``limit``
-        of each table (a listing for a message, not a census)."""
-        queries = [
-            sa.select(table.c.tenant).where(table.c.tenant.is_not(None), *_of_export(table, export))
-            for table in (export_contracts, export_runs, export_contract_refusals)
-        ]
+    def tenants(self, *, export: str | None = None, limit: int = 100) -> tuple[list[str], bool]:
+        """Tenant ids the ledger has a key, a contract row or a refused claim of (of one export when given), sorted,
+        and whether there may be more: the first ``limit`` of each table in order (a listing for a message)."""
+        found: set[str] = set()
+        more = False
         with self.ledger.atomic(read_only=True) as conn:
-            found = {t for q in queries for t in conn.execute(q.distinct().limit(limit)).scalars()}
-        return sorted(found)
+            for table in self._tenant_tables():
+                query = sa.select(table.c.tenant).where(table.c.tenant.is_not(None), *_of_export(table, export))
+                names = list(conn.execute(query.distinct().order_by(table.c.tenant).limit(limit)).scalars())
+                found.update(names)
+                more = more or len(names) == limit
+        return sorted(found), more
 
     def has_tenant(self, tenant: str, *, export: str | None = None) -> bool:
         """Whether the ledger has a contract row, a key or a refused claim of ``tenant`` (of ``export`` when given):
-        a row read from each table at most."""
+        at most one row returned from each table."""
         with self.ledger.atomic(read_only=True) as conn:
             return any(
                 conn.execute(
                     sa.select(sa.literal(1)).where(table.c.tenant == tenant, *_of_export(table, export)).limit(1)
                 ).first()
                 is not None
-                for table in (export_contracts, export_runs, export_contract_refusals)
+                for table in self._tenant_tables()
             )
+
+    def _tenant_tables(self) -> list[sa.Table]:
+        """The tables that name tenants in this ledger's schema: refusals came with version 6, a contract row's
+        tenant with version 9 (an older ledger is read as it is)."""
+        tables = [export_runs]
+        if self.ledger.supports(6):
+            tables.append(export_contract_refusals)
+        if self.ledger.supports(9):
+            tables.append(export_contracts)
+        return tables
 
     def day_summaries(
         self, *, export: str, timezone: str | None, days: Sequence[dt.date], tenants: Sequence[str]

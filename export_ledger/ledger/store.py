@@ -26,6 +26,7 @@ clock on SQLite (every process that opens a SQLite file runs on the host that ho
 from __future__ import annotations
 
 import datetime as dt
+import socket
 import threading
 from pathlib import Path
 
@@ -171,16 +172,82 @@ class unavailable_as_error:
 
     def __exit__(self, kind, exc, _tb) -> bool:
         if isinstance(exc, sa.exc.OperationalError):
-            raise LedgerUnavailable(
-                f"cannot reach the ledger at {redact_url(self.url)!r}: {exc.orig.__class__.__name__} "
-                "(the driver's message is withheld: it can quote statement values)"
-            ) from None
+            why = why_unreachable(self.url) or (
+                f"{exc.orig.__class__.__name__} (the driver's message is withheld: it can quote statement values)"
+            )
+            raise LedgerUnavailable(f"cannot reach the ledger at {redact_url(self.url)!r}: {why}") from None
         if isinstance(exc, ModuleNotFoundError):
             raise LedgerUnavailable(
                 f"cannot open the ledger at {redact_url(self.url)!r}: its database driver is not installed "
                 f"({exc.name}); for PostgreSQL write postgresql+psycopg2:// (psycopg2 is installed with export-ledger)"
             ) from None
         return False
+
+
+def _speaks_postgresql(conn: socket.socket) -> bool:
+    """Whether the peer answers PostgreSQL's SSLRequest as a PostgreSQL server does: one byte, ``S`` or ``N``, and
+    then nothing until the client goes on (a server of another protocol that happens to start with ``S``, such as an
+    SSH banner, says more)."""
+    try:
+        conn.sendall((8).to_bytes(4, "big") + (80877103).to_bytes(4, "big"))
+        if conn.recv(1) not in (b"S", b"N"):
+            return False
+        conn.settimeout(0.3)
+        try:
+            conn.recv(1)  # more bytes, or the peer closed: not a PostgreSQL server waiting for the client
+        except TimeoutError:
+            return True
+        return False
+    except OSError:
+        return False
+
+
+_DEFAULT_PORTS = {"postgresql": 5432, "mysql": 3306, "mariadb": 3306}
+
+
+def why_unreachable(url: str, timeout: float = 5.0) -> str:
+    """Why a database server at ``url`` cannot be used, found by this function's own means and never from the driver's
+    words (which can quote values): a name that does not resolve, a refused or timed-out TCP connect, or, when the
+    server answers, authentication or a missing database (told apart on PostgreSQL by a connection with the same
+    user to its ``postgres`` database). Empty for a URL without a host (a SQLite file)."""
+    try:
+        parsed = database_url(url)
+    except ConfigurationError:
+        return ""
+    backend = parsed.get_backend_name()
+    if not parsed.host or backend not in _DEFAULT_PORTS:
+        return ""
+    host, port = parsed.host, parsed.port or _DEFAULT_PORTS[backend]
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as conn:
+            speaks = _speaks_postgresql(conn) if backend == "postgresql" else True
+    except socket.gaierror:
+        return f"the host name {host!r} does not resolve"
+    except ConnectionRefusedError:
+        return f"the connection to {host}:{port} was refused (is the database server running there?)"
+    except TimeoutError:
+        return f"connecting to {host}:{port} timed out after {timeout:g} s"
+    except OSError as exc:
+        return f"{host}:{port} cannot be reached ({exc.strerror or type(exc).__name__})"
+    if not speaks:
+        return f"{host}:{port} accepted the connection but is not a PostgreSQL server (it did not answer as one)"
+    if backend != "postgresql" or parsed.database in (None, "postgres"):
+        return f"{host}:{port} answered, but refused the session (authentication, or the database is missing)"
+    probe = sa.create_engine(
+        parsed.set(database="postgres"), poolclass=sa.pool.NullPool, connect_args={"connect_timeout": int(timeout)}
+    )
+    try:
+        probe.connect().close()
+    except sa.exc.DBAPIError:
+        return (
+            f"authentication failed for user {parsed.username!r} on {host}:{port} (a wrong password, an unknown role, "
+            "or the server's pg_hba.conf refuses it)"
+        )
+    finally:
+        probe.dispose()
+    return (
+        f"the database {parsed.database!r} does not exist on {host}:{port} (or user {parsed.username!r} may not use it)"
+    )
 
 
 def schema_version(engine_or_connection: Engine | Connection) -> int:

@@ -1,0 +1,111 @@
+"""An unreachable ledger says which of refused, timed out, not resolved, not PostgreSQL, authentication failed or
+database missing (issue 27, item 5), found by the library's own probes (a TCP connect, PostgreSQL's SSLRequest, a
+connection to the server's ``postgres`` database), never from the driver's words, and never with the password."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+from sqlalchemy.engine import make_url
+
+from export_ledger import cli
+from export_ledger.ledger import dispose_engines
+from export_ledger.ledger.store import why_unreachable
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextmanager
+def _listener(serve) -> Iterator[int]:
+    """A TCP server on 127.0.0.1 whose every connection is handed to ``serve``; its port."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    stop = threading.Event()
+
+    def loop():
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                serve(conn)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join(5)
+        server.close()
+
+
+def test_a_closed_port_is_refused():
+    port = _free_port()
+    assert why_unreachable(f"postgresql://u@127.0.0.1:{port}/x") == (
+        f"the connection to 127.0.0.1:{port} was refused (is the database server running there?)"
+    )
+
+
+def test_a_name_that_does_not_resolve_is_said_so():
+    assert why_unreachable("postgresql://u@ledger.invalid/x") == "the host name 'ledger.invalid' does not resolve"
+
+
+def test_a_port_whose_queue_is_full_times_out():
+    with socket.create_server(("127.0.0.1", 0), backlog=0) as server:
+        port = server.getsockname()[1]
+        queued = []
+        for _ in range(4):  # fill the accept queue: later connects get no answer
+            pending = socket.socket()
+            pending.setblocking(False)
+            pending.connect_ex(("127.0.0.1", port))
+            queued.append(pending)
+        try:
+            why = why_unreachable(f"postgresql://u@127.0.0.1:{port}/x", timeout=1)
+        finally:
+            for conn in queued:
+                conn.close()
+    assert why == f"connecting to 127.0.0.1:{port} timed out after 1 s"
+
+
+def test_a_server_that_is_not_postgresql_is_said_so():
+    with _listener(lambda conn: conn.sendall(b"SSH-2.0-OpenSSH_9.2\r\n")) as port:
+        why = why_unreachable(f"postgresql://u@127.0.0.1:{port}/x", timeout=2)
+    assert why == f"127.0.0.1:{port} accepted the connection but is not a PostgreSQL server (it did not answer as one)"
+
+
+def test_a_missing_database_and_an_unknown_role_are_told_apart(postgres_admin_url):
+    admin = make_url(postgres_admin_url)
+    where = f"{admin.host}:{admin.port or 5432}"
+    missing = admin.set(database="no_such_ledger_db").render_as_string(hide_password=False)
+    stranger = admin.set(username="no_such_role", password=None).render_as_string(hide_password=False)
+
+    assert why_unreachable(missing) == (
+        f"the database 'no_such_ledger_db' does not exist on {where} (or user {admin.username!r} may not use it)"
+    )
+    assert why_unreachable(stranger).startswith(f"authentication failed for user 'no_such_role' on {where}")
+
+
+def test_the_cli_says_why_and_never_the_password(capsys):
+    port = _free_port()
+    code = cli.main(["--ledger-url", f"postgresql+psycopg2://u:topsecret@127.0.0.1:{port}/x", "status"])
+    out, err = capsys.readouterr()
+    dispose_engines()
+
+    assert code == 1 and out == ""
+    assert f"the connection to 127.0.0.1:{port} was refused" in err
+    assert "u:***@" in err and "topsecret" not in err
+
+
+@pytest.mark.parametrize("url", ["sqlite:////nonexistent/ledger.sqlite3", "mssql+pyodbc://u@dsn"])
+def test_a_url_without_a_server_to_probe_gets_no_guess(url):
+    assert why_unreachable(url) == ""

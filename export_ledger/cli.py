@@ -438,7 +438,14 @@ def _days_arg(text: str) -> int:
 
 
 def _ledger_url(args: argparse.Namespace, settings: Settings) -> str:
-    return args.ledger_url if args.ledger_url is not None else settings.ledger_url
+    """``--ledger-url``, else the ledger of the code location given with ``-f``/``-m`` (its resource, as its runs
+    open it), else ``EXPORTS_LEDGER_URL`` or the default file."""
+    if args.ledger_url is not None:
+        return args.ledger_url
+    location = _code_location(args)
+    if location is not None and location.ledger_url:
+        return location.ledger_url
+    return settings.ledger_url
 
 
 def _open_ledger(url: str, *, read_only: bool) -> ExportLedger:
@@ -857,9 +864,13 @@ def _code_location(args: argparse.Namespace) -> operations.CodeLocation | None:
         raise UsageError("-a ATTRIBUTE names the Definitions in the -f FILE or -m MODULE: give one of them too")
     if not (getattr(args, "python_file", None) or getattr(args, "module_name", None)):
         return None
-    from export_ledger.dagster.code_location import load_code_location
+    if getattr(args, "loaded_location", None) is None:  # loaded once a command: it imports the user's code
+        from export_ledger.dagster.code_location import load_code_location
 
-    return load_code_location(python_file=args.python_file, module_name=args.module_name, attribute=args.attribute)
+        args.loaded_location = load_code_location(
+            python_file=args.python_file, module_name=args.module_name, attribute=args.attribute
+        )
+    return args.loaded_location
 
 
 def _location_note(args: argparse.Namespace, commands: Sequence[operations.Command]) -> list[str]:

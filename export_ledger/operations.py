@@ -51,6 +51,7 @@ class CodeLocation:
     dagster_args: tuple[str, ...]  # e.g. ("-f", "shop.py") or ("-m", "shop.defs", "-a", "defs")
     specs: tuple[ExportSpec, ...]
     destinations: Mapping[str, Destination] = field(default_factory=dict)
+    ledger_url: str | None = None  # its ledger resource's URL, resolved; None without one
 
     def spec(self, export: str) -> ExportSpec | None:
         return next((spec for spec in self.specs if spec.name == export), None)

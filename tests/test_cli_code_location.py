@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import shlex
+import sys
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
@@ -58,6 +59,8 @@ def shop(tmp_path, monkeypatch, sqlite_url):
     stuck = key_for(DAY + dt.timedelta(days=1), export="orders", tenant="bombay", timezone="Asia/Kolkata")
     ledger.completions.mark_remote_unknown(ledger.claims.claim(stuck, "run-2"), TimeoutError("upload timed out"))
     monkeypatch.chdir(tmp_path)
+    # -m imports the module once a process: an earlier test's shop_location would name that test's ledger.
+    monkeypatch.delitem(sys.modules, "shop_location", raising=False)
     monkeypatch.setenv("EXPORTS_LEDGER_URL", sqlite_url)
     monkeypatch.setenv("EXPORTS_DESTINATION", str(destination))
     monkeypatch.setenv("COLUMNS", "400")  # the printed commands on one line each
@@ -193,3 +196,27 @@ def test_tables_fit_100_columns_when_stdout_is_not_a_terminal_and_json_stays_who
     code, out, _ = run(capsys, "attempts", str(claim.logical_key), "--json")
     (attempt,) = json.loads(out)
     assert attempt["attempt_id"] == "run-" + "x" * 60 + "/orders", "--json is never cut"
+
+
+def test_with_a_code_location_the_ledger_is_the_one_its_runs_use(capsys, shop, tmp_path, monkeypatch):
+    """After `dg launch` or `dagster asset materialize -f shop.py`, `export-ledger status -f shop.py` reads the
+    ledger of that code location's ledger resource (an EnvVar resolved as a run resolves it): no URL copied by hand.
+    EXPORTS_LEDGER_URL names another (empty) ledger here, which the command must not read."""
+    ledger, completed, _ = shop
+    (tmp_path / "elsewhere.py").write_text(
+        LOCATION.replace("environ={{", "ledger=LedgerResource(url=dg.EnvVar('SHOP_LEDGER_URL')), environ={{")
+        .replace("from export_ledger.dagster import ledgered_definitions",
+                 "import dagster as dg\nfrom export_ledger.dagster import LedgerResource, ledgered_definitions")
+        .format(url="unused", destination=str(tmp_path / "exports"))
+    )  # fmt: skip
+    monkeypatch.setenv("SHOP_LEDGER_URL", ledger.url)
+    other = f"sqlite:///{tmp_path / 'other.sqlite3'}"
+    ExportLedger(other)  # an empty ledger, where EXPORTS_LEDGER_URL points
+    monkeypatch.setenv("EXPORTS_LEDGER_URL", other)
+
+    code, out, err = run(capsys, "status", "-f", "elsewhere.py", "--json")
+
+    assert code == 0, err
+    assert completed in [item["logical_key"] for item in json.loads(out)], "the location's ledger, not the env's"
+    code, out, _ = run(capsys, "status", "--json")
+    assert (code, json.loads(out)) == (0, []), "without -f the environment's ledger, as before"

@@ -48,8 +48,23 @@ def load_code_location(
     except ConfigurationError as exc:
         raise ConfigurationError(f"{named}: {exc}") from None
     return CodeLocation(
-        dagster_args=_args(python_file, module_name, attribute), specs=specs, destinations=_destinations(defs, specs)
+        dagster_args=_args(python_file, module_name, attribute),
+        specs=specs,
+        destinations=_destinations(defs, specs),
+        ledger_url=_ledger_url(defs),
     )
+
+
+def _ledger_url(defs: dg.Definitions) -> str | None:
+    """The URL of the code location's ``ledger`` resource, resolved as a run resolves it (an ``EnvVar`` read now);
+    None when it has no such resource."""
+    from export_ledger.dagster.resources import LedgerResource
+
+    resource = (defs.resources or {}).get("ledger")
+    if not isinstance(resource, LedgerResource):
+        return None
+    with dg.build_resources({"ledger": resource}) as built:
+        return built.ledger.url
 
 
 def _args(python_file: str | None, module_name: str | None, attribute: str | None) -> tuple[str, ...]:

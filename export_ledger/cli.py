@@ -181,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     where = location.add_mutually_exclusive_group()
     where.add_argument("-f", "--python-file", dest="python_file", metavar="FILE", help="the code location's file")
     where.add_argument("-m", "--module-name", dest="module_name", metavar="MODULE", help="the code location's module")
+    where.add_argument(
+        "-w", "--workspace", dest="workspace", metavar="WORKSPACE",
+        help="a workspace.yaml that declares the code location (one python_file or python_module)",
+    )  # fmt: skip
     location.add_argument(
         "-a", "--attribute", metavar="ATTRIBUTE",
         help="the Definitions in the file or module (default: the one Definitions there)",
@@ -765,7 +769,11 @@ def _needs_attention(ledger: ExportLedger, args: argparse.Namespace) -> str:
     ]
     table = _table(("LOGICAL KEY", "STATE", "CLAIMS", "SINCE", "WHY, AND THE WAY OUT"), rows)
     # Commands are printed whole, never wrapped: they are to be pasted.
-    listed = [f"  {e.name}\n" + "\n".join(f"    {command}" for command in out) for e, out in zip(found, ways, strict=True) if out]
+    listed = [
+        f"  {e.name}\n" + "\n".join(f"    {command}" for command in out)
+        for e, out in zip(found, ways, strict=True)
+        if out
+    ]
     if listed:
         table += "\n\nways out, to paste (fill in each --reason):\n" + "\n".join(listed)
     return table + _more(len(found), args)
@@ -862,20 +870,23 @@ def _code_location(args: argparse.Namespace) -> operations.CodeLocation | None:
     """The code location named by -f/-m (-a), loaded (this imports Dagster and the user's code); None without one."""
     if getattr(args, "attribute", None) and not (args.python_file or args.module_name):
         raise UsageError("-a ATTRIBUTE names the Definitions in the -f FILE or -m MODULE: give one of them too")
-    if not (getattr(args, "python_file", None) or getattr(args, "module_name", None)):
+    if not any(getattr(args, name, None) for name in ("python_file", "module_name", "workspace")):
         return None
     if getattr(args, "loaded_location", None) is None:  # loaded once a command: it imports the user's code
-        from export_ledger.dagster.code_location import load_code_location
+        from export_ledger.dagster.code_location import load_code_location, load_workspace_location
 
-        args.loaded_location = load_code_location(
-            python_file=args.python_file, module_name=args.module_name, attribute=args.attribute
-        )
+        if args.workspace:
+            args.loaded_location = load_workspace_location(args.workspace)
+        else:
+            args.loaded_location = load_code_location(
+                python_file=args.python_file, module_name=args.module_name, attribute=args.attribute
+            )
     return args.loaded_location
 
 
 def _location_note(args: argparse.Namespace, commands: Sequence[operations.Command]) -> list[str]:
     """Printed commands without -f/-m assume this repository's layout: say so, and how to have the exact ones."""
-    if not commands or args.python_file or args.module_name:
+    if not commands or args.python_file or args.module_name or getattr(args, "workspace", None):
         return []
     if Path("definitions.py").is_file():  # what operations.location_args names, or its placeholder
         assumed = "assume the code location is ./definitions.py"

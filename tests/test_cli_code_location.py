@@ -220,3 +220,36 @@ def test_with_a_code_location_the_ledger_is_the_one_its_runs_use(capsys, shop, t
     assert completed in [item["logical_key"] for item in json.loads(out)], "the location's ledger, not the env's"
     code, out, _ = run(capsys, "status", "--json")
     assert (code, json.loads(out)) == (0, []), "without -f the environment's ledger, as before"
+
+
+def test_a_workspace_names_the_code_location_and_its_ledger(capsys, shop, tmp_path):
+    """-w workspace.yaml, as `dg dev -w` and `dagster` take it: its one location is loaded (from its working
+    directory), its ledger read, and the printed commands repeat -w."""
+    _, completed, _ = shop
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "ws" / "workspace.yaml").write_text(
+        "load_from:\n  - python_file:\n      relative_path: ../shop_location.py\n      attribute: shop_defs\n"
+        "      working_directory: ..\n"
+    )
+
+    code, out, err = run(capsys, "restate", completed, "--reason", "late rows", "-w", "ws/workspace.yaml")
+
+    assert code == 0, err
+    assert commands(out, "materialize: ") == [
+        ["dagster", "asset", "materialize", "-w", "ws/workspace.yaml", "--select", "orders__asia_kolkata",
+         "--partition", "2026-03-08"]
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("text", "mention"),
+    [
+        ("load_from: []\n", "declares 0 python_file or python_module locations"),
+        ("load_from:\n  - python_file: a.py\n  - python_file: b.py\n", "declares 2 python_file"),
+        ("load_from: [\n", "not valid YAML"),
+    ],
+)
+def test_a_workspace_that_does_not_name_one_location_is_one_clear_error(capsys, shop, tmp_path, text, mention):
+    (tmp_path / "bad.yaml").write_text(text)
+    code, _, err = run(capsys, "status", "-w", "bad.yaml")
+    assert code == 1 and mention in err and len(err.strip().splitlines()) == 1, err

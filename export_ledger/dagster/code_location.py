@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import os
@@ -53,6 +54,45 @@ def load_code_location(
         destinations=_destinations(defs, specs),
         ledger_url=_ledger_url(defs),
     )
+
+
+def load_workspace_location(workspace: str) -> CodeLocation:
+    """The code location of a ``workspace.yaml`` that declares one (``python_file`` or ``python_module``), loaded as
+    :func:`load_code_location` loads it; the printed ``dagster`` commands repeat ``-w workspace``.
+
+    Raises:
+        ConfigurationError: the file cannot be read, or declares no location or several (name one with -f or -m).
+    """
+    import yaml  # Dagster's own dependency
+
+    path = Path(workspace).expanduser()
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigurationError(f"-w {workspace}: cannot read it ({exc.strerror})") from None
+    except yaml.YAMLError:
+        raise ConfigurationError(f"-w {workspace}: not valid YAML") from None
+    entries = (loaded or {}).get("load_from") if isinstance(loaded, dict) else None
+    found = [e for e in entries or [] if isinstance(e, dict) and ({"python_file", "python_module"} & set(e))]
+    if len(found) != 1:
+        raise ConfigurationError(
+            f"-w {workspace}: declares {len(found)} python_file or python_module locations; export-ledger reads one "
+            "(name it with -f FILE or -m MODULE)"
+        )
+    kind, entry = next(iter(found[0].items()))
+    entry = {"relative_path": entry} if isinstance(entry, str) and kind == "python_file" else entry
+    entry = {"module_name": entry} if isinstance(entry, str) else entry
+    folder = path.resolve().parent
+    working = entry.get("working_directory")
+    if working:
+        os.chdir(folder / working)  # as Dagster runs the code location: its imports and relative paths are from there
+    if kind == "python_file":
+        location = load_code_location(
+            python_file=str(folder / entry["relative_path"]), attribute=entry.get("attribute")
+        )
+    else:
+        location = load_code_location(module_name=entry["module_name"], attribute=entry.get("attribute"))
+    return dataclasses.replace(location, dagster_args=("-w", workspace))
 
 
 def _ledger_url(defs: dg.Definitions) -> str | None:

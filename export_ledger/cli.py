@@ -83,6 +83,7 @@ from export_ledger.ledger import (
     upgrade_url,
 )
 from export_ledger.ledger.core import DEFAULT_MAX_ATTEMPTS
+from export_ledger.ledger.store import why_unreachable
 from export_ledger.ledger.urls import database_url
 from export_ledger.restate import (
     published_revisions,
@@ -1314,7 +1315,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, operations.UsageRefused, operations.DestinationMismatch) as exc:
         return _error(_redact_message(str(exc), url), USAGE_ERROR)
     except (CliError, ExportLedgerError) as exc:
-        return _error(_redact_message(str(exc), url), RUNTIME_ERROR)
+        why = why_unreachable(url) if url and getattr(exc, "unreachable", False) else ""
+        message = f"cannot reach the ledger at {redact_url(url)!r}: {why}" if why else str(exc)
+        return _error(_redact_message(message, url), RUNTIME_ERROR)
     except sa.exc.SQLAlchemyError as exc:
         cause = getattr(exc, "orig", None) or exc
         return _error(

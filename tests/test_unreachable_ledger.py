@@ -83,16 +83,52 @@ def test_a_server_that_is_not_postgresql_is_said_so():
     assert why == f"127.0.0.1:{port} accepted the connection but is not a PostgreSQL server (it did not answer as one)"
 
 
-def test_a_missing_database_and_an_unknown_role_are_told_apart(postgres_admin_url):
+def test_a_server_that_accepts_and_says_nothing_is_not_called_something_else():
+    """A stopped (SIGSTOPed) server, or a balancer that accepts and waits: no answer is said as such, no guess."""
+    hold = threading.Event()
+    with _listener(lambda conn: hold.wait(3)) as port:
+        why = why_unreachable(f"postgresql://u@127.0.0.1:{port}/x", timeout=1)
+        hold.set()
+    assert why == f"127.0.0.1:{port} accepted the connection but did not answer as PostgreSQL within 1 s"
+
+
+def test_a_missing_database_and_a_refused_user_are_told_apart_without_claiming_more(postgres_admin_url):
     admin = make_url(postgres_admin_url)
     where = f"{admin.host}:{admin.port or 5432}"
     missing = admin.set(database="no_such_ledger_db").render_as_string(hide_password=False)
     stranger = admin.set(username="no_such_role", password=None).render_as_string(hide_password=False)
 
-    assert why_unreachable(missing) == (
-        f"the database 'no_such_ledger_db' does not exist on {where} (or user {admin.username!r} may not use it)"
+    assert why_unreachable(missing).startswith(
+        f"{where} is a PostgreSQL server that accepts user {admin.username!r} (in its postgres database), but not "
+        "in 'no_such_ledger_db': the database does not exist,"
     )
-    assert why_unreachable(stranger).startswith(f"authentication failed for user 'no_such_role' on {where}")
+    assert why_unreachable(stranger).startswith(
+        f"{where} is a PostgreSQL server that refuses user 'no_such_role' with these settings"
+    )
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "sqlite:////nonexistent/ledger.sqlite3",
+        "mssql+pyodbc://u@dsn",
+        "postgresql://u@127.0.0.9/x?host=127.0.0.1",  # libpq connects to the query's host: no probe of another
+        "postgresql://u@db..example.com/x",
+    ],
+)
+def test_what_the_probe_cannot_tell_gets_no_guess_and_no_error(url):
+    assert why_unreachable(url) in ("", "the host name 'db..example.com' does not resolve")
+
+
+def test_the_library_keeps_the_class_only_message_and_never_probes(postgres_admin_url, monkeypatch):
+    """Runs and sensors open ledgers while a database is down: no probe there (it would add seconds to each open)."""
+    from export_ledger.ledger import ExportLedger, LedgerUnavailable, store
+
+    monkeypatch.setattr(store, "_probe", lambda *a: pytest.fail("the library probed"))
+    port = _free_port()
+    with pytest.raises(LedgerUnavailable, match="OperationalError") as raised:
+        ExportLedger(f"postgresql+psycopg2://u@127.0.0.1:{port}/x")
+    assert getattr(raised.value, "unreachable", False)
 
 
 def test_the_cli_says_why_and_never_the_password(capsys):
@@ -104,8 +140,3 @@ def test_the_cli_says_why_and_never_the_password(capsys):
     assert code == 1 and out == ""
     assert f"the connection to 127.0.0.1:{port} was refused" in err
     assert "u:***@" in err and "topsecret" not in err
-
-
-@pytest.mark.parametrize("url", ["sqlite:////nonexistent/ledger.sqlite3", "mssql+pyodbc://u@dsn"])
-def test_a_url_without_a_server_to_probe_gets_no_guess(url):
-    assert why_unreachable(url) == ""

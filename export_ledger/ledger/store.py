@@ -172,10 +172,12 @@ class unavailable_as_error:
 
     def __exit__(self, kind, exc, _tb) -> bool:
         if isinstance(exc, sa.exc.OperationalError):
-            why = why_unreachable(self.url) or (
-                f"{exc.orig.__class__.__name__} (the driver's message is withheld: it can quote statement values)"
+            unavailable = LedgerUnavailable(
+                f"cannot reach the ledger at {redact_url(self.url)!r}: {exc.orig.__class__.__name__} "
+                "(the driver's message is withheld: it can quote statement values)"
             )
-            raise LedgerUnavailable(f"cannot reach the ledger at {redact_url(self.url)!r}: {why}") from None
+            unavailable.unreachable = True  # the first connection failed: an operator's tool may probe why
+            raise unavailable from None
         if isinstance(exc, ModuleNotFoundError):
             raise LedgerUnavailable(
                 f"cannot open the ledger at {redact_url(self.url)!r}: its database driver is not installed "
@@ -184,69 +186,88 @@ class unavailable_as_error:
         return False
 
 
-def _speaks_postgresql(conn: socket.socket) -> bool:
-    """Whether the peer answers PostgreSQL's SSLRequest as a PostgreSQL server does: one byte, ``S`` or ``N``, and
-    then nothing until the client goes on (a server of another protocol that happens to start with ``S``, such as an
-    SSH banner, says more)."""
+def _answers_postgresql(conn: socket.socket) -> bool | None:
+    """Whether the peer answers PostgreSQL's SSLRequest as a PostgreSQL server does (one byte, ``S`` or ``N``, then
+    nothing until the client goes on): True, False (it said something else, or closed), None (no answer in time)."""
     try:
         conn.sendall((8).to_bytes(4, "big") + (80877103).to_bytes(4, "big"))
-        if conn.recv(1) not in (b"S", b"N"):
-            return False
-        conn.settimeout(0.3)
-        try:
-            conn.recv(1)  # more bytes, or the peer closed: not a PostgreSQL server waiting for the client
-        except TimeoutError:
-            return True
-        return False
+        first = conn.recv(1)
+    except TimeoutError:
+        return None
     except OSError:
         return False
-
-
-_DEFAULT_PORTS = {"postgresql": 5432, "mysql": 3306, "mariadb": 3306}
-
-
-def why_unreachable(url: str, timeout: float = 5.0) -> str:
-    """Why a database server at ``url`` cannot be used, found by this function's own means and never from the driver's
-    words (which can quote values): a name that does not resolve, a refused or timed-out TCP connect, or, when the
-    server answers, authentication or a missing database (told apart on PostgreSQL by a connection with the same
-    user to its ``postgres`` database). Empty for a URL without a host (a SQLite file)."""
+    if first not in (b"S", b"N"):
+        return False
+    conn.settimeout(0.3)
     try:
-        parsed = database_url(url)
-    except ConfigurationError:
+        conn.recv(1)  # more bytes (an SSH banner starts with S), or the peer closed: not a server waiting for us
+    except TimeoutError:
+        return True
+    except OSError:
+        pass
+    return False
+
+
+_DEFAULT_PORTS = {"postgresql": 5432}
+
+
+def why_unreachable(url: str, timeout: float = 3.0) -> str:
+    """For an operator's message (the CLI calls it once a connection failed; nothing in a run or a sensor does): what
+    this function's own probes show about the server at ``url``, never the driver's words (which can quote values).
+
+    Certain: a name that does not resolve, a refused or timed-out TCP connect, a peer that does not answer as
+    PostgreSQL. When the server answers as PostgreSQL, a connection with the same URL to its ``postgres`` database
+    tells whether the server accepts this user with these settings at all: the words say what each outcome leaves
+    open. Empty when it cannot tell (no host, a host given in the query, a probe that fails in an unforeseen way)."""
+    try:
+        return _probe(url, timeout)
+    except Exception:  # a message helper: never an error of its own
         return ""
+
+
+def _probe(url: str, timeout: float) -> str:
+    parsed = database_url(url)
     backend = parsed.get_backend_name()
-    if not parsed.host or backend not in _DEFAULT_PORTS:
+    if not parsed.host or backend not in _DEFAULT_PORTS or "host" in parsed.query or "hostaddr" in parsed.query:
         return ""
     host, port = parsed.host, parsed.port or _DEFAULT_PORTS[backend]
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if not 0 < port < 65536:
+        return f"the port {port} is not a TCP port"
     try:
         with socket.create_connection((host, port), timeout=timeout) as conn:
-            speaks = _speaks_postgresql(conn) if backend == "postgresql" else True
-    except socket.gaierror:
+            answered = _answers_postgresql(conn)
+    except (socket.gaierror, UnicodeError):
         return f"the host name {host!r} does not resolve"
     except ConnectionRefusedError:
-        return f"the connection to {host}:{port} was refused (is the database server running there?)"
+        return f"the connection to {where} was refused (is the database server running there?)"
     except TimeoutError:
-        return f"connecting to {host}:{port} timed out after {timeout:g} s"
+        return f"connecting to {where} timed out after {timeout:g} s"
     except OSError as exc:
-        return f"{host}:{port} cannot be reached ({exc.strerror or type(exc).__name__})"
-    if not speaks:
-        return f"{host}:{port} accepted the connection but is not a PostgreSQL server (it did not answer as one)"
-    if backend != "postgresql" or parsed.database in (None, "postgres"):
-        return f"{host}:{port} answered, but refused the session (authentication, or the database is missing)"
+        return f"{where} cannot be reached ({exc.strerror or type(exc).__name__})"
+    if answered is None:
+        return f"{where} accepted the connection but did not answer as PostgreSQL within {timeout:g} s"
+    if not answered:
+        return f"{where} accepted the connection but is not a PostgreSQL server (it did not answer as one)"
+    if parsed.database in (None, "postgres"):
+        return f"{where} is a PostgreSQL server, and it refused this connection"
     probe = sa.create_engine(
-        parsed.set(database="postgres"), poolclass=sa.pool.NullPool, connect_args={"connect_timeout": int(timeout)}
-    )
+        parsed.set(database="postgres"), poolclass=sa.pool.NullPool,
+        connect_args={"connect_timeout": max(1, round(timeout))},
+    )  # fmt: skip
     try:
         probe.connect().close()
     except sa.exc.DBAPIError:
         return (
-            f"authentication failed for user {parsed.username!r} on {host}:{port} (a wrong password, an unknown role, "
-            "or the server's pg_hba.conf refuses it)"
+            f"{where} is a PostgreSQL server that refuses user {parsed.username!r} with these settings (its postgres "
+            "database too): a wrong password or unknown role, pg_hba.conf, the SSL settings, or a connection limit"
         )
     finally:
         probe.dispose()
     return (
-        f"the database {parsed.database!r} does not exist on {host}:{port} (or user {parsed.username!r} may not use it)"
+        f"{where} is a PostgreSQL server that accepts user {parsed.username!r} (in its postgres database), but not "
+        f"in {parsed.database!r}: the database does not exist, the user may not connect to it, or it is at its "
+        "connection limit"
     )
 
 

@@ -754,7 +754,8 @@ def _needs_attention(ledger: ExportLedger, args: argparse.Namespace) -> str:
         late = [e for e in late_keys(ledger, specs, limit=args.limit) if not args.tenant or e.tenant == args.tenant]
         listed = {e.logical_key for e in found}
         found = [*(e for e in late if e.logical_key not in listed), *found][: args.limit]
-    ways = [operations.ways_out(ledger, e, location) for e in found]
+    assets: dict = {}  # each (export, zone)'s asset, looked up once a listing
+    ways = [operations.ways_out(ledger, e, location, ledger_url=args.ledger_url, assets=assets) for e in found]
     if args.json:
         return _dump(
             [
@@ -776,7 +777,7 @@ def _needs_attention(ledger: ExportLedger, args: argparse.Namespace) -> str:
         if out
     ]
     if listed:
-        table += "\n\nways out, to paste (fill in each --reason):\n" + "\n".join(listed)
+        table += "\n\nways out, to paste (write each --reason; lines with # are notes):\n" + "\n".join(listed)
     return table + _more(len(found), args)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import re
+import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from export_ledger.errors import ExportLedgerError
 from export_ledger.ledger import ExportLedger, ExportRecord, ExportState, Restatement, RestatementRefused
 from export_ledger.ledger.attention import Escalation
 from export_ledger.ledger.contracts import Acceptance
+from export_ledger.ledger.urls import holds_secret
 from export_ledger.placement import DestinationMismatch, recorded_destinations
 from export_ledger.reconcile import ReconcileReport, reconcile_batch
 from export_ledger.restate import (
@@ -203,39 +205,74 @@ def location_args(location: CodeLocation | None, cwd: Path | None = None) -> tup
     return ("-f", "YOUR_DEFINITIONS.py")
 
 
-def ways_out(ledger: ExportLedger, escalation: Escalation, location: CodeLocation | None) -> list[str]:
-    """The commands that end ``escalation``, to paste (a ``--reason "..."`` to fill in): the same policy for the CLI
-    and anything else that shows escalations. A refused contract's command is in its ``why`` already."""
-    e, args = escalation, location_args(location)
+def ways_out(
+    ledger: ExportLedger,
+    escalation: Escalation,
+    location: CodeLocation | None,
+    *,
+    ledger_url: str | None = None,
+    assets: dict | None = None,
+) -> list[str]:
+    """The way out of ``escalation`` as lines to paste into a shell: commands, and ``#`` notes where a choice or a
+    guess is the operator's. Each ``--reason`` is left without its text, so a command pasted unread is refused until
+    the reason is written. ``ledger_url``: the ``--ledger-url`` the operator gave, repeated (unless it holds a
+    password). ``assets``: a memo of each (export, zone)'s asset, shared by the escalations of one listing. The same
+    policy for the CLI and anything else that shows escalations; a refused contract's command is in its ``why``."""
+    e, where = escalation, location_args(location)
+    ledger_args, notes = [], []
+    if ledger_url is not None:
+        if holds_secret(ledger_url):
+            notes.append("# add --ledger-url as you gave it (not repeated here: it holds a password)")
+        else:
+            ledger_args = ["--ledger-url", ledger_url]
     key, day = e.logical_key, e.business_date or (e.record.business_date if e.record is not None else None)
     rerun = []
     if day is not None:
-        if e.record is not None:
-            asset = asset_of(ledger, e.record, location)[0]
-        else:
-            asset = _asset_of_zone(ledger, e.export, e.timezone, location)
-        rerun = [materialize_command(asset, day.isoformat(), args)]
-    resolve = [f'export-ledger resolve {key} --{way}-destination --reason "..."' for way in ("accept", "discard")]
+        asset, guess = _asset_of_zone(ledger, e.export, e.timezone, location, {} if assets is None else assets)
+        rerun = [*([guess] if guess else []), materialize_command(asset, day.isoformat(), where)]
+
+    def cli(*words: str) -> str:  # the reason last, its text left to write
+        return shlex.join(["export-ledger", *words, *ledger_args, "--reason"])
+
+    def reconcile() -> str:
+        named = list(location.dagster_args) if location is not None else []
+        return shlex.join(["export-ledger", "reconcile", "--export", e.export, *named, *ledger_args])
+
+    resolve = [cli("resolve", key, f"--{way}-destination") for way in ("accept", "discard")]
     if e.state == ExportState.CONFLICT.value:
-        return resolve
-    if e.state == ExportState.IN_PROGRESS.value:  # abandoned: the reconciler judges it from the destination
-        return [f"export-ledger reconcile --export {e.export}"]
-    if e.state == ExportState.REMOTE_UNKNOWN.value:  # and where the destination cannot tell, a person decides
-        return [f"export-ledger reconcile --export {e.export}", *resolve]
-    if e.state == "restating":
-        return [*rerun, f'export-ledger restate --withdraw {key} --reason "..."']
-    if e.state in (ExportState.FAILED.value, "never claimed", "late"):
-        return rerun
-    return []
+        lines = ["# one of:", *resolve]
+    elif e.state == ExportState.IN_PROGRESS.value:  # abandoned: the reconciler judges it from the destination
+        lines = [reconcile()]
+    elif e.state == ExportState.REMOTE_UNKNOWN.value:  # and where the destination cannot tell, a person decides
+        lines = [reconcile(), "# if it stays remote_unknown, one of:", *resolve]
+    elif e.state == "restating":
+        lines = [*rerun, "# or, to give the restatement up:", cli("restate", "--withdraw", key)]
+    elif e.state in (ExportState.FAILED.value, "never claimed", "late"):
+        lines = rerun
+    else:
+        lines = []
+    return [*notes, *lines] if lines else []
 
 
-def _asset_of_zone(ledger: ExportLedger, export: str, zone: str | None, location: CodeLocation | None) -> str:
-    """The asset of ``export``'s partitions in ``zone`` (a partition no key of which was claimed)."""
-    spec = location.spec(export) if location is not None else None
-    group = spec.group_of_zone(zone) if spec is not None and zone is not None else None
-    if group is not None:
-        return group.asset_name
-    return export if zone is None else asset_name_of_zone(ledger, export, zone)[0]
+def _asset_of_zone(
+    ledger: ExportLedger, export: str, zone: str | None, location: CodeLocation | None, memo: dict
+) -> tuple[str, str]:
+    """The asset of ``export``'s partitions in ``zone``, and a ``#`` note when it is a guess: the code location's
+    answer when it declares the export, else the asset a completed key of that zone was exported by, else a guess
+    from the zones the contracts name. Memoized per (export, zone) in ``memo``."""
+    if (export, zone) not in memo:
+        spec = location.spec(export) if location is not None else None
+        group = spec.group_of_zone(zone) if spec is not None and zone is not None else None
+        if group is not None:
+            memo[export, zone] = (group.asset_name, "")
+        elif zone is None:
+            memo[export, zone] = (export, "")
+        else:
+            asset, certain = asset_name_of_zone(ledger, export, zone)
+            other = f"{export}__{zone_slug(zone)}" if asset == export else export
+            guess = "" if certain else f"# the asset is a guess from the zones (or {other}); -f or -m names it"
+            memo[export, zone] = (asset, guess)
+    return memo[export, zone]
 
 
 # -- reconcile -------------------------------------------------------------------------------------------------------

@@ -156,8 +156,12 @@ def asset_name_for(ledger: ExportLedger, record: ExportRecord) -> tuple[str, boo
 
 
 def asset_name_of_zone(ledger: ExportLedger, export: str, zone: str) -> tuple[str, bool]:
-    """The asset of ``export``'s partitions in ``zone``, from the zones its contracts name, and whether it is certain
+    """The asset of ``export``'s partitions in ``zone``, and whether it is certain: the asset that exported a key of
+    that zone (its committed attempt names the step: one row read), else a guess from the zones its contracts name
     (see :func:`asset_name_for`)."""
+    step = ledger.queries.committed_step_of_zone(export, zone)
+    if step is not None:
+        return step, True
     zones = [contract.get("timezone") for contract in ledger.contracts.tenant_contracts(export).values()]
     wide = ledger.contracts.recorded(export)
     if wide is not None and wide.get("timezone") == zone:
@@ -165,6 +169,8 @@ def asset_name_of_zone(ledger: ExportLedger, export: str, zone: str) -> tuple[st
     if wide is not None:
         zones.append(wide.get("timezone"))
     counts = {z: zones.count(z) for z in set(zones) if z is not None}
+    if not counts:  # no contract names a zone (a ledger of tests, or written before contracts): a guess
+        return export, False
     if set(counts) <= {zone}:
         return export, True
     most = max(counts.values())

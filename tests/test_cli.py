@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -572,17 +573,25 @@ def test_needs_attention_prints_each_escalations_way_out_as_commands_to_paste(
     code, out, _ = run(capsys, *argv)
 
     assert code == 0
-    _, ways = out.split("ways out, to paste (fill in each --reason):\n")
+    _, ways = out.split("ways out, to paste (write each --reason; lines with # are notes):\n")
+    url = ["--ledger-url", ledger_url]
     assert ways.splitlines() == [
         "  invoice_export/globex/2026-03-07T05:00:00Z",
+        "    # the asset is a guess from the zones (or invoice_export__america_new_york); -f or -m names it",
         "    dagster asset materialize -f YOUR_DEFINITIONS.py --select invoice_export --partition 2026-03-07",
         "  invoice_export/globex/2026-03-08T05:00:00Z",
-        "    export-ledger reconcile --export invoice_export",
+        "    " + shlex.join(["export-ledger", "reconcile", "--export", "invoice_export", *url]),
         "  invoice_export/initech/2026-03-09T04:00:00Z",
-        "    export-ledger reconcile --export invoice_export",
-        '    export-ledger resolve invoice_export/initech/2026-03-09T04:00:00Z --accept-destination --reason "..."',
-        '    export-ledger resolve invoice_export/initech/2026-03-09T04:00:00Z --discard-destination --reason "..."',
-    ]
+        "    " + shlex.join(["export-ledger", "reconcile", "--export", "invoice_export", *url]),
+        "    # if it stays remote_unknown, one of:",
+        "    " + shlex.join(["export-ledger", "resolve", "invoice_export/initech/2026-03-09T04:00:00Z",
+                             "--accept-destination", *url, "--reason"]),
+        "    " + shlex.join(["export-ledger", "resolve", "invoice_export/initech/2026-03-09T04:00:00Z",
+                             "--discard-destination", *url, "--reason"]),
+    ]  # fmt: skip
+    pasted = shlex.split(ways.splitlines()[-1])[1:]
+    code, _, err = run(capsys, *pasted)
+    assert code == 2 and "--reason" in err, "pasted unread, a command with no reason written is refused"
 
     (tmp_path / "definitions.py").write_text("")
     code, out, _ = run(capsys, *argv)
@@ -590,9 +599,9 @@ def test_needs_attention_prints_each_escalations_way_out_as_commands_to_paste(
 
     code, out, _ = run(capsys, *argv, "--json")
     by_key = {item["logical_key"]: item["ways_out"] for item in json.loads(out)}
-    assert by_key["invoice_export/globex/2026-03-07T05:00:00Z"] == [
+    assert by_key["invoice_export/globex/2026-03-07T05:00:00Z"][-1] == (
         "dagster asset materialize -f definitions.py --select invoice_export --partition 2026-03-07"
-    ]
+    )
 
 
 def test_the_way_out_of_a_never_claimed_partition_a_restatement_and_a_conflict(sqlite_url, tmp_path, monkeypatch):
@@ -606,21 +615,54 @@ def test_the_way_out_of_a_never_claimed_partition_a_restatement_and_a_conflict(s
     day = dt.date(2026, 3, 8)
     key = "invoice_export/acme/2026-03-08T05:00:00Z"
 
-    def way(state, zone="America/New_York", logical_key=key):
+    def way(state, zone="America/New_York", logical_key=key, **kwargs):
         escalation = Escalation("invoice_export", None, zone, logical_key, state, since, "why", None, day)
-        return operations.ways_out(ledger, escalation, None)
+        return operations.ways_out(ledger, escalation, None, **kwargs)
 
     rerun = "dagster asset materialize -f definitions.py --select {} --partition 2026-03-08"
-    assert way("never claimed", logical_key=None) == [rerun.format("invoice_export")]
+    guess = "# the asset is a guess from the zones (or invoice_export__america_new_york); -f or -m names it"
+    assert way("never claimed", logical_key=None) == [guess, rerun.format("invoice_export")], (
+        "a ledger whose contracts name no zone: the asset is a guess, said so"
+    )
     assert way("restating") == [
+        guess,
         rerun.format("invoice_export"),
-        f'export-ledger restate --withdraw {key} --reason "..."',
+        "# or, to give the restatement up:",
+        f"export-ledger restate --withdraw {key} --reason",
     ]
     assert way("conflict") == [
-        f'export-ledger resolve {key} --accept-destination --reason "..."',
-        f'export-ledger resolve {key} --discard-destination --reason "..."',
+        "# one of:",
+        f"export-ledger resolve {key} --accept-destination --reason",
+        f"export-ledger resolve {key} --discard-destination --reason",
     ]
+    assert way("conflict", ledger_url="postgresql://u:pw@db/x")[0] == (
+        "# add --ledger-url as you gave it (not repeated here: it holds a password)"
+    )
     assert way("refused", logical_key=None) == [], "a refused contract's command is in its why already"
+
+
+def test_the_asset_of_a_zone_is_the_one_that_exported_a_key_there_else_a_guess_said_so(sqlite_url, tmp_path):
+    """Without a code location, a zone's asset comes from a completed key of that zone (its attempt names the step),
+    and a guess from the zones is said to be one."""
+    from export_ledger import operations
+    from export_ledger.ledger.attention import Escalation
+
+    ledger = ExportLedger(sqlite_url)
+    claim = ledger.claims.claim(
+        key_for(dt.date(2026, 3, 7), tenant="bombay", timezone="Asia/Kolkata"), "run-9/invoice_export__asia_kolkata"
+    )
+    ledger.completions.complete(claim, evidence_for(claim))
+    since = dt.datetime(2026, 3, 9, tzinfo=dt.timezone.utc)
+
+    def rerun(zone):
+        escalation = Escalation("invoice_export", None, zone, None, "never claimed", since, "why", None,
+                                dt.date(2026, 3, 8))  # fmt: skip
+        return operations.ways_out(ledger, escalation, None)
+
+    assert rerun("Asia/Kolkata")[-1].endswith("--select invoice_export__asia_kolkata --partition 2026-03-08")
+    assert len(rerun("Asia/Kolkata")) == 1, "known from the key exported there: no note"
+    guessed = rerun("Europe/Dublin")
+    assert guessed[0].startswith("# the asset is a guess from the zones"), guessed
 
 
 def test_the_known_tenants_listed_are_the_first_in_order_and_say_when_there_are_more(capsys, tmp_path, clock):

@@ -159,6 +159,23 @@ class Queries:
                 for table in self._tenant_tables()
             )
 
+    def committed_step_of_zone(self, export: str, zone: str) -> str | None:
+        """The step (Dagster asset) named by the committed attempt of one completed key of ``export`` in ``zone``
+        (an attempt id is ``<run id>/<step>``), or None: one row read."""
+        query = (
+            sa.select(export_runs.c.committed_attempt)
+            .where(
+                export_runs.c.export == export,
+                export_runs.c.timezone == zone,
+                export_runs.c.committed_attempt.like("%/%"),
+            )
+            .limit(1)
+        )
+        with self.ledger.atomic(read_only=True) as conn:
+            attempt = conn.execute(query).scalar()
+        step = (attempt or "").rpartition("/")[2]
+        return step if step and (step == export or step.startswith(f"{export}__")) else None
+
     def _tenant_tables(self) -> list[sa.Table]:
         """The tables that name tenants in this ledger's schema: refusals came with version 6, a contract row's
         tenant with version 9 (an older ledger is read as it is)."""

@@ -115,17 +115,24 @@ def sample_switches(env: Mapping[str, str], spec) -> tuple[frozenset, frozenset]
             raise ConfigurationError(
                 f"EXPORTS_SAMPLE_OUTAGE names {tenant}, not among the tenants ({', '.join(sorted(spec.tenants))})"
             )
-        outages.add((tenant, _window_start(spec, tenant, _date("EXPORTS_SAMPLE_OUTAGE", day.strip()))))
+        date = _date("EXPORTS_SAMPLE_OUTAGE", day.strip())
+        outages.add((tenant, _window_start(spec, tenant, date, "EXPORTS_SAMPLE_OUTAGE")))
     voided = {
-        (tenant, _window_start(spec, tenant, _date("EXPORTS_SAMPLE_VOIDED", day)))
+        (tenant, _window_start(spec, tenant, _date("EXPORTS_SAMPLE_VOIDED", day), "EXPORTS_SAMPLE_VOIDED"))
         for day in _entries(env.get("EXPORTS_SAMPLE_VOIDED") or "")
         for tenant in spec.tenants
     }
     return frozenset(outages), frozenset(voided)
 
 
-def _window_start(spec, tenant: str, day: dt.date) -> dt.datetime:
-    return spec.calendar_for(tenant).window_of(day).start_utc
+def _window_start(spec, tenant: str, day: dt.date, setting: str) -> dt.datetime:
+    calendar = spec.calendar_for(tenant)
+    if day < calendar.first_date:
+        raise ConfigurationError(f"{setting}: {day} is before the export's first business date ({calendar.start_date})")
+    try:
+        return calendar.window_of(day).start_utc
+    except OverflowError:
+        raise ConfigurationError(f"{setting}: {day} is out of the calendar's range") from None
 
 
 def build_definitions(
@@ -208,7 +215,8 @@ def build_definitions(
         file_format=file_format or settings.file_format or "csv",
         deadline=deadline or env.get("EXPORTS_DEADLINE") or None,
     )
-    if isinstance(source, SampleInvoiceSource) and any((env.get(name) or "").strip() for name in SAMPLE_SWITCHES):
+    switched = env.get("EXPORTS_SOURCE") == "sample" and any((env.get(n) or "").strip() for n in SAMPLE_SWITCHES)
+    if switched and isinstance(source, SampleInvoiceSource):
         source.outages, source.voided = sample_switches(env, spec)  # business dates: each tenant's own window
     return ledgered_definitions(
         [spec],

@@ -117,6 +117,8 @@ def test_a_switch_names_the_business_date_in_each_tenants_own_zone(tmp_path, zon
         ({"EXPORTS_SAMPLE_OUTAGE": "@2026-03-08"}, "EXPORTS_SAMPLE_OUTAGE: '@2026-03-08' is not tenant@YYYY-MM-DD"),
         ({"EXPORTS_SAMPLE_VOIDED": "yesterday"}, "EXPORTS_SAMPLE_VOIDED: 'yesterday' is not a date"),
         ({"EXPORTS_SAMPLE_VOIDED": "20260308"}, "EXPORTS_SAMPLE_VOIDED: '20260308' is not a date (YYYY-MM-DD)"),
+        ({"EXPORTS_SAMPLE_VOIDED": "2025-12-31"}, "2025-12-31 is before the export's first business date (2026-01-01)"),
+        ({"EXPORTS_SAMPLE_OUTAGE": "acme@9999-12-31"}, "9999-12-31 is out of the calendar's range"),
         (
             {"EXPORTS_SOURCE": "", "EXPORTS_SAMPLE_VOIDED": "2026-03-08", "EXPORTS_SOURCE_URL": "sqlite://"},
             "EXPORTS_SAMPLE_VOIDED applies to the sample source only",

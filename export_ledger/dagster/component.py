@@ -150,7 +150,8 @@ ResolvedExport = Annotated[ExportSpec, dg.Resolver(_export_spec, model_field_typ
 
 
 class LedgeredExportsScaffolder(dg.Scaffolder):
-    """``dg scaffold defs export_ledger.dagster.LedgeredExports <path>``: a commented defs.yaml to fill in."""
+    """``dg scaffold defs export_ledger.dagster.LedgeredExports <path>``: a commented defs.yaml that runs as it is
+    (given ``SHOP_DATABASE_URL``), to change into the user's own export."""
 
     def scaffold(self, request: dg.ScaffoldRequest) -> None:
         if request.scaffold_format != "yaml":
@@ -220,9 +221,11 @@ attributes:
       id_columns: [order_id]           # unique within the export
       time_column: placed_at           # places a row in a business day
       tenant_column: tenant            # every row must hold its key's tenant
-      # Tenant ids, or id: zone for tenants whose business day is their own (null: the export's zone).
+      # Tenant ids, or id: zone for tenants whose business day is their own (null: the export's zone). Each zone is
+      # an asset of its own: orders (New York) and orders__asia_kolkata here.
       tenants:
         acme: null
+        globex: Asia/Kolkata
       timezone: America/New_York       # the business day's zone
       start_date: "2026-01-01"         # the first business date (quoted: a date, not a YAML timestamp)
       schedule_time: "04:30"           # local time of the nightly run; null for no schedule

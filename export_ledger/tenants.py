@@ -170,3 +170,46 @@ def tenant_groups(
 def tenant_calendar(tenant: Tenant, timezone: str, start_date: str) -> ExportCalendar:
     """The tenant's calendar: its zone (or the export's), the export's start date, its moves."""
     return ExportCalendar(timezone=tenant.timezone or timezone, start_date=start_date, moves=tenant.moves)
+
+
+def run_tenants(requested: Sequence[str], group: TenantGroup, groups: Sequence[TenantGroup]) -> tuple[str, ...]:
+    """The tenants a run of ``group``'s asset is asked to export alone (a run or backfill scoped to some tenants),
+    in the group's order, checked against the export's tenants (``groups``: every group of the export).
+
+    Raises:
+        ConfigurationError: a name is empty, repeated, not a tenant of the export, or a tenant of the export whose
+            business days are another zone's asset's (named, so the person picks the right asset); nothing is run.
+    """
+    names = [name.strip()[:64] for name in requested]  # a pasted paragraph is named by its start, not echoed whole
+    if not names or any(not name for name in names):
+        raise ConfigurationError(
+            "the run's tenants are empty or have an empty name: give tenant ids separated by commas, "
+            "or leave the tenants out to export every tenant"
+        )
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ConfigurationError(f"the run's tenants name {', '.join(repeated)} more than once")
+    elsewhere = {
+        name: other.asset_name
+        for other in groups
+        if other.asset_name != group.asset_name
+        for name in other.tenants
+        if name not in group.tenants
+    }
+    problems = []
+    for name in names:
+        if name in group.tenants:
+            continue
+        if name in elsewhere:
+            problems.append(f"{name} (a tenant of {elsewhere[name]}: its business days are that asset's)")
+        else:
+            problems.append(f"{name} (not a tenant of the export {group.export})")
+    if problems:
+        more = f", ... ({len(group.tenants)} in all)" if len(group.tenants) > 10 else ""
+        shown = ", ".join(group.tenants[:10]) + more
+        raise ConfigurationError(
+            f"the run asks for tenants that {group.asset_name} does not export: {'; '.join(problems)}. "
+            f"Its tenants: {shown}. Nothing was exported"
+        )
+    wanted = set(names)
+    return tuple(tenant for tenant in group.tenants if tenant in wanted)

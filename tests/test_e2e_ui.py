@@ -508,6 +508,22 @@ def test_one_partition_launched_through_graphql_exports_each_tenant_once(stack: 
 
 
 @pytest.mark.postgres
+def test_a_backfill_tagged_with_one_tenant_as_the_materialize_dialog_tags_it_exports_that_tenant_alone(stack: Stack):
+    """The dialog's "Add tags to backfill runs" sends the tags with the backfill; the daemon puts them on every run
+    (issue 27, item 3: one tenant's backfill from the UI)."""
+    dates = ["2026-03-25", "2026-03-26"]  # dates no other test of the stack uses
+    backfill = stack.wait_for_backfill(stack.launch_backfill(dates, **{"export-ledger/tenants": "globex"}), 240)
+
+    assert backfill["status"] in ("COMPLETED", "COMPLETED_SUCCESS") and backfill["runs"], backfill
+    for run in backfill["runs"]:
+        assert run["status"] == "SUCCESS", "\n".join(stack.messages(run["runId"])[-15:])
+        assert {"key": "export-ledger/tenants", "value": "globex"} in run["tags"]
+    records = _records_by_date(stack.ledger(), dates)
+    assert sorted(records) == [(day, "globex") for day in dates], "acme's keys are neither claimed nor exported"
+    assert {record.state for record in records.values()} == {ExportState.COMPLETED}
+
+
+@pytest.mark.postgres
 def test_a_partition_restated_from_the_launchpad_config_publishes_revision_2_with_its_reason(stack: Stack):
     partition = "2026-03-17"  # a partition no other test of the stack uses
     first = stack.wait_for_run(stack.launch_partition(partition))

@@ -6,7 +6,7 @@ Example:
     >>> defs = ledgered_definitions([orders, payments])  # doctest: +SKIP
 """
 
-from export_ledger.dagster.assets import ExportRunConfig, build_export_asset
+from export_ledger.dagster.assets import TENANTS_TAG, ExportRunConfig, build_export_asset
 from export_ledger.dagster.checks import (
     CHECK_NAME,
     DRIFT_CHECK_NAME,
@@ -36,6 +36,7 @@ __all__ = [
     "LEDGER_KEY",
     "LedgeredExports",
     "STUCK_CHECK_NAME",
+    "TENANTS_TAG",
     "DestinationResource",
     "ExportRunConfig",
     "LedgerResource",

@@ -13,7 +13,7 @@ from export_ledger.dagster.checks import PARTITION_CHECKS, check_specs, partitio
 from export_ledger.dagster.io_manager import LISTED_KEYS, status_command
 from export_ledger.dagster.partitions import dagster_disagreement, partitions_def
 from export_ledger.dagster.resources import LEDGER_KEY, resource_keys
-from export_ledger.errors import safe_message
+from export_ledger.errors import ConfigurationError, safe_message
 from export_ledger.frames import FrameBatches
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger import (
@@ -24,7 +24,11 @@ from export_ledger.ledger import (
 from export_ledger.protocol import ExportBatch, ExportItem
 from export_ledger.restate import request_each
 from export_ledger.spec import ExportSpec
-from export_ledger.tenants import TenantGroup, zone_slug
+from export_ledger.tenants import TenantGroup, run_tenants, zone_slug
+
+#: The run tag that scopes a run, or every run of a backfill, to some tenants of the asset: their ids separated by
+#: commas. From the UI: the Materialize dialog's "Add tags to backfill runs". Same as the run config's ``tenants``.
+TENANTS_TAG = "export-ledger/tenants"
 
 
 class ExportRunConfig(dg.Config):
@@ -33,6 +37,11 @@ class ExportRunConfig(dg.Config):
     Schedules, backfills and sensor runs pass no config: the defaults change nothing.
 
     Attributes:
+        tenants: Export only these tenants of the asset (each must be one, else the run is refused before anything
+            is done); empty: every tenant. A backfill launched from the UI is scoped by the run tag
+            :data:`TENANTS_TAG` instead (the Materialize dialog sets tags, not config); given both, they must agree.
+            The partition's ``partition_health`` still judges every tenant of the date: a date exported for one
+            tenant shows the others it is missing.
         restate_reason: Why the run's partitions are restated. Non-empty: before exporting, a restatement request
             (asked by this run's id) is recorded for each completed key of the run's partitions (only
             ``restate_tenants``' when listed), so the run publishes their next revision beside the current one. A key
@@ -45,6 +54,7 @@ class ExportRunConfig(dg.Config):
 
     restate_reason: str = ""
     restate_tenants: list[str] = []
+    tenants: list[str] = []
 
 
 def build_export_asset(
@@ -124,13 +134,18 @@ def build_export_asset(
             yield from _check_outputs(context)
             return
         try:
-            batch, tenants_by_day = _plan(context, config, book, destination)
+            batch, tenants_by_day, only = _plan(context, config, book, destination)
         except Exception:
             # Refused before anything was exported (a bad launchpad config, an unreadable ledger): the run's checks
             # are planned for its partitions, and a check left planned shows each date "execution failed" though
             # nothing changed. The ledger holds the truth: its verdicts are reported, then the error is raised.
             _report_or_warn(context, lambda: verdicts(_checked_days(context, spec, group, calendar, selected)))
             raise
+        if only is not None:
+            # A run of some tenants: a date's health is still every tenant's (the others' missing keys show there).
+            verdicts = functools.partial(
+                verdicts, health_days={d: partition_tenants(spec, group, calendar, d) for d in tenants_by_day}
+            )
         # A failed key fails the step inside the I/O manager, and this code never runs again: it reports the run's
         # verdicts from there first (every partition's, the finished ones' materializations recorded by then; the
         # ledger's, when it failed before exporting anything).
@@ -140,12 +155,16 @@ def build_export_asset(
         _log_events(context, verdicts(tenants_by_day, batch))
         yield from _check_outputs(context)
 
-    def _plan(context, config: ExportRunConfig, book, destination) -> tuple[ExportBatch, dict[dt.date, list[str]]]:
-        """The run's batch (which keys, which windows, which are already done) and each date's tenants with a key."""
+    def _plan(
+        context, config: ExportRunConfig, book, destination
+    ) -> tuple[ExportBatch, dict[dt.date, list[str]], tuple[str, ...] | None]:
+        """The run's batch (which keys, which windows, which are already done), each date's tenants with a key, and
+        the tenants the run is scoped to (None: every tenant of the asset)."""
         # Checked at claim: what this run would export (its calendar, destination, format, schema, source) must be
         # the contract in force for each tenant, else its claims are refused and escalated.
-        contracts = {tenant: spec.contract(tenant, destination) for tenant in group.tenants}
-        restate_tenants = _restate_tenants(config, group)  # a bad config is refused before anything is done
+        only = _scope(context, config, spec, group)  # a bad scope or config is refused before anything is done
+        contracts = {tenant: spec.contract(tenant, destination) for tenant in only or group.tenants}
+        restate_tenants = _restate_tenants(config, group, only)
         partition_keys = sorted(context.partition_keys)
         first, last = parse_business_date(partition_keys[0]), parse_business_date(partition_keys[-1])
         if restate_tenants is not None:
@@ -157,7 +176,7 @@ def build_export_asset(
                 export=spec.name,
                 date_from=first,
                 date_to=last,
-                tenants=group.tenants if len(group.tenants) < len(spec.tenants) else (),
+                tenants=only or (group.tenants if len(group.tenants) < len(spec.tenants) else ()),
             )
         }
         # A completed key with an open restatement request is read again: its claim publishes the next revision.
@@ -177,6 +196,8 @@ def build_export_asset(
             # The tenants whose business day this date is in this zone: a tenant that moved is exported by its
             # earlier zone's asset for the days before its move, whose windows end with that zone's days.
             for tenant in group.tenants_on(day):
+                if only is not None and tenant not in only:
+                    continue
                 tenant_window = window if calendars[tenant] == calendar else calendars[tenant].window(partition_key)
                 if tenant_window.is_empty:
                     # The zone skipped this calendar day; its empty window has no logical key of its own (it would
@@ -226,7 +247,7 @@ def build_export_asset(
             context.add_asset_metadata(metadata, asset_key=asset_key, partition_key=partition_key)
             if here:  # a day the zone skipped has no key, so no verdict
                 tenants_by_day[day] = [item.key.tenant for item in here]
-        return ExportBatch(spec.schema, items), tenants_by_day
+        return ExportBatch(spec.schema, items), tenants_by_day, only
 
     return _export
 
@@ -267,8 +288,31 @@ def _check_outputs(context: dg.AssetExecutionContext) -> Iterator[dg.Output]:
         yield dg.Output(None, output_name=context.assets_def.get_output_name_for_asset_check_key(key))
 
 
-def _restate_tenants(config: ExportRunConfig, group: TenantGroup) -> list[str] | None:
-    """The tenants whose keys the run config asks to restate (None: no restatement asked)."""
+def _scope(
+    context: dg.AssetExecutionContext, config: ExportRunConfig, spec: ExportSpec, group: TenantGroup
+) -> tuple[str, ...] | None:
+    """The tenants the run exports alone, from its config's ``tenants`` or its :data:`TENANTS_TAG` tag (None: every
+    tenant of the asset). Refused, before anything is done, when a name is not the asset's or the two disagree."""
+    tagged = context.run.tags.get(TENANTS_TAG)
+    from_tag = run_tenants(tagged.split(","), group, spec.groups) if tagged is not None else None
+    from_config = run_tenants(config.tenants, group, spec.groups) if config.tenants else None
+    if from_tag is not None and from_config is not None and set(from_tag) != set(from_config):
+        raise ConfigurationError(
+            f"the run's tag {TENANTS_TAG} ({', '.join(from_tag)}) and its config's tenants "
+            f"({', '.join(from_config)}) differ: give one of them; nothing was exported"
+        )
+    only = from_config if from_config is not None else from_tag
+    if only is not None:
+        shown = ", ".join(only[:10]) + (", ..." if len(only) > 10 else "")
+        context.log.info(f"this run exports {len(only)} of the asset's {len(group.tenants)} tenants: {shown}")
+    return only
+
+
+def _restate_tenants(
+    config: ExportRunConfig, group: TenantGroup, only: tuple[str, ...] | None = None
+) -> list[str] | None:
+    """The tenants whose keys the run config asks to restate (None: no restatement asked), within the run's tenants
+    (``only``; None: every tenant of the asset)."""
     reason = config.restate_reason.strip()
     if not reason:
         if config.restate_tenants:
@@ -282,7 +326,13 @@ def _restate_tenants(config: ExportRunConfig, group: TenantGroup) -> list[str] |
             f"restate_tenants {unknown} are not tenants of the asset {group.asset_name} (its tenants: "
             f"{', '.join(group.tenants[:10])}{', ...' if len(group.tenants) > 10 else ''}); nothing was restated"
         )
-    return list(config.restate_tenants) or list(group.tenants)
+    if only is not None:
+        outside = [t for t in config.restate_tenants if t not in only]
+        if outside:
+            raise RestatementRefused(
+                f"restate_tenants {outside} are not among the run's tenants ({', '.join(only)}); nothing was restated"
+            )
+    return list(config.restate_tenants) or list(only or group.tenants)
 
 
 def _request_restatements(

@@ -281,15 +281,18 @@ def step_verdicts(
     *,
     stuck_after: dt.timedelta,
     max_attempts: int = 3,
+    health_days: Mapping[dt.date, Sequence[str]] | None = None,
 ) -> list[dg.AssetCheckEvaluation]:
     """The verdicts an export's step reports: each ``selected`` check (by name), for each partition of
     ``tenants_by_day`` (a partition's date and its tenants with a key) for the partitioned ones.
 
     ``batch``: the run's export (its items, and the results the I/O manager recorded), judged from what the run read
     and wrote; None: the checks run alone (the health sensor's run, a check executed from the UI), judged from the
-    ledger. The source is never read. Each partition's verdict targets the partition's latest materialization (this
-    run's, for a partition it exported): Dagster counts a partitioned check's evaluation in the partition's status
-    only when it targets that materialization, else the check's partition shows as Missing.
+    ledger. The source is never read. ``health_days``: the tenants ``partition_health`` judges on each date, when the
+    run exported only some of them (the date's health is every tenant's); default ``tenants_by_day``. Each
+    partition's verdict targets the partition's latest materialization (this run's, for a partition it exported):
+    Dagster counts a partitioned check's evaluation in the partition's status only when it targets that
+    materialization, else the check's partition shows as Missing.
     """
     asset_key = dg.AssetKey(group.asset_name)
     partitions = [day.isoformat() for day in sorted(tenants_by_day)]
@@ -303,7 +306,12 @@ def step_verdicts(
             evaluations.append(targeting(evaluation, targets.get(partition)))
     if HEALTH_CHECK_NAME in selected:
         verdicts = partition_health(
-            ledger, spec.name, tenants_by_day, stuck_after=stuck_after, max_attempts=max_attempts, due=due(spec)
+            ledger,
+            spec.name,
+            tenants_by_day if health_days is None else health_days,
+            stuck_after=stuck_after,
+            max_attempts=max_attempts,
+            due=due(spec),
         )
         for verdict in verdicts.values():
             evaluation = health_evaluation(asset_key, verdict)

@@ -1,0 +1,168 @@
+"""A run or a backfill of some tenants (issue 27, item 3): the run tag ``export-ledger/tenants`` (what the UI's
+Materialize dialog sets for every run of a backfill) or the run config's ``tenants`` (what ``dagster asset materialize
+--config-json`` passes) scope a run to those tenants of the asset. Nothing else is read or claimed; each date's
+``partition_health`` still judges every tenant of the date, so a date exported for one tenant shows the others
+missing; a bad scope is refused before anything is exported, naming the problem."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import dagster as dg
+import pytest
+from pipeline_helpers import JOB, failure_message, make_defs
+
+from export_ledger import ExportLedger, Tenant
+from export_ledger.dagster import TENANTS_TAG
+from export_ledger.errors import ConfigurationError, SourceError
+from export_ledger.tenants import run_tenants, tenant_groups
+from resources.invoices import SampleInvoiceSource
+
+ASSET = dg.AssetKey("invoice_export")
+TENANTS = ("acme", "globex", "initech")
+FIRST, BAD, LAST = "2026-03-02", "2026-03-03", "2026-03-04"
+RANGE = {"dagster/asset_partition_range_start": FIRST, "dagster/asset_partition_range_end": LAST}
+
+
+class CountedSource(SampleInvoiceSource):
+    """The sample invoices, counting each tenant's reads; globex's read fails on ``fails_on``."""
+
+    def __init__(self, fails_on: str | None = None) -> None:
+        super().__init__()
+        self.fails_on = fails_on
+        self.reads: Counter[str] = Counter()
+
+    def rows(self, tenant, start_utc, end_utc):
+        self.reads[tenant] += 1
+        if tenant == "globex" and start_utc.date().isoformat() == self.fails_on:
+            raise SourceError("the source refused the query")
+        return super().rows(tenant, start_utc, end_utc)
+
+
+def _run(defs: dg.Definitions, instance, *, tags=None, config=None) -> dg.ExecuteInProcessResult:
+    return defs.resolve_job_def(JOB).execute_in_process(
+        instance=instance, raise_on_error=False, tags={**RANGE, **(tags or {})}, run_config=config
+    )
+
+
+def _config(**fields) -> dict:
+    return {"ops": {"invoice_export": {"config": fields}}}
+
+
+def _states(tmp_path) -> dict[tuple[str, str], str]:
+    book = ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    return {
+        (r.tenant, r.business_date.isoformat()): r.state.value for r in book.queries.records(export="invoice_export")
+    }
+
+
+def _health(instance) -> dict[str, tuple[str, str]]:
+    """Each date's latest partition_health: (status, the verdict's description)."""
+    latest = {}
+    key = dg.AssetCheckKey(ASSET, "partition_health")
+    for record in instance.event_log_storage.get_asset_check_execution_history(key, 100):
+        if record.partition not in latest:
+            evaluation = record.event.dagster_event.event_specific_data
+            latest[record.partition] = (record.status.value, evaluation.description)
+    return latest
+
+
+@pytest.mark.parametrize("how", ["tag", "config"])
+def test_a_backfill_of_one_tenant_exports_and_reads_that_tenant_alone_and_each_dates_health_names_the_others(
+    tmp_path, instance, how
+):
+    source = CountedSource()
+    defs = make_defs(tmp_path, tenants=TENANTS, source=source)
+
+    if how == "tag":
+        result = _run(defs, instance, tags={TENANTS_TAG: " globex "})
+    else:
+        result = _run(defs, instance, config=_config(tenants=["globex"]))
+
+    assert result.success, failure_message(result)
+    assert _states(tmp_path) == {("globex", d): "completed" for d in (FIRST, BAD, LAST)}, "globex's keys alone"
+    assert set(source.reads) == {"globex"}, "no other tenant's source is read"
+    health = _health(instance)
+    for day in (FIRST, BAD, LAST):
+        status, summary = health[day]
+        # Passed would say the date is healthy; two of its three tenants were never exported.
+        assert status == "FAILED" and summary == "missing: 2 of 3 tenants (acme, initech)", (day, health[day])
+    materialized = instance.get_status_by_partition(ASSET, [FIRST, LAST], defs.get_assets_def(ASSET).partitions_def)
+    assert set(materialized.values()) == {dg.AssetPartitionStatus.MATERIALIZED}
+
+    # The rest of the tenants later, by an unscoped run: globex is skipped unread, the dates become healthy.
+    source.reads.clear()
+    assert _run(defs, instance).success
+    assert set(source.reads) == {"acme", "initech"}
+    assert {status for status, _ in _health(instance).values()} == {"SUCCEEDED"}
+
+
+def test_a_failing_tenant_does_not_hold_back_a_backfill_of_the_others(tmp_path, instance):
+    source = CountedSource(fails_on=BAD)
+    defs = make_defs(tmp_path, tenants=TENANTS, source=source)
+
+    whole = _run(defs, instance)
+    assert not whole.success and "the source refused the query" in failure_message(whole)
+    status = instance.get_status_by_partition(ASSET, [BAD], defs.get_assets_def(ASSET).partitions_def)
+    assert status == {BAD: dg.AssetPartitionStatus.FAILED}
+    assert _health(instance)[BAD][1] == "failed: 1 of 3 tenants (globex)", "the red date says whose key failed"
+
+    # acme and initech's keys of that date were exported by the failed run already: a run of them alone skips them
+    # and succeeds; only globex's key is left, and the date says so.
+    scoped = _run(defs, instance, tags={TENANTS_TAG: "acme,initech"})
+    assert scoped.success, failure_message(scoped)
+    states = _states(tmp_path)
+    assert states[("globex", BAD)] == "failed"
+    assert all(states[(t, d)] == "completed" for t in ("acme", "initech") for d in (FIRST, BAD, LAST))
+    assert _health(instance)[BAD][1] == "failed: 1 of 3 tenants (globex)"
+
+
+@pytest.mark.parametrize(
+    ("tags", "config", "words"),
+    [
+        ({TENANTS_TAG: "globex,typo"}, None, "typo (not a tenant of the export invoice_export)"),
+        ({TENANTS_TAG: ""}, None, "the run's tenants are empty or have an empty name"),
+        ({TENANTS_TAG: "acme,,globex"}, None, "an empty name"),
+        ({TENANTS_TAG: "acme,acme"}, None, "name acme more than once"),
+        (None, _config(tenants=["nobody"]), "nobody (not a tenant of the export invoice_export)"),
+        ({TENANTS_TAG: "acme"}, _config(tenants=["globex"]), "its config's tenants (globex) differ"),
+        (None, _config(tenants=["acme"], restate_reason="fix", restate_tenants=["globex"]), "not among the run's"),
+    ],
+)
+def test_a_bad_scope_is_refused_naming_it_before_anything_is_exported(tmp_path, instance, tags, config, words):
+    source = CountedSource()
+    defs = make_defs(tmp_path, tenants=TENANTS, source=source)
+
+    result = _run(defs, instance, tags=tags, config=config)
+
+    assert not result.success
+    assert words in failure_message(result), failure_message(result)
+    assert _states(tmp_path) == {} and not source.reads, "nothing read, claimed or exported"
+
+
+def test_the_scope_names_the_asset_of_a_tenant_in_another_zone_and_lists_the_assets_tenants():
+    tenants = [Tenant("acme"), Tenant("bombay", "Asia/Kolkata")] + [Tenant(f"t{i:02d}") for i in range(12)]
+    groups = tenant_groups("orders", "America/New_York", None, tenants)
+    new_york = next(g for g in groups if g.timezone == "America/New_York")
+
+    with pytest.raises(ConfigurationError) as refused:
+        run_tenants(["bombay", "x" * 500], new_york, groups)
+
+    message = str(refused.value)
+    assert "bombay (a tenant of orders__asia_kolkata" in message
+    assert "x" * 64 + " (not a tenant" in message and "x" * 65 not in message, "a long name is cut, not echoed whole"
+    assert "Its tenants: acme, t00, t01" in message and "(13 in all)" in message
+    assert run_tenants(["t03", "acme"], new_york, groups) == ("acme", "t03"), "in the asset's order"
+
+
+def test_restating_within_a_scoped_run_restates_only_its_tenants(tmp_path, instance):
+    source = CountedSource()
+    defs = make_defs(tmp_path, tenants=TENANTS, source=source)
+    assert _run(defs, instance).success
+    source.reads.clear()
+
+    result = _run(defs, instance, config=_config(tenants=["acme"], restate_reason="late corrections"))
+
+    assert result.success, failure_message(result)
+    # A completed key is read again only for its restatement: acme's three dates, nobody else's.
+    assert source.reads == Counter({"acme": 3})

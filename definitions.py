@@ -14,7 +14,15 @@ from collections.abc import Mapping, Sequence
 import dagster as dg
 
 from assets.invoices import invoice_export
-from export_ledger import ConfigurationError, Destination, ExportSource, Settings, Tenant, validate_slug
+from export_ledger import (
+    ConfigurationError,
+    Destination,
+    ExportSource,
+    Settings,
+    Tenant,
+    UnusableSource,
+    validate_slug,
+)
 from export_ledger.dagster import LedgerResource, ledgered_definitions
 from export_ledger.settings import positive_int
 from resources.invoices import InvoiceSource, SampleInvoiceSource, SqlInvoiceSource
@@ -43,11 +51,22 @@ RUN_WORKER_SETTINGS = (
 )
 
 
+def _check_switches(env: Mapping[str, str]) -> None:
+    """The sample's switches (a debugging aid, not a run setting) without the sample are refused at load."""
+    sample_only = [name for name in SAMPLE_SWITCHES if (env.get(name) or "").strip()]
+    if sample_only and env.get("EXPORTS_SOURCE") != "sample":
+        raise ConfigurationError(
+            f"{' and '.join(sample_only)} {'apply' if len(sample_only) > 1 else 'applies'} to the sample source only "
+            "(EXPORTS_SOURCE=sample)"
+        )
+
+
 def invoice_source_from(env: Mapping[str, str]) -> InvoiceSource:
     """The invoice source the environment chooses (:data:`SOURCE_SETTINGS`).
 
     Nothing is implied: a process whose environment lost its source settings (a run worker whose launcher config does
-    not pass them) fails to load, naming them, rather than export the sample invoices as if they were the real ones.
+    not pass them) never exports the sample invoices as if they were the real ones. :func:`build_definitions` then
+    loads with an :class:`~export_ledger.UnusableSource`: the UI shows the export, and each run fails naming them.
 
     Raises:
         ConfigurationError: no source chosen, two chosen, or half of the SQL source's settings. Values are never quoted
@@ -63,12 +82,7 @@ def invoice_source_from(env: Mapping[str, str]) -> InvoiceSource:
         )
     if choice and given:
         raise ConfigurationError(f"EXPORTS_SOURCE=sample and {' and '.join(given)} choose two sources: set one")
-    sample_only = [name for name in SAMPLE_SWITCHES if (env.get(name) or "").strip()]
-    if sample_only and not choice:
-        raise ConfigurationError(
-            f"{' and '.join(sample_only)} {'apply' if len(sample_only) > 1 else 'applies'} to the sample source only "
-            "(EXPORTS_SOURCE=sample)"
-        )
+    _check_switches(env)
     if choice:
         cadence = positive_int("EXPORTS_SAMPLE_CADENCE_MINUTES", env.get("EXPORTS_SAMPLE_CADENCE_MINUTES", "15"))
         return SampleInvoiceSource(cadence_minutes=cadence)
@@ -205,7 +219,13 @@ def build_definitions(
             settings, lease_ttl_seconds=positive_int("lease_ttl_seconds", str(lease_ttl_seconds))
         )
     if source is None:
-        source = invoice_source_from(env)
+        _check_switches(env)
+        try:
+            source = invoice_source_from(env)
+        except ConfigurationError as exc:
+            # The location loads (the UI shows the export and its history); each run fails naming the settings, and
+            # nothing is read from another source instead.
+            source = UnusableSource(f"the invoice source cannot be used in this process: {exc}")
     spec = invoice_export(
         source=source,
         tenants=tenants,

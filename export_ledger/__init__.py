@@ -56,7 +56,7 @@ from export_ledger.ledger.urls import create_engine as database_engine
 from export_ledger.protocol import ExportBatch, ExportItem, ExportResult, export_batch, export_key
 from export_ledger.reconcile import reconcile_batch
 from export_ledger.settings import Settings
-from export_ledger.sources import CallableSource, ExportSource, SqlSource, url_identity
+from export_ledger.sources import CallableSource, ExportSource, SqlSource, UnusableSource, url_identity
 from export_ledger.spec import ExportSpec
 from export_ledger.tenants import Tenant, TenantGroup
 
@@ -100,6 +100,7 @@ __all__ = [
     "Settings",
     "SourceError",
     "SqlSource",
+    "UnusableSource",
     "Tenant",
     "TenantGroup",
     "TransactionalDestination",

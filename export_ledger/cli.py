@@ -719,7 +719,7 @@ def _drift(ledger: ExportLedger, args: argparse.Namespace, settings: Settings) -
         f"{f', {len(report.unchecked)} not checked' if report.unchecked else ''}"
     )
     if without:
-        lines.append(f"not checked, no source to read again: {', '.join(without)}")
+        lines.append(f"not checked, no source to read again here: {', '.join(without)}")
     if report.stale:
         lines.append(
             "stale keys: export-ledger status --state stale; restate one with "

@@ -46,6 +46,7 @@ from export_ledger.ledger import DriftChanges, DriftFinding, DriftRecord, Export
 from export_ledger.placement import recorded_destinations
 from export_ledger.protocol import target_for
 from export_ledger.restate import DRIFT_REQUESTER, RequestReport, current_revisions, restate_stale
+from export_ledger.sources import readable
 from export_ledger.spec import ExportSpec
 
 #: Default lookback: completed keys of the last this many business dates (in each export's zone) are checked.
@@ -233,7 +234,7 @@ def drift_pass(
     if limit < 1:
         raise ValueError(f"limit must be at least 1, got {limit}")
     now = now or ledger.now()
-    by_name = {spec.name: spec for spec in specs if spec.source is not None and spec.name in destinations}
+    by_name = {spec.name: spec for spec in specs if readable(spec.source) and spec.name in destinations}
     since = {name: horizon(spec, now, lookback_days) for name, spec in by_name.items()}
     records = ledger.drift.completed_since(since, limit=limit, after=after)
     stored = ledger.drift.fingerprints([r.logical_key for r in records])
@@ -279,7 +280,7 @@ def beyond_lookback(
 ) -> LookbackGap:
     """The completed keys of ``specs`` (those with a source) that :func:`drift_pass` with ``lookback_days`` skips."""
     now = now or ledger.now()
-    checked = [spec for spec in specs if spec.source is not None]
+    checked = [spec for spec in specs if readable(spec.source)]
     count, oldest = ledger.drift.completed_before({spec.name: horizon(spec, now, lookback_days) for spec in checked})
     if oldest is None:
         return LookbackGap(count, None, None)

@@ -25,6 +25,7 @@ from export_ledger.ledger.contracts import Acceptance
 from export_ledger.ledger.urls import holds_secret
 from export_ledger.placement import DestinationMismatch, recorded_destinations
 from export_ledger.reconcile import ReconcileReport, reconcile_batch
+from export_ledger.sources import UnusableSource, readable
 from export_ledger.restate import (
     DEFAULT_LOCATION,
     asset_name_for,
@@ -460,7 +461,12 @@ def drift_once(
     report = drift_pass(
         ledger, specs, destinations, lookback_days=lookback_days, limit=limit, now=now, requested_by=requested_by
     )
-    without = [spec.name for spec in specs if spec.source is None]
+    # An export whose source this process cannot use is named with the reason (settings, never values).
+    without = [
+        f"{spec.name} ({spec.source.reason})" if isinstance(spec.source, UnusableSource) else spec.name
+        for spec in specs
+        if not readable(spec.source)
+    ]
     return Drifted(report, without, beyond_lookback(ledger, specs, lookback_days=lookback_days, now=now))
 
 

@@ -73,6 +73,42 @@ class ExportSource(ABC):
         yield self.rows(tenant, start_utc, end_utc)
 
 
+@dataclass(frozen=True)
+class UnusableSource(ExportSource):
+    """The source of an export that this process cannot read, and why: its settings are missing or contradict each
+    other here (a code server started without them, a run worker whose launcher config dropped one).
+
+    The code location still loads, so the UI shows the export and its history; every use that needs the rows (a
+    run's plan, the contract's identity, a drift check) raises :class:`ConfigurationError` with ``reason``, so that
+    run fails naming the settings before anything is claimed. Nothing is read from elsewhere instead.
+
+    Attributes:
+        reason: What is wrong, naming the settings and never their values.
+    """
+
+    reason: str
+
+    def _refuse(self):
+        raise ConfigurationError(self.reason)
+
+    def rows(self, tenant, start_utc, end_utc):
+        self._refuse()
+
+    def count(self, tenant, start_utc, end_utc):
+        self._refuse()
+
+    def identity(self) -> dict:
+        self._refuse()
+
+    def batches(self, tenant, start_utc, end_utc, *, schema=None, batch_rows=DEFAULT_BATCH_ROWS):
+        self._refuse()
+
+
+def readable(source: ExportSource | None) -> bool:
+    """Whether a source can be read here: declared, and not an :class:`UnusableSource`."""
+    return source is not None and not isinstance(source, UnusableSource)
+
+
 def bounds(start_utc: dt.datetime, end_utc: dt.datetime) -> tuple[dt.datetime, dt.datetime]:
     """Checks a window's bounds: aware, in order; returned in UTC."""
     start = require_aware(start_utc, "start_utc")

@@ -29,7 +29,7 @@ from export_ledger.destinations.registry import refuse_credentials
 from export_ledger.errors import ConfigurationError, ExportLedgerError
 from export_ledger.frames import FILE_FORMATS, ExportSchema
 from export_ledger.keys import validate_slug
-from export_ledger.sources import ExportSource, SqlSource, as_source
+from export_ledger.sources import ExportSource, SqlSource, as_source, readable
 from export_ledger.tenants import Tenant, TenantGroup, as_tenants, tenant_calendar, tenant_groups
 
 
@@ -130,7 +130,7 @@ class ExportSpec:
                     f"unknown file format {self.file_format!r}: expected one of {sorted(FILE_FORMATS)}"
                 )
             object.__setattr__(self, "source", as_source(self.source))
-            if self.source is not None:
+            if readable(self.source):
                 self.source.identity()  # recorded in every claim's contract: one that cannot be made fails here
             if self.stream_rows is not None and (
                 isinstance(self.stream_rows, bool) or not isinstance(self.stream_rows, int) or self.stream_rows <= 0

@@ -23,6 +23,7 @@ from export_ledger.ledger import (
 )
 from export_ledger.protocol import ExportBatch, ExportItem
 from export_ledger.restate import request_each
+from export_ledger.sources import UnusableSource
 from export_ledger.spec import ExportSpec
 from export_ledger.tenants import TenantGroup, run_tenants, zone_slug
 
@@ -162,6 +163,8 @@ def build_export_asset(
         the tenants the run is scoped to (None: every tenant of the asset)."""
         # Checked at claim: what this run would export (its calendar, destination, format, schema, source) must be
         # the contract in force for each tenant, else its claims are refused and escalated.
+        if isinstance(spec.source, UnusableSource):
+            raise ConfigurationError(f"{spec.name}: nothing was exported: {spec.source.reason}")
         only = _scope(context, config, spec, group)  # a bad scope or config is refused before anything is done
         contracts = {tenant: spec.contract(tenant, destination) for tenant in only or group.tenants}
         restate_tenants = _restate_tenants(config, group, only)
@@ -386,6 +389,13 @@ def _only_group(spec: ExportSpec) -> TenantGroup:
 
 
 def _description(spec: ExportSpec, group: TenantGroup) -> str:
+    if isinstance(spec.source, UnusableSource):
+        # Shown on the asset's page before anyone launches a run that would fail for it.
+        return f"{_plain_description(spec, group)} Runs launched here fail: {spec.source.reason}."
+    return _plain_description(spec, group)
+
+
+def _plain_description(spec: ExportSpec, group: TenantGroup) -> str:
     if len(spec.groups) == 1:
         return (
             spec.description

@@ -24,6 +24,7 @@ from export_ledger.dagster.checks import drift_evaluation
 from export_ledger.dagster.resources import LEDGER_KEY, resource_keys
 from export_ledger.drift import DEFAULT_DRIFT_BATCH, DEFAULT_LOOKBACK_DAYS, describe, drift_pass, stale_digest
 from export_ledger.ledger import DriftRecord, ExportLedger
+from export_ledger.sources import UnusableSource
 from export_ledger.spec import ExportSpec
 
 _NOTHING_STALE = stale_digest({})
@@ -79,6 +80,9 @@ def build_drift_sensor(
         destinations = {
             name: getattr(context.resources, key).get_destination() for name, key in destination_keys.items()
         }
+        for spec in checked:
+            if isinstance(spec.source, UnusableSource):
+                context.log.warning(f"{spec.name}: not checked for drift: {spec.source.reason}")
         report = drift_pass(
             book, checked, destinations, lookback_days=lookback_days, limit=batch_size, after=state.get("after")
         )

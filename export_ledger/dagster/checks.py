@@ -90,7 +90,9 @@ def export_check(
     """
     problems: list[str] = []
     keys = [*(r.logical_key for r in results), *unfinished]
-    records = {key: ledger.queries.get(key) for key in keys}
+    found = ledger.queries.get_many(keys)
+    records = {key: found.get(key) for key in keys}
+    currents = ledger.restatements.current_revisions_of(list(found.values()))
     # A key exported under an earlier contract (kept when the destination changed) is checked where it was exported.
     places = recorded_destinations(
         ledger, [r for r in records.values() if r is not None], known=destination, fallback=lambda _: destination
@@ -106,7 +108,7 @@ def export_check(
             state = record.state.value if record is not None else "never claimed"
             problems.append(f"{logical_key}: not completed in the ledger ({state})")
             continue
-        current = ledger.restatements.current_revision(record.logical_key)
+        current = currents[record.logical_key]
         key = LogicalKey(record.export, record.tenant, record.window)
         target = target_for(key, current.revision, place_of_location(current.location))
         seen = places[record.logical_key].verify_recorded(

@@ -221,6 +221,24 @@ class Restatements:
         record = ledger.queries.get(logical_key)
         return [Revision.first(record)] if record is not None and record.state is ExportState.COMPLETED else []
 
+    def current_revisions_of(self, records: Sequence[ExportRecord]) -> dict[str, Revision]:
+        """:meth:`current_revision` of each completed record's key, in one read per 500 keys."""
+        completed = [r for r in records if r.state is ExportState.COMPLETED]
+        newest: dict[str, Revision] = {}
+        if completed and self.ledger.supports(REVISIONS_SCHEMA_VERSION):
+            keys = [r.logical_key for r in completed]
+            with self.ledger.atomic(read_only=True) as conn:
+                for first in range(0, len(keys), 500):
+                    query = (
+                        sa.select(export_revisions)
+                        .where(export_revisions.c.logical_key.in_(keys[first : first + 500]))
+                        .order_by(export_revisions.c.logical_key, export_revisions.c.revision)
+                    )
+                    newest.update((row.logical_key, Revision.from_row(row)) for row in conn.execute(query))
+        for record in completed:
+            newest.setdefault(record.logical_key, Revision.first(record))
+        return newest
+
     def current_revision(self, logical_key: str) -> Revision | None:
         """The key's current recorded revision: what readers get (None: the key has never completed)."""
         revisions = self.revisions(logical_key)

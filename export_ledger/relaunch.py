@@ -47,19 +47,29 @@ class Excluded:
 
 
 def missing_keys(
-    ledger: ExportLedger, spec: ExportSpec, group: TenantGroup, days: Sequence[dt.date], excluded: Excluded
+    ledger: ExportLedger,
+    spec: ExportSpec,
+    group: TenantGroup,
+    days: Sequence[dt.date],
+    excluded: Excluded,
+    tenants: Sequence[str] | None = None,
 ) -> dict[dt.date, int]:
-    """Per day of ``days`` (business dates of ``group``'s zone), how many of its tenants on that day have no key at
-    all, less what ``excluded`` says; days with none missing are left out."""
+    """Per day of ``days`` (business dates of ``group``'s zone), how many of its tenants on that day (of ``tenants``
+    only, for a run scoped to them) have no key at all, less what ``excluded`` says; days with none missing are left
+    out."""
     wanted = sorted({day for day in days if excluded.low_water is None or day > excluded.low_water})
     found: dict[dt.date, int] = {}
     for start in range(0, len(wanted), DAYS_PER_READ):
         chunk = wanted[start : start + DAYS_PER_READ]
         summaries = ledger.queries.day_summaries(
-            export=spec.name, timezone=group.timezone, days=chunk, tenants=group.tenants
+            export=spec.name, timezone=group.timezone, days=chunk, tenants=tenants or group.tenants
         )
         for day in chunk:
-            expected = [tenant for tenant in group.tenants_on(day) if tenant not in excluded.refused]
+            expected = [
+                tenant
+                for tenant in group.tenants_on(day)
+                if tenant not in excluded.refused and (tenants is None or tenant in tenants)
+            ]
             have = summaries[day].keys if day in summaries else 0
             if len(expected) > have:
                 found[day] = len(expected) - have

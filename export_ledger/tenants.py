@@ -213,3 +213,23 @@ def run_tenants(requested: Sequence[str], group: TenantGroup, groups: Sequence[T
         )
     wanted = set(names)
     return tuple(tenant for tenant in group.tenants if tenant in wanted)
+
+
+def run_scope(
+    tagged: str | None, configured: Sequence[str], group: TenantGroup, groups: Sequence[TenantGroup]
+) -> tuple[str, ...] | None:
+    """The tenants a run of ``group``'s asset exports alone, from its tag's value (tenant ids separated by commas;
+    None: no tag) and its config's list (empty: none); None: every tenant of the asset.
+
+    Raises:
+        ConfigurationError: either names a tenant the asset does not export (see :func:`run_tenants`), or both are
+            given and differ.
+    """
+    from_tag = run_tenants(tagged.split(","), group, groups) if tagged is not None else None
+    from_config = run_tenants(configured, group, groups) if configured else None
+    if from_tag is not None and from_config is not None and set(from_tag) != set(from_config):
+        raise ConfigurationError(
+            f"the run's tag ({', '.join(from_tag)}) and its config's tenants ({', '.join(from_config)}) differ: give "
+            "one of them; nothing was exported"
+        )
+    return from_config if from_config is not None else from_tag

@@ -10,7 +10,7 @@ from collections import Counter
 
 import dagster as dg
 import pytest
-from pipeline_helpers import JOB, failure_message, make_defs
+from pipeline_helpers import JOB, failure_message, make_defs, tick
 
 from export_ledger import ExportLedger, Tenant
 from export_ledger.dagster import TENANTS_TAG
@@ -166,3 +166,42 @@ def test_restating_within_a_scoped_run_restates_only_its_tenants(tmp_path, insta
     assert result.success, failure_message(result)
     # A completed key is read again only for its restatement: acme's three dates, nobody else's.
     assert source.reads == Counter({"acme": 3})
+
+
+# -- what the reconciliation sensor launches again for a scoped run -----------------------------------------------
+
+LEDGER_DOWN = "postgresql+psycopg2://postgres@127.0.0.1:1/test"  # nothing listens on port 1
+
+
+def test_a_scoped_run_that_failed_before_claiming_is_launched_again_for_its_tenants_alone(tmp_path, instance):
+    """Guard: the relaunch pass reads the failed run's scope (``_scope_of``) and counts and tags by it; without it,
+    the relaunch exported every tenant of the date, the ones the person left out too."""
+    down = make_defs(tmp_path, tenants=TENANTS, ledger_url=LEDGER_DOWN)
+    failed = down.resolve_job_def(JOB).execute_in_process(
+        instance=instance, partition_key=FIRST, tags={TENANTS_TAG: "globex"}, raise_on_error=False
+    )
+    assert not failed.success
+    good = make_defs(tmp_path, tenants=TENANTS)
+
+    (request,) = tick(good, instance).result.run_requests
+
+    assert (request.partition_key, request.tags[TENANTS_TAG]) == (FIRST, "globex")
+    relaunched = good.resolve_job_def(request.job_name).execute_in_process(
+        instance=instance, partition_key=request.partition_key, tags=request.tags, raise_on_error=False
+    )
+    assert relaunched.success, failure_message(relaunched)
+    assert _states(tmp_path) == {("globex", FIRST): "completed"}, "acme and initech stay as the person left them"
+
+
+def test_a_run_refused_for_its_tenants_is_not_launched_again(tmp_path, instance):
+    """A typo in the tag would be refused again, and launching its dates without the tag would export every tenant:
+    the sensor leaves it to the person and says why."""
+    defs = make_defs(tmp_path, tenants=TENANTS)
+    assert not _run(defs, instance, tags={TENANTS_TAG: "globx"}).success
+
+    found = tick(defs, instance)
+
+    assert not found.result.run_requests
+    said = " ".join(record.getMessage() for record in found.logs)
+    assert "is not launched again" in said and "globx (not a tenant of the export invoice_export)" in said, said
+    assert _states(tmp_path) == {}

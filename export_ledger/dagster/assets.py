@@ -25,7 +25,7 @@ from export_ledger.protocol import ExportBatch, ExportItem
 from export_ledger.restate import request_each
 from export_ledger.sources import UnusableSource
 from export_ledger.spec import ExportSpec
-from export_ledger.tenants import TenantGroup, run_tenants, zone_slug
+from export_ledger.tenants import TenantGroup, run_scope, zone_slug
 
 #: The run tag that scopes a run, or every run of a backfill, to some tenants of the asset: their ids separated by
 #: commas. From the UI: the Materialize dialog's "Add tags to backfill runs". Same as the run config's ``tenants``.
@@ -296,15 +296,10 @@ def _scope(
 ) -> tuple[str, ...] | None:
     """The tenants the run exports alone, from its config's ``tenants`` or its :data:`TENANTS_TAG` tag (None: every
     tenant of the asset). Refused, before anything is done, when a name is not the asset's or the two disagree."""
-    tagged = context.run.tags.get(TENANTS_TAG)
-    from_tag = run_tenants(tagged.split(","), group, spec.groups) if tagged is not None else None
-    from_config = run_tenants(config.tenants, group, spec.groups) if config.tenants else None
-    if from_tag is not None and from_config is not None and set(from_tag) != set(from_config):
-        raise ConfigurationError(
-            f"the run's tag {TENANTS_TAG} ({', '.join(from_tag)}) and its config's tenants "
-            f"({', '.join(from_config)}) differ: give one of them; nothing was exported"
-        )
-    only = from_config if from_config is not None else from_tag
+    try:
+        only = run_scope(context.run.tags.get(TENANTS_TAG), config.tenants, group, spec.groups)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"the run's tenants ({TENANTS_TAG} tag or tenants config): {exc}") from None
     if only is not None:
         shown = ", ".join(only[:10]) + (", ..." if len(only) > 10 else "")
         context.log.info(f"this run exports {len(only)} of the asset's {len(group.tenants)} tenants: {shown}")

@@ -17,6 +17,7 @@ from dataclasses import replace
 import dagster as dg
 
 from export_ledger.calendar import ExportCalendar, utc_iso
+from export_ledger.dagster.assets import TENANTS_TAG
 from export_ledger.dagster.checks import (
     DRIFT_CHECK_NAME,
     STUCK_CHECK_NAME,
@@ -28,13 +29,13 @@ from export_ledger.dagster.io_manager import LISTED_KEYS, key_table, status_comm
 from export_ledger.dagster.resources import LEDGER_KEY, resource_keys
 from export_ledger.dead_runs import Finding, Watch, judge_runs
 from export_ledger.deadlines import late_keys
-from export_ledger.errors import CalendarError
+from export_ledger.errors import CalendarError, ConfigurationError
 from export_ledger.ledger import DEFAULT_MAX_ATTEMPTS, ExportLedger, ExportState, PartitionWork, Restatement
 from export_ledger.reconcile import ReconcileReport, reconcile_batch
 from export_ledger.relaunch import Excluded, missing_keys, refused_dates
 from export_ledger.restate import published_revisions
 from export_ledger.spec import ExportSpec
-from export_ledger.tenants import TenantGroup
+from export_ledger.tenants import TenantGroup, run_scope
 
 #: The digest of an empty escalated set: a cursor that never saw an escalation saw this one.
 NOTHING_ESCALATED = hashlib.sha256(b"").hexdigest()[:16]
@@ -198,7 +199,14 @@ def missed_requests(
             continue
         if spec.name not in excluded:
             excluded[spec.name] = Excluded.read(ledger, spec.name)
-        missing = missing_keys(ledger, spec, group, days, excluded[spec.name])
+        try:
+            scope = _scope_of(run, spec, group)
+        except ConfigurationError as exc:
+            # Refused for its tenants before anything was done: launched again it would be refused again, and
+            # launched without them it would export tenants the person left out. A person relaunches it.
+            log.warning(f"run {run.run_id} of {group.asset_name} is not launched again: {exc}")
+            continue
+        missing = missing_keys(ledger, spec, group, days, excluded[spec.name], scope)
         if not missing:
             continue
         try:
@@ -207,6 +215,8 @@ def missed_requests(
             generation = max_attempts
         if generation + 1 < max_attempts:
             tags = {"export-ledger/reconciled": "true", RELAUNCH_TAG: str(generation + 1)}
+            if scope is not None:
+                tags[TENANTS_TAG] = ",".join(scope)  # launched again for the tenants it was launched for
             requests.append(_dates_request(group, list(missing), f"relaunch/{run.run_id}", tags))
             continue
         for day, count in sorted(missing.items()):
@@ -223,6 +233,13 @@ def missed_requests(
         last = records[-1].update_timestamp
         cursor = (last if last.tzinfo else last.replace(tzinfo=dt.UTC)).isoformat()
     return requests, cursor
+
+
+def _scope_of(run: dg.DagsterRun, spec: ExportSpec, group: TenantGroup) -> tuple[str, ...] | None:
+    """The tenants a run of ``group``'s asset was scoped to (its tag or its config's ``tenants``); None: all."""
+    config = ((run.run_config or {}).get("ops") or {}).get(group.asset_name) or {}
+    configured = (config.get("config") or {}).get("tenants") or []
+    return run_scope(run.tags.get(TENANTS_TAG), configured, group, spec.groups)
 
 
 def refused_requests(

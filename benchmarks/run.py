@@ -26,7 +26,15 @@ from pathlib import Path
 
 from benchmarks.common import PROJECT_ROOT, Settings, code_version, machine, versions
 
-BENCHMARKS = ("export_overhead", "ledger_throughput", "sensor_tick", "backfill", "code_location", "streaming")
+BENCHMARKS = (
+    "export_overhead",
+    "ledger_throughput",
+    "sensor_tick",
+    "backfill",
+    "code_location",
+    "streaming",
+    "dagster_peer",
+)
 DEFAULT_PLOT = PROJECT_ROOT / "docs" / "benchmark-overhead.png"
 
 

@@ -84,7 +84,10 @@ def invoice_source_from(env: Mapping[str, str]) -> InvoiceSource:
         raise ConfigurationError(f"EXPORTS_SOURCE=sample and {' and '.join(given)} choose two sources: set one")
     _check_switches(env)
     if choice:
-        cadence = positive_int("EXPORTS_SAMPLE_CADENCE_MINUTES", env.get("EXPORTS_SAMPLE_CADENCE_MINUTES", "15"))
+        try:
+            cadence = positive_int("EXPORTS_SAMPLE_CADENCE_MINUTES", env.get("EXPORTS_SAMPLE_CADENCE_MINUTES", "15"))
+        except ConfigurationError:  # the value is not quoted: this message may be shown in the UI
+            raise ConfigurationError("EXPORTS_SAMPLE_CADENCE_MINUTES must be a positive integer of minutes") from None
         return SampleInvoiceSource(cadence_minutes=cadence)
     if not given:
         raise ConfigurationError(

@@ -91,6 +91,7 @@ from export_ledger.restate import (
     withdraw,
 )
 from export_ledger.settings import LEDGER_URL_ENV, Settings
+from export_ledger.sources import UnusableSource
 
 #: Rows a CLI read returns unless ``--limit`` says otherwise: every read is bounded, whatever the ledger holds.
 STATUS_LIMIT = 500
@@ -683,7 +684,10 @@ def _drift(ledger: ExportLedger, args: argparse.Namespace, settings: Settings) -
         location=location,
     )  # fmt: skip
     report, without = done.report, done.without_source
-    unresolved = bool(report.unchecked)
+    # An export whose source cannot be used here left its keys unchecked too (a declared asset's rows, never a source
+    # of their own, are not counted: nothing to read again, by design).
+    unusable = [spec.name for spec in specs if isinstance(spec.source, UnusableSource)]
+    unresolved = bool(report.unchecked) or bool(unusable)
     opened, cleared = set(report.changes.opened), set(report.changes.cleared)
     if args.json:
         items = [

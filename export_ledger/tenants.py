@@ -174,11 +174,13 @@ def tenant_calendar(tenant: Tenant, timezone: str, start_date: str) -> ExportCal
 
 def run_tenants(requested: Sequence[str], group: TenantGroup, groups: Sequence[TenantGroup]) -> tuple[str, ...]:
     """The tenants a run of ``group``'s asset is asked to export alone (a run or backfill scoped to some tenants),
-    in the group's order, checked against the export's tenants (``groups``: every group of the export).
+    in the group's order, checked against the export's tenants (``groups``: every group of the export). A tenant of
+    the export whose business days are another zone's asset's is not this asset's to export: it is left out (a
+    backfill of every zone's asset tagged with one tenant exports it in its own zone, and nothing elsewhere), so the
+    result may be empty.
 
     Raises:
-        ConfigurationError: a name is empty, repeated, not a tenant of the export, or a tenant of the export whose
-            business days are another zone's asset's (named, so the person picks the right asset); nothing is run.
+        ConfigurationError: a name is empty, repeated, or not a tenant of the export; nothing is run.
     """
     names = [name.strip()[:64] for name in requested]  # a pasted paragraph is named by its start, not echoed whole
     if not names or any(not name for name in names):
@@ -196,14 +198,11 @@ def run_tenants(requested: Sequence[str], group: TenantGroup, groups: Sequence[T
         for name in other.tenants
         if name not in group.tenants
     }
-    problems = []
-    for name in names:
-        if name in group.tenants:
-            continue
-        if name in elsewhere:
-            problems.append(f"{name} (a tenant of {elsewhere[name]}: its business days are that asset's)")
-        else:
-            problems.append(f"{name} (not a tenant of the export {group.export})")
+    problems = [
+        f"{name} (not a tenant of the export {group.export})"
+        for name in names
+        if name not in group.tenants and name not in elsewhere
+    ]
     if problems:
         more = f", ... ({len(group.tenants)} in all)" if len(group.tenants) > 10 else ""
         shown = ", ".join(group.tenants[:10]) + more

@@ -143,6 +143,15 @@ def test_drift_passes_over_an_export_whose_source_is_unusable_here_and_says_why(
     monkeypatch.chdir(PROJECT)
     code = cli.main(["drift", "-f", "definitions.py", "--lookback-days", "3650"])
     out = capsys.readouterr().out
-    assert code == 0 and "0 key(s) checked" in out, out
+    assert code == 1 and "0 key(s) checked" in out, "keys left unchecked: exit 1, as the CLI's exit codes say"
     assert "not checked, no source to read again here: invoice_export (the invoice source cannot be used" in out
     assert "EXPORTS_SOURCE_URL" in out
+
+
+def test_a_bad_sample_cadence_is_named_without_its_value(tmp_path, instance):
+    """The reason reaches the asset's description in the UI: a URL pasted into the wrong variable is not quoted."""
+    settings = {"EXPORTS_SOURCE": "sample", "EXPORTS_SAMPLE_CADENCE_MINUTES": f"postgresql://u:{PASSWORD}@db/x"}
+    words = _refused_run(tmp_path, instance, _environ(tmp_path, **settings))
+
+    assert "EXPORTS_SAMPLE_CADENCE_MINUTES must be a positive integer" in words
+    assert PASSWORD not in words

@@ -13,6 +13,7 @@ import pytest
 from pipeline_helpers import JOB, failure_message, make_defs, tick
 
 from export_ledger import ExportLedger, Tenant
+from export_ledger.calendar import ZoneMove
 from export_ledger.dagster import TENANTS_TAG
 from export_ledger.errors import ConfigurationError, SourceError
 from export_ledger.tenants import run_tenants, tenant_groups
@@ -25,16 +26,17 @@ RANGE = {"dagster/asset_partition_range_start": FIRST, "dagster/asset_partition_
 
 
 class CountedSource(SampleInvoiceSource):
-    """The sample invoices, counting each tenant's reads; globex's read fails on ``fails_on``."""
+    """The sample invoices, counting each tenant's reads; ``failing``'s read (globex's) fails on ``fails_on``."""
 
     def __init__(self, fails_on: str | None = None) -> None:
         super().__init__()
         self.fails_on = fails_on
+        self.failing = "globex"
         self.reads: Counter[str] = Counter()
 
     def rows(self, tenant, start_utc, end_utc):
         self.reads[tenant] += 1
-        if tenant == "globex" and start_utc.date().isoformat() == self.fails_on:
+        if tenant == self.failing and start_utc.date().isoformat() == self.fails_on:
             raise SourceError("the source refused the query")
         return super().rows(tenant, start_utc, end_utc)
 
@@ -140,7 +142,7 @@ def test_a_bad_scope_is_refused_naming_it_before_anything_is_exported(tmp_path, 
     assert _states(tmp_path) == {} and not source.reads, "nothing read, claimed or exported"
 
 
-def test_the_scope_names_the_asset_of_a_tenant_in_another_zone_and_lists_the_assets_tenants():
+def test_a_tenant_of_another_zones_asset_is_left_to_that_asset_and_an_unknown_name_is_refused_listing_the_tenants():
     tenants = [Tenant("acme"), Tenant("bombay", "Asia/Kolkata")] + [Tenant(f"t{i:02d}") for i in range(12)]
     groups = tenant_groups("orders", "America/New_York", None, tenants)
     new_york = next(g for g in groups if g.timezone == "America/New_York")
@@ -149,10 +151,57 @@ def test_the_scope_names_the_asset_of_a_tenant_in_another_zone_and_lists_the_ass
         run_tenants(["bombay", "x" * 500], new_york, groups)
 
     message = str(refused.value)
-    assert "bombay (a tenant of orders__asia_kolkata" in message
+    assert "bombay" not in message, "a tenant of another zone is not an error: its own zone's asset exports it"
     assert "x" * 64 + " (not a tenant" in message and "x" * 65 not in message, "a long name is cut, not echoed whole"
     assert "Its tenants: acme, t00, t01" in message and "(13 in all)" in message
     assert run_tenants(["t03", "acme"], new_york, groups) == ("acme", "t03"), "in the asset's order"
+    assert run_tenants(["bombay"], new_york, groups) == (), "nothing of this asset's"
+
+
+def _checks(instance) -> dict[tuple[str, str], tuple[str, bool]]:
+    """Each partitioned check's latest status per date, and whether it judged the date's latest materialization."""
+    out = {}
+    for name in ("partition_health", "export_matches_source_and_ledger"):
+        for info in instance.event_log_storage.get_asset_check_partition_info([dg.AssetCheckKey(ASSET, name)]):
+            out[(name, info.partition_key)] = (info.latest_execution_status.value, info.is_current)
+    return out
+
+
+def test_a_scoped_run_judges_every_date_it_ran_even_one_where_its_tenant_has_no_key_here(tmp_path, instance):
+    """globex's business day is Chicago's until 2026-03-03 (exported by that zone's asset), New York's from then on.
+    A New York run scoped to globex over 03-02..03-04 has no key on 03-02; Dagster still records the date's new
+    materialization, so the date is judged again (acme's key, healthy) rather than left with its checks planned.
+    Guard: health_days over every date of the run."""
+    globex = Tenant("globex", "America/New_York", moves=(ZoneMove("2026-03-03", "America/Chicago"),))
+    defs = make_defs(tmp_path, tenants=[Tenant("acme"), globex])
+    assert _run(defs, instance).success
+
+    scoped = _run(defs, instance, tags={TENANTS_TAG: "globex"})
+
+    assert scoped.success, failure_message(scoped)
+    checks = _checks(instance)
+    for name in ("partition_health", "export_matches_source_and_ledger"):
+        assert checks[(name, FIRST)] == ("SUCCEEDED", True), (name, checks)
+    said = " ".join(str(e.message) for e in instance.all_logs(scoped.run_id))
+    assert f"nothing to export on {FIRST}: none of the run's tenants (globex)" in said, said
+
+
+def test_a_scoped_run_does_not_pass_a_date_whose_other_tenant_failed(tmp_path, instance):
+    """acme's key of BAD failed; a run of globex alone on BAD materializes the date again: its
+    export_matches_source_and_ledger still fails for acme's key, judged from the ledger beside the run's own.
+    Guard: the other tenants judged in a scoped run's export check."""
+    source = CountedSource(fails_on=BAD)
+    source.failing = "acme"
+    defs = make_defs(tmp_path, tenants=TENANTS, source=source)
+    assert not _run(defs, instance).success
+
+    scoped = _run(defs, instance, tags={TENANTS_TAG: "globex"})
+
+    assert scoped.success, failure_message(scoped)
+    checks = _checks(instance)
+    assert checks[("export_matches_source_and_ledger", BAD)] == ("FAILED", True), checks
+    assert checks[("partition_health", BAD)] == ("FAILED", True), checks
+    assert checks[("export_matches_source_and_ledger", FIRST)] == ("SUCCEEDED", True), checks
 
 
 def test_restating_within_a_scoped_run_restates_only_its_tenants(tmp_path, instance):

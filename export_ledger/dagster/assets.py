@@ -143,10 +143,11 @@ def build_export_asset(
             _report_or_warn(context, lambda: verdicts(_checked_days(context, spec, group, calendar, selected)))
             raise
         if only is not None:
-            # A run of some tenants: a date's health is still every tenant's (the others' missing keys show there).
-            verdicts = functools.partial(
-                verdicts, health_days={d: partition_tenants(spec, group, calendar, d) for d in tenants_by_day}
-            )
+            # A run of some tenants: each date of the run is judged for every tenant of it (the others' missing or
+            # failed keys show there), a date where the run itself has no key too.
+            days = [calendar.window(key).business_date for key in context.partition_keys]
+            whole = {day: partition_tenants(spec, group, calendar, day) for day in days}
+            verdicts = functools.partial(verdicts, health_days={day: ts for day, ts in whole.items() if ts})
         # A failed key fails the step inside the I/O manager, and this code never runs again: it reports the run's
         # verdicts from there first (every partition's, the finished ones' materializations recorded by then; the
         # ledger's, when it failed before exporting anything).
@@ -166,7 +167,7 @@ def build_export_asset(
         if isinstance(spec.source, UnusableSource):
             raise ConfigurationError(f"{spec.name}: nothing was exported: {spec.source.reason}")
         only = _scope(context, config, spec, group)  # a bad scope or config is refused before anything is done
-        contracts = {tenant: spec.contract(tenant, destination) for tenant in only or group.tenants}
+        contracts = {tenant: spec.contract(tenant, destination) for tenant in (group.tenants if only is None else only)}
         restate_tenants = _restate_tenants(config, group, only)
         partition_keys = sorted(context.partition_keys)
         first, last = parse_business_date(partition_keys[0]), parse_business_date(partition_keys[-1])
@@ -179,7 +180,7 @@ def build_export_asset(
                 export=spec.name,
                 date_from=first,
                 date_to=last,
-                tenants=only or (group.tenants if len(group.tenants) < len(spec.tenants) else ()),
+                tenants=only if only else (group.tenants if len(group.tenants) < len(spec.tenants) else ()),
             )
         }
         # A completed key with an open restatement request is read again: its claim publishes the next revision.
@@ -189,6 +190,7 @@ def build_export_asset(
         }
         items: list[ExportItem] = []
         tenants_by_day: dict[dt.date, list[str]] = {}
+        absent: list[str] = []  # dates of a scoped run where none of its tenants is this asset's
         for partition_key in partition_keys:
             day = parse_business_date(partition_key)
             window = calendar.window(partition_key)
@@ -230,6 +232,8 @@ def build_export_asset(
                 reader = functools.partial(spec.read, tenant, key.window.start_utc, key.window.end_utc)
                 here.append(ExportItem(key, partition_key, reader, contracts[tenant]))
             items.extend(here)
+            if only is not None and not any(tenant in only for tenant in group.tenants_on(day)):
+                absent.append(partition_key)
             if skipped_day:
                 context.log.warning(
                     f"{partition_key} does not exist in {calendar.timezone}: empty window, nothing to export for "
@@ -250,6 +254,13 @@ def build_export_asset(
             context.add_asset_metadata(metadata, asset_key=asset_key, partition_key=partition_key)
             if here:  # a day the zone skipped has no key, so no verdict
                 tenants_by_day[day] = [item.key.tenant for item in here]
+        if absent:
+            shown = ", ".join(absent[:5]) + (f", ... ({len(absent)} dates)" if len(absent) > 5 else "")
+            context.log.warning(
+                f"nothing to export on {shown}: none of the run's tenants ({', '.join(only) or 'none of this asset'}) "
+                f"has its business day in {group.timezone} then (a tenant in another zone on a date is exported by "
+                "that zone's asset)"
+            )
         return ExportBatch(spec.schema, items), tenants_by_day, only
 
     return _export
@@ -302,8 +313,21 @@ def _scope(
         raise ConfigurationError(f"the run's tenants ({TENANTS_TAG} tag or tenants config): {exc}") from None
     if only is not None:
         shown = ", ".join(only[:10]) + (", ..." if len(only) > 10 else "")
-        context.log.info(f"this run exports {len(only)} of the asset's {len(group.tenants)} tenants: {shown}")
+        context.log.info(f"this run exports {len(only)} of the asset's {len(group.tenants)} tenants: {shown or '-'}")
+        elsewhere = sorted(set(_scope_names(context, config)) - set(only))
+        if elsewhere:
+            context.log.warning(
+                f"{', '.join(elsewhere[:10])}: tenant(s) of {spec.name} in another zone, exported by that zone's "
+                f"asset, not by {group.asset_name}"
+            )
     return only
+
+
+def _scope_names(context: dg.AssetExecutionContext, config: ExportRunConfig) -> list[str]:
+    """The tenant names the run's tag and config give, as given (trimmed)."""
+    tagged = context.run.tags.get(TENANTS_TAG)
+    names = [*(tagged.split(",") if tagged is not None else ()), *config.tenants]
+    return [name.strip() for name in names if name.strip()]
 
 
 def _restate_tenants(
@@ -330,7 +354,7 @@ def _restate_tenants(
             raise RestatementRefused(
                 f"restate_tenants {outside} are not among the run's tenants ({', '.join(only)}); nothing was restated"
             )
-    return list(config.restate_tenants) or list(only or group.tenants)
+    return list(config.restate_tenants) or list(group.tenants if only is None else only)
 
 
 def _request_restatements(

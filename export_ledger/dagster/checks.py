@@ -290,18 +290,32 @@ def step_verdicts(
 
     ``batch``: the run's export (its items, and the results the I/O manager recorded), judged from what the run read
     and wrote; None: the checks run alone (the health sensor's run, a check executed from the UI), judged from the
-    ledger. The source is never read. ``health_days``: the tenants ``partition_health`` judges on each date, when the
-    run exported only some of them (the date's health is every tenant's); default ``tenants_by_day``. Each
+    ledger. The source is never read. ``health_days``: every tenant of each date of a run that exported only some of
+    them: ``partition_health`` judges those, and ``export_matches_source_and_ledger`` judges the others from the
+    ledger beside the run's own keys (a date's verdicts are every tenant's); default ``tenants_by_day``. Each
     partition's verdict targets the partition's latest materialization (this run's, for a partition it exported):
     Dagster counts a partitioned check's evaluation in the partition's status only when it targets that
     materialization, else the check's partition shows as Missing.
     """
     asset_key = dg.AssetKey(group.asset_name)
-    partitions = [day.isoformat() for day in sorted(tenants_by_day)]
+    partitions = [day.isoformat() for day in sorted({*tenants_by_day, *(health_days or {})})]
     targets = latest_materializations(instance, asset_key, partitions) if selected & set(PARTITION_CHECKS) else {}
     evaluations = []
     if CHECK_NAME in selected:
-        for partition, (results, unfinished) in _partition_keys(spec, ledger, tenants_by_day, batch).items():
+        judged = _partition_keys(spec, ledger, tenants_by_day, batch)
+        if health_days is not None and batch is not None:
+            # A run of some tenants: each date's other tenants are judged as the ledger holds them, so a date is
+            # never passed on the run's own keys while another tenant's key of it failed or is missing.
+            others = {
+                day: [t for t in tenants if t not in set(tenants_by_day.get(day, ()))]
+                for day, tenants in health_days.items()
+            }
+            for partition, (records, never) in _partition_keys(
+                spec, ledger, {day: ts for day, ts in others.items() if ts}, None
+            ).items():
+                results, unfinished = judged.get(partition, ([], []))
+                judged[partition] = ([*results, *records], [*unfinished, *never])
+        for partition, (results, unfinished) in sorted(judged.items()):
             evaluation = export_check(
                 ledger, destination, results, asset_key=asset_key, partition=partition, unfinished=unfinished
             )

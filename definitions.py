@@ -51,14 +51,24 @@ RUN_WORKER_SETTINGS = (
 )
 
 
-def _check_switches(env: Mapping[str, str]) -> None:
-    """The sample's switches (a debugging aid, not a run setting) without the sample are refused at load."""
+def _check_sample_settings(env: Mapping[str, str]) -> None:
+    """The sample's own settings, refused at load when malformed (a value given wrong, not a setting a run lacks):
+    its switches without the sample, a cadence that is not a positive integer (its value never quoted)."""
+    if env.get("EXPORTS_SOURCE") == "sample":
+        _sample_cadence(env)
     sample_only = [name for name in SAMPLE_SWITCHES if (env.get(name) or "").strip()]
     if sample_only and env.get("EXPORTS_SOURCE") != "sample":
         raise ConfigurationError(
             f"{' and '.join(sample_only)} {'apply' if len(sample_only) > 1 else 'applies'} to the sample source only "
             "(EXPORTS_SOURCE=sample)"
         )
+
+
+def _sample_cadence(env: Mapping[str, str]) -> int:
+    try:
+        return positive_int("EXPORTS_SAMPLE_CADENCE_MINUTES", env.get("EXPORTS_SAMPLE_CADENCE_MINUTES", "15"))
+    except ConfigurationError:  # the value is not quoted: a URL pasted into the wrong variable may carry a password
+        raise ConfigurationError("EXPORTS_SAMPLE_CADENCE_MINUTES must be a positive integer of minutes") from None
 
 
 def invoice_source_from(env: Mapping[str, str]) -> InvoiceSource:
@@ -82,12 +92,9 @@ def invoice_source_from(env: Mapping[str, str]) -> InvoiceSource:
         )
     if choice and given:
         raise ConfigurationError(f"EXPORTS_SOURCE=sample and {' and '.join(given)} choose two sources: set one")
-    _check_switches(env)
+    _check_sample_settings(env)
     if choice:
-        try:
-            cadence = positive_int("EXPORTS_SAMPLE_CADENCE_MINUTES", env.get("EXPORTS_SAMPLE_CADENCE_MINUTES", "15"))
-        except ConfigurationError:  # the value is not quoted: this message may be shown in the UI
-            raise ConfigurationError("EXPORTS_SAMPLE_CADENCE_MINUTES must be a positive integer of minutes") from None
+        cadence = _sample_cadence(env)
         return SampleInvoiceSource(cadence_minutes=cadence)
     if not given:
         raise ConfigurationError(
@@ -222,7 +229,7 @@ def build_definitions(
             settings, lease_ttl_seconds=positive_int("lease_ttl_seconds", str(lease_ttl_seconds))
         )
     if source is None:
-        _check_switches(env)
+        _check_sample_settings(env)
         try:
             source = invoice_source_from(env)
         except ConfigurationError as exc:

@@ -148,10 +148,11 @@ def test_drift_passes_over_an_export_whose_source_is_unusable_here_and_says_why(
     assert "EXPORTS_SOURCE_URL" in out
 
 
-def test_a_bad_sample_cadence_is_named_without_its_value(tmp_path, instance):
-    """The reason reaches the asset's description in the UI: a URL pasted into the wrong variable is not quoted."""
+def test_a_bad_sample_cadence_is_refused_at_load_without_its_value(tmp_path):
+    """A malformed value (not a missing setting) is refused at load, and a URL pasted into it is not quoted."""
     settings = {"EXPORTS_SOURCE": "sample", "EXPORTS_SAMPLE_CADENCE_MINUTES": f"postgresql://u:{PASSWORD}@db/x"}
-    words = _refused_run(tmp_path, instance, _environ(tmp_path, **settings))
+    with pytest.raises(ConfigurationError) as refused:
+        build_definitions(environ=_environ(tmp_path, **settings))
 
-    assert "EXPORTS_SAMPLE_CADENCE_MINUTES must be a positive integer" in words
-    assert PASSWORD not in words
+    assert "EXPORTS_SAMPLE_CADENCE_MINUTES must be a positive integer" in str(refused.value)
+    assert PASSWORD not in str(refused.value)

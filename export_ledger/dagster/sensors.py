@@ -325,7 +325,9 @@ def _mark_failed(instance: dg.DagsterInstance, run: dg.DagsterRun, why: str, log
 def merged(requests: Sequence[dg.RunRequest]) -> list[dg.RunRequest]:
     """One request per (job, partition or range), the first kept, and none for a partition a range request of the
     same job covers: a run of a partition claims every key of it (it reruns the failed ones and publishes the
-    requested restatements alike), so two runs of one partition in one tick would compete for its keys."""
+    requested restatements alike), so two runs of one partition in one tick would compete for its keys. A relaunch
+    scoped to some tenants (``export-ledger/tenants``) claims only theirs: a rerun or restatement of another tenant
+    it drops here is requested again on the next tick (their passes start over when a page is not full)."""
     ranges = [(r.job_name, r.tags[RANGE_START], r.tags[RANGE_END]) for r in requests if RANGE_START in r.tags]
     seen: set[tuple] = set()
     kept = []

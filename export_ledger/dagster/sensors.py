@@ -327,7 +327,7 @@ def merged(requests: Sequence[dg.RunRequest]) -> list[dg.RunRequest]:
     same job covers: a run of a partition claims every key of it (it reruns the failed ones and publishes the
     requested restatements alike), so two runs of one partition in one tick would compete for its keys. A relaunch
     scoped to some tenants (``export-ledger/tenants``) claims only theirs: a rerun or restatement of another tenant
-    it drops here is requested again on the next tick (their passes start over when a page is not full)."""
+    it drops here is requested again when its pass comes back to it (the next tick, unless a page was full)."""
     ranges = [(r.job_name, r.tags[RANGE_START], r.tags[RANGE_END]) for r in requests if RANGE_START in r.tags]
     seen: set[tuple] = set()
     kept = []

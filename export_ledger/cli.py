@@ -686,8 +686,7 @@ def _drift(ledger: ExportLedger, args: argparse.Namespace, settings: Settings) -
     report, without = done.report, done.without_source
     # An export whose source cannot be used here left its keys unchecked too (a declared asset's rows, never a source
     # of their own, are not counted: nothing to read again, by design).
-    unusable = [spec.name for spec in specs if isinstance(spec.source, UnusableSource)]
-    unresolved = bool(report.unchecked) or bool(unusable)
+    unresolved = bool(report.unchecked) or any(isinstance(spec.source, UnusableSource) for spec in specs)
     opened, cleared = set(report.changes.opened), set(report.changes.cleared)
     if args.json:
         items = [

@@ -57,12 +57,14 @@ def missing_keys(
     """Per day of ``days`` (business dates of ``group``'s zone), how many of its tenants on that day (of ``tenants``
     only, for a run scoped to them) have no key at all, less what ``excluded`` says; days with none missing are left
     out."""
+    if tenants is not None and not tenants:
+        return {}  # a run scoped to none of this zone's tenants asked for no key here
     wanted = sorted({day for day in days if excluded.low_water is None or day > excluded.low_water})
     found: dict[dt.date, int] = {}
     for start in range(0, len(wanted), DAYS_PER_READ):
         chunk = wanted[start : start + DAYS_PER_READ]
         summaries = ledger.queries.day_summaries(
-            export=spec.name, timezone=group.timezone, days=chunk, tenants=tenants or group.tenants
+            export=spec.name, timezone=group.timezone, days=chunk, tenants=group.tenants if tenants is None else tenants
         )
         for day in chunk:
             expected = [

@@ -28,7 +28,7 @@ from export_ledger.spec import ExportSpec
 from export_ledger.tenants import TenantGroup, run_scope, zone_slug
 
 #: The run tag that scopes a run, or every run of a backfill, to some tenants of the asset: their ids separated by
-#: commas. From the UI: the Materialize dialog's "Add tags to backfill runs". Same as the run config's ``tenants``.
+#: commas. From the UI: the Materialize dialog's *Tags -> Add tags*. Same as the run config's ``tenants``.
 TENANTS_TAG = "export-ledger/tenants"
 
 

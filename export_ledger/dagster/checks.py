@@ -306,10 +306,10 @@ def step_verdicts(
         if health_days is not None and batch is not None:
             # A run of some tenants: each date's other tenants are judged as the ledger holds them, so a date is
             # never passed on the run's own keys while another tenant's key of it failed or is missing.
-            others = {
-                day: [t for t in tenants if t not in set(tenants_by_day.get(day, ()))]
-                for day, tenants in health_days.items()
-            }
+            others = {}
+            for day, tenants in health_days.items():
+                ran = set(tenants_by_day.get(day, ()))
+                others[day] = [t for t in tenants if t not in ran]
             for partition, (records, never) in _partition_keys(
                 spec, ledger, {day: ts for day, ts in others.items() if ts}, None
             ).items():

@@ -229,14 +229,16 @@ def _checked_on_arrow(frame: object, schema: ExportSchema, window: ExportWindow,
     differently (a frame not in file order is left to pandas' stable sort)."""
     if not isinstance(frame, pd.DataFrame) or frame.empty or not frame.columns.is_unique:
         return None
-    if any(name not in frame.columns or _kind_refusal(frame[name], kind) for name, kind in schema.columns.items()):
+    dtypes = frame.dtypes  # one Series of every column's dtype: cheaper than a column Series each on small frames
+    if any(name not in dtypes.index or _dtype_refusal(dtypes[name], kind) for name, kind in schema.columns.items()):
         return None
     if not _already_ordered(frame, schema):
         return None
     try:
         # Arrow refuses nulls in the schema's non-nullable fields itself (ValueError), counting as null what pandas'
         # isna does (None, NaN, NaT, pd.NA); a value pandas would call null and Arrow cannot convert fails too.
-        table = pa.Table.from_pandas(frame[list(schema.columns)], schema=schema.arrow_schema(), preserve_index=False)
+        # Arrow converts the schema's columns alone, by name (the others are never read): no pandas copy of them.
+        table = pa.Table.from_pandas(frame, schema=schema.arrow_schema(), preserve_index=False)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError, ValueError):
         return None
     if any(table.column(name).null_count for name in schema.columns if name not in schema.nullable):
@@ -385,7 +387,11 @@ def _kind_refusal(series: pd.Series, kind: str) -> str | None:
     timestamp with nanoseconds, a value of another type in an object column of the string or bool kind (bytes in a
     string column are decoded as UTF-8 text: telling them apart would cost a scan of every text column).
     """
-    dtype = series.dtype
+    return _dtype_refusal(series.dtype, kind)
+
+
+def _dtype_refusal(dtype, kind: str) -> str | None:
+    """:func:`_kind_refusal` of a column of ``dtype``."""
     if isinstance(dtype, pd.SparseDtype):
         # pandas counts a sparse column as its values' kind; Arrow cannot convert it (a raw TypeError).
         return (

@@ -20,6 +20,7 @@ import contextlib
 import contextvars
 import ctypes
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -432,6 +433,13 @@ def _remove_dead_prepared(final: Path) -> None:
             leftover.unlink(missing_ok=True)
 
 
+@functools.lru_cache(maxsize=64)
+def _resolved(root: str, cwd: str) -> Path:  # noqa: ARG001 - part of the key: a relative root depends on it
+    """``root`` made absolute from the working directory ``cwd``: resolved once, not at each of the ~15 store
+    operations of a key (the resolve was 8% of a 310-key backfill chunk)."""
+    return Path(root).expanduser().resolve()
+
+
 @dataclass(frozen=True)
 class LocalDestination(PublishingDestination):
     """Exports under a folder ``root``: the publishing template (docs/protocol.md) over :class:`LocalStore`.
@@ -444,7 +452,7 @@ class LocalDestination(PublishingDestination):
 
     @property
     def store(self) -> LocalStore:
-        return LocalStore(Path(self.root).expanduser().resolve())
+        return LocalStore(_resolved(self.root, os.getcwd()))
 
     @staticmethod
     def check_spec(spec: str) -> str | None:
@@ -460,7 +468,7 @@ class LocalDestination(PublishingDestination):
 
     def root_of(self, export: str) -> str:  # noqa: ARG002 - one folder holds every export's own
         """The folder, absolute: a relative one names another folder from another working directory."""
-        return str(Path(self.root).expanduser().resolve())
+        return str(_resolved(self.root, os.getcwd()))
 
     def deferred(self) -> contextlib.AbstractContextManager:
         return self.store.deferred()

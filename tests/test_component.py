@@ -221,18 +221,46 @@ def test_a_value_of_the_wrong_type_is_refused_at_its_field(sandbox, shop_env) ->
     assert "0.id_columns" in message and "valid array" in message, message
 
 
-def test_a_missing_source_url_variable_is_refused_naming_it_and_no_url_is_shown(
-    sandbox, shop_env, monkeypatch
-) -> None:
+def test_the_source_url_is_never_shown_by_the_component_or_its_assets(sandbox, shop_env) -> None:
     component, defs = load(sandbox, COMPONENT_YAML)
     url = shop_env["SHOP_DATABASE_URL"]
     assert url not in repr(component), "the component's repr names the variable, never the URL"
     for asset in defs.assets:
         assert url not in repr(asset.metadata_by_key) and url not in repr(asset.descriptions_by_key)
 
+
+def test_a_missing_source_url_variable_fails_each_run_naming_it_and_the_location_still_loads(
+    sandbox, shop_env, instance, monkeypatch
+) -> None:
     monkeypatch.delenv("SHOP_DATABASE_URL")
-    message = refusal(sandbox, COMPONENT_YAML)
-    assert "source.url_env: environment variable SHOP_DATABASE_URL is not set" in message, message
+    missing = "source.url_env: environment variable SHOP_DATABASE_URL is not set"
+    # The location loads (the UI shows the exports and their history); the asset's page says what its runs lack.
+    component, defs = load(sandbox, COMPONENT_YAML)
+    (spec,) = component.exports
+    for asset in defs.assets:
+        (description,) = asset.descriptions_by_key.values()
+        assert missing in description and "Runs launched here fail" in description, description
+
+    # A run fails naming the variable, before anything is claimed; nothing is read from anywhere else instead.
+    result = defs.resolve_job_def("orders__asia_kolkata_job").execute_in_process(
+        partition_key=DAY, instance=instance, raise_on_error=False
+    )
+    assert not result.success
+    error, said = next(e for e in result.all_events if e.is_step_failure).step_failure_data.error, []
+    while error is not None:  # Dagster's step error, caused by the library's
+        said.append(error.message)
+        error = error.cause
+    assert any(missing in m and "nothing was exported" in m for m in said), said
+    ledger = ExportLedger(shop_env["SHOP_LEDGER_URL"])
+    assert ledger.queries.get(GLOBEX_KEY) is None, "nothing is claimed for a run that lacks its source"
+    assert not (sandbox.project_root / "var" / "exports" / "orders").exists(), "nothing is published"
+
+    # Given the variable again (a restarted code server), the same location's next run exports the partition.
+    monkeypatch.setenv("SHOP_DATABASE_URL", make_source_database(sandbox.project_root / "shop-again.db"))
+    _, defs = load(sandbox, COMPONENT_YAML)
+    job = defs.resolve_job_def("orders__asia_kolkata_job")
+    assert job.execute_in_process(partition_key=DAY, instance=instance).success
+    assert ledger.queries.get(GLOBEX_KEY).state is ExportState.COMPLETED
 
 
 # -- dg in a fresh virtualenv ----------------------------------------------------------------------------------------

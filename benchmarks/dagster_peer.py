@@ -64,12 +64,16 @@ import datetime as dt
 import hashlib
 import math
 import os
+import warnings
 
 import dagster as dg
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.csv as pa_csv
+from dagster._core.definitions.asset_checks.asset_check_evaluation import (  # a check's target: no public alias
+    AssetCheckEvaluationTargetMaterializationData,
+)
 from upath import UPath
 
 _CURRENCIES = np.array(["USD", "EUR", "GBP", "CAD"], dtype=object)
@@ -123,11 +127,20 @@ class TenantCsvIOManager(dg.UPathIOManager):
             self.dump_to_path(context, obj[key], self.get_path_for_partition(context, base, key))
 
 
-def build(root, tenants, chunk=None, cadence_minutes=15):
+def build(root, tenants, chunk=None, cadence_minutes=15, checked=False):
+    """The peer's definitions; ``checked``: with one partitioned check, one verdict per partition of each run
+    (counting its rows), targeting the partition's materialization as the UI needs: the least a plain asset does to
+    show a verdict on each date."""
+    check = "rows_written"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # partitioned checks are a preview API in Dagster 1.13
+        specs = [dg.AssetCheckSpec(check, asset="plain_invoices", partitions_def=PARTITIONS)] if checked else None
+
     @dg.asset(
         partitions_def=PARTITIONS,
         backfill_policy=dg.BackfillPolicy.multi_run(chunk) if chunk else None,
         io_manager_key="tenant_csv",
+        check_specs=specs,
     )
     def plain_invoices(context: dg.AssetExecutionContext):
         frames = {}
@@ -135,7 +148,28 @@ def build(root, tenants, chunk=None, cadence_minutes=15):
             window = PARTITIONS.time_window_for_partition_key(key)
             start, end = window.start.astimezone(dt.timezone.utc), window.end.astimezone(dt.timezone.utc)
             frames[key] = {tenant: sample_rows(tenant, start, end, cadence_minutes) for tenant in tenants}
-        return next(iter(frames.values())) if len(frames) == 1 else frames
+        yield dg.Output(next(iter(frames.values())) if len(frames) == 1 else frames)
+        if not checked:
+            return
+        records = context.instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=context.asset_key, asset_partitions=list(frames)), limit=len(frames)
+        ).records
+        targets = {
+            r.partition_key: AssetCheckEvaluationTargetMaterializationData(
+                storage_id=r.storage_id, run_id=r.run_id, timestamp=r.timestamp
+            )
+            for r in records
+        }
+        for key, by_tenant in frames.items():
+            rows = sum(len(frame) for frame in by_tenant.values())
+            context.log_event(
+                dg.AssetCheckEvaluation(
+                    asset_key=context.asset_key, check_name=check, passed=rows > 0, partition=key,
+                    metadata={"rows": rows}, target_materialization_data=targets.get(key),
+                )
+            )
+        key = dg.AssetCheckKey(context.asset_key, check)
+        yield dg.Output(None, output_name=context.assets_def.get_output_name_for_asset_check_key(key))
 
     return dg.Definitions(
         assets=[plain_invoices],
@@ -399,7 +433,8 @@ class _Backfill:
             )
             self.job, self.pattern = defs.resolve_job_def(LEDGERED_JOB), "data.csv"
         else:
-            defs = self.plain.build(str(self.exports), self.tenants, CHUNK, CADENCE_MINUTES)
+            checked = name == "plain_checked"
+            defs = self.plain.build(str(self.exports), self.tenants, CHUNK, CADENCE_MINUTES, checked=checked)
             self.job, self.pattern = defs.resolve_job_def(PLAIN_JOB), "*.csv"
 
     def close(self) -> None:
@@ -435,7 +470,7 @@ def _backfill(settings: Settings, folder: Path, plain) -> dict:
     bench = _Backfill(folder, partitions, tenants, plain)
     try:
         times = interleaved(
-            {"ledgered": bench.call, "plain": bench.call},
+            {"ledgered": bench.call, "plain": bench.call, "plain_checked": bench.call},
             settings.reps(full=5),
             setup=bench.fresh,
             warmup=not settings.smoke,
@@ -483,6 +518,11 @@ def _notes(one: dict, backfill: dict) -> list[str]:
         "also writes a manifest and a pointer with fsyncs (files and folders) and commits its ledger (SQLite)",
         f"backfill: {per_key['ledgered']:.2f} ms per key against {per_key['plain']:.2f} for the peer "
         f"({keys} keys in {backfill['runs']} runs of at most {CHUNK} partitions)",
+        f"backfill: the peer with one partitioned check reported per partition (the least a plain asset does to show "
+        f"a verdict on each date in the UI, targeting its materialization) takes {per_key['plain_checked']:.2f} ms per "
+        f"key, {per_key['plain_checked'] / per_key['plain']:.2f}x the plain peer: Dagster stores each evaluation in "
+        f"its event log (SQLite here); the export reports two per partition and is "
+        f"{per_key['ledgered'] / per_key['plain_checked']:.2f}x that peer",
     ]
 
 
@@ -517,7 +557,7 @@ def run(settings: Settings) -> dict:
             "x plain": round(per_key[name] / per_key["plain"], 3),
             "files": backfill["files_per_call"][name],
         }
-        for name in ("ledgered", "plain")
+        for name in ("ledgered", "plain", "plain_checked")
     ]
     return {
         "description": (

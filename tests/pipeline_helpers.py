@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,13 +26,17 @@ from export_ledger.ledger import ExportLedger
 JOB = "invoice_export_job"
 
 
-def make_defs(tmp_path: Path, *, tenants: Sequence[str] = ("acme",), ledger=None, **kwargs) -> dg.Definitions:
+def make_defs(
+    tmp_path: Path, *, tenants: Sequence[str] = ("acme",), ledger=None, env: Mapping[str, str] | None = None, **kwargs
+) -> dg.Definitions:
+    """The reference location on the sample source; ``env``: further settings the location loads with."""
     kwargs.setdefault("timezone", "America/New_York")
     kwargs.setdefault("start_date", "2026-01-01")
     kwargs.setdefault("destination", str(tmp_path / "exports"))
     if ledger is None:
         kwargs.setdefault("ledger_url", f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
-    return build_definitions(tenants=list(tenants), ledger=ledger, environ={"EXPORTS_SOURCE": "sample"}, **kwargs)
+    environ = {"EXPORTS_SOURCE": "sample", **(env or {})}
+    return build_definitions(tenants=list(tenants), ledger=ledger, environ=environ, **kwargs)
 
 
 def run_partition(defs: dg.Definitions, instance: dg.DagsterInstance, partition_key: str) -> dg.ExecuteInProcessResult:

@@ -75,13 +75,20 @@ def leaf_values(value):
         yield value
 
 
+def lineage_env(monkeypatch, url: str, namespace: str | None = None) -> dict[str, str]:
+    """The lineage settings a code location loads with, set in this process's environment too (where a run worker
+    reads what the location hands over by name)."""
+    env = {"EXPORTS_OPENLINEAGE_URL": url, **({"EXPORTS_OPENLINEAGE_NAMESPACE": namespace} if namespace else {})}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return env
+
+
 def test_materialization_sends_start_and_complete_with_source_destination_schema_and_rows(
     tmp_path, instance, monkeypatch
 ):
     with Receiver() as receiver:
-        monkeypatch.setenv("EXPORTS_OPENLINEAGE_URL", receiver.url)
-        monkeypatch.setenv("EXPORTS_OPENLINEAGE_NAMESPACE", "exports-test")
-        defs = make_defs(tmp_path, tenants=TENANTS)
+        defs = make_defs(tmp_path, tenants=TENANTS, env=lineage_env(monkeypatch, receiver.url, "exports-test"))
         result = run_partition(defs, instance, PARTITION)
         assert result.success, "the materialization must succeed"
 
@@ -127,8 +134,7 @@ def test_materialization_sends_start_and_complete_with_source_destination_schema
 def test_receiver_down_or_failing_leaves_the_export_complete_and_logs_a_warning_naming_the_host(
     tmp_path, instance, monkeypatch
 ):
-    monkeypatch.setenv("EXPORTS_OPENLINEAGE_URL", f"http://127.0.0.1:{free_port()}/?token=s3cret")
-    defs = make_defs(tmp_path, tenants=TENANTS)
+    defs = make_defs(tmp_path, tenants=TENANTS, env=lineage_env(monkeypatch, f"http://127.0.0.1:{free_port()}/?token=s3cret"))
     result = run_partition(defs, instance, PARTITION)
     assert result.success, "an absent receiver must not fail the export"
     assert [r.state.value for r in ledger_at(tmp_path).queries.records()] == ["completed", "completed"]
@@ -137,6 +143,7 @@ def test_receiver_down_or_failing_leaves_the_export_complete_and_logs_a_warning_
     assert all("127.0.0.1:" in w and "s3cret" not in w for w in warned), "the host is named, the token never"
 
     with Receiver(status=500) as failing:
+        # The location hands the URL over by name: each run reads the variable where it runs (a new value too).
         monkeypatch.setenv("EXPORTS_OPENLINEAGE_URL", failing.url)
         result = run_partition(defs, instance, "2026-03-09")
     assert result.success, "a receiver answering 500 must not fail the export"
@@ -158,8 +165,49 @@ def test_a_configured_receiver_without_the_client_installed_fails_the_run_before
     from pipeline_helpers import failure_message
 
     monkeypatch.setitem(sys.modules, "openlineage.client", None)  # what an install without the extra imports
-    monkeypatch.setenv("EXPORTS_OPENLINEAGE_URL", "http://127.0.0.1:9/")
-    result = run_partition(make_defs(tmp_path, tenants=TENANTS), instance, PARTITION)
+    defs = make_defs(tmp_path, tenants=TENANTS, env=lineage_env(monkeypatch, "http://127.0.0.1:9/"))
+    result = run_partition(defs, instance, PARTITION)
     assert not result.success
     assert "export-ledger[lineage]" in failure_message(result)
     assert ledger_at(tmp_path).queries.records() == [], "refused before any key was claimed"
+
+
+def test_the_location_decides_lineage_and_hands_the_url_and_key_over_by_name(tmp_path, instance, monkeypatch):
+    import dagster as dg
+    from pipeline_helpers import failure_message
+
+    env = {**lineage_env(monkeypatch, "http://127.0.0.1:9/?token=s3cret"), "EXPORTS_OPENLINEAGE_API_KEY": "k3y"}
+    monkeypatch.setenv("EXPORTS_OPENLINEAGE_API_KEY", "k3y")
+    defs = make_defs(tmp_path, tenants=TENANTS, env=env)
+    manager = defs.resources["invoice_export__io_manager"]
+    # The UI's resource config names the variables, never the token or the key.
+    assert manager.openlineage_url == dg.EnvVar("EXPORTS_OPENLINEAGE_URL")
+    assert manager.openlineage_api_key == dg.EnvVar("EXPORTS_OPENLINEAGE_API_KEY")
+    assert "s3cret" not in repr(manager) and "k3y" not in repr(manager)
+
+    # A run worker that lacks the URL the location asked for fails naming it, before any key: it never exports
+    # without the events (nor quietly with the events of whatever else its environment says).
+    # (Dagster resolves an EnvVar as the run starts: in process, the launch itself raises its config error.)
+    monkeypatch.delenv("EXPORTS_OPENLINEAGE_URL")
+    with pytest.raises(dg.DagsterInvalidConfigError) as refused:
+        run_partition(defs, instance, PARTITION)
+    assert 'environment variable "EXPORTS_OPENLINEAGE_URL"' in str(refused.value), str(refused.value)
+    assert "s3cret" not in str(refused.value)
+    assert ledger_at(tmp_path).queries.records() == [], "refused before any key was claimed"
+
+
+def test_a_location_loaded_without_lineage_sends_nothing_whatever_a_run_worker_holds(tmp_path, instance, monkeypatch):
+    monkeypatch.delenv("EXPORTS_OPENLINEAGE_URL", raising=False)
+    defs = make_defs(tmp_path, tenants=TENANTS)
+    with Receiver() as receiver:
+        monkeypatch.setenv("EXPORTS_OPENLINEAGE_URL", receiver.url)  # set in the worker alone, after the load
+        result = run_partition(defs, instance, PARTITION)
+    assert result.success
+    assert receiver.events == [], "the location loaded without lineage: its runs send no events"
+
+
+def test_a_lineage_url_with_a_secret_given_as_a_value_alone_is_refused_without_echo(tmp_path, monkeypatch):
+    monkeypatch.delenv("EXPORTS_OPENLINEAGE_URL", raising=False)
+    with pytest.raises(ConfigurationError) as refused:
+        make_defs(tmp_path, tenants=TENANTS, env={"EXPORTS_OPENLINEAGE_URL": "http://lineage.internal/?token=s3cret"})
+    assert "EXPORTS_OPENLINEAGE_URL" in str(refused.value) and "s3cret" not in str(refused.value)

@@ -32,7 +32,7 @@ from export_ledger.destinations.table import SqlTableDestination
 from export_ledger.drift import DEFAULT_DRIFT_BATCH, DEFAULT_LOOKBACK_DAYS
 from export_ledger.errors import ConfigurationError
 from export_ledger.ledger.urls import holds_secret, redact_url
-from export_ledger.settings import LEDGER_URL_ENV, Settings
+from export_ledger.settings import LEDGER_URL_ENV, OPENLINEAGE_API_KEY_ENV, OPENLINEAGE_URL_ENV, Settings
 from export_ledger.spec import ExportSpec
 
 _FROM_SETTINGS = object()  # an argument left to the settings (where None has a meaning of its own)
@@ -116,6 +116,7 @@ def ledgered_definitions(
         else dg.BackfillPolicy.multi_run(max_partitions_per_run=max_partitions_per_run)
     )
 
+    lineage = _lineage_fields(settings, secrets_by_name)
     resources: dict = {LEDGER_KEY: ledger}
     definitions: list = list(assets)
     checks, jobs, schedules, health_jobs = [], [], [], []
@@ -154,6 +155,7 @@ def ledgered_definitions(
             timezone=spec.timezone,
             start_date=spec.start_date,
             version=None if spec.version is None else str(spec.version),
+            **lineage,
         )
         # One asset, job and schedule per zone of the export: a Dagster partitions definition has one zone.
         for group in spec.groups:
@@ -268,6 +270,26 @@ def _refuse_shared_tables(ledger_tables: Mapping[str, Sequence[tuple[str, str]]]
                 "example ledger-table:exported_{export}, and rename an export or give it a destination of its own "
                 "where that still collides"
             )
+
+
+def _lineage_fields(settings: Settings, secrets_by_name: bool) -> dict:
+    """The I/O managers' OpenLineage fields from the settings the location loads with (none: no events). The URL and
+    the API key go to Dagster by name (``EnvVar``) wherever the process environment holds them: each run reads them
+    where it runs, and a run worker that lacks one fails naming it instead of exporting without its events. A URL
+    read from an ``environ`` mapping alone is passed as a value only when it carries no secret."""
+    if settings.openlineage_url is None:
+        return {}
+    url: str | dg.EnvVar = settings.openlineage_url
+    if secrets_by_name or os.environ.get(OPENLINEAGE_URL_ENV) == url:
+        url = dg.EnvVar(OPENLINEAGE_URL_ENV)
+    elif holds_secret(url):
+        url = secret_by_name(url, OPENLINEAGE_URL_ENV, f"{OPENLINEAGE_URL_ENV} carries a secret")
+    fields = {"openlineage_url": url, "openlineage_namespace": settings.openlineage_namespace}
+    if settings.environ.get(OPENLINEAGE_API_KEY_ENV):
+        fields["openlineage_api_key"] = secret_by_name(
+            settings.environ[OPENLINEAGE_API_KEY_ENV], OPENLINEAGE_API_KEY_ENV, f"{OPENLINEAGE_API_KEY_ENV} is a secret"
+        )
+    return fields
 
 
 def _held_by_process(variable: str, settings: Settings) -> bool:

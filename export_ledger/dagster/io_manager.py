@@ -24,6 +24,7 @@ from export_ledger.ledger import ExportRecord, Restatement, Revision
 from export_ledger.placement import recorded_destinations
 from export_ledger.protocol import ExportBatch, ExportItem, ExportResult, export_batch
 from export_ledger.restate import published_revisions
+from export_ledger.settings import DEFAULT_OPENLINEAGE_NAMESPACE, OPENLINEAGE_URL_ENV, http_url
 
 
 class LedgeredExportIOManager(dg.ConfigurableIOManager):
@@ -43,6 +44,12 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
         columns, time_column, id_columns, tenant_column, order_by, nullable: The export's schema, for a frame output.
         timezone, start_date: The export's calendar, for a frame output.
         version: The export's version (``ExportSpec.version``), recorded in its contract with the rest of its terms.
+        openlineage_url: The OpenLineage HTTP receiver each run sends its START and COMPLETE (or FAIL) events to;
+            None: no events. :func:`~export_ledger.dagster.ledgered_definitions` sets it from
+            ``EXPORTS_OPENLINEAGE_URL`` where the code location loads, by name (``EnvVar``): a run worker without the
+            variable fails naming it, never exporting without the events the location asked for.
+        openlineage_namespace: The jobs' OpenLineage namespace.
+        openlineage_api_key: A bearer token for the receiver (an ``EnvVar``: ``EXPORTS_OPENLINEAGE_API_KEY``).
     """
 
     ledger: dg.ResourceDependency[LedgerResource]
@@ -60,6 +67,9 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
     timezone: str = ""
     start_date: str = ""
     version: str | None = None
+    openlineage_url: str | None = None
+    openlineage_namespace: str = DEFAULT_OPENLINEAGE_NAMESPACE
+    openlineage_api_key: str | None = None
 
     def handle_output(self, context: dg.OutputContext, obj: "ExportBatch | pd.DataFrame") -> None:
         if isinstance(obj, pd.DataFrame):
@@ -71,13 +81,9 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
         def log(level: str, message: str) -> None:
             getattr(context.log, level)(message)
 
-        # Imported here so that this method alone carries lineage (EXPORTS_OPENLINEAGE_URL unset: no emitter).
-        from export_ledger.lineage import LineageEmitter
-        from export_ledger.settings import Settings
-
         try:
             destination = self.destination.get_destination()
-            lineage = LineageEmitter.from_settings(Settings.from_environment(), log=log)
+            lineage = self._lineage(log)
             job = context.asset_key.to_user_string() if context.has_asset_key else context.step_key
             if lineage is not None:
                 lineage.start(context.run_id, job, obj, destination)
@@ -121,6 +127,17 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
                 + (", ..." if len(restated) > 5 else "")
             )
         add_partition_metadata(context, obj.results, attempt, reasons)
+
+    def _lineage(self, log):
+        """The run's OpenLineage emitter, from this resource's own fields (None: the location asked for no events),
+        never from whatever the run worker's environment holds besides."""
+        if not self.openlineage_url:
+            return None
+        # Imported here so that this method alone carries lineage.
+        from export_ledger.lineage import LineageEmitter
+
+        url = http_url(OPENLINEAGE_URL_ENV, self.openlineage_url)  # as the run worker resolved it: checked again
+        return LineageEmitter(url, namespace=self.openlineage_namespace, api_key=self.openlineage_api_key, log=log)
 
     def _batch_from_frame(self, context: dg.OutputContext, frame: pd.DataFrame) -> ExportBatch:
         """Splits one frame of every tenant's rows into one item per (partition, tenant); a row that belongs to no

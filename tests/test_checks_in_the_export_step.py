@@ -201,7 +201,9 @@ def test_a_run_refused_before_it_exports_leaves_each_dates_verdict_as_the_ledger
     the I/O manager failing before its export, here its lineage emitter) reports the ledger's verdicts for its dates:
     left planned, Dagster would show dates that passed as 'execution failed' although nothing changed (found by the
     review of issue 27)."""
-    defs = make_defs(tmp_path, tenants=("acme", "globex"))
+    # A location loaded with lineage (its receiver down: the first runs' events are not delivered, a warning each).
+    monkeypatch.setenv("EXPORTS_OPENLINEAGE_URL", "http://127.0.0.1:9/")
+    defs = make_defs(tmp_path, tenants=("acme", "globex"), env={"EXPORTS_OPENLINEAGE_URL": "http://127.0.0.1:9/"})
     assert run_range(defs, instance, GOOD, ALSO_GOOD).success
     config = None
     if where == "asset":
@@ -212,7 +214,7 @@ def test_a_run_refused_before_it_exports_leaves_each_dates_verdict_as_the_ledger
         def refuse(*_args, **_kwargs):
             raise RuntimeError("the lineage settings are unusable")
 
-        monkeypatch.setattr(lineage.LineageEmitter, "from_settings", refuse)
+        monkeypatch.setattr(lineage.LineageEmitter, "__init__", refuse)
     result = defs.resolve_job_def(JOB).execute_in_process(
         instance=instance,
         raise_on_error=False,

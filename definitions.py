@@ -40,8 +40,8 @@ SOURCE_SETTINGS = {"sample": ("EXPORTS_SOURCE",), "sql": ("EXPORTS_SOURCE_URL", 
 #: What every run worker of this code location must be given besides its source's settings, as the code server has
 #: it: a worker builds its export from its own environment, so a launcher config that drops one runs another export.
 #: The launcher configs in deploy/ pass each of these, the source's, the instance's (``DAGSTER_PG_*``) and the
-#: destination's credentials. Optional settings (``EXPORTS_DEADLINE``, ``EXPORTS_ALLOW_BELOW_LOW_WATER``, ...) are
-#: passed by a deployment that sets them.
+#: destination's credentials. Optional settings (``EXPORTS_DEADLINE``, ``EXPORTS_ALLOW_BELOW_LOW_WATER``,
+#: ``EXPORTS_OPENLINEAGE_*``, ...) are passed by a deployment that sets them.
 RUN_WORKER_SETTINGS = (
     "EXPORTS_LEDGER_URL",
     "EXPORTS_DESTINATION",

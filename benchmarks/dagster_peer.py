@@ -18,7 +18,10 @@ of a ``multi_run`` backfill chunk), so the peer overrides it to dump each partit
 2. **A chunked backfill, per key**: D days x T tenants in process (``execute_in_process`` on a fresh
    ``instance_for_test``, ledger and destination per repetition), runs of at most 31 partitions launched with the
    partition-range tags as the backfill daemon launches them: the export's ``invoice_export_job`` against the peer's
-   asset (``BackfillPolicy.multi_run(31)``) in a ``define_asset_job``.
+   asset (``BackfillPolicy.multi_run(31)``) in a ``define_asset_job``. Beside them, reported and not judged,
+   ``plain_checked``: the peer with one partitioned asset check, one verdict per partition of each run targeting the
+   partition's materialization (what the UI counts): the least a plain asset does to show a verdict on each date,
+   so what Dagster's event log costs a verdict, apart from anything the export does.
 
 After every timed call the files written are counted (untimed); a variant that did not write every expected file
 fails the benchmark (a benchmark that measures a no-op is a defect).

@@ -73,6 +73,18 @@ class ExportSource(ABC):
         yield self.rows(tenant, start_utc, end_utc)
 
 
+def check_query(query: str) -> None:
+    """Refuses a :class:`SqlSource` query that does not bind ``:tenant``, ``:start`` and ``:end`` (it would read
+    another tenant's or another day's rows): checked where the query is declared, whether or not its URL is at hand.
+
+    Raises:
+        ValueError: naming the missing parameters.
+    """
+    missing = [name for name in (":tenant", ":start", ":end") if name not in query]
+    if missing:
+        raise ValueError(f"SqlSource query must use the bound parameters {missing}")
+
+
 @dataclass(frozen=True)
 class UnusableSource(ExportSource):
     """The source of an export that this process cannot read, and why: its settings are missing or contradict each
@@ -182,9 +194,7 @@ class SqlSource(ExportSource):
     query: str
 
     def __post_init__(self) -> None:
-        missing = [name for name in (":tenant", ":start", ":end") if name not in self.query]
-        if missing:
-            raise ValueError(f"SqlSource query must use the bound parameters {missing}")
+        check_query(self.query)
         url_identity(self.url, what="SqlSource URL")  # an unusable URL (or a keyword DSN) fails where it is declared
 
     def identity(self) -> dict:

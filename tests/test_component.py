@@ -235,11 +235,10 @@ def test_a_missing_source_url_variable_fails_each_run_naming_it_and_the_location
     monkeypatch.delenv("SHOP_DATABASE_URL")
     missing = "source.url_env: environment variable SHOP_DATABASE_URL is not set"
     # The location loads (the UI shows the exports and their history); the asset's page says what its runs lack.
-    component, defs = load(sandbox, COMPONENT_YAML)
-    (spec,) = component.exports
+    _, defs = load(sandbox, COMPONENT_YAML)
     for asset in defs.assets:
         (description,) = asset.descriptions_by_key.values()
-        assert missing in description and "Runs launched here fail" in description, description
+        assert missing in description and "A run fails naming this" in description, description
 
     # A run fails naming the variable, before anything is claimed; nothing is read from anywhere else instead.
     result = defs.resolve_job_def("orders__asia_kolkata_job").execute_in_process(
@@ -261,6 +260,13 @@ def test_a_missing_source_url_variable_fails_each_run_naming_it_and_the_location
     job = defs.resolve_job_def("orders__asia_kolkata_job")
     assert job.execute_in_process(partition_key=DAY, instance=instance).success
     assert ledger.queries.get(GLOBEX_KEY).state is ExportState.COMPLETED
+
+
+def test_a_bad_query_is_refused_at_load_even_where_the_source_url_variable_is_unset(sandbox, shop_env, monkeypatch):
+    # CI without the secret checks the same YAML as production with it: the query is checked without its URL.
+    monkeypatch.delenv("SHOP_DATABASE_URL")
+    message = refusal(sandbox, COMPONENT_YAML.replace("< :end", "< '2027-01-01'"))
+    assert "source.query: SqlSource query must use the bound parameters [':end']" in message, message
 
 
 # -- dg in a fresh virtualenv ----------------------------------------------------------------------------------------

@@ -409,8 +409,12 @@ def _only_group(spec: ExportSpec) -> TenantGroup:
 
 def _description(spec: ExportSpec, group: TenantGroup) -> str:
     if isinstance(spec.source, UnusableSource):
-        # Shown on the asset's page before anyone launches a run that would fail for it.
-        return f"{_plain_description(spec, group)} Runs launched here fail: {spec.source.reason}."
+        # Shown on the asset's page before anyone launches a run that would fail for it. A run worker loads the
+        # location again with its own environment: where it has the setting, its run reads the source.
+        return (
+            f"{_plain_description(spec, group)} Where this code location loaded, its source cannot be used: "
+            f"{spec.source.reason}. A run fails naming this unless its run worker has the setting."
+        )
     return _plain_description(spec, group)
 
 

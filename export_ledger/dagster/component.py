@@ -44,7 +44,7 @@ from export_ledger.dagster.resources import LedgerResource
 from export_ledger.destinations.registry import holds_credential, refuse_credentials
 from export_ledger.errors import ConfigurationError, ExportLedgerError
 from export_ledger.settings import Settings
-from export_ledger.sources import SqlSource, UnusableSource
+from export_ledger.sources import SqlSource, UnusableSource, check_query
 from export_ledger.spec import ExportSpec
 
 _SPEC_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ExportSpec) if f.default is not dataclasses.MISSING}
@@ -118,15 +118,15 @@ def _sql_source(model: SqlSourceModel, export: str) -> EnvSqlSource | UnusableSo
     """The export's SQL source, its URL read from ``url_env``. A variable unset in this process (a code server or
     run worker started without it) is a setting the export's runs lack, not a bad YAML: the location still loads,
     and the export's asset and each of its runs say which variable is missing (:class:`UnusableSource`)."""
+    try:
+        check_query(model.query)  # a bad query is a bad YAML, refused at load whether or not the URL is set here
+    except ValueError as exc:
+        raise ConfigurationError(f"export {export!r}: source.query: {exc}") from None
     if not os.environ.get(model.url_env):
         return UnusableSource(
             f"export {export!r}: source.url_env: environment variable {model.url_env} is not set in this process"
         )
-    url = os.environ[model.url_env]
-    try:
-        return EnvSqlSource(url=url, query=model.query, url_env=model.url_env)
-    except ValueError as exc:  # the query lacks a bound parameter
-        raise ConfigurationError(f"export {export!r}: source.query: {exc}") from None
+    return EnvSqlSource(url=os.environ[model.url_env], query=model.query, url_env=model.url_env)
 
 
 def _export_spec(context: dg.ResolutionContext, model: ExportModel) -> ExportSpec:

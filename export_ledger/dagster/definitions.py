@@ -8,6 +8,7 @@ import os
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
+from urllib.parse import urlsplit
 
 import dagster as dg
 
@@ -116,7 +117,7 @@ def ledgered_definitions(
         else dg.BackfillPolicy.multi_run(max_partitions_per_run=max_partitions_per_run)
     )
 
-    lineage = _lineage_fields(settings, secrets_by_name)
+    lineage = _lineage_fields(settings)
     resources: dict = {LEDGER_KEY: ledger}
     definitions: list = list(assets)
     checks, jobs, schedules, health_jobs = [], [], [], []
@@ -272,18 +273,20 @@ def _refuse_shared_tables(ledger_tables: Mapping[str, Sequence[tuple[str, str]]]
             )
 
 
-def _lineage_fields(settings: Settings, secrets_by_name: bool) -> dict:
+def _lineage_fields(settings: Settings) -> dict:
     """The I/O managers' OpenLineage fields from the settings the location loads with (none: no events). The URL and
-    the API key go to Dagster by name (``EnvVar``) wherever the process environment holds them: each run reads them
-    where it runs, and a run worker that lacks one fails naming it instead of exporting without its events. A URL
-    read from an ``environ`` mapping alone is passed as a value only when it carries no secret."""
+    the API key go to Dagster by name (``EnvVar``) wherever the process environment holds that very value, so the UI
+    shows the variables. A URL read from an ``environ`` mapping alone is passed as a value only when it has neither a
+    user part nor a query (either may be a token: ``https://t0ken@host/``, ``?auth=...``); otherwise it is refused
+    without being quoted."""
     if settings.openlineage_url is None:
         return {}
     url: str | dg.EnvVar = settings.openlineage_url
-    if secrets_by_name or os.environ.get(OPENLINEAGE_URL_ENV) == url:
+    parts = urlsplit(url)
+    if os.environ.get(OPENLINEAGE_URL_ENV) == url:
         url = dg.EnvVar(OPENLINEAGE_URL_ENV)
-    elif holds_secret(url):
-        url = secret_by_name(url, OPENLINEAGE_URL_ENV, f"{OPENLINEAGE_URL_ENV} carries a secret")
+    elif parts.username is not None or parts.password is not None or parts.query or holds_secret(url):
+        url = secret_by_name(url, OPENLINEAGE_URL_ENV, f"{OPENLINEAGE_URL_ENV} has a user part or a query")
     fields = {"openlineage_url": url, "openlineage_namespace": settings.openlineage_namespace}
     if settings.environ.get(OPENLINEAGE_API_KEY_ENV):
         fields["openlineage_api_key"] = secret_by_name(

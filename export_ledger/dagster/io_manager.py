@@ -46,8 +46,8 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
         version: The export's version (``ExportSpec.version``), recorded in its contract with the rest of its terms.
         openlineage_url: The OpenLineage HTTP receiver each run sends its START and COMPLETE (or FAIL) events to;
             None: no events. :func:`~export_ledger.dagster.ledgered_definitions` sets it from
-            ``EXPORTS_OPENLINEAGE_URL`` where the code location loads, by name (``EnvVar``): a run worker without the
-            variable fails naming it, never exporting without the events the location asked for.
+            ``EXPORTS_OPENLINEAGE_URL`` when the code location loads (in the code server, and again in each run
+            worker), by name (``EnvVar``): the UI shows the variable, never a token in the URL.
         openlineage_namespace: The jobs' OpenLineage namespace.
         openlineage_api_key: A bearer token for the receiver (an ``EnvVar``: ``EXPORTS_OPENLINEAGE_API_KEY``).
     """
@@ -129,9 +129,9 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
         add_partition_metadata(context, obj.results, attempt, reasons)
 
     def _lineage(self, log):
-        """The run's OpenLineage emitter, from this resource's own fields (None: the location asked for no events),
-        never from whatever the run worker's environment holds besides."""
-        if not self.openlineage_url:
+        """The run's OpenLineage emitter, from this resource's own fields (None: no events asked for). A URL given
+        (by name: as the run resolved it) that is empty or not http(s) fails the run naming the variable."""
+        if self.openlineage_url is None:
             return None
         # Imported here so that this method alone carries lineage.
         from export_ledger.lineage import LineageEmitter

@@ -27,6 +27,18 @@ S = ExportState
 LISTED = 20
 
 
+_CLOSE_MISSED_ONE = (
+    export_missed_partitions.update()
+    .where(
+        export_missed_partitions.c.closed_at.is_(None),
+        export_missed_partitions.c.export == sa.bindparam("m_export"),
+        export_missed_partitions.c.timezone == sa.bindparam("m_timezone"),
+        export_missed_partitions.c.business_date == sa.bindparam("m_date"),
+    )
+    .values(closed_at=sa.bindparam("m_now"))
+)
+
+
 @dataclass(frozen=True)
 class PartitionWork:
     """One (export, business date, zone) with keys to rerun or to restate: one run of one zone's asset.
@@ -439,6 +451,10 @@ class Attention:
         if not partitions or not self.ledger.supports(6):
             return
         table = export_missed_partitions
+        if len(partitions) == 1:  # a claim of one key, or a group of one partition: the statement built once
+            ((export, timezone, business_date),) = partitions
+            conn.execute(_CLOSE_MISSED_ONE, dict(m_export=export, m_timezone=timezone, m_date=business_date, m_now=now))
+            return
         partition = sa.tuple_(table.c.export, table.c.timezone, table.c.business_date)
         # One statement per claim transaction (a group's keys span up to 50 partitions), on the claim's hot path.
         conn.execute(

@@ -22,6 +22,9 @@ from export_ledger.ledger.records import Claim, CompletionEvidence, ExportRecord
 from export_ledger.ledger.rows import INSERT_ATTEMPT, RUN_BY_KEY, RUN_BY_KEY_LOCKED, attempt_values, evidence_values
 from export_ledger.ledger.schema import RUN_COLUMNS, AttemptOutcome, ExportState, export_attempts, export_runs
 
+_RUNS_BY_KEYS = sa.select(*RUN_COLUMNS, export_runs.c.claim_count).where(
+    export_runs.c.logical_key.in_(sa.bindparam("n_keys", expanding=True))
+)
 _COMPLETING = (T.COMPLETE, T.REPAIR, T.WITHDRAW, T.UNCHANGED)
 #: Completions that record the revision the claim superseded again, not the claim's own.
 _RECORDING_SUPERSEDED = (T.WITHDRAW, T.UNCHANGED)
@@ -119,38 +122,46 @@ class Completions:
             item.check()
         ledger = self.ledger
         outcomes: dict[int, ExportRecord | FencedOut] = {}
+        rows: dict[str, sa.Row] = {}
         with ledger.atomic() as conn:
             now = ledger.now(conn)
             attempts: list[dict] = []
             for i in sorted(range(len(finishes)), key=names.__getitem__):
                 item = finishes[i]
-                outcome = self._finish_in(conn, item, now, attempts, then)
+                outcome = self._finish_in(conn, item, now, attempts, then, rows)
                 if outcome is not None:
                     outcomes[i] = outcome
             if attempts:
                 conn.execute(INSERT_ATTEMPT, attempts)  # one executemany for the group's attempt rows
-            rows = {
-                row.logical_key: row
-                for row in conn.execute(
-                    sa.select(*RUN_COLUMNS, export_runs.c.claim_count).where(export_runs.c.logical_key.in_(names))
-                )
-            }
+            if then is not None:
+                # What ``then`` did may have changed the rows after their transitions returned them: read them back.
+                matched = [name for i, name in enumerate(names) if i not in outcomes]
+                rows = {row.logical_key: row for row in conn.execute(_RUNS_BY_KEYS, {"n_keys": matched})}
         return [outcomes.get(i) or ExportRecord.from_row(rows[name]) for i, name in enumerate(names)]
 
     def _finish_in(
-        self, conn: Connection, item: Finish, now: dt.datetime, attempts: list[dict], then: After | None
+        self,
+        conn: Connection,
+        item: Finish,
+        now: dt.datetime,
+        attempts: list[dict],
+        then: After | None,
+        rows: dict[str, sa.Row],
     ) -> FencedOut | None:
+        """One item's transition; the row it left goes to ``rows`` (the guarded UPDATE returns it: no read back)."""
         claim = item.claim
-        matched = T.apply(
+        row = T.apply(
             conn,
             item.transition,
             claim.logical_key,
             token=claim.fencing_token,
             owner=claim.attempt_id,
             values=item.values(now),
+            returning=True,
         )
-        if not matched:
+        if row is None:
             return self._fenced(conn, claim, now, attempts)
+        rows[claim.logical_key] = row
         if item.transition in (T.COMPLETE, T.REPAIR) and claim.revision > 1:
             self.ledger.restatements.record_revision_in(conn, claim, item.evidence, now)
         elif item.transition is T.UNCHANGED:

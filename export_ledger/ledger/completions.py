@@ -146,9 +146,10 @@ class Completions:
         now: dt.datetime,
         attempts: list[dict],
         then: After | None,
-        rows: dict[str, sa.Row],
+        rows: dict[str, sa.Row] | None = None,
     ) -> FencedOut | None:
-        """One item's transition; the row it left goes to ``rows`` (the guarded UPDATE returns it: no read back)."""
+        """One item's transition; the row it left goes to ``rows`` when given (the guarded UPDATE returns it: no read
+        back)."""
         claim = item.claim
         row = T.apply(
             conn,
@@ -161,7 +162,8 @@ class Completions:
         )
         if row is None:
             return self._fenced(conn, claim, now, attempts)
-        rows[claim.logical_key] = row
+        if rows is not None:
+            rows[claim.logical_key] = row
         if item.transition in (T.COMPLETE, T.REPAIR) and claim.revision > 1:
             self.ledger.restatements.record_revision_in(conn, claim, item.evidence, now)
         elif item.transition is T.UNCHANGED:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from export_ledger.destinations.base import (
     Destination,
@@ -89,6 +89,36 @@ def examine(destination: Destination, record: ExportRecord, claim: Claim) -> Fin
     if verification.verdict is DestinationVerdict.ABSENT:
         return Finding(record, Verdict.ABSENT, verification.detail)
     return Finding(record, Verdict.CONFLICT, verification.detail)
+
+
+def examine_many(places: Mapping[str, Destination], work: Sequence[tuple[ExportRecord, Claim]]) -> dict[str, Finding]:
+    """:func:`examine` for a batch of held keys, by logical key. Each destination's keys are examined inside one
+    deferral of its durability (docs/protocol.md, "Group commit") and synced once after the last of them, before any
+    verdict is returned, so a fence is durable before the ledger records what was judged behind it, as when each
+    fence is made durable on its own; a folder pays one ``syncfs`` per batch instead of its fsyncs per key. A sync that
+    fails leaves every key of that destination unreachable: its fence may not survive a power cut."""
+    groups: dict[int, list[tuple[ExportRecord, Claim]]] = {}
+    for record, claim in work:
+        groups.setdefault(id(places[record.logical_key]), []).append((record, claim))
+    found: dict[str, Finding] = {}
+    for items in groups.values():
+        destination = places[items[0][0].logical_key]
+        if not isinstance(destination, PublishingDestination):
+            found.update((record.logical_key, examine(destination, record, claim)) for record, claim in items)
+            continue
+        with destination.deferred():
+            judged = [examine(destination, record, claim) for record, claim in items]
+            try:
+                destination.sync()
+            except Exception as exc:  # noqa: BLE001 - a failed sync is each key's unknown, never the tick's end
+                why = f"its fence could not be made durable: {safe_message(exc)}"
+                judged = [
+                    f if f.verdict is Verdict.UNREACHABLE else replace(f, verdict=Verdict.UNREACHABLE, detail=why,
+                                                                        evidence=None)
+                    for f in judged
+                ]  # fmt: skip
+        found.update((finding.record.logical_key, finding) for finding in judged)
+    return found
 
 
 def _recorded_elsewhere(destination: Destination, record: ExportRecord) -> str | None:
@@ -167,12 +197,12 @@ def reconcile_batch(
     else:
         places = destination(records)  # a caller's choice, made from the same records (export-ledger reconcile)
     held = ledger.claims.hold_many(records, reconciler)
+    work = [(record, claim) for record, claim in zip(records, held, strict=True) if claim is not None]
+    report.changed_meanwhile += [record for record, claim in zip(records, held, strict=True) if claim is None]
+    found = examine_many(places, work)  # destination I/O, outside any ledger transaction
     finishes: list[Finish] = []
-    for record, claim in zip(records, held, strict=True):
-        if claim is None:
-            report.changed_meanwhile.append(record)
-            continue
-        finding = examine(places[record.logical_key], record, claim)  # destination I/O, outside any ledger transaction
+    for record, claim in work:
+        finding = found[record.logical_key]
         report.findings.append(finding)
         finishes.append(_finish(finding, claim))
     outcomes = ledger.completions.finish_many(finishes)

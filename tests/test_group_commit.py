@@ -25,6 +25,7 @@ from export_ledger.ledger import ExportLedger, FencedOut
 from export_ledger.ledger.completions import Completions
 from export_ledger.ledger.schema import ExportState
 from export_ledger.protocol import ExportBatch, ExportBatchFailed, ExportItem, export_batch, export_key
+from export_ledger.reconcile import reconcile_batch
 
 DAY = dt.date(2026, 3, 2)
 
@@ -227,3 +228,69 @@ def test_a_key_taken_over_before_its_group_renews_is_reported_lost_and_every_oth
     assert len(published) == len(others) and not [f for f in published if f"={taken.tenant}" in str(f)], (
         f"one published export per exported key, none for the key run-1 lost: {published}"
     )
+
+
+# -- reconciliation: a batch of fences, one sync --------------------------------------------------------------------
+
+
+def _stuck_pair(clocked, clock, destination, monkeypatch) -> tuple[list, list]:
+    """Two keys published and never recorded (their party died after the pointer moved), two never published (died
+    after the claim); every lease has ended."""
+    published, absent = keys_of(4)[:2], keys_of(4)[2:]
+    for keys, point in ((published, "after_publish"), (absent, "after_claim")):
+        monkeypatch.setenv(FAILPOINTS, f"{point}=crash")
+        for key in keys:
+            with pytest.raises(SimulatedCrash):
+                export_key(clocked, destination, SCHEMA, ExportItem(key, "p", orders(key)), f"run-{key.tenant}/x")
+    monkeypatch.delenv(FAILPOINTS)
+    clock.advance(minutes=16)
+    return published, absent
+
+
+def test_reconciliation_fences_a_batch_with_one_sync_before_it_records_any_verdict(
+    tmp_path: Path, clocked, clock, monkeypatch, events
+) -> None:
+    """Each fence (a pointer rewritten with the reconciler's token) used to be made durable on its own: the folder and
+    the repaired key's settled place fsynced key by key. A batch now pays one ``syncfs`` for every fence and settle,
+    after the last key is judged and before the ledger records a verdict. Guard: without the deferral there is no
+    syncfs at all; with the sync after the record, "record" comes first."""
+    destination = LocalDestination(str(tmp_path / "exports"))
+    published, absent = _stuck_pair(clocked, clock, destination, monkeypatch)
+    real_finish_many = Completions.finish_many
+
+    def finish_many(self, finishes, **kwargs):
+        events.append("record")
+        return real_finish_many(self, finishes, **kwargs)
+
+    monkeypatch.setattr(Completions, "finish_many", finish_many)
+    events.clear()
+    report = reconcile_batch(clocked, destination, limit=10, after=None, reconciler="test")
+
+    assert [clocked.queries.get(str(k)).state for k in published] == [ExportState.COMPLETED] * 2
+    assert [clocked.queries.get(str(k)).state for k in absent] == [ExportState.FAILED] * 2
+    assert len(report.resolved) == 4
+    assert events.count("syncfs") == 1, f"one sync for the batch: {events}"
+    assert events.count("rename-pointer") == 4, f"every key fenced: {events}"
+    last_fence = max(i for i, e in enumerate(events) if e == "rename-pointer")
+    assert last_fence < events.index("syncfs") < events.index("record"), events
+    assert events.count("fsync") == 4, f"each pointer's bytes only, before its rename (never torn): {events}"
+
+
+def test_a_failed_sync_leaves_every_key_of_the_batch_unknown_and_records_no_verdict_behind_its_fences(
+    tmp_path: Path, clocked, clock, monkeypatch
+) -> None:
+    """The fences were written but may not survive a power cut: a verdict recorded behind one (``failed``, then a
+    rerun) could let the crashed party's late commit become visible. Every key stays ``remote_unknown``, keeping
+    when it got stuck, and says why. Guard: without the downgrade, two keys are recorded completed, two failed."""
+    destination = LocalDestination(str(tmp_path / "exports"))
+    published, absent = _stuck_pair(clocked, clock, destination, monkeypatch)
+
+    def syncfs(folder):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(local, "_syncfs", syncfs)
+    report = reconcile_batch(clocked, destination, limit=10, after=None, reconciler="test")
+
+    assert [clocked.queries.get(str(k)).state for k in [*published, *absent]] == [ExportState.REMOTE_UNKNOWN] * 4
+    assert len(report.unreachable) == 4 and not report.resolved
+    assert all("could not be made durable" in f.detail for f in report.unreachable), [f.detail for f in report.unreachable]

@@ -318,6 +318,8 @@ class LocalStore(ObjectStore):
         if deferral is None or deferral.root != self.root:
             return
         paths, deferral.paths = deferral.paths, []
+        if not paths:
+            return  # nothing was written since the last sync (every write outside a deferral was made durable)
         try:
             if _syncfs(self.root):
                 return

@@ -636,22 +636,23 @@ def test_export_ledger_reconcile_exits_1_when_the_destination_is_unreachable(
     assert ledger_at(tmp_path).queries.get(KEY).state is ExportState.REMOTE_UNKNOWN
 
 
-def test_a_day_is_summarised_in_the_database_and_only_its_listed_keys_are_read(sqlite_url):
+@pytest.mark.parametrize("count", [30, 60])  # 60: more than a list, joined as rows on PostgreSQL
+def test_a_day_is_summarised_in_the_database_and_only_its_listed_keys_are_read(ledger_url, count):
     from builders import evidence_for, key_for
 
     from export_ledger.ledger import ExportLedger
 
-    ledger = ExportLedger(sqlite_url)
-    tenants = [f"t{i:02d}" for i in range(30)]
+    ledger = ExportLedger(ledger_url)
+    tenants = [f"t{i:02d}" for i in range(count)]
     days = [dt.date(2026, 3, 7), dt.date(2026, 3, 8)]
     for day in days:
-        for i, tenant in enumerate(tenants):
+        for i, tenant in enumerate([*tenants, "retired"]):  # a tenant no longer configured: never counted
             claim = ledger.claims.claim(key_for(day, tenant=tenant), f"run-{day}/step")
-            if i < 25:  # five tenants of each day stay in progress
+            if i < 25 or tenant == "retired":  # every tenant from the 26th stays in progress
                 ledger.completions.complete(claim, evidence_for(claim, row_count=i))
     summaries = ledger.queries.day_summaries(export="invoice_export", timezone=None, days=days, tenants=tenants)
     assert {d: (s.keys, s.completed, s.rows) for d, s in summaries.items()} == {
-        day: (30, 25, sum(range(25))) for day in days
+        day: (count, 25, sum(range(25))) for day in days
     }, "counts and rows come from one grouped read"
     listed = ledger.queries.first_records(
         export="invoice_export", timezone=None, days=days, tenants=tenants, per_day=20

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql as pg
 
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger.records import AttemptRecord, DaySummary, ExportRecord
@@ -43,6 +44,8 @@ class AttemptPage:
 
 #: Days probed per statement by :meth:`Queries.unfinished_days` (SQLite allows 500 terms in a compound select).
 DAYS_PER_PROBE = 100
+#: Above this many tenants, :meth:`Queries.day_summaries` joins them as rows on PostgreSQL instead of listing them.
+_TENANTS_AS_LIST = 50
 
 
 class Queries:
@@ -207,23 +210,24 @@ class Queries:
             return {}
         state = export_runs.c.state
         completed = state == ExportState.COMPLETED.value
-        query = (
-            sa.select(
-                export_runs.c.business_date,
-                sa.func.count().label("keys"),
-                sa.func.sum(sa.case((completed, 1), else_=0)).label("completed"),
-                sa.func.sum(sa.case((completed, export_runs.c.row_count), else_=0)).label("rows"),
-            )
-            .where(
-                export_runs.c.export == export,
-                export_runs.c.business_date.in_(list(days)),
-                export_runs.c.tenant.in_(list(tenants)),
-            )
-            .group_by(export_runs.c.business_date)
-        )
-        if timezone is not None:
-            query = query.where(export_runs.c.timezone == timezone)
+        query = sa.select(
+            export_runs.c.business_date,
+            sa.func.count().label("keys"),
+            sa.func.sum(sa.case((completed, 1), else_=0)).label("completed"),
+            sa.func.sum(sa.case((completed, export_runs.c.row_count), else_=0)).label("rows"),
+        ).where(export_runs.c.export == export, export_runs.c.business_date.in_(list(days)))
         with self.ledger.atomic(read_only=True) as conn:
+            if conn.dialect.name == "postgresql" and len(tenants) > _TENANTS_AS_LIST:
+                # Many tenants: joined as rows, so that PostgreSQL reads the days from the covering index and hashes
+                # the tenants (as a long IN list it filtered each day's rows from the table: 2.5x slower at 1,000).
+                wanted = sa.func.unnest(sa.bindparam("tenants", list(tenants), type_=pg.ARRAY(sa.String)))
+                wanted = wanted.table_valued("tenant").render_derived(name="wanted")
+                query = query.select_from(export_runs.join(wanted, export_runs.c.tenant == wanted.c.tenant))
+            else:
+                query = query.where(export_runs.c.tenant.in_(list(tenants)))
+            query = query.group_by(export_runs.c.business_date)
+            if timezone is not None:
+                query = query.where(export_runs.c.timezone == timezone)
             return {
                 row.business_date: DaySummary(row.business_date, int(row.keys), int(row.completed), int(row.rows or 0))
                 for row in conn.execute(query)

@@ -636,6 +636,30 @@ def test_export_ledger_reconcile_exits_1_when_the_destination_is_unreachable(
     assert ledger_at(tmp_path).queries.get(KEY).state is ExportState.REMOTE_UNKNOWN
 
 
+@pytest.mark.parametrize("count", [3, 60])
+def test_a_day_is_unfinished_only_for_a_listed_tenants_key_that_is_not_completed(ledger_url, count):
+    """Days with a failed or in-progress key of a listed tenant are unfinished; a day whose only such key is a retired
+    tenant's, a day all completed, and a day with no key are not (PostgreSQL sends days and tenants as two arrays)."""
+    from builders import evidence_for, key_for
+
+    from export_ledger.ledger import ExportLedger
+
+    ledger = ExportLedger(ledger_url)
+    tenants = [f"t{i:02d}" for i in range(count)]
+    failed, running, retired, done, empty = (dt.date(2026, 3, d) for d in range(2, 7))
+    for day in (failed, running, retired, done):
+        for tenant in [*tenants, "retired"]:
+            claim = ledger.claims.claim(key_for(day, tenant=tenant), f"run-{day}/step")
+            if (day, tenant) == (failed, tenants[-1]):
+                ledger.completions.fail(claim)
+            elif (day, tenant) not in ((running, tenants[0]), (retired, "retired")):
+                ledger.completions.complete(claim, evidence_for(claim))
+    found = ledger.queries.unfinished_days(
+        export="invoice_export", timezone=None, days=[failed, running, retired, done, empty], tenants=tenants
+    )
+    assert found == {failed, running}
+
+
 @pytest.mark.parametrize("count", [30, 60])  # 60: more than a list, joined as rows on PostgreSQL
 def test_a_day_is_summarised_in_the_database_and_only_its_listed_keys_are_read(ledger_url, count):
     from builders import evidence_for, key_for

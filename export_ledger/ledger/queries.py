@@ -278,18 +278,29 @@ class Queries:
         wanted_days = sorted(set(days))
         found: set[dt.date] = set()
         with self.ledger.atomic(read_only=True) as conn:
-            for first in range(0, len(wanted_days), DAYS_PER_PROBE):
-                # The days as rows (a UNION of literals: SQLite 3.40 names no VALUES columns), each probed on its own.
-                chunk = wanted_days[first : first + DAYS_PER_PROBE]
-                wanted = sa.union_all(*(sa.select(sa.literal(day, sa.Date).label("day")) for day in chunk))
-                wanted = wanted.subquery("wanted")
+            postgres = conn.dialect.name == "postgresql"
+            step = len(wanted_days) if postgres else DAYS_PER_PROBE
+            for first in range(0, len(wanted_days), step):
+                chunk = wanted_days[first : first + step]
+                if postgres:
+                    # The days and the tenants as two arrays: one statement of a few parameters, whose plan takes
+                    # a millisecond (a union of literals and a long IN list in each probe took 28 ms to plan).
+                    days_array = sa.bindparam("days", chunk, type_=pg.ARRAY(sa.Date))
+                    wanted = sa.func.unnest(days_array).table_valued("day").render_derived(name="wanted")
+                    tenants_array = sa.bindparam("tenants", list(tenants), type_=pg.ARRAY(sa.String))
+                    tenant_in = runs.tenant == sa.any_(tenants_array)
+                else:
+                    # The days as rows (a UNION of literals: SQLite 3.40 names no VALUES columns), each probed alone.
+                    wanted = sa.union_all(*(sa.select(sa.literal(day, sa.Date).label("day")) for day in chunk))
+                    wanted = wanted.subquery("wanted")
+                    tenant_in = runs.tenant.in_(list(tenants))
                 probes = []
                 for state in blocking:
                     probe = sa.select(sa.literal(1)).where(
                         runs.state == state,
                         runs.export == export,
                         runs.business_date == wanted.c.day,
-                        runs.tenant.in_(list(tenants)),
+                        tenant_in,
                     )
                     if timezone is not None:
                         probe = probe.where(runs.timezone == timezone)

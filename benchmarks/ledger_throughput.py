@@ -37,7 +37,7 @@ from benchmarks.common import (
 )
 from export_ledger.calendar import tz_database_version, window_for
 from export_ledger.keys import LogicalKey
-from export_ledger.ledger import Claim, CompletionEvidence, ExportLedger, dispose_engines, ledger_engine
+from export_ledger.ledger import Claim, CompletionEvidence, ExportLedger, ExportRecord, dispose_engines, ledger_engine
 from export_ledger.protocol import DEFAULT_GROUP_SIZE
 
 NAME = "ledger_throughput"
@@ -178,7 +178,7 @@ class RawSqlLedger:
         names = [str(key) for key in keys]
 
         def claim(cursor):
-            row = f"({', '.join([p] * 8)}, 'in_progress', {p}, {p}, {p}, 1, {p}, {p})"
+            row = f"({', '.join([p] * 8)}, 'in_progress', {p}, {p}, {p}, 1, {p}, {p}, 1)"  # claim_count 1, as a claim
             params: list = []
             for key, name in zip(keys, names, strict=True):
                 window = key.window
@@ -188,7 +188,7 @@ class RawSqlLedger:
                     self._stamp(now + LEASE), self._stamp(now), self._stamp(now), self._stamp(now),
                 ]  # fmt: skip
             cursor.execute(
-                f"INSERT INTO export_runs ({_COLUMNS}) VALUES {', '.join([row] * len(keys))} "
+                f"INSERT INTO export_runs ({_COLUMNS}, claim_count) VALUES {', '.join([row] * len(keys))} "
                 "ON CONFLICT DO NOTHING RETURNING logical_key",
                 params,
             )
@@ -307,12 +307,14 @@ def _measure_batch(
             claims = ledger.claims.claim_many(keys[first : first + DEFAULT_GROUP_SIZE], "bench/attempt")
             if not all(isinstance(c, Claim) for c in claims):
                 raise RuntimeError(f"a fresh key was not claimed: {[c for c in claims if not isinstance(c, Claim)]}")
-            ledger.completions.complete_many(
+            done = ledger.completions.complete_many(
                 [
                     (c, CompletionEvidence(f"/exports/{c.logical_key}", "0" * 64, 96, c.attempt_id, c.fencing_token))
                     for c in claims
                 ]
             )
+            if not all(isinstance(record, ExportRecord) for record in done):
+                raise RuntimeError(f"a fresh claim was fenced: {[r for r in done if not isinstance(r, ExportRecord)]}")
 
     def run_baseline(_rep: int) -> None:
         for key in batches["baseline"]:

@@ -16,6 +16,7 @@ stalled party, on any destination). Reconciliation is a party that never publish
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -106,7 +107,11 @@ def examine_many(places: Mapping[str, Destination], work: Sequence[tuple[ExportR
         if not isinstance(destination, PublishingDestination):
             found.update((record.logical_key, examine(destination, record, claim)) for record, claim in items)
             continue
-        with destination.deferred():
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(destination.deferred())
+            except DestinationError:
+                pass  # this thread's caller has a deferral open: the sync below makes these writes durable with its
             judged = [examine(destination, record, claim) for record, claim in items]
             try:
                 destination.sync()

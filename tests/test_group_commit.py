@@ -8,6 +8,8 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -293,4 +295,64 @@ def test_a_failed_sync_leaves_every_key_of_the_batch_unknown_and_records_no_verd
 
     assert [clocked.queries.get(str(k)).state for k in [*published, *absent]] == [ExportState.REMOTE_UNKNOWN] * 4
     assert len(report.unreachable) == 4 and not report.resolved
-    assert all("could not be made durable" in f.detail for f in report.unreachable), [f.detail for f in report.unreachable]
+    details = [f.detail for f in report.unreachable]
+    assert all("could not be made durable" in d and "Input/output error" in d for d in details), details
+
+
+def test_a_batch_whose_export_folder_is_on_another_filesystem_syncs_that_filesystem_too(
+    tmp_path: Path, clocked, clock, monkeypatch
+) -> None:
+    """The export's folder under the root is a symlink to another disk (here /dev/shm): the one ``syncfs`` of the
+    root's filesystem never reaches the fences written there. Guard: one ``syncfs`` per filesystem of the deferred
+    paths; with the root's alone, the other device is never synced."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("needs /dev/shm on a filesystem other than the test's folder")
+    elsewhere = Path(tempfile.mkdtemp(dir=shm, prefix="export-ledger-test-"))
+    try:
+        (tmp_path / "exports").mkdir()
+        (tmp_path / "exports" / "invoice_export").symlink_to(elsewhere, target_is_directory=True)
+        destination = LocalDestination(str(tmp_path / "exports"))
+        _stuck_pair(clocked, clock, destination, monkeypatch)
+        synced: list[int] = []
+        real = local._syncfs
+        monkeypatch.setattr(local, "_syncfs", lambda folder: synced.append(os.stat(folder).st_dev) or real(folder))
+
+        report = reconcile_batch(clocked, destination, limit=10, after=None, reconciler="test")
+
+        assert len(report.resolved) == 4
+        assert elsewhere.stat().st_dev in synced, f"the other disk's fences were synced: {synced}"
+        assert len(synced) == len(set(synced)), f"each filesystem once: {synced}"
+    finally:
+        shutil.rmtree(elsewhere, ignore_errors=True)
+
+
+def test_reconciliation_inside_a_callers_deferral_syncs_it_before_recording(
+    tmp_path: Path, clocked, clock, monkeypatch, events
+) -> None:
+    """A caller that already holds the destination's deferral in this thread (a group that reconciles): the batch
+    cannot open its own, so it works in the caller's and syncs it before the ledger records a verdict."""
+    destination = LocalDestination(str(tmp_path / "exports"))
+    published, absent = _stuck_pair(clocked, clock, destination, monkeypatch)
+    real_finish_many = Completions.finish_many
+    monkeypatch.setattr(
+        Completions, "finish_many", lambda self, finishes, **kw: events.append("record") or real_finish_many(
+            self, finishes, **kw)
+    )  # fmt: skip
+    events.clear()
+    with destination.deferred():
+        report = reconcile_batch(clocked, destination, limit=10, after=None, reconciler="test")
+    assert len(report.resolved) == 4
+    assert [clocked.queries.get(str(k)).state for k in published] == [ExportState.COMPLETED] * 2
+    assert events.count("syncfs") == 1 and events.index("syncfs") < events.index("record"), events
+
+
+def test_a_sync_with_nothing_deferred_does_nothing(tmp_path: Path, monkeypatch) -> None:
+    """Nothing written since the deferral began (every key judged unreachable before a write, at a root that does
+    not exist): no ``syncfs`` (it syncs the filesystems of what was written), and no error for the missing root."""
+    calls: list[object] = []
+    monkeypatch.setattr(local, "_syncfs", lambda folder: calls.append(folder) or True)
+    destination = LocalDestination(str(tmp_path / "missing"))
+    with destination.deferred():
+        destination.sync()
+    assert calls == []

@@ -8,10 +8,11 @@ temporary file, fsync, ``rename`` over the pointer (readers see the old one or t
 Readers take no lock.
 
 Inside :meth:`LocalStore.deferred` (a group of keys, docs/protocol.md "Group commit") those fsyncs are not made one by
-one: the paths are remembered, and :meth:`LocalStore.sync` makes them durable at once, with Linux's ``syncfs`` on the
-store's filesystem (one call), or, where ``syncfs`` is not available, by fsyncing each remembered path in parallel
-threads (logged once). A pointer's bytes are written and synced with its revision's data (``prepare``), so the
-rename that publishes it never exposes bytes a power cut could lose.
+one: the paths are remembered, and :meth:`LocalStore.sync` makes them durable at once, with Linux's ``syncfs`` once on
+each filesystem they are on (a folder under the root can be another disk's mount, or a symlink to one), or, where
+``syncfs`` is not available, by fsyncing each remembered path in parallel threads (logged once). A pointer's bytes are
+written and synced with its revision's data (``prepare``), so the rename that publishes it never exposes bytes a power
+cut could lose.
 """
 
 from __future__ import annotations
@@ -318,10 +319,10 @@ class LocalStore(ObjectStore):
         if deferral is None or deferral.root != self.root:
             return
         paths, deferral.paths = deferral.paths, []
-        if not paths:
-            return  # nothing was written since the last sync (every write outside a deferral was made durable)
         try:
-            if _syncfs(self.root):
+            # One syncfs per filesystem the deferred paths are on: a folder under the root may be a mount or a
+            # symlink to another disk, and syncfs of the root's filesystem would never reach it.
+            if all(_syncfs(anchor) for anchor in _one_path_per_device(dict.fromkeys(paths))):
                 return
             _log_syncfs_missing()
             with ThreadPoolExecutor(max_workers=_SYNC_THREADS) as pool:
@@ -409,6 +410,17 @@ class _LocalUpload(Upload):
         with contextlib.suppress(OSError):
             self.handle.close()
         self.temporary.unlink(missing_ok=True)
+
+
+def _one_path_per_device(paths) -> list[Path]:
+    """One of ``paths`` on each filesystem they are on (a path deleted since is skipped: nothing to make durable)."""
+    anchors: dict[int, Path] = {}
+    for path in paths:
+        try:
+            anchors.setdefault(os.stat(path).st_dev, path)
+        except FileNotFoundError:
+            continue
+    return list(anchors.values())
 
 
 def _fsync_existing(path: Path) -> None:

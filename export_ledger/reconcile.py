@@ -98,12 +98,12 @@ def examine_many(places: Mapping[str, Destination], work: Sequence[tuple[ExportR
     verdict is returned, so a fence is durable before the ledger records what was judged behind it, as when each
     fence is made durable on its own; a folder pays one ``syncfs`` per batch instead of its fsyncs per key. A sync that
     fails leaves every key of that destination unreachable: its fence may not survive a power cut."""
-    groups: dict[int, list[tuple[ExportRecord, Claim]]] = {}
+    groups: dict[int, tuple[Destination, list[tuple[ExportRecord, Claim]]]] = {}
     for record, claim in work:
-        groups.setdefault(id(places[record.logical_key]), []).append((record, claim))
+        destination = places[record.logical_key]
+        groups.setdefault(id(destination), (destination, []))[1].append((record, claim))
     found: dict[str, Finding] = {}
-    for items in groups.values():
-        destination = places[items[0][0].logical_key]
+    for destination, items in groups.values():
         if not isinstance(destination, PublishingDestination):
             found.update((record.logical_key, examine(destination, record, claim)) for record, claim in items)
             continue

@@ -249,6 +249,18 @@ def _stuck_pair(clocked, clock, destination, monkeypatch) -> tuple[list, list]:
     return published, absent
 
 
+def _record_finishes(events: list[str], monkeypatch) -> None:
+    """From here on, ``events`` holds only what follows, and ``record`` for each ledger transaction of verdicts."""
+    real_finish_many = Completions.finish_many
+
+    def finish_many(self, finishes, **kwargs):
+        events.append("record")
+        return real_finish_many(self, finishes, **kwargs)
+
+    monkeypatch.setattr(Completions, "finish_many", finish_many)
+    events.clear()
+
+
 def test_reconciliation_fences_a_batch_with_one_sync_before_it_records_any_verdict(
     tmp_path: Path, clocked, clock, monkeypatch, events
 ) -> None:
@@ -258,14 +270,7 @@ def test_reconciliation_fences_a_batch_with_one_sync_before_it_records_any_verdi
     syncfs at all; with the sync after the record, "record" comes first."""
     destination = LocalDestination(str(tmp_path / "exports"))
     published, absent = _stuck_pair(clocked, clock, destination, monkeypatch)
-    real_finish_many = Completions.finish_many
-
-    def finish_many(self, finishes, **kwargs):
-        events.append("record")
-        return real_finish_many(self, finishes, **kwargs)
-
-    monkeypatch.setattr(Completions, "finish_many", finish_many)
-    events.clear()
+    _record_finishes(events, monkeypatch)
     report = reconcile_batch(clocked, destination, limit=10, after=None, reconciler="test")
 
     assert [clocked.queries.get(str(k)).state for k in published] == [ExportState.COMPLETED] * 2
@@ -334,12 +339,7 @@ def test_reconciliation_inside_a_callers_deferral_syncs_it_before_recording(
     cannot open its own, so it works in the caller's and syncs it before the ledger records a verdict."""
     destination = LocalDestination(str(tmp_path / "exports"))
     published, absent = _stuck_pair(clocked, clock, destination, monkeypatch)
-    real_finish_many = Completions.finish_many
-    monkeypatch.setattr(
-        Completions, "finish_many", lambda self, finishes, **kw: events.append("record") or real_finish_many(
-            self, finishes, **kw)
-    )  # fmt: skip
-    events.clear()
+    _record_finishes(events, monkeypatch)
     with destination.deferred():
         report = reconcile_batch(clocked, destination, limit=10, after=None, reconciler="test")
     assert len(report.resolved) == 4

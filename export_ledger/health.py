@@ -9,6 +9,9 @@ Statuses, worst first (a partition takes the worst of its keys):
 
 - ``escalated``: a key waits for a person (conflict; failed with its automatic reruns spent; failed,
   remote_unknown or abandoned in_progress longer than the stuck threshold).
+- ``differs``: a completed key's data at its destination is not what the ledger recorded (its current revision's
+  manifest or sha256, or its row count against what the run read): judged where the caller passes the destination's
+  evidence (``verify``), never from the ledger alone.
 - ``failed``: a key failed; the reconciliation sensor reruns it.
 - ``restating``: a completed key has an open restatement request; its next revision is not published yet.
 - ``stale``: a completed key's source changed since it was exported (drift detection); it needs a restatement.
@@ -26,9 +29,9 @@ from dataclasses import dataclass
 from export_ledger.ledger import ExportLedger, ExportRecord, ExportState
 
 #: Worst first: a partition's status is the worst of its keys'.
-STATUSES = ("escalated", "failed", "restating", "stale", "in_progress", "missing", "healthy")
+STATUSES = ("escalated", "differs", "failed", "restating", "stale", "in_progress", "missing", "healthy")
 #: Statuses that need someone (or the sensor) to act before the partition is right: reported as an ERROR.
-SEVERE = frozenset({"escalated", "failed"})
+SEVERE = frozenset({"escalated", "differs", "failed"})
 
 
 @dataclass(frozen=True)
@@ -45,12 +48,14 @@ class KeyHealth:
 
 @dataclass(frozen=True)
 class PartitionHealth:
-    """The verdict of one partition: its status (the worst of its keys') and its keys, tenant order."""
+    """The verdict of one partition: its status (the worst of its keys') and its keys, tenant order; ``verified``:
+    how many of its completed keys the destination's evidence was asked about (0: judged from the ledger alone)."""
 
     export: str
     business_date: dt.date
     status: str
     keys: tuple[KeyHealth, ...]
+    verified: int = 0
 
     @property
     def healthy(self) -> bool:
@@ -77,11 +82,14 @@ def partition_health(
     stuck_after: dt.timedelta,
     max_attempts: int | None = 3,
     due: Callable[[str, dt.date], dt.datetime | None] | None = None,
+    verify: Callable[[Sequence[ExportRecord]], Mapping[str, str]] | None = None,
 ) -> dict[dt.date, PartitionHealth]:
     """The health of each business date of ``tenants_by_date`` (the tenants whose key the partition holds on that
     date), in four bounded reads whatever the number of dates: the keys, their escalations, open restatement
     requests and open drift records of those dates. ``due`` gives when a tenant's key of a date is due
-    (:func:`export_ledger.deadlines.due_at`): a key not completed by then is escalated as late."""
+    (:func:`export_ledger.deadlines.due_at`): a key not completed by then is escalated as late. ``verify`` is given
+    every completed key of those dates at once and returns what is wrong with some of them (logical key -> a problem
+    in the library's words): each of those ``differs``. Without it nothing is read beyond the ledger."""
     days = sorted(tenants_by_date)
     if not days:
         return {}
@@ -105,14 +113,17 @@ def partition_health(
         for r in ledger.drift.open_records(export=export, tenants=tenants, date_from=first, date_to=last, limit=bound)
     }
     now = ledger.now() if due is not None else None
+    done = [record for record in records.values() if record.state is ExportState.COMPLETED]
+    differs = verify(done) if verify is not None and done else {}
     verdicts = {}
     for day in days:
         keys = tuple(
-            _late(_key_health(tenant, records.get((tenant, day)), escalated, restating, stale), due, day, now)
+            _late(_key_health(tenant, records.get((tenant, day)), escalated, differs, restating, stale), due, day, now)
             for tenant in tenants_by_date[day]
         )
         status = min((key.status for key in keys), key=STATUSES.index, default="healthy")
-        verdicts[day] = PartitionHealth(export, day, status, keys)
+        verified = sum(key.state == "completed" for key in keys) if verify is not None else 0
+        verdicts[day] = PartitionHealth(export, day, status, keys, verified)
     return verdicts
 
 
@@ -126,7 +137,7 @@ def _late(key: KeyHealth, due, day: dt.date, now: dt.datetime | None) -> KeyHeal
     return KeyHealth(key.tenant, "escalated", key.state, key.rows, note=f"late: due {at.isoformat()}, {key.note}")
 
 
-def _key_health(tenant: str, record: ExportRecord | None, escalated, restating, stale) -> KeyHealth:
+def _key_health(tenant: str, record: ExportRecord | None, escalated, differs, restating, stale) -> KeyHealth:
     if record is None:
         return KeyHealth(tenant, "missing", None, note="never attempted")
     key = record.logical_key
@@ -135,6 +146,8 @@ def _key_health(tenant: str, record: ExportRecord | None, escalated, restating, 
     rows = record.row_count if done else None
     if key in escalated:
         return KeyHealth(tenant, "escalated", state, note=escalated[key])
+    if done and key in differs:
+        return KeyHealth(tenant, "differs", state, rows=rows, note=differs[key])
     if record.state is ExportState.FAILED:
         return KeyHealth(tenant, "failed", state, note="failed; the reconciliation sensor reruns it")
     if done and key in restating:

@@ -1,5 +1,6 @@
 """Each check of an export is judged once, by the step that knows the answer (issue 27): the export's own step reports
-its partitioned checks for every partition it ran, a failed run's included, each verdict naming the partition's
+its one partitioned check (``partition_health``: the ledger's side and the destination's, one verdict per date) for
+every partition it ran, a failed run's included, each verdict naming the partition's
 materialization; a check never reads the source again; the health sensor's refresh is that same step asked for the
 check alone. ``tests/test_processes.py`` runs the same through ``dagster asset materialize``."""
 
@@ -19,7 +20,7 @@ from export_ledger.errors import SourceError
 from resources.invoices import SampleInvoiceSource
 
 ASSET = dg.AssetKey("invoice_export")
-CHECKS = ("export_matches_source_and_ledger", "partition_health")
+CHECKS = ("partition_health",)
 GOOD, BAD, ALSO_GOOD = "2026-03-02", "2026-03-03", "2026-03-04"
 
 
@@ -91,10 +92,14 @@ def test_a_run_that_fails_for_one_tenant_on_one_date_reports_every_date_and_name
         assert verdicts[BAD].target_materialization_data is None, "the bad date has no materialization to name"
     bad_health = _verdict(_executions(instance, "partition_health")[BAD])
     assert bad_health.description == "failed: 1 of 2 tenants (globex)"
-    problems = _verdict(_executions(instance, "export_matches_source_and_ledger")[BAD]).metadata["problems"].value
-    assert problems == ["invoice_export/globex/2026-03-03T05:00:00Z: not completed in the ledger (failed)"], (
+    assert bad_health.severity is dg.AssetCheckSeverity.ERROR
+    keys = [(r.data["tenant"], r.data["status"], r.data["note"]) for r in bad_health.metadata["keys"].records]
+    assert keys == [("acme", "healthy", ""), ("globex", "failed", "failed; the reconciliation sensor reruns it")], (
         "the failed key is named in the library's words, never the source's error text"
     )
+    assert bad_health.metadata["verified_at_destination"].value == 1, "acme's completed key verified where it landed"
+    every = instance.get_records_for_run(result.run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION).records
+    assert len(every) == 3, "one verdict per date, no second check judging the same keys"
     for whole in ("no_stuck_exports", "source_unchanged"):
         assert not _executions(instance, whole), f"{whole} is the sensors' to report, not each export run's"
 
@@ -133,25 +138,22 @@ def test_each_key_is_read_once_by_a_run_with_every_check_and_never_by_a_check_ru
         run = implicit.execute_in_process(partition_key="2026-03-08", instance=instance, asset_selection=[asset])
         assert run.success
         assert sorted(e.check_name for e in run.get_asset_check_evaluations()) == sorted(
-            ["export_matches_source_and_ledger", "partition_health", "no_stuck_exports", "source_unchanged"]
+            ["partition_health", "no_stuck_exports", "source_unchanged"]
         ), "every check selected, each judged once, in the one step"
         # The check executed from the UI on the partition, alone: judged from the ledger and the destination.
         alone = implicit.get_subset(
-            asset_check_selection={dg.AssetCheckKey(asset, "export_matches_source_and_ledger")}, asset_selection=set()
+            asset_check_selection={dg.AssetCheckKey(asset, "partition_health")}, asset_selection=set()
         ).execute_in_process(partition_key="2026-03-08", instance=instance)
         (verdict,) = alone.get_asset_check_evaluations()
-        assert verdict.passed and verdict.metadata["keys_checked"].value == 2, verdict
-        # The same on a date never exported: its two keys were never claimed, which fails it (it used to pass with
-        # "0 keys match", found by the review of issue 27).
+        assert verdict.passed and verdict.metadata["verified_at_destination"].value == 2, verdict
+        # The same on a date never exported: its two keys were never claimed, which fails it (a check of the
+        # destination's side alone used to pass it with "0 keys match", found by the review of issue 27).
         never = implicit.get_subset(
-            asset_check_selection={dg.AssetCheckKey(asset, "export_matches_source_and_ledger")}, asset_selection=set()
+            asset_check_selection={dg.AssetCheckKey(asset, "partition_health")}, asset_selection=set()
         ).execute_in_process(partition_key="2026-03-09", instance=instance)
         (verdict,) = never.get_asset_check_evaluations()
         assert not verdict.passed, verdict
-        assert verdict.metadata["problems"].value == [
-            f"orders/{tenant}/2026-03-09T04:00:00Z: not completed in the ledger (never claimed)"
-            for tenant in ("acme", "globex")
-        ], verdict.metadata
+        assert verdict.description == "missing: 2 of 2 tenants (acme, globex)", verdict
     assert sorted(reads) == [(t, dt.datetime(2026, 3, 8, 5, tzinfo=dt.timezone.utc)) for t in ("acme", "globex")]
     assert set(reads.values()) == {1}, f"one read per key, none by a check: {reads}"
 
@@ -176,6 +178,41 @@ def test_the_health_sensors_refresh_is_the_export_step_alone_exporting_and_readi
         dg.AssetRecordsFilter(asset_key=ASSET, asset_partitions=[GOOD]), limit=1
     ).records
     assert verdict.target_materialization_data.storage_id == materialization.storage_id
+
+
+@pytest.mark.parametrize("damage", ["data removed", "rows differ from what the run read"])
+def test_a_completed_key_whose_destination_disagrees_makes_its_date_differ_an_error_naming_it(
+    tmp_path, instance, monkeypatch, damage
+):
+    """The destination's side is judged in the same verdict as the ledger's (the two partitioned checks were merged,
+    issue 27): a completed key whose data is gone, or whose published rows are not the rows the run read, turns the
+    date ``differs``, an ERROR whose keys table names the key; the other tenant stays healthy."""
+    source = CountedSource()
+    defs = make_defs(tmp_path, tenants=("acme", "globex"), source=source)
+    if damage == "data removed":
+        assert run_range(defs, instance, GOOD, GOOD).success
+        (data,) = [p for p in (tmp_path / "exports").rglob("data.*") if "globex" in str(p)]
+        data.unlink()
+        result = defs.resolve_job_def("invoice_export_health_job").execute_in_process(
+            instance=instance, tags={"dagster/partition": GOOD}
+        )
+        expected_note = "at the destination:"
+    else:
+        from export_ledger.dagster import checks
+
+        # The run's own count of what it read is one more than what it published (a source read twice would say so).
+        def misread(batch):
+            return {r.logical_key: r.row_count + (r.tenant == "globex") for r in batch.results} if batch else {}
+
+        monkeypatch.setattr(checks, "read_counts", misread)
+        result = run_range(defs, instance, GOOD, GOOD)
+        expected_note = "rows published,"
+    (verdict,) = [e for e in result.get_asset_check_evaluations() if e.check_name == "partition_health"]
+    assert (verdict.passed, verdict.severity) == (False, dg.AssetCheckSeverity.ERROR), verdict
+    assert verdict.description == "differs: 1 of 2 tenants (globex)"
+    keys = {r.data["tenant"]: (r.data["status"], r.data["note"]) for r in verdict.metadata["keys"].records}
+    assert keys["acme"] == ("healthy", "")
+    assert keys["globex"][0] == "differs" and expected_note in keys["globex"][1], keys
 
 
 def test_dagster_keeps_one_runless_evaluation_of_a_partitioned_check_per_partition():

@@ -62,7 +62,8 @@ def test_a_partition_a_backfill_a_restatement_and_a_crash_after_publish_on_each_
 
     first = run_partition(defs, instance, FIRST)
     assert first.success, failure_message(first)
-    assert check_evaluations(first, "export_matches_source_and_ledger")[FIRST].passed, "what landed is the ledger's"
+    health = check_evaluations(first, "partition_health")[FIRST]
+    assert health.passed and health.metadata["verified_at_destination"].value > 0, "what landed is the ledger's"
 
     backfill = run_range(defs, instance, *BACKFILL)
     assert backfill.success, failure_message(backfill)

@@ -871,16 +871,14 @@ def _partition_health_snapshot(stack: Stack, dates: tuple[str, ...]) -> dict | N
              assetPartitionStatuses { ... on TimePartitionStatuses { ranges { startKey endKey status } } }
              health: assetCheckOrError(checkName: "partition_health") { ... on AssetCheck {
                partitionStatuses { ... on AssetCheckTimePartitionStatuses { ranges { startKey endKey status } } } } }
-             matches: assetCheckOrError(checkName: "export_matches_source_and_ledger") { ... on AssetCheck {
-               partitionStatuses { ... on AssetCheckTimePartitionStatuses { ranges { startKey endKey status } } } } }
            } } }""",
         asset=[ASSET],
     )["assetNodeOrError"]
     return {
         "asset": _status_of(node["assetPartitionStatuses"]["ranges"], dates),
         "check": _status_of(node["health"]["partitionStatuses"]["ranges"], dates),
-        "matches": _status_of(node["matches"]["partitionStatuses"]["ranges"], dates),
         "verdicts": verdicts,
+        "judged_by": {day: runs[0]["runId"] for day, runs in latest.items()},
     }
 
 
@@ -956,8 +954,8 @@ def test_a_healthy_a_failed_and_a_stale_partition_look_different_in_chromium(
     fails: Dagster marks the partition failed, and the failed run reports every date's verdicts before it fails), one
     exported and then found changed at its source (drift recorded in the ledger; the daemon's partition_health_sensor
     runs that partition's check again). The asset's Partitions page tells the failed date apart; its partition_health
-    check's Partitions tab tells all three apart, each with the ledger's verdict; export_matches_source_and_ledger
-    passes on the failed run's good dates.
+    check's Partitions tab tells all three apart, each with its verdict (the ledger's and the destination's, one
+    check); the failed run's good date keeps its passed verdict.
 
     Runs last, with the reconciliation sensor stopped while it looks: that sensor reruns the failed date (its
     source still down) until the key escalates, and the pictures would show the rerun in progress instead."""
@@ -998,16 +996,16 @@ def _partitions_in_three_states_shown_apart(selenium_webdriver, stack: Stack, tm
 
     # What the pages read. Dagster's own status of a partition: a failed tenant fails its date, stale data is still
     # served (materialized); the failed run's good dates are materialized by it. partition_health: passed, failed
-    # with an error, failed with a warning, and why. export_matches_source_and_ledger, reported by the same failed
-    # run for each of its dates: the good dates pass (the run's failure is not theirs), the outage's date fails.
+    # with an error, failed with a warning, and why: the healthy date's verdict is the failed run's own (the run's
+    # failure is not that date's), the stale date's the sensor's refresh after it.
     assert snapshot["asset"] == {HEALTHY_DATE: "MATERIALIZED", OUTAGE_DATE: "FAILED", STALE_DATE: "MATERIALIZED"}
     assert snapshot["check"] == {HEALTHY_DATE: "SUCCEEDED", OUTAGE_DATE: "FAILED", STALE_DATE: "FAILED"}, (
         "each date's check status counts its latest verdict (an evaluation must target the date's materialization)"
     )
-    assert snapshot["matches"] == {HEALTHY_DATE: "SUCCEEDED", OUTAGE_DATE: "FAILED", STALE_DATE: "SUCCEEDED"}, (
-        "a failed run's good dates keep their passed verdict, never 'execution failed'"
-    )
     assert set(stack.materialized_partitions(list(dates)).values()) == {run["runId"]}
+    assert snapshot["judged_by"][HEALTHY_DATE] == snapshot["judged_by"][OUTAGE_DATE] == run["runId"], (
+        "the failed run judged its good date (passed, never 'execution failed') and its bad one"
+    )
     verdicts = snapshot["verdicts"]
     assert verdicts == {
         HEALTHY_DATE: ("SUCCEEDED", None, "healthy", "healthy: 2 of 2 tenants exported"),

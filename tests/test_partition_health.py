@@ -89,6 +89,34 @@ def test_each_partition_gets_the_status_of_its_worst_key_with_the_tenant_named(s
     assert verdicts[dt.date.fromisoformat(STALE)].keys[0].note == "source changed: +2 -0 ~?"
 
 
+def test_the_destinations_evidence_makes_a_completed_key_differ_and_ranks_below_escalated_only(shop) -> None:
+    """``verify`` is asked once about every completed key of the dates, and a key it names ``differs``: worse than
+    failed, restating or stale (what readers see is not what the ledger says), never hiding an escalation."""
+    _, book, _ = shop
+    asked: list[list[str]] = []
+
+    def verify(records):
+        asked.append(sorted(r.logical_key for r in records))
+        return {r.logical_key: "at the destination: data missing" for r in records if r.tenant == "acme"}
+
+    days = _days(HEALTHY, FAILED, RESTATING, ESCALATED, MISSING)
+    verdicts = partition_health(book, "invoice_export", days, stuck_after=STUCK_AFTER, verify=verify)
+    statuses = {day.isoformat(): v.status for day, v in verdicts.items()}
+    assert statuses == {
+        HEALTHY: "differs",
+        FAILED: "differs",  # acme's completed key differs, globex's failed: the worse one shows
+        RESTATING: "differs",
+        ESCALATED: "escalated",  # acme's key is in conflict, not completed: never verified
+        MISSING: "missing",
+    }
+    assert len(asked) == 1 and len(asked[0]) == 5, "one question for every completed key of every date"
+    healthy = verdicts[dt.date.fromisoformat(HEALTHY)]
+    assert healthy.summary == "differs: 1 of 2 tenants (acme)" and healthy.verified == 2
+    assert healthy.keys[0].note == "at the destination: data missing"
+    unverified = partition_health(book, "invoice_export", _days(HEALTHY), stuck_after=STUCK_AFTER)
+    assert unverified[dt.date.fromisoformat(HEALTHY)].verified == 0, "without evidence nothing is said verified"
+
+
 def test_the_run_reports_its_own_partitions_and_the_sensor_reruns_the_check_of_the_others(shop, instance) -> None:
     defs, _, cursor = shop
     # The run of each healthy partition already reported its verdict: the sensor asks nothing for it.

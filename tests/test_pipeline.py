@@ -98,10 +98,11 @@ def test_export_holds_exactly_the_window_events_with_manifest_and_metadata(tmp_p
     assert meta["dagster/row_count"].value == 2 * 92
     assert meta["attempt_id"].value.startswith(result.run_id)
     assert list(meta)[:3] == ["business_date", "timezone", "window_start_utc"], "the window and zone come first"
-    checks = check_evaluations(result, "export_matches_source_and_ledger")
-    assert set(checks) == {"2026-03-08"} and checks["2026-03-08"].passed, checks
-    health = check_evaluations(result, "partition_health")["2026-03-08"]
+    checks = check_evaluations(result, "partition_health")
+    assert set(checks) == {"2026-03-08"}, checks
+    health = checks["2026-03-08"]
     assert health.passed and health.metadata["status"].value == "healthy"
+    assert health.metadata["verified_at_destination"].value == 2, "both keys verified where they landed"
 
 
 def test_parquet_exports_round_trip(tmp_path, instance):
@@ -237,8 +238,9 @@ def test_single_run_backfill_of_31_partitions_and_3_tenants_commits_93_keys(tmp_
     for event in events:  # each partition's own counts, never the run's
         assert event.materialization.metadata["keys"].value == 3
         assert {r["tenant"] for r in key_rows(event.materialization.metadata)} == {"acme", "globex", "initech"}
-    checks = check_evaluations(result, "export_matches_source_and_ledger")
-    assert len(checks) == 31 and all(c.passed and c.metadata["keys_checked"].value == 3 for c in checks.values())
+    checks = check_evaluations(result, "partition_health")
+    assert len(checks) == 31
+    assert all(c.passed and c.metadata["verified_at_destination"].value == 3 for c in checks.values())
 
 
 @pytest.mark.parametrize(

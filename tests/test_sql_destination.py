@@ -78,8 +78,8 @@ def test_rows_land_in_the_ledger_database_together_with_their_completion_record(
     assert record.location == f"sql:{TABLE}/invoice_export/tenant=acme/date={PARTITION}"
     assert stored_rows(ledger_url) == {f"{TABLE}:{KEY}": 92, f"{TABLE}_manifests:{KEY}": 1}
     assert [a.outcome for a in ledger.queries.attempts(KEY)] == [AttemptOutcome.COMPLETED]
-    check = check_evaluations(result, "export_matches_source_and_ledger")[PARTITION]
-    assert check.passed, check.metadata
+    check = check_evaluations(result, "partition_health")[PARTITION]
+    assert check.passed and check.metadata["verified_at_destination"].value == 1, check.metadata
 
     destination = SqlTableDestination(url=ledger_url, table=TABLE)
     verification = destination.verify(TARGET, logical_key=KEY, superseded=0, expected_sha256=record.sha256)

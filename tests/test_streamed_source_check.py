@@ -1,11 +1,11 @@
 """A callable source that yields batches (``stream_rows``) is read once per key, and its export's check passes
-(issue 26): the check compares what was published with what the run read and wrote, never reading the source again
-(before, the run's own check took ``len()`` of the generator: every such run failed after publishing, and was retried).
+(issue 26; the check is ``partition_health``, which judges the destination's side too since issue 27): the check
+compares what was published with what the run read and wrote, never reading the source again (before, the run's own
+check took ``len()`` of the generator: every such run failed after publishing, and was retried).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 
 import dagster as dg
@@ -14,7 +14,7 @@ import pytest
 
 from export_ledger import ExportSpec
 from export_ledger.dagster import ledgered_definitions
-from export_ledger.dagster.checks import CHECK_NAME, export_check
+from export_ledger.dagster.checks import HEALTH_CHECK_NAME, destination_problems
 from export_ledger.destinations import LocalDestination
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger import ExportLedger
@@ -105,10 +105,10 @@ def test_a_streaming_callable_source_exports_and_its_checks_pass_reading_it_once
     evaluations = [
         e.event_specific_data
         for e in result.all_events
-        if e.event_type_value == "ASSET_CHECK_EVALUATION" and e.event_specific_data.check_name == CHECK_NAME
+        if e.event_type_value == "ASSET_CHECK_EVALUATION" and e.event_specific_data.check_name == HEALTH_CHECK_NAME
     ]
     assert len(evaluations) == 1, "the asset's one step reports the check, once: no step of its own judges it again"
-    assert all(e.passed and e.metadata["keys_checked"].value == 2 for e in evaluations), evaluations
+    assert all(e.passed and e.metadata["verified_at_destination"].value == 2 for e in evaluations), evaluations
     assert [e.step_key for e in result.all_events if e.is_step_start] == ["orders"], "one step"
 
 
@@ -125,16 +125,14 @@ def test_the_runs_check_fails_when_what_is_published_is_not_what_the_run_read(tm
         for tenant in spec.tenants
     ]  # fmt: skip
     results = export_batch(ledger, destination, ExportBatch(spec.schema, items), "run-1/orders")
-    asset_key = dg.AssetKey("orders")
 
-    held = export_check(ledger, destination, results, asset_key=asset_key, partition=PARTITION)
-    assert held.passed, held.metadata
-    misread = [dataclasses.replace(results[0], row_count=results[0].row_count + 1), results[1]]
-    judged = export_check(ledger, destination, misread, asset_key=asset_key, partition=PARTITION)
-    assert not judged.passed, "a run that read other rows than were published fails its check"
-    assert judged.metadata["problems"].value == [
-        "orders/acme/2026-03-08T05:00:00Z: 23 rows published, 24 read from source"
-    ]
+    records = ledger.queries.records(export="orders")
+    read = {r.logical_key: r.row_count for r in results}
+    assert destination_problems(ledger, destination, records, read) == {}
+    misread = {**read, results[0].logical_key: results[0].row_count + 1}
+    assert destination_problems(ledger, destination, records, misread) == {
+        "orders/acme/2026-03-08T05:00:00Z": "23 rows published, 24 read from the source"
+    }, "a run that read other rows than were published fails its check"
     assert sorted(reads) == ["acme", "globex"], "the check read nothing"
 
 

@@ -159,9 +159,9 @@ def test_a_tenant_of_another_zones_asset_is_left_to_that_asset_and_an_unknown_na
 
 
 def _checks(instance) -> dict[tuple[str, str], tuple[str, bool]]:
-    """Each partitioned check's latest status per date, and whether it judged the date's latest materialization."""
+    """The partitioned check's latest status per date, and whether it judged the date's latest materialization."""
     out = {}
-    for name in ("partition_health", "export_matches_source_and_ledger"):
+    for name in ("partition_health",):
         for info in instance.event_log_storage.get_asset_check_partition_info([dg.AssetCheckKey(ASSET, name)]):
             out[(name, info.partition_key)] = (info.latest_execution_status.value, info.is_current)
     return out
@@ -180,16 +180,16 @@ def test_a_scoped_run_judges_every_date_it_ran_even_one_where_its_tenant_has_no_
 
     assert scoped.success, failure_message(scoped)
     checks = _checks(instance)
-    for name in ("partition_health", "export_matches_source_and_ledger"):
-        assert checks[(name, FIRST)] == ("SUCCEEDED", True), (name, checks)
+    assert checks[("partition_health", FIRST)] == ("SUCCEEDED", True), checks
     said = " ".join(str(e.message) for e in instance.all_logs(scoped.run_id))
     assert f"nothing to export on {FIRST}: none of the run's tenants (globex)" in said, said
 
 
 def test_a_scoped_run_does_not_pass_a_date_whose_other_tenant_failed(tmp_path, instance):
-    """acme's key of BAD failed; a run of globex alone on BAD materializes the date again: its
-    export_matches_source_and_ledger still fails for acme's key, judged from the ledger beside the run's own.
-    Guard: the other tenants judged in a scoped run's export check."""
+    """acme's key of BAD failed; a run of globex alone on BAD materializes the date again: its partition_health
+    still fails for acme's key, judged from the ledger beside the run's own; acme's completed key of FIRST, which the
+    run did not export, is verified at the destination all the same.
+    Guard: health_days over every tenant of the run's dates."""
     source = CountedSource(fails_on=BAD)
     source.failing = "acme"
     defs = make_defs(tmp_path, tenants=TENANTS, source=source)
@@ -199,9 +199,11 @@ def test_a_scoped_run_does_not_pass_a_date_whose_other_tenant_failed(tmp_path, i
 
     assert scoped.success, failure_message(scoped)
     checks = _checks(instance)
-    assert checks[("export_matches_source_and_ledger", BAD)] == ("FAILED", True), checks
     assert checks[("partition_health", BAD)] == ("FAILED", True), checks
-    assert checks[("export_matches_source_and_ledger", FIRST)] == ("SUCCEEDED", True), checks
+    assert checks[("partition_health", FIRST)] == ("SUCCEEDED", True), checks
+    verdicts = {e.partition: e for e in scoped.get_asset_check_evaluations()}
+    assert verdicts[BAD].description == "failed: 1 of 3 tenants (acme)", verdicts[BAD]
+    assert verdicts[FIRST].metadata["verified_at_destination"].value == 3, "the other tenant's key verified too"
 
 
 def test_restating_within_a_scoped_run_restates_only_its_tenants(tmp_path, instance):

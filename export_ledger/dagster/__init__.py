@@ -8,12 +8,12 @@ Example:
 
 from export_ledger.dagster.assets import TENANTS_TAG, ExportRunConfig, build_export_asset
 from export_ledger.dagster.checks import (
-    CHECK_NAME,
     DRIFT_CHECK_NAME,
+    HEALTH_CHECK_NAME,
     STUCK_CHECK_NAME,
     build_stuck_check,
+    destination_problems,
     drift_check_evaluation,
-    export_check,
     stuck_check_evaluation,
 )
 from export_ledger.dagster.component import LedgeredExports
@@ -31,8 +31,8 @@ from export_ledger.dagster.sensors import (
 )
 
 __all__ = [
-    "CHECK_NAME",
     "DRIFT_CHECK_NAME",
+    "HEALTH_CHECK_NAME",
     "LEDGER_KEY",
     "LedgeredExports",
     "STUCK_CHECK_NAME",
@@ -49,9 +49,9 @@ __all__ = [
     "calendar_of",
     "dagster_disagreement",
     "declared_exports",
+    "destination_problems",
     "drift_check_evaluation",
     "drift_check_evaluations",
-    "export_check",
     "job_selection",
     "ledgered_definitions",
     "partition_metadata",

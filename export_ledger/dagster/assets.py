@@ -76,9 +76,9 @@ def build_export_asset(
     calendar contract changed unaccepted is left out and the run fails naming it, after the others are exported.
 
     Its checks are its own (:func:`~export_ledger.dagster.checks.check_specs`), reported by its one step for the
-    checks the run selected: once every key is recorded, each partition of the run gets its
-    ``export_matches_source_and_ledger`` and ``partition_health`` verdicts, judged from what the run read and wrote
-    and targeting the partition's materialization. A failed key fails the step (so Dagster marks its partitions
+    checks the run selected: once every key is recorded, each partition of the run gets its ``partition_health``
+    verdict, judged from the ledger and from what the run read and wrote, and targeting the partition's
+    materialization. A failed key fails the step (so Dagster marks its partitions
     failed), after every partition's verdicts are reported. Run for its checks alone (the health sensor's run, a
     check executed from the UI), the step exports nothing and judges from the ledger.
     """

@@ -709,7 +709,7 @@ def build_reconciliation_sensor(
 
 def job_selection(asset_name: str, *, drift_check: bool = False) -> dg.AssetSelection:
     """An export's asset (the export's name, or one zone's asset) and its partitioned checks: its run's one step
-    reports ``export_matches_source_and_ledger`` and ``partition_health`` for its own partitions. The whole asset's
+    reports ``partition_health`` for its own partitions. The whole asset's
     checks are left out, each reported by its sensor when it changes: ``no_stuck_exports`` (reconciliation) and
     ``source_unchanged`` (drift; ``drift_check``: the export has a source, so the check exists)."""
     whole = [STUCK_CHECK_NAME, *([DRIFT_CHECK_NAME] if drift_check else [])]

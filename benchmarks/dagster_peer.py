@@ -524,7 +524,7 @@ def _notes(one: dict, backfill: dict) -> list[str]:
         f"backfill: the peer with one partitioned check reported per partition (the least a plain asset does to show "
         f"a verdict on each date in the UI, targeting its materialization) takes {per_key['plain_checked']:.2f} ms per "
         f"key, {per_key['plain_checked'] / per_key['plain']:.2f}x the plain peer: Dagster stores each evaluation in "
-        f"its event log (SQLite here); the export reports two per partition and is "
+        f"its event log (SQLite here); the export reports one per partition too and is "
         f"{per_key['ledgered'] / per_key['plain_checked']:.2f}x that peer",
     ]
 

@@ -1,4 +1,5 @@
-"""The health of one export's partition (one business date of one zone's tenants), read from the ledger.
+"""The health of one export's partition (one business date of one zone's tenants), read from the ledger and, where
+the caller asks it, from the destination's evidence.
 
 One verdict per partition, computed in one place, that the Dagster integration reports as the partitioned check
 ``partition_health`` wherever a partition's state changes (the export's run, the reconciliation sensor, the drift
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from export_ledger.ledger import ExportLedger, ExportRecord, ExportState
 
@@ -32,6 +33,17 @@ from export_ledger.ledger import ExportLedger, ExportRecord, ExportState
 STATUSES = ("escalated", "differs", "failed", "restating", "stale", "in_progress", "missing", "healthy")
 #: Statuses that need someone (or the sensor) to act before the partition is right: reported as an ERROR.
 SEVERE = frozenset({"escalated", "differs", "failed"})
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What a destination said of completed keys it was asked about (logical keys): ``matched`` as the ledger
+    recorded them; ``differs``: key -> what differs; ``unverified``: key -> why it could not be asked (the destination
+    unreachable). A key in none of them was not verified."""
+
+    matched: frozenset[str] = frozenset()
+    differs: Mapping[str, str] = field(default_factory=dict)
+    unverified: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -48,14 +60,20 @@ class KeyHealth:
 
 @dataclass(frozen=True)
 class PartitionHealth:
-    """The verdict of one partition: its status (the worst of its keys') and its keys, tenant order; ``verified``:
-    how many of its completed keys the destination's evidence was asked about (0: judged from the ledger alone)."""
+    """The verdict of one partition: its status (the worst of its keys') and its keys, tenant order.
+
+    With the destination's evidence: ``verified`` and ``unverified`` count its completed keys found as the ledger
+    recorded them and those the destination could not be asked about; ``ledger_status`` and ``ledger_summary`` are
+    the verdict the ledger alone gives (what :func:`partition_health` says without ``verify``, which the health
+    sensor compares with). Without it they are the verdict's own."""
 
     export: str
     business_date: dt.date
     status: str
     keys: tuple[KeyHealth, ...]
     verified: int = 0
+    unverified: int = 0
+    ledger_keys: tuple[KeyHealth, ...] | None = None
 
     @property
     def healthy(self) -> bool:
@@ -66,12 +84,30 @@ class PartitionHealth:
 
     @property
     def summary(self) -> str:
-        """``failed: 1 of 3 tenants (globex)``, or ``healthy: 3 of 3 tenants``."""
-        if self.healthy:
-            return f"healthy: {len(self.keys)} of {len(self.keys)} tenants exported"
-        worst = [key.tenant for key in self.keys if key.status == self.status]
-        shown = ", ".join(worst[:5]) + (", ..." if len(worst) > 5 else "")
-        return f"{self.status}: {len(worst)} of {len(self.keys)} tenants ({shown})"
+        """``failed: 1 of 3 tenants (globex)``, or ``healthy: 3 of 3 tenants exported``; keys the destination could
+        not be asked about are counted after it (``; 1 not verified at the destination``)."""
+        unverified = f"; {self.unverified} not verified at the destination" if self.unverified else ""
+        return _summary(self.status, self.keys) + unverified
+
+    @property
+    def ledger_status(self) -> str:
+        return _worst(self.ledger_keys) if self.ledger_keys is not None else self.status
+
+    @property
+    def ledger_summary(self) -> str:
+        return _summary(self.ledger_status, self.ledger_keys) if self.ledger_keys is not None else self.summary
+
+
+def _worst(keys: Sequence[KeyHealth]) -> str:
+    return min((key.status for key in keys), key=STATUSES.index, default="healthy")
+
+
+def _summary(status: str, keys: Sequence[KeyHealth]) -> str:
+    if status == "healthy":
+        return f"healthy: {len(keys)} of {len(keys)} tenants exported"
+    worst = [key.tenant for key in keys if key.status == status]
+    shown = ", ".join(worst[:5]) + (", ..." if len(worst) > 5 else "")
+    return f"{status}: {len(worst)} of {len(keys)} tenants ({shown})"
 
 
 def partition_health(
@@ -82,14 +118,15 @@ def partition_health(
     stuck_after: dt.timedelta,
     max_attempts: int | None = 3,
     due: Callable[[str, dt.date], dt.datetime | None] | None = None,
-    verify: Callable[[Sequence[ExportRecord]], Mapping[str, str]] | None = None,
+    verify: Callable[[Sequence[ExportRecord]], Evidence] | None = None,
 ) -> dict[dt.date, PartitionHealth]:
     """The health of each business date of ``tenants_by_date`` (the tenants whose key the partition holds on that
     date), in four bounded reads whatever the number of dates: the keys, their escalations, open restatement
     requests and open drift records of those dates. ``due`` gives when a tenant's key of a date is due
     (:func:`export_ledger.deadlines.due_at`): a key not completed by then is escalated as late. ``verify`` is given
-    every completed key of those dates at once and returns what is wrong with some of them (logical key -> a problem
-    in the library's words): each of those ``differs``. Without it nothing is read beyond the ledger."""
+    the completed keys of those dates and tenants at once and returns the destination's :class:`Evidence`: a key it
+    says differs is ``differs`` (unless escalated); a key it could not ask about keeps the ledger's status, noted and
+    counted. Without it nothing is read beyond the ledger."""
     days = sorted(tenants_by_date)
     if not days:
         return {}
@@ -113,18 +150,48 @@ def partition_health(
         for r in ledger.drift.open_records(export=export, tenants=tenants, date_from=first, date_to=last, limit=bound)
     }
     now = ledger.now() if due is not None else None
-    done = [record for record in records.values() if record.state is ExportState.COMPLETED]
-    differs = verify(done) if verify is not None and done else {}
+    # Only the partitions' own keys: a tenant's key of a date it spent in another zone is that zone's asset's.
+    done = [
+        record
+        for day in days
+        for tenant in tenants_by_date[day]
+        if (record := records.get((tenant, day))) is not None and record.state is ExportState.COMPLETED
+    ]
+    evidence = verify(done) if verify is not None and done else Evidence()
     verdicts = {}
     for day in days:
-        keys = tuple(
-            _late(_key_health(tenant, records.get((tenant, day)), escalated, differs, restating, stale), due, day, now)
+        ledger_keys = tuple(
+            _late(_key_health(tenant, records.get((tenant, day)), escalated, restating, stale), due, day, now)
             for tenant in tenants_by_date[day]
         )
-        status = min((key.status for key in keys), key=STATUSES.index, default="healthy")
-        verified = sum(key.state == "completed" for key in keys) if verify is not None else 0
-        verdicts[day] = PartitionHealth(export, day, status, keys, verified)
+        if verify is None:
+            verdicts[day] = PartitionHealth(export, day, _worst(ledger_keys), ledger_keys)
+            continue
+        keys = tuple(_with_evidence(key, records.get((key.tenant, day)), evidence) for key in ledger_keys)
+        names = {r.logical_key for t in tenants_by_date[day] if (r := records.get((t, day))) is not None}
+        verdicts[day] = PartitionHealth(
+            export,
+            day,
+            _worst(keys),
+            keys,
+            verified=len(names & evidence.matched),
+            unverified=len(names & evidence.unverified.keys()),
+            ledger_keys=ledger_keys,
+        )
     return verdicts
+
+
+def _with_evidence(key: KeyHealth, record: ExportRecord | None, evidence: Evidence) -> KeyHealth:
+    """A completed key as the destination's evidence leaves it: ``differs`` with what differs (an escalated key
+    stays escalated: a person is already asked), or its ledger status noted as not verified."""
+    if record is None or record.state is not ExportState.COMPLETED or key.status == "escalated":
+        return key
+    if record.logical_key in evidence.differs:
+        return KeyHealth(key.tenant, "differs", key.state, key.rows, note=evidence.differs[record.logical_key])
+    if record.logical_key in evidence.unverified:
+        why = evidence.unverified[record.logical_key]
+        return KeyHealth(key.tenant, key.status, key.state, key.rows, note=", ".join(filter(None, [key.note, why])))
+    return key
 
 
 def _late(key: KeyHealth, due, day: dt.date, now: dt.datetime | None) -> KeyHealth:
@@ -137,7 +204,7 @@ def _late(key: KeyHealth, due, day: dt.date, now: dt.datetime | None) -> KeyHeal
     return KeyHealth(key.tenant, "escalated", key.state, key.rows, note=f"late: due {at.isoformat()}, {key.note}")
 
 
-def _key_health(tenant: str, record: ExportRecord | None, escalated, differs, restating, stale) -> KeyHealth:
+def _key_health(tenant: str, record: ExportRecord | None, escalated, restating, stale) -> KeyHealth:
     if record is None:
         return KeyHealth(tenant, "missing", None, note="never attempted")
     key = record.logical_key
@@ -146,8 +213,6 @@ def _key_health(tenant: str, record: ExportRecord | None, escalated, differs, re
     rows = record.row_count if done else None
     if key in escalated:
         return KeyHealth(tenant, "escalated", state, note=escalated[key])
-    if done and key in differs:
-        return KeyHealth(tenant, "differs", state, rows=rows, note=differs[key])
     if record.state is ExportState.FAILED:
         return KeyHealth(tenant, "failed", state, note="failed; the reconciliation sensor reruns it")
     if done and key in restating:

@@ -37,6 +37,7 @@ from export_ledger.destinations.base import (
     TransactionalDestination,
     Verdict,
     place_name,
+    place_of_location,
 )
 from export_ledger.destinations.publishing import PublishingDestination, StagedExport
 from export_ledger.errors import ExportLedgerError, safe_message
@@ -478,7 +479,7 @@ class _KeyExport:
         destination.sweep(target, token, pointer)
         staged = self._stage(destination, target, token, table, finish, self._manifest_template(claim, item))
         failpoints.reach("after_stage")
-        unchanged = self._unchanged(claim, staged, fingerprint)
+        unchanged = self._unchanged(destination, claim, staged, fingerprint)
         if unchanged is not None:
             self._unstage(destination, staged)
             return "unchanged", unchanged
@@ -510,9 +511,13 @@ class _KeyExport:
         )
         return "exported", evidence
 
-    def _unchanged(self, claim: Claim, staged: StagedExport, fingerprint: Fingerprint) -> CompletionEvidence | None:
+    def _unchanged(
+        self, destination: PublishingDestination, claim: Claim, staged: StagedExport, fingerprint: Fingerprint
+    ) -> CompletionEvidence | None:
         """For a restatement whose staged data is the revision it supersedes, byte for byte (the same sha256 and row
-        count): the evidence of that revision, to record again instead of publishing a copy of it. None otherwise.
+        count), and that revision still intact where it was recorded: the evidence of that revision, to record again
+        instead of publishing a copy of it. None otherwise: a revision whose data was lost or changed at the
+        destination is restated by publishing the next one (the way out of ``partition_health``'s ``differs``).
 
         Decided where the commit would be: under the key's lease, after this attempt's fence was raised and the
         pointer read back naming that revision, so no earlier party can still move it, and nothing was committed.
@@ -524,6 +529,13 @@ class _KeyExport:
             return None
         current = self.ledger.restatements.current_revision(claim.logical_key)
         if current is None or current.revision != revision or current.row_count != staged.manifest.row_count:
+            return None
+        recorded = staged.target.at_revision(revision, place_of_location(current.location))
+        try:
+            intact = destination.verify_recorded(recorded, logical_key=claim.logical_key, sha256=current.sha256)
+        except DestinationError:
+            return None  # not known intact: the next revision is published (its commit meets the same destination)
+        if intact.verdict is not Verdict.PUBLISHED:
             return None
         return CompletionEvidence(
             current.location, current.sha256, current.row_count, current.published_by, claim.fencing_token,

@@ -213,6 +213,16 @@ def test_a_completed_key_whose_destination_disagrees_makes_its_date_differ_an_er
     keys = {r.data["tenant"]: (r.data["status"], r.data["note"]) for r in verdict.metadata["keys"].records}
     assert keys["acme"] == ("healthy", "")
     assert keys["globex"][0] == "differs" and expected_note in keys["globex"][1], keys
+    if damage == "data removed":
+        # The way out the README gives: a restatement, whose run publishes revision 2 from the source.
+        from export_ledger.ledger import ExportLedger
+
+        book = ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+        (record,) = book.queries.records(export="invoice_export", tenants=["globex"])
+        book.restatements.request(record.logical_key, reason="data lost", requested_by="ops")
+        restated = run_range(defs, instance, GOOD, GOOD)
+        (after,) = [e for e in restated.get_asset_check_evaluations() if e.check_name == "partition_health"]
+        assert after.passed and after.metadata["verified_at_destination"].value == 2, after.metadata["keys"]
 
 
 def test_dagster_keeps_one_runless_evaluation_of_a_partitioned_check_per_partition():

@@ -10,14 +10,15 @@ import datetime as dt
 
 import dagster as dg
 import pytest
-from builders import key_for
+from builders import evidence_for, key_for
 from dagster._core.storage.asset_check_execution_record import AssetCheckExecutionRecordStatus
 from dagster._core.storage.event_log.base import PartitionKeyFilter
 from pipeline_helpers import check_evaluations, failure_message, make_defs, run_partition, run_range, tick
 
+from export_ledger.destinations import DestinationUnreachable
 from export_ledger.errors import SourceError
 from export_ledger.failpoints import ENV_VAR as FAILPOINTS
-from export_ledger.health import partition_health
+from export_ledger.health import Evidence, partition_health
 from export_ledger.ledger.drift import DriftFinding
 from resources.invoices import SampleInvoiceSource
 
@@ -93,11 +94,19 @@ def test_the_destinations_evidence_makes_a_completed_key_differ_and_ranks_below_
     """``verify`` is asked once about every completed key of the dates, and a key it names ``differs``: worse than
     failed, restating or stale (what readers see is not what the ledger says), never hiding an escalation."""
     _, book, _ = shop
+    # globex's key of the escalated date completed: the date holds one escalated key and one the destination says
+    # differs, and the escalation shows (a person is asked already).
+    claim = book.claims.claim(key_for(dt.date.fromisoformat(ESCALATED), tenant="globex"), "run-2/invoice_export")
+    book.completions.complete(claim, evidence_for(claim))
     asked: list[list[str]] = []
 
     def verify(records):
         asked.append(sorted(r.logical_key for r in records))
-        return {r.logical_key: "at the destination: data missing" for r in records if r.tenant == "acme"}
+        differs = [r for r in records if r.tenant == "acme" or r.business_date.isoformat() == ESCALATED]
+        return Evidence(
+            matched=frozenset(r.logical_key for r in records if r not in differs),
+            differs={r.logical_key: "at the destination: data missing" for r in differs},
+        )
 
     days = _days(HEALTHY, FAILED, RESTATING, ESCALATED, MISSING)
     verdicts = partition_health(book, "invoice_export", days, stuck_after=STUCK_AFTER, verify=verify)
@@ -109,10 +118,13 @@ def test_the_destinations_evidence_makes_a_completed_key_differ_and_ranks_below_
         ESCALATED: "escalated",  # acme's key is in conflict, not completed: never verified
         MISSING: "missing",
     }
-    assert len(asked) == 1 and len(asked[0]) == 5, "one question for every completed key of every date"
+    assert len(asked) == 1 and len(asked[0]) == 6, "one question for every completed key of every date"
+    escalated = verdicts[dt.date.fromisoformat(ESCALATED)]
+    assert [(k.tenant, k.status) for k in escalated.keys] == [("acme", "escalated"), ("globex", "differs")]
     healthy = verdicts[dt.date.fromisoformat(HEALTHY)]
-    assert healthy.summary == "differs: 1 of 2 tenants (acme)" and healthy.verified == 2
+    assert healthy.summary == "differs: 1 of 2 tenants (acme)" and healthy.verified == 1, "globex's key matched"
     assert healthy.keys[0].note == "at the destination: data missing"
+    assert (healthy.ledger_status, healthy.ledger_summary) == ("healthy", "healthy: 2 of 2 tenants exported")
     unverified = partition_health(book, "invoice_export", _days(HEALTHY), stuck_after=STUCK_AFTER)
     assert unverified[dt.date.fromisoformat(HEALTHY)].verified == 0, "without evidence nothing is said verified"
 
@@ -215,3 +227,65 @@ def test_check_evaluations_of_a_range_run_are_one_per_partition(tmp_path, instan
     health = check_evaluations(result, "partition_health")
     assert sorted(health) == ["2026-03-02", "2026-03-03", "2026-03-04"]
     assert all(e.passed for e in health.values())
+
+
+def _health_runs(defs, instance, cursor, rounds: int) -> list[tuple[str, list[tuple[bool, str]]]]:
+    """``rounds`` ticks of partition_health_sensor, each run it asks for executed: (run key, its verdicts)."""
+    job = defs.resolve_job_def("invoice_export_health_job")
+    launched = []
+    for _ in range(rounds):
+        ticked = tick(defs, instance, cursor, sensor_name="partition_health_sensor")
+        cursor = ticked.result.cursor
+        for request in ticked.result.run_requests:
+            run = job.execute_in_process(tags=request.tags, instance=instance, raise_on_error=False)
+            launched.append((request.run_key, [(e.passed, e.description) for e in run.get_asset_check_evaluations()]))
+    return launched
+
+
+def test_a_date_the_destination_says_differs_is_judged_again_only_when_the_ledgers_side_changes(
+    tmp_path, instance, clocked_ledger, clock
+) -> None:
+    """A date whose shown verdict is ``differs`` (globex's data removed at the destination) and whose ledger verdict
+    stays ``restating`` (a restatement request waiting past the stuck threshold, which the sensor looks at every
+    tick): the sensor compares the ledger's side with the ledger's side, and asks for one run, not one a tick (found
+    by the review of the merged check: the run key names the shown evaluation, new after every run).
+    Guard: the comparison with the ``ledger_verdict`` metadata."""
+    defs = make_defs(tmp_path, tenants=TENANTS, ledger=clocked_ledger, source=SampleInvoiceSource())
+    book = clocked_ledger.get_ledger()
+    first = tick(defs, instance, sensor_name="partition_health_sensor")
+    assert run_partition(defs, instance, HEALTHY).success
+    (data,) = [p for p in (tmp_path / "exports").rglob("data.*") if "globex" in str(p)]
+    data.unlink()
+    book.restatements.request(str(key_for(dt.date.fromisoformat(HEALTHY), tenant="acme")), reason="late",
+                              requested_by="ops")  # fmt: skip
+    clock.advance(hours=7)
+
+    launched = _health_runs(defs, instance, first.result.cursor, rounds=4)
+
+    assert [verdicts for _, verdicts in launched] == [[(False, "differs: 1 of 2 tenants (globex)")]], launched
+
+
+def test_a_destination_that_does_not_answer_leaves_the_ledgers_verdict_noted_not_a_failed_run(
+    tmp_path, instance, clocked_ledger, clock, monkeypatch
+) -> None:
+    """The health run verifies at the destination; one that cannot be reached leaves each key's ledger status, noted
+    and counted as not verified, instead of failing the run (which left the date 'execution failed' and was asked
+    for again on every tick). Guard: DestinationUnreachable caught per key in destination_problems."""
+    defs = make_defs(tmp_path, tenants=TENANTS, ledger=clocked_ledger, source=SampleInvoiceSource())
+    book = clocked_ledger.get_ledger()
+    first = tick(defs, instance, sensor_name="partition_health_sensor")
+    assert run_partition(defs, instance, HEALTHY).success
+    book.restatements.request(str(key_for(dt.date.fromisoformat(HEALTHY), tenant="acme")), reason="late",
+                              requested_by="ops")  # fmt: skip
+    clock.advance(hours=7)
+    from export_ledger.destinations.publishing import PublishingDestination
+
+    def unreachable(self, target, *, logical_key, sha256):
+        raise DestinationUnreachable("the store did not answer")
+
+    monkeypatch.setattr(PublishingDestination, "verify_recorded", unreachable)
+
+    launched = _health_runs(defs, instance, first.result.cursor, rounds=3)
+
+    expected = "restating: 1 of 2 tenants (acme); 2 not verified at the destination"
+    assert [verdicts for _, verdicts in launched] == [[(False, expected)]], launched

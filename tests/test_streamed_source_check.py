@@ -128,11 +128,14 @@ def test_the_runs_check_fails_when_what_is_published_is_not_what_the_run_read(tm
 
     records = ledger.queries.records(export="orders")
     read = {r.logical_key: r.row_count for r in results}
-    assert destination_problems(ledger, destination, records, read) == {}
+    held = destination_problems(ledger, destination, records, read)
+    assert (held.matched, held.differs, held.unverified) == (frozenset(read), {}, {})
     misread = {**read, results[0].logical_key: results[0].row_count + 1}
-    assert destination_problems(ledger, destination, records, misread) == {
-        "orders/acme/2026-03-08T05:00:00Z": "23 rows published, 24 read from the source"
-    }, "a run that read other rows than were published fails its check"
+    judged = destination_problems(ledger, destination, records, misread)
+    assert judged.differs == {"orders/acme/2026-03-08T05:00:00Z": "23 rows published, 24 read from the source"}, (
+        "a run that read other rows than were published fails its check"
+    )
+    assert judged.matched == {results[1].logical_key}
     assert sorted(reads) == ["acme", "globex"], "the check read nothing"
 
 

@@ -80,7 +80,7 @@ def build_export_asset(
     verdict, judged from the ledger and from what the run read and wrote, and targeting the partition's
     materialization. A failed key fails the step (so Dagster marks its partitions
     failed), after every partition's verdicts are reported. Run for its checks alone (the health sensor's run, a
-    check executed from the UI), the step exports nothing and judges from the ledger.
+    check executed from the UI), the step exports nothing and judges from the ledger and the destination.
     """
     if spec.source is None:
         raise ValueError(f"export {spec.name!r} has no source: declare its asset yourself with ledgered_io_manager")
@@ -130,7 +130,8 @@ def build_export_asset(
             max_attempts=max_attempts,
         )  # fmt: skip
         if asset_key not in context.selected_asset_keys:
-            # Its checks alone: nothing is exported, each selected check is judged from the ledger.
+            # Its checks alone: nothing is exported, each selected check is judged from the ledger (and the
+            # destination, for partition_health).
             _log_events(context, verdicts(_checked_days(context, spec, group, calendar, selected)))
             yield from _check_outputs(context)
             return

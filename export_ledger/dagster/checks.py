@@ -19,10 +19,10 @@ from export_ledger.calendar import ExportCalendar, utc_iso
 from export_ledger.dagster.io_manager import LISTED_KEYS, status_command
 from export_ledger.dagster.resources import LEDGER_KEY
 from export_ledger.deadlines import due_at, late_keys
-from export_ledger.destinations import Destination, Verdict, place_of_location
+from export_ledger.destinations import Destination, DestinationUnreachable, Verdict, place_of_location
 from export_ledger.drift import describe
 from export_ledger.errors import CalendarError
-from export_ledger.health import SEVERE, STATUSES, PartitionHealth, partition_health
+from export_ledger.health import SEVERE, STATUSES, Evidence, PartitionHealth, partition_health
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger import AttentionSummary, DriftRecord, Escalation, ExportLedger, ExportRecord
 from export_ledger.placement import recorded_destinations
@@ -31,6 +31,8 @@ from export_ledger.spec import ExportSpec
 from export_ledger.tenants import TenantGroup
 
 HEALTH_CHECK_NAME = "partition_health"
+#: The metadata entry of a ``partition_health`` verdict that holds the ledger's side of it alone.
+LEDGER_VERDICT = "ledger_verdict"
 STUCK_CHECK_NAME = "no_stuck_exports"
 DRIFT_CHECK_NAME = "source_unchanged"
 
@@ -71,28 +73,36 @@ def destination_problems(
     destination: Destination,
     records: Sequence[ExportRecord],
     read: Mapping[str, int] | None = None,
-) -> dict[str, str]:
-    """What is wrong at the destination with each of ``records`` (completed keys; logical key -> a problem in the
-    library's words; a key that matches is absent): its current recorded revision intact where it was recorded
+) -> Evidence:
+    """What the destination says of each of ``records`` (completed keys), as :class:`~export_ledger.health.Evidence`:
+    its current recorded revision intact where it was recorded
     (:meth:`~export_ledger.destinations.Destination.verify_recorded`: its manifest names the key, its data's sha256 is
     the ledger's), and its row count the one ``read`` says the run read from the source, else the one the ledger
-    recorded. The source is never read. Three ledger reads whatever the number of keys.
+    recorded; a key whose destination cannot be reached is unverified, never a failure of the whole verdict. The
+    source is never read. Three ledger reads whatever the number of keys.
 
     Args:
         read: The rows the run read of each key it exported (a streamed callable source is a generator, read once:
             what the run read is what it counted, issue 26).
     """
     if not records:
-        return {}
+        return Evidence()
     read = read or {}
     currents = ledger.restatements.current_revisions_of(list(records))
     # A key exported under an earlier contract (kept when the destination changed) is checked where it was exported.
     places = recorded_destinations(ledger, list(records), known=destination, fallback=lambda _: destination)
-    problems = {}
+    matched, differs, unverified = set(), {}, {}
     for record in records:
-        if (problem := _key_problem(record, currents, places, read)) is not None:
-            problems[record.logical_key] = problem
-    return problems
+        try:
+            problem = _key_problem(record, currents, places, read)
+        except DestinationUnreachable:
+            unverified[record.logical_key] = "not verified: the destination did not answer"
+            continue
+        if problem is None:
+            matched.add(record.logical_key)
+        else:
+            differs[record.logical_key] = problem
+    return Evidence(frozenset(matched), differs, unverified)
 
 
 def _key_problem(record: ExportRecord, currents, places, read) -> str | None:
@@ -158,6 +168,9 @@ def health_evaluation(asset_key: dg.AssetKey, verdict: PartitionHealth) -> dg.As
             "summary": dg.MetadataValue.text(verdict.summary),
             **{f"{status}_keys": verdict.count(status) for status in STATUSES if verdict.count(status)},
             "verified_at_destination": verdict.verified,
+            **({"unverified_keys": verdict.unverified} if verdict.unverified else {}),
+            # The ledger's side alone: what partition_health_sensor compares with when it decides to judge again.
+            LEDGER_VERDICT: dg.MetadataValue.text(verdict.ledger_summary),
             "keys": table,
             "every_key": dg.MetadataValue.text(status_command(verdict.export, [verdict.business_date.isoformat()])),
         },

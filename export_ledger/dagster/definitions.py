@@ -167,7 +167,8 @@ def ledgered_definitions(
                         destination_scheme=_scheme(spec_destination),
                     )
                 )  # fmt: skip
-                # The export's step alone, for its partition_health check: nothing exported, judged from the ledger.
+                # The export's step alone, for its partition_health check: nothing exported, judged from the ledger and
+                # the destination.
                 health_jobs.append(
                     dg.define_asset_job(
                         health_job_name(group.asset_name),

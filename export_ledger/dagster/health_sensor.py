@@ -2,9 +2,10 @@
 
 An export's run reports the verdict of its own partitions from its step, a failed run's included. What changes a
 partition without a run of it — a reconciliation, a drift found, a restatement asked, a key escalated by the passing
-of time — is found here from the ledger, and the partition's check is judged again when its verdict differs from the
-one the UI shows: by a run of the asset's ``..._health_job`` for that partition, which is the export's one step asked
-for ``partition_health`` alone (nothing exported, nothing read from the source, judged from the ledger).
+of time — is found here from the ledger, and the partition's check is judged again when the ledger's verdict differs
+from the ledger's side of the one the UI shows (its ``ledger_verdict`` metadata): by a run of the asset's
+``..._health_job`` for that partition, which is the export's one step asked for ``partition_health`` alone (nothing
+exported, nothing read from the source; judged from the ledger and verified at the destination).
 
 Why runs, not runless check evaluations (the way the reconciliation and drift sensors report ``no_stuck_exports`` and
 ``source_unchanged``): Dagster 1.13 stores a runless evaluation of a partitioned check under the run id ``""``, and its
@@ -26,7 +27,7 @@ from dagster._core.storage.asset_check_execution_record import AssetCheckExecuti
 from dagster._core.storage.event_log.base import PartitionKeyFilter
 
 from export_ledger.calendar import utc_iso
-from export_ledger.dagster.checks import HEALTH_CHECK_NAME, health_evaluations
+from export_ledger.dagster.checks import HEALTH_CHECK_NAME, LEDGER_VERDICT, health_evaluations
 from export_ledger.dagster.io_manager import LISTED_KEYS
 from export_ledger.dagster.resources import LEDGER_KEY
 from export_ledger.ledger import DEFAULT_MAX_ATTEMPTS, ExportLedger
@@ -118,7 +119,9 @@ def health_requests(
             exports[export], ledger, by_asset, stuck_after=stuck_after, max_attempts=max_attempts
         ):
             shown, shown_id = _latest(instance, evaluation.asset_key, evaluation.partition)
-            if shown in ("running", (evaluation.passed, evaluation.description)):
+            # Like with like: the ledger's side of the verdict shown (a date the destination says differs keeps
+            # its verdict until the ledger's changes: the sensor judges from the ledger alone, the run verifies).
+            if shown in ("running", evaluation.description):
                 continue
             asset = evaluation.asset_key.to_user_string()
             verdict = hashlib.sha256(f"{evaluation.passed}|{evaluation.description}".encode()).hexdigest()[:12]
@@ -135,8 +138,9 @@ def health_requests(
 
 
 def _latest(instance: dg.DagsterInstance, asset_key: dg.AssetKey, partition: str | None):
-    """The latest recorded verdict of a partition's ``partition_health`` as (passed, summary), and its record's id;
-    a check still running is ``"running"`` (nothing is asked beside it)."""
+    """The ledger's side of the latest recorded verdict of a partition's ``partition_health`` (its summary, from the
+    ``ledger_verdict`` metadata; a verdict recorded before it existed: its description), and its record's id; a
+    check still running is ``"running"`` (nothing is asked beside it)."""
     records = instance.event_log_storage.get_asset_check_execution_history(
         dg.AssetCheckKey(asset_key, HEALTH_CHECK_NAME), limit=1, partition_filter=PartitionKeyFilter(key=partition)
     )
@@ -154,4 +158,5 @@ def _latest(instance: dg.DagsterInstance, asset_key: dg.AssetKey, partition: str
     data = record.event.dagster_event.event_specific_data if record.event and record.event.dagster_event else None
     if data is None:
         return None, record.id
-    return (data.passed, data.description), record.id
+    ledger_side = data.metadata.get(LEDGER_VERDICT)
+    return (ledger_side.value if ledger_side is not None else data.description), record.id

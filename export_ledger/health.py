@@ -16,6 +16,8 @@ Statuses, worst first (a partition takes the worst of its keys):
 - ``failed``: a key failed; the reconciliation sensor reruns it.
 - ``restating``: a completed key has an open restatement request; its next revision is not published yet.
 - ``stale``: a completed key's source changed since it was exported (drift detection); it needs a restatement.
+- ``unverified``: every key is exported as the ledger says, but the destination did not answer when asked about one
+  (judged again when the ledger's side changes, or the check is run from the UI).
 - ``in_progress``: a key is being exported (or its remote outcome is being settled) and nothing is wrong yet.
 - ``missing``: a tenant of the partition has no key yet (never attempted).
 - ``healthy``: every tenant's key is completed, current and unchanged at its source as last checked.
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 from export_ledger.ledger import ExportLedger, ExportRecord, ExportState
 
 #: Worst first: a partition's status is the worst of its keys'.
-STATUSES = ("escalated", "differs", "failed", "restating", "stale", "in_progress", "missing", "healthy")
+STATUSES = ("escalated", "differs", "failed", "restating", "stale", "unverified", "in_progress", "missing", "healthy")
 #: Statuses that need someone (or the sensor) to act before the partition is right: reported as an ERROR.
 SEVERE = frozenset({"escalated", "differs", "failed"})
 
@@ -84,10 +86,8 @@ class PartitionHealth:
 
     @property
     def summary(self) -> str:
-        """``failed: 1 of 3 tenants (globex)``, or ``healthy: 3 of 3 tenants exported``; keys the destination could
-        not be asked about are counted after it (``; 1 not verified at the destination``)."""
-        unverified = f"; {self.unverified} not verified at the destination" if self.unverified else ""
-        return _summary(self.status, self.keys) + unverified
+        """``failed: 1 of 3 tenants (globex)``, or ``healthy: 3 of 3 tenants exported``."""
+        return _summary(self.status, self.keys)
 
     @property
     def ledger_status(self) -> str:
@@ -183,14 +183,16 @@ def partition_health(
 
 def _with_evidence(key: KeyHealth, record: ExportRecord | None, evidence: Evidence) -> KeyHealth:
     """A completed key as the destination's evidence leaves it: ``differs`` with what differs (an escalated key
-    stays escalated: a person is already asked), or its ledger status noted as not verified."""
+    stays escalated: a person is already asked), or ``unverified`` when the destination did not answer (a worse
+    ledger status stays, noted)."""
     if record is None or record.state is not ExportState.COMPLETED or key.status == "escalated":
         return key
     if record.logical_key in evidence.differs:
         return KeyHealth(key.tenant, "differs", key.state, key.rows, note=evidence.differs[record.logical_key])
     if record.logical_key in evidence.unverified:
         why = evidence.unverified[record.logical_key]
-        return KeyHealth(key.tenant, key.status, key.state, key.rows, note=", ".join(filter(None, [key.note, why])))
+        status = "unverified" if key.status == "healthy" else key.status
+        return KeyHealth(key.tenant, status, key.state, key.rows, note=", ".join(filter(None, [key.note, why])))
     return key
 
 

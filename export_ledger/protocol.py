@@ -39,7 +39,7 @@ from export_ledger.destinations.base import (
     place_name,
     place_of_location,
 )
-from export_ledger.destinations.publishing import PublishingDestination, StagedExport
+from export_ledger.destinations.publishing import Pointer, PublishingDestination, StagedExport
 from export_ledger.errors import ExportLedgerError, safe_message
 from export_ledger.fingerprint import Fingerprint
 from export_ledger.frames import (
@@ -479,7 +479,7 @@ class _KeyExport:
         destination.sweep(target, token, pointer)
         staged = self._stage(destination, target, token, table, finish, self._manifest_template(claim, item))
         failpoints.reach("after_stage")
-        unchanged = self._unchanged(destination, claim, staged, fingerprint)
+        unchanged = self._unchanged(destination, claim, staged, fingerprint, pointer)
         if unchanged is not None:
             self._unstage(destination, staged)
             return "unchanged", unchanged
@@ -512,12 +512,19 @@ class _KeyExport:
         return "exported", evidence
 
     def _unchanged(
-        self, destination: PublishingDestination, claim: Claim, staged: StagedExport, fingerprint: Fingerprint
+        self,
+        destination: PublishingDestination,
+        claim: Claim,
+        staged: StagedExport,
+        fingerprint: Fingerprint,
+        pointer: Pointer,
     ) -> CompletionEvidence | None:
         """For a restatement whose staged data is the revision it supersedes, byte for byte (the same sha256 and row
-        count), and that revision still intact where it was recorded: the evidence of that revision, to record again
-        instead of publishing a copy of it. None otherwise: a revision whose data was lost or changed at the
-        destination is restated by publishing the next one (the way out of ``partition_health``'s ``differs``).
+        count), and that revision what readers see, intact: the evidence of that revision, to record again instead
+        of publishing a copy of it. None otherwise: a revision whose data was lost or changed at the destination, or
+        that the pointer (``pointer``, read after this attempt's fence) no longer names as recorded, is restated by
+        publishing the next one (the way out of ``partition_health``'s ``differs``). A destination that cannot say
+        leaves the revision as it is (as before the check), with a warning.
 
         Decided where the commit would be: under the key's lease, after this attempt's fence was raised and the
         pointer read back naming that revision, so no earlier party can still move it, and nothing was committed.
@@ -531,11 +538,19 @@ class _KeyExport:
         if current is None or current.revision != revision or current.row_count != staged.manifest.row_count:
             return None
         recorded = staged.target.at_revision(revision, place_of_location(current.location))
+        if pointer.place != recorded.place or pointer.sha256 not in (None, current.sha256):
+            self.log("warning", f"{claim.logical_key}: the pointer does not name revision {revision} as the ledger "
+                                f"recorded it; revision {claim.revision} is published")  # fmt: skip
+            return None
         try:
             intact = destination.verify_recorded(recorded, logical_key=claim.logical_key, sha256=current.sha256)
-        except DestinationError:
-            return None  # not known intact: the next revision is published (its commit meets the same destination)
-        if intact.verdict is not Verdict.PUBLISHED:
+        except DestinationError as exc:
+            self.log("warning", f"{claim.logical_key}: revision {revision} could not be read back to check it is "
+                                f"intact ({safe_message(exc)}); it stays current unchanged")  # fmt: skip
+            intact = None
+        if intact is not None and intact.verdict is not Verdict.PUBLISHED:
+            self.log("warning", f"{claim.logical_key}: revision {revision} is not intact at the destination "
+                                f"({intact.detail}); revision {claim.revision} is published")  # fmt: skip
             return None
         return CompletionEvidence(
             current.location, current.sha256, current.row_count, current.published_by, claim.fencing_token,

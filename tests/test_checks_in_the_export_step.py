@@ -7,6 +7,7 @@ check alone. ``tests/test_processes.py`` runs the same through ``dagster asset m
 from __future__ import annotations
 
 import datetime as dt
+import json
 from collections import Counter
 
 import dagster as dg
@@ -180,7 +181,7 @@ def test_the_health_sensors_refresh_is_the_export_step_alone_exporting_and_readi
     assert verdict.target_materialization_data.storage_id == materialization.storage_id
 
 
-@pytest.mark.parametrize("damage", ["data removed", "rows differ from what the run read"])
+@pytest.mark.parametrize("damage", ["data removed", "pointer's sha256 changed", "rows differ from what the run read"])
 def test_a_completed_key_whose_destination_disagrees_makes_its_date_differ_an_error_naming_it(
     tmp_path, instance, monkeypatch, damage
 ):
@@ -189,10 +190,14 @@ def test_a_completed_key_whose_destination_disagrees_makes_its_date_differ_an_er
     date ``differs``, an ERROR whose keys table names the key; the other tenant stays healthy."""
     source = CountedSource()
     defs = make_defs(tmp_path, tenants=("acme", "globex"), source=source)
-    if damage == "data removed":
+    if damage != "rows differ from what the run read":
         assert run_range(defs, instance, GOOD, GOOD).success
-        (data,) = [p for p in (tmp_path / "exports").rglob("data.*") if "globex" in str(p)]
-        data.unlink()
+        if damage == "data removed":
+            (data,) = [p for p in (tmp_path / "exports").rglob("data.*") if "globex" in str(p)]
+            data.unlink()
+        else:  # what readers follow no longer names the recorded revision as the ledger recorded it
+            (pointer,) = [p for p in (tmp_path / "exports").rglob("_current.json") if "globex" in str(p)]
+            pointer.write_text(json.dumps({**json.loads(pointer.read_text()), "sha256": "0" * 64}))
         result = defs.resolve_job_def("invoice_export_health_job").execute_in_process(
             instance=instance, tags={"dagster/partition": GOOD}
         )
@@ -213,7 +218,7 @@ def test_a_completed_key_whose_destination_disagrees_makes_its_date_differ_an_er
     keys = {r.data["tenant"]: (r.data["status"], r.data["note"]) for r in verdict.metadata["keys"].records}
     assert keys["acme"] == ("healthy", "")
     assert keys["globex"][0] == "differs" and expected_note in keys["globex"][1], keys
-    if damage == "data removed":
+    if damage != "rows differ from what the run read":
         # The way out the README gives: a restatement, whose run publishes revision 2 from the source.
         from export_ledger.ledger import ExportLedger
 

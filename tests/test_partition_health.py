@@ -270,7 +270,8 @@ def test_a_destination_that_does_not_answer_leaves_the_ledgers_verdict_noted_not
 ) -> None:
     """The health run verifies at the destination; one that cannot be reached leaves each key's ledger status, noted
     and counted as not verified, instead of failing the run (which left the date 'execution failed' and was asked
-    for again on every tick). Guard: DestinationUnreachable caught per key in destination_problems."""
+    for again on every tick), and is asked once, not once per key (a timeout each). Guards: DestinationUnreachable
+    caught per key in destination_problems, and the destinations that did not answer skipped."""
     defs = make_defs(tmp_path, tenants=TENANTS, ledger=clocked_ledger, source=SampleInvoiceSource())
     book = clocked_ledger.get_ledger()
     first = tick(defs, instance, sensor_name="partition_health_sensor")
@@ -280,12 +281,53 @@ def test_a_destination_that_does_not_answer_leaves_the_ledgers_verdict_noted_not
     clock.advance(hours=7)
     from export_ledger.destinations.publishing import PublishingDestination
 
+    asked: list[str] = []
+
     def unreachable(self, target, *, logical_key, sha256):
+        asked.append(logical_key)
         raise DestinationUnreachable("the store did not answer")
 
     monkeypatch.setattr(PublishingDestination, "verify_recorded", unreachable)
 
     launched = _health_runs(defs, instance, first.result.cursor, rounds=3)
+    assert len(asked) == 1, f"a destination that did not answer is not asked again in the same verdict: {asked}"
 
-    expected = "restating: 1 of 2 tenants (acme); 2 not verified at the destination"
-    assert [verdicts for _, verdicts in launched] == [[(False, expected)]], launched
+    assert [verdicts for _, verdicts in launched] == [[(False, "restating: 1 of 2 tenants (acme)")]], launched
+    shown = _latest(instance, HEALTHY).metadata
+    assert shown["unverified_keys"].value == 2, shown
+    notes = {r.data["tenant"]: (r.data["status"], r.data["note"]) for r in shown["keys"].records}
+    assert notes == {
+        "acme": ("restating", "revision 2 requested, not verified: the destination did not answer"),
+        "globex": ("unverified", "not verified: the destination did not answer"),
+    }, notes
+
+
+def test_a_key_the_destination_could_not_be_asked_about_is_unverified_a_warning_never_healthy(shop) -> None:
+    """A date whose keys are all exported as the ledger says, whose destination did not answer, is not passed:
+    ``unverified`` (a warning); a worse ledger status stays, noted."""
+    _, book, _ = shop
+
+    def silent(records):
+        return Evidence(unverified={r.logical_key: "not verified: the destination did not answer" for r in records})
+
+    verdicts = partition_health(book, "invoice_export", _days(HEALTHY, STALE), stuck_after=STUCK_AFTER, verify=silent)
+    healthy, stale = verdicts[dt.date.fromisoformat(HEALTHY)], verdicts[dt.date.fromisoformat(STALE)]
+    assert (healthy.status, healthy.summary, healthy.unverified) == ("unverified", "unverified: 2 of 2 tenants "
+                                                                     "(acme, globex)", 2)  # fmt: skip
+    assert (stale.status, stale.keys[0].status, stale.keys[1].status) == ("stale", "stale", "unverified")
+    assert stale.keys[0].note == "source changed: +2 -0 ~?, not verified: the destination did not answer"
+
+
+def test_the_destination_is_asked_only_about_the_partitions_own_keys(shop) -> None:
+    """A tenant's key of a date on which it is not one of the partition's tenants (it moved to another zone, whose
+    asset judges it) is not verified here. Guard: ``done`` built from each date's own tenants."""
+    _, book, _ = shop
+    asked: list[str] = []
+
+    def verify(records):
+        asked.extend(sorted(f"{r.tenant}@{r.business_date.isoformat()}" for r in records))
+        return Evidence(matched=frozenset(r.logical_key for r in records))
+
+    days = {dt.date.fromisoformat(HEALTHY): TENANTS, dt.date.fromisoformat(STALE): ("acme",)}
+    partition_health(book, "invoice_export", days, stuck_after=STUCK_AFTER, verify=verify)
+    assert sorted(asked) == sorted([f"acme@{HEALTHY}", f"globex@{HEALTHY}", f"acme@{STALE}"]), asked

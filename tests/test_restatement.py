@@ -19,7 +19,7 @@ import pytest
 from builders import hourly_orders as orders
 
 from export_ledger.destinations import LocalDestination
-from export_ledger.destinations.base import Fenced, PointerMoved
+from export_ledger.destinations.base import DestinationUnreachable, Fenced, PointerMoved
 from export_ledger.destinations.publishing import POINTER_NAME
 from export_ledger.failpoints import ENV_VAR as FAILPOINTS
 from export_ledger.failpoints import SimulatedCrash
@@ -561,6 +561,55 @@ def test_a_restatement_with_the_current_revisions_data_publishes_nothing_and_clo
     restated = export_key(ledger, destination, SCHEMA, item(key, corrected(key)), "run-4/export")
     assert (restated.status, restated.revision, restated.supersedes) == ("exported", 3, 1)
     assert [r.revision for r in ledger.restatements.revisions(str(key))] == [1, 3]
+
+
+@pytest.mark.parametrize("damage", ["data removed", "data changed", "pointer's sha256 changed"])
+def test_a_restatement_with_the_same_data_republishes_a_revision_that_is_not_intact_at_the_destination(
+    ledger, destination, damage
+) -> None:
+    """The way out of partition_health's ``differs``: a restatement whose data is revision 1's publishes revision 2
+    when revision 1 is not what readers should see (its data gone or changed, or the pointer readers follow not
+    naming it as recorded), instead of closing ``unchanged`` over it (found by the review of the merged check).
+    Guard: ``_unchanged``'s read-back of the revision it would keep, and its comparison with the pointer."""
+    key = key_for(DAY)
+    first_place = first_export(ledger, destination, key)
+    root = Path(destination.root)
+    manifest, _ = read_revision(first_place)
+    if damage == "data removed":
+        (first_place / manifest.data_file).unlink()
+    elif damage == "data changed":
+        (first_place / manifest.data_file).write_bytes(b"order_id,placed_at,total\n")
+    else:
+        pointer = pointer_of(root, key)
+        (key_folder(root, key) / POINTER_NAME).write_text(json.dumps({**pointer, "sha256": "0" * 64}))
+    ledger.restatements.request(str(key), reason="lost at the destination", requested_by="ops")
+
+    result = export_key(ledger, destination, SCHEMA, item(key), "run-2/export")
+
+    assert (result.status, result.revision, result.supersedes) == ("exported", 2, 1), result
+    revision, place = current_of(root, key)
+    assert revision == 2 and read_revision(place)[0].sha256 == manifest.sha256, "the same rows, published again"
+
+
+def test_a_restatement_that_cannot_read_back_the_revision_it_keeps_closes_unchanged_with_a_warning(
+    ledger, destination, monkeypatch
+) -> None:
+    """A destination that cannot say whether revision 1 is intact (a read that fails once) leaves it current, as an
+    unchanged restatement always did, saying so: a transient read error never publishes a copy silently."""
+    key = key_for(DAY)
+    first_place = first_export(ledger, destination, key)
+    ledger.restatements.request(str(key), reason="check", requested_by="ops")
+    logged: list[tuple[str, str]] = []
+
+    def unreadable(self, target, *, logical_key, sha256):
+        raise DestinationUnreachable("the store did not answer")
+
+    monkeypatch.setattr(LocalDestination, "verify_recorded", unreadable)
+    result = export_key(ledger, destination, SCHEMA, item(key), "run-2/export", log=lambda *m: logged.append(m))
+
+    assert (result.status, result.revision) == ("unchanged", 1)
+    assert current_of(Path(destination.root), key) == (1, first_place)
+    assert any(level == "warning" and "could not be read back" in message for level, message in logged), logged
 
 
 @pytest.mark.parametrize("point", ["after_stage", "before_commit"])

@@ -75,11 +75,12 @@ def destination_problems(
     read: Mapping[str, int] | None = None,
 ) -> Evidence:
     """What the destination says of each of ``records`` (completed keys), as :class:`~export_ledger.health.Evidence`:
-    its current recorded revision intact where it was recorded
-    (:meth:`~export_ledger.destinations.Destination.verify_recorded`: its manifest names the key, its data's sha256 is
-    the ledger's), and its row count the one ``read`` says the run read from the source, else the one the ledger
-    recorded; a key whose destination cannot be reached is unverified, never a failure of the whole verdict. The
-    source is never read. Three ledger reads whatever the number of keys.
+    its current recorded revision intact where it was recorded and what readers see
+    (:meth:`~export_ledger.destinations.Destination.verify_current`: its manifest names the key, its data's sha256 is
+    the ledger's, the key's pointer names it), and its row count the one ``read`` says the run read from the source,
+    else the one the ledger recorded. A key whose destination cannot be reached is unverified (and that destination
+    is not asked about the others: a timeout each), never a failure of the whole verdict. The source is never read.
+    Three ledger reads whatever the number of keys.
 
     Args:
         read: The rows the run read of each key it exported (a streamed callable source is a generator, read once:
@@ -92,10 +93,15 @@ def destination_problems(
     # A key exported under an earlier contract (kept when the destination changed) is checked where it was exported.
     places = recorded_destinations(ledger, list(records), known=destination, fallback=lambda _: destination)
     matched, differs, unverified = set(), {}, {}
+    silent: set[int] = set()  # destinations that did not answer: their other keys are not asked (a timeout each)
     for record in records:
+        if id(places[record.logical_key]) in silent:
+            unverified[record.logical_key] = "not verified: the destination did not answer"
+            continue
         try:
             problem = _key_problem(record, currents, places, read)
         except DestinationUnreachable:
+            silent.add(id(places[record.logical_key]))
             unverified[record.logical_key] = "not verified: the destination did not answer"
             continue
         if problem is None:
@@ -110,7 +116,7 @@ def _key_problem(record: ExportRecord, currents, places, read) -> str | None:
     current = currents[record.logical_key]
     key = LogicalKey(record.export, record.tenant, record.window)
     target = target_for(key, current.revision, place_of_location(current.location))
-    seen = places[record.logical_key].verify_recorded(target, logical_key=record.logical_key, sha256=current.sha256)
+    seen = places[record.logical_key].verify_current(target, logical_key=record.logical_key, sha256=current.sha256)
     if seen.verdict is not Verdict.PUBLISHED:
         return f"at the destination: {seen.detail}"
     published = seen.manifest.row_count

@@ -239,6 +239,25 @@ class Destination(ABC):
             DestinationUnreachable: the destination cannot say.
         """
 
+    def verify_current(self, target: ExportTarget, *, logical_key: str, sha256: str) -> Verification:
+        """:meth:`verify_recorded`, and what readers see of the key is that revision (its current revision is
+        ``target.revision``). ``CONFLICT`` when it is not.
+
+        Raises:
+            DestinationUnreachable: the destination cannot say.
+        """
+        verification = self.verify_recorded(target, logical_key=logical_key, sha256=sha256)
+        if verification.verdict is not Verdict.PUBLISHED:
+            return verification
+        current = self.current_revision(target)
+        if current != target.revision:
+            return Verification(
+                Verdict.CONFLICT,
+                f"{logical_key}: readers see revision {current}, the ledger recorded revision {target.revision}",
+                location=verification.location,
+            )
+        return verification
+
     @abstractmethod
     def read_data(self, target: ExportTarget, manifest: Manifest) -> bytes:
         """The data file of ``target`` (at its place), whole: for callers that need the rows (``load_input``,

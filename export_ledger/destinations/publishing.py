@@ -44,7 +44,7 @@ from export_ledger.destinations.base import (
     place_name,
 )
 from export_ledger.destinations.store import AlreadyExists, ObjectStore, PreconditionFailed
-from export_ledger.errors import ManifestError
+from export_ledger.errors import ManifestError, safe_message
 from export_ledger.frames import MANIFEST_NAME, Manifest, TableStream, data_file_name, write_rows
 
 #: The key's pointer, in the key's folder.
@@ -275,6 +275,25 @@ class PublishingDestination(Destination):
             logical_key=logical_key, revision=target.revision, superseded=-1, pointer_revision=target.revision,
             manifest=manifest, data_sha256=data_sha256, pointer_sha256=None, where=where, expected_sha256=sha256,
         )  # fmt: skip
+        return verification
+
+    def verify_current(self, target: ExportTarget, *, logical_key: str, sha256: str) -> Verification:
+        """:meth:`verify_recorded`, and the key's pointer (what readers follow) names that revision at that place
+        with that sha256."""
+        verification = self.verify_recorded(target, logical_key=logical_key, sha256=sha256)
+        if verification.verdict is not Verdict.PUBLISHED:
+            return verification
+        try:
+            pointer = self.pointer(target)
+        except DestinationConflict as exc:
+            return Verification(Verdict.CONFLICT, safe_message(exc), location=verification.location)
+        if (pointer.revision, pointer.place) != (target.revision, target.place) or pointer.sha256 not in (None, sha256):
+            return Verification(
+                Verdict.CONFLICT,
+                f"{self.key_folder(target)}: its pointer names revision {pointer.revision} at {pointer.place} "
+                f"(sha256 {pointer.sha256}), the ledger recorded revision {target.revision} at {target.place}",
+                location=verification.location,
+            )
         return verification
 
     def _manifest(self, target: ExportTarget, place: str) -> Manifest | None:

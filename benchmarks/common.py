@@ -91,7 +91,7 @@ def fsync_file(handle) -> None:
 
 
 def versions() -> dict[str, str]:
-    names = ["dagster", "pandas", "pyarrow", "numpy", "SQLAlchemy", "psycopg2-binary"]
+    names = ["dagster", "pandas", "pyarrow", "numpy", "SQLAlchemy", "psycopg2-binary", "dlt"]
     found = {}
     for name in names:
         try:

@@ -141,7 +141,8 @@ HEALTH_DESCRIPTION = (
     "current revision at the destination with the ledger's sha256 and the row count the run read, its source "
     "unchanged), or the worst of its keys: escalated (waits for a person), differs (what is at the destination is "
     "not what the ledger recorded), failed (rerun by the reconciliation sensor), restating (a new revision "
-    "requested), stale (source changed since export), in_progress, missing (never attempted)"
+    "requested), stale (source changed since export), unverified (the destination did not answer), in_progress, "
+    "missing (never attempted)"
 )
 
 

@@ -39,7 +39,7 @@ from export_ledger.destinations.base import (
     place_name,
     place_of_location,
 )
-from export_ledger.destinations.publishing import Pointer, PublishingDestination, StagedExport
+from export_ledger.destinations.publishing import Pointer, PublishingDestination, StagedExport, pointer_otherwise
 from export_ledger.errors import ExportLedgerError, safe_message
 from export_ledger.fingerprint import Fingerprint
 from export_ledger.frames import (
@@ -538,9 +538,8 @@ class _KeyExport:
         if current is None or current.revision != revision or current.row_count != staged.manifest.row_count:
             return None
         recorded = staged.target.at_revision(revision, place_of_location(current.location))
-        if pointer.place != recorded.place or pointer.sha256 not in (None, current.sha256):
-            self.log("warning", f"{claim.logical_key}: the pointer does not name revision {revision} as the ledger "
-                                f"recorded it; revision {claim.revision} is published")  # fmt: skip
+        if (otherwise := pointer_otherwise(pointer, recorded, current.sha256)) is not None:
+            self.log("warning", f"{claim.logical_key}: {otherwise}; revision {claim.revision} is published")
             return None
         try:
             intact = destination.verify_recorded(recorded, logical_key=claim.logical_key, sha256=current.sha256)

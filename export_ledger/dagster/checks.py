@@ -95,13 +95,13 @@ def destination_problems(
     matched, differs, unverified = set(), {}, {}
     silent: set[int] = set()  # destinations that did not answer: their other keys are not asked (a timeout each)
     for record in records:
-        if id(places[record.logical_key]) in silent:
-            unverified[record.logical_key] = "not verified: the destination did not answer"
-            continue
-        try:
-            problem = _key_problem(record, currents, places, read)
-        except DestinationUnreachable:
-            silent.add(id(places[record.logical_key]))
+        place = places[record.logical_key]
+        if id(place) not in silent:
+            try:
+                problem = _key_problem(record, currents, places, read)
+            except DestinationUnreachable:
+                silent.add(id(place))
+        if id(place) in silent:
             unverified[record.logical_key] = "not verified: the destination did not answer"
             continue
         if problem is None:

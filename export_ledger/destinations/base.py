@@ -249,14 +249,22 @@ class Destination(ABC):
         verification = self.verify_recorded(target, logical_key=logical_key, sha256=sha256)
         if verification.verdict is not Verdict.PUBLISHED:
             return verification
+        otherwise = self.readers_see_otherwise(target, sha256=sha256)
+        if otherwise is None:
+            return verification
+        return Verification(Verdict.CONFLICT, f"{logical_key}: {otherwise}", location=verification.location)
+
+    def readers_see_otherwise(self, target: ExportTarget, *, sha256: str) -> str | None:
+        """What readers see of the key instead of ``target`` with ``sha256``, in words (None: they see it): here,
+        another current revision.
+
+        Raises:
+            DestinationUnreachable: the destination cannot say.
+        """
         current = self.current_revision(target)
-        if current != target.revision:
-            return Verification(
-                Verdict.CONFLICT,
-                f"{logical_key}: readers see revision {current}, the ledger recorded revision {target.revision}",
-                location=verification.location,
-            )
-        return verification
+        if current == target.revision:
+            return None
+        return f"readers see revision {current}, the ledger recorded revision {target.revision}"
 
     @abstractmethod
     def read_data(self, target: ExportTarget, manifest: Manifest) -> bytes:

@@ -121,6 +121,17 @@ class Pointer:
         )  # fmt: skip
 
 
+def pointer_otherwise(pointer: Pointer, target: ExportTarget, sha256: str) -> str | None:
+    """What ``pointer`` names instead of ``target`` (its revision, at its place) with ``sha256``, in words; None when
+    it names exactly that (a pointer without a sha256, a legacy revision 1's, names any)."""
+    if (pointer.revision, pointer.place) == (target.revision, target.place) and pointer.sha256 in (None, sha256):
+        return None
+    return (
+        f"its pointer names revision {pointer.revision} at {pointer.place} (sha256 {pointer.sha256}), the ledger "
+        f"recorded revision {target.revision} at {target.place}"
+    )
+
+
 @dataclass(frozen=True)
 class StagedExport:
     """A revision written at its place and not yet committed: invisible to readers."""
@@ -277,24 +288,13 @@ class PublishingDestination(Destination):
         )  # fmt: skip
         return verification
 
-    def verify_current(self, target: ExportTarget, *, logical_key: str, sha256: str) -> Verification:
-        """:meth:`verify_recorded`, and the key's pointer (what readers follow) names that revision at that place
-        with that sha256."""
-        verification = self.verify_recorded(target, logical_key=logical_key, sha256=sha256)
-        if verification.verdict is not Verdict.PUBLISHED:
-            return verification
+    def readers_see_otherwise(self, target: ExportTarget, *, sha256: str) -> str | None:
+        """What the key's pointer (what readers follow) names instead of ``target`` with ``sha256``."""
         try:
             pointer = self.pointer(target)
         except DestinationConflict as exc:
-            return Verification(Verdict.CONFLICT, safe_message(exc), location=verification.location)
-        if (pointer.revision, pointer.place) != (target.revision, target.place) or pointer.sha256 not in (None, sha256):
-            return Verification(
-                Verdict.CONFLICT,
-                f"{self.key_folder(target)}: its pointer names revision {pointer.revision} at {pointer.place} "
-                f"(sha256 {pointer.sha256}), the ledger recorded revision {target.revision} at {target.place}",
-                location=verification.location,
-            )
-        return verification
+            return safe_message(exc)
+        return pointer_otherwise(pointer, target, sha256)
 
     def _manifest(self, target: ExportTarget, place: str) -> Manifest | None:
         name = self._in_place(target, place, MANIFEST_NAME)

@@ -118,6 +118,13 @@ PROTOCOL_ORDER = ("no_claim", "claimed", "staged", "published", "completed")
 #: left an earlier state and the earliest that left a later one): on S3 the published state lasts a few percent of an
 #: attempt, and CI once drew 100 kills with none of them in it.
 TOP_UP_TRIALS = 30
+#: After this many plain top-ups missed a state, the next ones widen it: the child pauses where the state begins (the
+#: failpoint that enters it, ``pause``) and the kill is drawn over that pause. Under CI's load the jitter of a child's
+#: timing exceeds the few milliseconds a local key spends staged, and 30 plain draws once all missed it; a widened state
+#: is still left by a kill at a moment the harness drew, not by the failpoint itself.
+PLAIN_TOP_UPS = 5
+#: The failpoint at which each narrow state begins, for a widened top-up.
+ENTERED_AT = {"claimed": "after_claim", "staged": "after_stage", "published": "after_publish"}
 #: The sample source's cadence for each revision (revision r uses CADENCES[(r - 1) % 3]): a restatement reads a
 #: source that changed, so each revision's bytes differ from the one it supersedes.
 CADENCES = (15, 30, 20)
@@ -382,6 +389,18 @@ class CrashHarness:
         low, high = min(low, high), max(low, high)
         return rng.uniform(low, high) * statistics.median(self.durations)
 
+    def widened_delay(self, rng: random.Random, missing: str, drawn: list[tuple[float, str]]) -> tuple[float, str]:
+        """A kill drawn inside the state ``missing`` once the child pauses where it begins. The state begins somewhere
+        in :meth:`boundary_delay`'s span (``early`` to ``late``); the pause outlasts that span twice over (and is at
+        least a second), and the kill falls between the latest beginning and the earliest end of the paused state."""
+        typical = statistics.median(self.durations)
+        rank = PROTOCOL_ORDER.index(missing)
+        earlier = max((share for share, landed in drawn if PROTOCOL_ORDER.index(landed) < rank), default=0.0)
+        later = min((share for share, landed in drawn if PROTOCOL_ORDER.index(landed) > rank), default=1.0)
+        early, late = min(earlier, later) * typical, max(earlier, later) * typical
+        pause = max(1.0, 2 * typical, 2 * (late - early))
+        return rng.uniform(late, early + 0.9 * pause), f"{ENTERED_AT[missing]}=pause:{pause:.3f}"
+
     def landing(self, key: str, business_date: str) -> str:
         """What a kill left for one key, read from the ledger and the destination: ``no_claim``; for a restatement
         ``requested`` (not claimed yet: N current); ``claimed``; ``staged`` (the dead attempt's place, of its token,
@@ -427,9 +446,11 @@ class CrashHarness:
         point: str | None = None,
         mode: str = "io_manager",
         restate_from: int | None = None,
+        widen: str | None = None,
     ) -> str:
         """One key, one kill, reconciliation, a fresh attempt, the checks. With ``restate_from`` N, the key is first
-        completed at revision N (in this process) with a request recorded, and the killed attempt restates it.
+        completed at revision N (in this process) with a request recorded, and the killed attempt restates it. With
+        ``widen`` (``point=pause:SECONDS``), the child pauses there and the kill (``kill_after``) stays the harness's.
         Returns where the kill landed (:meth:`landing`)."""
         business_date = (FIRST_DATE + dt.timedelta(days=index)).isoformat()
         key = str(logical_key("acme", business_date))
@@ -441,13 +462,13 @@ class CrashHarness:
             revision = self.restated_key(name, business_date, restate_from)
             self.tally.lap("setup", clock)
         kind = "restate " if revision >= 2 else ""
-        failpoints = f"{point}=kill" if point else ""
+        failpoints = f"{point}=kill" if point else (widen or "")
         spec = self.spec(name, business_date, mode=mode, failpoints=failpoints, cadence_minutes=cadence(revision))
 
         clock = time.monotonic()
         outcome = self.server.run(spec, kill_after=kill_after, timeout=60)
         self.tally.child_seconds.append(outcome.elapsed)
-        if kill_after is not None and outcome.exit_code == 0:
+        if kill_after is not None and outcome.exit_code == 0 and widen is None:
             self.durations.append(outcome.elapsed)  # it finished before its kill: a whole attempt, timed
         clock = self.tally.lap("child", clock)
         if outcome.exit_code == CHILD_ERROR or outcome.timed_out:
@@ -734,10 +755,16 @@ def test_sigkill_at_random_moments_on_every_destination_never_duplicates_tears_o
         missing = sorted(reachable - set(harness.tally.landed), key=PROTOCOL_ORDER.index)
         if not missing:
             break
-        delay = harness.boundary_delay(rng, missing[0], drawn)
-        share = delay / statistics.median(harness.durations)
+        plain = harness.tally.trials[f"random top-up {missing[0]}"] < PLAIN_TOP_UPS
         harness.tally.trials["random top-up"] += 1
-        drawn.append((share, harness.trial(index, kill_after=delay)))
+        harness.tally.trials[f"random top-up {missing[0]}"] += 1
+        if plain or missing[0] not in ENTERED_AT:
+            delay = harness.boundary_delay(rng, missing[0], drawn)
+            share = delay / statistics.median(harness.durations)
+            drawn.append((share, harness.trial(index, kill_after=delay)))
+        else:
+            delay, widen = harness.widened_delay(rng, missing[0], drawn)
+            harness.trial(index, kill_after=delay, widen=widen)  # not drawn: its life is not a typical attempt's
         index += 1
     harness.finish()
     print(harness.tally.report(time.monotonic() - started))

@@ -780,7 +780,9 @@ def _needs_attention(ledger: ExportLedger, args: argparse.Namespace) -> str:
         if out
     ]
     if listed:
-        table += "\n\nways out, to paste (write each --reason; lines with # are notes):\n" + "\n".join(listed)
+        materialize = [line for out in ways for line in out if " asset materialize " in line]
+        notes = [f"# {note}" for note in _command_notes(args, materialize, [e.export for e in found])]
+        table += "\n\nways out, to paste (write each --reason; lines with # are notes):\n" + "\n".join(notes + listed)
     return table + _more(len(found), args)
 
 
@@ -863,7 +865,7 @@ def _reconcile(ledger: ExportLedger, args: argparse.Namespace, settings: Setting
         rows.append((f.record.logical_key, f.record.state.value, now.state.value if now else "unchanged", f.detail))
     lines = [_table(("LOGICAL KEY", "WAS", "NOW", "EVIDENCE"), rows)]
     lines += [f"rerun: {command.text}{command.note}" for command in done.reruns]
-    lines += _location_note(args, done.reruns)
+    lines += _location_note(args, done.reruns, [f.record.export for f in report.findings])
     if report.unreachable:
         lines.append(f"{len(report.unreachable)} key(s) left unchanged: the destination could not be reached")
     if report.next_after is not None:
@@ -889,15 +891,30 @@ def _code_location(args: argparse.Namespace) -> operations.CodeLocation | None:
     return args.loaded_location
 
 
-def _location_note(args: argparse.Namespace, commands: Sequence[operations.Command]) -> list[str]:
-    """Printed commands without -f/-m assume this repository's layout: say so, and how to have the exact ones."""
-    if not commands or args.python_file or args.module_name or getattr(args, "workspace", None):
+def _location_note(
+    args: argparse.Namespace, commands: Sequence[operations.Command | str], exports: Sequence[str] = ()
+) -> list[str]:
+    """The notes on printed dagster commands (:func:`_command_notes`), each in parentheses under the commands."""
+    return [f"({note})" for note in _command_notes(args, commands, exports)]
+
+
+def _command_notes(
+    args: argparse.Namespace, commands: Sequence[operations.Command | str], exports: Sequence[str] = ()
+) -> list[str]:
+    """What this shell lacks to run printed dagster commands as the code location's runs do
+    (:func:`operations.shell_problems`); without -f/-m, that they assume this repository's layout and how to have the
+    exact ones."""
+    if not commands:
         return []
+    notes = [f"before running the dagster commands here: {problem}" for problem in
+             operations.shell_problems(_code_location(args), exports)]  # fmt: skip
+    if args.python_file or args.module_name or getattr(args, "workspace", None):
+        return notes
     if Path("definitions.py").is_file():  # what operations.location_args names, or its placeholder
         assumed = "assume the code location is ./definitions.py"
     else:
         assumed = "name YOUR_DEFINITIONS.py where yours goes (there is no ./definitions.py here)"
-    return [f"(the commands {assumed}; pass -f FILE or -m MODULE [-a ATTRIBUTE] and they name yours)"]
+    return [*notes, f"the commands {assumed}; pass -f FILE or -m MODULE [-a ATTRIBUTE] and they name yours"]
 
 
 def _default_operator() -> str:
@@ -1008,7 +1025,7 @@ def _restate(ledger: ExportLedger, args: argparse.Namespace, settings: Settings)
     rows += [(key, "", f"refused: {why}") for key, why in done.refused]
     lines = [_table(("LOGICAL KEY", "PUBLISHES", "RESULT"), rows)]
     lines += [f"materialize: {command.text}{command.note}" for command in done.commands]
-    lines += _location_note(args, done.commands)
+    lines += _location_note(args, done.commands, [r.export for r in done.requested])
     lines.append(
         "otherwise the reconciliation sensor launches the partition's run; until it is published the current "
         "revision stays what readers get"

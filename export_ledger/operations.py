@@ -10,8 +10,11 @@ operation given one uses its declared exports and destinations instead of guessi
 from __future__ import annotations
 
 import datetime as dt
+import os
 import re
 import shlex
+import shutil
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +28,6 @@ from export_ledger.ledger.contracts import Acceptance
 from export_ledger.ledger.urls import holds_secret
 from export_ledger.placement import DestinationMismatch, recorded_destinations
 from export_ledger.reconcile import ReconcileReport, reconcile_batch
-from export_ledger.sources import UnusableSource, readable
 from export_ledger.restate import (
     DEFAULT_LOCATION,
     asset_name_for,
@@ -35,6 +37,7 @@ from export_ledger.restate import (
     request_for_date,
 )
 from export_ledger.settings import Settings
+from export_ledger.sources import UnusableSource, readable
 from export_ledger.spec import ExportSpec
 from export_ledger.tenants import zone_slug
 
@@ -187,12 +190,50 @@ def publish_commands(
 ) -> list[Command]:
     """One ``dagster asset materialize`` per (asset, partition) of ``records``, in ``location`` (without one:
     :data:`export_ledger.restate.DEFAULT_LOCATION`, said so by the caller)."""
-    dagster_args = location_args(location)
+    dagster_args, program = location_args(location), dagster_program()
     commands: dict[str, str] = {}
     for record in records:
         asset, note = asset_of(ledger, record, location)
-        commands[materialize_command(asset, record.business_date.isoformat(), dagster_args)] = note
+        commands[materialize_command(asset, record.business_date.isoformat(), dagster_args, program=program)] = note
     return [Command(text, note) for text, note in sorted(commands.items())]
+
+
+def dagster_program(cwd: Path | None = None) -> str:
+    """The ``dagster`` a printed command runs: the one installed beside this interpreter (the virtualenv of
+    ``export-ledger`` itself). Written ``dagster`` when that is the one the shell's PATH finds; otherwise as its path,
+    relative to the working directory when it lies below it (``.venv/bin/dagster``), so that a command pasted into a
+    shell that never activated the virtualenv runs the same Dagster and code instead of failing or finding another."""
+    beside = Path(sys.executable).parent / "dagster"
+    if not beside.is_file():
+        return "dagster"  # not a virtualenv's layout (or not installed beside it): the shell's own
+    found = shutil.which("dagster")
+    if found is not None and Path(found).absolute() == beside.absolute():
+        return "dagster"
+    try:
+        relative = beside.absolute().relative_to((cwd or Path.cwd()).absolute())
+    except ValueError:
+        return str(beside.absolute())
+    return str(relative) if len(relative.parts) > 1 else f"./{relative}"
+
+
+def shell_problems(
+    location: CodeLocation | None, exports: Sequence[str] = (), environ: Mapping[str, str] | None = None
+) -> list[str]:
+    """Why a printed ``dagster asset materialize`` would not do, in this shell, what the code location's own runs do
+    (a run started by a pasted command reads its settings from the shell it is pasted in): no ``DAGSTER_HOME``, so
+    its run would be recorded in a temporary instance the UI never shows; an export of ``location`` whose source this
+    environment cannot read (:class:`~export_ledger.sources.UnusableSource`: its reason names the settings, never
+    their values). Without a code location the source cannot be judged here; ``environ`` defaults to ``os.environ``."""
+    env = os.environ if environ is None else environ
+    problems = []
+    if not (env.get("DAGSTER_HOME") or "").strip():
+        problems.append(
+            "DAGSTER_HOME is not set in this shell: a run started here would be recorded in a temporary Dagster "
+            "instance that the UI never shows; set it to the UI's instance (and the settings its runs have) first"
+        )
+    specs = [location.spec(export) for export in dict.fromkeys(exports)] if location is not None else []
+    problems += [spec.source.reason for spec in specs if spec is not None and isinstance(spec.source, UnusableSource)]
+    return problems
 
 
 def location_args(location: CodeLocation | None, cwd: Path | None = None) -> tuple[str, ...]:
@@ -230,7 +271,8 @@ def ways_out(
     rerun = []
     if day is not None:
         asset, guess = _asset_of_zone(ledger, e.export, e.timezone, location, {} if assets is None else assets)
-        rerun = [*([guess] if guess else []), materialize_command(asset, day.isoformat(), where)]
+        command = materialize_command(asset, day.isoformat(), where, program=dagster_program())
+        rerun = [*([guess] if guess else []), command]
 
     def cli(*words: str) -> str:  # the reason last, its text left to write
         return shlex.join(["export-ledger", *words, *ledger_args, "--reason"])
@@ -485,6 +527,8 @@ __all__ = [
     "key_destination",
     "drift_once",
     "publish_commands",
+    "shell_problems",
+    "dagster_program",
     "recorded_destinations",
     "reconcile_once",
     "require_export",

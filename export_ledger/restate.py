@@ -182,11 +182,14 @@ def asset_name_of_zone(ledger: ExportLedger, export: str, zone: str) -> tuple[st
 DEFAULT_LOCATION = ("-f", "definitions.py")
 
 
-def materialize_command(asset: str, partition: str, location: Sequence[str] = DEFAULT_LOCATION) -> str:
+def materialize_command(
+    asset: str, partition: str, location: Sequence[str] = DEFAULT_LOCATION, *, program: str = "dagster"
+) -> str:
     """The command that materializes one partition of an export's asset in process (what the CLI prints), in the
     code location named by ``location``: Dagster's own options, e.g. ``("-m", "shop.defs")`` or
-    ``("-f", "shop.py", "-a", "defs")``, repeated exactly (quoted for the shell)."""
-    return shlex.join(["dagster", "asset", "materialize", *location, "--select", asset, "--partition", partition])
+    ``("-f", "shop.py", "-a", "defs")``, repeated exactly (quoted for the shell). ``program``: the ``dagster`` to run
+    (the CLI names the one of its own virtualenv, :func:`export_ledger.operations.dagster_program`)."""
+    return shlex.join([program, "asset", "materialize", *location, "--select", asset, "--partition", partition])
 
 
 def restating(record: ExportRecord, request: Restatement | None) -> bool:

@@ -12,6 +12,7 @@ import os
 import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import quote
 
 import dagster as dg
@@ -160,3 +161,12 @@ def _wide_cli_tables(monkeypatch) -> None:
     """CLI tables fit the terminal (100 columns when it is not one); tests that read their cells by position read
     them unwrapped. A test of the width sets COLUMNS itself."""
     monkeypatch.setenv("COLUMNS", "400")
+
+
+@pytest.fixture(autouse=True)
+def _virtualenv_on_path(monkeypatch) -> None:
+    """The shell a printed command is pasted in finds this interpreter's ``dagster`` first, as in an activated
+    virtualenv: commands read ``dagster ...`` (:func:`export_ledger.operations.dagster_program`). A test of the other
+    case sets PATH itself."""
+    bin_dir = str(Path(sys.executable).parent)
+    monkeypatch.setenv("PATH", os.pathsep.join([bin_dir, os.environ.get("PATH", "")]))

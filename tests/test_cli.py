@@ -559,6 +559,7 @@ def test_needs_attention_prints_each_escalations_way_out_as_commands_to_paste(
     of the working directory when its definitions.py is there, else with a placeholder for it: a printed command never
     names a file that is not where it is printed."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path))  # this shell has an instance (the note without one: below)
     argv = [
         "--ledger-url",
         ledger_url,
@@ -576,6 +577,8 @@ def test_needs_attention_prints_each_escalations_way_out_as_commands_to_paste(
     _, ways = out.split("ways out, to paste (write each --reason; lines with # are notes):\n")
     url = ["--ledger-url", ledger_url]
     assert ways.splitlines() == [
+        "# the commands name YOUR_DEFINITIONS.py where yours goes (there is no ./definitions.py here); pass -f FILE or "
+        "-m MODULE [-a ATTRIBUTE] and they name yours",
         "  invoice_export/globex/2026-03-07T05:00:00Z",
         "    # the asset is a guess from the zones (or invoice_export__america_new_york); -f or -m names it",
         "    dagster asset materialize -f YOUR_DEFINITIONS.py --select invoice_export --partition 2026-03-07",

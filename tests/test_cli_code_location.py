@@ -103,6 +103,50 @@ def test_reconcile_with_a_code_location_prints_reruns_in_it(capsys, shop):
     ]  # fmt: skip
 
 
+def test_printed_commands_say_what_this_shell_lacks_to_run_them_as_the_code_locations_runs_do(
+    capsys, shop, monkeypatch, tmp_path
+):
+    """A run started by a pasted ``dagster asset materialize`` reads this shell's settings: without DAGSTER_HOME it
+    is recorded in a temporary instance the UI never shows, and a source this environment cannot read fails the run.
+    Both are said under the commands (the settings named, never a value); a shell that has them gets no note."""
+    _, completed, _ = shop
+    unusable = LOCATION.replace(
+        "source=lambda tenant, start, end: pd.DataFrame()",
+        "source=UnusableSource('the orders source cannot be used here: set SHOP_DB_URL')",
+    ).replace("from export_ledger import ExportSpec", "from export_ledger import ExportSpec, UnusableSource")
+    (tmp_path / "unusable_location.py").write_text(unusable.format(
+        url=str(shop[0].url), destination=str(tmp_path / "exports")))  # fmt: skip
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+
+    code, out, err = run(capsys, "reconcile", "-f", "unusable_location.py")
+
+    assert code == 0, err
+    notes = [line for line in out.splitlines() if line.startswith("(before running the dagster commands here: ")]
+    assert len(notes) == 2 and "DAGSTER_HOME is not set in this shell" in notes[0], out
+    assert notes[1].endswith("the orders source cannot be used here: set SHOP_DB_URL)"), out
+
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path))
+    code, out, err = run(capsys, "restate", completed, "--reason", "late rows", "-f", "shop_location.py")
+    assert code == 0 and commands(out, "materialize: ") and "before running" not in out, out
+
+
+def test_a_printed_command_runs_the_dagster_of_the_clis_own_virtualenv(monkeypatch, tmp_path):
+    """A shell that never activated the virtualenv (``.venv/bin/export-ledger status ...``) would find no dagster, or
+    another one: the command then names this virtualenv's, relative to the working directory below which it lies."""
+    from export_ledger.operations import dagster_program
+
+    beside = Path(sys.executable).parent / "dagster"
+    assert beside.is_file(), "dagster is installed beside this interpreter"
+    assert dagster_program() == "dagster", "the shell's PATH finds this interpreter's dagster first (conftest)"
+
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert dagster_program(cwd=tmp_path) == str(beside.absolute())
+    root = beside.absolute().parent.parent.parent  # the folder that holds the virtualenv
+    relative = dagster_program(cwd=root)
+    assert relative == str(beside.absolute().relative_to(root)) and "/" in relative, relative
+    assert (root / relative).is_file()
+
+
 def test_without_a_code_location_the_printed_command_says_what_it_assumes(capsys, shop):
     _, completed, _ = shop
 

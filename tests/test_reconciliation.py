@@ -678,8 +678,8 @@ def test_a_day_is_summarised_in_the_database_and_only_its_listed_keys_are_read(l
     assert {d: (s.keys, s.completed, s.rows) for d, s in summaries.items()} == {
         day: (count, 25, sum(range(25))) for day in days
     }, "counts and rows come from one grouped read"
-    listed = ledger.queries.first_records(
+    listed = ledger.queries.first_keys(
         export="invoice_export", timezone=None, days=days, tenants=tenants, per_day=20
     )
     assert {d: [r.tenant for r in rs] for d, rs in listed.items()} == {day: tenants[:20] for day in days}
-    assert ledger.queries.first_records(export="invoice_export", timezone=None, days=days, tenants=[], per_day=20) == {}
+    assert ledger.queries.first_keys(export="invoice_export", timezone=None, days=days, tenants=[], per_day=20) == {}

@@ -67,7 +67,7 @@ def _listing_and_probe_steps(tmp_path, tenants: int) -> tuple[int, int]:
     names = [f"t{t:05d}" for t in range(tenants)]
     days = [START, START + dt.timedelta(days=1)]
     with counted_steps(url_done) as listing:
-        listed = done.queries.first_records(
+        listed = done.queries.first_keys(
             export="invoice_export", timezone=TIMEZONE, days=days, tenants=names, per_day=20
         )
     assert {day: [r.tenant for r in rs] for day, rs in listed.items()} == {day: names[:20] for day in days}

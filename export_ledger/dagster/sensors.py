@@ -456,7 +456,7 @@ def _group_materializations(
     events = []
     reasons = published_revisions(ledger, sorted({key for p in unrecorded for key in restated.get(p, {})}))
     if unrecorded:
-        listed = ledger.queries.first_records(
+        listed = ledger.queries.first_keys(
             export=export, timezone=group.timezone, days=[days[p] for p in unrecorded], tenants=group.tenants,
             per_day=LISTED_KEYS,
         )  # fmt: skip

@@ -36,6 +36,7 @@ from export_ledger.ledger.records import (
     CompletionEvidence,
     DaySummary,
     ExportRecord,
+    ListedKey,
     Restatement,
     Revision,
 )
@@ -66,6 +67,7 @@ __all__ = [
     "ContractChanged",
     "DestinationMoved",
     "DaySummary",
+    "ListedKey",
     "DriftChanges",
     "DriftFinding",
     "DriftRecord",

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql as pg
 
 from export_ledger.keys import LogicalKey
-from export_ledger.ledger.records import AttemptRecord, DaySummary, ExportRecord
+from export_ledger.ledger.records import AttemptRecord, DaySummary, ExportRecord, ListedKey
 from export_ledger.ledger.schema import (
     AttemptOutcome,
     ExportState,
@@ -238,36 +238,38 @@ class Queries:
                 for row in conn.execute(query)
             }
 
-    def first_records(
+    def first_keys(
         self, *, export: str, timezone: str | None, days: Sequence[dt.date], tenants: Sequence[str], per_day: int
-    ) -> dict[dt.date, list[ExportRecord]]:
-        """The first ``per_day`` records of each day (by tenant id) among ``tenants``: what an event lists. Read by
-        key, ``per_day`` tenants at a time in tenant order, for the days still short of ``per_day``: a day of a
+    ) -> dict[dt.date, list[ListedKey]]:
+        """The first ``per_day`` keys of each day (by tenant id) among ``tenants``: what an event lists, as
+        :class:`ListedKey` (the columns it shows: a whole record's lease and time columns took 80% of the read).
+        Read by key, ``per_day`` tenants at a time in tenant order, for the days still short of ``per_day``: a day of a
         thousand tenants costs ``per_day`` lookups, not a thousand rows. (A ``ROW_NUMBER`` over every row of the
         touched days was 300 ms a tick at a million rows.)"""
         if not days or not tenants or per_day <= 0:
             return {}
+        runs = export_runs.c
+        columns = [getattr(runs, field.name) for field in fields(ListedKey)]
         ordered = sorted(set(tenants))
-        found: dict[dt.date, list[ExportRecord]] = {}
+        found: dict[dt.date, list[ListedKey]] = {}
         short = sorted(set(days))
         with self.ledger.atomic(read_only=True) as conn:
             for first in range(0, len(ordered), per_day):
-                query = self._select().where(
-                    export_runs.c.export == export,
-                    export_runs.c.business_date.in_(short),
-                    export_runs.c.tenant.in_(ordered[first : first + per_day]),
+                query = sa.select(*columns).where(
+                    runs.export == export,
+                    runs.business_date.in_(short),
+                    runs.tenant.in_(ordered[first : first + per_day]),
                 )
                 if timezone is not None:
-                    query = query.where(export_runs.c.timezone == timezone)
+                    query = query.where(runs.timezone == timezone)
                 for row in conn.execute(query):
-                    record = ExportRecord.from_row(row)
-                    found.setdefault(record.business_date, []).append(record)
+                    listed = ListedKey(*row)
+                    found.setdefault(listed.business_date, []).append(listed)
                 short = [day for day in short if len(found.get(day, ())) < per_day]
                 if not short:
                     break
         return {
-            day: sorted(records, key=lambda r: (r.tenant, r.timezone))[:per_day]
-            for day, records in sorted(found.items())
+            day: sorted(keys, key=lambda k: (k.tenant, k.timezone))[:per_day] for day, keys in sorted(found.items())
         }
 
     def unfinished_days(

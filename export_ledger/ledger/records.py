@@ -126,6 +126,21 @@ class DaySummary:
 
 
 @dataclass(frozen=True)
+class ListedKey:
+    """A completed key as an event lists it (:meth:`~export_ledger.ledger.queries.Queries.first_keys`): its
+    columns alone, without the lease, attempt and time columns a whole :class:`ExportRecord` parses."""
+
+    logical_key: str
+    tenant: str
+    timezone: str
+    business_date: dt.date
+    row_count: int | None
+    sha256: str | None
+    location: str | None
+    committed_attempt: str | None
+
+
+@dataclass(frozen=True)
 class CompletionEvidence:
     """What a destination says it holds for a key: enough to record completion.
 

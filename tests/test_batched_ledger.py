@@ -9,6 +9,7 @@ commit, repaired by the next run from the manifests (one published export per ke
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import threading
@@ -25,7 +26,8 @@ from export_ledger.failpoints import ENV_VAR as FAILPOINTS
 from export_ledger.failpoints import SimulatedCrash
 from export_ledger.frames import MANIFEST_NAME, ExportSchema, Manifest
 from export_ledger.ledger import AlreadyCompleted, Claim, ExportLedger, FencedOut, LeaseHeld
-from export_ledger.ledger.completions import Completions
+from export_ledger.ledger import transitions as T
+from export_ledger.ledger.completions import Completions, Finish
 from export_ledger.ledger.schema import AttemptOutcome, ExportState
 from export_ledger.protocol import ExportBatch, ExportItem, export_batch
 
@@ -126,7 +128,7 @@ def test_a_concurrent_claimer_fences_one_key_of_the_group_and_the_others_commit(
     results = clocked.completions.complete_many([(claim, evidence_for(claim)) for claim in claims])
 
     assert isinstance(results[0], FencedOut) and "run-2/export" in str(results[0])
-    assert [r.state for r in results[1:]] == [ExportState.COMPLETED, ExportState.COMPLETED]
+    assert [r.state for r in results[1:5]] == [ExportState.COMPLETED, ExportState.COMPLETED]
     record = clocked.queries.get(str(keys[0]))
     assert (record.state, record.lease_owner, record.fencing_token) == (ExportState.IN_PROGRESS, "run-2/export", 2)
     # One row per attempt: the takeover recorded run-1 as abandoned, so its fenced commit adds none.
@@ -285,3 +287,99 @@ def test_two_runs_claiming_overlapping_groups_at_once_each_key_goes_to_exactly_o
             winner = mine if isinstance(mine, Claim) else theirs
             assert half.queries.get(str(key)).lease_owner == winner.attempt_id
             half.completions.fail(winner, RuntimeError("next round"))
+
+
+def _updates_of_runs(ledger: ExportLedger) -> list[str]:
+    """The ``UPDATE export_runs`` statements the ledger sends from now on."""
+    sent: list[str] = []
+
+    def before(_conn, _cursor, statement, _parameters, _context, _executemany) -> None:
+        if statement.lstrip().upper().startswith("UPDATE EXPORT_RUNS"):
+            sent.append(statement)
+
+    sa.event.listen(ledger._engine, "before_cursor_execute", before)
+    return sent
+
+
+def test_a_group_finish_matches_each_key_on_its_own_token_and_owner_in_one_statement_per_transition(
+    ledger_url, clock
+) -> None:
+    """finish_many of several transitions at once: on PostgreSQL one guarded UPDATE per transition for the whole
+    group (a hundred keys were a hundred round trips), each row still matched on its own key, token and owner: a key
+    taken over meanwhile is fenced alone and keeps its new holder."""
+    ledger = ExportLedger(ledger_url, clock=clock, lease_ttl=dt.timedelta(minutes=15))
+    keys = [key_for(DAY, tenant=tenant) for tenant in [*TENANTS, "t06"]]
+    claims = ledger.claims.claim_many(keys, "run-1/export")
+    clock.advance(minutes=16)
+    taken = ledger.claims.claim(keys[0], "run-2/export")  # run-1's claim of keys[0] is fenced
+    # The same attempt id takes keys[5] over (a retried step reusing its id): only the token tells the claims apart.
+    again = ledger.claims.claim(keys[5], "run-1/export")
+    finishes = [
+        Finish(claims[0], T.COMPLETE, evidence=evidence_for(claims[0])),
+        Finish(claims[1], T.COMPLETE, evidence=evidence_for(claims[1])),
+        Finish(claims[2], T.COMPLETE, evidence=evidence_for(claims[2])),
+        Finish(claims[3], T.FAIL, error=RuntimeError("source down")),
+        Finish(claims[4], T.MARK_REMOTE_UNKNOWN, error=TimeoutError("upload"), location="x", sha256="0" * 64),
+        Finish(claims[5], T.COMPLETE, evidence=evidence_for(claims[5])),
+        # A claim of the right token in another party's name: only the owner guard refuses it.
+        Finish(dataclasses.replace(claims[6], attempt_id="run-9/export"), T.COMPLETE, evidence=evidence_for(claims[6])),
+    ]
+    sent = _updates_of_runs(ledger)
+
+    results = ledger.completions.finish_many(finishes)
+
+    batched = ledger.dialect == "postgresql"
+    assert len(sent) == (3 if batched else 7), f"{len(sent)} UPDATE statements for 7 keys of 3 transitions"
+    assert isinstance(results[6], FencedOut), "a party that does not hold the lease is fenced"
+    assert ledger.queries.get(str(keys[6])).state is ExportState.IN_PROGRESS
+    assert isinstance(results[0], FencedOut) and "run-2/export" in str(results[0])
+    assert isinstance(results[5], FencedOut), "an earlier claim of the same attempt id is fenced by its token"
+    record = ledger.queries.get(str(keys[5]))
+    assert (record.state, record.fencing_token) == (ExportState.IN_PROGRESS, again.fencing_token)
+    assert [r.state for r in results[1:5]] == [
+        ExportState.COMPLETED, ExportState.COMPLETED, ExportState.FAILED, ExportState.REMOTE_UNKNOWN,
+    ]  # fmt: skip
+    assert [r.committed_attempt for r in results[1:3]] == ["run-1/export"] * 2
+    assert results[3].lease_owner is None and results[4].lease_owner == "run-1/export"
+    assert results[1].claim_count == results[3].claim_count == 1
+    record = ledger.queries.get(str(keys[0]))
+    assert (record.state, record.lease_owner, record.fencing_token) == (ExportState.IN_PROGRESS, "run-2/export", 2)
+    assert record.fencing_token == taken.fencing_token
+    assert [a.outcome for a in ledger.queries.attempts(str(keys[3]))] == [AttemptOutcome.FAILED]
+
+
+def test_a_group_hold_takes_each_stuck_key_on_the_state_and_token_it_read(ledger_url, clock) -> None:
+    """hold_many (reconciliation's hold) on PostgreSQL is one guarded UPDATE per state read, and each key is held only
+    from the state and token reconciliation read: a key whose lease is live, or that moved since it was read, is not
+    held; an abandoned attempt gets its ``abandoned`` row."""
+    ledger = ExportLedger(ledger_url, clock=clock, lease_ttl=dt.timedelta(minutes=15))
+    unknown, abandoned, live, moved, late, renewed = (key_for(DAY, tenant=tenant) for tenant in TENANTS)
+    ledger.completions.mark_remote_unknown(ledger.claims.claim(unknown, "run-1/export"), TimeoutError("upload"))
+    ledger.claims.claim(abandoned, "run-1/export")
+    ledger.completions.mark_remote_unknown(ledger.claims.claim(moved, "run-1/export"), TimeoutError("upload"))
+    late_claim = ledger.claims.claim(late, "run-1/export")
+    clock.advance(minutes=16)  # those leases have ended
+    ledger.claims.claim(live, "run-3/export")  # a live lease
+    ledger.claims.claim(renewed, "run-3/export")
+    records = [ledger.queries.get(str(key)) for key in (unknown, abandoned, live, moved, late, renewed)]
+    ledger.claims.hold(str(moved), "operator")  # moved on since reconciliation read it (its token is 2 now)
+    # The late attempt finishes after its read (the same token, another state): the hold was judged on in_progress.
+    ledger.completions.mark_remote_unknown(late_claim, TimeoutError("upload"))
+    # A record read as if its lease had ended (it is live): the UPDATE's own lease guard refuses it.
+    records[5] = dataclasses.replace(records[5], lease_expires_at=clock() - dt.timedelta(seconds=1))
+    sent = _updates_of_runs(ledger)
+
+    held = ledger.claims.hold_many(records, "reconciler")
+
+    assert len(sent) == (2 if ledger.dialect == "postgresql" else 5), sent
+    assert [h.fencing_token if h else None for h in held] == [2, 2, None, None, None, None]
+    assert [h.attempt_id if h else None for h in held] == ["reconciler", "reconciler", None, None, None, None]
+    assert ledger.queries.get(str(late)).state is ExportState.REMOTE_UNKNOWN, "not held from a state it left"
+    assert ledger.queries.get(str(renewed)).lease_owner == "run-3/export", "a live lease is never taken"
+    for key, state in ((unknown, ExportState.REMOTE_UNKNOWN), (abandoned, ExportState.IN_PROGRESS)):
+        record = ledger.queries.get(str(key))
+        assert (record.state, record.lease_owner, record.fencing_token) == (ExportState.IN_PROGRESS, "reconciler", 2)
+        assert held[[unknown, abandoned].index(key)].previous_state is state
+    assert ledger.queries.get(str(live)).lease_owner == "run-3/export", "a live lease is never taken"
+    assert ledger.queries.get(str(moved)).lease_owner == "operator", "the key's new holder keeps it"
+    assert [a.outcome for a in ledger.queries.attempts(str(abandoned))] == [AttemptOutcome.ABANDONED]

@@ -262,15 +262,19 @@ class Claims:
             now = ledger.now(conn)
             requests = ledger.restatements.open_in(conn, [r.logical_key for r in records])
             supersedes = ledger.restatements.current_in(conn, list(requests))
-            for record in records:
-                decision = select_hold(record, now, operator=False)
-                if not isinstance(decision, T.Transition):
+            decisions = [select_hold(record, now, operator=False) for record in records]
+            moves = [self._hold_move(record, holder, now) for record in records]
+            moved: dict[str, object] = {}
+            for transition in {d for d in decisions if isinstance(d, T.Transition)}:
+                chosen = [move for move, d in zip(moves, decisions, strict=True) if d is transition]
+                moved.update(T.apply_many(conn, transition, chosen, now=now))  # one statement per state on PostgreSQL
+            for record, move in zip(records, moves, strict=True):
+                if move.logical_key not in moved:
                     held.append(None)
                     continue
-                claim = self._hold_in(conn, record, decision, holder, now, requests, supersedes)
-                if claim is not None and record.state is ExportState.IN_PROGRESS:
+                if record.state is ExportState.IN_PROGRESS:
                     attempts.append(abandoned_values(record, now))
-                held.append(claim)
+                held.append(self._claim_of_hold(record, move, now, requests, supersedes))
             if attempts:
                 conn.execute(INSERT_ATTEMPT, attempts)
         return held
@@ -316,23 +320,34 @@ class Claims:
         requests: Mapping[str, Restatement],
         supersedes: Mapping[str, tuple[int, str]],
     ) -> Claim | None:
-        token = record.fencing_token + 1
-        expires = now + self.ledger.lease_ttl
-        moved = T.apply(
-            conn,
-            transition,
-            record.logical_key,
-            token=record.fencing_token,
-            states=(record.state,),
-            now=now,
-            # A hold leaves updated_at alone: it is the key's "stuck since", and a holder that crashes or gives the
-            # key back unchanged must not restart the clock that escalates it.
-            values=dict(lease_owner=holder, lease_expires_at=expires, attempt_started_at=now, fencing_token=token),
-        )  # fmt: skip
-        if not moved:
+        move = self._hold_move(record, holder, now)
+        if not T.apply(conn, transition, move.logical_key, token=move.token, values=move.values, states=move.states,
+                       now=now):  # fmt: skip
             return None
+        return self._claim_of_hold(record, move, now, requests, supersedes)
+
+    def _hold_move(self, record: ExportRecord, holder: str, now: dt.datetime) -> T.Move:
+        """A hold on ``record``, guarded by the state and token read. A hold leaves updated_at alone: it is the key's
+        "stuck since", and a holder that crashes or gives the key back unchanged must not restart the clock that
+        escalates it."""
+        values = dict(
+            lease_owner=holder, lease_expires_at=now + self.ledger.lease_ttl, attempt_started_at=now,
+            fencing_token=record.fencing_token + 1,
+        )  # fmt: skip
+        return T.Move(record.logical_key, record.fencing_token, values, states=(record.state,))
+
+    @staticmethod
+    def _claim_of_hold(
+        record: ExportRecord,
+        move: T.Move,
+        now: dt.datetime,
+        requests: Mapping[str, Restatement],
+        supersedes: Mapping[str, tuple[int, str]],
+    ) -> Claim:
+        values = move.values
         return Claim(
-            record.logical_key, holder, token, record.window, now, expires, record.state, record.tz_database,
+            record.logical_key, values["lease_owner"], values["fencing_token"], record.window, now,
+            values["lease_expires_at"], record.state, record.tz_database,
             **_revision_fields(requests.get(record.logical_key), supersedes), previous_updated_at=record.updated_at,
         )  # fmt: skip
 

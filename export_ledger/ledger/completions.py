@@ -126,9 +126,13 @@ class Completions:
         with ledger.atomic() as conn:
             now = ledger.now(conn)
             attempts: list[dict] = []
-            for i in sorted(range(len(finishes)), key=names.__getitem__):
-                item = finishes[i]
-                outcome = self._finish_in(conn, item, now, attempts, then, rows)
+            order = sorted(range(len(finishes)), key=names.__getitem__)
+            moved: dict[str, sa.Row] = {}
+            for transition in dict.fromkeys(finishes[i].transition for i in order):
+                chosen = [self._move(finishes[i], now) for i in order if finishes[i].transition is transition]
+                moved.update(T.apply_many(conn, transition, chosen))  # one statement per transition on PostgreSQL
+            for i in order:
+                outcome = self._after_move(conn, finishes[i], moved.get(names[i]), now, attempts, then, rows)
                 if outcome is not None:
                     outcomes[i] = outcome
             if attempts:
@@ -150,16 +154,31 @@ class Completions:
     ) -> FencedOut | None:
         """One item's transition; the row it left goes to ``rows`` when given (the guarded UPDATE returns it: no read
         back)."""
-        claim = item.claim
+        move = self._move(item, now)
         row = T.apply(
-            conn,
-            item.transition,
-            claim.logical_key,
-            token=claim.fencing_token,
-            owner=claim.attempt_id,
-            values=item.values(now),
+            conn, item.transition, move.logical_key, token=move.token, owner=move.owner, values=move.values,
             returning=True,
-        )
+        )  # fmt: skip
+        return self._after_move(conn, item, row, now, attempts, then, rows)
+
+    @staticmethod
+    def _move(item: Finish, now: dt.datetime) -> T.Move:
+        claim = item.claim
+        return T.Move(claim.logical_key, claim.fencing_token, item.values(now), owner=claim.attempt_id)
+
+    def _after_move(
+        self,
+        conn: Connection,
+        item: Finish,
+        row: sa.Row | None,
+        now: dt.datetime,
+        attempts: list[dict],
+        then: After | None,
+        rows: dict[str, sa.Row] | None,
+    ) -> FencedOut | None:
+        """What follows one item's guarded UPDATE: its ``fenced`` row when it did not match (``row`` None), else its
+        revision or closed request, ``then`` and its attempt row."""
+        claim = item.claim
         if row is None:
             return self._fenced(conn, claim, now, attempts)
         if rows is not None:

@@ -31,7 +31,7 @@ from export_ledger.destinations.base import (
     place_of_location,
 )
 from export_ledger.destinations.base import Verdict as DestinationVerdict
-from export_ledger.destinations.publishing import PublishingDestination
+from export_ledger.destinations.publishing import Pointer, PublishingDestination
 from export_ledger.errors import ManifestError, safe_message
 from export_ledger.ledger import Claim, CompletionEvidence, ExportLedger, ExportRecord, ExportState, Finish
 from export_ledger.ledger import transitions as T
@@ -61,9 +61,10 @@ def target_of(record: ExportRecord, revision: int = 1) -> ExportTarget:
     return ExportTarget(record.export, record.tenant, record.business_date.isoformat(), revision)
 
 
-def examine(destination: Destination, record: ExportRecord, claim: Claim) -> Finding:
+def examine(destination: Destination, record: ExportRecord, claim: Claim, read: Pointer | None = None) -> Finding:
     """Fences the destination with the hold's token and judges what the key's pointer names, against the revision
-    the key was publishing (``claim.revision``) and the one it supersedes."""
+    the key was publishing (``claim.revision``) and the one it supersedes. ``read``: the key's pointer as
+    :meth:`~export_ledger.destinations.PublishingDestination.prepare_fence` read it."""
     target = target_of(record, claim.revision)
     elsewhere = _recorded_elsewhere(destination, record)
     if elsewhere is not None:
@@ -71,7 +72,7 @@ def examine(destination: Destination, record: ExportRecord, claim: Claim) -> Fin
     try:
         checks = dict(logical_key=record.logical_key, superseded=claim.superseded_revision, expected_sha256=record.sha256)
         if isinstance(destination, PublishingDestination):
-            pointer = destination.fence(target, claim.fencing_token, logical_key=record.logical_key)
+            pointer = destination.fence(target, claim.fencing_token, logical_key=record.logical_key, read=read)
             verification = destination.verify(target, pointer=pointer, **checks)
         else:
             verification = destination.verify(target, **checks)
@@ -112,7 +113,13 @@ def examine_many(places: Mapping[str, Destination], work: Sequence[tuple[ExportR
                 stack.enter_context(destination.deferred())
             except DestinationError:
                 pass  # this thread's caller has a deferral open: the sync below makes these writes durable with its
-            judged = [examine(destination, record, claim) for record, claim in items]
+            # Every fence's bytes first, made durable by one sync; then each fence renames its own into place.
+            reads = [_prepared(destination, record, claim) for record, claim in items]
+            prepared = _synced(destination)
+            judged = [
+                examine(destination, record, claim, read if prepared else None)
+                for (record, claim), read in zip(items, reads, strict=True)
+            ]
             try:
                 destination.sync()
             except Exception as exc:  # noqa: BLE001 - a failed sync is each key's unknown, never the tick's end
@@ -124,6 +131,26 @@ def examine_many(places: Mapping[str, Destination], work: Sequence[tuple[ExportR
                 ]  # fmt: skip
         found.update((finding.record.logical_key, finding) for finding in judged)
     return found
+
+
+def _prepared(destination: PublishingDestination, record: ExportRecord, claim: Claim) -> Pointer | None:
+    """The key's pointer read for its fence, with the fence's bytes announced (None: left to the fence alone)."""
+    if _recorded_elsewhere(destination, record) is not None:
+        return None  # never fenced there
+    target = target_of(record, claim.revision)
+    try:
+        return destination.prepare_fence(target, claim.fencing_token, logical_key=record.logical_key)
+    except Exception:  # noqa: BLE001 - an optimisation only: the fence reads and writes on its own
+        return None
+
+
+def _synced(destination: PublishingDestination) -> bool:
+    """Makes the prepared fences' bytes durable; False when that failed (each fence then writes its own, synced)."""
+    try:
+        destination.sync()
+    except Exception:  # noqa: BLE001 - the final sync below reports a store that cannot sync
+        return False
+    return True
 
 
 def _recorded_elsewhere(destination: Destination, record: ExportRecord) -> str | None:

@@ -11,6 +11,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -264,10 +265,12 @@ def _record_finishes(events: list[str], monkeypatch) -> None:
 def test_reconciliation_fences_a_batch_with_one_sync_before_it_records_any_verdict(
     tmp_path: Path, clocked, clock, monkeypatch, events
 ) -> None:
-    """Each fence (a pointer rewritten with the reconciler's token) used to be made durable on its own: the folder and
-    the repaired key's settled place fsynced key by key. A batch now pays one ``syncfs`` for every fence and settle,
-    after the last key is judged and before the ledger records a verdict. Guard: without the deferral there is no
-    syncfs at all; with the sync after the record, "record" comes first."""
+    """Each fence (a pointer rewritten with the reconciler's token) used to be made durable on its own: the pointer's
+    bytes, the folder and the repaired key's settled place fsynced key by key. A batch now pays two ``syncfs``: one
+    for every fence's prepared bytes, before any pointer is renamed (a renamed pointer is never torn), and one for
+    every rename and settle, after the last key is judged and before the ledger records a verdict. Guards: without
+    the deferral there is no syncfs at all; with the sync after the record, "record" comes first; without the
+    prepared fences each pointer's bytes are fsynced on their own (4 fsyncs)."""
     destination = LocalDestination(str(tmp_path / "exports"))
     published, absent = _stuck_pair(clocked, clock, destination, monkeypatch)
     _record_finishes(events, monkeypatch)
@@ -276,11 +279,13 @@ def test_reconciliation_fences_a_batch_with_one_sync_before_it_records_any_verdi
     assert [clocked.queries.get(str(k)).state for k in published] == [ExportState.COMPLETED] * 2
     assert [clocked.queries.get(str(k)).state for k in absent] == [ExportState.FAILED] * 2
     assert len(report.resolved) == 4
-    assert events.count("syncfs") == 1, f"one sync for the batch: {events}"
+    assert events.count("syncfs") == 2, f"two syncs for the batch: {events}"
     assert events.count("rename-pointer") == 4, f"every key fenced: {events}"
+    first_fence = events.index("rename-pointer")
     last_fence = max(i for i, e in enumerate(events) if e == "rename-pointer")
-    assert last_fence < events.index("syncfs") < events.index("record"), events
-    assert events.count("fsync") == 4, f"each pointer's bytes only, before its rename (never torn): {events}"
+    bytes_synced, renames_synced = (i for i, e in enumerate(events) if e == "syncfs")
+    assert bytes_synced < first_fence and last_fence < renames_synced < events.index("record"), events
+    assert events.count("fsync") == 0, f"no pointer's bytes fsynced on their own: {events}"
 
 
 def test_a_failed_sync_leaves_every_key_of_the_batch_unknown_and_records_no_verdict_behind_its_fences(
@@ -327,7 +332,8 @@ def test_a_batch_whose_export_folder_is_on_another_filesystem_syncs_that_filesys
 
         assert len(report.resolved) == 4
         assert elsewhere.stat().st_dev in synced, f"the other disk's fences were synced: {synced}"
-        assert len(synced) == len(set(synced)), f"each filesystem once: {synced}"
+        # Two syncs (the fences' bytes, then their renames), each of every filesystem once.
+        assert set(Counter(synced).values()) == {2}, f"each filesystem once a sync: {synced}"
     finally:
         shutil.rmtree(elsewhere, ignore_errors=True)
 
@@ -344,7 +350,8 @@ def test_reconciliation_inside_a_callers_deferral_syncs_it_before_recording(
         report = reconcile_batch(clocked, destination, limit=10, after=None, reconciler="test")
     assert len(report.resolved) == 4
     assert [clocked.queries.get(str(k)).state for k in published] == [ExportState.COMPLETED] * 2
-    assert events.count("syncfs") == 1 and events.index("syncfs") < events.index("record"), events
+    assert events.count("syncfs") == 2, events
+    assert max(i for i, e in enumerate(events) if e == "syncfs") < events.index("record"), events
 
 
 def test_a_sync_with_nothing_deferred_does_nothing(tmp_path: Path, monkeypatch) -> None:

@@ -63,7 +63,9 @@ def test_overlapping_backfills_never_deadlock_between_complete_many_and_claim_ma
     """Suspected S1: run 1 completes its group (its first row update done, the second about to run) while an
     overlapping backfill claims the same keys, locking them in logical key order (tenant first). Neither may fail
     with a deadlock. (v2: the pause is before run 1's second update of export_runs whichever key it is, so that run 1
-    always holds one row lock when run 2 arrives; 0.4.0 updated in item order: x first, then y.)
+    always holds one row lock when run 2 arrives; 0.4.0 updated in item order: x first, then y. v3: a group's finish
+    on PostgreSQL locks its rows in key order and then updates them in one statement: the pause is before the second
+    of those statements that lock rows, so run 1 holds its locks when run 2 arrives, whichever form it takes.)
     Fails on 0.4.0 (07f55b3): DeadlockDetected between complete_many and claim_many."""
     book = ExportLedger(postgres_url)
     x = key_for(dt.date(2026, 3, 1), tenant="tb")  # first in item order (the earlier date)
@@ -82,7 +84,11 @@ def test_overlapping_backfills_never_deadlock_between_complete_many_and_claim_ma
         thread = threading.current_thread()
         if thread in claimer and not claimer_pid:
             claimer_pid.append(cursor.connection.get_backend_pid())
-        if thread in completer and statement.lstrip().upper().startswith("UPDATE EXPORT_RUNS"):
+        text = " ".join(statement.split()).upper()
+        locking = text.startswith("UPDATE EXPORT_RUNS") or (
+            text.startswith("SELECT EXPORT_RUNS.") and text.endswith("FOR UPDATE") and "FROM EXPORT_RUNS" in text
+        )
+        if thread in completer and locking:
             updates.append(parameters.get("g_key") if isinstance(parameters, dict) else str(parameters))
             if len(updates) == 2:
                 paused.set()
@@ -108,7 +114,7 @@ def test_overlapping_backfills_never_deadlock_between_complete_many_and_claim_ma
     try:
         completer.append(threading.Thread(target=complete))
         completer[0].start()
-        assert paused.wait(10), "run 1 updated its first key and is about to update its second"
+        assert paused.wait(10), "run 1 holds a row lock and is about to take or update the next"
         claimer.append(threading.Thread(target=claim))
         claimer[0].start()
         deadline = time.monotonic() + 10

@@ -337,9 +337,10 @@ class LocalStore(ObjectStore):
             return
         temporary = final.parent / f"{_PREPARED}{final.name}-{os.getpid()}-{time.monotonic_ns()}"
         try:
+            self._folder(final)  # a key never published has none yet (its fence creates it): made durable by the sync
             with open(temporary, "xb") as handle:
                 handle.write(data)
-        except OSError:
+        except (OSError, DestinationError):
             temporary.unlink(missing_ok=True)
             return  # an optimisation only: put_if_match then writes and fsyncs the pointer's bytes itself
         deferral.paths.append(temporary)

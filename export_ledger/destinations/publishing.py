@@ -211,9 +211,10 @@ class PublishingDestination(Destination):
         return Pointer(0, target.revision, target.place, manifest.sha256, manifest.row_count, manifest.data_file,
                        manifest.logical_key)  # fmt: skip
 
-    def fence(self, target: ExportTarget, token: int, *, logical_key: str) -> Pointer:
+    def fence(self, target: ExportTarget, token: int, *, logical_key: str, read: Pointer | None = None) -> Pointer:
         """Raises the pointer's fence to ``token``, keeping what it names: from now on no party with a lower token
-        can change what the key's readers see. Returns the pointer as fenced.
+        can change what the key's readers see. Returns the pointer as fenced. ``read``: the pointer as
+        :meth:`prepare_fence` read it (its tag makes the write conditional on it still being so), not read again.
 
         Raises:
             Fenced: the pointer's fence is already above ``token``.
@@ -222,7 +223,7 @@ class PublishingDestination(Destination):
         self.store.check_conditions()  # no conditional write goes to a store that ignores the conditions
         name = f"{self.key_folder(target)}/{POINTER_NAME}"
         for _ in range(_ROUNDS):
-            current = self.pointer(target)
+            current, read = (read if read is not None else self.pointer(target)), None
             if current.fence > token:
                 raise self._fenced(target, current, token)
             if current.fence == token and current.tag is not None:
@@ -234,6 +235,21 @@ class PublishingDestination(Destination):
                 continue  # another party wrote the pointer since it was read: read it again
             return replace(fenced, tag=tag)
         raise DestinationError(f"{self.store.url(name)} kept changing while it was being fenced")
+
+    def prepare_fence(self, target: ExportTarget, token: int, *, logical_key: str) -> Pointer | None:
+        """Reads the key's pointer and announces the bytes :meth:`fence` will write (:meth:`ObjectStore.prepare`),
+        so that within a deferral a batch of fences has its pointers' bytes made durable by one sync, before any is
+        renamed into place, instead of an fsync each. Returns the pointer read, for :meth:`fence`; None when there is
+        nothing to prepare or it could not be read (the fence then reads and writes as it does alone)."""
+        try:
+            current = self.pointer(target)
+        except DestinationError:
+            return None
+        if current.fence >= token:
+            return current
+        fenced = replace(current, fence=token, logical_key=current.logical_key or logical_key)
+        self.store.prepare(f"{self.key_folder(target)}/{POINTER_NAME}", fenced.payload())
+        return current
 
     def _fenced(self, target: ExportTarget, pointer: Pointer, token: int) -> Fenced:
         return Fenced(

@@ -448,10 +448,19 @@ class Queries:
         return list(dict.fromkeys(found)), cursor
 
 
+#: Where ``outcome`` is in an ``export_attempts`` row (read with its columns first, in the table's order).
+_OUTCOME_AT = [column.name for column in export_attempts.c].index("outcome")
+_ATTEMPT_COLUMNS = len(export_attempts.c)
+if [column.name for column in export_attempts.c] != [field.name for field in fields(AttemptRecord)]:
+    raise RuntimeError("AttemptRecord's fields must be export_attempts' columns, in order (_attempt reads by position)")
+
+
 def _attempt(row: sa.Row) -> AttemptRecord:
-    """An attempt row read with its key's export, as ``export_attempts`` alone."""
-    values = {column.name: row._mapping[column.name] for column in export_attempts.c}
-    return AttemptRecord(**{**values, "outcome": AttemptOutcome(values["outcome"])})
+    """An attempt row read with its key's export, as ``export_attempts`` alone (by position: a tick's cold start
+    reads ~1,650 of them, and a dict per row was a fifth of that read)."""
+    values = list(row[:_ATTEMPT_COLUMNS])
+    values[_OUTCOME_AT] = AttemptOutcome(values[_OUTCOME_AT])
+    return AttemptRecord(*values)
 
 
 def _of_export(table: sa.Table, export: str | None) -> list:

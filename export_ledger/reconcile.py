@@ -72,7 +72,11 @@ def examine(destination: Destination, record: ExportRecord, claim: Claim, read: 
     try:
         checks = dict(logical_key=record.logical_key, superseded=claim.superseded_revision, expected_sha256=record.sha256)
         if isinstance(destination, PublishingDestination):
-            pointer = destination.fence(target, claim.fencing_token, logical_key=record.logical_key, read=read)
+            pointer = (
+                destination.fence(target, claim.fencing_token, logical_key=record.logical_key)
+                if read is None
+                else destination.fence(target, claim.fencing_token, logical_key=record.logical_key, read=read)
+            )
             verification = destination.verify(target, pointer=pointer, **checks)
         else:
             verification = destination.verify(target, **checks)
@@ -113,13 +117,18 @@ def examine_many(places: Mapping[str, Destination], work: Sequence[tuple[ExportR
                 stack.enter_context(destination.deferred())
             except DestinationError:
                 pass  # this thread's caller has a deferral open: the sync below makes these writes durable with its
-            # Every fence's bytes first, made durable by one sync; then each fence renames its own into place.
+            # Every fence's bytes first, made durable by one sync; then each fence renames its own into place. A sync
+            # that fails leaves the bytes undurable: nothing is fenced (no pointer renamed from them), every key of
+            # the destination is unreachable this tick, and the prepared files go with the deferral.
             reads = [_prepared(destination, record, claim) for record, claim in items]
-            prepared = _synced(destination)
-            judged = [
-                examine(destination, record, claim, read if prepared else None)
-                for (record, claim), read in zip(items, reads, strict=True)
-            ]
+            failed = _sync_failure(destination)
+            if failed is not None:
+                judged = [Finding(record, Verdict.UNREACHABLE, failed) for record, _ in items]
+            else:
+                judged = [
+                    examine(destination, record, claim, read)
+                    for (record, claim), read in zip(items, reads, strict=True)
+                ]
             try:
                 destination.sync()
             except Exception as exc:  # noqa: BLE001 - a failed sync is each key's unknown, never the tick's end
@@ -144,13 +153,13 @@ def _prepared(destination: PublishingDestination, record: ExportRecord, claim: C
         return None
 
 
-def _synced(destination: PublishingDestination) -> bool:
-    """Makes the prepared fences' bytes durable; False when that failed (each fence then writes its own, synced)."""
+def _sync_failure(destination: PublishingDestination) -> str | None:
+    """Makes the prepared fences' bytes durable; why it failed (None: it did not)."""
     try:
         destination.sync()
-    except Exception:  # noqa: BLE001 - the final sync below reports a store that cannot sync
-        return False
-    return True
+    except Exception as exc:  # noqa: BLE001 - a failed sync is each key's unknown, never the tick's end
+        return f"its fence could not be made durable: {safe_message(exc)}"
+    return None
 
 
 def _recorded_elsewhere(destination: Destination, record: ExportRecord) -> str | None:

@@ -13,6 +13,7 @@ import dataclasses
 import datetime as dt
 import json
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -383,3 +384,101 @@ def test_a_group_hold_takes_each_stuck_key_on_the_state_and_token_it_read(ledger
     assert ledger.queries.get(str(live)).lease_owner == "run-3/export", "a live lease is never taken"
     assert ledger.queries.get(str(moved)).lease_owner == "operator", "the key's new holder keeps it"
     assert [a.outcome for a in ledger.queries.attempts(str(abandoned))] == [AttemptOutcome.ABANDONED]
+
+
+@pytest.mark.postgres
+def test_a_group_finish_of_mixed_transitions_never_deadlocks_with_an_overlapping_claim(
+    postgres_url, postgres_admin_url
+):
+    """A reconciliation's verdicts mix transitions (``repaired``, ``failed``, ...). Their group takes its row locks in
+    key order across every transition, as a claim's group does: a claim of overlapping keys waits, then finds them
+    finished. The finish pauses before its second statement that takes row locks; locked one transition at a time (a
+    and c, then b), the claimer takes b and waits for c while the finish waits for b. Guard: locking per transition
+    fails with DeadlockDetected."""
+    book = ExportLedger(postgres_url)
+    keys = [key_for(DAY, tenant=tenant) for tenant in ("ta", "tb", "tc")]
+    claims = book.claims.claim_many(keys, "run-1/export")
+    finishes = [
+        Finish(claims[0], T.COMPLETE, evidence=evidence_for(claims[0])),
+        Finish(claims[1], T.FAIL, error=RuntimeError("source down")),
+        Finish(claims[2], T.COMPLETE, evidence=evidence_for(claims[2])),
+    ]
+    finisher: list[threading.Thread] = []
+    claimer: list[threading.Thread] = []
+    locking: list[str] = []
+    claimer_pid: list[int] = []
+    paused, resume = threading.Event(), threading.Event()
+    outcomes: dict[str, str] = {}
+
+    def pause_before_the_second_locking_statement(conn, cursor, statement, parameters, context, executemany):
+        thread = threading.current_thread()
+        if thread in claimer and not claimer_pid:
+            claimer_pid.append(cursor.connection.get_backend_pid())
+        text = " ".join(statement.split()).upper()
+        takes_locks = text.startswith("UPDATE EXPORT_RUNS") or (
+            text.startswith("SELECT EXPORT_RUNS.") and "FROM EXPORT_RUNS" in text and text.endswith("FOR UPDATE")
+        )
+        if thread in finisher and takes_locks:
+            locking.append(text[:40])
+            if len(locking) == 2:
+                paused.set()
+                resume.wait(10)
+
+    def finish() -> None:
+        try:
+            outcomes["finish_many"] = ", ".join(type(r).__name__ for r in book.completions.finish_many(finishes))
+        except Exception as exc:
+            outcomes["finish_many"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+
+    def claim() -> None:
+        try:
+            outcomes["claim_many"] = ", ".join(type(r).__name__ for r in book.claims.claim_many(keys[1:], "run-2/x"))
+        except Exception as exc:
+            outcomes["claim_many"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+
+    sa.event.listen(sa.engine.Engine, "before_cursor_execute", pause_before_the_second_locking_statement)
+    admin = sa.create_engine(postgres_admin_url)
+    waited = False
+    try:
+        finisher.append(threading.Thread(target=finish))
+        finisher[0].start()
+        assert paused.wait(10), "the finish holds row locks and is about to take or update more"
+        claimer.append(threading.Thread(target=claim))
+        claimer[0].start()
+        deadline = time.monotonic() + 10
+        with admin.connect() as conn:
+            while time.monotonic() < deadline and not waited:
+                waited = bool(claimer_pid) and bool(
+                    conn.execute(
+                        sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :pid AND wait_event_type = 'Lock'"),
+                        {"pid": claimer_pid[0]},
+                    ).scalar()
+                )
+                time.sleep(0.05)
+        resume.set()
+        finisher[0].join(30)
+        claimer[0].join(30)
+    finally:
+        resume.set()
+        sa.event.remove(sa.engine.Engine, "before_cursor_execute", pause_before_the_second_locking_statement)
+        admin.dispose()
+    assert waited, f"the claim waited for a row lock of the finish (the overlap happened): {outcomes}"
+    assert "Deadlock" not in str(outcomes) and len(outcomes) == 2, outcomes
+    assert outcomes["finish_many"] == "ExportRecord, ExportRecord, ExportRecord", outcomes
+    assert [book.queries.get(str(k)).state for k in keys] == [
+        ExportState.COMPLETED, ExportState.IN_PROGRESS, ExportState.COMPLETED,
+    ], "the failed key is claimed again by the second run, the completed ones are skipped"  # fmt: skip
+
+
+def test_a_group_refuses_a_naive_time_as_one_key_does(ledger_url, clock) -> None:
+    """Every value of a group's statement is bound as its column binds it: a naive time is refused on PostgreSQL's
+    arrays as the one-key statement refuses it (the ledger stores timezone-aware times only)."""
+    ledger = ExportLedger(ledger_url, clock=clock)
+    (claim,) = ledger.claims.claim_many([key_for(DAY)], "run-1/export")
+    naive = T.Move(T.FAIL, claim.logical_key, claim.fencing_token,
+                   dict(lease_owner=None, lease_expires_at=None, updated_at=dt.datetime(2026, 3, 3)),
+                   owner=claim.attempt_id)  # fmt: skip
+    with pytest.raises(Exception, match="timezone-aware"):
+        with ledger.atomic() as conn:
+            T.apply_many(conn, [naive])
+    assert ledger.queries.get(claim.logical_key).state is ExportState.IN_PROGRESS

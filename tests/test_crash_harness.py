@@ -217,6 +217,7 @@ class Tally:
     trials: Counter = field(default_factory=Counter)  # random / named:<point> / calibration
     landed: Counter = field(default_factory=Counter)  # what the kill left, random trials
     landed_named: Counter = field(default_factory=Counter)
+    landed_widened: Counter = field(default_factory=Counter)  # random top-ups with their state widened (a pause)
     verdicts: Counter = field(default_factory=Counter)  # reconciliation verdicts
     retries: Counter = field(default_factory=Counter)  # the fresh attempt's status
     violations: Counter = field(default_factory=Counter)  # invariant -> count, at every check
@@ -238,6 +239,7 @@ class Tally:
             f"({dict(sorted(self.trials.items()))})",
             f"  kills landed (random): {dict(sorted(self.landed.items()))}",
             f"  kills landed (named):  {dict(sorted(self.landed_named.items()))}",
+            f"  kills landed (random, state widened): {dict(sorted(self.landed_widened.items()))}",
             f"  reconcile verdicts:    {dict(sorted(self.verdicts.items()))}",
             f"  retry statuses:        {dict(sorted(self.retries.items()))}",
             f"  invariant checks: {self.checks}; violations: "
@@ -476,7 +478,10 @@ class CrashHarness:
         elif outcome.exit_code not in (None, 0):
             self.tally.anomalies.append(f"{key}: the attempt failed instead of dying: {outcome.result}")
         landed = self.landing(key, business_date)
-        if point is None:
+        if point is None and widen is not None:
+            self.tally.trials[f"{kind}widened"] += 1
+            self.tally.landed_widened[f"{kind}{landed}"] += 1
+        elif point is None:
             self.tally.trials[f"{kind}random"] += 1
             self.tally.landed[f"{kind}{landed}"] += 1
         else:
@@ -752,7 +757,9 @@ def test_sigkill_at_random_moments_on_every_destination_never_duplicates_tears_o
     reachable = set(EXPECTED_LANDING[harness.kind].values())
     every_state = harness.kind not in NEW_KINDS and random_trials >= EVERY_STATE_TRIALS
     while every_state and harness.tally.trials["random top-up"] < TOP_UP_TRIALS:
-        missing = sorted(reachable - set(harness.tally.landed), key=PROTOCOL_ORDER.index)
+        missing = sorted(
+            reachable - set(harness.tally.landed) - set(harness.tally.landed_widened), key=PROTOCOL_ORDER.index
+        )
         if not missing:
             break
         plain = harness.tally.trials[f"random top-up {missing[0]}"] < PLAIN_TOP_UPS
@@ -772,6 +779,7 @@ def test_sigkill_at_random_moments_on_every_destination_never_duplicates_tears_o
     assert harness.tally.trials["random"] >= random_trials
     assert_clean(harness.tally)
     landed = set(harness.tally.landed)
+    widened = set(harness.tally.landed_widened)
     if harness.kind in NEW_KINDS:
         # Their few trials spread the kills over at least two moments of the protocol (which ones depends on the
         # machine's speed: CI saw Delta's 10 kills all land before its commit finished, before they were stratified);
@@ -784,9 +792,11 @@ def test_sigkill_at_random_moments_on_every_destination_never_duplicates_tears_o
             f"random kills should land inside the protocol and after it: {dict(harness.tally.landed)}"
         )
     else:
-        assert reachable <= landed, (
+        # A narrow state the plain random kills missed may be reached by a widened one (a kill the harness drew over
+        # a pause where the state begins): still not a failpoint's own kill, but tallied apart.
+        assert reachable <= landed | widened, (
             f"random kills should land in every state the protocol passes through ({sorted(reachable)}): "
-            f"{dict(harness.tally.landed)}"
+            f"{dict(harness.tally.landed)}, widened {dict(harness.tally.landed_widened)}"
         )
 
 

@@ -309,6 +309,53 @@ def test_a_failed_sync_leaves_every_key_of_the_batch_unknown_and_records_no_verd
     assert all("could not be made durable" in d and "Input/output error" in d for d in details), details
 
 
+def test_a_failed_sync_of_the_prepared_fences_renames_no_pointer_from_them(
+    tmp_path: Path, clocked, clock, monkeypatch, events
+) -> None:
+    """The first sync (the fences' prepared bytes) fails and the second would succeed: no pointer is renamed from
+    bytes that may not survive a power cut (Linux reports a writeback error once, so a later sync may say nothing),
+    and every key stays ``remote_unknown``, saying why. Guard: renaming the prepared bytes anyway records two keys
+    completed and two failed behind fences that were never durable."""
+    destination = LocalDestination(str(tmp_path / "exports"))
+    published, absent = _stuck_pair(clocked, clock, destination, monkeypatch)
+    real, calls = local._syncfs, []
+
+    def first_fails(folder):
+        calls.append(folder)
+        if len(calls) == 1:
+            raise OSError(5, "Input/output error")
+        return real(folder)
+
+    monkeypatch.setattr(local, "_syncfs", first_fails)
+    _record_finishes(events, monkeypatch)
+    report = reconcile_batch(clocked, destination, limit=10, after=None, reconciler="test")
+
+    assert "rename-pointer" not in events, events
+    assert [clocked.queries.get(str(k)).state for k in [*published, *absent]] == [ExportState.REMOTE_UNKNOWN] * 4
+    assert len(report.unreachable) == 4 and not report.resolved
+    assert all("Input/output error" in f.detail for f in report.unreachable), report.unreachable
+    leftovers = [p for p in (tmp_path / "exports").rglob("*") if p.name.startswith(".")]
+    assert not [p for p in leftovers if p.is_file() and "lock" not in str(p)], f"prepared bytes left: {leftovers}"
+
+
+def test_a_destination_that_fences_its_own_way_is_reconciled_as_before(tmp_path: Path, clocked, clock, monkeypatch):
+    """A subclass written before fences were prepared overrides ``fence(target, token, *, logical_key)``: nothing is
+    prepared for it and its fence is called as it was declared. Guard: passing it ``read`` is a TypeError, which
+    leaves all four keys unreachable at every tick."""
+
+    class OwnFence(LocalDestination):
+        def fence(self, target, token, *, logical_key):
+            return super().fence(target, token, logical_key=logical_key)
+
+    destination = OwnFence(str(tmp_path / "exports"))
+    published, absent = _stuck_pair(clocked, clock, destination, monkeypatch)
+
+    report = reconcile_batch(clocked, destination, limit=10, after=None, reconciler="test")
+
+    assert len(report.resolved) == 4 and not report.unreachable, report.unreachable
+    assert [clocked.queries.get(str(k)).state for k in published] == [ExportState.COMPLETED] * 2
+
+
 def test_a_batch_whose_export_folder_is_on_another_filesystem_syncs_that_filesystem_too(
     tmp_path: Path, clocked, clock, monkeypatch
 ) -> None:

@@ -240,7 +240,10 @@ class PublishingDestination(Destination):
         """Reads the key's pointer and announces the bytes :meth:`fence` will write (:meth:`ObjectStore.prepare`),
         so that within a deferral a batch of fences has its pointers' bytes made durable by one sync, before any is
         renamed into place, instead of an fsync each. Returns the pointer read, for :meth:`fence`; None when there is
-        nothing to prepare or it could not be read (the fence then reads and writes as it does alone)."""
+        nothing to prepare or it could not be read (the fence then reads and writes as it does alone), and for a
+        subclass that writes its fence its own way (it overrides :meth:`fence`: its bytes are not these)."""
+        if type(self).fence is not PublishingDestination.fence:
+            return None
         try:
             current = self.pointer(target)
         except DestinationError:

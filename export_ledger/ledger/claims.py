@@ -263,13 +263,14 @@ class Claims:
             requests = ledger.restatements.open_in(conn, [r.logical_key for r in records])
             supersedes = ledger.restatements.current_in(conn, list(requests))
             decisions = [select_hold(record, now, operator=False) for record in records]
-            moves = [self._hold_move(record, holder, now) for record in records]
-            moved: dict[str, object] = {}
-            for transition in {d for d in decisions if isinstance(d, T.Transition)}:
-                chosen = [move for move, d in zip(moves, decisions, strict=True) if d is transition]
-                moved.update(T.apply_many(conn, transition, chosen, now=now))  # one statement per state on PostgreSQL
+            moves = [
+                self._hold_move(record, decision, holder, now) if isinstance(decision, T.Transition) else None
+                for record, decision in zip(records, decisions, strict=True)
+            ]
+            # One statement per state held from on PostgreSQL, after one that locks the keys in key order.
+            moved = T.apply_many(conn, [move for move in moves if move is not None], now=now)
             for record, move in zip(records, moves, strict=True):
-                if move.logical_key not in moved:
+                if move is None or move.logical_key not in moved:
                     held.append(None)
                     continue
                 if record.state is ExportState.IN_PROGRESS:
@@ -320,13 +321,13 @@ class Claims:
         requests: Mapping[str, Restatement],
         supersedes: Mapping[str, tuple[int, str]],
     ) -> Claim | None:
-        move = self._hold_move(record, holder, now)
+        move = self._hold_move(record, transition, holder, now)
         if not T.apply(conn, transition, move.logical_key, token=move.token, values=move.values, states=move.states,
                        now=now):  # fmt: skip
             return None
         return self._claim_of_hold(record, move, now, requests, supersedes)
 
-    def _hold_move(self, record: ExportRecord, holder: str, now: dt.datetime) -> T.Move:
+    def _hold_move(self, record: ExportRecord, transition: T.Transition, holder: str, now: dt.datetime) -> T.Move:
         """A hold on ``record``, guarded by the state and token read. A hold leaves updated_at alone: it is the key's
         "stuck since", and a holder that crashes or gives the key back unchanged must not restart the clock that
         escalates it."""
@@ -334,7 +335,7 @@ class Claims:
             lease_owner=holder, lease_expires_at=now + self.ledger.lease_ttl, attempt_started_at=now,
             fencing_token=record.fencing_token + 1,
         )  # fmt: skip
-        return T.Move(record.logical_key, record.fencing_token, values, states=(record.state,))
+        return T.Move(transition, record.logical_key, record.fencing_token, values, states=(record.state,))
 
     @staticmethod
     def _claim_of_hold(

@@ -127,10 +127,8 @@ class Completions:
             now = ledger.now(conn)
             attempts: list[dict] = []
             order = sorted(range(len(finishes)), key=names.__getitem__)
-            moved: dict[str, sa.Row] = {}
-            for transition in dict.fromkeys(finishes[i].transition for i in order):
-                chosen = [self._move(finishes[i], now) for i in order if finishes[i].transition is transition]
-                moved.update(T.apply_many(conn, transition, chosen))  # one statement per transition on PostgreSQL
+            # One statement per transition on PostgreSQL, after one that locks every key of the group in key order.
+            moved = T.apply_many(conn, [self._move(item, now) for item in finishes])
             for i in order:
                 outcome = self._after_move(conn, finishes[i], moved.get(names[i]), now, attempts, then, rows)
                 if outcome is not None:
@@ -164,7 +162,7 @@ class Completions:
     @staticmethod
     def _move(item: Finish, now: dt.datetime) -> T.Move:
         claim = item.claim
-        return T.Move(claim.logical_key, claim.fencing_token, item.values(now), owner=claim.attempt_id)
+        return T.Move(item.transition, claim.logical_key, claim.fencing_token, item.values(now), owner=claim.attempt_id)
 
     def _after_move(
         self,

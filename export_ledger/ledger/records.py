@@ -127,8 +127,9 @@ class DaySummary:
 
 @dataclass(frozen=True)
 class ListedKey:
-    """A completed key as an event lists it (:meth:`~export_ledger.ledger.queries.Queries.first_keys`): its
-    columns alone, without the lease, attempt and time columns a whole :class:`ExportRecord` parses."""
+    """A key as an event lists it (:meth:`~export_ledger.ledger.queries.Queries.first_keys`, of days whose keys are
+    all completed): the columns it shows, without the lease, attempt and time columns a whole :class:`ExportRecord`
+    parses."""
 
     logical_key: str
     tenant: str

@@ -244,8 +244,9 @@ def _returning(transition: Transition) -> sa.Update:
 
 @dataclass(frozen=True)
 class Move:
-    """One key's part of :func:`apply_many`: what :func:`apply` takes for one key."""
+    """One key's part of :func:`apply_many`: what :func:`apply` takes for one key, and its transition."""
 
+    transition: Transition
     logical_key: str
     token: int
     values: dict
@@ -253,44 +254,47 @@ class Move:
     owner: str | None = None
 
 
-def apply_many(
-    conn: Connection, transition: Transition, moves: Sequence[Move], *, now: dt.datetime | None = None
-) -> dict[str, sa.Row]:
-    """:func:`apply` for each of ``moves`` (distinct keys), each with its own guards; returns the updated row of
-    each key that moved, by key (a key whose guards did not match is absent).
+def apply_many(conn: Connection, moves: Sequence[Move], *, now: dt.datetime | None = None) -> dict[str, sa.Row]:
+    """:func:`apply` for each of ``moves`` (distinct keys, any transitions), each with its own guards; returns the
+    updated row of each key that moved, by key (a key whose guards did not match is absent).
 
-    On PostgreSQL the moves that share their states and columns are one guarded ``UPDATE ... FROM unnest(...)
-    RETURNING``: each row matched on its own key, token and owner, as :func:`apply` matches it (a group of a hundred
-    keys was a hundred round trips, half of a reconciliation tick). Elsewhere (SQLite: no round trips to save) each
-    move is :func:`apply`.
+    On PostgreSQL every key of ``moves`` is first locked in key order, in one statement (as a claim's group locks its
+    keys, so two transactions over overlapping keys wait for each other instead of deadlocking, whatever mix of
+    transitions each holds); then the moves that share a transition, states and columns are one guarded
+    ``UPDATE ... FROM unnest(...) RETURNING``, each row matched on its own key, token and owner as :func:`apply`
+    matches it (a group of a hundred keys was a hundred round trips, half of a reconciliation tick). A row whose
+    guards fail stays locked until the commit, as under :func:`apply` one key at a time in order. Elsewhere (SQLite:
+    one writer at a time, no round trips to save) each move is :func:`apply`, in key order.
     """
     keys = [move.logical_key for move in moves]
     if len(set(keys)) != len(keys):
         raise ValueError("apply_many needs distinct keys")
     moved: dict[str, sa.Row] = {}
+    ordered = sorted(moves, key=lambda move: move.logical_key)
     if conn.dialect.name != "postgresql":
-        for move in moves:
+        for move in ordered:
             row = apply(
-                conn, transition, move.logical_key, token=move.token, values=move.values, states=move.states,
+                conn, move.transition, move.logical_key, token=move.token, values=move.values, states=move.states,
                 owner=move.owner, now=now, returning=True,
             )  # fmt: skip
             if row is not None:
                 moved[move.logical_key] = row
         return moved
     groups: dict[tuple, list[Move]] = {}
-    for move in moves:
+    for move in ordered:
+        transition = move.transition
         states = transition.from_states if move.states is None else move.states
         if not states or not set(states) <= set(transition.from_states):
             raise InvalidTransition(f"{transition.name} does not start from {[s.value for s in states]}")
         if transition.owner_guard and move.owner is None:
             raise InvalidTransition(f"{transition.name} needs the party that holds the lease")
-        groups.setdefault((tuple(states), tuple(sorted(move.values))), []).append(move)
-    if transition.expired_guard and now is None:
-        raise InvalidTransition(f"{transition.name} needs the ledger's time to check the lease")
-    # Rows locked in key order first, as every other writer of several keys locks them (a claim's group, apply one
-    # key at a time in order): an UPDATE ... FROM locks them in whatever order its plan visits them.
-    conn.execute(_LOCK_IN_KEY_ORDER, {"l_keys": sorted(keys)}).all()
-    for (states, columns), group in groups.items():
+        if transition.expired_guard and now is None:
+            raise InvalidTransition(f"{transition.name} needs the ledger's time to check the lease")
+        groups.setdefault((transition, tuple(states), tuple(sorted(move.values))), []).append(move)
+    if not groups:
+        return moved
+    conn.execute(_LOCK_IN_KEY_ORDER, {"l_keys": [move.logical_key for move in ordered]}).all()
+    for (transition, states, columns), group in groups.items():
         parameters = {
             "g_states": [state.value for state in states],
             "b_key": [move.logical_key for move in group],
@@ -320,8 +324,9 @@ def _batch_statement(transition: Transition, columns: tuple[str, ...]) -> sa.Upd
     one row each (``unnest``), built once per transition and set of columns."""
 
     def array(name: str, kind) -> sa.ColumnElement:
-        # Typed on the server: an array of NULLs (no lease to set) is otherwise text[], which no column takes.
-        return sa.cast(sa.bindparam(name), pg.ARRAY(kind))
+        # Typed here (each value bound as its column binds it: a naive time is refused as apply refuses it) and on
+        # the server (an array of NULLs, no lease to set, is otherwise text[], which no column takes).
+        return sa.cast(sa.bindparam(name, type_=pg.ARRAY(kind)), pg.ARRAY(kind))
 
     names = ["g_key", "g_token", *(["g_owner"] if transition.owner_guard else []), *(f"v_{c}" for c in columns)]
     arrays = [

@@ -769,10 +769,9 @@ def _needs_attention(ledger: ExportLedger, args: argparse.Namespace) -> str:
         )  # fmt: skip
     if not found:
         return "no export key needs attention"
-    rows = [
-        (e.name, e.state, e.record.claim_count if e.record else None, _short_time(e.since), e.why) for e in found
-    ]
-    table = _table(("LOGICAL KEY", "STATE", "CLAIMS", "SINCE", "WHY, AND THE WAY OUT"), rows)
+    rows = [(e.name, e.state, e.record.claim_count if e.record else None, _short_time(e.since)) for e in found]
+    heads = ("LOGICAL KEY", "STATE", "CLAIMS", "SINCE")
+    table = _with_notes(heads, rows, "WHY, AND THE WAY OUT", [e.why for e in found])
     # Commands are printed whole, never wrapped: they are to be pasted.
     listed = [
         f"  {e.name}\n" + "\n".join(f"    {command}" for command in out)
@@ -781,7 +780,12 @@ def _needs_attention(ledger: ExportLedger, args: argparse.Namespace) -> str:
     ]
     if listed:
         materialize = [line for out in ways for line in out if " asset materialize " in line]
-        notes = [f"# {note}" for note in _command_notes(args, materialize, [e.export for e in found])]
+        width = _terminal_width()
+        notes = [
+            line
+            for note in _command_notes(args, materialize, [e.export for e in found])
+            for line in textwrap.wrap(note, width, initial_indent="# ", subsequent_indent="# ")
+        ]
         table += "\n\nways out, to paste (write each --reason; lines with # are notes):\n" + "\n".join(notes + listed)
     return table + _more(len(found), args)
 
@@ -1292,6 +1296,27 @@ def _table(
         note = f"({', '.join(dropped)} left out to fit {width} columns; --json or a wider terminal shows them)"
         lines.extend(textwrap.wrap(note, width))
     return "\n".join(lines)
+
+
+#: The narrowest a table's last column of prose may be; narrower, it goes under each row instead.
+_NOTE_WIDTH = 40
+
+
+def _with_notes(headers: Sequence[str], rows: Sequence[Sequence[object]], title: str, notes: Sequence[str]) -> str:
+    """:func:`_table` of ``rows`` with ``notes`` (prose, one per row) as a last column ``title`` where that column
+    gets at least :data:`_NOTE_WIDTH` characters; in a narrower terminal each note goes under its row, indented and
+    wrapped to the terminal's width (a column of a few characters buried what an operator reads first)."""
+    width = _terminal_width()
+    plain = _table(headers, rows)
+    lines = plain.splitlines()
+    used = max(len(line) for line in lines)
+    if width - used - 2 >= _NOTE_WIDTH or len(lines) != len(rows) + 1:
+        return _table([*headers, title], [[*row, note] for row, note in zip(rows, notes, strict=True)])
+    out = [lines[0], f"    {title.lower()}, under each key"]
+    for line, note in zip(lines[1:], notes, strict=True):
+        out.append(line)
+        out.extend(textwrap.wrap(_printable(note), width, initial_indent="    ", subsequent_indent="    "))
+    return "\n".join(out)
 
 
 # -- entry point -------------------------------------------------------------------------------------------------

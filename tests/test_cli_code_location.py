@@ -242,6 +242,38 @@ def test_tables_fit_100_columns_when_stdout_is_not_a_terminal_and_json_stays_who
     assert attempt["attempt_id"] == "run-" + "x" * 60 + "/orders", "--json is never cut"
 
 
+def test_needs_attention_in_100_columns_puts_each_why_under_its_key(capsys, shop, monkeypatch):
+    """At 100 columns a fifth column of prose got a few characters a line (one key took 13 lines): each why goes
+    under its key, wrapped to the terminal, and each key's row stays one line. Only the commands to paste are never
+    wrapped. Guard: as a column, the why is cut into lines of under 40 characters."""
+    ledger = shop[0]
+    monkeypatch.delenv("COLUMNS")
+    monkeypatch.setenv("DAGSTER_HOME", "/nonexistent-instance")  # its note is another test's subject
+    claim = ledger.claims.claim(key_for(DAY, export="orders", tenant="acme"), "run-1/orders")
+    ledger.completions.fail(claim, ValueError("negative amount"))
+
+    code, out, err = run(capsys, "status", "--needs-attention", "--max-attempts", "1")
+
+    assert code == 0, err
+    table, ways = out.split("\nways out, to paste")
+    lines = table.strip().splitlines()
+    assert lines[0].split() == ["LOGICAL", "KEY", "STATE", "CLAIMS", "SINCE"], lines[0]
+    keyed = [i for i, line in enumerate(lines) if line.startswith("orders/")]
+    assert keyed and any(str(claim.logical_key) in lines[i] for i in keyed), lines
+    for i in keyed:
+        why = []
+        for line in lines[i + 1 :]:
+            if not line.startswith("    "):
+                break
+            why.append(line.strip())
+        assert why and len(" ".join(why)) > 40, f"the why of {lines[i]} is under it: {lines}"
+    assert "failed 1 time(s): automatic reruns are spent" in " ".join(table.split())
+    assert max(len(line) for line in table.splitlines()) <= 100, table
+    commands = [line for line in ways.splitlines() if line.startswith("    ") and not line.startswith("    #")]
+    assert commands and all(line.strip().startswith(("dagster ", "export-ledger ")) for line in commands), ways
+    assert all(len(line) <= 100 for line in ways.splitlines() if line.startswith("#")), "notes are wrapped"
+
+
 def test_with_a_code_location_the_ledger_is_the_one_its_runs_use(capsys, shop, tmp_path, monkeypatch):
     """After `dg launch` or `dagster asset materialize -f shop.py`, `export-ledger status -f shop.py` reads the
     ledger of that code location's ledger resource (an EnvVar resolved as a run resolves it): no URL copied by hand.

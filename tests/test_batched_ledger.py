@@ -305,8 +305,8 @@ def _updates_of_runs(ledger: ExportLedger) -> list[str]:
 def test_a_group_finish_matches_each_key_on_its_own_token_and_owner_in_one_statement_per_transition(
     ledger_url, clock
 ) -> None:
-    """finish_many of several transitions at once: on PostgreSQL one guarded UPDATE per transition for the whole
-    group (a hundred keys were a hundred round trips), each row still matched on its own key, token and owner: a key
+    """finish_many of several transitions at once: one guarded UPDATE per transition for the whole group (on
+    PostgreSQL a hundred keys were a hundred round trips), each row still matched on its own key, token and owner: a key
     taken over meanwhile is fenced alone and keeps its new holder."""
     ledger = ExportLedger(ledger_url, clock=clock, lease_ttl=dt.timedelta(minutes=15))
     keys = [key_for(DAY, tenant=tenant) for tenant in [*TENANTS, "t06"]]
@@ -329,7 +329,7 @@ def test_a_group_finish_matches_each_key_on_its_own_token_and_owner_in_one_state
 
     results = ledger.completions.finish_many(finishes)
 
-    batched = ledger.dialect == "postgresql"
+    batched = ledger.dialect == "postgresql" or T.SQLITE_BATCHES
     assert len(sent) == (3 if batched else 7), f"{len(sent)} UPDATE statements for 7 keys of 3 transitions"
     assert isinstance(results[6], FencedOut), "a party that does not hold the lease is fenced"
     assert ledger.queries.get(str(keys[6])).state is ExportState.IN_PROGRESS
@@ -350,7 +350,7 @@ def test_a_group_finish_matches_each_key_on_its_own_token_and_owner_in_one_state
 
 
 def test_a_group_hold_takes_each_stuck_key_on_the_state_and_token_it_read(ledger_url, clock) -> None:
-    """hold_many (reconciliation's hold) on PostgreSQL is one guarded UPDATE per state read, and each key is held only
+    """hold_many (reconciliation's hold) is one guarded UPDATE per state read, and each key is held only
     from the state and token reconciliation read: a key whose lease is live, or that moved since it was read, is not
     held; an abandoned attempt gets its ``abandoned`` row."""
     ledger = ExportLedger(ledger_url, clock=clock, lease_ttl=dt.timedelta(minutes=15))
@@ -372,7 +372,7 @@ def test_a_group_hold_takes_each_stuck_key_on_the_state_and_token_it_read(ledger
 
     held = ledger.claims.hold_many(records, "reconciler")
 
-    assert len(sent) == (2 if ledger.dialect == "postgresql" else 5), sent
+    assert len(sent) == (2 if ledger.dialect == "postgresql" or T.SQLITE_BATCHES else 5), sent
     assert [h.fencing_token if h else None for h in held] == [2, 2, None, None, None, None]
     assert [h.attempt_id if h else None for h in held] == ["reconciler", "reconciler", None, None, None, None]
     assert ledger.queries.get(str(late)).state is ExportState.REMOTE_UNKNOWN, "not held from a state it left"
@@ -482,3 +482,21 @@ def test_a_group_refuses_a_naive_time_as_one_key_does(ledger_url, clock) -> None
         with ledger.atomic() as conn:
             T.apply_many(conn, [naive])
     assert ledger.queries.get(claim.logical_key).state is ExportState.IN_PROGRESS
+
+
+def test_a_group_larger_than_one_statement_finishes_every_key_on_its_own_guards(ledger_url, clock) -> None:
+    """A group of 120 keys is several statements on SQLite (at most SQLITE_BATCH_ROWS moves each: bound values are
+    limited): every key is finished, and the one taken over meanwhile (in the second statement's rows) alone is
+    fenced."""
+    ledger = ExportLedger(ledger_url, clock=clock, lease_ttl=dt.timedelta(minutes=15))
+    keys = [key_for(DAY, tenant=f"g{i:03d}") for i in range(120)]
+    claims = ledger.claims.claim_many(keys, "run-1/export")
+    clock.advance(minutes=16)
+    ledger.claims.claim(keys[75], "run-2/export")
+
+    results = ledger.completions.complete_many([(claim, evidence_for(claim)) for claim in claims])
+
+    fenced = [i for i, result in enumerate(results) if isinstance(result, FencedOut)]
+    assert fenced == [75], fenced
+    assert all(r.state is ExportState.COMPLETED for i, r in enumerate(results) if i != 75)
+    assert ledger.queries.get(str(keys[75])).lease_owner == "run-2/export"

@@ -784,7 +784,7 @@ def _needs_attention(ledger: ExportLedger, args: argparse.Namespace) -> str:
         notes = [
             line
             for note in _command_notes(args, materialize, [e.export for e in found])
-            for line in textwrap.wrap(note, width, initial_indent="# ", subsequent_indent="# ")
+            for line in textwrap.wrap(note, width, initial_indent="# ", subsequent_indent="# ", break_on_hyphens=False)
         ]
         table += "\n\nways out, to paste (write each --reason; lines with # are notes):\n" + "\n".join(notes + listed)
     return table + _more(len(found), args)
@@ -1270,11 +1270,17 @@ def _wrapped(text: str, width: int) -> list[str]:
 
 
 def _table(
-    headers: Sequence[str], rows: Sequence[Sequence[object]], droppable: Sequence[str] = (), *, keep_first: bool = True
+    headers: Sequence[str],
+    rows: Sequence[Sequence[object]],
+    droppable: Sequence[str] = (),
+    *,
+    keep_first: bool = True,
+    under: Sequence[Sequence[str]] = (),
 ) -> str:
     """A table that fits the terminal: long cells wrap onto lines of their own column, and where even wrapped
     columns cannot fit, the ``droppable`` ones go, in that order, said so below it (``--json`` is never cut). The first
-    column (a logical key, which operators copy) is never wrapped unless ``keep_first`` is False."""
+    column (a logical key, which operators copy) is never wrapped unless ``keep_first`` is False. ``under``: lines to
+    print under each row, after all of its own (however many its cells wrapped to)."""
     headers = list(headers)
     cells = [["-" if value is None else _printable(str(value)) for value in row] for row in rows]
     width, dropped = _terminal_width(), []
@@ -1287,11 +1293,13 @@ def _table(
         dropped.append(name)
     widths = _fitted(headers, cells, width, keep_first)
     lines = []
-    for row in [list(headers), *cells]:
+    for index, row in enumerate([list(headers), *cells]):
         parts = [_wrapped(cell, width) for cell, width in zip(row, widths, strict=True)]
         for depth in range(max(len(part) for part in parts)):
             line = (part[depth] if depth < len(part) else "" for part in parts)
             lines.append("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip())
+        if index > 0 and under:
+            lines.extend(under[index - 1])
     if dropped:
         note = f"({', '.join(dropped)} left out to fit {width} columns; --json or a wider terminal shows them)"
         lines.extend(textwrap.wrap(note, width))
@@ -1304,19 +1312,23 @@ _NOTE_WIDTH = 40
 
 def _with_notes(headers: Sequence[str], rows: Sequence[Sequence[object]], title: str, notes: Sequence[str]) -> str:
     """:func:`_table` of ``rows`` with ``notes`` (prose, one per row) as a last column ``title`` where that column
-    gets at least :data:`_NOTE_WIDTH` characters; in a narrower terminal each note goes under its row, indented and
-    wrapped to the terminal's width (a column of a few characters buried what an operator reads first)."""
+    gets at least :data:`_NOTE_WIDTH` characters; in a narrower terminal each note goes under its row (after every line
+    the row wrapped to), indented and wrapped to the terminal's width (a column of a few characters buried what an
+    operator reads first). A note is never broken inside a word or at a hyphen (a command in it stays whole words)."""
     width = _terminal_width()
-    plain = _table(headers, rows)
-    lines = plain.splitlines()
-    used = max(len(line) for line in lines)
-    if width - used - 2 >= _NOTE_WIDTH or len(lines) != len(rows) + 1:
+    headers = list(headers)
+    cells = [["-" if value is None else _printable(str(value)) for value in row] for row in rows]
+    printable = [_printable(note) for note in notes]
+    widths = _fitted([*headers, title], [[*row, note] for row, note in zip(cells, printable, strict=True)], width)
+    if widths[-1] >= _NOTE_WIDTH:
         return _table([*headers, title], [[*row, note] for row, note in zip(rows, notes, strict=True)])
-    out = [lines[0], f"    {title.lower()}, under each key"]
-    for line, note in zip(lines[1:], notes, strict=True):
-        out.append(line)
-        out.extend(textwrap.wrap(_printable(note), width, initial_indent="    ", subsequent_indent="    "))
-    return "\n".join(out)
+    under = [
+        textwrap.wrap(note, width, initial_indent="    ", subsequent_indent="    ", break_long_words=False,
+                      break_on_hyphens=False)
+        for note in printable
+    ]  # fmt: skip
+    table = _table(headers, rows, under=under).splitlines()
+    return "\n".join([table[0], f"    {title.lower()}, under each key", *table[1:]])
 
 
 # -- entry point -------------------------------------------------------------------------------------------------

@@ -329,8 +329,7 @@ def test_a_group_finish_matches_each_key_on_its_own_token_and_owner_in_one_state
 
     results = ledger.completions.finish_many(finishes)
 
-    batched = ledger.dialect == "postgresql" or T.SQLITE_BATCHES
-    assert len(sent) == (3 if batched else 7), f"{len(sent)} UPDATE statements for 7 keys of 3 transitions"
+    assert len(sent) == 3, f"{len(sent)} UPDATE statements for 7 keys of 3 transitions"
     assert isinstance(results[6], FencedOut), "a party that does not hold the lease is fenced"
     assert ledger.queries.get(str(keys[6])).state is ExportState.IN_PROGRESS
     assert isinstance(results[0], FencedOut) and "run-2/export" in str(results[0])
@@ -372,7 +371,7 @@ def test_a_group_hold_takes_each_stuck_key_on_the_state_and_token_it_read(ledger
 
     held = ledger.claims.hold_many(records, "reconciler")
 
-    assert len(sent) == (2 if ledger.dialect == "postgresql" or T.SQLITE_BATCHES else 5), sent
+    assert len(sent) == 2, sent
     assert [h.fencing_token if h else None for h in held] == [2, 2, None, None, None, None]
     assert [h.attempt_id if h else None for h in held] == ["reconciler", "reconciler", None, None, None, None]
     assert ledger.queries.get(str(late)).state is ExportState.REMOTE_UNKNOWN, "not held from a state it left"

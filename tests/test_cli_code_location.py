@@ -242,12 +242,16 @@ def test_tables_fit_100_columns_when_stdout_is_not_a_terminal_and_json_stays_who
     assert attempt["attempt_id"] == "run-" + "x" * 60 + "/orders", "--json is never cut"
 
 
-def test_needs_attention_in_100_columns_puts_each_why_under_its_key(capsys, shop, monkeypatch):
+@pytest.mark.parametrize("columns", [None, "60"], ids=["100 columns", "60 columns"])
+def test_needs_attention_in_100_columns_puts_each_why_under_its_key(capsys, shop, monkeypatch, columns):
     """At 100 columns a fifth column of prose got a few characters a line (one key took 13 lines): each why goes
     under its key, wrapped to the terminal, and each key's row stays one line. Only the commands to paste are never
-    wrapped. Guard: as a column, the why is cut into lines of under 40 characters."""
+    wrapped. At 60 columns (narrower than a row can be) each why still goes under its row, wrapped to 60. Guard: as
+    a column, the why is cut into lines of under 40 characters."""
     ledger = shop[0]
     monkeypatch.delenv("COLUMNS")
+    if columns:
+        monkeypatch.setenv("COLUMNS", columns)
     monkeypatch.setenv("DAGSTER_HOME", "/nonexistent-instance")  # its note is another test's subject
     claim = ledger.claims.claim(key_for(DAY, export="orders", tenant="acme"), "run-1/orders")
     ledger.completions.fail(claim, ValueError("negative amount"))
@@ -263,15 +267,34 @@ def test_needs_attention_in_100_columns_puts_each_why_under_its_key(capsys, shop
     for i in keyed:
         why = []
         for line in lines[i + 1 :]:
-            if not line.startswith("    "):
+            if line.startswith("orders/"):
                 break
-            why.append(line.strip())
+            if line.startswith("    "):
+                why.append(line.strip())
         assert why and len(" ".join(why)) > 40, f"the why of {lines[i]} is under it: {lines}"
+        assert all(len(part) > 30 for part in why[:-1]), f"the why is wrapped to the terminal, not a column: {why}"
     assert "failed 1 time(s): automatic reruns are spent" in " ".join(table.split())
-    assert max(len(line) for line in table.splitlines()) <= 100, table
+    assert max(len(line) for line in table.splitlines() if line.startswith("    ")) <= int(columns or 100), table
     commands = [line for line in ways.splitlines() if line.startswith("    ") and not line.startswith("    #")]
     assert commands and all(line.strip().startswith(("dagster ", "export-ledger ")) for line in commands), ways
-    assert all(len(line) <= 100 for line in ways.splitlines() if line.startswith("#")), "notes are wrapped"
+    assert all(len(line) <= int(columns or 100) for line in ways.splitlines() if line.startswith("#")), "notes wrap"
+
+
+def test_a_why_goes_under_every_line_of_a_row_that_wraps(monkeypatch):
+    """A state of two words ("never claimed") wraps in a narrow terminal, so its row takes two lines: its why goes
+    under both, not into a narrow fifth column. Guard: taking one line per row, the whys land under the wrong rows."""
+    monkeypatch.setenv("COLUMNS", "70")
+    rows = [("k" * 40, "never claimed", None, "2026-12-03T11:22:01Z"), ("j" * 40, "failed", 3, "2026-12-03T11:22:01Z")]
+    notes = ["first " * 20, "second " * 20]
+
+    lines = cli._with_notes(("LOGICAL KEY", "STATE", "CLAIMS", "SINCE"), rows, "WHY", notes).splitlines()
+
+    first, second = lines.index(next(line for line in lines if line.startswith("k"))), None
+    second = lines.index(next(line for line in lines if line.startswith("j")))
+    assert lines[first + 1].strip() == "claimed", f"the row wraps: {lines}"
+    assert {word for line in lines[first + 2 : second] for word in line.split()} == {"first"}, lines
+    assert {word for line in lines[second + 1 :] for word in line.split()} == {"second"}, lines
+    assert all(len(line) <= 70 for line in lines if line.startswith("    ")), lines
 
 
 def test_with_a_code_location_the_ledger_is_the_one_its_runs_use(capsys, shop, tmp_path, monkeypatch):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
-import sqlite3
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -255,10 +254,10 @@ class Move:
     owner: str | None = None
 
 
-#: SQLite's ``UPDATE ... FROM`` (3.33) with ``RETURNING`` (3.35): a group of moves in one statement.
-SQLITE_BATCHES = sqlite3.sqlite_version_info >= (3, 35)
-#: Moves per statement on SQLite: at most a few hundred bound values (an older build allows 999 in all).
-SQLITE_BATCH_ROWS = 50
+#: Moves per statement on SQLite, as one of these counts of rows (the last padded with rows that match no key): a
+#: few statements per transition and set of columns, each at most a few hundred bound values.
+SQLITE_BATCH_SIZES = (1, 5, 10, 25, 50)
+SQLITE_BATCH_ROWS = SQLITE_BATCH_SIZES[-1]
 
 
 def apply_many(conn: Connection, moves: Sequence[Move], *, now: dt.datetime | None = None) -> dict[str, sa.Row]:
@@ -268,12 +267,14 @@ def apply_many(conn: Connection, moves: Sequence[Move], *, now: dt.datetime | No
     The moves that share a transition, states and columns are one guarded ``UPDATE ... FROM (the moves as rows)
     RETURNING``, each row matched on its own key, token and owner as :func:`apply` matches it: on PostgreSQL the
     moves as arrays (``unnest``), where a group of a hundred keys was a hundred round trips, half of a reconciliation
-    tick; on SQLite (3.35 and later) as a ``UNION ALL`` of bound rows, :data:`SQLITE_BATCH_ROWS` a statement, where
-    SQLAlchemy's work on a statement per key was three quarters of a group's completion. On PostgreSQL every key of
+    tick; on SQLite (``UPDATE ... FROM`` and ``RETURNING``: 3.35 and later, which the ledger needs already) as a
+    ``UNION ALL`` of bound rows, :data:`SQLITE_BATCH_ROWS` a statement, where SQLAlchemy's work on a statement per
+    key was three quarters of a group's completion. On PostgreSQL every key of
     ``moves`` is first locked in key order, in one statement (as a claim's group locks its keys, so two transactions
     over overlapping keys wait for each other instead of deadlocking, whatever mix of transitions each holds); a row
     whose guards fail stays locked until the commit, as under :func:`apply` one key at a time in order. SQLite has one
-    writer at a time. An older SQLite takes each move with :func:`apply`, in key order.
+    writer at a time (a write transaction begins ``IMMEDIATE``). Any other database takes each move with
+    :func:`apply`, in key order.
     """
     keys = [move.logical_key for move in moves]
     if len(set(keys)) != len(keys):
@@ -281,7 +282,7 @@ def apply_many(conn: Connection, moves: Sequence[Move], *, now: dt.datetime | No
     moved: dict[str, sa.Row] = {}
     ordered = sorted(moves, key=lambda move: move.logical_key)
     dialect = conn.dialect.name
-    if dialect not in ("postgresql", "sqlite") or (dialect == "sqlite" and not SQLITE_BATCHES):
+    if dialect not in ("postgresql", "sqlite"):
         for move in ordered:
             row = apply(
                 conn, move.transition, move.logical_key, token=move.token, values=move.values, states=move.states,
@@ -307,15 +308,18 @@ def apply_many(conn: Connection, moves: Sequence[Move], *, now: dt.datetime | No
         for (transition, states, columns), group in groups.items():
             for first in range(0, len(group), SQLITE_BATCH_ROWS):
                 chunk = group[first : first + SQLITE_BATCH_ROWS]
+                size = next(size for size in SQLITE_BATCH_SIZES if size >= len(chunk))
                 parameters: dict = {"g_states": [state.value for state in states]}
                 if transition.expired_guard:
                     parameters["g_now"] = now
-                for i, move in enumerate(chunk):
-                    parameters.update({f"b{i}_key": move.logical_key, f"b{i}_token": move.token})
-                    parameters.update({f"b{i}_{column}": move.values[column] for column in columns})
+                for i in range(size):  # the rows past the chunk's are NULL: their key matches none
+                    move = chunk[i] if i < len(chunk) else None
+                    parameters[f"b{i}_key"] = move.logical_key if move else None
+                    parameters[f"b{i}_token"] = move.token if move else None
+                    parameters.update({f"b{i}_{column}": move.values[column] if move else None for column in columns})
                     if transition.owner_guard:
-                        parameters[f"b{i}_owner"] = move.owner
-                statement = _sqlite_batch_statement(transition, columns, len(chunk))
+                        parameters[f"b{i}_owner"] = move.owner if move else None
+                statement = _sqlite_batch_statement(transition, columns, size)
                 for row in conn.execute(statement, parameters):
                     moved[row.logical_key] = row
         return moved
@@ -361,7 +365,7 @@ def _guarded_update(transition: Transition, rows, columns: tuple[str, ...]) -> s
     return export_runs.update().where(*conditions).values(values).returning(*export_runs.c)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=None)
 def _sqlite_batch_statement(transition: Transition, columns: tuple[str, ...], count: int) -> sa.Update:
     """:attr:`Transition.statement` for ``count`` keys on SQLite: the moves as a ``UNION ALL`` of rows of bound
     values, each bound as its column binds it, built once per transition, set of columns and count."""

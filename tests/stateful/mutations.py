@@ -42,7 +42,7 @@ def commit_fence_check(monkeypatch) -> None:
 def fence_write(monkeypatch) -> None:
     """``fence(t)`` raises the pointer's fence to ``t`` (steps 2 of an attempt, of reconciliation, of an operator):
     made a no-op that only reads the pointer."""
-    def read_only(self, target, token, *, logical_key):
+    def read_only(self, target, token, *, logical_key, read=None):
         return self.pointer(target)
 
     monkeypatch.setattr(PublishingDestination, "fence", read_only)
@@ -54,13 +54,15 @@ def reconciler_fence(monkeypatch) -> None:
     examine, fence = reconcile.examine, PublishingDestination.fence
     inside: list[bool] = []
 
-    def fence_unless_reconciling(self, target, token, *, logical_key):
-        return self.pointer(target) if inside else fence(self, target, token, logical_key=logical_key)
+    def fence_unless_reconciling(self, target, token, *, logical_key, read=None):
+        if inside:
+            return self.pointer(target)
+        return fence(self, target, token, logical_key=logical_key, read=read)
 
-    def unfenced_examine(destination, record, claim):
+    def unfenced_examine(destination, record, claim, read=None):
         inside.append(True)
         try:
-            return examine(destination, record, claim)
+            return examine(destination, record, claim, read)
         finally:
             inside.pop()
 
@@ -122,7 +124,26 @@ def ledger_token_guard(monkeypatch) -> None:
         return apply(conn, transition, logical_key, token=token, values=values, states=states, owner=owner, now=now,
                      returning=returning)  # fmt: skip
 
+    def unguarded_many(conn, moves, *, now=None):  # a group's moves (finish_many, hold_many) the same way
+        rows = {
+            row.logical_key: row
+            for row in conn.execute(
+                sa.select(export_runs.c.logical_key, export_runs.c.fencing_token, export_runs.c.lease_owner).where(
+                    export_runs.c.logical_key.in_([move.logical_key for move in moves])
+                )
+            )
+        }
+        moves = [
+            replace(move, token=rows[move.logical_key].fencing_token,
+                    owner=rows[move.logical_key].lease_owner or move.owner)
+            if move.transition in T.FINISHING and move.logical_key in rows else move
+            for move in moves
+        ]  # fmt: skip
+        return apply_many(conn, moves, now=now)
+
+    apply_many = T.apply_many
     monkeypatch.setattr(T, "apply", unguarded)
+    monkeypatch.setattr(T, "apply_many", unguarded_many)
 
 
 def window_end(monkeypatch) -> None:
@@ -171,8 +192,8 @@ def reconciler_judge(monkeypatch) -> None:
     published revision for an absent one."""
     examine = reconcile.examine
 
-    def misjudged(destination, record, claim):
-        finding = examine(destination, record, claim)
+    def misjudged(destination, record, claim, read=None):
+        finding = examine(destination, record, claim, read)
         if finding.verdict is reconcile.Verdict.COMPLETED:
             return reconcile.Finding(finding.record, reconcile.Verdict.ABSENT, "misjudged")
         return finding

@@ -81,3 +81,72 @@ def hourly_orders(key: LogicalKey) -> pd.DataFrame:
             "total": [12.5] * len(times),
         }
     )
+
+
+def overlapping_writers(admin_url: str, first, second, *, pause_at: int = 2) -> tuple[dict[str, str], bool]:
+    """Runs ``first()`` in a thread until just before its ``pause_at``-th statement that takes row locks on
+    ``export_runs`` (an ``UPDATE`` of it, or a ``SELECT ... FOR UPDATE`` of it), then ``second()`` in another thread
+    until PostgreSQL shows it waiting for a lock (looked up through ``admin_url``), then lets both finish.
+
+    Returns each one's outcome (``ok: <types of what it returned>`` or ``<error class>: <message>``, by the callables'
+    names) and whether the second waited: the overlap happened."""
+    import threading
+    import time
+
+    import sqlalchemy as sa
+
+    outcomes: dict[str, str] = {}
+    threads: dict[str, threading.Thread] = {}
+    locking: list[str] = []
+    second_pid: list[int] = []
+    paused, resume = threading.Event(), threading.Event()
+
+    def hook(conn, cursor, statement, parameters, context, executemany) -> None:
+        thread = threading.current_thread()
+        if thread is threads.get("second") and not second_pid:
+            second_pid.append(cursor.connection.get_backend_pid())
+        text = " ".join(statement.split()).upper()
+        takes_locks = text.startswith("UPDATE EXPORT_RUNS") or (
+            text.startswith("SELECT EXPORT_RUNS.") and "FROM EXPORT_RUNS" in text and text.endswith("FOR UPDATE")
+        )
+        if thread is threads.get("first") and takes_locks:
+            locking.append(text[:40])
+            if len(locking) == pause_at:
+                paused.set()
+                resume.wait(10)
+
+    def run(name: str, body) -> None:
+        try:
+            returned = body()
+            outcomes[body.__name__] = "ok: " + ", ".join(type(r).__name__ for r in returned or ())
+        except Exception as exc:  # noqa: BLE001 - the outcome is the test's to judge
+            outcomes[body.__name__] = f"{type(exc).__name__}: {str(exc)[:160]}"
+
+    sa.event.listen(sa.engine.Engine, "before_cursor_execute", hook)
+    admin = sa.create_engine(admin_url)
+    waited = False
+    try:
+        threads["first"] = threading.Thread(target=run, args=("first", first))
+        threads["first"].start()
+        if not paused.wait(10):
+            raise AssertionError(f"{first.__name__} never reached its statement {pause_at} that takes row locks")
+        threads["second"] = threading.Thread(target=run, args=("second", second))
+        threads["second"].start()
+        deadline = time.monotonic() + 10
+        with admin.connect() as conn:
+            while time.monotonic() < deadline and not waited:
+                waited = bool(second_pid) and bool(
+                    conn.execute(
+                        sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :pid AND wait_event_type = 'Lock'"),
+                        {"pid": second_pid[0]},
+                    ).scalar()
+                )
+                time.sleep(0.05)
+        resume.set()
+        for thread in threads.values():
+            thread.join(30)
+    finally:
+        resume.set()
+        sa.event.remove(sa.engine.Engine, "before_cursor_execute", hook)
+        admin.dispose()
+    return outcomes, waited

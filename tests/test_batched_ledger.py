@@ -13,12 +13,11 @@ import dataclasses
 import datetime as dt
 import json
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from builders import evidence_for, hourly_orders, key_for
+from builders import evidence_for, hourly_orders, key_for, overlapping_writers
 from pipeline_helpers import places, published_dirs
 
 from export_ledger.destinations import LocalDestination
@@ -402,68 +401,18 @@ def test_a_group_finish_of_mixed_transitions_never_deadlocks_with_an_overlapping
         Finish(claims[1], T.FAIL, error=RuntimeError("source down")),
         Finish(claims[2], T.COMPLETE, evidence=evidence_for(claims[2])),
     ]
-    finisher: list[threading.Thread] = []
-    claimer: list[threading.Thread] = []
-    locking: list[str] = []
-    claimer_pid: list[int] = []
-    paused, resume = threading.Event(), threading.Event()
-    outcomes: dict[str, str] = {}
 
-    def pause_before_the_second_locking_statement(conn, cursor, statement, parameters, context, executemany):
-        thread = threading.current_thread()
-        if thread in claimer and not claimer_pid:
-            claimer_pid.append(cursor.connection.get_backend_pid())
-        text = " ".join(statement.split()).upper()
-        takes_locks = text.startswith("UPDATE EXPORT_RUNS") or (
-            text.startswith("SELECT EXPORT_RUNS.") and "FROM EXPORT_RUNS" in text and text.endswith("FOR UPDATE")
-        )
-        if thread in finisher and takes_locks:
-            locking.append(text[:40])
-            if len(locking) == 2:
-                paused.set()
-                resume.wait(10)
+    def finish_many():
+        return book.completions.finish_many(finishes)
 
-    def finish() -> None:
-        try:
-            outcomes["finish_many"] = ", ".join(type(r).__name__ for r in book.completions.finish_many(finishes))
-        except Exception as exc:
-            outcomes["finish_many"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+    def claim_many():
+        return book.claims.claim_many(keys[1:], "run-2/x")
 
-    def claim() -> None:
-        try:
-            outcomes["claim_many"] = ", ".join(type(r).__name__ for r in book.claims.claim_many(keys[1:], "run-2/x"))
-        except Exception as exc:
-            outcomes["claim_many"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+    outcomes, waited = overlapping_writers(postgres_admin_url, finish_many, claim_many)
 
-    sa.event.listen(sa.engine.Engine, "before_cursor_execute", pause_before_the_second_locking_statement)
-    admin = sa.create_engine(postgres_admin_url)
-    waited = False
-    try:
-        finisher.append(threading.Thread(target=finish))
-        finisher[0].start()
-        assert paused.wait(10), "the finish holds row locks and is about to take or update more"
-        claimer.append(threading.Thread(target=claim))
-        claimer[0].start()
-        deadline = time.monotonic() + 10
-        with admin.connect() as conn:
-            while time.monotonic() < deadline and not waited:
-                waited = bool(claimer_pid) and bool(
-                    conn.execute(
-                        sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :pid AND wait_event_type = 'Lock'"),
-                        {"pid": claimer_pid[0]},
-                    ).scalar()
-                )
-                time.sleep(0.05)
-        resume.set()
-        finisher[0].join(30)
-        claimer[0].join(30)
-    finally:
-        resume.set()
-        sa.event.remove(sa.engine.Engine, "before_cursor_execute", pause_before_the_second_locking_statement)
-        admin.dispose()
     assert waited, f"the claim waited for a row lock of the finish (the overlap happened): {outcomes}"
     assert "Deadlock" not in str(outcomes) and len(outcomes) == 2, outcomes
-    assert outcomes["finish_many"] == "ExportRecord, ExportRecord, ExportRecord", outcomes
+    assert outcomes["finish_many"] == "ok: ExportRecord, ExportRecord, ExportRecord", outcomes
     assert [book.queries.get(str(k)).state for k in keys] == [
         ExportState.COMPLETED, ExportState.IN_PROGRESS, ExportState.COMPLETED,
     ], "the failed key is claimed again by the second run, the completed ones are skipped"  # fmt: skip

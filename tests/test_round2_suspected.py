@@ -15,7 +15,6 @@ import hashlib
 import http.server
 import re
 import threading
-import time
 import tracemalloc
 import uuid
 from pathlib import Path
@@ -41,7 +40,7 @@ from export_ledger.reconcile import reconcile_batch
 from export_ledger.resolve import resolve_key
 from export_ledger.sources import CallableSource
 from resources.invoices import SampleInvoiceSource
-from tests.builders import evidence_for, key_for
+from tests.builders import evidence_for, key_for, overlapping_writers
 from tests.round2_support import (  # noqa: F401  (fixtures: ledger, local)
     DAY,
     SCHEMA,
@@ -73,67 +72,14 @@ def test_overlapping_backfills_never_deadlock_between_complete_many_and_claim_ma
     assert str(y) < str(x)
     cx, cy = book.claims.claim_many([x, y], "run-1/export")
     completions = [(cx, evidence_for(cx)), (cy, evidence_for(cy))]
-    outcomes: dict[str, str] = {}
-    paused, resume = threading.Event(), threading.Event()
-    completer: list[threading.Thread] = []
-    claimer: list[threading.Thread] = []
-    updates: list[str] = []
-    claimer_pid: list[int] = []
 
-    def pause_before_the_second_update(conn, cursor, statement, parameters, context, executemany):
-        thread = threading.current_thread()
-        if thread in claimer and not claimer_pid:
-            claimer_pid.append(cursor.connection.get_backend_pid())
-        text = " ".join(statement.split()).upper()
-        locking = text.startswith("UPDATE EXPORT_RUNS") or (
-            text.startswith("SELECT EXPORT_RUNS.") and text.endswith("FOR UPDATE") and "FROM EXPORT_RUNS" in text
-        )
-        if thread in completer and locking:
-            updates.append(parameters.get("g_key") if isinstance(parameters, dict) else str(parameters))
-            if len(updates) == 2:
-                paused.set()
-                resume.wait(10)
+    def complete_many():  # run 1
+        return book.completions.complete_many(completions)
 
-    def complete() -> None:
-        try:
-            book.completions.complete_many(completions)
-            outcomes["run 1 complete_many"] = "ok"
-        except Exception as exc:
-            outcomes["run 1 complete_many"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+    def claim_many():  # run 2
+        return book.claims.claim_many([x, y], "run-2/export")
 
-    def claim() -> None:
-        try:
-            refused = book.claims.claim_many([x, y], "run-2/export")
-            outcomes["run 2 claim_many"] = "ok: " + ", ".join(type(r).__name__ for r in refused)
-        except Exception as exc:
-            outcomes["run 2 claim_many"] = f"{type(exc).__name__}: {str(exc)[:160]}"
-
-    sa.event.listen(sa.engine.Engine, "before_cursor_execute", pause_before_the_second_update)
-    admin = sa.create_engine(postgres_admin_url)
-    waited = False
-    try:
-        completer.append(threading.Thread(target=complete))
-        completer[0].start()
-        assert paused.wait(10), "run 1 holds a row lock and is about to take or update the next"
-        claimer.append(threading.Thread(target=claim))
-        claimer[0].start()
-        deadline = time.monotonic() + 10
-        with admin.connect() as conn:  # run 2 waits for the row run 1 holds
-            while time.monotonic() < deadline and not waited:
-                waited = bool(claimer_pid) and bool(
-                    conn.execute(
-                        sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :pid AND wait_event_type = 'Lock'"),
-                        {"pid": claimer_pid[0]},
-                    ).scalar()
-                )
-                time.sleep(0.05)
-        resume.set()
-        completer[0].join(30)
-        claimer[0].join(30)
-    finally:
-        resume.set()
-        sa.event.remove(sa.engine.Engine, "before_cursor_execute", pause_before_the_second_update)
-        admin.dispose()
+    outcomes, waited = overlapping_writers(postgres_admin_url, complete_many, claim_many)
     assert waited, f"run 2 waited for a row lock of run 1 (the overlap happened): {outcomes}"
     assert all(v.startswith("ok") for v in outcomes.values()) and len(outcomes) == 2, outcomes
     assert {book.queries.get(str(k)).state for k in (x, y)} == {ExportState.COMPLETED}, outcomes

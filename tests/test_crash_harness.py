@@ -756,16 +756,18 @@ def test_sigkill_at_random_moments_on_every_destination_never_duplicates_tears_o
         index += 1
     reachable = set(EXPECTED_LANDING[harness.kind].values())
     every_state = harness.kind not in NEW_KINDS and random_trials >= EVERY_STATE_TRIALS
-    while every_state and harness.tally.trials["random top-up"] < TOP_UP_TRIALS:
-        missing = sorted(
-            reachable - set(harness.tally.landed) - set(harness.tally.landed_widened), key=PROTOCOL_ORDER.index
-        )
+    while harness.tally.trials["random top-up"] < TOP_UP_TRIALS:
+        missing = _missing_landings(harness.tally, reachable, every_state)
         if not missing:
             break
         plain = harness.tally.trials[f"random top-up {missing[0]}"] < PLAIN_TOP_UPS
         harness.tally.trials["random top-up"] += 1
         harness.tally.trials[f"random top-up {missing[0]}"] += 1
-        if plain or missing[0] not in ENTERED_AT:
+        if missing[0] == "completed" and not plain:
+            # After the attempt, whatever its speed under load: a kill that finds it gone (it is a landing too).
+            delay = 3 * statistics.median(harness.durations) + 1.0
+            drawn.append((delay / statistics.median(harness.durations), harness.trial(index, kill_after=delay)))
+        elif plain or missing[0] not in ENTERED_AT:
             delay = harness.boundary_delay(rng, missing[0], drawn)
             share = delay / statistics.median(harness.durations)
             drawn.append((share, harness.trial(index, kill_after=delay)))
@@ -782,13 +784,14 @@ def test_sigkill_at_random_moments_on_every_destination_never_duplicates_tears_o
     widened = set(harness.tally.landed_widened)
     if harness.kind in NEW_KINDS:
         # Their few trials spread the kills over at least two moments of the protocol (which ones depends on the
-        # machine's speed: CI saw Delta's 10 kills all land before its commit finished, before they were stratified);
-        # the named-point test kills at each state for certain.
-        assert len(landed & reachable) >= 2, (
+        # machine's speed: CI saw Delta's 10 kills all land before its commit finished, before they were stratified,
+        # and GCS's 10 land before the claim or after the commit; the top-ups then draw inside); the named-point test
+        # kills at each state for certain.
+        assert len((landed | widened) & reachable) >= 2, (
             f"random kills should land at more than one moment of the protocol: {dict(harness.tally.landed)}"
         )
     elif not every_state:
-        assert "completed" in landed and landed & (reachable - {"completed"}), (
+        assert "completed" in landed | widened and (landed | widened) & (reachable - {"completed"}), (
             f"random kills should land inside the protocol and after it: {dict(harness.tally.landed)}"
         )
     else:
@@ -798,6 +801,20 @@ def test_sigkill_at_random_moments_on_every_destination_never_duplicates_tears_o
             f"random kills should land in every state the protocol passes through ({sorted(reachable)}): "
             f"{dict(harness.tally.landed)}, widened {dict(harness.tally.landed_widened)}"
         )
+
+
+def _missing_landings(tally: Tally, reachable: set[str], every_state: bool) -> list[str]:
+    """The states the random kills must still reach, first in protocol order: every reachable one (``every_state``),
+    else ``completed`` (a kill after the attempt) and one inside the protocol. Under CI's load a few dozen draws have
+    missed each of those (PostgreSQL's 30 kills all before the commit, GCS's 10 all before the claim or after it)."""
+    got = set(tally.landed) | set(tally.landed_widened)
+    if every_state:
+        return sorted(reachable - got, key=PROTOCOL_ORDER.index)
+    inside = reachable - {"completed"}
+    missing = [] if "completed" in got else ["completed"]
+    if not got & inside:
+        missing.append(min(inside, key=PROTOCOL_ORDER.index))
+    return sorted(missing, key=PROTOCOL_ORDER.index)
 
 
 @pytest.mark.slow

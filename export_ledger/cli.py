@@ -1282,7 +1282,7 @@ def _table(
     column (a logical key, which operators copy) is never wrapped unless ``keep_first`` is False. ``under``: lines to
     print under each row, after all of its own (however many its cells wrapped to)."""
     headers = list(headers)
-    cells = [["-" if value is None else _printable(str(value)) for value in row] for row in rows]
+    cells = _cells(rows)
     width, dropped = _terminal_width(), []
     for name in droppable:
         if sum(_floors(headers, cells, keep_first)[1]) + 2 * (len(headers) - 1) <= width:
@@ -1306,6 +1306,11 @@ def _table(
     return "\n".join(lines)
 
 
+def _cells(rows: Sequence[Sequence[object]]) -> list[list[str]]:
+    """A table's cells as printed: ``-`` for nothing, control characters made visible."""
+    return [["-" if value is None else _printable(str(value)) for value in row] for row in rows]
+
+
 #: The narrowest a table's last column of prose may be; narrower, it goes under each row instead.
 _NOTE_WIDTH = 40
 
@@ -1317,7 +1322,7 @@ def _with_notes(headers: Sequence[str], rows: Sequence[Sequence[object]], title:
     operator reads first). A note is never broken inside a word or at a hyphen (a command in it stays whole words)."""
     width = _terminal_width()
     headers = list(headers)
-    cells = [["-" if value is None else _printable(str(value)) for value in row] for row in rows]
+    cells = _cells(rows)
     printable = [_printable(note) for note in notes]
     widths = _fitted([*headers, title], [[*row, note] for row, note in zip(cells, printable, strict=True)], width)
     if widths[-1] >= _NOTE_WIDTH:

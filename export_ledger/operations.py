@@ -10,6 +10,7 @@ operation given one uses its declared exports and destinations instead of guessi
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import os
 import re
 import shlex
@@ -202,15 +203,21 @@ def dagster_program(cwd: Path | None = None) -> str:
     """The ``dagster`` a printed command runs: the one installed beside this interpreter (the virtualenv of
     ``export-ledger`` itself). Written ``dagster`` when that is the one the shell's PATH finds; otherwise as its path,
     relative to the working directory when it lies below it (``.venv/bin/dagster``), so that a command pasted into a
-    shell that never activated the virtualenv runs the same Dagster and code instead of failing or finding another."""
-    beside = Path(sys.executable).parent / "dagster"
+    shell that never activated the virtualenv runs the same Dagster and code instead of failing or finding another.
+    Looked up once per interpreter, PATH and working directory (a listing prints one per escalation)."""
+    return _dagster_program(sys.executable, os.environ.get("PATH"), (cwd or Path.cwd()).absolute())
+
+
+@functools.lru_cache(maxsize=8)
+def _dagster_program(executable: str, path: str | None, cwd: Path) -> str:
+    beside = Path(executable).parent / "dagster"
     if not beside.is_file():
         return "dagster"  # not a virtualenv's layout (or not installed beside it): the shell's own
-    found = shutil.which("dagster")
+    found = shutil.which("dagster", path=path)
     if found is not None and Path(found).absolute() == beside.absolute():
         return "dagster"
     try:
-        relative = beside.absolute().relative_to((cwd or Path.cwd()).absolute())
+        relative = beside.absolute().relative_to(cwd)
     except ValueError:
         return str(beside.absolute())
     return str(relative) if len(relative.parts) > 1 else f"./{relative}"

@@ -129,12 +129,10 @@ def examine_many(places: Mapping[str, Destination], work: Sequence[tuple[ExportR
                     examine(destination, record, claim, read)
                     for (record, claim), read in zip(items, reads, strict=True)
                 ]
-            try:
-                destination.sync()
-            except Exception as exc:  # noqa: BLE001 - a failed sync is each key's unknown, never the tick's end
-                why = f"its fence could not be made durable: {safe_message(exc)}"
+            failed = _sync_failure(destination)
+            if failed is not None:
                 judged = [
-                    f if f.verdict is Verdict.UNREACHABLE else replace(f, verdict=Verdict.UNREACHABLE, detail=why,
+                    f if f.verdict is Verdict.UNREACHABLE else replace(f, verdict=Verdict.UNREACHABLE, detail=failed,
                                                                         evidence=None)
                     for f in judged
                 ]  # fmt: skip
@@ -154,7 +152,8 @@ def _prepared(destination: PublishingDestination, record: ExportRecord, claim: C
 
 
 def _sync_failure(destination: PublishingDestination) -> str | None:
-    """Makes the prepared fences' bytes durable; why it failed (None: it did not)."""
+    """Makes what the batch wrote so far durable (its prepared fences' bytes, then its renames); why that failed
+    (None: it did not)."""
     try:
         destination.sync()
     except Exception as exc:  # noqa: BLE001 - a failed sync is each key's unknown, never the tick's end

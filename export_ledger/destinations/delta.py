@@ -712,14 +712,10 @@ class DeltaDestination(PublishingDestination):
             fence=pointer.fence,
         )
 
-    def prepare_fence(self, target: ExportTarget, token: int, *, logical_key: str) -> Pointer | None:
-        """Nothing to prepare: a fence is a commit to the table, durable when Delta acknowledges it."""
-        return None
-
-    def fence(self, target: ExportTarget, token: int, *, logical_key: str, read: Pointer | None = None) -> Pointer:
+    def fence(self, target: ExportTarget, token: int, *, logical_key: str) -> Pointer:
         """Raises ``K#fence`` to ``token`` with an empty commit, made from the table version read: Delta rebases it
         over other keys' commits, and refuses it over one that carries ``K#fence`` (a fence or commit of this key).
-        ``read`` is not used: the fence reads the table version it commits from."""
+        Nothing is prepared for it (:meth:`prepare_fence`): a commit to the table is durable when acknowledged."""
         deltalake = _deltalake()
         self.check_conditions(target.export)  # no commit goes to a store that ignores If-None-Match
         for _ in range(_ROUNDS):

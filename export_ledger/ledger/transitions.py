@@ -214,13 +214,7 @@ def apply(
 
     ``states`` narrows ``from_states`` to the state a caller read (reconciliation acts on what it examined).
     """
-    states = transition.from_states if states is None else states
-    if not states or not set(states) <= set(transition.from_states):
-        raise InvalidTransition(f"{transition.name} does not start from {[s.value for s in states]}")
-    if transition.owner_guard and owner is None:
-        raise InvalidTransition(f"{transition.name} needs the party that holds the lease")
-    if transition.expired_guard and now is None:
-        raise InvalidTransition(f"{transition.name} needs the ledger's time to check the lease")
+    states = _guarded_states(transition, states, owner, now)
     parameters = {
         "g_key": logical_key,
         "g_states": [s.value for s in states],
@@ -235,6 +229,21 @@ def apply(
     if returning:
         return conn.execute(_returning(transition), parameters).first()
     return conn.execute(transition.statement, parameters).rowcount == 1
+
+
+def _guarded_states(
+    transition: Transition, states: tuple[ExportState, ...] | None, owner: str | None, now: dt.datetime | None
+) -> tuple[ExportState, ...]:
+    """The states a move of ``transition`` starts from (``states`` narrows them), once its guards have what they
+    need: the party that holds the lease, the ledger's time."""
+    states = transition.from_states if states is None else states
+    if not states or not set(states) <= set(transition.from_states):
+        raise InvalidTransition(f"{transition.name} does not start from {[s.value for s in states]}")
+    if transition.owner_guard and owner is None:
+        raise InvalidTransition(f"{transition.name} needs the party that holds the lease")
+    if transition.expired_guard and now is None:
+        raise InvalidTransition(f"{transition.name} needs the ledger's time to check the lease")
+    return tuple(states)
 
 
 @functools.lru_cache(maxsize=None)
@@ -293,15 +302,8 @@ def apply_many(conn: Connection, moves: Sequence[Move], *, now: dt.datetime | No
         return moved
     groups: dict[tuple, list[Move]] = {}
     for move in ordered:
-        transition = move.transition
-        states = transition.from_states if move.states is None else move.states
-        if not states or not set(states) <= set(transition.from_states):
-            raise InvalidTransition(f"{transition.name} does not start from {[s.value for s in states]}")
-        if transition.owner_guard and move.owner is None:
-            raise InvalidTransition(f"{transition.name} needs the party that holds the lease")
-        if transition.expired_guard and now is None:
-            raise InvalidTransition(f"{transition.name} needs the ledger's time to check the lease")
-        groups.setdefault((transition, tuple(states), tuple(sorted(move.values))), []).append(move)
+        states = _guarded_states(move.transition, move.states, move.owner, now)
+        groups.setdefault((move.transition, states, tuple(sorted(move.values))), []).append(move)
     if not groups:
         return moved
     if dialect == "sqlite":

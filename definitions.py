@@ -107,7 +107,7 @@ def invoice_source_from(env: Mapping[str, str]) -> InvoiceSource:
     return SqlInvoiceSource(url=sql["EXPORTS_SOURCE_URL"], table=sql["EXPORTS_SOURCE_TABLE"])
 
 
-#: The sample source's switches, to see each partition status from the UI (README: *Each partition's status*).
+#: The sample source's switches, to see each partition status from the UI (docs/ui.md: *See each status yourself*).
 SAMPLE_SWITCHES = ("EXPORTS_SAMPLE_OUTAGE", "EXPORTS_SAMPLE_VOIDED")
 
 

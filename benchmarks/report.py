@@ -1,11 +1,12 @@
 """Renders a results file of ``python -m benchmarks.run`` as Markdown: the run's facts, every target, every table.
 
     python -m benchmarks.report benchmarks/RESULTS.json > /tmp/figures.md
-    python -m benchmarks.report benchmarks/RESULTS.json --write benchmarks/RESULTS.md --write README.md
+    python -m benchmarks.report benchmarks/RESULTS.json --write benchmarks/RESULTS.md --write docs/benchmarks.md
 
 ``--write FILE`` replaces what stands between the lines ``<!-- benchmarks.report: full -->`` (or ``: targets``) and
 ``<!-- benchmarks.report: end -->`` in FILE with the whole report (or its facts and targets only), so that
-RESULTS.md and the README's table are the run's figures, not a transcription. A file without those lines is refused.
+RESULTS.md and the table of docs/benchmarks.md are the run's figures, not a transcription. A file without those lines
+is refused.
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ from export_ledger.sources import CallableSource, ExportSource, SqlSource, Unusa
 from export_ledger.spec import ExportSpec
 from export_ledger.tenants import Tenant, TenantGroup
 
-__version__ = "0.5.0"
+__version__ = "0.6.0"
 
 __all__ = [
     "MANIFEST_NAME",

@@ -38,7 +38,7 @@ from export_ledger.spec import ExportSpec
 
 UTC = dt.timezone.utc
 #: This library as the events' producer, and the names of its custom facets' schemas: URNs, since export-ledger
-#: publishes no URL of its own (the facets are described in this module's docstring and the README).
+#: publishes no URL of its own (the facets are described in this module's docstring and docs/lineage-metrics.md).
 PRODUCER = "urn:export-ledger"
 #: Keys listed per output dataset; the count is exact (every key is in the ledger: ``export-ledger status``).
 LISTED_KEYS = 20

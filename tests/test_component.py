@@ -31,8 +31,8 @@ DAY = "2026-03-08"
 GLOBEX_KEY = "orders/globex/2026-03-07T18:30:00Z"
 ZONED_ASSET = "orders__asia_kolkata"
 
-#: The README's defs.yaml: what the marked test writes into the project ``dg`` made, and the fast tests load. Paths
-#: and secrets come from the environment or the project root, so the same text works in any checkout.
+#: The defs.yaml of docs/component.md: what the marked test writes into the project ``dg`` made, and the fast tests
+#: load. Paths and secrets come from the environment or the project root, so the same text works in any checkout.
 COMPONENT_YAML = """\
 type: export_ledger.dagster.LedgeredExports
 

@@ -156,7 +156,8 @@ def test_each_launcher_config_gives_a_run_worker_every_setting_it_needs_and_one_
 
 
 def test_no_user_facing_file_points_at_a_folder_outside_the_project():
-    user_facing = [*DEPLOY.iterdir(), PROJECT / "pyproject.toml", PROJECT / "README.md", *(PROJECT / "docs").rglob("*")]
+    user_facing = [*DEPLOY.iterdir(), PROJECT / "pyproject.toml", PROJECT / "README.md", PROJECT / "CHANGELOG.md",
+                   PROJECT / "mkdocs.yml", *(PROJECT / "docs").rglob("*")]
     pointing = [
         str(path.relative_to(PROJECT))
         for path in user_facing

@@ -2,7 +2,7 @@
 for a whole frame (on the Arrow path and the pandas path) and for streamed batches; duplicated column names refused
 by name, from a source, in a batch, in a declaration and in an asset's own frame.
 
-The README's table in *What a frame must hold* says what each kind accepts; :data:`KINDS` below checks it."""
+The table in docs/library.md, *What a frame must hold*, says what each kind accepts; :data:`KINDS` below checks it."""
 
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ def _orders(tenant: str, start: dt.datetime, end: dt.datetime) -> pd.DataFrame:
 
 
 class GeneratorSource:
-    """A generator function of batches in file order, as the README documents for ``stream_rows``; it counts its
+    """A generator function of batches in file order, as docs/library.md documents for ``stream_rows``; it counts its
     reads (a read is the generator's body running)."""
 
     def __init__(self) -> None:

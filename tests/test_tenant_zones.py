@@ -324,13 +324,13 @@ def test_a_thousand_tenants_in_forty_zones_make_forty_assets(tmp_path):
     assert len({s.name for s in defs.schedules}) == 40
 
 
-def _readme_zones_example() -> str:
-    section = (PROJECT / "README.md").read_text().split("## Tenants in their own timezones", 1)[1]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+def _docs_zones_example() -> str:
+    page = (PROJECT / "docs" / "tenants.md").read_text()
+    return re.search(r"```python\n(.*?)```", page, re.S).group(1)
 
 
-def test_the_readme_three_zone_example_is_the_example_file():
-    assert _readme_zones_example() == (PROJECT / "examples" / "three_zones.py").read_text()
+def test_the_docs_three_zone_example_is_the_example_file():
+    assert _docs_zones_example() == (PROJECT / "examples" / "three_zones.py").read_text()
 
 
 @pytest.mark.process

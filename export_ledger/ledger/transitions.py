@@ -56,7 +56,7 @@ class Transition:
         claims: How ``claim_count`` (export claims since the last resolution or request) moves: ``keep``, ``add``
             (one more export claim), ``one`` (the first claim of a restatement) or ``reset`` (an operator restored
             the automatic reruns).
-        guard: The rule in words, for the README and for errors.
+        guard: The rule in words, for the docs and for errors.
     """
 
     name: str
@@ -172,7 +172,7 @@ MARK_REMOTE_UNKNOWN = Transition(
 )
 MARK_CONFLICT = Transition("mark conflict", (S.IN_PROGRESS,), S.CONFLICT, AttemptOutcome.CONFLICT, owner_guard=True)
 
-#: Every transition of a key, in the order a key usually meets them (the README's state table is written from this).
+#: Every transition of a key, in the order a key usually meets them (docs/ledger.md's states are written from this).
 TRANSITIONS = (
     CLAIM_FIRST,
     CLAIM_RETRY,

@@ -32,6 +32,13 @@ def due_at(spec: ExportSpec, tenant: str, day: dt.date) -> dt.datetime | None:
     return dt.datetime.combine(following, at, tzinfo=zone).astimezone(dt.UTC)
 
 
+def with_late(late: Sequence[Escalation], escalations: Sequence[Escalation], limit: int) -> list[Escalation]:
+    """The first ``limit`` keys waiting for a person: the late ones first, then the ledger's other escalations (a key
+    that is both is listed once, where the ledger puts it, with the ledger's reason)."""
+    listed = {e.logical_key for e in escalations}
+    return [*(e for e in late if e.logical_key not in listed), *escalations][:limit]
+
+
 def late_keys(
     ledger: ExportLedger,
     exports: Sequence[ExportSpec],

@@ -20,9 +20,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from export_ledger.calendar import ExportCalendar, ZoneMove
 from export_ledger.destinations import Destination, destination_from
 from export_ledger.drift import DriftReport, LookbackGap, beyond_lookback, drift_pass
-from export_ledger.errors import ExportLedgerError
+from export_ledger.errors import ConfigurationError, ExportLedgerError
 from export_ledger.ledger import ExportLedger, ExportRecord, ExportState, Restatement, RestatementRefused
 from export_ledger.ledger.attention import Escalation
 from export_ledger.ledger.contracts import Acceptance
@@ -446,19 +447,29 @@ def accept_contract(
     operator: str,
     tenant: str | None = None,
     exported: str | None = None,
-    calendar: Mapping | None = None,
+    timezone: str | None = None,
+    start_date: dt.date | None = None,
+    moves: Sequence[ZoneMove] = (),
 ) -> Acceptance:
-    """Accepts the contract each open refusal of ``export`` (``tenant``'s) names, or the ``calendar`` given (the
-    terms in force kept); with ``exported="restate"`` the restatement of every key already exported is requested in
-    the same transaction (:meth:`~export_ledger.ledger.contracts.Contracts.accept_refused`).
+    """Accepts the contract each open refusal of ``export`` (``tenant``'s) names, or the calendar declared by
+    ``timezone``, ``start_date`` and ``moves`` (the terms in force kept); with ``exported="restate"`` the restatement
+    of every key already exported is requested in the same transaction
+    (:meth:`~export_ledger.ledger.contracts.Contracts.accept_refused`).
 
     Raises:
-        UsageRefused: an export-wide calendar for an export whose tenants are in other zones.
+        UsageRefused: half a calendar (a zone without a start date, or moves without a zone), a calendar that is not
+            one, or an export-wide calendar for an export whose tenants are in other zones.
         ValueError, ContractChanged, LedgerError: as the ledger's acceptance says.
     """
     require_export(ledger, export)
-    if calendar is None:
+    if (timezone is None) != (start_date is None) or (moves and timezone is None):
+        raise UsageRefused("--timezone and --start-date go together (with --move): they declare a calendar")
+    if timezone is None:
         return ledger.contracts.accept_refused(export, reason, tenant=tenant, operator=operator, exported=exported)
+    try:
+        calendar = ExportCalendar(timezone=timezone, start_date=start_date.isoformat(), moves=tuple(moves)).contract()
+    except ExportLedgerError as exc:
+        raise UsageRefused(str(exc)) from None
     if tenant is None:
         zone = calendar.get("timezone")
         elsewhere = sorted(t for t, c in ledger.contracts.tenant_contracts(export).items() if c["timezone"] != zone)
@@ -480,6 +491,14 @@ class Drifted:
     report: DriftReport
     without_source: list[str]
     beyond: LookbackGap
+    #: Whether an export's source cannot be used in this process (its keys were left unchecked too).
+    unusable: bool = False
+
+    @property
+    def unresolved(self) -> bool:
+        """Keys left unchecked: by the pass, or because their export's source cannot be used here. A declared
+        asset's rows, never a source of their own, do not count: there is nothing to read again, by design."""
+        return bool(self.report.unchecked) or self.unusable
 
 
 def drift_once(
@@ -516,7 +535,54 @@ def drift_once(
         for spec in specs
         if not readable(spec.source)
     ]
-    return Drifted(report, without, beyond_lookback(ledger, specs, lookback_days=lookback_days, now=now))
+    unusable = any(isinstance(spec.source, UnusableSource) for spec in specs)
+    return Drifted(report, without, beyond_lookback(ledger, specs, lookback_days=lookback_days, now=now), unusable)
+
+
+def load_specs(references: Sequence[str]) -> list[ExportSpec]:
+    """The declared exports that ``module:attribute`` references name (each an ExportSpec or a list of them), the
+    working directory importable as ``python -m`` makes it.
+
+    Raises:
+        UsageRefused: a reference that is not ``module:attribute``, names nothing, names a Definitions (a code location
+            is named with -f/-m) or something other than ExportSpecs, or an export declared twice.
+        ConfigurationError: a module that cannot be imported.
+    """
+    import importlib
+
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    specs: list[ExportSpec] = []
+    for reference in references:
+        module_name, _, attribute = reference.partition(":")
+        if not module_name or not attribute:
+            raise UsageRefused(
+                f"--specs {reference!r}: expected module:attribute, e.g. examples.shop_definitions:orders"
+            )
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as exc:
+            raise ConfigurationError(
+                f"--specs {reference!r}: cannot import {module_name}: {type(exc).__name__}: {exc}"
+            ) from None
+        if not hasattr(module, attribute):
+            raise UsageRefused(f"--specs {reference!r}: module {module_name} has no attribute {attribute!r}")
+        value = getattr(module, attribute)
+        if type(value).__name__ == "Definitions":  # a code location (a @record, a tuple that refuses iteration)
+            raise UsageRefused(
+                f"--specs {reference!r} is a Definitions: name a code location with -f FILE or -m MODULE "
+                f"[-a ATTRIBUTE] instead (e.g. -m {module_name} -a {attribute})"
+            )
+        found = [value] if isinstance(value, ExportSpec) else list(value) if isinstance(value, list | tuple) else None
+        if found is None or not all(isinstance(item, ExportSpec) for item in found):
+            raise UsageRefused(
+                f"--specs {reference!r} is a {type(value).__name__}; expected an ExportSpec or a list of them"
+            )
+        specs.extend(found)
+    names = [spec.name for spec in specs]
+    if len(set(names)) != len(names):
+        raise UsageRefused(f"--specs declares an export twice: {sorted({n for n in names if names.count(n) > 1})}")
+    return specs
 
 
 __all__ = [
@@ -533,6 +599,7 @@ __all__ = [
     "destination_for",
     "key_destination",
     "drift_once",
+    "load_specs",
     "publish_commands",
     "shell_problems",
     "dagster_program",

@@ -406,6 +406,18 @@ CASES = [
         2,
         "--reason must say why",
     ),
+    cli_case(
+        "accept-contract-zone-without-start",
+        ["accept-contract", "--export", "invoice_export", "--timezone", "UTC", "--reason", "moved"],
+        2,
+        "--timezone and --start-date go together",
+    ),
+    cli_case(
+        "accept-contract-move-without-zone",
+        ["accept-contract", "--export", "invoice_export", "--move", "2026-03-01:UTC", "--reason", "moved"],
+        2,
+        "--timezone and --start-date go together",
+    ),
     cli_case("attempts-path-as-key", ["attempts", "../../etc/passwd"], 1, "unknown logical key '../../etc/passwd'"),
     # configuration
     config_case("lease-zero", {"EXPORTS_LEASE_TTL_SECONDS": "0"}, "EXPORTS_LEASE_TTL_SECONDS", "'0'"),

@@ -420,6 +420,33 @@ def test_a_sqlite_file_that_is_not_a_ledger_is_refused_and_left_untouched(capsys
     assert stray.read_bytes() == b"", "the CLI must not add ledger tables to another database"
 
 
+@pytest.mark.parametrize("argv", [["reconcile"], ["prune", "--older-than", "30", "--yes"]])
+def test_a_command_that_writes_refuses_a_sqlite_file_that_is_not_a_ledger_and_leaves_it_untouched(
+    capsys, tmp_path, argv
+):
+    """Guard: an operator's command opens the ledger with ``create=False``; opened as runs open it, the CLI would make
+    the stray file a new, empty ledger."""
+    stray = tmp_path / "notes.sqlite3"
+    stray.write_bytes(b"")
+
+    code, _, err = run(capsys, "--ledger-url", f"sqlite:///{stray}", *argv)
+
+    assert code == 1
+    assert_one_error_line(err, str(stray), "not an export ledger", "never creates")
+    assert stray.read_bytes() == b"", "the CLI must not add ledger tables to another database"
+
+
+@pytest.mark.postgres
+def test_a_command_that_writes_creates_nothing_in_an_empty_postgres_database(postgres_url, capsys):
+    import sqlalchemy as sa
+
+    code, _, err = run(capsys, "--ledger-url", postgres_url, "reconcile")
+
+    assert code == 1
+    assert_one_error_line(err, "not an export ledger")
+    assert sa.inspect(sa.create_engine(postgres_url)).get_table_names() == [], "no table created by an operator"
+
+
 def test_an_in_memory_sqlite_url_is_refused(capsys):
     code, _, err = run(capsys, "--ledger-url", "sqlite://", "status")
 

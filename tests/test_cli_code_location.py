@@ -15,6 +15,7 @@ import pytest
 from builders import evidence_for, key_for
 
 from export_ledger import cli
+from export_ledger.cli import render
 from export_ledger.ledger import ExportLedger
 from export_ledger.operations import KEY_FORM
 
@@ -103,6 +104,25 @@ def test_reconcile_with_a_code_location_prints_reruns_in_it(capsys, shop):
     ]  # fmt: skip
 
 
+def _unusable_location(shop, tmp_path: Path) -> str:
+    """The shop's code location with its source unusable in this process (a setting missing here)."""
+    unusable = LOCATION.replace(
+        "source=lambda tenant, start, end: pd.DataFrame()",
+        "source=UnusableSource('the orders source cannot be used here: set SHOP_DB_URL')",
+    ).replace("from export_ledger import ExportSpec", "from export_ledger import ExportSpec, UnusableSource")
+    (tmp_path / "unusable_location.py").write_text(unusable.format(
+        url=str(shop[0].url), destination=str(tmp_path / "exports")))  # fmt: skip
+    return "unusable_location.py"
+
+
+def test_drift_with_a_source_that_cannot_be_used_here_says_so_and_exits_1(capsys, shop, tmp_path):
+    """Its keys were not checked, so a script must not read the pass as clean. Guard: ``Drifted.unusable``."""
+    code, out, err = run(capsys, "drift", "-f", _unusable_location(shop, tmp_path))
+
+    assert code == 1, (out, err)
+    assert "not checked, no source to read again here: orders (the orders source cannot be used here: set " in out
+
+
 def test_printed_commands_say_what_this_shell_lacks_to_run_them_as_the_code_locations_runs_do(
     capsys, shop, monkeypatch, tmp_path
 ):
@@ -110,15 +130,10 @@ def test_printed_commands_say_what_this_shell_lacks_to_run_them_as_the_code_loca
     is recorded in a temporary instance the UI never shows, and a source this environment cannot read fails the run.
     Both are said under the commands (the settings named, never a value); a shell that has them gets no note."""
     _, completed, _ = shop
-    unusable = LOCATION.replace(
-        "source=lambda tenant, start, end: pd.DataFrame()",
-        "source=UnusableSource('the orders source cannot be used here: set SHOP_DB_URL')",
-    ).replace("from export_ledger import ExportSpec", "from export_ledger import ExportSpec, UnusableSource")
-    (tmp_path / "unusable_location.py").write_text(unusable.format(
-        url=str(shop[0].url), destination=str(tmp_path / "exports")))  # fmt: skip
+    location = _unusable_location(shop, tmp_path)
     monkeypatch.delenv("DAGSTER_HOME", raising=False)
 
-    code, out, err = run(capsys, "reconcile", "-f", "unusable_location.py")
+    code, out, err = run(capsys, "reconcile", "-f", location)
 
     assert code == 0, err
     notes = [line for line in out.splitlines() if line.startswith("(before running the dagster commands here: ")]
@@ -287,7 +302,7 @@ def test_a_why_goes_under_every_line_of_a_row_that_wraps(monkeypatch):
     rows = [("k" * 40, "never claimed", None, "2026-12-03T11:22:01Z"), ("j" * 40, "failed", 3, "2026-12-03T11:22:01Z")]
     notes = ["first " * 20, "second " * 20]
 
-    lines = cli._with_notes(("LOGICAL KEY", "STATE", "CLAIMS", "SINCE"), rows, "WHY", notes).splitlines()
+    lines = render.with_notes(("LOGICAL KEY", "STATE", "CLAIMS", "SINCE"), rows, "WHY", notes).splitlines()
 
     first, second = lines.index(next(line for line in lines if line.startswith("k"))), None
     second = lines.index(next(line for line in lines if line.startswith("j")))

@@ -13,7 +13,7 @@ from pipeline_helpers import check_evaluations, make_defs, run_partition, tick
 
 from export_ledger import ConfigurationError, ExportSpec, cli
 from export_ledger.dagster import declared_exports
-from export_ledger.deadlines import due_at, late_keys
+from export_ledger.deadlines import due_at, late_keys, with_late
 from resources.invoices import SampleInvoiceSource
 
 UTC = dt.UTC
@@ -133,3 +133,22 @@ def test_a_tick_with_ten_late_keys_or_more_still_succeeds_and_names_ten(tmp_path
     assert not stuck.passed and stuck.metadata["stuck_keys"].value >= 10
     (line,) = [r.getMessage() for r in first.logs if "need attention" in r.getMessage()]
     assert line.count("late: due at 06:00") == 10, line
+
+
+def test_late_keys_come_first_and_a_key_both_late_and_escalated_is_listed_once_with_the_ledgers_reason():
+    """:func:`with_late`, shared by the CLI, the reconciliation sensor and ``no_stuck_exports``. Guard: a plain
+    concatenation lists the failed key twice."""
+    from export_ledger.ledger import Escalation
+
+    def escalation(key: str, why: str) -> Escalation:
+        return Escalation("orders", key, "UTC", f"orders/{key}/2026-03-08T00:00:00Z", "failed", None, why, None, None)
+
+    late = [escalation("acme", "late"), escalation("globex", "late")]
+    escalated = [escalation("globex", "failed 3 times"), escalation("initech", "conflict")]
+
+    listed = with_late(late, escalated, limit=10)
+
+    assert [(e.tenant, e.why) for e in listed] == [
+        ("acme", "late"), ("globex", "failed 3 times"), ("initech", "conflict"),
+    ]  # fmt: skip
+    assert [e.tenant for e in with_late(late, escalated, limit=2)] == ["acme", "globex"]

@@ -18,7 +18,7 @@ from dagster._core.definitions.asset_checks.asset_check_evaluation import (  # t
 from export_ledger.calendar import ExportCalendar, utc_iso
 from export_ledger.dagster.io_manager import LISTED_KEYS, status_command
 from export_ledger.dagster.resources import LEDGER_KEY
-from export_ledger.deadlines import due_at, late_keys
+from export_ledger.deadlines import due_at, late_keys, with_late
 from export_ledger.destinations import Destination, DestinationUnreachable, Verdict, place_of_location
 from export_ledger.drift import describe
 from export_ledger.errors import CalendarError
@@ -391,7 +391,7 @@ def stuck_evaluation(
     summary = ledger.attention.summary(stuck_after, max_attempts=max_attempts, exports=[spec.name])
     count, listed = asset_groups(spec, summary)[asset_name]
     late = late_by_asset(spec, late_keys(ledger, [spec], limit=LISTED_KEYS)).get(asset_name, [])
-    listed = (late + listed)[:LISTED_KEYS]
+    listed = with_late(late, listed, LISTED_KEYS)
     return stuck_check_evaluation(dg.AssetKey(asset_name), count + len(late), listed, stuck_after)
 
 

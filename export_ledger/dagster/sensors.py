@@ -28,7 +28,7 @@ from export_ledger.dagster.checks import (
 from export_ledger.dagster.io_manager import LISTED_KEYS, key_table, status_command
 from export_ledger.dagster.resources import LEDGER_KEY, resource_keys
 from export_ledger.dead_runs import Finding, Watch, judge_runs
-from export_ledger.deadlines import late_keys
+from export_ledger.deadlines import late_keys, with_late
 from export_ledger.errors import CalendarError, ConfigurationError
 from export_ledger.ledger import DEFAULT_MAX_ATTEMPTS, ExportLedger, ExportState, PartitionWork, Restatement
 from export_ledger.reconcile import ReconcileReport, reconcile_batch
@@ -662,10 +662,11 @@ def build_reconciliation_sensor(
             summary = attention.summary(stuck_after, max_attempts=max_attempts, exports=names, cap=ESCALATED_COUNTED)
         checks = []
         if summary.total or late:
-            first = late[:10]
-            if len(first) < 10:  # ten late keys fill the line: no page of the rest is read (a page of 0 is refused)
-                first += attention.needs_attention(stuck_after, max_attempts=max_attempts, exports=names,
-                                                   limit=10 - len(first))  # fmt: skip
+            # Ten late keys fill the line: no page of the rest is read then.
+            escalated = [] if len(late) >= 10 else attention.needs_attention(
+                stuck_after, max_attempts=max_attempts, exports=names, limit=10
+            )  # fmt: skip
+            first = with_late(late, escalated, 10)
             shown = "; ".join(f"{e.name}: {e.why}" for e in first)
             context.log.error(f"{'at least ' if summary.at_least else ''}{summary.total + len(late)} export key(s) "
                               f"need attention (export-ledger status --needs-attention): {shown}")  # fmt: skip
@@ -675,10 +676,9 @@ def build_reconciliation_sensor(
                 late_here = late_by_asset(spec, late)
                 for asset_name, (count, listed) in asset_groups(spec, summary).items():
                     mine = late_here.get(asset_name, [])
+                    listed = with_late(mine, listed, LISTED_KEYS)
                     checks.append(
-                        stuck_check_evaluation(
-                            dg.AssetKey(asset_name), count + len(mine), (mine + listed)[:LISTED_KEYS], stuck_after
-                        )
+                        stuck_check_evaluation(dg.AssetKey(asset_name), count + len(mine), listed, stuck_after)
                     )
 
         cursor = json.dumps(

@@ -53,6 +53,8 @@ class ExportLedger:
         allow_below_low_water: Let first claims below the retention low-water mark through (an operator's explicit
             override after pruning).
         read_only: Open to read only: nothing is created, upgraded or written.
+        create: False for a ledger that must already exist (an operator's command): a database without one, or a
+            SQLite path that names no file, is refused rather than made a new, empty ledger.
 
     Example:
         >>> ledger = ExportLedger("sqlite:///var/ledger.sqlite3")  # doctest: +SKIP
@@ -67,6 +69,7 @@ class ExportLedger:
         clock: Callable[[], dt.datetime] | None = None,
         allow_below_low_water: bool = False,
         read_only: bool = False,
+        create: bool = True,
     ) -> None:
         if lease_ttl <= dt.timedelta(0):
             raise ValueError(f"lease_ttl must be positive, got {lease_ttl}")
@@ -75,7 +78,7 @@ class ExportLedger:
         self.allow_below_low_water = allow_below_low_water
         self.read_only = read_only
         self._clock = clock
-        self._engine = ledger_engine(url, read_only=read_only)
+        self._engine = ledger_engine(url, read_only=read_only, create=create)
 
     # -- what every concern shares ---------------------------------------------------------------------------
 

@@ -152,15 +152,19 @@ def _engine(url: str, *, make_folder: bool) -> Engine:
     return engine
 
 
-def ledger_engine(url: str, *, read_only: bool = False) -> Engine:
+def ledger_engine(url: str, *, read_only: bool = False, create: bool = True) -> Engine:
     """One engine per URL per process.
 
     To write (the default), the schema is created on an empty database; an older schema is refused, naming the
     command that upgrades it, and so is a newer one. To read, nothing is created or changed: a database without a
     ledger, or with a newer schema than this release knows, is refused with a message; an older one reads as it is.
+    ``create=False`` (an operator's command) refuses to write into a database that holds no ledger too, and a SQLite
+    URL that names no existing file before anything is opened: a mistyped path is never left behind as a new ledger.
     """
+    if not create:
+        _require_existing_file(url)
     with _engines_lock:
-        engine = _engine(url, make_folder=not read_only)
+        engine = _engine(url, make_folder=create and not read_only)
         if url in _ready:
             return engine
         with unavailable_as_error(url):
@@ -170,11 +174,12 @@ def ledger_engine(url: str, *, read_only: bool = False) -> Engine:
                 f"the ledger at {redact_url(url)!r} has schema version {version}, newer than this release of "
                 f"export-ledger supports ({SCHEMA_VERSION}); upgrade export-ledger"
             )
+        if version == 0 and (read_only or not create):
+            raise LedgerUnavailable(
+                f"{redact_url(url)!r} is not an export ledger: it holds no export ledger tables (no export_runs "
+                f"table), and {'a read' if read_only else 'this command'} never creates them"
+            )
         if read_only:
-            if version == 0:
-                raise LedgerUnavailable(
-                    f"{redact_url(url)!r} holds no export ledger (no export_runs table); a read never creates one"
-                )
             return engine  # an older schema reads as it is: upgrades only add
         if version == 0:
             with unavailable_as_error(url):
@@ -187,6 +192,22 @@ def ledger_engine(url: str, *, read_only: bool = False) -> Engine:
             )
         _ready.add(url)
         return engine
+
+
+def _require_existing_file(url: str) -> None:
+    """Refuses a SQLite URL that names no existing file, before any connection would create it (a server's database
+    is checked by its schema instead)."""
+    try:
+        parsed = database_url(url, what="ledger URL")  # a plain path is a SQLite file, as in EXPORTS_LEDGER_URL
+    except ConfigurationError as exc:  # its message names the URL redacted, never its password
+        raise LedgerUnavailable(f"{exc} (for example sqlite:///var/ledger.sqlite3 or ./var/ledger.sqlite3)") from None
+    if parsed.get_backend_name() != "sqlite":
+        return
+    if parsed.database in (None, "", ":memory:"):
+        raise LedgerUnavailable("an in-memory SQLite URL holds no ledger; name the ledger's file instead")
+    path = Path(parsed.database).expanduser()
+    if not path.is_file():
+        raise LedgerUnavailable(f"no ledger at {path}: the SQLite file does not exist, and it is not created here")
 
 
 class unavailable_as_error:

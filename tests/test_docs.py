@@ -84,3 +84,20 @@ def test_every_docs_page_is_in_the_site_navigation():
     nav = (PROJECT / "mkdocs.yml").read_text().split("\nnav:", 1)[1]
     listed = set(re.findall(r":\s*([\w-]+\.md)\s*$", nav, flags=re.M))
     assert listed == {page.name for page in (PROJECT / "docs").glob("*.md")}
+
+
+WALK_STEP = re.compile(r"`(export_ledger/[\w/]+\.py):(\d+)` `(\w+)`")
+
+
+def test_every_step_of_the_walk_names_the_line_its_function_is_defined_on():
+    """docs/walk.md names each function of one export with its file and line: an edit that moves one makes this fail,
+    naming the step, so that the page is mended with the code."""
+    steps = WALK_STEP.findall((PROJECT / "docs" / "walk.md").read_text())
+    assert len(steps) >= 20, "the walk names each function it goes through"
+    wrong = []
+    for path, line, name in steps:
+        source = (PROJECT / path).read_text().splitlines()
+        if not re.match(rf"\s*def {name}\(", source[int(line) - 1]):
+            defined = [n for n, text in enumerate(source, 1) if re.match(rf"\s*def {name}\(", text)]
+            wrong.append(f"{path}:{line} {name} (defined on line(s) {defined})")
+    assert wrong == []

@@ -131,28 +131,61 @@ def _azurite_binary() -> Path:
 
     Under a file lock: with ``pytest -n`` every worker starts its own server, and a worker that looked while another
     was installing saw a half-written package (its script not yet executable) or ran a second npm into the same folder.
+    An install counts once Azurite has answered ``--version`` with its version (a marker file says so): one that was
+    interrupted (a first test run stopped with Ctrl-C during npm's download) is made again, never started half-made.
     """
     folder = Path(os.environ.get("EXPORTS_TEST_AZURITE_DIR") or Path.home() / ".cache" / "export-ledger" / "azurite")
     binary = folder / "node_modules" / ".bin" / "azurite-blob"
+    verified = folder / f".verified-{AZURITE_VERSION}"
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / ".install.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if os.access(binary, os.X_OK):
+        if verified.is_file() and os.access(binary, os.X_OK):
             return binary
-        npm = shutil.which("npm")
-        if npm is None:
-            _unavailable("npm is not installed: Azurite cannot be had (Node.js 20 and npm)")
-        try:
-            done = subprocess.run(
-                [npm, "install", "--no-audit", "--no-fund", "--prefix", str(folder), f"azurite@{AZURITE_VERSION}"],
-                capture_output=True, text=True, timeout=300,
-            )  # fmt: skip
-        except subprocess.TimeoutExpired:
-            _unavailable(f"npm install azurite@{AZURITE_VERSION} took over 300 s (is the npm registry reachable?)")
-        if done.returncode != 0 or not os.access(binary, os.X_OK):
-            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-            _unavailable(f"npm install azurite@{AZURITE_VERSION} failed (is the npm registry reachable?): {tail}")
+        _require_node()
+        if _azurite_version(binary) != AZURITE_VERSION:
+            shutil.rmtree(folder / "node_modules", ignore_errors=True)  # what an interrupted install left, if anything
+            _npm_install(folder)
+            found = _azurite_version(binary)
+            if found != AZURITE_VERSION:
+                _unavailable(f"npm installed azurite@{AZURITE_VERSION} into {folder}, but it answers {found!r}")
+        verified.write_text(f"azurite-blob --version answered {AZURITE_VERSION}\n")
         return binary
+
+
+def _require_node() -> None:
+    """Azurite 3.37 needs Node.js 20 or newer: an older one installs it, then fails at every start."""
+    node = shutil.which("node")
+    if node is None or shutil.which("npm") is None:
+        _unavailable("Node.js and npm are not installed: Azurite cannot be had (Node.js 20 or newer, and npm)")
+    version = subprocess.run([node, "--version"], capture_output=True, text=True, timeout=30).stdout.strip()
+    major = version.lstrip("v").partition(".")[0]
+    if not major.isdigit() or int(major) < 20:
+        _unavailable(f"Azurite {AZURITE_VERSION} needs Node.js 20 or newer; this machine's node is {version!r}")
+
+
+def _azurite_version(binary: Path) -> str | None:
+    if not os.access(binary, os.X_OK):
+        return None
+    try:
+        done = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _npm_install(folder: Path) -> None:
+    try:
+        done = subprocess.run(
+            [shutil.which("npm"), "install", "--no-audit", "--no-fund", "--prefix", str(folder),
+             f"azurite@{AZURITE_VERSION}"],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        _unavailable(f"npm install azurite@{AZURITE_VERSION} took over 300 s (is the npm registry reachable?)")
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        _unavailable(f"npm install azurite@{AZURITE_VERSION} failed (is the npm registry reachable?): {tail}")
 
 
 @pytest.fixture(scope="session")
@@ -168,7 +201,10 @@ def azurite_server() -> Iterator[str]:
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         try:
-            _wait_for_port(port, process, "Azurite")
+            try:
+                _wait_for_port(port, process, "Azurite")
+            except RuntimeError as exc:  # it exited, or never listened: every Azure test would error on it
+                _unavailable(f"{exc} ({binary})")
             yield f"http://{LOOPBACK}:{port}/{AZURITE_ACCOUNT}"
         finally:
             _stop(process)

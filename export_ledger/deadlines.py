@@ -46,9 +46,14 @@ def late_keys(
     now: dt.datetime | None = None,
     lookback_days: int = DEFAULT_LATE_LOOKBACK_DAYS,
     limit: int = 100,
+    beside: tuple[dt.timedelta, int | None] | None = None,
 ) -> list[Escalation]:
     """Keys past their deadline and not completed, of the last ``lookback_days`` business dates already due, at most
-    ``limit`` (tenant, then date order). ``now`` defaults to the ledger's clock. One read per export."""
+    ``limit`` (tenant, then date order). ``now`` defaults to the ledger's clock. One read per export.
+
+    ``beside``: the ledger's escalation rules (stuck after, max attempts) the late keys are counted beside. A late key
+    the ledger escalates anyway (failed with its reruns spent, say) is then left out, so that a count of both, and
+    their listing (:func:`with_late`), counts it once. One more read per export."""
     now = now or ledger.now()
     found: list[Escalation] = []
     for spec in exports:
@@ -73,13 +78,23 @@ def late_keys(
         if not expected:
             continue
         days = sorted({day for _, day in expected})
+        escalated = (
+            set()
+            if beside is None
+            else {
+                e.logical_key
+                for e in ledger.attention.escalated_keys(
+                    beside[0], export=spec.name, business_dates=days, max_attempts=beside[1], limit=len(expected)
+                )
+            }
+        )
         records = {
             (r.tenant, r.business_date): r
             for r in ledger.queries.records(export=spec.name, business_dates=days, tenants=list(spec.tenants))
         }
         for (tenant, day), due in sorted(expected.items()):
             record = records.get((tenant, day))
-            if record is not None and record.state is ExportState.COMPLETED:
+            if record is not None and (record.state is ExportState.COMPLETED or record.logical_key in escalated):
                 continue
             state = record.state.value if record is not None else "never attempted"
             zone = spec.calendar_for(tenant).zone_on(day)

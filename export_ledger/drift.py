@@ -34,7 +34,6 @@ from export_ledger.calendar import load_zone
 from export_ledger.destinations.base import (
     Destination,
     ExportTarget,
-    TransactionalDestination,
     Verdict,
     place_of_location,
 )
@@ -163,8 +162,7 @@ def _published(
     if hashlib.sha256(payload).hexdigest() != record.sha256:  # read twice: it must not have changed between
         raise LookupError(f"{destination.location(target)} does not hold the export the ledger recorded (sha256)")
     schema = spec.schema
-    # A ledger table hands its rows back as CSV, whatever the export's file format.
-    file_format = "csv" if isinstance(destination, TransactionalDestination) else spec.file_format
+    file_format = destination.data_format(spec.file_format)
     frame = read_table(payload, file_format, schema)
     ids = id_hashes(frame, schema.id_columns)
     versions = version_hashes(frame, ids, schema.version_column) if schema.version_column is not None else None

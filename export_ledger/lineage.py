@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from export_ledger.destinations import Destination, ExportTarget
+from export_ledger.destinations import Destination
 from export_ledger.errors import ConfigurationError
 from export_ledger.frames import ExportSchema, FrameBatches
 from export_ledger.protocol import ExportBatch, ExportResult
@@ -46,7 +46,6 @@ LISTED_KEYS = 20
 TIMEOUT_SECONDS = 5.0
 RETRY = {"total": 1, "connect": 1, "read": 1, "backoff_factor": 0.2, "status_forcelist": [502, 503, 504],
          "allowed_methods": ["POST"]}  # fmt: skip
-_PROBE_TENANT = "lineage-probe"
 
 Log = Callable[[str, str], None]
 
@@ -82,20 +81,9 @@ def database_dataset(url: str) -> DatasetName:
 
 
 def destination_dataset(destination: Destination, export: str) -> DatasetName:
-    """The export's dataset at ``destination``: its table (a SQL table destination), or the folder or object prefix
-    that holds its key folders (the location of a key, less the key's ``tenant=``/``date=`` folders)."""
-    from export_ledger.destinations.table import SqlTableDestination
-
-    if isinstance(destination, SqlTableDestination):
-        database = database_dataset(destination.url)
-        return DatasetName(database.namespace, destination.table_for(export))
-    probe = destination.location(ExportTarget(export, _PROBE_TENANT, "2000-01-01", 1, "."))
-    root = probe.split(f"/tenant={_PROBE_TENANT}/", 1)[0]
-    scheme, separator, rest = root.partition("://")
-    if separator:
-        bucket, _, path = rest.partition("/")
-        return DatasetName(f"{scheme}://{bucket}", path)
-    return DatasetName("file", root)
+    """The export's dataset at ``destination`` (:meth:`~export_ledger.destinations.Destination.dataset`): its table,
+    or the folder or object prefix that holds its key folders."""
+    return DatasetName(*destination.dataset(export))
 
 
 def batch_source(batch: ExportBatch) -> ExportSource | None:

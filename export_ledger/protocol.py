@@ -20,7 +20,7 @@ import datetime as dt
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import pandas as pd
 import pyarrow as pa
@@ -425,10 +425,8 @@ class _KeyExport:
     def _place_location(self, claim: Claim, target: ExportTarget) -> str | None:
         """Where this attempt's place is (recorded with an unknown outcome, so that reconciliation judges the key at
         the destination the attempt wrote to, not at another one it is pointed at)."""
-        if not isinstance(self.destination, PublishingDestination):
-            return None
         try:
-            return self.destination.location(replace(target, place=place_name(claim.revision, claim.fencing_token)))
+            return self.destination.attempt_location(target.at_place(place_name(claim.revision, claim.fencing_token)))
         except Exception:  # noqa: BLE001 - a location is a courtesy to reconciliation; the outcome is recorded anyway
             return None
 
@@ -787,8 +785,7 @@ def _export_group(
             claims[i] = outcome
     started = time.monotonic()  # only decides when to renew; the ledger's clock decides what a lease is
     destination = exporter.destination
-    deferred = destination.deferred() if isinstance(destination, PublishingDestination) else contextlib.nullcontext()
-    with deferred:
+    with destination.deferred():
         for i in sorted(claims):
             if time.monotonic() - started > exporter.ledger.lease_ttl.total_seconds() * RENEW_AFTER:
                 # The keys staged so far are published, synced and recorded now (their leases are as old as the
@@ -857,7 +854,7 @@ class _Pending:
                     continue
                 self.unrecorded.append((i, claim, status, evidence))
             self.staged.clear()
-        if self.unrecorded and isinstance(destination, PublishingDestination):
+        if self.unrecorded:
             try:
                 failpoints.reach("before_group_sync")
                 destination.sync()  # the pointer moves (and the evidence of repairs), before the ledger records them

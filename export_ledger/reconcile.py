@@ -28,10 +28,9 @@ from export_ledger.destinations.base import (
     DestinationUnreachable,
     ExportTarget,
     Fenced,
-    place_of_location,
 )
 from export_ledger.destinations.base import Verdict as DestinationVerdict
-from export_ledger.destinations.publishing import Pointer, PublishingDestination
+from export_ledger.destinations.publishing import Pointer
 from export_ledger.errors import ManifestError, safe_message
 from export_ledger.ledger import Claim, CompletionEvidence, ExportLedger, ExportRecord, ExportState, Finish
 from export_ledger.ledger import transitions as T
@@ -70,16 +69,10 @@ def examine(destination: Destination, record: ExportRecord, claim: Claim, read: 
     if elsewhere is not None:
         return Finding(record, Verdict.UNREACHABLE, elsewhere)
     try:
-        checks = dict(logical_key=record.logical_key, superseded=claim.superseded_revision, expected_sha256=record.sha256)
-        if isinstance(destination, PublishingDestination):
-            pointer = (
-                destination.fence(target, claim.fencing_token, logical_key=record.logical_key)
-                if read is None
-                else destination.fence(target, claim.fencing_token, logical_key=record.logical_key, read=read)
-            )
-            verification = destination.verify(target, pointer=pointer, **checks)
-        else:
-            verification = destination.verify(target, **checks)
+        verification = destination.open(
+            target, claim.fencing_token, logical_key=record.logical_key, superseded=claim.superseded_revision,
+            expected_sha256=record.sha256, read=read,
+        ).verification  # fmt: skip
     except DestinationUnreachable as exc:
         return Finding(record, Verdict.UNREACHABLE, str(exc))
     except (ManifestError, DestinationConflict) as exc:
@@ -109,9 +102,6 @@ def examine_many(places: Mapping[str, Destination], work: Sequence[tuple[ExportR
         groups.setdefault(id(destination), (destination, []))[1].append((record, claim))
     found: dict[str, Finding] = {}
     for destination, items in groups.values():
-        if not isinstance(destination, PublishingDestination):
-            found.update((record.logical_key, examine(destination, record, claim)) for record, claim in items)
-            continue
         with contextlib.ExitStack() as stack:
             try:
                 stack.enter_context(destination.deferred())
@@ -140,7 +130,7 @@ def examine_many(places: Mapping[str, Destination], work: Sequence[tuple[ExportR
     return found
 
 
-def _prepared(destination: PublishingDestination, record: ExportRecord, claim: Claim) -> Pointer | None:
+def _prepared(destination: Destination, record: ExportRecord, claim: Claim) -> Pointer | None:
     """The key's pointer read for its fence, with the fence's bytes announced (None: left to the fence alone)."""
     if _recorded_elsewhere(destination, record) is not None:
         return None  # never fenced there
@@ -151,7 +141,7 @@ def _prepared(destination: PublishingDestination, record: ExportRecord, claim: C
         return None
 
 
-def _sync_failure(destination: PublishingDestination) -> str | None:
+def _sync_failure(destination: Destination) -> str | None:
     """Makes what the batch wrote so far durable (its prepared fences' bytes, then its renames); why that failed
     (None: it did not)."""
     try:
@@ -165,14 +155,7 @@ def _recorded_elsewhere(destination: Destination, record: ExportRecord) -> str |
     """Why ``destination`` is not the one the key's attempt wrote to (the location it recorded is not this
     destination's for the key), or None. Nothing is written there: a fence at the wrong destination, and a verdict
     "absent" from it, would say nothing of the key's export."""
-    if record.location is None or not isinstance(destination, PublishingDestination):
-        return None
-    place = place_of_location(record.location)
-    try:
-        here = destination.location(ExportTarget(record.export, record.tenant, record.business_date.isoformat(), 1, place))
-    except DestinationError:
-        return None
-    if here == record.location:
+    if record.location is None or destination.recorded_here(target_of(record), record.location):
         return None
     return (
         f"the attempt recorded its export at {record.location}, which is not {destination.describe()}: reconcile "

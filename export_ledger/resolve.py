@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from export_ledger.destinations.base import Destination, ExportTarget, Verdict, place_of_location
-from export_ledger.destinations.publishing import Pointer, PublishingDestination
 from export_ledger.errors import safe_message
 from export_ledger.ledger import (
     CompletionEvidence,
@@ -45,12 +44,12 @@ def _target(record: ExportRecord, revision: int = 1, place: str | None = None) -
     return ExportTarget(record.export, record.tenant, record.business_date.isoformat(), revision, place)
 
 
-def recorded_pointer(ledger: ExportLedger, destination: PublishingDestination, record: ExportRecord) -> Pointer:
-    """The pointer that names the key's recorded current revision (nothing, for a key never completed)."""
+def recorded_target(ledger: ExportLedger, record: ExportRecord) -> ExportTarget | None:
+    """The key's recorded current revision, at its place (None, for a key never completed)."""
     current = ledger.restatements.current_revision(record.logical_key)
     if current is None:
-        return Pointer.nothing()
-    return destination.pointer_to(_target(record, current.revision, place_of_location(current.location)))
+        return None
+    return _target(record, current.revision, place_of_location(current.location))
 
 
 def resolve_key(
@@ -89,13 +88,10 @@ def resolve_key(
         append_in(conn, now, operator, action, detail, reason, export=record.export, logical_key=logical_key)
 
     try:
-        if isinstance(destination, PublishingDestination):
-            pointer = destination.fence(target, claim.fencing_token, logical_key=logical_key)
         if action == ACCEPT:
-            checks = dict(logical_key=logical_key, superseded=claim.superseded_revision)
-            if isinstance(destination, PublishingDestination):
-                checks["pointer"] = pointer
-            verification = destination.verify(target, **checks)
+            verification = destination.open(
+                target, claim.fencing_token, logical_key=logical_key, superseded=claim.superseded_revision
+            ).verification
             if verification.verdict is not Verdict.PUBLISHED:
                 raise ResolutionRefused(f"cannot accept {logical_key}: {verification.detail}")
             evidence = CompletionEvidence.published(verification.location, verification.manifest)
@@ -103,6 +99,7 @@ def resolve_key(
             note = (OperatorResolution.__name__, f"{operator} accepted the destination's export: {reason.strip()}")
             updated = ledger.completions.finish(Finish(claim, T.REPAIR, evidence, note=note), then=log)
         else:
+            destination.hold(target, claim.fencing_token, logical_key=logical_key)
             holder = destination.key_at(target)
             if holder is not None and holder != logical_key and ledger.queries.get(holder) is not None:
                 raise ResolutionRefused(
@@ -110,13 +107,9 @@ def resolve_key(
                     "(two keys of one tenant and date in two zones share a folder). Resolve their calendar first: the "
                     "contract that gave this key another zone must declare a move"
                 )
-            if isinstance(destination, PublishingDestination):
-                restore = recorded_pointer(ledger, destination, record)
-                removed = destination.discard(
-                    target, claim.fencing_token, logical_key=logical_key, restore=restore
-                )
-            else:
-                removed = destination.discard_target(target)
+            removed = destination.discard_key(
+                target, claim.fencing_token, logical_key=logical_key, recorded=recorded_target(ledger, record)
+            )
             what = ", ".join(removed) if removed else "nothing"
             detail = f"discarded {what}; the key is failed and is exported again by its next run"
             note = (OperatorResolution.__name__, f"{operator} discarded the destination's content ({what}): "

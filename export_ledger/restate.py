@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from export_ledger.destinations.base import Destination, ExportTarget, Verdict, place_of_location
-from export_ledger.destinations.publishing import PublishingDestination
 from export_ledger.errors import safe_message
 from export_ledger.ledger import (
     CompletionEvidence,
@@ -228,10 +227,9 @@ def withdraw(ledger: ExportLedger, destination: Destination, logical_key: str, *
     current = ledger.restatements.current_revision(logical_key)
     target = ExportTarget(record.export, record.tenant, record.business_date.isoformat(), claim.revision)
     try:
-        checks = dict(logical_key=logical_key, superseded=claim.superseded_revision)
-        if isinstance(destination, PublishingDestination):
-            checks["pointer"] = destination.fence(target, claim.fencing_token, logical_key=logical_key)
-        seen = destination.verify(target, **checks)
+        seen = destination.open(
+            target, claim.fencing_token, logical_key=logical_key, superseded=claim.superseded_revision
+        ).verification
         if seen.verdict is not Verdict.ABSENT:
             raise RestatementRefused(
                 f"{logical_key}: {seen.detail}; the withdrawn revision {request.revision} may be what readers see. "

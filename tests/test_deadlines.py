@@ -79,6 +79,25 @@ def test_a_key_not_completed_by_its_deadline_is_late_even_never_attempted(clocke
     assert late["acme"].business_date == DAY and "and failed" in late["acme"].why, "now due, and failed"
 
 
+def test_a_key_both_late_and_escalated_counts_once_beside_the_ledgers_escalations(clocked_ledger, clock):
+    """Guard: ``late_keys(beside=...)``. A key whose reruns are spent and whose deadline passed is the ledger's
+    escalation (its reason, its way out); counted as late too, ``no_stuck_exports`` said 2 keys for 1."""
+    spec, ledger = orders(), clocked_ledger.get_ledger()
+    clock.now = dt.datetime(2026, 3, 10, 10, 0, tzinfo=UTC)  # both tenants' 03-09 are due
+    key = key_for(DAY, export="orders", tenant="acme")
+    for attempt in range(3):
+        claim = ledger.claims.claim(key, f"run-{attempt}/orders")
+        ledger.completions.fail(claim, RuntimeError("source down"))
+    rules = (dt.timedelta(hours=6), 3)
+    escalated = {e.logical_key for e in ledger.attention.needs_attention(rules[0], max_attempts=rules[1])}
+    assert str(key) in escalated, "its reruns are spent: the ledger escalates it"
+
+    late = late_keys(ledger, [spec], lookback_days=1, beside=rules)
+
+    assert str(key) not in {e.logical_key for e in late} and {e.tenant for e in late} == {"bombay"}
+    assert str(key) in {e.logical_key for e in late_keys(ledger, [spec], lookback_days=1)}, "alone, it is late"
+
+
 def test_the_sensor_escalates_late_keys_and_the_partition_says_late(tmp_path, instance, clocked_ledger, clock):
     clock.now = dt.datetime(2026, 3, 10, 12, 0, tzinfo=UTC)  # past both deadlines of 2026-03-09
     defs = make_defs(tmp_path, tenants=["acme", "globex"], ledger=clocked_ledger, deadline="06:00")

@@ -207,3 +207,59 @@ def test_a_legacy_revision_1_without_a_pointer_reads_as_revision_1_and_its_first
     fenced = destination.fence(target(), 2, logical_key=LOGICAL_KEY)
     assert (fenced.revision, fenced.place, fenced.fence) == (1, ".", 2)
     assert json.loads(destination.store.get(f"{folder}/{POINTER_NAME}").data)["format"] == 2
+
+
+# -- what a party holding a key does, whatever the destination's kind (Destination.open, hold, discard_key) ----------
+
+
+def test_open_fences_the_key_then_judges_what_is_published_behind_the_fence(destination):
+    """Guard: :meth:`open` fences first. A party with an older token is refused at the pointer from then on."""
+    publish(destination, 1)
+
+    opened = destination.open(target(2), 3, logical_key=LOGICAL_KEY, superseded=1)
+
+    assert opened.pointer.fence == 3 and opened.verification.verdict is Verdict.ABSENT
+    staged = destination.stage(target(2), 2, TABLE, "csv", manifest(2, revision=2))
+    with pytest.raises(Fenced):
+        destination.commit(staged, 2, superseded=1)
+    with pytest.raises(Fenced):
+        destination.open(target(2), 2, logical_key=LOGICAL_KEY, superseded=1)
+    assert reader_sees(destination) == (1, "run-1/invoice_export")
+
+
+def test_discard_key_puts_back_the_revision_the_ledger_records_or_nothing(destination):
+    publish(destination, 1)
+    publish(destination, 2, revision=2, superseded=1)  # committed, never recorded
+    destination.hold(target(2), 3, logical_key=LOGICAL_KEY)
+
+    removed = destination.discard_key(target(2), 3, logical_key=LOGICAL_KEY, recorded=target(1).at_place("r1-t1"))
+
+    assert removed == [place_name(2, 2)] and reader_sees(destination) == (1, "run-1/invoice_export")
+    destination.hold(target(1), 4, logical_key=LOGICAL_KEY)
+    destination.discard_key(target(1), 4, logical_key=LOGICAL_KEY, recorded=None)
+    assert reader_sees(destination) == (0, None)
+
+
+def test_a_location_is_recorded_here_only_when_it_is_this_destinations_place_of_the_key(destination, tmp_path):
+    place = target().at_place(place_name(1, 1))
+    assert destination.recorded_here(target(), destination.location(place))
+    elsewhere = LocalDestination(str(tmp_path / "elsewhere")).location(place)
+    assert not destination.recorded_here(target(), elsewhere), "a key is never judged where it was not exported"
+
+
+def test_a_ledger_table_holds_no_pointer_of_its_own_and_hands_its_rows_back_as_csv(tmp_path):
+    """The transactional kind answers the same questions: nothing to fence outside the ledger (its transaction fences
+    it), rows read back as CSV whatever the export's format, and its dataset is its table in the ledger's database."""
+    from export_ledger.destinations.table import SqlTableDestination
+    from export_ledger.ledger import ExportLedger
+
+    url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+    ExportLedger(url)  # the ledger's database, where the table lives
+    table = SqlTableDestination(url, "exported_{export}")
+
+    opened = table.open(target(), 1, logical_key=LOGICAL_KEY, superseded=0)
+
+    assert opened.pointer is None and opened.verification.verdict is Verdict.ABSENT
+    assert table.hold(target(), 2, logical_key=LOGICAL_KEY) is None
+    assert table.data_format("parquet") == "csv" and LocalDestination(str(tmp_path)).data_format("parquet") == "parquet"
+    assert table.dataset("invoice_export") == ("sqlite", "exported_invoice_export")

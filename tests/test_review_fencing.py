@@ -123,6 +123,24 @@ def test_an_operators_discard_paused_past_its_lease_never_deletes_a_newer_partys
     assert reader_sees(root, key) == (1, place_name(1, 3), True), "the newer party's recorded export is whole"
 
 
+def test_an_operators_discard_fences_the_key_before_it_looks_at_what_the_destination_holds(ledger, root):
+    """Guard: ``Destination.hold`` first. Unfenced, an attempt of an older token could still commit while the operator
+    reads whose export the key's place holds."""
+    key = key_for()
+    failing_at("after_publish", lambda: export_key(ledger, LocalDestination(root), SCHEMA, item(key), "w1/export"))
+    fences = []
+
+    class Watching(LocalDestination):
+        def key_at(self, target):
+            fences.append(self.pointer(target).fence)
+            return super().key_at(target)
+
+    resolve_key(ledger, Watching(root), str(key), action="discard-destination", operator="ops", reason="clear it")
+
+    assert fences == [2], "fenced with the operator's token (2), above the writer's (1), before anything is read"
+    assert ledger.queries.get(str(key)).state is ExportState.FAILED
+
+
 def test_a_withdrawal_never_releases_the_key_to_a_state_read_before_its_hold(ledger, root):
     """A restatement failed; between the operator's read and its hold, a rerun commits revision 2 and ends
     remote_unknown. The withdrawal is refused (readers see revision 2): the key must go back to remote_unknown, the

@@ -146,6 +146,3 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = ["ATTEMPTS_LIMIT", "LEDGER_URL_ENV", "STATUS_LIMIT", "build_parser", "main"]
-
-if __name__ == "__main__":
-    sys.exit(main())

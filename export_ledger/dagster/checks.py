@@ -390,7 +390,8 @@ def stuck_evaluation(
     ledger, whatever the backlog) and its late ones."""
     summary = ledger.attention.summary(stuck_after, max_attempts=max_attempts, exports=[spec.name])
     count, listed = asset_groups(spec, summary)[asset_name]
-    late = late_by_asset(spec, late_keys(ledger, [spec], limit=LISTED_KEYS)).get(asset_name, [])
+    late = late_keys(ledger, [spec], limit=LISTED_KEYS, beside=(stuck_after, max_attempts))
+    late = late_by_asset(spec, late).get(asset_name, [])
     listed = with_late(late, listed, LISTED_KEYS)
     return stuck_check_evaluation(dg.AssetKey(asset_name), count + len(late), listed, stuck_after)
 

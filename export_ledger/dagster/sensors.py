@@ -651,7 +651,7 @@ def build_reconciliation_sensor(
             stuck_after, max_attempts=max_attempts, exports=names, listed=False, cap=ESCALATED_COUNTED
         )
         # Keys past their export's deadline and not completed (a key never attempted included): escalated too.
-        late = late_keys(book, list(by_name.values()), limit=batch_size)
+        late = late_keys(book, list(by_name.values()), limit=batch_size, beside=(stuck_after, max_attempts))
         digest = (
             summary.digest
             if not late

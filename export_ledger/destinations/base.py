@@ -17,9 +17,11 @@ all ask it.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from export_ledger.errors import ExportLedgerError
@@ -204,11 +206,110 @@ def judge(
     return Verification(Verdict.PUBLISHED, f"published by attempt {manifest.attempt_id} at {where}", manifest, where)
 
 
+@dataclass(frozen=True)
+class Opened:
+    """A key as the party that holds it finds it at its destination (:meth:`Destination.open`): the key's pointer as
+    that party fenced it (None where the destination keeps no pointer outside the ledger), and what is published for
+    the key, judged."""
+
+    pointer: Any
+    verification: Verification
+
+
 class Destination(ABC):
-    """What every destination answers: where a key's export is, what is published for it, and its bytes."""
+    """What every destination answers: where a key's export is, what is published for it, and its bytes; and what a
+    party holding a key does there (:meth:`open`, :meth:`hold`, :meth:`discard_key`), whatever the destination's kind,
+    so that callers never ask which kind it is."""
 
     #: The Dagster concurrency pool kind exports to this destination run in (each destination kind has its own).
     pool: str = "exports"
+
+    # -- what a party holding a key does here -----------------------------------------------------------------------
+
+    def hold(self, target: ExportTarget, token: int, *, logical_key: str) -> Any:
+        """Fences the key with the holder's ``token`` where this destination needs it, so that no party with a lower
+        token can change what readers see; returns the key's pointer as fenced. A destination inside the ledger's
+        database needs nothing here (the ledger's own transaction fences it): None."""
+        return None
+
+    def open(
+        self,
+        target: ExportTarget,
+        token: int,
+        *,
+        logical_key: str,
+        superseded: int,
+        expected_sha256: str | None = None,
+        read: Any = None,
+    ) -> Opened:
+        """:meth:`hold`, then what is published for the key judged behind that fence (:meth:`verify`): what
+        reconciliation, an operator's resolution and a withdrawal do first. ``read``: the pointer as
+        :meth:`prepare_fence` read it, for a batch.
+
+        Raises:
+            Fenced: a newer party holds the key.
+            DestinationUnreachable: the destination cannot say.
+        """
+        pointer = self.hold(target, token, logical_key=logical_key)
+        verification = self.verify(
+            target, logical_key=logical_key, superseded=superseded, expected_sha256=expected_sha256
+        )
+        return Opened(pointer, verification)
+
+    def discard_key(self, target: ExportTarget, token: int, *, logical_key: str, recorded: ExportTarget | None
+                    ) -> list[str]:  # fmt: skip
+        """Clears what the ledger does not record at the key's place (an operator decided): what readers see goes
+        back to ``recorded`` (the revision the ledger records, at its place; None: nothing). Returns what was
+        removed.
+
+        Raises:
+            DestinationError: this destination cannot discard, or failed to.
+        """
+        raise DestinationError(f"{self.describe()} cannot discard what it holds for {logical_key}")
+
+    def recorded_here(self, target: ExportTarget, location: str) -> bool:
+        """Whether ``location``, where an attempt recorded its export of ``target``'s key, is one of this
+        destination's (a key must never be judged, or fenced, at a destination it was not exported to). Only a
+        destination whose attempts write to places of their own can tell; any other says yes."""
+        return True
+
+    def attempt_location(self, target: ExportTarget) -> str | None:
+        """Where an attempt's own place (``target.place``) is, recorded with an unknown outcome so that
+        reconciliation judges the key where the attempt wrote; None where attempts have no place of their own."""
+        return None
+
+    # -- durability of a group ----------------------------------------------------------------------------------
+
+    def deferred(self) -> contextlib.AbstractContextManager:
+        """A group's writes, their durability deferred to :meth:`sync` (docs/protocol.md, "Group commit"). No-op
+        by default: an object store's acknowledged write is durable, and a database commits durably each time."""
+        return contextlib.nullcontext()
+
+    def sync(self) -> None:
+        """Makes every write of the current :meth:`deferred` durable (no-op by default, see there)."""
+        return None
+
+    def prepare_fence(self, target: ExportTarget, token: int, *, logical_key: str) -> Any:
+        """Prepares :meth:`hold`'s write for a batch made durable by one :meth:`sync`; returns what it read, for
+        :meth:`open`'s ``read``. None: nothing to prepare (the default)."""
+        return None
+
+    # -- how the export's data and dataset are read ---------------------------------------------------------------
+
+    def data_format(self, file_format: str) -> str:
+        """The format of :meth:`read_data`'s bytes for an export declared in ``file_format``."""
+        return file_format
+
+    def dataset(self, export: str) -> tuple[str, str]:
+        """The export's dataset here, as OpenLineage names one (namespace, name): the folder or object prefix that
+        holds its key folders (the location of a key, less its ``tenant=``/``date=`` folders)."""
+        probe = self.location(ExportTarget(export, _PROBE_TENANT, "2000-01-01", 1, "."))
+        root = probe.split(f"/tenant={_PROBE_TENANT}/", 1)[0]
+        scheme, separator, rest = root.partition("://")
+        if separator:
+            bucket, _, path = rest.partition("/")
+            return f"{scheme}://{bucket}", path
+        return "file", root
 
     @abstractmethod
     def location(self, target: ExportTarget) -> str:
@@ -313,6 +414,10 @@ class Destination(ABC):
         return found
 
 
+#: The tenant of the key whose location :meth:`Destination.dataset` reads (any slug: no key of it is touched).
+_PROBE_TENANT = "lineage-probe"
+
+
 def _locator(value: str) -> str:
     """An endpoint URL without its userinfo, query or fragment (an account name is returned as it is)."""
     parts = urlsplit(value)
@@ -333,3 +438,10 @@ class TransactionalDestination(Destination):
     @abstractmethod
     def discard_target(self, target: ExportTarget) -> list[str]:
         """Removes what is at the key's place (an operator decided); returns what."""
+
+    def discard_key(self, target: ExportTarget, token: int, *, logical_key: str, recorded: ExportTarget | None
+                    ) -> list[str]:  # fmt: skip
+        return self.discard_target(target)
+
+    def data_format(self, file_format: str) -> str:
+        return "csv"  # the rows are handed back as CSV, whatever the export's file format

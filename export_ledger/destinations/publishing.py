@@ -22,7 +22,6 @@ store (:class:`~export_ledger.destinations.local.LocalDestination`,
 
 from __future__ import annotations
 
-import contextlib
 import json
 from abc import abstractmethod
 from dataclasses import dataclass, replace
@@ -35,6 +34,7 @@ from export_ledger.destinations.base import (
     DestinationError,
     ExportTarget,
     Fenced,
+    Opened,
     PointerMoved,
     PublishOutcomeUnknown,
     Verdict,
@@ -42,6 +42,7 @@ from export_ledger.destinations.base import (
     judge,
     parse_place,
     place_name,
+    place_of_location,
 )
 from export_ledger.destinations.store import AlreadyExists, ObjectStore, PreconditionFailed
 from export_ledger.errors import ManifestError, safe_message
@@ -167,15 +168,45 @@ class PublishingDestination(Destination):
     def describe(self) -> str:
         return self.store.describe()
 
-    # -- group commit --------------------------------------------------------------------------------------------
+    def attempt_location(self, target: ExportTarget) -> str | None:
+        return self.location(target)
 
-    def deferred(self) -> contextlib.AbstractContextManager:
-        """A group's writes, their durability deferred to :meth:`sync` (docs/protocol.md, "Group commit"). No-op
-        by default: an object store's acknowledged write is durable, and Delta commits durably each time."""
-        return contextlib.nullcontext()
+    def recorded_here(self, target: ExportTarget, location: str) -> bool:
+        try:
+            return self.location(target.at_place(place_of_location(location))) == location
+        except DestinationError:
+            return True  # this destination cannot say where such a place would be: judged here, as before
 
-    def sync(self) -> None:
-        """Makes every write of the current :meth:`deferred` durable (no-op by default, see there)."""
+    # -- what a party holding a key does here ----------------------------------------------------------------------
+
+    def hold(self, target: ExportTarget, token: int, *, logical_key: str) -> Pointer:
+        return self.fence(target, token, logical_key=logical_key)
+
+    def open(
+        self,
+        target: ExportTarget,
+        token: int,
+        *,
+        logical_key: str,
+        superseded: int,
+        expected_sha256: str | None = None,
+        read: Pointer | None = None,
+    ) -> Opened:
+        # A prepared read goes to fence() only when there is one: a subclass with a fence of its own takes no read.
+        pointer = (
+            self.hold(target, token, logical_key=logical_key)
+            if read is None
+            else self.fence(target, token, logical_key=logical_key, read=read)
+        )
+        verification = self.verify(
+            target, logical_key=logical_key, superseded=superseded, expected_sha256=expected_sha256, pointer=pointer
+        )
+        return Opened(pointer, verification)
+
+    def discard_key(self, target: ExportTarget, token: int, *, logical_key: str, recorded: ExportTarget | None
+                    ) -> list[str]:  # fmt: skip
+        restore = Pointer.nothing() if recorded is None else self.pointer_to(recorded)
+        return self.discard(target, token, logical_key=logical_key, restore=restore)
 
     # -- the pointer ---------------------------------------------------------------------------------------------
 

@@ -179,6 +179,11 @@ class SqlTableDestination(TransactionalDestination):
 
     pool = "exports-ledger-table"
 
+    def dataset(self, export: str) -> tuple[str, str]:
+        from export_ledger.lineage import database_dataset  # the database as OpenLineage names one, no credentials
+
+        return database_dataset(self.url).namespace, self.table_for(export)
+
     def location(self, target: ExportTarget) -> str:
         parts = (*target.parts, f"revision={target.revision}") if target.revision > 1 else target.parts
         return f"sql:{self.table_for(target.export)}/{'/'.join(parts)}"

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import sqlalchemy as sa
 
-from export_ledger.ledger import transitions as T
 from export_ledger.contract import changes, terms_of
+from export_ledger.ledger import transitions as T
 from export_ledger.ledger.contracts import accept_command, count_open_per_zone
 from export_ledger.ledger.records import ExportRecord
 from export_ledger.ledger.schema import ExportState, export_missed_partitions, export_restatements, export_runs

@@ -182,9 +182,8 @@ def discard_restore(monkeypatch) -> None:
     """``resolve --discard-destination`` sets the pointer back to the ledger's current revision: made to set it back
     to nothing."""
     from export_ledger import resolve
-    from export_ledger.destinations.publishing import Pointer
 
-    monkeypatch.setattr(resolve, "recorded_pointer", lambda ledger, destination, record: Pointer.nothing())
+    monkeypatch.setattr(resolve, "recorded_target", lambda ledger, record: None)
 
 
 def reconciler_judge(monkeypatch) -> None:

@@ -439,6 +439,27 @@ def restate(
 # -- accept-contract -------------------------------------------------------------------------------------------------
 
 
+def declared_calendar(
+    timezone: str | None, start_date: dt.date | str | None, moves: Sequence[ZoneMove] = ()
+) -> Mapping | None:
+    """The calendar contract an operator declares by hand (a zone, a start date and earlier zones), or None when they
+    declare none.
+
+    Raises:
+        UsageRefused: half a calendar (a zone without a start date, or moves without a zone), or one that is not a
+            calendar (an unknown zone, say).
+    """
+    if (timezone is None) != (start_date is None) or (moves and timezone is None):
+        raise UsageRefused("--timezone and --start-date go together (with --move): they declare a calendar")
+    if timezone is None:
+        return None
+    start = start_date if isinstance(start_date, str) else start_date.isoformat()
+    try:
+        return ExportCalendar(timezone=timezone, start_date=start, moves=tuple(moves)).contract()
+    except ExportLedgerError as exc:
+        raise UsageRefused(str(exc)) from None
+
+
 def accept_contract(
     ledger: ExportLedger,
     export: str,
@@ -462,14 +483,9 @@ def accept_contract(
         ValueError, ContractChanged, LedgerError: as the ledger's acceptance says.
     """
     require_export(ledger, export)
-    if (timezone is None) != (start_date is None) or (moves and timezone is None):
-        raise UsageRefused("--timezone and --start-date go together (with --move): they declare a calendar")
-    if timezone is None:
+    calendar = declared_calendar(timezone, start_date, moves)
+    if calendar is None:
         return ledger.contracts.accept_refused(export, reason, tenant=tenant, operator=operator, exported=exported)
-    try:
-        calendar = ExportCalendar(timezone=timezone, start_date=start_date.isoformat(), moves=tuple(moves)).contract()
-    except ExportLedgerError as exc:
-        raise UsageRefused(str(exc)) from None
     if tenant is None:
         zone = calendar.get("timezone")
         elsewhere = sorted(t for t, c in ledger.contracts.tenant_contracts(export).items() if c["timezone"] != zone)
@@ -598,6 +614,7 @@ __all__ = [
     "asset_of",
     "destination_for",
     "key_destination",
+    "declared_calendar",
     "drift_once",
     "load_specs",
     "publish_commands",

@@ -399,6 +399,29 @@ def test_other_usage_errors_are_one_line_with_exit_code_2(capsys, ledger_url, ar
     assert_one_error_line(err, mention)
 
 
+@pytest.mark.parametrize(
+    ("argv", "mention"),
+    [
+        (["drift"], "drift needs the declared exports"),
+        (["restate", ACME_8], "restate needs a reason"),
+        (["restate", "--export", "invoice_export", "--reason", "x"], "restate takes a LOGICAL_KEY"),
+        (["accept-contract", "--export", "invoice_export", "--timezone", "UTC", "--reason", "x"], "go together"),
+        (["prune", "--older-than", "3", "--close-unexported"], "--close-unexported needs --reason"),
+        (["resolve", ACME_8, "--accept-destination", "--reason", " "], "--reason must say why"),
+        (["status", "--from", "2026-03-09", "--to", "2026-03-08"], "is after --to"),
+    ],
+)
+def test_a_usage_error_is_exit_2_before_any_ledger_is_opened(capsys, tmp_path, argv, mention):
+    """What the options alone say is wrong is said first: a script gets exit 2 whether or not the ledger is there.
+    Guard: each command's ``check``; checked after the open, a missing ledger made these exit 1."""
+    missing = tmp_path / "absent.sqlite3"
+
+    code, _, err = run(capsys, "--ledger-url", f"sqlite:///{missing}", *argv)
+
+    assert code == 2
+    assert_one_error_line(err, mention)
+
+
 def test_a_missing_sqlite_ledger_is_an_error_and_is_not_created(capsys, tmp_path):
     missing = tmp_path / "absent" / "ledger.sqlite3"
 

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if getattr(args, "check", None):
             args.check(args)  # what the options alone can say is wrong, before any ledger is opened
-    except UsageError as exc:
+    except (UsageError, operations.UsageRefused) as exc:
         return _error(_redact_message(str(exc), None), USAGE_ERROR)
     except SystemExit as exc:  # --help, after argparse printed it
         return exc.code if isinstance(exc.code, int) else 0

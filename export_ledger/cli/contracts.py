@@ -48,12 +48,16 @@ def add_parser(commands, common, location) -> None:
     )  # fmt: skip
     accept.add_argument("--reason", required=True, help="why the contract changed; recorded in the ledger")
     operator_option(accept)
-    accept.set_defaults(handler=accept_command)
+    accept.set_defaults(handler=accept_command, check=_reason_and_calendar)
+
+
+def _reason_and_calendar(args: argparse.Namespace) -> None:
+    if not args.reason.strip():
+        raise UsageError("--reason must say why the contract changed")
+    operations.declared_calendar(args.timezone, args.start_date, args.move)
 
 
 def accept_command(ledger: ExportLedger, args: argparse.Namespace, settings: Settings) -> str:
-    if not args.reason.strip():
-        raise UsageError("--reason must say why the contract changed")
     operations.require_export(ledger, args.export)
     operations.require_tenant(ledger, args.tenant, args.export)
     try:

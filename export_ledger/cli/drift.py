@@ -42,17 +42,21 @@ def add_parser(commands, common, location) -> None:
         "--limit", type=positive_int_arg, metavar="N", default=1000, help="check at most N keys (default 1000)"
     )
     operator_option(drift, "who runs it: named as who asked for the restatements of exports with restate_stale")
-    drift.set_defaults(handler=drift_command)
+    drift.set_defaults(handler=drift_command, check=_sources_named)
+
+
+def _sources_named(args: argparse.Namespace) -> None:
+    named = any(getattr(args, name) for name in ("python_file", "module_name", "workspace"))
+    if named == bool(args.specs):
+        raise UsageError(
+            "--specs and -f/-m both name the declared exports: give one of them" if args.specs else
+            "drift needs the declared exports: name the code location with -f FILE or -m MODULE"
+        )  # fmt: skip
 
 
 def drift_command(ledger: ExportLedger, args: argparse.Namespace, settings: Settings) -> tuple[str, bool]:
     """Exit 1 (unresolved) when a key could not be checked, or an export's source cannot be used here."""
     location = code_location(args)
-    if (location is None) == (not args.specs):
-        raise UsageError(
-            "--specs and -f/-m both name the declared exports: give one of them" if args.specs else
-            "drift needs the declared exports: name the code location with -f FILE or -m MODULE"
-        )  # fmt: skip
     specs = list(location.specs) if location is not None else operations.load_specs(args.specs)
     done = operations.drift_once(
         ledger, specs, settings=settings, lookback_days=args.lookback_days, limit=args.limit,

@@ -28,13 +28,16 @@ def add_parser(commands, common, location) -> None:
     )  # fmt: skip
     prune.add_argument("--reason", help="why dates never exported may be closed (recorded)")
     operator_option(prune)
-    prune.set_defaults(handler=prune_command)
+    prune.set_defaults(handler=prune_command, check=_reason_to_close)
+
+
+def _reason_to_close(args: argparse.Namespace) -> None:
+    if args.close_unexported and not (args.reason and args.reason.strip()):
+        raise UsageError("--close-unexported needs --reason: closing dates never exported is recorded")
 
 
 def prune_command(ledger: ExportLedger, args: argparse.Namespace, settings: Settings) -> str:
     operations.require_export(ledger, args.export)
-    if args.close_unexported and not (args.reason and args.reason.strip()):
-        raise UsageError("--close-unexported needs --reason: closing dates never exported is recorded")
     if args.yes:
         plans = ledger.retention.prune(
             args.older_than, export=args.export, close_unexported=args.close_unexported, operator=args.operator,

@@ -35,12 +35,15 @@ def add_parser(commands, common, location) -> None:
         help="not needed: the key's contract records its destination. Given, it must be that one (else refused, "
         "naming both); it answers only for a key claimed before release 0.6",
     )  # fmt: skip
-    resolve.set_defaults(handler=resolve_command)
+    resolve.set_defaults(handler=resolve_command, check=_a_reason)
+
+
+def _a_reason(args: argparse.Namespace) -> None:
+    if not args.reason.strip():
+        raise UsageError("--reason must say why")
 
 
 def resolve_command(ledger: ExportLedger, args: argparse.Namespace, settings: Settings) -> str:
-    if not args.reason.strip():
-        raise UsageError("--reason must say why")
     record = operations.require_key(ledger, args.logical_key)
     destination = operations.key_destination(ledger, record, settings=settings, given=args.destination)
     done = resolve_key(

@@ -39,12 +39,10 @@ def add_parser(commands, common, location) -> None:
     )  # fmt: skip
     restate.add_argument("--reason", help="why (required: without it, exit 2; kept with the revision for good)")
     operator_option(restate, "who asks")
-    restate.set_defaults(handler=restate_command)
+    restate.set_defaults(handler=restate_command, check=_one_way_to_name_keys)
 
 
-def restate_command(ledger: ExportLedger, args: argparse.Namespace, settings: Settings) -> str | tuple[str, bool]:
-    """Records restatement requests (or withdraws one); the ledger refuses what may not be restated, and says why.
-    Exit 1 (unresolved) when some keys of the date were refused: scripts must see it."""
+def _one_way_to_name_keys(args: argparse.Namespace) -> None:
     by_date = args.business_date is not None
     if by_date == (args.logical_key is not None):
         raise UsageError("restate takes a LOGICAL_KEY, or --export E --date YYYY-MM-DD [--tenant T], not both")
@@ -54,9 +52,14 @@ def restate_command(ledger: ExportLedger, args: argparse.Namespace, settings: Se
         raise UsageError("--export and --tenant go with --date; a LOGICAL_KEY names its export and tenant")
     if args.reason is None:
         raise UsageError('restate needs a reason: --reason "..." (kept with the revision for good)')
+
+
+def restate_command(ledger: ExportLedger, args: argparse.Namespace, settings: Settings) -> str | tuple[str, bool]:
+    """Records restatement requests (or withdraws one); the ledger refuses what may not be restated, and says why.
+    Exit 1 (unresolved) when some keys of the date were refused: scripts must see it."""
     if args.withdraw:
         return _withdraw(ledger, args, settings)
-    if by_date:
+    if args.business_date is not None:
         operations.require_export(ledger, args.export)
         operations.require_tenant(ledger, args.tenant, args.export)
     done = operations.restate(

@@ -409,6 +409,8 @@ def test_other_usage_errors_are_one_line_with_exit_code_2(capsys, ledger_url, ar
         (["prune", "--older-than", "3", "--close-unexported"], "--close-unexported needs --reason"),
         (["resolve", ACME_8, "--accept-destination", "--reason", " "], "--reason must say why"),
         (["status", "--from", "2026-03-09", "--to", "2026-03-08"], "is after --to"),
+        (["status", "--needs-attention", "-a", "defs"], "-a ATTRIBUTE names the Definitions"),
+        (["status", "--state", "restating", "--state", "failed"], "cannot be combined"),
     ],
 )
 def test_a_usage_error_is_exit_2_before_any_ledger_is_opened(capsys, tmp_path, argv, mention):

@@ -98,6 +98,25 @@ def test_a_key_both_late_and_escalated_counts_once_beside_the_ledgers_escalation
     assert str(key) in {e.logical_key for e in late_keys(ledger, [spec], lookback_days=1)}, "alone, it is late"
 
 
+def test_no_stuck_exports_counts_a_key_both_late_and_escalated_once(clocked_ledger, clock):
+    """Guard: ``stuck_evaluation`` passes the ledger's rules to ``late_keys(beside=...)`` (the sensor's verdict is
+    built the same way). Without them, the key whose reruns are spent was counted twice."""
+    from export_ledger.dagster.checks import stuck_evaluation
+
+    spec, ledger = orders(tenants={"acme": "America/New_York"}), clocked_ledger.get_ledger()
+    clock.now = dt.datetime(2026, 3, 10, 10, 0, tzinfo=UTC)
+    key = key_for(DAY, export="orders", tenant="acme")
+    for attempt in range(3):
+        claim = ledger.claims.claim(key, f"run-{attempt}/orders")
+        ledger.completions.fail(claim, RuntimeError("source down"))
+    late_dates = {e.business_date for e in late_keys(ledger, [spec])}
+    assert DAY in late_dates, "acme's key of 03-09 is late, and escalated by the ledger too"
+
+    verdict = stuck_evaluation(spec, ledger, "orders", stuck_after=dt.timedelta(hours=6), max_attempts=3)
+
+    assert verdict.metadata["stuck_keys"].value == len(late_dates), "each late date once, the failed one included"
+
+
 def test_the_sensor_escalates_late_keys_and_the_partition_says_late(tmp_path, instance, clocked_ledger, clock):
     clock.now = dt.datetime(2026, 3, 10, 12, 0, tzinfo=UTC)  # past both deadlines of 2026-03-09
     defs = make_defs(tmp_path, tenants=["acme", "globex"], ledger=clocked_ledger, deadline="06:00")

@@ -93,6 +93,21 @@ def test_rows_and_their_completion_marker_are_one_commit_a_reader_can_ask_for(de
     assert seen.location == destination.location(target().at_place("r1-t1"))
 
 
+def test_a_keys_rows_are_read_back_in_the_format_the_destination_says_whatever_the_exports(tmp_path):
+    """Drift reads a key back with ``data_format``: Delta hands its rows back as CSV, so a Parquet export's rows read
+    as Parquet failed ("Parquet magic bytes not found")."""
+    from export_ledger.frames import read_table
+
+    destination = DeltaDestination(str(tmp_path / "delta" / "{export}"))
+    staged = destination.stage(target(), 1, TABLE, "csv", manifest(1))
+    destination.commit(staged, 1, superseded=0)
+    seen = destination.verify(target(), logical_key=LOGICAL_KEY, superseded=0)
+
+    payload = destination.read_data(target().at_place(seen.location.rstrip("/").rsplit("/", 1)[-1]), seen.manifest)
+
+    assert len(read_table(payload, destination.data_format("parquet"))) == TABLE.num_rows
+
+
 def test_a_resent_commit_lands_once_and_a_second_party_cannot_commit_the_same_revision(destination):
     first = publish(destination, 1)
     destination.commit(first, 1, superseded=0)  # a resend of one's own commit: success, nothing changes

@@ -7,6 +7,7 @@ the sweep deletes only what no pointer can name, and an operator's discard behav
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pyarrow as pa
@@ -225,6 +226,27 @@ def test_open_fences_the_key_then_judges_what_is_published_behind_the_fence(dest
     with pytest.raises(Fenced):
         destination.open(target(2), 2, logical_key=LOGICAL_KEY, superseded=1)
     assert reader_sees(destination) == (1, "run-1/invoice_export")
+
+
+def test_open_judges_what_is_published_only_once_its_fence_holds(tmp_path):
+    """Guard: the order inside :meth:`open`. An older party that commits right after the judgement must be refused:
+    judged first and fenced after, the judgement says "absent" while readers see the older party's revision."""
+    late = []
+
+    class Racing(LocalDestination):
+        def verify(self, *args, **kwargs):
+            found = super().verify(*args, **kwargs)
+            for staged in late:  # an older party (token 1) commits right after the judgement
+                with contextlib.suppress(Fenced):
+                    LocalDestination.commit(self, staged, 1, superseded=0)
+            return found
+
+    destination = Racing(str(tmp_path / "exports"))
+    late.append(destination.stage(target(1), 1, TABLE, "csv", manifest(1)))
+
+    opened = destination.open(target(1), 2, logical_key=LOGICAL_KEY, superseded=0)
+
+    assert opened.verification.verdict is Verdict.ABSENT and reader_sees(destination) == (0, None)
 
 
 def test_discard_key_puts_back_the_revision_the_ledger_records_or_nothing(destination):

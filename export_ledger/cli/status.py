@@ -58,12 +58,18 @@ def add_parser(commands, common, location) -> None:
         "--max-attempts", type=positive_int_arg, default=DEFAULT_MAX_ATTEMPTS, metavar="N",
         help=f"with --needs-attention: claims before reruns stop being automatic ({DEFAULT_MAX_ATTEMPTS})",
     )  # fmt: skip
-    status.set_defaults(handler=status_command, read_only=True, check=_dates_in_order)
+    status.set_defaults(handler=status_command, read_only=True, check=_options_agree)
 
 
-def _dates_in_order(args: argparse.Namespace) -> None:
+def _options_agree(args: argparse.Namespace) -> None:
     if args.date_from and args.date_to and args.date_from > args.date_to:
         raise UsageError(f"--from {args.date_from} is after --to {args.date_to}")
+    if args.attribute and not (args.python_file or args.module_name):
+        raise UsageError("-a ATTRIBUTE names the Definitions in the -f FILE or -m MODULE: give one of them too")
+    if len(set(args.states)) > 1 and STALE in args.states:
+        raise UsageError("--state stale lists stale keys only; it cannot be combined with other states")
+    if len(set(args.states)) > 1 and RESTATING in args.states:
+        raise UsageError("--state restating lists keys with an open restatement only; it cannot be combined")
 
 
 def status_command(ledger: ExportLedger, args: argparse.Namespace, settings: Settings) -> str:
@@ -101,8 +107,6 @@ def status_command(ledger: ExportLedger, args: argparse.Namespace, settings: Set
 
 def restating(ledger: ExportLedger, args: argparse.Namespace) -> str:
     """Keys with an open restatement request: the revision it publishes, who asked, when and why."""
-    if len(set(args.states)) > 1:
-        raise UsageError("--state restating lists keys with an open restatement only; it cannot be combined")
     requests = ledger.restatements.requests(
         export=args.export, tenants=[args.tenant] if args.tenant else (), date_from=args.date_from,
         date_to=args.date_to, limit=args.limit,
@@ -126,8 +130,6 @@ def restating(ledger: ExportLedger, args: argparse.Namespace) -> str:
 
 def stale(ledger: ExportLedger, args: argparse.Namespace) -> str:
     """Completed keys with an open drift record: counts of rows added, removed and changed (never values)."""
-    if len(set(args.states)) > 1:
-        raise UsageError("--state stale lists stale keys only; it cannot be combined with other states")
     found = ledger.drift.open_records(
         export=args.export, tenants=[args.tenant] if args.tenant else (), date_from=args.date_from,
         date_to=args.date_to, limit=args.limit,

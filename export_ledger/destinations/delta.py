@@ -664,6 +664,9 @@ class DeltaDestination(PublishingDestination):
     def read_data(self, target: ExportTarget, manifest: Manifest) -> bytes:
         return _serialize(self.rows(target, manifest.logical_key, target.revision))
 
+    def data_format(self, file_format: str) -> str:
+        return "csv"  # read_data serializes the key's rows as CSV, whatever the export's file format
+
     # -- verdicts ------------------------------------------------------------------------------------------------
 
     def verify(

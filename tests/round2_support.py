@@ -18,6 +18,11 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from builders import ORDERS_DAY as DAY
+from builders import ORDERS_SCHEMA as SCHEMA
+from builders import corrected_orders as corrected
+from builders import key_folder
+from builders import orders_item as item
 
 from export_ledger.destinations import LocalDestination
 from export_ledger.destinations.base import ExportTarget, parse_place
@@ -31,8 +36,6 @@ from export_ledger.protocol import ExportItem, export_key
 from export_ledger.reconcile import reconcile_batch
 from export_ledger.sources import CallableSource
 from tests.pipeline_helpers import PROJECT, finish, materialize  # noqa: F401  (re-exported to the round-2 tests)
-from tests.test_batched_ledger import SCHEMA
-from tests.test_restatement import DAY, corrected, item, key_folder
 
 UTC = dt.timezone.utc
 EXPORT_LEDGER = str(Path(sys.executable).parent / "export-ledger")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from builders import ORDERS_SCHEMA as SCHEMA
 from builders import evidence_for, hourly_orders, key_for, overlapping_writers
 from pipeline_helpers import places, published_dirs
 
@@ -24,19 +25,13 @@ from export_ledger.destinations import LocalDestination
 from export_ledger.destinations.publishing import POINTER_NAME
 from export_ledger.failpoints import ENV_VAR as FAILPOINTS
 from export_ledger.failpoints import SimulatedCrash
-from export_ledger.frames import MANIFEST_NAME, ExportSchema, Manifest
+from export_ledger.frames import MANIFEST_NAME, Manifest
 from export_ledger.ledger import AlreadyCompleted, Claim, ExportLedger, FencedOut, LeaseHeld
 from export_ledger.ledger import transitions as T
 from export_ledger.ledger.completions import Completions, Finish
 from export_ledger.ledger.schema import AttemptOutcome, ExportState
 from export_ledger.protocol import ExportBatch, ExportItem, export_batch
 
-SCHEMA = ExportSchema(
-    {"order_id": "string", "tenant": "string", "placed_at": "timestamp", "total": "float"},
-    "placed_at",
-    ("order_id",),
-    tenant_column="tenant",
-)
 TENANTS = [f"t{i:02d}" for i in range(6)]
 DAY = dt.date(2026, 3, 2)
 

@@ -13,6 +13,11 @@ import pytest
 
 deltalake = pytest.importorskip("deltalake")
 
+from builders import ORDERS_DAY as DAY  # noqa: E402
+from builders import ORDERS_SCHEMA as SCHEMA  # noqa: E402
+from builders import corrected_orders as corrected  # noqa: E402
+from builders import orders_item as item  # noqa: E402
+
 from export_ledger.destinations import ExportTarget, Fenced, PointerMoved, Verdict, destination_from  # noqa: E402
 from export_ledger.destinations.delta import KEY_COLUMN, DeltaDestination, fence_id  # noqa: E402
 from export_ledger.errors import ConfigurationError  # noqa: E402
@@ -23,8 +28,6 @@ from export_ledger.ledger import ExportLedger, ExportState  # noqa: E402
 from export_ledger.protocol import export_key  # noqa: E402
 from export_ledger.reconcile import reconcile_batch  # noqa: E402
 from tests.builders import key_for  # noqa: E402
-from tests.test_batched_ledger import SCHEMA  # noqa: E402
-from tests.test_restatement import DAY, corrected, item  # noqa: E402
 
 KEY = key_for()
 LOGICAL_KEY = str(KEY)

@@ -8,9 +8,7 @@ or ``export-ledger drift`` in one pass, marks the key stale with the right count
 
 from __future__ import annotations
 
-import datetime as dt
 import json
-import sqlite3
 from pathlib import Path
 
 import dagster as dg
@@ -18,10 +16,16 @@ import numpy as np
 import pandas as pd
 import pytest
 import sqlalchemy as sa
+from builders import DRIFT_COLUMNS as COLUMNS
+from builders import DRIFT_QUERY as QUERY
+from builders import drift_day as _day
+from builders import drift_environ as _environ
+from builders import drift_source as _source
+from builders import drift_spec as _spec
+from builders import late_deleted_and_updated as _late_deleted_and_updated
+from builders import ledger_at as _ledger_at
 from pipeline_helpers import tick
 
-from export_ledger import ExportSpec, SqlSource
-from export_ledger.calendar import load_zone
 from export_ledger.dagster import ledgered_definitions
 from export_ledger.drift import compare
 from export_ledger.fingerprint import Fingerprint, of_frame, parse
@@ -34,62 +38,6 @@ from export_ledger.ledger import (
     schema_version,
     upgrade_url,
 )
-
-QUERY = (
-    "SELECT order_id, tenant, placed_at, total, version FROM orders WHERE tenant = :tenant AND placed_at >= :start "
-    "AND placed_at < :end ORDER BY placed_at, order_id"
-)
-COLUMNS = {"order_id": "string", "tenant": "string", "placed_at": "timestamp", "total": "float", "version": "int"}
-
-
-def _day() -> dt.date:
-    """Two days ago in New York: inside the default lookback of 7 business dates, and a partition Dagster has."""
-    return dt.datetime.now(load_zone("America/New_York")).date() - dt.timedelta(days=2)
-
-
-def _spec(db: Path, **overrides) -> ExportSpec:
-    values = dict(
-        name="orders",
-        source=SqlSource(f"sqlite:///{db}", QUERY),
-        columns=COLUMNS,
-        id_columns=["order_id"],
-        time_column="placed_at",
-        tenant_column="tenant",
-        version_column="version",
-        tenants=["acme"],
-        timezone="America/New_York",
-        start_date="2026-01-01",
-    )
-    return ExportSpec(**{**values, **overrides})
-
-
-def _stamp_of(spec: ExportSpec, minutes: int) -> str:
-    start = spec.calendar.window(_day().isoformat()).start_utc
-    return (start + dt.timedelta(minutes=minutes)).strftime("%Y-%m-%d %H:%M:%S")
-
-
-def _source(db: Path, spec: ExportSpec, rows: int = 5) -> None:
-    with sqlite3.connect(db) as conn:
-        conn.execute("DROP TABLE IF EXISTS orders")
-        conn.execute("CREATE TABLE orders (order_id TEXT, tenant TEXT, placed_at TEXT, total REAL, version INTEGER)")
-        conn.executemany(
-            "INSERT INTO orders VALUES (?, 'acme', ?, ?, 1)",
-            [(f"o{i}", _stamp_of(spec, 10 + i), float(i)) for i in range(rows)],
-        )
-
-
-def _late_deleted_and_updated(db: Path, spec: ExportSpec) -> None:
-    with sqlite3.connect(db) as conn:
-        conn.execute("INSERT INTO orders VALUES ('late', 'acme', ?, 9.5, 1)", (_stamp_of(spec, 60),))
-        conn.execute("DELETE FROM orders WHERE order_id = 'o0'")
-        conn.execute("UPDATE orders SET version = 2, total = 99 WHERE order_id = 'o3'")
-
-
-def _environ(tmp_path: Path) -> dict[str, str]:
-    return {
-        "EXPORTS_LEDGER_URL": f"sqlite:///{tmp_path / 'ledger.sqlite3'}",
-        "EXPORTS_DESTINATION": str(tmp_path / "x"),
-    }
 
 
 def _export(defs: dg.Definitions, instance: dg.DagsterInstance) -> None:
@@ -292,36 +240,6 @@ def test_export_ledger_drift_runs_one_pass_from_the_declared_specs(tmp_path, cap
 
 
 # -- schema version 4 ------------------------------------------------------------------------------------------------
-
-
-def _ledger_at(url: str, version: int) -> None:
-    """A ledger as a release before 0.5.0 left it at schema ``version``: release 0.1.0's (tests/test_library.py),
-    upgraded by the alembic revisions up to ``version`` (each freezes its tables as that version had them), without
-    the alembic revision table those releases did not have: only ``export_ledger_schema`` says its version."""
-    from alembic.config import Config
-    from alembic.runtime.environment import EnvironmentContext
-    from alembic.runtime.migration import MigrationContext
-    from alembic.script import ScriptDirectory
-    from test_library import _v1_ledger
-
-    from export_ledger.ledger.store import MIGRATIONS, VERSION_TABLE
-
-    _v1_ledger(url)
-    config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS))
-    script = ScriptDirectory.from_config(config)
-    engine = sa.create_engine(url)
-    with engine.begin() as conn:
-        MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE}).stamp(script, "v1")
-        with EnvironmentContext(
-            config, script, fn=lambda revision, _: script._upgrade_revs(f"v{version}", revision),
-            destination_rev=f"v{version}",
-        ) as environment:  # fmt: skip
-            environment.configure(connection=conn, version_table=VERSION_TABLE)
-            environment.run_migrations()
-        conn.execute(sa.text(f"DROP TABLE {VERSION_TABLE}"))
-    engine.dispose()
-    assert schema_version(sa.create_engine(url)) == version, f"the ledger is at schema {version}"
 
 
 def test_a_v3_ledger_reads_unchanged_refuses_writes_and_upgrades_explicitly_keeping_every_row(

@@ -15,10 +15,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from builders import ORDERS_SCHEMA as SCHEMA
 from builders import hourly_orders as orders  # hourly in each key's window
 from builders import key_for
 from pipeline_helpers import places, published_dirs
-from test_batched_ledger import SCHEMA
 
 from export_ledger.destinations import LocalDestination, local
 from export_ledger.destinations.publishing import POINTER_NAME

@@ -16,6 +16,7 @@ import dagster as dg
 import pandas as pd
 import pytest
 import sqlalchemy as sa
+from builders import v1_ledger as _v1_ledger
 from pipeline_helpers import current_data_file
 
 from export_ledger import ConfigurationError, ExportLedgerError, ExportSpec, FrameError, SqlSource, window_for
@@ -222,62 +223,6 @@ def test_the_readme_library_example_is_the_example_file() -> None:
 # -- the old schema ------------------------------------------------------------------------------------------------
 
 # What release 0.1.0 created (export_ledger.ledger.schema at version 1), written out as its DDL: no version table.
-V1_DDL = [
-    """CREATE TABLE export_runs (logical_key VARCHAR(300) PRIMARY KEY, export VARCHAR(63) NOT NULL,
-    tenant VARCHAR(63) NOT NULL, business_date DATE NOT NULL, timezone VARCHAR(64) NOT NULL,
-    window_start_utc TIMESTAMP WITH TIME ZONE NOT NULL, window_end_utc TIMESTAMP WITH TIME ZONE NOT NULL,
-    tz_database VARCHAR(64) NOT NULL, state VARCHAR(20) NOT NULL, location VARCHAR(1024), sha256 VARCHAR(64),
-    row_count BIGINT, committed_attempt VARCHAR(300), lease_owner VARCHAR(300),
-    lease_expires_at TIMESTAMP WITH TIME ZONE, attempt_started_at TIMESTAMP WITH TIME ZONE,
-    fencing_token BIGINT NOT NULL, created_at TIMESTAMP WITH TIME ZONE NOT NULL,
-    updated_at TIMESTAMP WITH TIME ZONE NOT NULL,
-    CONSTRAINT uq_export_runs_business_day UNIQUE (export, tenant, timezone, business_date))""",
-    """CREATE TABLE export_attempts (id INTEGER PRIMARY KEY, attempt_id VARCHAR(300) NOT NULL,
-    logical_key VARCHAR(300) NOT NULL REFERENCES export_runs (logical_key), fencing_token BIGINT,
-    started_at TIMESTAMP WITH TIME ZONE NOT NULL, finished_at TIMESTAMP WITH TIME ZONE NOT NULL,
-    outcome VARCHAR(20) NOT NULL, error_class VARCHAR(200), error_message VARCHAR(500))""",
-    """CREATE TABLE export_low_water (export VARCHAR(63) PRIMARY KEY, low_water_date DATE NOT NULL,
-    pruned_total BIGINT NOT NULL, updated_at TIMESTAMP WITH TIME ZONE NOT NULL)""",
-    """CREATE TABLE export_contracts (id INTEGER PRIMARY KEY, export VARCHAR(63) NOT NULL, contract TEXT NOT NULL,
-    recorded_at TIMESTAMP WITH TIME ZONE NOT NULL, reason VARCHAR(500) NOT NULL)""",
-]
-
-
-def _v1_ledger(url: str) -> None:
-    """A ledger as release 0.1.0 left it: one completed key, one failed, an attempt each, a mark and a contract."""
-    engine = sa.create_engine(url)
-    stamp = "2026-03-09 10:00:00" if engine.dialect.name == "sqlite" else "2026-03-09 10:00:00+00"
-    with engine.begin() as conn:
-        for ddl in V1_DDL:
-            sql = ddl if engine.dialect.name == "sqlite" else ddl.replace("INTEGER PRIMARY KEY", "SERIAL PRIMARY KEY")
-            conn.execute(sa.text(sql))
-        conn.execute(
-            sa.text(
-                "INSERT INTO export_runs VALUES (:k, 'invoice_export', :t, '2026-03-08', 'America/New_York', "
-                ":s, :e, 'system 2025b', :state, :loc, :sha, :rows, :att, NULL, NULL, NULL, :token, :s, :s)"
-            ),
-            [
-                dict(k="invoice_export/acme/2026-03-08T05:00:00Z", t="acme", state="completed", loc="/x", sha="a" * 64,
-                     rows=92, att="run-1/invoice_export", token=1, s=stamp, e=stamp),
-                dict(k="invoice_export/globex/2026-03-08T05:00:00Z", t="globex", state="failed", loc=None, sha=None,
-                     rows=None, att=None, token=2, s=stamp, e=stamp),
-            ],
-        )  # fmt: skip
-        conn.execute(
-            sa.text("INSERT INTO export_attempts (attempt_id, logical_key, fencing_token, started_at, finished_at, "
-                    "outcome) VALUES ('run-1/invoice_export', 'invoice_export/acme/2026-03-08T05:00:00Z', 1, :s, :s, "
-                    "'completed')"),
-            dict(s=stamp),
-        )  # fmt: skip
-        conn.execute(
-            sa.text("INSERT INTO export_low_water VALUES ('invoice_export', '2026-01-01', 7, :s)"), dict(s=stamp)
-        )
-        conn.execute(
-            sa.text("INSERT INTO export_contracts (export, contract, recorded_at, reason) VALUES ('invoice_export', "
-                    ":c, :s, 'first materialization')"),
-            dict(c='{"timezone": "America/New_York"}', s=stamp),
-        )  # fmt: skip
-    engine.dispose()
 
 
 def test_a_ledger_made_by_the_old_schema_reads_unchanged_refuses_writes_until_upgraded_then_keeps_every_record(

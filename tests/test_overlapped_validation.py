@@ -9,8 +9,9 @@ import datetime as dt
 
 import pytest
 import sqlalchemy as sa
+from builders import INVOICES_SCHEMA as INVOICES
+from builders import invoices_frame as invoices
 from pipeline_helpers import places, published_dirs
-from test_validation_speed_equivalence import INVOICES, invoices
 
 from export_ledger import protocol
 from export_ledger.destinations import LocalDestination

@@ -16,7 +16,12 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from builders import ORDERS_DAY as DAY
+from builders import ORDERS_SCHEMA as SCHEMA
+from builders import corrected_orders as corrected
 from builders import hourly_orders as orders
+from builders import key_folder
+from builders import orders_item as item
 
 from export_ledger.destinations import LocalDestination
 from export_ledger.destinations.base import DestinationUnreachable, Fenced, PointerMoved
@@ -35,32 +40,11 @@ from export_ledger.ledger import (
     SchemaOutdated,
 )
 from export_ledger.ledger.schema import AttemptOutcome
-from export_ledger.protocol import ExportItem, ExportOutcomeUnknown, _KeyExport, export_key, target_for
+from export_ledger.protocol import ExportOutcomeUnknown, _KeyExport, export_key, target_for
 from export_ledger.reconcile import reconcile_batch
 from export_ledger.resolve import resolve_key
 from export_ledger.restate import withdraw
 from tests.builders import key_for
-from tests.test_batched_ledger import SCHEMA
-
-DAY = dt.date(2026, 3, 2)
-
-
-def item(key, frame: pd.DataFrame | None = None) -> ExportItem:
-    return ExportItem(key, key.window.business_date.isoformat(), orders(key) if frame is None else frame)
-
-
-def corrected(key) -> pd.DataFrame:
-    """The key's rows after a correction: one amount changed, one late row added."""
-    frame = orders(key)
-    frame.loc[0, "total"] = 99.0
-    late = frame.iloc[[-1]].copy()
-    late["order_id"] = f"{key.tenant}-late"
-    late["placed_at"] = late["placed_at"] - pd.Timedelta(minutes=30)
-    return pd.concat([frame, late]).sort_values("placed_at", kind="stable").reset_index(drop=True)
-
-
-def key_folder(root: Path, key) -> Path:
-    return root / key.export / f"tenant={key.tenant}" / f"date={key.window.business_date.isoformat()}"
 
 
 def pointer_of(root: Path, key) -> dict:
@@ -444,7 +428,7 @@ def test_prune_stops_at_a_key_with_an_open_restatement_and_removes_the_revisions
 
 def test_a_v4_ledger_reads_as_revision_1_then_upgrades_explicitly_and_restates(ledger_url, tmp_path) -> None:
     import sqlalchemy as sa
-    from test_drift import _ledger_at
+    from builders import ledger_at as _ledger_at
 
     from export_ledger.ledger import SCHEMA_VERSION, dispose_engines, schema_version, upgrade_url
 

@@ -20,8 +20,12 @@ from pathlib import Path
 import dagster as dg
 import pandas as pd
 import pytest
+from builders import drift_day as _day
+from builders import drift_environ as _environ
+from builders import drift_source as _source
+from builders import drift_spec as _spec
+from builders import late_deleted_and_updated as _late_deleted_and_updated
 from pipeline_helpers import failure_message, key_rows, tick
-from test_drift import _day, _environ, _late_deleted_and_updated, _source, _spec
 
 from export_ledger.dagster import ledgered_definitions
 from export_ledger.destinations.publishing import POINTER_NAME

@@ -16,7 +16,11 @@ import json
 
 import pytest
 import sqlalchemy as sa
+from builders import ORDERS_DAY as DAY
+from builders import ORDERS_SCHEMA as SCHEMA
+from builders import corrected_orders as corrected
 from builders import hourly_orders as orders
+from builders import orders_item as item
 
 from export_ledger.destinations.base import ExportTarget, Fenced, PointerMoved, Verdict
 from export_ledger.destinations.publishing import POINTER_NAME, Pointer, StagedExport
@@ -31,8 +35,6 @@ from export_ledger.reconcile import reconcile_batch
 from export_ledger.resolve import resolve_key
 from tests.builders import key_for
 from tests.object_buckets import KINDS, Bucket, bucket_for, delta_destination, object_destination
-from tests.test_batched_ledger import SCHEMA
-from tests.test_restatement import DAY, corrected, item
 
 PREFIX = "exports"
 TABLE = "restated_orders"

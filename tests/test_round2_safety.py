@@ -315,8 +315,9 @@ from export_ledger.ledger import ExportLedger, LedgerError
 from export_ledger.destinations import LocalDestination
 from export_ledger.protocol import export_key
 from tests.builders import key_for
-from tests.test_batched_ledger import SCHEMA
-from tests.test_restatement import DAY, item
+from builders import ORDERS_SCHEMA as SCHEMA
+from builders import ORDERS_DAY as DAY
+from builders import orders_item as item
 ledger = ExportLedger(sys.argv[1], lease_ttl=dt.timedelta(minutes=10))
 print("worker clock", dt.datetime.now(dt.timezone.utc).isoformat(), flush=True)
 try:

@@ -18,7 +18,12 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 import sqlalchemy as sa
+from builders import STREAM_DAY as DAY
+from builders import STREAM_KEY as KEY
+from builders import STREAM_SCHEMA as SCHEMA
 from builders import key_for
+from builders import split_frame as split
+from builders import stream_orders as orders
 from pipeline_helpers import current_data_file, published_dirs, read_export, stored_objects
 
 from export_ledger import FrameError, SqlSource, frames
@@ -35,33 +40,6 @@ from export_ledger.ledger import ExportLedger
 from export_ledger.ledger.schema import AttemptOutcome, ExportState
 from export_ledger.protocol import ExportBatch, ExportItem, export_batch, export_key
 from export_ledger.sources import CallableSource
-
-SCHEMA = ExportSchema(
-    {"order_id": "string", "tenant": "string", "placed_at": "timestamp", "total": "float"},
-    "placed_at",
-    ("order_id",),
-    tenant_column="tenant",
-)
-DAY = dt.date(2026, 3, 2)
-KEY = key_for(DAY, tenant="acme")
-
-
-def orders(rows: int = 200, *, every: str = "5min") -> pd.DataFrame:
-    """Orders of acme inside KEY's window, in file order, two per timestamp (ties broken by id)."""
-    start = pd.Timestamp(KEY.window.start_utc)
-    times = pd.date_range(start, periods=(rows + 1) // 2, freq=every).as_unit("us").repeat(2)[:rows]
-    return pd.DataFrame(
-        {
-            "order_id": [f"o{i:06d}" for i in range(rows)],
-            "tenant": ["acme"] * rows,
-            "placed_at": times,
-            "total": [float(i) for i in range(rows)],
-        }
-    )
-
-
-def split(frame: pd.DataFrame, size: int) -> list[pd.DataFrame]:
-    return [frame.iloc[i : i + size].reset_index(drop=True) for i in range(0, len(frame), size)]
 
 
 def export(tmp_path: Path, frame, *, file_format: str = "csv", attempt: str = "run-1/export"):

@@ -12,7 +12,11 @@ import io
 import pandas as pd
 import pytest
 import sqlalchemy as sa
-from test_streaming import DAY, KEY, SCHEMA, orders, split
+from builders import STREAM_DAY as DAY
+from builders import STREAM_KEY as KEY
+from builders import STREAM_SCHEMA as SCHEMA
+from builders import split_frame as split
+from builders import stream_orders as orders
 
 from export_ledger import FrameError
 from export_ledger.destinations import table as table_destination

@@ -8,15 +8,16 @@ file with what the pandas checks make of the same frame.
 
 from __future__ import annotations
 
-import datetime as dt
 import hashlib
 import io
 
 import numpy as np
 import pandas as pd
 import pytest
+from builders import INVOICE_WINDOW as WINDOW
+from builders import INVOICES_SCHEMA as INVOICES
+from builders import invoices_frame as invoices
 
-from export_ledger.calendar import window_for
 from export_ledger.errors import FrameError
 from export_ledger.fingerprint import Fingerprint
 from export_ledger.frames import (
@@ -27,20 +28,6 @@ from export_ledger.frames import (
     write_table,
 )
 
-WINDOW = window_for(dt.date(2026, 3, 10), "America/New_York")
-INVOICES = ExportSchema(
-    {
-        "invoice_id": "string",
-        "tenant": "string",
-        "occurred_at": "timestamp",
-        "amount": "float",
-        "currency": "string",
-        "customer_email": "string",
-    },
-    "occurred_at",
-    ("invoice_id",),
-    tenant_column="tenant",
-)
 VERSIONED = ExportSchema(
     {
         "order_id": "string",
@@ -56,31 +43,6 @@ VERSIONED = ExportSchema(
     nullable={"note", "weight"},
     version_column="updated_at",
 )
-
-
-def invoices(rows: int, *, ties: bool = False, shuffled: bool = False, dtype: object = object) -> pd.DataFrame:
-    """Invoices spread over the window; ``ties``: seven rows share each time (ids decide their order)."""
-    k = np.arange(rows, dtype=np.int64)
-    step = (WINDOW.end_utc - WINDOW.start_utc) / max(rows, 1)
-    times = pd.Timestamp(WINDOW.start_utc) + pd.to_timedelta(
-        (k // 7 if ties else k) * step.total_seconds(), unit="s"
-    ).round("us")
-    mixed = (k * 2654435761 + 12345) % 1_000_003
-    frame = pd.DataFrame(
-        {
-            "invoice_id": pd.Series([f"acme-{i:012d}" for i in (rows - k if ties else k)], dtype=dtype),
-            "tenant": pd.Series(["acme"] * rows, dtype=dtype),
-            "occurred_at": times,
-            "amount": np.round(5 + (mixed % 250_000) / 100.0, 2),
-            "currency": pd.Series(np.array(["USD", "EUR", "GBP", "CAD"], dtype=object)[mixed % 4], dtype=dtype),
-            "customer_email": pd.Series([f"customer{m % 5000}@example.com" for m in mixed], dtype=dtype),
-        }
-    )
-    if ties:
-        frame = frame.sort_values(["occurred_at", "invoice_id"], kind="stable").reset_index(drop=True)
-    if shuffled:
-        frame = frame.iloc[(k * 7919) % rows].reset_index(drop=True)
-    return frame
 
 
 def versioned(rows: int) -> pd.DataFrame:

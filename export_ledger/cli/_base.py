@@ -21,6 +21,9 @@ PROG = "export-ledger"
 #: Rows a CLI read returns unless ``--limit`` says otherwise: every read is bounded, whatever the ledger holds.
 STATUS_LIMIT = 500
 ATTEMPTS_LIMIT = 200
+#: ``status --state stale`` and ``drift``'s result: not a state of export_runs (a stale key stays completed) but an open
+#: drift record.
+STALE = "stale"
 LEDGER_URL_HELP = f"SQLAlchemy URL of the ledger (default: ${LEDGER_URL_ENV}, else ./var/ledger.sqlite3)"
 
 _DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
@@ -139,12 +142,17 @@ def more(shown: int, args: argparse.Namespace) -> str:
 # -- the code location of -f/-m/-w ----------------------------------------------------------------------------------
 
 
+def location_named(args: argparse.Namespace) -> bool:
+    """Whether -f/-m/-w name a code location (nothing is loaded). Raises :class:`UsageError` for -a without -f/-m."""
+    if getattr(args, "attribute", None) and not (args.python_file or args.module_name):
+        raise UsageError("-a ATTRIBUTE names the Definitions in the -f FILE or -m MODULE: give one of them too")
+    return any(getattr(args, name, None) for name in ("python_file", "module_name", "workspace"))
+
+
 def code_location(args: argparse.Namespace) -> operations.CodeLocation | None:
     """The code location named by -f/-m/-w (-a), loaded once a command (this imports Dagster and the user's code);
     None without one."""
-    if getattr(args, "attribute", None) and not (args.python_file or args.module_name):
-        raise UsageError("-a ATTRIBUTE names the Definitions in the -f FILE or -m MODULE: give one of them too")
-    if not any(getattr(args, name, None) for name in ("python_file", "module_name", "workspace")):
+    if not location_named(args):
         return None
     if getattr(args, "loaded_location", None) is None:
         from export_ledger.dagster.code_location import load_code_location, load_workspace_location
@@ -168,7 +176,7 @@ def command_notes(
         return []
     notes = [f"before running the dagster commands here: {problem}" for problem in
              operations.shell_problems(code_location(args), exports)]  # fmt: skip
-    if args.python_file or args.module_name or getattr(args, "workspace", None):
+    if location_named(args):
         return notes
     if Path("definitions.py").is_file():  # what operations.location_args names, or its placeholder
         assumed = "assume the code location is ./definitions.py"

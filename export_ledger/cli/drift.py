@@ -11,9 +11,16 @@ from export_ledger.ledger import ExportLedger
 from export_ledger.settings import Settings
 
 from . import render
-from ._base import PROG, UsageError, code_location, operator_option, positive_int_arg, slug_arg
-
-STALE = "stale"
+from ._base import (
+    PROG,
+    STALE,
+    UsageError,
+    code_location,
+    location_named,
+    operator_option,
+    positive_int_arg,
+    slug_arg,
+)
 
 
 def add_parser(commands, common, location) -> None:
@@ -46,8 +53,7 @@ def add_parser(commands, common, location) -> None:
 
 
 def _sources_named(args: argparse.Namespace) -> None:
-    named = any(getattr(args, name) for name in ("python_file", "module_name", "workspace"))
-    if named == bool(args.specs):
+    if location_named(args) == bool(args.specs):
         raise UsageError(
             "--specs and -f/-m both name the declared exports: give one of them" if args.specs else
             "drift needs the declared exports: name the code location with -f FILE or -m MODULE"

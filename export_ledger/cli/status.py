@@ -12,10 +12,8 @@ from export_ledger.restate import published_revisions, records_of
 from export_ledger.settings import Settings
 
 from . import attention, render
-from ._base import STATUS_LIMIT, UsageError, date_arg, more, positive_int_arg, slug_arg
+from ._base import STALE, STATUS_LIMIT, UsageError, date_arg, location_named, more, positive_int_arg, slug_arg
 
-#: ``--state stale``: not a state of export_runs (a stale key stays completed) but an open drift record.
-STALE = "stale"
 #: ``--state restating``: keys with an open restatement request (completed until claimed, then under way).
 RESTATING = "restating"
 
@@ -64,8 +62,7 @@ def add_parser(commands, common, location) -> None:
 def _options_agree(args: argparse.Namespace) -> None:
     if args.date_from and args.date_to and args.date_from > args.date_to:
         raise UsageError(f"--from {args.date_from} is after --to {args.date_to}")
-    if args.attribute and not (args.python_file or args.module_name):
-        raise UsageError("-a ATTRIBUTE names the Definitions in the -f FILE or -m MODULE: give one of them too")
+    location_named(args)  # -a without -f/-m
     if len(set(args.states)) > 1 and STALE in args.states:
         raise UsageError("--state stale lists stale keys only; it cannot be combined with other states")
     if len(set(args.states)) > 1 and RESTATING in args.states:

@@ -13,17 +13,12 @@ instead. Plain Python, no Dagster.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import contextvars
-import datetime as dt
+import enum
 import logging
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-
-import pandas as pd
-import pyarrow as pa
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from export_ledger import failpoints
 from export_ledger.calendar import utc_iso
@@ -34,24 +29,13 @@ from export_ledger.destinations.base import (
     ExportTarget,
     Fenced,
     PublishOutcomeUnknown,
-    TransactionalDestination,
     Verdict,
     place_name,
-    place_of_location,
 )
-from export_ledger.destinations.publishing import Pointer, PublishingDestination, StagedExport, pointer_otherwise
+from export_ledger.destinations.publishing import Pointer, StagedExport
 from export_ledger.errors import ExportLedgerError, safe_message
 from export_ledger.fingerprint import Fingerprint
-from export_ledger.frames import (
-    ExportSchema,
-    FrameBatches,
-    Manifest,
-    TableStream,
-    data_file_name,
-    validate_batches,
-    validate_frame,
-    validate_frame_in_two_steps,
-)
+from export_ledger.frames import ExportSchema, FrameBatches, data_file_name
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger import (
     AlreadyCompleted,
@@ -64,7 +48,14 @@ from export_ledger.ledger import (
     LedgerError,
     LedgerUnavailable,
 )
-from export_ledger.sources import DEFAULT_BATCH_ROWS, ExportSource
+from export_ledger.runs import BatchOutcome, ExportBatch, ExportItem, ExportResult, KeyFailure, Rows
+from export_ledger.stage import Stager
+
+__all__ = [
+    "DEFAULT_GROUP_SIZE", "RENEW_AFTER", "BatchOutcome", "ExportBatch", "ExportBatchFailed", "ExportConflict",
+    "ExportItem", "ExportOutcomeUnknown", "ExportResult", "FailureFinish", "KeyFailure", "Rows", "export_batch",
+    "export_key", "failure_finish", "target_for",
+]  # fmt: skip
 
 _log = logging.getLogger("export_ledger")
 
@@ -80,135 +71,6 @@ class ExportBatchFailed(DestinationError):
 
 class ExportOutcomeUnknown(DestinationError):
     """The destination may or may not hold the export; the key is ``remote_unknown`` until reconciled."""
-
-
-#: A key's rows: a DataFrame (validated whole), batches (validated, written and hashed batch by batch), a reader
-#: called after the key is claimed (the source is read only for a key that is exported), or None (found completed
-#: when the run was planned: nothing read).
-Rows = pd.DataFrame | FrameBatches | Callable[[], pd.DataFrame] | None
-
-
-@dataclass(frozen=True)
-class ExportItem:
-    """One logical key to export.
-
-    Attributes:
-        key: The key.
-        partition_key: The Dagster partition it belongs to.
-        frame: Its rows (see :data:`Rows`).
-        contract: The tenant's calendar contract the key's window was computed with; the claim is refused unless it
-            is the one the ledger holds in force (None: not checked).
-    """
-
-    key: LogicalKey
-    partition_key: str
-    frame: Rows
-    contract: Mapping | None = None
-
-    @classmethod
-    def streamed(
-        cls,
-        key: LogicalKey,
-        partition_key: str,
-        source: ExportSource,
-        schema: ExportSchema,
-        *,
-        batch_rows: int = DEFAULT_BATCH_ROWS,
-        contract: Mapping | None = None,
-    ) -> ExportItem:
-        """An item whose rows are read from ``source`` in batches of ``batch_rows`` while they are exported.
-
-        Nothing is read until the export runs (and never for a key found completed).
-        """
-        start, end = key.window.start_utc, key.window.end_utc
-        batches = FrameBatches(_LazyBatches(source, key.tenant, start, end, schema, batch_rows))
-        return cls(key, partition_key, batches, contract)
-
-
-@dataclass(frozen=True)
-class _LazyBatches:
-    """The source's batches, requested only when iterated."""
-
-    source: ExportSource
-    tenant: str
-    start_utc: dt.datetime
-    end_utc: dt.datetime
-    schema: ExportSchema
-    batch_rows: int
-
-    def __iter__(self):
-        return iter(
-            self.source.batches(
-                self.tenant, self.start_utc, self.end_utc, schema=self.schema, batch_rows=self.batch_rows
-            )
-        )
-
-
-@dataclass(frozen=True)
-class ExportResult:
-    """What happened to one key in this attempt."""
-
-    logical_key: str
-    partition_key: str
-    tenant: str
-    status: str  # exported | repaired | already_completed | unchanged
-    location: str
-    sha256: str
-    row_count: int
-    committed_attempt: str
-    #: The revision this attempt published or repaired (the restatement's for a restatement); 1 for
-    #: ``already_completed``, whose current revision is not looked up (the ledger's ``current_revision`` has it).
-    revision: int = 1
-    #: For a restatement, the revision it superseded (the key's recorded revision before it: not always
-    #: ``revision - 1``, since a withdrawn request's number is never given again); None otherwise.
-    supersedes: int | None = None
-    #: For ``unchanged`` (a restatement whose data was the current revision's, so nothing was published and its
-    #: request was closed ``unchanged``): the revision that was asked for. ``revision`` is then the one that stays
-    #: current, and location, sha256 and row count are that revision's. None otherwise.
-    requested_revision: int | None = None
-
-    @classmethod
-    def of(
-        cls,
-        record: ExportRecord,
-        partition_key: str,
-        status: str,
-        revision: int = 1,
-        supersedes: int | None = None,
-        requested_revision: int | None = None,
-    ) -> ExportResult:
-        return cls(
-            record.logical_key, partition_key, record.tenant, status, record.location, record.sha256,
-            record.row_count, record.committed_attempt, revision, supersedes, requested_revision,
-        )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class KeyFailure:
-    """One key of a run that was not exported, and why (``message``: in the library's own words; ``error``: the
-    exception itself, for callers that branch on its class)."""
-
-    logical_key: str
-    partition_key: str
-    tenant: str
-    error_class: str
-    message: str
-    error: Exception = field(repr=False, compare=False, default=None)
-
-
-@dataclass
-class ExportBatch:
-    """Every (partition, tenant) key of one run, in the order they are exported, and what happened to each."""
-
-    schema: ExportSchema
-    items: list[ExportItem]
-    results: list[ExportResult] = field(default_factory=list)
-    failures: list[KeyFailure] = field(default_factory=list)
-    #: Called by the I/O manager when the batch failed, once every other key is recorded and just before it fails the
-    #: step: what the asset reports about the run (its checks' verdicts) must be said then, since a failed step never
-    #: returns to the asset's code. Its argument says whether the export ran at all (False: it failed before, e.g. the
-    #: destination could not be built, and the ledger alone holds the truth). None: nothing to say.
-    on_failure: Callable[[bool], None] | None = field(default=None, repr=False, compare=False)
 
 
 def target_for(key: LogicalKey, revision: int = 1, place: str | None = None) -> ExportTarget:
@@ -232,7 +94,7 @@ def export_key(
     file_format: str = "csv",
     log: Callable[[str, str], None] | None = None,
 ) -> ExportResult:
-    """Exports one logical key exactly once, whatever the number of attempts.
+    """Exports one logical key exactly once, whatever the number of attempts: a group of one (:func:`export_batch`).
 
     Args:
         ledger: The ledger that decides who may export the key.
@@ -256,199 +118,183 @@ def export_key(
         Any other error: the key is ``failed`` (safe to retry) and the error is raised again.
     """
     data_file_name(file_format)
-    return _KeyExport(ledger, destination, schema, file_format, log or _default_log).run(item, attempt)
+    exporter = _Exporter(ledger, destination, Stager(schema, file_format, log or _default_log))
+    results, failures = _Group(exporter, [item], attempt, deferred=False).run()
+    if failures:
+        raise failures[0][1]
+    return results[0]
 
 
 def _default_log(level: str, message: str) -> None:
     getattr(_log, level)(message)
 
 
+class FailureFinish(enum.Enum):
+    """What a failure of a key's effect leaves in the ledger (:func:`failure_finish`)."""
+
+    #: The destination may hold the export: ``remote_unknown``, with the evidence the error carries.
+    UNKNOWN = "remote_unknown"
+    #: A predecessor not yet fenced may still publish: ``remote_unknown`` at this attempt's place, for
+    #: reconciliation to hold, fence and judge the key there.
+    UNKNOWN_AT_PLACE = "remote_unknown at this attempt's place"
+    #: The destination holds something else, or was fenced by another party: ``conflict``, for an operator.
+    CONFLICT = "conflict"
+    #: Nothing of the key is visible: ``failed``, safe to retry.
+    FAILED = "failed"
+    #: This attempt no longer holds the key: it records nothing more.
+    NOTHING = "nothing"
+
+
+def failure_finish(error: Exception, fenced_predecessor: bool) -> FailureFinish:
+    """Which finish a failure of a key's effect becomes (docs/protocol.md, step 2 and "What each failure leaves").
+
+    ``fenced_predecessor``: whether nothing an earlier holder of the key did can still become visible, i.e. the key
+    was not taken over from a lapsed lease, or this attempt's fence has landed. Before that, a failure cannot say
+    "nothing is visible", so it is not ``failed``.
+    """
+    if isinstance(error, PublishOutcomeUnknown):
+        return FailureFinish.UNKNOWN
+    if isinstance(error, FencedOut):
+        return FailureFinish.NOTHING
+    if isinstance(error, (Fenced, DestinationConflict)):
+        return FailureFinish.CONFLICT
+    return FailureFinish.FAILED if fenced_predecessor else FailureFinish.UNKNOWN_AT_PLACE
+
+
 @dataclass(frozen=True)
-class _Staged:
-    """A key's revision staged at its place and not yet published (its pointer's bytes prepared beside it)."""
+class _Held:
+    """One claimed key of a group as it goes through the protocol's steps; each step returns a new value."""
 
-    staged: StagedExport
-    fingerprint: Fingerprint
-    #: Whether the key's predecessor was fenced when it was staged (see ``_KeyExport._fenced_predecessor``).
+    index: int  # its position in the group
+    item: ExportItem
+    claim: Claim
+    #: Whether nothing an earlier holder did can still become visible (see :func:`failure_finish`): true unless the key
+    #: was taken over from a lapsed lease and this attempt's fence has not landed yet.
     fenced_predecessor: bool
+    status: str = "claimed"  # then staged, or exported / repaired / unchanged once it has its evidence or record
+    pointer: Pointer | None = None
+    staged: StagedExport | None = None
+    fingerprint: Fingerprint | None = None
+    evidence: CompletionEvidence | None = None
+    record: ExportRecord | None = None
+
+    @property
+    def target(self) -> ExportTarget:
+        return target_for(self.item.key, self.claim.revision)
 
 
-@dataclass
-class _KeyExport:
+@dataclass(frozen=True)
+class _Exporter:
+    """The protocol's steps for one key, each from a :class:`_Held` to the next one; a failure is recorded on the key
+    as :func:`failure_finish` says and raised again."""
+
     ledger: ExportLedger
     destination: Destination
-    schema: ExportSchema
-    file_format: str
-    log: Callable[[str, str], None]
-    _fenced_predecessor: bool = field(default=True, init=False, repr=False)
+    stager: Stager
 
-    def run(self, item: ExportItem, attempt: str) -> ExportResult:
-        contracts = None if item.contract is None else {(item.key.export, item.key.tenant): item.contract}
-        (outcome,) = self.ledger.claims.claim_many([item.key], attempt, contracts=contracts)
-        if isinstance(outcome, LedgerError):
-            raise outcome
-        if isinstance(outcome, AlreadyCompleted):
-            return self.skipped(outcome, item)
-        claim = outcome
-        status, effect = self.effect(claim, item)
-        if isinstance(effect, ExportRecord):
-            record = effect  # a transactional destination recorded it with its rows
-        else:
-            # A group of one: its writes were made durable one by one, so there is nothing to sync between these.
-            failpoints.reach("before_group_sync")
-            failpoints.reach("after_group_sync")
-            failpoints.reach("before_commit")
-            record = self.ledger.completions.complete(claim, effect)
-        failpoints.reach("after_commit")
-        return self.result(record, item, status, attempt, claim)
+    @property
+    def log(self) -> Callable[[str, str], None]:
+        return self.stager.log
 
-    def skipped(self, outcome: AlreadyCompleted, item: ExportItem) -> ExportResult:
-        record = outcome.record
-        self.log(
-            "info",
-            f"{record.logical_key} already completed by attempt {record.committed_attempt}; skipped, no new effect",
-        )
-        return ExportResult.of(record, item.partition_key, "already_completed")
+    def open(self, held: _Held) -> _Held:
+        """Everything up to the publish: the rows written with the completion record (a transactional destination),
+        an earlier attempt's commit found (``repaired``), the same data as the revision it restates (``unchanged``),
+        or the revision staged, invisible, for :meth:`publish`."""
+        held = self.step(held, self._fenced)
+        if self.destination.takes_effect == "with_record":
+            return self.step(held, self._written)
+        return self.step(held, self._staged)
 
-    def result(self, record: ExportRecord, item: ExportItem, status: str, attempt: str, claim: Claim) -> ExportResult:
-        if status == "unchanged":
-            kept = claim.superseded_revision
-            self.log(
-                "warning",
-                f"{record.logical_key}: the restatement to revision {claim.revision} read the same data as revision "
-                f"{kept} ({record.row_count} rows, same sha256): nothing published; revision {kept} stays current and "
-                f"the request is closed unchanged (attempt {attempt})",
-            )
-            return ExportResult.of(record, item.partition_key, status, kept, requested_revision=claim.revision)
-        if status != "exported":
-            self.log(
-                "info",
-                f"{record.logical_key} {status}: {record.row_count} rows at {record.location} (attempt {attempt})",
-            )
-        supersedes = claim.superseded_revision if claim.revision > 1 else None
-        return ExportResult.of(record, item.partition_key, status, claim.revision, supersedes)
+    def publish(self, held: _Held) -> _Held:
+        """The pointer's compare-and-swap for a staged revision: visible now, its evidence still to record."""
+        return self.step(held, self._committed)
 
-    def effect(self, claim: Claim, item: ExportItem) -> tuple[str, ExportRecord | CompletionEvidence]:
-        """Everything between a key's claim and its completion record: the repair, publish or transactional write.
-
-        Returns the status and either the committed record (a transactional destination commits rows and record
-        together) or the evidence of the committed export, still to be recorded. A failure is recorded on the key
-        (``failed``, ``conflict``, ``remote_unknown``, or the ``fenced`` row of an attempt that lost the key) and
-        raised again.
-        """
-        status, outcome = self.stage(claim, item)
-        if isinstance(outcome, _Staged):
-            return self.publish(claim, outcome)
-        return status, outcome
-
-    def stage(self, claim: Claim, item: ExportItem) -> tuple[str, ExportRecord | CompletionEvidence | _Staged]:
-        """:meth:`effect` up to the publish: a staged revision is returned for :meth:`publish` (a group stages all
-        its keys, syncs once, then publishes each: docs/protocol.md, "Group commit")."""
-        target = target_for(item.key, claim.revision)
-        # A takeover's predecessor is not fenced until this attempt's fence lands: before that, nobody knows what it
-        # did or will still do, so this attempt's failure cannot say "nothing is visible" (docs/protocol.md, step 2).
-        self._fenced_predecessor = claim.previous_state is not ExportState.IN_PROGRESS
-        with self._recording_failures(claim, target):
-            failpoints.reach("after_claim")
-            if not _same_window(claim, item.key):
-                raise LedgerError(
-                    f"{claim.logical_key} was first claimed for [{utc_iso(claim.window.start_utc)}, "
-                    f"{utc_iso(claim.window.end_utc)}) but this attempt computed "
-                    f"[{utc_iso(item.key.window.start_utc)}, {utc_iso(item.key.window.end_utc)}); nothing exported"
-                )
-            if isinstance(self.destination, TransactionalDestination):
-                self._fenced_predecessor = True  # its effect and record commit in one ledger transaction: fenced there
-                return "exported", self._write_in_transaction(claim, item, target)
-            return self._prepare(claim, item, target)
-
-    def publish(self, claim: Claim, pending: _Staged) -> tuple[str, CompletionEvidence]:
-        """The pointer's compare-and-swap for a revision :meth:`stage` returned, a failure recorded as there."""
-        self._fenced_predecessor = pending.fenced_predecessor
-        with self._recording_failures(claim, pending.staged.target):
-            return self._commit(claim, pending)
-
-    def lost(
-        self, claim: Claim, item: ExportItem, pending: _Staged | None, error: Exception,
-        evidence: CompletionEvidence | None,
-    ) -> None:  # fmt: skip
+    def lose(self, held: _Held, error: Exception) -> _Held:
         """Records a group-wide failure (its sync) on one key of the group, as that key's own failure would be, and
-        raises it: staged only (``pending``: nothing visible) or published (``evidence``: visible, durability
-        unknown, so the outcome is unknown)."""
-        if pending is not None:
-            self._fenced_predecessor = pending.fenced_predecessor
-        else:
-            self._fenced_predecessor = True  # it published, so its fence (if any) had landed
-        with self._recording_failures(claim, target_for(item.key, claim.revision)):
-            if evidence is None:
-                raise error
-            raise PublishOutcomeUnknown(
-                f"committed {evidence.location}, then could not make it durable ({safe_message(error)})",
-                sha256=evidence.sha256, location=evidence.location,
-            ) from error  # fmt: skip
+        raises it: staged only (nothing visible) or published or repaired (visible, durability unknown: the outcome
+        is unknown)."""
+        if held.evidence is None:
+            return self.step(held, lambda _: _raise(error))
+        location, sha256 = held.evidence.location, held.evidence.sha256
+        unknown = PublishOutcomeUnknown(
+            f"committed {location}, then could not make it durable ({safe_message(error)})",
+            sha256=sha256, location=location,
+        )  # fmt: skip
+        unknown.__cause__ = error
+        return self.step(replace(held, fenced_predecessor=True), lambda _: _raise(unknown))
 
-    @contextlib.contextmanager
-    def _recording_failures(self, claim: Claim, target: ExportTarget):
-        """Records a failure of the key's effect on the key (``failed``, ``conflict``, ``remote_unknown``) and raises
-        it again."""
-        completions = self.ledger.completions
+    def step(self, held: _Held, step: Callable[[_Held], _Held]) -> _Held:
         try:
-            yield
-        except PublishOutcomeUnknown as exc:
+            return step(held)
+        except Exception as exc:
+            finish = failure_finish(exc, held.fenced_predecessor)
+            raised = self._record(held, finish, exc)
+            if raised is exc:
+                raise
+            raise raised from exc
+
+    def _record(self, held: _Held, finish: FailureFinish, exc: Exception) -> Exception:
+        """Records ``finish`` for ``held``'s failure ``exc``; returns what to raise."""
+        completions, claim = self.ledger.completions, held.claim
+        if finish is FailureFinish.UNKNOWN:
             completions.mark_remote_unknown(
-                claim, exc, sha256=exc.sha256, location=exc.location or self._place_location(claim, target)
+                claim, exc, sha256=exc.sha256, location=exc.location or self._place_location(held)
             )
-            raise ExportOutcomeUnknown(
+            return ExportOutcomeUnknown(
                 f"{claim.logical_key}: the outcome at the destination is unknown ({exc}). The key is now "
                 "remote_unknown; reconciliation (the reconciliation sensor, or `export-ledger reconcile`) will resolve "
                 "it from the destination's evidence. Retrying before then is refused, because a blind retry could "
                 "export it twice."
-            ) from exc
-        except FencedOut:
-            raise  # this attempt no longer owns the key: it records nothing more
-        except Fenced as exc:
-            # Another party fenced the destination: the ledger took the key from this attempt (its finish is then
-            # refused, recording `fenced`), or the fence came from a token the ledger never issued: a conflict.
-            completions.mark_conflict(claim, exc)
-            raise
-        except DestinationConflict as exc:
-            # Never retried blindly: an operator must look at the destination.
-            completions.mark_conflict(claim, exc, location=getattr(exc, "location", None))
-            raise
-        except Exception as exc:
-            if self._fenced_predecessor:
-                completions.fail(claim, exc)
-            else:
-                # Reconciliation holds, fences and judges it: at the destination this location names.
-                completions.mark_remote_unknown(claim, exc, location=self._place_location(claim, target))
-            raise
+            )
+        if finish is FailureFinish.CONFLICT:
+            # Fenced: the ledger took the key from this attempt (its finish is then refused, recording `fenced`), or
+            # the fence came from a token the ledger never issued. Otherwise never retried blindly: a person looks.
+            completions.mark_conflict(
+                claim, exc, location=None if isinstance(exc, Fenced) else getattr(exc, "location", None)
+            )
+        elif finish is FailureFinish.FAILED:
+            completions.fail(claim, exc)
+        elif finish is FailureFinish.UNKNOWN_AT_PLACE:
+            completions.mark_remote_unknown(claim, exc, location=self._place_location(held))
+        return exc
 
-    def _place_location(self, claim: Claim, target: ExportTarget) -> str | None:
+    def _place_location(self, held: _Held) -> str | None:
         """Where this attempt's place is (recorded with an unknown outcome, so that reconciliation judges the key at
         the destination the attempt wrote to, not at another one it is pointed at)."""
+        claim = held.claim
         try:
-            return self.destination.attempt_location(target.at_place(place_name(claim.revision, claim.fencing_token)))
+            return self.destination.attempt_location(
+                held.target.at_place(place_name(claim.revision, claim.fencing_token))
+            )
         except Exception:  # noqa: BLE001 - a location is a courtesy to reconciliation; the outcome is recorded anyway
             return None
 
-    def _publish(self, claim: Claim, item: ExportItem, target: ExportTarget) -> tuple[str, CompletionEvidence]:
-        """Fence, verify, stage and commit one key at once: :meth:`_prepare`, then :meth:`_commit`."""
-        status, outcome = self._prepare(claim, item, target)
-        if isinstance(outcome, _Staged):
-            return self._commit(claim, outcome)
-        return status, outcome
-
-    def _prepare(
-        self, claim: Claim, item: ExportItem, target: ExportTarget
-    ) -> tuple[str, CompletionEvidence | _Staged]:
+    def _fenced(self, held: _Held) -> _Held:
+        """The claim checked against the key, then, on a publishing destination, the key's pointer: fenced with this
+        attempt's token when anyone held the key before (from then on no predecessor can publish), else read."""
+        failpoints.reach("after_claim")
+        claim, key = held.claim, held.item.key
+        if not _same_window(claim, key):
+            raise LedgerError(
+                f"{claim.logical_key} was first claimed for [{utc_iso(claim.window.start_utc)}, "
+                f"{utc_iso(claim.window.end_utc)}) but this attempt computed "
+                f"[{utc_iso(key.window.start_utc)}, {utc_iso(key.window.end_utc)}); nothing exported"
+            )
         destination = self.destination
-        if not isinstance(destination, PublishingDestination):
-            raise DestinationError(f"{destination.describe()} cannot publish exports")
-        token, superseded = claim.fencing_token, claim.superseded_revision
-        if token > 1:
-            pointer = destination.fence(target, token, logical_key=claim.logical_key)
-            self._fenced_predecessor = True
-        else:
-            pointer = destination.pointer(target)
+        if destination.takes_effect == "with_record":
+            # Its effect and record commit in one ledger transaction: fenced there.
+            return replace(held, fenced_predecessor=True)
+        if claim.fencing_token > 1:
+            pointer = destination.fence(held.target, claim.fencing_token, logical_key=claim.logical_key)
+            return replace(held, pointer=pointer, fenced_predecessor=True)
+        return replace(held, pointer=destination.pointer(held.target))
+
+    def _staged(self, held: _Held) -> _Held:
+        """What the pointer names, judged: an earlier attempt's commit is ``repaired`` from its manifest, something
+        else is a conflict; otherwise the rows are read, validated, staged at this attempt's place (after a sweep
+        of the places no pointer can name) and, for a restatement, compared with the revision they would supersede."""
+        destination, claim, stager, pointer = self.destination, held.claim, self.stager, held.pointer
+        target, token, superseded = held.target, claim.fencing_token, claim.superseded_revision
         try:
             verification = destination.verify(
                 target, logical_key=claim.logical_key, superseded=superseded, pointer=pointer
@@ -469,25 +315,28 @@ class _KeyExport:
                 f"{claim.logical_key} was committed by attempt {manifest.attempt_id} but never recorded; recording it "
                 "from its manifest instead of writing a second copy",
             )
-            return "repaired", CompletionEvidence.published(verification.location, manifest)
+            return replace(
+                held, status="repaired", evidence=CompletionEvidence.published(verification.location, manifest)
+            )
         if verification.verdict is Verdict.CONFLICT:
             raise ExportConflict(f"{claim.logical_key}: {verification.detail}", location=verification.location)
-        fingerprint = Fingerprint(self.schema.id_columns, self.schema.version_column)
-        table, finish = self._validated_in_two_steps(claim, item, fingerprint)
+        fingerprint = stager.fingerprint()
+        table, finish = stager.validated_in_two_steps(claim, held.item.frame, held.item.key, fingerprint)
         destination.sweep(target, token, pointer)
-        staged = self._stage(destination, target, token, table, finish, self._manifest_template(claim, item))
+        template = stager.manifest_template(claim, held.item.key)
+        staged = stager.stage(destination, target, token, table, finish, template)
         failpoints.reach("after_stage")
-        unchanged = self._unchanged(destination, claim, staged, fingerprint, pointer)
+        unchanged = stager.unchanged(self.ledger, destination, claim, staged, fingerprint, pointer)
         if unchanged is not None:
-            self._unstage(destination, staged)
-            return "unchanged", unchanged
-        return "staged", _Staged(staged, fingerprint, self._fenced_predecessor)
+            stager.unstage(destination, staged)
+            return replace(held, status="unchanged", evidence=unchanged)
+        return replace(held, status="staged", staged=staged, fingerprint=fingerprint)
 
-    def _commit(self, claim: Claim, pending: _Staged) -> tuple[str, CompletionEvidence]:
+    def _committed(self, held: _Held) -> _Held:
         """The publish of a staged revision: the pointer's compare-and-swap, then its evidence, still to record."""
-        destination, staged, token = self.destination, pending.staged, claim.fencing_token
-        destination.commit(staged, token, superseded=claim.superseded_revision)
-        location = destination.location(staged.target)
+        claim, staged, token = held.claim, held.staged, held.claim.fencing_token
+        self.destination.commit(staged, token, superseded=claim.superseded_revision)
+        location = self.destination.location(staged.target)
         try:
             failpoints.reach("after_publish")
         except Exception as exc:
@@ -504,181 +353,70 @@ class _KeyExport:
             attempt_id=claim.attempt_id,
             fencing_token=token,
             # The stream (if any) was written whole by now: the fingerprint covers every row published.
-            source_fingerprint=pending.fingerprint.encode(),
+            source_fingerprint=held.fingerprint.encode(),
             revision=claim.revision,
         )
-        return "exported", evidence
+        return replace(held, status="exported", evidence=evidence, fenced_predecessor=True)
 
-    def _unchanged(
-        self,
-        destination: PublishingDestination,
-        claim: Claim,
-        staged: StagedExport,
-        fingerprint: Fingerprint,
-        pointer: Pointer,
-    ) -> CompletionEvidence | None:
-        """For a restatement whose staged data is the revision it supersedes, byte for byte (the same sha256 and row
-        count), and that revision what readers see, intact: the evidence of that revision, to record again instead
-        of publishing a copy of it. None otherwise: a revision whose data was lost or changed at the destination, or
-        that the pointer (``pointer``, read after this attempt's fence) no longer names as recorded, is restated by
-        publishing the next one (the way out of ``partition_health``'s ``differs``). A destination that cannot say
-        leaves the revision as it is (as before the check), with a warning.
-
-        Decided where the commit would be: under the key's lease, after this attempt's fence was raised and the
-        pointer read back naming that revision, so no earlier party can still move it, and nothing was committed.
-        """
-        if claim.supersedes is None:
-            return None
-        revision, sha256 = claim.supersedes
-        if staged.manifest.sha256 != sha256:
-            return None
-        current = self.ledger.restatements.current_revision(claim.logical_key)
-        if current is None or current.revision != revision or current.row_count != staged.manifest.row_count:
-            return None
-        recorded = staged.target.at_revision(revision, place_of_location(current.location))
-        if (otherwise := pointer_otherwise(pointer, recorded, current.sha256)) is not None:
-            self.log("warning", f"{claim.logical_key}: {otherwise}; revision {claim.revision} is published")
-            return None
-        try:
-            intact = destination.verify_recorded(recorded, logical_key=claim.logical_key, sha256=current.sha256)
-        except DestinationError as exc:
-            self.log("warning", f"{claim.logical_key}: revision {revision} could not be read back to check it is "
-                                f"intact ({safe_message(exc)}); it stays current unchanged")  # fmt: skip
-            intact = None
-        if intact is not None and intact.verdict is not Verdict.PUBLISHED:
-            self.log("warning", f"{claim.logical_key}: revision {revision} is not intact at the destination "
-                                f"({intact.detail}); revision {claim.revision} is published")  # fmt: skip
-            return None
-        return CompletionEvidence(
-            current.location, current.sha256, current.row_count, current.published_by, claim.fencing_token,
-            source_fingerprint=fingerprint.encode(), revision=revision, unchanged=True,
-        )  # fmt: skip
-
-    def _unstage(self, destination: PublishingDestination, staged: StagedExport) -> None:
-        """Removes the place of a revision that will not be committed. A failure changes nothing readers see (no
-        pointer names the place, and none can: only this attempt could commit it), so it is logged, and the key's
-        next claim sweeps the place."""
-        try:
-            destination.unstage(staged)
-        except DestinationError as exc:
-            self.log(
-                "warning",
-                f"{staged.manifest.logical_key}: could not remove the unpublished place "
-                f"{destination.location(staged.target)} ({safe_message(exc)}); readers never see it, and the key's "
-                "next claim sweeps it",
-            )
-
-    def _write_in_transaction(self, claim: Claim, item: ExportItem, target: ExportTarget) -> ExportRecord:
+    def _written(self, held: _Held) -> _Held:
         """Rows and completion record in one ledger transaction: both commit or neither."""
-        existing = self.destination.verify(target, logical_key=claim.logical_key, superseded=claim.superseded_revision)
+        destination, claim, stager, target = self.destination, held.claim, self.stager, held.target
+        existing = destination.verify(target, logical_key=claim.logical_key, superseded=claim.superseded_revision)
         if existing.verdict is not Verdict.ABSENT:
             raise ExportConflict(
                 f"{claim.logical_key}: {existing.detail} although the ledger has no completion of revision "
                 f"{claim.revision}",
                 location=existing.location,
             )
-        fingerprint = Fingerprint(self.schema.id_columns, self.schema.version_column)
+        fingerprint = stager.fingerprint()
         # A stream is read, validated and inserted batch by batch inside the completion transaction (issue #21), so
         # memory stays bounded by one batch; a bad batch rolls back the rows before it. The key's row lock (and on
         # SQLite the database's write lock) is held while the source is read.
-        rows = self._validated(claim, item, fingerprint)
-        template = self._manifest_template(claim, item)
+        rows = stager.validated(claim, held.item.frame, held.item.key, fingerprint)
+        template = stager.manifest_template(claim, held.item.key)
 
         def effect(connection) -> CompletionEvidence:
-            written = self.destination.write_in_transaction(connection, target, rows, template)
+            written = destination.write_in_transaction(connection, target, rows, template)
             failpoints.reach("before_commit")  # inside the transaction: a failure here rolls the rows back too
             return CompletionEvidence(
-                self.destination.location(target), written.sha256, written.row_count, claim.attempt_id,
+                destination.location(target), written.sha256, written.row_count, claim.attempt_id,
                 claim.fencing_token, source_fingerprint=fingerprint.encode(), revision=written.revision,
             )  # fmt: skip
 
-        return self.ledger.completions.complete_within(claim, effect)
+        record = self.ledger.completions.complete_within(claim, effect)
+        return replace(held, status="exported", record=record)
 
-    def _validated_in_two_steps(
-        self, claim: Claim, item: ExportItem, fingerprint: Fingerprint
-    ) -> tuple[pa.Table | TableStream, Callable[[], pa.Table] | None]:
-        """:meth:`_validated`, for a whole frame of at least :data:`OVERLAP_ROWS` rows in two steps
-        (:func:`~export_ledger.frames.validate_frame_in_two_steps`): its table checked for everything but the ids,
-        and the step that checks the ids, for :meth:`_stage` to run while the file is written. Otherwise the rows
-        validated whole, and None."""
-        rows = self._rows(claim, item)
-        checks = dict(what=claim.logical_key, tenant=item.key.tenant, fingerprint=fingerprint)
-        if isinstance(rows, pd.DataFrame) and len(rows) >= OVERLAP_ROWS:
-            return validate_frame_in_two_steps(rows, self.schema, claim.window, **checks)
-        return self._checked(rows, claim, checks), None
-
-    def _stage(
-        self, destination: PublishingDestination, target: ExportTarget, token: int, table: pa.Table | TableStream,
-        finish: Callable[[], pa.Table] | None, template: Manifest,
-    ) -> StagedExport:  # fmt: skip
-        """Stages ``table``; with ``finish`` (the ids' check), writes it on a second thread while ``finish`` runs on
-        this one (pyarrow's writers and hashing release the GIL). A refusal by ``finish`` removes what was staged
-        and is raised: the place is this attempt's own and no pointer names it, so nothing of it was ever visible."""
-        if finish is None:
-            return destination.stage(target, token, table, self.file_format, template)
-        context = contextvars.copy_context()  # the group's deferred durability (a context variable) goes along
-        with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="export-ledger-stage") as pool:
-            writing = pool.submit(context.run, destination.stage, target, token, table, self.file_format, template)
-            try:
-                final = finish()
-            except BaseException:
-                try:
-                    self._unstage(destination, writing.result())
-                except Exception:  # noqa: BLE001 - its write failed too: the refusal is the key's outcome
-                    pass
-                raise
-            staged = writing.result()
-        if final is not table and not final.equals(table):
-            # Decided on the values after a hash collision, as pandas orders them: the file is written again.
-            self._unstage(destination, staged)
-            staged = destination.stage(target, token, final, self.file_format, template)
-        return staged
-
-    def _validated(self, claim: Claim, item: ExportItem, fingerprint: Fingerprint) -> pa.Table | TableStream:
-        """The item's rows, read now if they are read lazily, checked against the schema and the claim's window: a
-        whole table for a DataFrame, a stream of validated tables (checked while they are written) for batches.
-        ``fingerprint`` accumulates the rows' source fingerprint (complete once a stream has been written)."""
-        checks = dict(what=claim.logical_key, tenant=item.key.tenant, fingerprint=fingerprint)
-        return self._checked(self._rows(claim, item), claim, checks)
-
-    @staticmethod
-    def _rows(claim: Claim, item: ExportItem):
-        """The item's rows, read now if they are read lazily (after the claim: a source's failure is this key's)."""
-        rows = item.frame
-        if rows is None:
-            raise LedgerError(
-                f"{claim.logical_key} was completed when the asset planned this run but is claimable now; "
-                "rerun to read its source"
-            )
-        if callable(rows) and not isinstance(rows, (pd.DataFrame, FrameBatches)):
-            rows = rows()
-        return rows
-
-    def _checked(self, rows, claim: Claim, checks: dict) -> pa.Table | TableStream:
-        if isinstance(rows, FrameBatches):
-            return validate_batches(rows, self.schema, claim.window, **checks)
-        return validate_frame(rows, self.schema, claim.window, **checks)
-
-    def _manifest_template(self, claim: Claim, item: ExportItem) -> Manifest:
-        return Manifest.build(
-            logical_key=claim.logical_key,
-            export=item.key.export,
-            tenant=item.key.tenant,
-            window=claim.window,
-            row_count=0,
-            sha256="",
-            attempt_id=claim.attempt_id,
-            fencing_token=claim.fencing_token,
-            data_file=data_file_name(self.file_format),
-            tz_database=claim.tz_database,
-            revision=claim.revision,
-            supersedes=claim.supersedes,
+    def skipped(self, outcome: AlreadyCompleted, item: ExportItem) -> ExportResult:
+        record = outcome.record
+        self.log(
+            "info",
+            f"{record.logical_key} already completed by attempt {record.committed_attempt}; skipped, no new effect",
         )
+        return ExportResult.of(record, item.partition_key, "already_completed")
+
+    def result(self, held: _Held, attempt: str) -> ExportResult:
+        record, claim, status, partition_key = held.record, held.claim, held.status, held.item.partition_key
+        if status == "unchanged":
+            kept = claim.superseded_revision
+            self.log(
+                "warning",
+                f"{record.logical_key}: the restatement to revision {claim.revision} read the same data as revision "
+                f"{kept} ({record.row_count} rows, same sha256): nothing published; revision {kept} stays current and "
+                f"the request is closed unchanged (attempt {attempt})",
+            )
+            return ExportResult.of(record, partition_key, status, kept, requested_revision=claim.revision)
+        if status != "exported":
+            self.log(
+                "info",
+                f"{record.logical_key} {status}: {record.row_count} rows at {record.location} (attempt {attempt})",
+            )
+        supersedes = claim.superseded_revision if claim.revision > 1 else None
+        return ExportResult.of(record, partition_key, status, claim.revision, supersedes)
 
 
-#: A whole frame of at least this many rows is written while its ids are hashed and checked (on a second thread:
-#: pyarrow's writers release the GIL); a smaller one is checked first, as a thread would cost more than it saves.
-OVERLAP_ROWS = 50_000
+def _raise(error: Exception):
+    raise error
+
 
 #: Keys claimed together in one ledger transaction, and completed together in one more, by :func:`export_batch`.
 #: Bounded because every lease of a group starts at the group's claim (it is renewed as the group goes, see
@@ -699,48 +437,58 @@ def export_batch(
     group_size: int = DEFAULT_GROUP_SIZE,
 ) -> list[ExportResult]:
     """:func:`export_key` for every key of a run, in order. One key's failure is that key's: every other key is
-    still exported; the failures are kept in ``batch.failures`` and then raised together (a library error as
-    itself when it is the only one, else :class:`ExportBatchFailed` naming each key, in the library's own words:
-    a source's or driver's message is withheld, it may quote customer data). A lost ledger stops at once.
+    still exported; what happened to each key is settled on ``batch`` once (:attr:`ExportBatch.outcome`), then the
+    failures are raised together (a library error as itself when it is the only one, else
+    :class:`ExportBatchFailed` naming each key, in the library's own words: a source's or driver's message is
+    withheld, it may quote customer data). A lost ledger stops at once.
 
-    A run of several keys works in groups of ``group_size``: the group's keys are claimed in one ledger transaction
-    (a lease and fencing token per key, as one by one), then each key is repaired, published or written (its source
-    read after the claim), and the completions of the group's committed keys are recorded in one more transaction.
-    Every guarantee of :func:`export_key` holds per key. A single key, and each streamed key
-    (:class:`~export_ledger.frames.FrameBatches`, claimed right before it is read so that its lease covers its own
-    export only), go through :func:`export_key`'s path one by one.
+    The keys go in groups of ``group_size``: a group's keys are claimed in one ledger transaction (a lease and
+    fencing token per key), then each key is repaired, published or written (its source read after the claim), and
+    the completions of the group's committed keys are recorded in one more transaction. Every guarantee of
+    :func:`export_key` holds per key. A single key, and each streamed key (:class:`~export_ledger.frames.FrameBatches`,
+    claimed right before it is read so that its lease covers its own export only), are a group of one.
     """
     if group_size < 1:
         raise ValueError(f"group_size must be at least 1, got {group_size}")
     data_file_name(file_format)
     log = log or _default_log
-    exporter = _KeyExport(ledger, destination, batch.schema, file_format, log)
+    exporter = _Exporter(ledger, destination, Stager(batch.schema, file_format, log))
+    results: list[ExportResult] = []
+    failures: list[KeyFailure] = []
+    try:
+        for group, deferred in _groups(batch.items, group_size):
+            done, lost = _Group(exporter, group, attempt, deferred).run()
+            results.extend(done)
+            for item, exc in lost:
+                message = safe_message(exc)
+                log("error", f"{item.key}: {message}")
+                failures.append(
+                    KeyFailure(str(item.key), item.partition_key, item.key.tenant, type(exc).__name__, message, exc)
+                )
+    finally:  # what was finished before a lost ledger stopped the run is settled too
+        batch.settle(BatchOutcome(tuple(results), tuple(failures)))
+    _raise_failures(batch)
+    return results
+
+
+def _groups(items: list[ExportItem], size: int):
+    """The batch's groups in order, each with whether its durability is deferred to its syncs: runs of up to
+    ``size`` keys (deferred), and each streamed key or a batch's only key alone, whose writes are made durable one
+    by one (fsyncs of its own files cost less than a sync of the whole filesystem)."""
     group: list[ExportItem] = []
-    for position, item in enumerate(batch.items):
-        if len(batch.items) > 1 and not isinstance(item.frame, FrameBatches):
+    for item in items:
+        if len(items) > 1 and not isinstance(item.frame, FrameBatches):
             group.append(item)
-            if len(group) == group_size or position == len(batch.items) - 1:
-                batch.results.extend(_export_group(exporter, group, attempt, batch.failures))
+            if len(group) == size:
+                yield group, True
                 group = []
             continue
-        # A single key, or a streamed one: claimed alone, right before it is read.
         if group:
-            batch.results.extend(_export_group(exporter, group, attempt, batch.failures))
+            yield group, True
             group = []
-        try:
-            batch.results.append(exporter.run(item, attempt))
-        except LedgerUnavailable:
-            raise
-        except Exception as exc:
-            _failed(log, batch.failures, item, exc)
-    _raise_failures(batch)
-    return batch.results
-
-
-def _failed(log, failures: list[KeyFailure], item: ExportItem, exc: Exception) -> None:
-    message = safe_message(exc)
-    log("error", f"{item.key}: {message}")
-    failures.append(KeyFailure(str(item.key), item.partition_key, item.key.tenant, type(exc).__name__, message, exc))
+        yield [item], False
+    if group:
+        yield group, True
 
 
 def _raise_failures(batch: ExportBatch) -> None:
@@ -757,148 +505,149 @@ def _raise_failures(batch: ExportBatch) -> None:
     raise ExportBatchFailed(f"{len(failures)} of {len(batch.items)} export keys failed ({summary}{more})") from None
 
 
-def _export_group(
-    exporter: _KeyExport, group: list[ExportItem], attempt: str, failures: list[KeyFailure]
-) -> list[ExportResult]:
-    """One group of :func:`export_batch`: one claim transaction, the keys' effects, one completion transaction.
+@dataclass
+class _Group:
+    """One group of keys: one claim transaction, the keys' effects, one completion transaction.
 
     On a publishing destination the effects go in two phases with their durability deferred (docs/protocol.md,
     "Group commit"): every key is fenced, verified and staged; one sync makes the staged data (and the pointers'
     bytes) durable; every key's pointer is moved; one more sync makes the moves durable; then the one completion
-    commit. Returns the group's results in item order; appends each failed key to ``failures``.
+    commit. Its lists live for one :meth:`run`; each key in them is a frozen :class:`_Held`.
     """
-    ledger = exporter.ledger
-    results: dict[int, ExportResult] = {}
-    staged: list[tuple[int, Claim, _Staged]] = []
-    unrecorded: list[tuple[int, Claim, str, CompletionEvidence]] = []
-    recorded: list[tuple[int, str, ExportRecord]] = []
-    pending = _Pending(exporter, group, failures, staged, unrecorded, recorded)
-    contracts = {(i.key.export, i.key.tenant): i.contract for i in group if i.contract is not None}
-    outcomes = ledger.claims.claim_many([item.key for item in group], attempt, contracts=contracts or None)
-    claims: dict[int, Claim] = {}
-    for i, (item, outcome) in enumerate(zip(group, outcomes, strict=True)):
-        if isinstance(outcome, AlreadyCompleted):
-            results[i] = exporter.skipped(outcome, item)
-        elif isinstance(outcome, LedgerError):
-            _failed(exporter.log, failures, item, outcome)
-        else:
-            claims[i] = outcome
-    started = time.monotonic()  # only decides when to renew; the ledger's clock decides what a lease is
-    destination = exporter.destination
-    with destination.deferred():
-        for i in sorted(claims):
-            if time.monotonic() - started > exporter.ledger.lease_ttl.total_seconds() * RENEW_AFTER:
-                # The keys staged so far are published, synced and recorded now (their leases are as old as the
-                # rest), then the leases of the keys still to export are renewed.
-                pending.flush()
-                claims = _renewed(ledger, claims, i, group, failures, exporter)
-                started = time.monotonic()
-            if i not in claims:
-                continue  # lost at a renewal (this key or a later one): its failure is recorded, the rest go on
-            claim, item = claims[i], group[i]
-            try:
-                status, effect = exporter.stage(claim, item)
-            except LedgerUnavailable:
-                raise
-            except Exception as exc:
-                _failed(exporter.log, failures, item, exc)
-                continue
-            if isinstance(effect, ExportRecord):
-                recorded.append((i, status, effect))
-            elif isinstance(effect, _Staged):
-                staged.append((i, claim, effect))
-            else:
-                unrecorded.append((i, claim, status, effect))  # a repair, or an unchanged restatement
-        # Until this commit the group's exports are committed and not recorded: the case a repair already handles.
-        pending.flush()
-    for i, status, record in sorted(recorded, key=lambda entry: entry[0]):
-        try:
-            failpoints.reach("after_commit")
-        except Exception as exc:
-            _failed(exporter.log, failures, group[i], exc)
-            continue
-        results[i] = exporter.result(record, group[i], status, attempt, claims[i])
-    return [results[i] for i in sorted(results)]
 
+    exporter: _Exporter
+    items: list[ExportItem]
+    attempt: str
+    deferred: bool = True
+    results: dict[int, ExportResult] = field(default_factory=dict)
+    failures: list[tuple[ExportItem, Exception]] = field(default_factory=list)
+    recorded: list[_Held] = field(default_factory=list)
 
-@dataclass
-class _Pending:
-    """A group's keys between their stage and their completion record: staged (invisible), then published and
-    unrecorded, then recorded."""
-
-    exporter: _KeyExport
-    group: list[ExportItem]
-    failures: list[KeyFailure]
-    staged: list[tuple[int, Claim, _Staged]]
-    unrecorded: list[tuple[int, Claim, str, CompletionEvidence]]
-    recorded: list[tuple[int, str, ExportRecord]]
-
-    def flush(self) -> None:
-        """Sync, publish every staged key, sync, record: a pointer is never durable before the data it names, and a
-        key is recorded only once its publish is durable (docs/protocol.md, "Group commit")."""
-        exporter, destination = self.exporter, self.exporter.destination
-        if self.staged:
-            try:
-                destination.sync()  # the staged data, manifests and pointers' bytes, before any pointer names them
-            except Exception as exc:
-                for i, claim, staged in self.staged:
-                    self._lose(i, claim, staged, exc, None)
-                self.staged.clear()
-            for i, claim, staged in self.staged:
+    def run(self) -> tuple[list[ExportResult], list[tuple[ExportItem, Exception]]]:
+        """The group's results in item order, and each failed key with its error in the order they failed."""
+        exporter, ledger = self.exporter, self.exporter.ledger
+        held = self._claimed()
+        staged: list[_Held] = []  # staged, invisible, to publish
+        unrecorded: list[_Held] = []  # published, repaired or unchanged: to make durable and record
+        started = time.monotonic()  # only decides when to renew; the ledger's clock decides what a lease is
+        destination = exporter.destination
+        with destination.deferred() if self.deferred else contextlib.nullcontext():
+            for i in sorted(held):
+                if time.monotonic() - started > ledger.lease_ttl.total_seconds() * RENEW_AFTER:
+                    # The keys staged so far are published, synced and recorded now (their leases are as old as the
+                    # rest), then the leases of the keys still to export are renewed.
+                    self._settle(staged, unrecorded)
+                    staged, unrecorded = [], []
+                    held = self._renewed(held, i)
+                    started = time.monotonic()
+                if i not in held:
+                    continue  # lost at a renewal (this key or a later one): its failure is recorded, the rest go on
                 try:
-                    status, evidence = exporter.publish(claim, staged)
+                    opened = exporter.open(held[i])
                 except LedgerUnavailable:
                     raise
                 except Exception as exc:
-                    _failed(exporter.log, self.failures, self.group[i], exc)
+                    self._fail(i, exc)
                     continue
-                self.unrecorded.append((i, claim, status, evidence))
-            self.staged.clear()
-        if self.unrecorded:
+                if opened.record is not None:
+                    self.recorded.append(opened)
+                elif opened.status == "staged":
+                    staged.append(opened)
+                else:
+                    unrecorded.append(opened)  # a repair, or an unchanged restatement
+            # Until this commit the group's exports are committed and not recorded: the case a repair already handles.
+            self._settle(staged, unrecorded)
+        for done in sorted(self.recorded, key=lambda h: h.index):
+            try:
+                failpoints.reach("after_commit")
+            except Exception as exc:
+                self._fail(done.index, exc)
+                continue
+            self.results[done.index] = exporter.result(done, self.attempt)
+        return [self.results[i] for i in sorted(self.results)], self.failures
+
+    def _claimed(self) -> dict[int, _Held]:
+        exporter, items = self.exporter, self.items
+        contracts = {(i.key.export, i.key.tenant): i.contract for i in items if i.contract is not None}
+        outcomes = exporter.ledger.claims.claim_many([i.key for i in items], self.attempt, contracts=contracts or None)
+        held: dict[int, _Held] = {}
+        for i, (item, outcome) in enumerate(zip(items, outcomes, strict=True)):
+            if isinstance(outcome, AlreadyCompleted):
+                self.results[i] = exporter.skipped(outcome, item)
+            elif isinstance(outcome, LedgerError):
+                self._fail(i, outcome)
+            else:
+                # A takeover's predecessor is not fenced until this attempt's fence lands (docs/protocol.md, step 2).
+                held[i] = _Held(i, item, outcome, outcome.previous_state is not ExportState.IN_PROGRESS)
+        return held
+
+    def _settle(self, staged: list[_Held], unrecorded: list[_Held]) -> None:
+        """Sync, publish every staged key, sync, record: a pointer is never durable before the data it names, and a
+        key is recorded only once its publish is durable (docs/protocol.md, "Group commit")."""
+        exporter, destination = self.exporter, self.exporter.destination
+        if staged:
+            try:
+                destination.sync()  # the staged data, manifests and pointers' bytes, before any pointer names them
+            except Exception as exc:
+                for held in staged:
+                    self._lose(held, exc)
+                staged = []
+            for held in staged:
+                try:
+                    unrecorded.append(exporter.publish(held))
+                except LedgerUnavailable:
+                    raise
+                except Exception as exc:
+                    self._fail(held.index, exc)
+        if unrecorded:
             try:
                 failpoints.reach("before_group_sync")
                 destination.sync()  # the pointer moves (and the evidence of repairs), before the ledger records them
                 failpoints.reach("after_group_sync")
             except Exception as exc:
-                for i, claim, _, evidence in self.unrecorded:
-                    self._lose(i, claim, None, exc, evidence)
-                self.unrecorded.clear()
-        self._record()
+                for held in unrecorded:
+                    self._lose(held, exc)
+                unrecorded = []
+        self._record(unrecorded)
 
-    def _lose(self, i: int, claim: Claim, staged: _Staged | None, exc: Exception, evidence) -> None:
-        try:
-            self.exporter.lost(claim, self.group[i], staged, exc, evidence)
-        except LedgerUnavailable:
-            raise
-        except Exception as recorded:
-            _failed(self.exporter.log, self.failures, self.group[i], recorded)
-
-    def _record(self) -> None:
-        """Records the completions of the group's published keys in one transaction (and empties ``unrecorded``)."""
-        exporter, ready = self.exporter, []
-        for entry in self.unrecorded:
+    def _record(self, unrecorded: list[_Held]) -> None:
+        """Records the completions of the group's published keys in one transaction."""
+        ready = []
+        for held in unrecorded:
             try:
                 failpoints.reach("before_commit")
             except Exception as exc:
-                _failed(exporter.log, self.failures, self.group[entry[0]], exc)
+                self._fail(held.index, exc)
                 continue
-            ready.append(entry)
-        self.unrecorded.clear()
-        committed = exporter.ledger.completions.complete_many([(claim, evidence) for _, claim, _, evidence in ready])
-        for (i, _, status, _), record in zip(ready, committed, strict=True):
+            ready.append(held)
+        if not ready:
+            return
+        committed = self.exporter.ledger.completions.complete_many([(h.claim, h.evidence) for h in ready])
+        for held, record in zip(ready, committed, strict=True):
             if isinstance(record, FencedOut):
-                _failed(exporter.log, self.failures, self.group[i], record)
+                self._fail(held.index, record)
             else:
-                self.recorded.append((i, status, record))
+                self.recorded.append(replace(held, record=record))
 
+    def _renewed(self, held: dict[int, _Held], start: int) -> dict[int, _Held]:
+        """The group's keys from ``start`` on, their leases renewed; a claim lost meanwhile is that key's failure."""
+        waiting = [i for i in sorted(held) if i >= start]
+        kept = {i: held[i] for i in held if i < start}
+        for i, renewed in zip(waiting, self.exporter.ledger.claims.renew_many([held[i].claim for i in waiting]),
+                              strict=True):  # fmt: skip
+            if isinstance(renewed, FencedOut):
+                self._fail(i, renewed)
+            else:
+                kept[i] = replace(held[i], claim=renewed)
+        return kept
 
-def _renewed(ledger, claims: dict[int, Claim], start: int, group, failures, exporter) -> dict[int, Claim]:
-    """The group's claims from ``start`` on, their leases renewed; a claim lost meanwhile is that key's failure."""
-    waiting = [i for i in sorted(claims) if i >= start]
-    kept = {i: claims[i] for i in claims if i < start}
-    for i, renewed in zip(waiting, ledger.claims.renew_many([claims[i] for i in waiting]), strict=True):
-        if isinstance(renewed, FencedOut):
-            _failed(exporter.log, failures, group[i], renewed)
-        else:
-            kept[i] = renewed
-    return kept
+    def _lose(self, held: _Held, exc: Exception) -> None:
+        try:
+            self.exporter.lose(held, exc)
+        except LedgerUnavailable:
+            raise
+        except Exception as recorded:
+            self._fail(held.index, recorded)
+
+    def _fail(self, i: int, exc: Exception) -> None:
+        self.failures.append((self.items[i], exc))

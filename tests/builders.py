@@ -14,10 +14,11 @@ import sqlalchemy as sa
 
 from export_ledger import ExportSpec, SqlSource
 from export_ledger.calendar import load_zone, window_for
-from export_ledger.frames import ExportSchema
+from export_ledger.frames import ExportSchema, validate_frame
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger import Claim, CompletionEvidence, schema_version
-from export_ledger.protocol import ExportItem
+from export_ledger.protocol import ExportItem, target_for
+from export_ledger.stage import Stager
 
 ZONE = "America/New_York"
 BUSINESS_DATE = dt.date(2026, 3, 8)  # the spring-forward day in New York: a 23-hour window
@@ -426,3 +427,16 @@ def invoices_frame(rows: int, *, ties: bool = False, shuffled: bool = False, dty
     if shuffled:
         frame = frame.iloc[(k * 7919) % rows].reset_index(drop=True)
     return frame
+
+
+def commit_unrecorded(destination, schema: ExportSchema, claim: Claim, key: LogicalKey, rows: pd.DataFrame) -> None:
+    """What an attempt that published ``rows`` for ``claim`` and died before recording leaves behind, made with the
+    destination's own steps: the key fenced with the claim's token (when anyone held it before), the revision
+    staged at the attempt's place and committed; nothing recorded in the ledger."""
+    target, token = target_for(key, claim.revision), claim.fencing_token
+    if token > 1:
+        destination.fence(target, token, logical_key=claim.logical_key)
+    table = validate_frame(rows, schema, claim.window, what=claim.logical_key)
+    template = Stager(schema, "csv", lambda level, message: None).manifest_template(claim, key)
+    staged = destination.stage(target, token, table, "csv", template)
+    destination.commit(staged, token, superseded=claim.superseded_revision)

@@ -13,7 +13,7 @@ from builders import INVOICES_SCHEMA as INVOICES
 from builders import invoices_frame as invoices
 from pipeline_helpers import places, published_dirs
 
-from export_ledger import protocol
+from export_ledger import stage
 from export_ledger.destinations import LocalDestination
 from export_ledger.errors import FrameError
 from export_ledger.keys import LogicalKey
@@ -21,7 +21,7 @@ from export_ledger.ledger import ExportLedger
 from export_ledger.ledger.schema import ExportState, export_runs
 from export_ledger.protocol import ExportItem, export_key
 
-ROWS = protocol.OVERLAP_ROWS  # the smallest frame that is written while its ids are checked
+ROWS = stage.OVERLAP_ROWS  # the smallest frame that is written while its ids are checked
 KEY = LogicalKey("invoice_export", "acme", __import__("test_validation_speed_equivalence").WINDOW)
 
 
@@ -37,7 +37,7 @@ def test_a_frame_written_while_its_ids_are_checked_is_the_same_export_as_one_che
     tmp_path, monkeypatch, file_format
 ):
     first, _, overlapped = _export(tmp_path, "overlapped", invoices(ROWS), file_format)
-    monkeypatch.setattr(protocol, "OVERLAP_ROWS", 10**9)  # the same frame, checked whole before it is written
+    monkeypatch.setattr(stage, "OVERLAP_ROWS", 10**9)  # the same frame, checked whole before it is written
     second, _, sequential = _export(tmp_path, "sequential", invoices(ROWS), file_format)
     assert overlapped.status == sequential.status == "exported"
     assert (overlapped.sha256, overlapped.row_count) == (sequential.sha256, ROWS)

@@ -23,6 +23,7 @@ from builders import hourly_orders as orders
 from builders import key_folder
 from builders import orders_item as item
 
+from export_ledger import failpoints
 from export_ledger.destinations import LocalDestination
 from export_ledger.destinations.base import DestinationUnreachable, Fenced, PointerMoved
 from export_ledger.destinations.publishing import POINTER_NAME
@@ -40,11 +41,12 @@ from export_ledger.ledger import (
     SchemaOutdated,
 )
 from export_ledger.ledger.schema import AttemptOutcome
-from export_ledger.protocol import ExportOutcomeUnknown, _KeyExport, export_key, target_for
+from export_ledger.protocol import ExportOutcomeUnknown, export_key, target_for
 from export_ledger.reconcile import reconcile_batch
 from export_ledger.resolve import resolve_key
 from export_ledger.restate import withdraw
-from tests.builders import key_for
+from export_ledger.stage import Stager
+from tests.builders import commit_unrecorded, key_for
 
 
 def pointer_of(root: Path, key) -> dict:
@@ -90,11 +92,6 @@ def first_export(ledger, destination, key) -> Path:
     token = ledger.queries.get(str(key)).fencing_token
     assert (revision, place.name) == (1, f"r1-t{token}"), "revision 1 at the place of the claim that exported it"
     return place
-
-
-def exporter_of(ledger, destination) -> _KeyExport:
-    """The protocol's steps for one key, to stop an attempt between two of them (a stalled or dead worker)."""
-    return _KeyExport(ledger, destination, SCHEMA, "csv", lambda level, message: None)
 
 
 # -- the ledger ---------------------------------------------------------------------------------------------------
@@ -226,7 +223,7 @@ def test_withdrawing_a_restatement_whose_revision_readers_see_is_refused_and_the
     # A party outside the protocol committed revision 2 and recorded a failure: the pointer names the revision the
     # operator is about to withdraw.
     claim = ledger.claims.claim(key, "run-2/export")
-    exporter_of(ledger, destination)._publish(claim, item(key, corrected(key)), target_for(key, 2))
+    commit_unrecorded(destination, SCHEMA, claim, key, corrected(key))
     ledger.completions.fail(claim, RuntimeError("lost track of its commit"))
     assert current_of(root, key)[0] == 2
 
@@ -379,8 +376,7 @@ def test_an_operator_resolves_a_restatement_at_the_revision_it_publishes(ledger,
     ledger.restatements.request(str(key), reason="late rows", requested_by="ops")
     # An attempt committed revision 2 and died before recording it; a person accepts it.
     claim = ledger.claims.claim(key, "run-2/export")
-    exporter = exporter_of(ledger, destination)
-    exporter._publish(claim, item(key, corrected(key)), target_for(key, 2))
+    commit_unrecorded(destination, SCHEMA, claim, key, corrected(key))
     assert current_of(root, key)[0] == 2 and ledger.restatements.current_revision(str(key)).revision == 1, (
         "committed, not recorded"
     )
@@ -396,7 +392,7 @@ def test_an_operator_resolves_a_restatement_at_the_revision_it_publishes(ledger,
     claim = ledger.claims.claim(key, "run-3/export")
     further = corrected(key)
     further.loc[1, "total"] = 77.0  # other data than revision 2's: an identical restatement publishes nothing
-    exporter._publish(claim, item(key, further), target_for(key, 3))
+    commit_unrecorded(destination, SCHEMA, claim, key, further)
     assert current_of(root, key)[1].name == "r3-t4"
     clock.advance(minutes=16)
     resolved = resolve_key(
@@ -476,7 +472,7 @@ def test_a_stalled_restatement_that_wakes_after_a_newer_revision_never_moves_the
     # Attempt A (token 2) stages revision 2 at its place, then stalls before committing; its lease runs out.
     stalled = ledger.claims.claim(key, "run-A/export")
     table = validate_frame(corrected(key), SCHEMA, stalled.window, what=str(key))
-    manifest = exporter_of(ledger, destination)._manifest_template(stalled, item(key, corrected(key)))
+    manifest = Stager(SCHEMA, "csv", lambda level, message: None).manifest_template(stalled, key)
     staged = destination.stage(target_for(key, 2), stalled.fencing_token, table, "csv", manifest)
     clock.advance(minutes=16)
     # B (token 3) takes over: nothing of A is visible, so it publishes revision 2 itself, sweeping A's place;
@@ -629,14 +625,21 @@ def test_a_restatement_that_loses_its_lease_before_recording_unchanged_records_n
     key = key_for(DAY)
     first_export(ledger, destination, key)
     ledger.restatements.request(str(key), reason="check", requested_by="ops")
-    exporter = exporter_of(ledger, destination)
-    (claim,) = ledger.claims.claim_many([key], "run-2/export")
-    status, evidence = exporter.effect(claim, item(key))
-    assert status == "unchanged" and evidence.unchanged and evidence.revision == 1
-    clock.advance(minutes=16)
-    ledger.claims.claim(key, "run-3/export")  # takes the expired lease over
+    seen: list[str] = []
 
-    with pytest.raises(FencedOut):
-        ledger.completions.complete(claim, evidence)
+    def take_over(point: str) -> None:
+        seen.append(point)
+        if point == "before_commit":  # the unchanged revision's evidence is in hand, not recorded yet
+            clock.advance(minutes=16)
+            ledger.claims.claim(key, "run-3/export")  # takes the expired lease over
+
+    failpoints.set_hook(take_over)
+    try:
+        with pytest.raises(FencedOut):
+            export_key(ledger, destination, SCHEMA, item(key), "run-2/export")
+    finally:
+        failpoints.set_hook(None)
+    assert "after_stage" in seen and "after_publish" not in seen, "the same data: staged, compared, never published"
+    assert places(Path(destination.root), key) == ["r1-t1"], "nothing of the unchanged restatement is left behind"
     assert ledger.restatements.open_requests([str(key)]), "the new holder decides the request, not the fenced one"
     assert ledger.queries.get(str(key)).state is ExportState.IN_PROGRESS

@@ -30,10 +30,10 @@ from export_ledger.failpoints import ENV_VAR as FAILPOINTS
 from export_ledger.failpoints import SimulatedCrash
 from export_ledger.frames import MANIFEST_NAME, Manifest, validate_frame
 from export_ledger.ledger import ExportLedger, ExportState, LedgerError
-from export_ledger.protocol import ExportOutcomeUnknown, _KeyExport, export_key
+from export_ledger.protocol import ExportOutcomeUnknown, export_key
 from export_ledger.reconcile import reconcile_batch
 from export_ledger.resolve import resolve_key
-from tests.builders import key_for
+from tests.builders import commit_unrecorded, key_for
 from tests.object_buckets import KINDS, Bucket, bucket_for, delta_destination, object_destination
 
 PREFIX = "exports"
@@ -322,8 +322,7 @@ def test_discarding_an_unrecorded_revision_keeps_every_recorded_one_and_sets_the
     # Revision 3 committed by an attempt that died before recording it; an operator discards it.
     s3_ledger.restatements.request(str(key), reason="more late rows", requested_by="ops")
     claim = s3_ledger.claims.claim(key, "run-3/export")
-    exporter = _KeyExport(s3_ledger, destination, SCHEMA, "csv", lambda level, message: None)
-    exporter._publish(claim, item(key, orders(key)), target_of(key, 3))
+    commit_unrecorded(destination, SCHEMA, claim, key, orders(key))
     assert s3_current(bucket, key)[0] == 3
     clock.advance(minutes=16)
     resolved = resolve_key(
@@ -473,8 +472,7 @@ def test_delta_an_unrecorded_revision_is_not_discarded_and_every_recorded_one_st
 
     s3_ledger.restatements.request(str(key), reason="more late rows", requested_by="ops")
     claim = s3_ledger.claims.claim(key, "run-3/export")
-    exporter = _KeyExport(s3_ledger, delta, SCHEMA, "csv", lambda level, message: None)
-    exporter._publish(claim, item(key, orders(key)), target_of(key, 3))
+    commit_unrecorded(delta, SCHEMA, claim, key, orders(key))
     assert delta_reader_sees(delta, key)[0] == 3
     clock.advance(minutes=16)
     # Refused before anything is written, naming the way out (restore the table, then resolve again).

@@ -223,6 +223,10 @@ class Destination(ABC):
 
     #: The Dagster concurrency pool kind exports to this destination run in (each destination kind has its own).
     pool: str = "exports"
+    #: How a key's export takes effect here, which the protocol asks instead of the destination's class: "published"
+    #: (staged outside the ledger, made visible by the pointer's commit, recorded after) or "with_record" (the rows
+    #: commit in the ledger's own transaction, together with the completion record: :meth:`write_in_transaction`).
+    takes_effect: str = "published"
 
     # -- what a party holding a key does here -----------------------------------------------------------------------
 
@@ -430,6 +434,8 @@ def _locator(value: str) -> str:
 class TransactionalDestination(Destination):
     """A destination inside the ledger's own database: rows and completion record commit in one transaction, so
     there is no unknown outcome and nothing to fence outside the ledger."""
+
+    takes_effect = "with_record"
 
     @abstractmethod
     def write_in_transaction(self, connection, target: ExportTarget, table, manifest: Manifest) -> Manifest:

@@ -1,0 +1,165 @@
+"""The protocol core as values (docs/protocol.md): which failure of a key becomes which finish is one pure function,
+a key is a group of one, and a run's outcome is handed back once, as a value."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import itertools
+from pathlib import Path
+
+import pytest
+from builders import ORDERS_SCHEMA as SCHEMA
+from builders import corrected_orders as corrected
+from builders import hourly_orders as orders
+from builders import key_for
+
+from export_ledger import failpoints
+from export_ledger.destinations import LocalDestination
+from export_ledger.destinations.base import (
+    DestinationConflict,
+    DestinationError,
+    DestinationUnreachable,
+    Fenced,
+    PointerMoved,
+    PublishOutcomeUnknown,
+)
+from export_ledger.ledger import ExportLedger, ExportState, FencedOut, LeaseHeld, LedgerError
+from export_ledger.protocol import (
+    BatchOutcome,
+    ExportBatch,
+    ExportConflict,
+    ExportItem,
+    ExportOutcomeUnknown,
+    FailureFinish,
+    export_batch,
+    export_key,
+    failure_finish,
+    target_for,
+)
+
+DAY = dt.date(2026, 3, 2)
+
+# Every kind of failure a key's effect can raise, and the finish it leaves: whatever the predecessor's state for the
+# first four, and for the rest ``failed`` only once nothing a predecessor did can still become visible.
+EXPECTED = {
+    PublishOutcomeUnknown("no answer"): FailureFinish.UNKNOWN,
+    FencedOut("lease lost"): FailureFinish.NOTHING,
+    Fenced("a newer token", fence=9): FailureFinish.CONFLICT,
+    PointerMoved("moved"): FailureFinish.CONFLICT,
+    ExportConflict("something else"): FailureFinish.CONFLICT,
+    DestinationConflict("something else"): FailureFinish.CONFLICT,
+}
+UNCERTAIN = [
+    LedgerError("another window"),
+    DestinationUnreachable("down"),
+    DestinationError("refused"),
+    ValueError("bad row"),
+    OSError("disk"),
+]
+
+
+@pytest.mark.parametrize(("error", "fenced"), list(itertools.product([*EXPECTED, *UNCERTAIN], [True, False])), ids=repr)
+def test_which_failure_becomes_which_finish_is_one_pure_function(error: Exception, fenced: bool) -> None:
+    if error in EXPECTED:
+        assert failure_finish(error, fenced) is EXPECTED[error]
+    elif fenced:
+        assert failure_finish(error, fenced) is FailureFinish.FAILED, "nothing of anyone is visible: safe to retry"
+    else:
+        assert failure_finish(error, fenced) is FailureFinish.UNKNOWN_AT_PLACE, (
+            "a predecessor not fenced yet may still publish: never `failed`"
+        )
+
+
+@pytest.fixture
+def book(clock, sqlite_url) -> ExportLedger:
+    return ExportLedger(sqlite_url, clock=clock, lease_ttl=dt.timedelta(minutes=15))
+
+
+def test_a_fenced_destination_leaves_the_key_in_conflict_not_failed(book, tmp_path: Path) -> None:
+    """The destination refuses this attempt's token (a token the ledger never issued fenced it): the key is
+    ``conflict``, for a person, and never ``failed`` (a retry would be refused again)."""
+    destination = LocalDestination(str(tmp_path / "exports"))
+    key = key_for(DAY)
+    export_key(book, destination, SCHEMA, ExportItem(key, "p", orders(key)), "run-1/x")
+    book.restatements.request(str(key), reason="late rows", requested_by="ops")
+    # The key's pointer fenced far above any token the ledger issued.
+    destination.fence(target_for(key, 2), 99, logical_key=str(key))
+    with pytest.raises(Fenced):
+        export_key(book, destination, SCHEMA, ExportItem(key, "p", corrected(key)), "run-2/x")
+    assert book.queries.get(str(key)).state is ExportState.CONFLICT
+
+
+def test_one_key_and_a_batch_of_one_leave_the_same_ledger(clock, tmp_path: Path) -> None:
+    """A key is a group of one: exported alone or as a batch's only key, its row and attempts are the same."""
+    seen = []
+    for how in ("key", "batch"):
+        book = ExportLedger(f"sqlite:///{tmp_path}/{how}.db", clock=clock, lease_ttl=dt.timedelta(minutes=15))
+        destination = LocalDestination(str(tmp_path / how))
+        key = key_for(DAY)
+        item = ExportItem(key, "p", orders(key))
+        if how == "key":
+            result = export_key(book, destination, SCHEMA, item, "run-1/x")
+        else:
+            (result,) = export_batch(book, destination, ExportBatch(SCHEMA, [item]), "run-1/x")
+        record = book.queries.get(str(key))
+        attempts = [(a.attempt_id, a.outcome) for a in book.queries.attempts(str(key))]
+        seen.append((result.status, result.sha256, result.row_count, record.state, record.sha256, attempts))
+    assert seen[0] == seen[1]
+    assert seen[0][0] == "exported"
+
+
+def test_a_batch_settles_its_outcome_once_as_a_value(book, tmp_path: Path) -> None:
+    destination = LocalDestination(str(tmp_path / "exports"))
+    keys = [key_for(DAY, tenant=f"t{i}") for i in range(3)]
+    bad = orders(keys[1])
+    bad = bad.astype({"total": object})
+    bad.loc[0, "total"] = "not a number"
+    batch = ExportBatch(SCHEMA, [ExportItem(k, "p", bad if k is keys[1] else orders(k)) for k in keys])
+    assert batch.outcome is None and batch.results == () and batch.failures == ()
+
+    with pytest.raises(Exception, match="total"):
+        export_batch(book, destination, batch, "run-1/x")
+    assert isinstance(batch.outcome, BatchOutcome)
+    assert [r.logical_key for r in batch.results] == [str(keys[0]), str(keys[2])], "every other key has its result"
+    assert [f.logical_key for f in batch.failures] == [str(keys[1])]
+    with pytest.raises(dataclasses.FrozenInstanceError):  # what the asset reads is what the run settled
+        batch.outcome.results = ()
+
+    with pytest.raises(ValueError, match="exported already"):
+        export_batch(book, destination, batch, "run-2/x")
+    assert [f.logical_key for f in batch.failures] == [str(keys[1])], "the first outcome stands"
+
+
+def test_a_failed_sync_after_a_single_keys_publish_leaves_it_remote_unknown(book, tmp_path: Path) -> None:
+    """A single key passes the group's sync points too: an error there, after its pointer moved, is an unknown
+    outcome (its export is visible), never an unrecorded key nor `failed`."""
+    destination = LocalDestination(str(tmp_path / "exports"))
+    key = key_for(DAY)
+
+    def fail_at(point: str) -> None:
+        if point == "before_group_sync":
+            raise OSError("the disk went away")
+
+    failpoints.set_hook(fail_at)
+    try:
+        with pytest.raises(ExportOutcomeUnknown):
+            export_key(book, destination, SCHEMA, ExportItem(key, "p", orders(key)), "run-1/x")
+    finally:
+        failpoints.set_hook(None)
+    assert book.queries.get(str(key)).state is ExportState.REMOTE_UNKNOWN
+
+
+def test_a_refused_claim_records_nothing_and_is_raised_as_itself(book, tmp_path: Path) -> None:
+    """A claim the ledger refuses (a live lease held by another attempt) is that key's failure alone: raised as
+    itself, in the library's words, with the other keys of its group exported."""
+    destination = LocalDestination(str(tmp_path / "exports"))
+    held, other = key_for(DAY), key_for(DAY, tenant="other")
+    book.claims.claim(held, "run-0/x")
+    with pytest.raises(LeaseHeld):
+        export_key(book, destination, SCHEMA, ExportItem(held, "p", orders(held)), "run-1/x")
+    batch = ExportBatch(SCHEMA, [ExportItem(k, "p", orders(k)) for k in (held, other)])
+    with pytest.raises(LeaseHeld):
+        export_batch(book, destination, batch, "run-2/x")
+    assert [r.logical_key for r in batch.results] == [str(other)]
+    assert book.queries.get(str(held)).lease_owner == "run-0/x", "the holder keeps the key"

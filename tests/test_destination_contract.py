@@ -1,19 +1,23 @@
-"""The destination's half of the protocol, one contract suite for every publishing destination (docs/protocol.md).
+"""The destination's half of the protocol, one contract suite for every destination (docs/protocol.md).
 
-The same tests run on the local folder and on S3 (moto's server on 127.0.0.1): the pointer is fenced and moved only
-by compare-and-swap, places are invisible until the pointer names them, the verdict is the same function everywhere,
-the sweep deletes only what no pointer can name, and an operator's discard behaves the same on both.
+The publishing template's tests run on the local folder and on S3, GCS and Azure (their emulators on 127.0.0.1): the
+pointer is fenced and moved only by compare-and-swap, places are invisible until the pointer names them, the verdict
+is the same function everywhere, the sweep deletes only what no pointer can name, and an operator's discard behaves
+the same on each. The tests at the end hold all six kinds, Delta and the ledger table too, to what the protocol and
+the operators ask of any destination.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
+import hashlib
 import json
 
 import pyarrow as pa
 import pytest
-from builders import key_for
-from object_buckets import object_destination
+from builders import ORDERS_DAY, ORDERS_SCHEMA, corrected_orders, key_for, orders_item
+from object_buckets import delta_destination, object_destination
 
 from export_ledger.destinations import (
     POINTER_NAME,
@@ -25,7 +29,11 @@ from export_ledger.destinations import (
     Verdict,
     place_name,
 )
+from export_ledger.destinations.base import place_of_location
+from export_ledger.destinations.table import SqlTableDestination
 from export_ledger.frames import MANIFEST_NAME, Manifest
+from export_ledger.ledger import ExportLedger, ExportRecord
+from export_ledger.protocol import export_key
 
 KEY = key_for()
 LOGICAL_KEY = str(KEY)
@@ -272,9 +280,6 @@ def test_a_location_is_recorded_here_only_when_it_is_this_destinations_place_of_
 def test_a_ledger_table_holds_no_pointer_of_its_own_and_hands_its_rows_back_as_csv(tmp_path):
     """The transactional kind answers the same questions: nothing to fence outside the ledger (its transaction fences
     it), rows read back as CSV whatever the export's format, and its dataset is its table in the ledger's database."""
-    from export_ledger.destinations.table import SqlTableDestination
-    from export_ledger.ledger import ExportLedger
-
     url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
     ExportLedger(url)  # the ledger's database, where the table lives
     table = SqlTableDestination(url, "exported_{export}")
@@ -285,3 +290,89 @@ def test_a_ledger_table_holds_no_pointer_of_its_own_and_hands_its_rows_back_as_c
     assert table.hold(target(), 2, logical_key=LOGICAL_KEY) is None
     assert table.data_format("parquet") == "csv" and LocalDestination(str(tmp_path)).data_format("parquet") == "parquet"
     assert table.dataset("invoice_export") == ("sqlite", "exported_invoice_export")
+
+
+# -- what every kind answers, through the protocol and the interface every destination shares --------------------
+#
+# The tests above hold the publishing template to its pointer and places. These hold all six kinds, the two that are
+# not object stores too (a Delta table, and a table in the ledger's own database), to what the protocol, the
+# reconciliation and the operators' commands ask of any destination: a key never held is absent, an exported key is
+# judged from the destination's own evidence, and a restatement leaves one current revision.
+
+ALL_KINDS = ["local", "s3", "gcs", "azure", "delta", "table"]
+ORDERS_DAY_KEY = key_for(ORDERS_DAY, export="orders")
+
+
+@pytest.fixture(params=ALL_KINDS)
+def exported_to(request, tmp_path, clock):
+    """A ledger and a destination of each kind, built as a user builds them."""
+    url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+    book = ExportLedger(url, clock=clock, lease_ttl=dt.timedelta(minutes=15))
+    kind = request.param
+    if kind == "local":
+        built = LocalDestination(str(tmp_path / "exports"))
+    elif kind == "delta":
+        built = delta_destination(request, tmp_path)
+    elif kind == "table":
+        built = SqlTableDestination(url, "exported_{export}")
+    else:
+        built = object_destination(kind, request, prefix="contract-all")
+    return book, built
+
+
+def any_target(revision: int = 1, place: str | None = None) -> ExportTarget:
+    key = ORDERS_DAY_KEY
+    return ExportTarget(key.export, key.tenant, key.window.business_date.isoformat(), revision, place)
+
+
+def exported(book, built, rows=None) -> ExportRecord:
+    key = ORDERS_DAY_KEY
+    result = export_key(
+        book, built, ORDERS_SCHEMA, orders_item(key, rows), f"run-{len(book.queries.attempts(str(key)))}/x"
+    )
+    assert result.status == "exported"
+    return book.queries.get(str(key))
+
+
+def recorded_target(record: ExportRecord, revision: int) -> ExportTarget:
+    return any_target(revision, place_of_location(record.location))
+
+
+def test_every_kind_judges_a_key_it_never_held_absent(exported_to) -> None:
+    book, built = exported_to
+    opened = built.open(any_target(), 1, logical_key=str(ORDERS_DAY_KEY), superseded=0)
+    assert opened.verification.verdict is Verdict.ABSENT
+    assert built.current_revision(any_target()) == 0
+
+
+def test_every_kind_judges_an_exported_key_from_its_own_evidence(exported_to) -> None:
+    book, built = exported_to
+    record = exported(book, built)
+    logical_key, recorded = str(ORDERS_DAY_KEY), recorded_target(record, 1)
+
+    assert built.recorded_here(any_target(), record.location)
+    assert built.current_revision(any_target()) == 1
+    intact = built.verify_recorded(recorded, logical_key=logical_key, sha256=record.sha256)
+    assert intact.verdict is Verdict.PUBLISHED
+    assert hashlib.sha256(built.read_data(recorded, intact.manifest)).hexdigest() == record.sha256, (
+        "the bytes handed back are the ones the ledger recorded"
+    )
+    assert built.verify_recorded(recorded, logical_key=logical_key, sha256="0" * 64).verdict is Verdict.CONFLICT
+    # What reconciliation and an operator do first: a party with a newer token opens the key and finds it published.
+    opened = built.open(any_target(), record.fencing_token + 1, logical_key=logical_key, superseded=0)
+    assert opened.verification.verdict is Verdict.PUBLISHED
+    assert opened.verification.manifest.sha256 == record.sha256
+
+
+def test_every_kind_keeps_one_current_revision_across_a_restatement(exported_to) -> None:
+    book, built = exported_to
+    first = exported(book, built)
+    book.restatements.request(str(ORDERS_DAY_KEY), reason="late rows", requested_by="ops")
+    second = exported(book, built, corrected_orders(ORDERS_DAY_KEY))
+    logical_key = str(ORDERS_DAY_KEY)
+
+    assert second.sha256 != first.sha256 and built.current_revision(any_target()) == 2
+    now = built.verify_current(recorded_target(second, 2), logical_key=logical_key, sha256=second.sha256)
+    assert now.verdict is Verdict.PUBLISHED
+    before = built.verify_current(recorded_target(first, 1), logical_key=logical_key, sha256=first.sha256)
+    assert before.verdict is Verdict.CONFLICT, "readers see revision 2, never both"

@@ -119,9 +119,10 @@ def export_key(
     """
     data_file_name(file_format)
     exporter = _Exporter(ledger, destination, Stager(schema, file_format, log or _default_log))
-    results, failures = _Group(exporter, [item], attempt, deferred=False).run()
+    failures: list[Exception] = []
+    results = _Group(exporter, [item], attempt, lambda _, exc: failures.append(exc), deferred=False).run()
     if failures:
-        raise failures[0][1]
+        raise failures[0]
     return results[0]
 
 
@@ -183,6 +184,10 @@ class _Held:
         return target_for(self.item.key, self.claim.revision)
 
 
+#: What the protocol calls on a destination whose exports are published (``takes_effect = "published"``).
+PUBLISHING_STEPS = ("pointer", "fence", "verify", "sweep", "stage", "commit", "unstage", "location")
+
+
 @dataclass(frozen=True)
 class _Exporter:
     """The protocol's steps for one key, each from a :class:`_Held` to the next one; a failure is recorded on the key
@@ -191,6 +196,16 @@ class _Exporter:
     ledger: ExportLedger
     destination: Destination
     stager: Stager
+
+    def __post_init__(self) -> None:
+        destination, how = self.destination, getattr(self.destination, "takes_effect", None)
+        publishes = all(callable(getattr(destination, step, None)) for step in PUBLISHING_STEPS)
+        writes = callable(getattr(destination, "write_in_transaction", None))
+        if not ((how == "published" and publishes) or (how == "with_record" and writes)):
+            raise DestinationError(
+                f"{destination.describe()} cannot export: takes_effect is {how!r}, and a destination exports either "
+                f"'published' (with {', '.join(PUBLISHING_STEPS)}) or 'with_record' (with write_in_transaction)"
+            )
 
     @property
     def log(self) -> Callable[[str, str], None]:
@@ -450,22 +465,24 @@ def export_batch(
     """
     if group_size < 1:
         raise ValueError(f"group_size must be at least 1, got {group_size}")
+    if batch.outcome is not None:
+        raise ValueError("this batch was exported already (its outcome is settled): build a new ExportBatch to rerun")
     data_file_name(file_format)
     log = log or _default_log
     exporter = _Exporter(ledger, destination, Stager(batch.schema, file_format, log))
     results: list[ExportResult] = []
     failures: list[KeyFailure] = []
+
+    def failed(item: ExportItem, exc: Exception) -> None:  # logged as it happens, and kept if the ledger is lost
+        message = safe_message(exc)
+        log("error", f"{item.key}: {message}")
+        key = item.key
+        failures.append(KeyFailure(str(key), item.partition_key, key.tenant, type(exc).__name__, message, exc))
+
     try:
         for group, deferred in _groups(batch.items, group_size):
-            done, lost = _Group(exporter, group, attempt, deferred).run()
-            results.extend(done)
-            for item, exc in lost:
-                message = safe_message(exc)
-                log("error", f"{item.key}: {message}")
-                failures.append(
-                    KeyFailure(str(item.key), item.partition_key, item.key.tenant, type(exc).__name__, message, exc)
-                )
-    finally:  # what was finished before a lost ledger stopped the run is settled too
+            results.extend(_Group(exporter, group, attempt, failed, deferred).run())
+    finally:  # the keys finished before a lost ledger stopped the run (its earlier groups', every failure) too
         batch.settle(BatchOutcome(tuple(results), tuple(failures)))
     _raise_failures(batch)
     return results
@@ -518,13 +535,14 @@ class _Group:
     exporter: _Exporter
     items: list[ExportItem]
     attempt: str
+    #: Told of each key that fails, with its error, as it fails.
+    failed: Callable[[ExportItem, Exception], None]
     deferred: bool = True
     results: dict[int, ExportResult] = field(default_factory=dict)
-    failures: list[tuple[ExportItem, Exception]] = field(default_factory=list)
     recorded: list[_Held] = field(default_factory=list)
 
-    def run(self) -> tuple[list[ExportResult], list[tuple[ExportItem, Exception]]]:
-        """The group's results in item order, and each failed key with its error in the order they failed."""
+    def run(self) -> list[ExportResult]:
+        """The group's results in item order (each failed key was told to :attr:`failed`)."""
         exporter, ledger = self.exporter, self.exporter.ledger
         held = self._claimed()
         staged: list[_Held] = []  # staged, invisible, to publish
@@ -564,7 +582,7 @@ class _Group:
                 self._fail(done.index, exc)
                 continue
             self.results[done.index] = exporter.result(done, self.attempt)
-        return [self.results[i] for i in sorted(self.results)], self.failures
+        return [self.results[i] for i in sorted(self.results)]
 
     def _claimed(self) -> dict[int, _Held]:
         exporter, items = self.exporter, self.items
@@ -650,4 +668,4 @@ class _Group:
             self._fail(held.index, recorded)
 
     def _fail(self, i: int, exc: Exception) -> None:
-        self.failures.append((self.items[i], exc))
+        self.failed(self.items[i], exc)

@@ -149,8 +149,9 @@ class ExportBatch:
     #: returns to the asset's code. Its argument says whether the export ran at all (False: it failed before, e.g. the
     #: destination could not be built, and the ledger alone holds the truth). None: nothing to say.
     on_failure: Callable[[bool], None] | None = field(default=None, repr=False, compare=False)
-    #: What :func:`export_batch` returned for the batch (None until it ran): the one way its outcome reaches the
-    #: asset that yielded the batch, since Dagster hands the I/O manager's work nothing back.
+    #: What :func:`export_batch` did to each key of the batch, results and failures (None until it ran): settled once
+    #: (:meth:`settle`), the one way its outcome reaches the asset that yielded the batch, since Dagster hands the
+    #: I/O manager's work nothing back.
     outcome: BatchOutcome | None = field(default=None, init=False)
 
     def settle(self, outcome: BatchOutcome) -> None:

@@ -24,7 +24,7 @@ from export_ledger.destinations.base import (
     PointerMoved,
     PublishOutcomeUnknown,
 )
-from export_ledger.ledger import ExportLedger, ExportState, FencedOut, LeaseHeld, LedgerError
+from export_ledger.ledger import ExportLedger, ExportState, FencedOut, LeaseHeld, LedgerError, LedgerUnavailable
 from export_ledger.protocol import (
     BatchOutcome,
     ExportBatch,
@@ -129,6 +129,41 @@ def test_a_batch_settles_its_outcome_once_as_a_value(book, tmp_path: Path) -> No
     with pytest.raises(ValueError, match="exported already"):
         export_batch(book, destination, batch, "run-2/x")
     assert [f.logical_key for f in batch.failures] == [str(keys[1])], "the first outcome stands"
+    assert all(a.attempt_id == "run-1/x" for a in book.queries.attempts(str(keys[1]))), (
+        "refused before anything is claimed: the second run did nothing"
+    )
+
+
+def test_a_ledger_lost_mid_group_keeps_the_failures_already_met(book, tmp_path: Path) -> None:
+    """A lost ledger stops the run at once; the keys that failed before it are still the batch's failures, and
+    were logged as they failed."""
+    destination = LocalDestination(str(tmp_path / "exports"))
+    bad_key, lost_key = key_for(DAY, tenant="t0"), key_for(DAY, tenant="t1")
+    bad = orders(bad_key).astype({"total": object})
+    bad.loc[0, "total"] = "not a number"
+
+    def ledger_gone():
+        raise LedgerUnavailable("the ledger's database went away")
+
+    batch = ExportBatch(SCHEMA, [ExportItem(bad_key, "p", bad), ExportItem(lost_key, "p", ledger_gone)])
+    logged = []
+    with pytest.raises(LedgerUnavailable):
+        export_batch(book, destination, batch, "run-1/x", log=lambda level, message: logged.append((level, message)))
+    assert [f.logical_key for f in batch.failures] == [str(bad_key)]
+    assert [level for level, message in logged if str(bad_key) in message] == ["error"]
+
+
+class _Neither(LocalDestination):
+    takes_effect = "sideways"
+
+
+def test_a_destination_that_can_neither_publish_nor_write_with_the_record_is_refused_before_any_claim(
+    book, tmp_path: Path
+) -> None:
+    key = key_for(DAY)
+    with pytest.raises(DestinationError, match="cannot export: takes_effect is 'sideways'"):
+        export_key(book, _Neither(str(tmp_path / "exports")), SCHEMA, ExportItem(key, "p", orders(key)), "run-1/x")
+    assert book.queries.get(str(key)) is None, "nothing claimed"
 
 
 def test_a_failed_sync_after_a_single_keys_publish_leaves_it_remote_unknown(book, tmp_path: Path) -> None:

@@ -152,7 +152,7 @@ class _Backfill:
 
 def _year_of_backfill(settings: Settings, folder: Path) -> dict:
     """365 partitions x 100 tenants chunked through Dagster in process, against the plain data work of the same keys."""
-    days, tenant_count = (4, 2) if settings.smoke else (365, 100)
+    days, tenant_count = settings.size(full=(365, 100), smoke=(4, 2), quick=(31, 20))
     partitions = [(START + dt.timedelta(days=d)).isoformat() for d in range(days)]
     tenants = [f"tenant{t:03d}" for t in range(tenant_count)]
     bench = _Backfill(folder, partitions, tenants)
@@ -180,7 +180,7 @@ def _year_of_backfill(settings: Settings, folder: Path) -> dict:
 
 
 def run(settings: Settings) -> dict:
-    days, tenant_count = (3, 1) if settings.smoke else (90, 10)
+    days, tenant_count = settings.size(full=(90, 10), smoke=(3, 1), quick=(31, 10))
     repeats = settings.reps(full=3)
     partitions = [(START + dt.timedelta(days=d)).isoformat() for d in range(days)]
     tenants = [f"tenant{t:02d}" for t in range(tenant_count)]

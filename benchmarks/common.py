@@ -28,16 +28,24 @@ POSTGRES_ADMIN_URL = os.environ.get("EXPORTS_BENCH_POSTGRES_URL", "postgresql+ps
 
 @dataclass(frozen=True)
 class Settings:
-    """How big and how often: ``smoke`` proves the code runs; the full settings give the published numbers."""
+    """How big and how often: ``smoke`` proves the code runs; ``quick`` compares two commits on one machine (the
+    protocol's benchmarks at middle sizes, three repetitions); the full settings give the published numbers."""
 
     smoke: bool
     scratch: Path
     repeats: int | None = None  # overrides each benchmark's own repetition count
+    quick: bool = False
 
     def reps(self, full: int, smoke: int = 1) -> int:
         if self.repeats is not None:
             return self.repeats
+        if self.quick:
+            return min(full, 3)
         return smoke if self.smoke else full
+
+    def size(self, full, smoke, quick):
+        """The size of a measurement in this mode."""
+        return smoke if self.smoke else quick if self.quick else full
 
 
 def median(values: Sequence[float]) -> float:

@@ -58,6 +58,7 @@ _CURRENCIES = np.array(["USD", "EUR", "GBP", "CAD"], dtype=object)
 OVERHEAD_LIMITS = {"csv": 1.10, "parquet": 1.30}
 DLT_LIMIT = 1.0
 
+
 def invoice_frame(rows: int, window: ExportWindow, tenant: str = "acme") -> pd.DataFrame:
     """``rows`` invoices spread evenly over ``window``, built like the sample source's frames (same dtypes)."""
     k = np.arange(rows, dtype=np.int64)
@@ -236,7 +237,9 @@ class _Ledgered:
         key = self.key(rep)
         self.batch = ExportBatch(INVOICE_SCHEMA, [ExportItem(key, BUSINESS_DATE.isoformat(), self.frame)])
         self.context = dg.build_output_context(
-            run_id=f"bench-{key.tenant}", step_key="invoice_export", instance=self.instance,
+            run_id=f"bench-{key.tenant}",
+            step_key="invoice_export",
+            instance=self.instance,
             asset_key=dg.AssetKey("invoice_export"),
         )
 
@@ -318,7 +321,7 @@ class _Ledgered:
 
 
 def run(settings: Settings) -> dict:
-    sizes = (1_000, 5_000) if settings.smoke else (10_000, 100_000, 1_000_000)
+    sizes = settings.size(full=(10_000, 100_000, 1_000_000), smoke=(1_000, 5_000), quick=(10_000, 100_000))
     repeats = {size: settings.reps(full=9 if size < 1_000_000 else 5) for size in sizes}
     window = window_for(BUSINESS_DATE, TIMEZONE)
     rows_out = []
@@ -402,8 +405,12 @@ def run(settings: Settings) -> dict:
         )
         if row["ratio_vs_dlt"] is not None:
             targets.append(
-                target(f"{row['format']} {row['rows']:,} rows: ledgered / dlt filesystem (peer)", row["ratio_vs_dlt"],
-                       DLT_LIMIT, at_most=True)  # fmt: skip
+                target(
+                    f"{row['format']} {row['rows']:,} rows: ledgered / dlt filesystem (peer)",
+                    row["ratio_vs_dlt"],
+                    DLT_LIMIT,
+                    at_most=True,
+                )  # fmt: skip
             )
     table = [
         {

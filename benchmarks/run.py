@@ -4,6 +4,7 @@ Usage (from the project root, in the project's virtualenv)::
 
     python -m benchmarks.run                        # everything, full size (about 15-20 minutes here)
     python -m benchmarks.run --smoke                # tiny sizes: proves every benchmark runs (CI)
+    python -m benchmarks.run --quick                # the protocol's benchmarks, middle sizes: before/after a change
     python -m benchmarks.run --only ledger_throughput --only sensor_tick
     python -m benchmarks.run --out benchmarks/results/mine.json
 
@@ -35,12 +36,19 @@ BENCHMARKS = (
     "streaming",
     "dagster_peer",
 )
+#: What ``--quick`` runs: the benchmarks of the export protocol's own path, the ones a change to it can slow down.
+QUICK = ("export_overhead", "ledger_throughput", "backfill")
 DEFAULT_PLOT = PROJECT_ROOT / "docs" / "benchmark-overhead.png"
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition: proves the code runs")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"{', '.join(QUICK)} at middle sizes, 3 repetitions: compares two commits on one machine (a few minutes)",
+    )
     parser.add_argument("--only", action="append", choices=BENCHMARKS, help="run only this benchmark (repeatable)")
     parser.add_argument("--out", type=Path, help="JSON results file (default benchmarks/results/<UTC date>.json)")
     parser.add_argument(
@@ -50,7 +58,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--scratch", type=Path, help="where files and ledgers are written (default var/bench-scratch)")
     parser.add_argument("--repeats", type=int, help="override every benchmark's repetition count")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.smoke and args.quick:
+        parser.error("--smoke and --quick are two sizes: give one")
+    return args
 
 
 def _cell(value) -> str:
@@ -90,15 +101,15 @@ def format_targets(results: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     started = dt.datetime.now(dt.timezone.utc)
-    out = (
-        args.out or PROJECT_ROOT / "benchmarks" / "results" / f"{started:%Y-%m-%d}{'-smoke' if args.smoke else ''}.json"
-    )
-    plot = args.plot or (out.with_suffix(".png") if args.smoke else DEFAULT_PLOT)
+    suffix = "-smoke" if args.smoke else "-quick" if args.quick else ""
+    out = args.out or PROJECT_ROOT / "benchmarks" / "results" / f"{started:%Y-%m-%d}{suffix}.json"
+
+    plot = args.plot or (out.with_suffix(".png") if args.smoke or args.quick else DEFAULT_PLOT)
     scratch_parent = args.scratch or PROJECT_ROOT / "var" / "bench-scratch"
     scratch_parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="run-", dir=scratch_parent))
-    settings = Settings(smoke=args.smoke, scratch=scratch, repeats=args.repeats)
-    selected = args.only or list(BENCHMARKS)
+    settings = Settings(smoke=args.smoke, scratch=scratch, repeats=args.repeats, quick=args.quick)
+    selected = args.only or list(QUICK if args.quick else BENCHMARKS)
     # The benchmarks measure the reference location on its sample source, chosen as the Quickstart chooses it (there
     # is no default source): importing build_definitions builds definitions.py's own `defs` from this environment.
     os.environ["EXPORTS_SOURCE"] = "sample"
@@ -106,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.pop(setting, None)
 
     document = {
-        "mode": "smoke" if args.smoke else "full",
+        "mode": "smoke" if args.smoke else "quick" if args.quick else "full",
         "started_utc": started.isoformat(timespec="seconds"),
         "command": " ".join(["python -m benchmarks.run", *(argv if argv is not None else sys.argv[1:])]),
         "code": code_version(),
@@ -144,7 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     document["finished_utc"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     document["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
 
-    print("== targets" + (" (smoke mode: sizes too small for the targets to mean anything)" if args.smoke else ""))
+    caveat = {
+        "smoke": " (smoke mode: sizes too small for the targets to mean anything)",
+        "quick": " (quick mode: middle sizes, for comparing two commits; the targets are judged on full sizes)",
+    }
+    print("== targets" + caveat.get(document["mode"], ""))
     print(format_targets(document["benchmarks"]))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(document, indent=2, sort_keys=False) + "\n", encoding="utf-8")

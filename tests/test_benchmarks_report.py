@@ -68,3 +68,18 @@ def test_write_replaces_only_the_generated_blocks_and_refuses_a_file_without_the
     with pytest.raises(SystemExit, match="has no <!-- benchmarks.report: end -->"):
         report.main([str(results), "--write", str(unclosed)])
     assert unclosed.read_text() == "<!-- benchmarks.report: full -->\nold\n"
+
+
+def test_quick_runs_the_protocols_benchmarks_at_middle_sizes_and_refuses_smoke_beside_it(tmp_path, capsys):
+    from benchmarks.common import Settings
+    from benchmarks.run import QUICK, _parse
+
+    with pytest.raises(SystemExit) as refused:
+        _parse(["--smoke", "--quick"])
+    assert refused.value.code == 2 and "--smoke and --quick" in capsys.readouterr().err
+    assert _parse(["--quick"]).quick and set(QUICK) == {"export_overhead", "ledger_throughput", "backfill"}
+    quick = Settings(smoke=False, scratch=tmp_path, quick=True)
+    assert quick.reps(full=9) == 3 and quick.reps(full=1) == 1, "at most three repetitions"
+    assert quick.size(full=(365, 100), smoke=(4, 2), quick=(31, 20)) == (31, 20)
+    full = Settings(smoke=False, scratch=tmp_path)
+    assert full.reps(full=9) == 9 and full.size(full=(365, 100), smoke=(4, 2), quick=(31, 20)) == (365, 100)

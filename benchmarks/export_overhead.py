@@ -41,10 +41,11 @@ from benchmarks.common import Settings, fsync_file, interleaved, median, scratch
 from export_ledger.calendar import ExportWindow, window_for
 from export_ledger.dagster import DestinationResource, LedgeredExportIOManager, LedgerResource
 from export_ledger.fingerprint import Fingerprint
-from export_ledger.frames import Manifest, data_file_name, validate_frame
+from export_ledger.frames import validate_frame
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger import CompletionEvidence, ExportLedger, dispose_engines
 from export_ledger.protocol import ExportBatch, ExportItem, target_for
+from export_ledger.stage import Stager
 
 NAME = "export_overhead"
 FORMATS = ("csv", "parquet")
@@ -289,20 +290,7 @@ class _Ledgered:
                 self.frame, INVOICE_SCHEMA, claim.window, str(key), key.tenant, fingerprint=fingerprint
             ),
         )
-        template = Manifest.build(
-            logical_key=claim.logical_key,
-            export=key.export,
-            tenant=key.tenant,
-            window=claim.window,
-            row_count=0,
-            sha256="",
-            attempt_id=claim.attempt_id,
-            fencing_token=claim.fencing_token,
-            data_file=data_file_name(self.file_format),
-            tz_database=claim.tz_database,
-            revision=claim.revision,
-            supersedes=claim.supersedes,
-        )
+        template = Stager(INVOICE_SCHEMA, self.file_format, lambda level, message: None).manifest_template(claim, key)
         token = claim.fencing_token
         staged = timed(
             "stage_write_hash_fsync",

@@ -351,15 +351,10 @@ def v1_ledger(url: str) -> None:
 # -- moved from test_streaming.py: shared by several test modules -----------------------------------------------------
 
 
-STREAM_SCHEMA = ExportSchema(
-    {"order_id": "string", "tenant": "string", "placed_at": "timestamp", "total": "float"},
-    "placed_at",
-    ("order_id",),
-    tenant_column="tenant",
-)
+STREAM_SCHEMA = ORDERS_SCHEMA
 
 
-STREAM_DAY = dt.date(2026, 3, 2)
+STREAM_DAY = ORDERS_DAY
 
 
 STREAM_KEY = key_for(STREAM_DAY, tenant="acme")

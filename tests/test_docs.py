@@ -97,7 +97,8 @@ def test_every_step_of_the_walk_names_the_line_its_function_is_defined_on():
     wrong = []
     for path, line, name in steps:
         source = (PROJECT / path).read_text().splitlines()
-        if not re.match(rf"\s*def {name}\(", source[int(line) - 1]):
+        named = source[int(line) - 1] if 0 < int(line) <= len(source) else ""
+        if not re.match(rf"\s*def {name}\(", named):
             defined = [n for n, text in enumerate(source, 1) if re.match(rf"\s*def {name}\(", text)]
             wrong.append(f"{path}:{line} {name} (defined on line(s) {defined})")
     assert wrong == []

@@ -1,6 +1,6 @@
-"""Shared builders for tests: logical keys, completion evidence, a key's orders, the sources and old ledgers several
-test modules build (plain functions and values, importable anywhere). A test module imports these, never another test
-module."""
+"""Shared builders for tests: the ledger a test opens, logical keys, completion evidence, a key's orders, the sources
+and old ledgers several test modules build (plain functions and values, importable anywhere). A test module imports
+these, never another test module."""
 
 from __future__ import annotations
 
@@ -16,12 +16,20 @@ from export_ledger import ExportSpec, SqlSource
 from export_ledger.calendar import load_zone, window_for
 from export_ledger.frames import ExportSchema, validate_frame
 from export_ledger.keys import LogicalKey
-from export_ledger.ledger import Claim, CompletionEvidence, schema_version
+from export_ledger.ledger import Claim, CompletionEvidence, ExportLedger, schema_version
 from export_ledger.protocol import ExportItem, target_for
 from export_ledger.stage import Stager
 
 ZONE = "America/New_York"
 BUSINESS_DATE = dt.date(2026, 3, 8)  # the spring-forward day in New York: a 23-hour window
+LEDGER_LEASE = dt.timedelta(minutes=15)  # the ``ledger`` fixture's lease
+
+
+def open_ledger(url: str, *, clock=None, **options) -> ExportLedger:
+    """The one place the tests open a ledger (the ``ledger`` fixture is built on it): ``url`` with the test's
+    ``clock`` (None: the ledger's own) and any of :class:`ExportLedger`'s options. Tests of opening itself (URLs,
+    ``create=False``, ``read_only``, upgrades, unreachable ledgers, pools) call :class:`ExportLedger` directly."""
+    return ExportLedger(url, clock=clock, **options)
 
 
 def key_for(

@@ -18,6 +18,7 @@ from urllib.parse import quote
 import dagster as dg
 import pytest
 import sqlalchemy as sa
+from builders import LEDGER_LEASE, open_ledger
 from cloud_fixtures import *  # noqa: F403  (gcs_server, gcs_bucket, azurite_server, azure_container, ...)
 from install_fixtures import fresh_install  # noqa: F401  (a shared non-editable install)
 from s3_fixtures import *  # noqa: F403  (s3_server, s3_credentials, s3_bucket, s3, fault_proxy)
@@ -133,6 +134,14 @@ class Clock:
 @pytest.fixture
 def clock() -> Clock:
     return Clock(dt.datetime(2026, 3, 20, 9, 30, tzinfo=UTC))  # after every window the tests export
+
+
+@pytest.fixture
+def ledger(request, clock: Clock):
+    """A ledger on the ``clock`` fixture with a 15-minute lease: on SQLite, or on each backend in turn for a test that
+    runs on each (it asks for ``ledger_url`` too, or its module is marked ``pytest.mark.usefixtures("ledger_url")``)."""
+    url = request.getfixturevalue("ledger_url" if "ledger_url" in request.fixturenames else "sqlite_url")
+    return open_ledger(url, clock=clock, lease_ttl=LEDGER_LEASE)
 
 
 class ClockedLedgerResource(LedgerResource):

@@ -17,6 +17,7 @@ from pathlib import Path
 import dagster as dg
 import pandas as pd
 import pytest
+from builders import open_ledger
 
 from definitions import build_definitions
 from export_ledger.destinations.publishing import POINTER_NAME
@@ -137,7 +138,7 @@ def read_export(folder: Path) -> tuple[Manifest, pd.DataFrame]:
 
 
 def ledger_at(tmp_path: Path) -> ExportLedger:
-    return ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    return open_ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
 
 
 def completed_without_export(ledger: ExportLedger) -> list[str]:

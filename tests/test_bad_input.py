@@ -7,6 +7,7 @@ import datetime as dt
 import dagster as dg
 import pandas as pd
 import pytest
+from builders import open_ledger
 from pipeline_helpers import failure_message, make_defs, places, published_dirs, run_partition
 
 from definitions import build_definitions
@@ -14,7 +15,6 @@ from export_ledger import ConfigurationError
 from export_ledger.calendar import CalendarError, ExportCalendar
 from export_ledger.dagster import LedgerResource
 from export_ledger.keys import InvalidIdentifier, parse_tenants
-from export_ledger.ledger import ExportLedger
 from export_ledger.ledger.schema import ExportState
 from resources.invoices import InvoiceSource, SampleInvoiceSource
 
@@ -54,7 +54,7 @@ class DoctoredSource(InvoiceSource):
 def _assert_nothing_committed(tmp_path):
     assert published_dirs(tmp_path / "exports") == [], "nothing may be published"
     assert places(tmp_path / "exports") == [], "nothing staged either: rows are validated before a place is written"
-    ledger = ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    ledger = open_ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
     records = ledger.queries.records()
     assert all(r.state is not ExportState.COMPLETED for r in records), "no completed record"
     return records
@@ -106,7 +106,7 @@ def test_a_source_raising_for_one_tenant_fails_that_tenants_key_only_with_its_de
     assert "invoice_export/globex/2026-03-08T05:00:00Z" in text, "the failed key is named"
     assert "4111" not in text and "leak-canary" not in text, "a source's words may quote customer data: withheld"
     assert all("leak-canary" not in str(e) for e in result.all_events)
-    ledger = ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    ledger = open_ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
     states = {r.tenant: r.state for r in ledger.queries.records()}
     assert states == {"acme": ExportState.COMPLETED, "globex": ExportState.FAILED}, "the other tenant still exports"
     (attempt,) = ledger.queries.attempts("invoice_export/globex/2026-03-08T05:00:00Z")

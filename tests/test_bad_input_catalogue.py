@@ -36,6 +36,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import sqlalchemy as sa
+from builders import open_ledger
 from harness.protocol import Survey, survey, violations
 from pipeline_helpers import failure_message
 
@@ -184,7 +185,7 @@ class Workspace:
         return self.root / "exports"
 
     def ledger(self) -> ExportLedger:
-        return ExportLedger(self.ledger_url)
+        return open_ledger(self.ledger_url)
 
     def defs(self, **kwargs) -> dg.Definitions:
         kwargs.setdefault("tenants", ["acme"])

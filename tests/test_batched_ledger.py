@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 from builders import ORDERS_SCHEMA as SCHEMA
-from builders import evidence_for, hourly_orders, key_for, overlapping_writers
+from builders import evidence_for, hourly_orders, key_for, open_ledger, overlapping_writers
 from pipeline_helpers import places, published_dirs
 
 from export_ledger.destinations import LocalDestination
@@ -58,13 +58,8 @@ def commits(ledger: ExportLedger) -> list[int]:
     return counted
 
 
-@pytest.fixture
-def clocked(clock, sqlite_url) -> ExportLedger:
-    return ExportLedger(sqlite_url, clock=clock, lease_ttl=dt.timedelta(minutes=15))
-
-
 def test_claim_many_takes_one_lease_per_key_in_one_transaction(ledger_url, clock) -> None:
-    ledger = ExportLedger(ledger_url, clock=clock)
+    ledger = open_ledger(ledger_url, clock=clock)
     keys = [key_for(DAY, tenant=tenant) for tenant in TENANTS]
     retried = ledger.claims.claim(keys[2], "run-0/export")
     ledger.completions.fail(retried, RuntimeError("source down"))
@@ -95,7 +90,7 @@ def test_claim_many_takes_one_lease_per_key_in_one_transaction(ledger_url, clock
 
 
 def test_claim_many_skips_a_completed_key_and_refuses_a_held_one_without_stopping_the_others(ledger_url) -> None:
-    ledger = ExportLedger(ledger_url)
+    ledger = open_ledger(ledger_url)
     done, held, fresh = (key_for(DAY, tenant=tenant) for tenant in ("done", "held", "fresh"))
     first = ledger.claims.claim(done, "run-0/export")
     ledger.completions.complete(first, evidence_for(first))
@@ -113,27 +108,27 @@ def test_claim_many_skips_a_completed_key_and_refuses_a_held_one_without_stoppin
     assert ledger.queries.get(str(held)).lease_owner == "run-other/export", "the holder keeps its lease"
 
 
-def test_a_concurrent_claimer_fences_one_key_of_the_group_and_the_others_commit(clocked, clock) -> None:
+def test_a_concurrent_claimer_fences_one_key_of_the_group_and_the_others_commit(ledger, clock) -> None:
     keys = [key_for(DAY, tenant=tenant) for tenant in TENANTS[:3]]
-    claims = clocked.claims.claim_many(keys, "run-1/export")
+    claims = ledger.claims.claim_many(keys, "run-1/export")
     clock.advance(minutes=16)  # run-1 stalls past its leases; another attempt takes the first key over
-    taken = clocked.claims.claim(keys[0], "run-2/export")
+    taken = ledger.claims.claim(keys[0], "run-2/export")
     assert taken.fencing_token == 2
 
-    results = clocked.completions.complete_many([(claim, evidence_for(claim)) for claim in claims])
+    results = ledger.completions.complete_many([(claim, evidence_for(claim)) for claim in claims])
 
     assert isinstance(results[0], FencedOut) and "run-2/export" in str(results[0])
     assert [r.state for r in results[1:5]] == [ExportState.COMPLETED, ExportState.COMPLETED]
-    record = clocked.queries.get(str(keys[0]))
+    record = ledger.queries.get(str(keys[0]))
     assert (record.state, record.lease_owner, record.fencing_token) == (ExportState.IN_PROGRESS, "run-2/export", 2)
     # One row per attempt: the takeover recorded run-1 as abandoned, so its fenced commit adds none.
-    assert [(a.attempt_id, a.outcome) for a in clocked.queries.attempts(str(keys[0]))] == [
+    assert [(a.attempt_id, a.outcome) for a in ledger.queries.attempts(str(keys[0]))] == [
         ("run-1/export", AttemptOutcome.ABANDONED)
     ]
 
 
 def test_export_batch_with_a_key_taken_over_mid_run_fences_that_key_only_and_the_next_run_repairs_it(
-    tmp_path: Path, clocked, clock, monkeypatch
+    tmp_path: Path, ledger, clock, monkeypatch
 ) -> None:
     destination = LocalDestination(str(tmp_path / "exports"))
     keys = [key_for(DAY, tenant=tenant) for tenant in TENANTS[:3]]
@@ -145,25 +140,25 @@ def test_export_batch_with_a_key_taken_over_mid_run_fences_that_key_only_and_the
         committed.append(staged.manifest.logical_key)
         if len(committed) == len(keys):  # all three committed; before the group records them, a takeover happens
             clock.advance(minutes=16)
-            clocked.claims.claim(keys[0], "run-2/export")
+            ledger.claims.claim(keys[0], "run-2/export")
         return pointer
 
     monkeypatch.setattr(LocalDestination, "commit", commit_then_lose_the_first_lease)
     with pytest.raises(FencedOut, match="run-2/export"):
-        export_batch(clocked, destination, batch_of(keys), "run-1/export")
+        export_batch(ledger, destination, batch_of(keys), "run-1/export")
     monkeypatch.setattr(LocalDestination, "commit", commit)
 
-    assert [clocked.queries.get(str(k)).state for k in keys] == [ExportState.IN_PROGRESS, *[ExportState.COMPLETED] * 2]
+    assert [ledger.queries.get(str(k)).state for k in keys] == [ExportState.IN_PROGRESS, *[ExportState.COMPLETED] * 2]
     clock.advance(minutes=16)  # run-2 died too; the next run takes the key over and finds run-1's export
-    results = export_batch(clocked, destination, batch_of(keys), "run-3/export")
+    results = export_batch(ledger, destination, batch_of(keys), "run-3/export")
     assert [r.status for r in results] == ["repaired", "already_completed", "already_completed"]
-    assert clocked.queries.get(str(keys[0])).committed_attempt == "run-1/export"
+    assert ledger.queries.get(str(keys[0])).committed_attempt == "run-1/export"
     assert len(published_dirs(tmp_path / "exports")) == 3, "one published export per key"
     assert len(places(tmp_path / "exports")) == 3, "the repair wrote no second copy of the key"
 
 
 def test_a_crash_between_the_publishes_and_the_group_commit_is_repaired_by_the_next_run(
-    tmp_path: Path, clocked, clock, monkeypatch
+    tmp_path: Path, ledger, clock, monkeypatch
 ) -> None:
     destination = LocalDestination(str(tmp_path / "exports"))
     keys = [key_for(DAY, tenant=tenant) for tenant in TENANTS]
@@ -174,57 +169,57 @@ def test_a_crash_between_the_publishes_and_the_group_commit_is_repaired_by_the_n
     with monkeypatch.context() as patch:
         patch.setattr(Completions, "complete_many", die)
         with pytest.raises(SimulatedCrash):
-            export_batch(clocked, destination, batch_of(keys), "run-1/export", group_size=4)
+            export_batch(ledger, destination, batch_of(keys), "run-1/export", group_size=4)
     # The first group of four was committed at the destination, none recorded; the second group was never claimed.
     first_manifests = {
         manifest.logical_key: manifest
         for manifest in (current_manifest(folder) for folder in published_dirs(tmp_path / "exports"))
     }
     assert sorted(first_manifests) == sorted(str(k) for k in keys[:4])
-    assert [clocked.queries.get(str(k)).state for k in keys[:4]] == [ExportState.IN_PROGRESS] * 4
-    assert [clocked.queries.get(str(k)) for k in keys[4:]] == [None, None]
+    assert [ledger.queries.get(str(k)).state for k in keys[:4]] == [ExportState.IN_PROGRESS] * 4
+    assert [ledger.queries.get(str(k)) for k in keys[4:]] == [None, None]
 
     clock.advance(minutes=16)  # past the dead run's leases
-    results = export_batch(clocked, destination, batch_of(keys), "run-2/export", group_size=4)
+    results = export_batch(ledger, destination, batch_of(keys), "run-2/export", group_size=4)
 
     assert [r.status for r in results] == ["repaired"] * 4 + ["exported"] * 2
     folders = published_dirs(tmp_path / "exports")
     assert len(folders) == len(keys), "exactly one published export per key: never a second copy"
     assert len(places(tmp_path / "exports")) == len(keys), "the repairs wrote no second place: one place per key"
     for key in keys[:4]:
-        record = clocked.queries.get(str(key))
+        record = ledger.queries.get(str(key))
         assert record.state is ExportState.COMPLETED
         assert record.committed_attempt == "run-1/export" and record.sha256 == first_manifests[str(key)].sha256
-        assert [(a.attempt_id, a.outcome) for a in clocked.queries.attempts(str(key))] == [
+        assert [(a.attempt_id, a.outcome) for a in ledger.queries.attempts(str(key))] == [
             ("run-1/export", AttemptOutcome.ABANDONED),
             ("run-2/export", AttemptOutcome.REPAIRED),
         ]
 
 
 def test_a_crash_at_the_before_commit_failpoint_leaves_claimed_keys_that_the_next_run_finishes(
-    tmp_path: Path, clocked, clock, monkeypatch
+    tmp_path: Path, ledger, clock, monkeypatch
 ) -> None:
     destination = LocalDestination(str(tmp_path / "exports"))
     keys = [key_for(DAY, tenant=tenant) for tenant in TENANTS[:3]]
     monkeypatch.setenv(FAILPOINTS, "before_commit=crash")
     with pytest.raises(SimulatedCrash):
-        export_batch(clocked, destination, batch_of(keys), "run-1/export")
+        export_batch(ledger, destination, batch_of(keys), "run-1/export")
     monkeypatch.delenv(FAILPOINTS)
     assert len(published_dirs(tmp_path / "exports")) == 3, (
         "group commit: the whole group was published and synced before its first completion record"
     )
-    assert [clocked.queries.get(str(k)).state for k in keys] == [ExportState.IN_PROGRESS] * 3, (
+    assert [ledger.queries.get(str(k)).state for k in keys] == [ExportState.IN_PROGRESS] * 3, (
         "the whole group was claimed"
     )
 
     clock.advance(minutes=16)
-    results = export_batch(clocked, destination, batch_of(keys), "run-2/export")
+    results = export_batch(ledger, destination, batch_of(keys), "run-2/export")
     assert [r.status for r in results] == ["repaired", "repaired", "repaired"]
     assert len(published_dirs(tmp_path / "exports")) == 3
     assert len(places(tmp_path / "exports")) == 3, "every key is repaired from its place, not written again"
 
 
-def test_one_bad_key_of_a_group_fails_alone(tmp_path: Path, clocked) -> None:
+def test_one_bad_key_of_a_group_fails_alone(tmp_path: Path, ledger) -> None:
     destination = LocalDestination(str(tmp_path / "exports"))
     keys = [key_for(DAY, tenant=tenant) for tenant in TENANTS[:3]]
     batch = batch_of(keys)
@@ -233,9 +228,9 @@ def test_one_bad_key_of_a_group_fails_alone(tmp_path: Path, clocked) -> None:
     batch.items[1] = ExportItem(keys[1], batch.items[1].partition_key, bad)
 
     with pytest.raises(Exception, match="belong to another tenant"):
-        export_batch(clocked, destination, batch, "run-1/export")
+        export_batch(ledger, destination, batch, "run-1/export")
 
-    assert [clocked.queries.get(str(k)).state for k in keys] == [
+    assert [ledger.queries.get(str(k)).state for k in keys] == [
         ExportState.COMPLETED,
         ExportState.FAILED,
         ExportState.COMPLETED,
@@ -245,7 +240,7 @@ def test_one_bad_key_of_a_group_fails_alone(tmp_path: Path, clocked) -> None:
 
 
 def _claim_group(url: str, keys: list, attempt: str, start, results) -> None:
-    ledger = ExportLedger(url)
+    ledger = open_ledger(url)
     start.wait(timeout=30)
     try:
         results[attempt] = ledger.claims.claim_many(keys, attempt)
@@ -257,7 +252,7 @@ def test_two_runs_claiming_overlapping_groups_at_once_each_key_goes_to_exactly_o
     """Threads with their own connections, keys given in opposite orders: rows are locked in key order, and a
     first claim inserted under a concurrent group falls back to one-by-one claims, so nobody deadlocks or fails."""
     keys = [key_for(DAY, tenant=f"r{i:02d}") for i in range(20)]
-    half = ExportLedger(ledger_url)
+    half = open_ledger(ledger_url)
     for key in keys[::2]:
         # half of the keys are retried, half are first claims
         half.completions.fail(half.claims.claim(key, "run-0/export"), RuntimeError("source down"))
@@ -302,7 +297,7 @@ def test_a_group_finish_matches_each_key_on_its_own_token_and_owner_in_one_state
     """finish_many of several transitions at once: one guarded UPDATE per transition for the whole group (on
     PostgreSQL a hundred keys were a hundred round trips), each row still matched on its own key, token and owner: a key
     taken over meanwhile is fenced alone and keeps its new holder."""
-    ledger = ExportLedger(ledger_url, clock=clock, lease_ttl=dt.timedelta(minutes=15))
+    ledger = open_ledger(ledger_url, clock=clock, lease_ttl=dt.timedelta(minutes=15))
     keys = [key_for(DAY, tenant=tenant) for tenant in [*TENANTS, "t06"]]
     claims = ledger.claims.claim_many(keys, "run-1/export")
     clock.advance(minutes=16)
@@ -346,7 +341,7 @@ def test_a_group_hold_takes_each_stuck_key_on_the_state_and_token_it_read(ledger
     """hold_many (reconciliation's hold) is one guarded UPDATE per state read, and each key is held only
     from the state and token reconciliation read: a key whose lease is live, or that moved since it was read, is not
     held; an abandoned attempt gets its ``abandoned`` row."""
-    ledger = ExportLedger(ledger_url, clock=clock, lease_ttl=dt.timedelta(minutes=15))
+    ledger = open_ledger(ledger_url, clock=clock, lease_ttl=dt.timedelta(minutes=15))
     unknown, abandoned, live, moved, late, renewed = (key_for(DAY, tenant=tenant) for tenant in TENANTS)
     ledger.completions.mark_remote_unknown(ledger.claims.claim(unknown, "run-1/export"), TimeoutError("upload"))
     ledger.claims.claim(abandoned, "run-1/export")
@@ -388,7 +383,7 @@ def test_a_group_finish_of_mixed_transitions_never_deadlocks_with_an_overlapping
     finished. The finish pauses before its second statement that takes row locks; locked one transition at a time (a
     and c, then b), the claimer takes b and waits for c while the finish waits for b. Guard: locking per transition
     fails with DeadlockDetected."""
-    book = ExportLedger(postgres_url)
+    book = open_ledger(postgres_url)
     keys = [key_for(DAY, tenant=tenant) for tenant in ("ta", "tb", "tc")]
     claims = book.claims.claim_many(keys, "run-1/export")
     finishes = [
@@ -416,7 +411,7 @@ def test_a_group_finish_of_mixed_transitions_never_deadlocks_with_an_overlapping
 def test_a_group_refuses_a_naive_time_as_one_key_does(ledger_url, clock) -> None:
     """Every value of a group's statement is bound as its column binds it: a naive time is refused on PostgreSQL's
     arrays as the one-key statement refuses it (the ledger stores timezone-aware times only)."""
-    ledger = ExportLedger(ledger_url, clock=clock)
+    ledger = open_ledger(ledger_url, clock=clock)
     (claim,) = ledger.claims.claim_many([key_for(DAY)], "run-1/export")
     naive = T.Move(T.FAIL, claim.logical_key, claim.fencing_token,
                    dict(lease_owner=None, lease_expires_at=None, updated_at=dt.datetime(2026, 3, 3)),
@@ -431,7 +426,7 @@ def test_a_group_larger_than_one_statement_finishes_every_key_on_its_own_guards(
     """A group of 120 keys is several statements on SQLite (at most SQLITE_BATCH_ROWS moves each: bound values are
     limited): every key is finished, and the one taken over meanwhile (in the second statement's rows) alone is
     fenced."""
-    ledger = ExportLedger(ledger_url, clock=clock, lease_ttl=dt.timedelta(minutes=15))
+    ledger = open_ledger(ledger_url, clock=clock, lease_ttl=dt.timedelta(minutes=15))
     keys = [key_for(DAY, tenant=f"g{i:03d}") for i in range(120)]
     claims = ledger.claims.claim_many(keys, "run-1/export")
     clock.advance(minutes=16)

@@ -13,6 +13,7 @@ from collections import Counter
 import dagster as dg
 import pandas as pd
 import pytest
+from builders import open_ledger
 from pipeline_helpers import JOB, failure_message, make_defs, run_range
 
 from export_ledger import ExportSpec
@@ -220,9 +221,8 @@ def test_a_completed_key_whose_destination_disagrees_makes_its_date_differ_an_er
     assert keys["globex"][0] == "differs" and expected_note in keys["globex"][1], keys
     if damage != "rows differ from what the run read":
         # The way out the README gives: a restatement, whose run publishes revision 2 from the source.
-        from export_ledger.ledger import ExportLedger
 
-        book = ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+        book = open_ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
         (record,) = book.queries.records(export="invoice_export", tenants=["globex"])
         book.restatements.request(record.logical_key, reason="data lost", requested_by="ops")
         restated = run_range(defs, instance, GOOD, GOOD)

@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from builders import evidence_for, key_for
+from builders import evidence_for, key_for, open_ledger
 
 from export_ledger import SourceError, cli
 from export_ledger.keys import LogicalKey
-from export_ledger.ledger import CompletionEvidence, ExportLedger, LeaseHeld, dispose_engines
+from export_ledger.ledger import CompletionEvidence, LeaseHeld, dispose_engines
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 ZONE = "America/New_York"
@@ -44,7 +44,7 @@ ALL_KEYS = {ACME_7, ACME_8, GLOBEX_7, GLOBEX_8, INITECH_9, PAYMENTS_ACME_8}
 
 @pytest.fixture
 def ledger_url(sqlite_url: str, clock) -> str:
-    ledger = ExportLedger(sqlite_url, clock=clock)
+    ledger = open_ledger(sqlite_url, clock=clock)
 
     first = ledger.claims.claim(key("acme", 7), "run-acme-7a")
     clock.advance(minutes=1)
@@ -227,7 +227,7 @@ def test_status_offset_pages_on_and_a_full_page_says_how_to_see_the_next_one(cap
 
 def test_status_reads_at_most_500_keys_by_default(capsys, tmp_path, clock):
     url = f"sqlite:///{tmp_path / 'large.sqlite3'}"
-    ledger = ExportLedger(url, clock=clock)
+    ledger = open_ledger(url, clock=clock)
     ledger.claims.claim_many([key(f"t{i:03d}", 8) for i in range(501)], "run-large/invoice_export")
 
     assert len(status_json(capsys, url)) == cli.STATUS_LIMIT == 500, "every CLI read is bounded"
@@ -289,7 +289,7 @@ def test_attempts_json_round_trips_with_outcomes_tokens_and_errors(capsys, ledge
 
 
 def test_attempts_shows_the_last_200_attempts_and_says_how_many_there_are(capsys, ledger_url, clock, wide_terminal):
-    ledger = ExportLedger(ledger_url, clock=clock)
+    ledger = open_ledger(ledger_url, clock=clock)
     for n in range(201):  # globex's 2026-03-08 lease is live: each claim is refused, and recorded
         with pytest.raises(LeaseHeld):
             ledger.claims.claim(key("globex", 8), f"run-refused-{n:03d}")
@@ -665,7 +665,7 @@ def test_the_way_out_of_a_never_claimed_partition_a_restatement_and_a_conflict(s
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "definitions.py").write_text("")
-    ledger = ExportLedger(sqlite_url)
+    ledger = open_ledger(sqlite_url)
     since = dt.datetime(2026, 3, 9, tzinfo=dt.timezone.utc)
     day = dt.date(2026, 3, 8)
     key = "invoice_export/acme/2026-03-08T05:00:00Z"
@@ -702,7 +702,7 @@ def test_the_asset_of_a_zone_is_the_one_that_exported_a_key_there_else_a_guess_s
     from export_ledger import operations
     from export_ledger.ledger.attention import Escalation
 
-    ledger = ExportLedger(sqlite_url)
+    ledger = open_ledger(sqlite_url)
     claim = ledger.claims.claim(
         key_for(dt.date(2026, 3, 7), tenant="bombay", timezone="Asia/Kolkata"), "run-9/invoice_export__asia_kolkata"
     )
@@ -722,7 +722,7 @@ def test_the_asset_of_a_zone_is_the_one_that_exported_a_key_there_else_a_guess_s
 
 def test_the_known_tenants_listed_are_the_first_in_order_and_say_when_there_are_more(capsys, tmp_path, clock):
     url = f"sqlite:///{tmp_path / 'many.sqlite3'}"
-    ExportLedger(url, clock=clock).claims.claim_many([key(f"t{i:03d}", 8) for i in range(150)], "run-many/x")
+    open_ledger(url, clock=clock).claims.claim_many([key(f"t{i:03d}", 8) for i in range(150)], "run-many/x")
 
     code, _, err = run(capsys, "--ledger-url", url, "status", "--tenant", "t999")
 

@@ -12,11 +12,10 @@ from pathlib import Path
 from zoneinfo import ZoneInfo
 
 import pytest
-from builders import evidence_for, key_for
+from builders import evidence_for, key_for, open_ledger
 
 from export_ledger import cli
 from export_ledger.cli import render
-from export_ledger.ledger import ExportLedger
 from export_ledger.operations import KEY_FORM
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -54,7 +53,7 @@ def shop(tmp_path, monkeypatch, sqlite_url):
     destination = tmp_path / "exports"
     destination.mkdir()
     (tmp_path / "shop_location.py").write_text(LOCATION.format(url=sqlite_url, destination=str(destination)))
-    ledger = ExportLedger(sqlite_url)
+    ledger = open_ledger(sqlite_url)
     claim = ledger.claims.claim(key_for(DAY, export="orders", tenant="bombay", timezone="Asia/Kolkata"), "run-1")
     ledger.completions.complete(claim, evidence_for(claim))
     stuck = key_for(DAY + dt.timedelta(days=1), export="orders", tenant="bombay", timezone="Asia/Kolkata")
@@ -193,7 +192,7 @@ def test_a_wrong_code_location_is_one_clear_error(capsys, shop, argv, mention):
 def test_drift_runs_for_the_reference_code_location_and_says_what_its_lookback_left_out(
     capsys, tmp_path, monkeypatch, sqlite_url
 ):
-    ledger = ExportLedger(sqlite_url)
+    ledger = open_ledger(sqlite_url)
     claim = ledger.claims.claim(key_for(DAY), "run-1")  # invoice_export/acme, long before the 7-day lookback
     ledger.completions.complete(claim, evidence_for(claim))
     monkeypatch.setenv("EXPORTS_LEDGER_URL", sqlite_url)
@@ -325,7 +324,7 @@ def test_with_a_code_location_the_ledger_is_the_one_its_runs_use(capsys, shop, t
     )  # fmt: skip
     monkeypatch.setenv("SHOP_LEDGER_URL", ledger.url)
     other = f"sqlite:///{tmp_path / 'other.sqlite3'}"
-    ExportLedger(other)  # an empty ledger, where EXPORTS_LEDGER_URL points
+    open_ledger(other)  # an empty ledger, where EXPORTS_LEDGER_URL points
     monkeypatch.setenv("EXPORTS_LEDGER_URL", other)
 
     code, out, err = run(capsys, "status", "-f", "elsewhere.py", "--json")

@@ -16,13 +16,14 @@ import dagster as dg
 import pandas as pd
 import pytest
 import yaml
+from builders import open_ledger
 from dagster.components.testing import create_defs_folder_sandbox
 from pipeline_helpers import current_data_file
 
 from export_ledger import ExportSpec
 from export_ledger.dagster import LedgeredExports
 from export_ledger.dagster.component import ExportModel
-from export_ledger.ledger import ExportLedger, ExportState
+from export_ledger.ledger import ExportState
 
 PROJECT = Path(__file__).resolve().parent.parent
 TYPE_NAME = "export_ledger.dagster.LedgeredExports"
@@ -155,7 +156,7 @@ def test_a_partition_of_the_yaml_export_is_exported_and_recorded(sandbox, shop_e
     _, defs = load(sandbox, COMPONENT_YAML)
     result = defs.resolve_job_def("orders__asia_kolkata_job").execute_in_process(partition_key=DAY, instance=instance)
     assert result.success
-    record = ExportLedger(shop_env["SHOP_LEDGER_URL"]).queries.get(GLOBEX_KEY)
+    record = open_ledger(shop_env["SHOP_LEDGER_URL"]).queries.get(GLOBEX_KEY)
     assert (record.state, record.row_count) == (ExportState.COMPLETED, 3)
     folder = sandbox.project_root / "var" / "exports" / "orders" / "tenant=globex" / f"date={DAY}"
     assert sorted(pd.read_csv(current_data_file(folder))["order_id"]) == ["g1", "g2", "g3"]
@@ -250,7 +251,7 @@ def test_a_missing_source_url_variable_fails_each_run_naming_it_and_the_location
         said.append(error.message)
         error = error.cause
     assert any(missing in m and "nothing was exported" in m for m in said), said
-    ledger = ExportLedger(shop_env["SHOP_LEDGER_URL"])
+    ledger = open_ledger(shop_env["SHOP_LEDGER_URL"])
     assert ledger.queries.get(GLOBEX_KEY) is None, "nothing is claimed for a run that lacks its source"
     assert not (sandbox.project_root / "var" / "exports" / "orders").exists(), "nothing is published"
 
@@ -323,7 +324,7 @@ def test_a_project_of_yaml_alone_exports_a_partition_through_dg_after_a_non_edit
 
     folder = shop / "var" / "exports" / "orders" / "tenant=globex" / f"date={DAY}"
     assert sorted(pd.read_csv(current_data_file(folder))["order_id"]) == ["g1", "g2", "g3"]
-    record = ExportLedger(f"sqlite:///{shop / 'var' / 'ledger.sqlite3'}").queries.get(GLOBEX_KEY)
+    record = open_ledger(f"sqlite:///{shop / 'var' / 'ledger.sqlite3'}").queries.get(GLOBEX_KEY)
     assert (record.state, record.row_count) == (ExportState.COMPLETED, 3)
     assert not (shop / "var" / "exports" / "orders" / "tenant=acme").exists(), "acme's day is another asset's"
     assert all(env["SHOP_DATABASE_URL"] not in out for out in outputs), "the source URL is never printed"

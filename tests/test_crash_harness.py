@@ -58,6 +58,7 @@ from pathlib import Path
 import boto3
 import pyarrow as pa
 import pytest
+from builders import open_ledger
 from cloud_fixtures import AZURITE_ACCOUNT, AZURITE_KEY
 from harness.forkserver import CHILD_ERROR, ForkServer
 from harness.protocol import (
@@ -79,7 +80,7 @@ from export_ledger.destinations import ExportTarget
 from export_ledger.destinations.publishing import POINTER_NAME
 from export_ledger.failpoints import POINTS
 from export_ledger.frames import MANIFEST_NAME
-from export_ledger.ledger import ExportLedger, dispose_engines, utc_now
+from export_ledger.ledger import dispose_engines, utc_now
 from export_ledger.ledger.schema import ExportState
 from export_ledger.reconcile import reconcile_batch
 
@@ -297,7 +298,7 @@ class CrashHarness:
         (workdir / "results").mkdir()
         (workdir / "tmp").mkdir()
         # The reconciler and every retry stand past the dead attempt's lease: a clock shifted forward.
-        self.ledger = ExportLedger(self.ledger_url, clock=lambda: utc_now() + dt.timedelta(seconds=PAST_THE_LEASE))
+        self.ledger = open_ledger(self.ledger_url, clock=lambda: utc_now() + dt.timedelta(seconds=PAST_THE_LEASE))
         self.destination = build_destination(self.destination_spec, self.ledger_url)
         server.prepare(self.destination_spec, self.ledger_url)
         self.tally = Tally(f"{kind}, ledger on {self.ledger.dialect}")
@@ -968,7 +969,7 @@ def test_the_invariants_see_a_wrong_pointer_a_damaged_revision_a_stale_commit_an
     ledger_url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
     spec = AttemptSpec(ledger_url, {"kind": "local", "root": str(tmp_path / "good")}, "2026-02-01", "first")
     assert run_attempt(spec)["status"] == "exported"
-    ledger = ExportLedger(ledger_url)
+    ledger = open_ledger(ledger_url)
     key = spec.logical_key
     ledger.restatements.request(key, reason="late invoices", requested_by="test")
     assert run_attempt(replace(spec, run_id="second", cadence_minutes=30))["status"] == "exported"
@@ -1050,7 +1051,7 @@ def test_the_invariants_see_a_ledger_tables_wrong_pointer_and_torn_revision(tmp_
     spec = AttemptSpec(f"sqlite:///{good}", table, "2026-02-01", "first")
     assert run_attempt(spec)["status"] == "exported"
     key = spec.logical_key
-    ExportLedger(spec.ledger_url).restatements.request(key, reason="late invoices", requested_by="test")
+    open_ledger(spec.ledger_url).restatements.request(key, reason="late invoices", requested_by="test")
     assert run_attempt(replace(spec, run_id="second", cadence_minutes=30))["status"] == "exported"
     dispose_engines()
     try:
@@ -1063,7 +1064,7 @@ def test_the_invariants_see_a_ledger_tables_wrong_pointer_and_torn_revision(tmp_
             url = f"sqlite:///{copy}"
             found = survey(table, url)
             return {
-                name: items for name, items in violations(ExportLedger(url), found, [key], final=True).items() if items
+                name: items for name, items in violations(open_ledger(url), found, [key], final=True).items() if items
             }
 
         assert damaged("untouched", "SELECT 1") == {}
@@ -1144,7 +1145,7 @@ def test_the_invariants_see_a_cloud_stores_wrong_pointer_and_deleted_revision(tm
     ledger_url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
     spec = AttemptSpec(ledger_url, cloud_spec, "2026-02-01", "first")
     assert run_attempt(spec)["status"] == "exported"
-    key, ledger = spec.logical_key, ExportLedger(ledger_url)
+    key, ledger = spec.logical_key, open_ledger(ledger_url)
     store = build_destination(cloud_spec, ledger_url).store
     client = store_client(cloud_spec)
     folder = "/".join(spec.target.parts)
@@ -1181,7 +1182,7 @@ def test_the_invariants_see_a_delta_tables_torn_rows_stray_rows_and_a_txn_moved_
     good = {"kind": "delta", "table": str(tmp_path / "good" / "{export}")}
     spec = AttemptSpec(ledger_url, good, "2026-02-01", "first")
     assert run_attempt(spec)["status"] == "exported"
-    key, ledger = spec.logical_key, ExportLedger(ledger_url)
+    key, ledger = spec.logical_key, open_ledger(ledger_url)
     ledger.restatements.request(key, reason="late invoices", requested_by="test")
     assert run_attempt(replace(spec, run_id="second", cadence_minutes=30))["status"] == "exported"
     try:

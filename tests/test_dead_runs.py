@@ -18,14 +18,14 @@ import dagster as dg
 import pandas as pd
 import pytest
 import sqlalchemy as sa
-from builders import evidence_for, hourly_orders, key_for
+from builders import evidence_for, hourly_orders, key_for, open_ledger
 from pipeline_helpers import JOB, make_defs, tick
 
 from export_ledger.dagster.sensors import end_dead_runs
 from export_ledger.dead_runs import GAP_WAIT, Finding, Lease, RunLedger, Watch, judge_run, run_of
 from export_ledger.destinations import LocalDestination
 from export_ledger.frames import ExportSchema
-from export_ledger.ledger import AttemptOutcome, AttemptRecord, ExportLedger, ExportState
+from export_ledger.ledger import AttemptOutcome, AttemptRecord, ExportState
 from export_ledger.ledger.queries import AttemptPage
 from export_ledger.protocol import ExportBatch, ExportBatchFailed, ExportItem, export_batch
 
@@ -382,7 +382,7 @@ def test_a_loss_committed_after_a_later_row_is_still_read_and_its_dead_run_faile
     (id n) can commit after another worker's row (id n + 1). A cursor moved to the highest id read would never read
     id n: the dead run would be left to max_runtime_seconds. The takeover here is the ledger's own claim, held in its
     transaction by a trigger that waits on the test's advisory lock once the row is inserted."""
-    ledger = ExportLedger(postgres_url, clock=clock)
+    ledger = open_ledger(postgres_url, clock=clock)
     defs = make_defs(tmp_path, tenants=["acme", "globex"])
     dead, live = _started_run(defs, instance), _started_run(defs, instance)
     dead_key, live_key = (key_for(dt.date(2026, 3, 8), tenant=tenant) for tenant in ("acme", "globex"))
@@ -434,7 +434,7 @@ def test_a_run_is_not_judged_while_an_id_below_its_latest_rows_is_missing(postgr
     """A takeover's transaction fails after its INSERT took an id: that id never commits. Until GAP_WAIT has passed
     the sensor cannot tell it from a row about to commit, so it judges no run meanwhile: the run below lost a key
     (the row before the missing id) and was heard from (the row after it)."""
-    ledger = ExportLedger(postgres_url, clock=clock)
+    ledger = open_ledger(postgres_url, clock=clock)
     defs = make_defs(tmp_path, tenants=["acme", "globex", "initech"])
     run = _started_run(defs, instance)
     ttl = ledger.lease_ttl.total_seconds()

@@ -4,7 +4,6 @@ revision holds the rows and the key's txn actions; readers ask the table, never 
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import sys
 import threading
 
@@ -24,7 +23,7 @@ from export_ledger.errors import ConfigurationError  # noqa: E402
 from export_ledger.failpoints import ENV_VAR as FAILPOINTS  # noqa: E402
 from export_ledger.failpoints import SimulatedCrash  # noqa: E402
 from export_ledger.frames import Manifest  # noqa: E402
-from export_ledger.ledger import ExportLedger, ExportState  # noqa: E402
+from export_ledger.ledger import ExportState  # noqa: E402
 from export_ledger.protocol import export_key  # noqa: E402
 from export_ledger.reconcile import reconcile_batch  # noqa: E402
 from tests.builders import key_for  # noqa: E402
@@ -232,11 +231,6 @@ def test_a_delta_spec_builds_the_destination_and_names_the_extra_when_deltalake_
 
 
 # -- driven by the protocol -----------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def ledger(sqlite_url, clock) -> ExportLedger:
-    return ExportLedger(sqlite_url, clock=clock, lease_ttl=dt.timedelta(minutes=15))
 
 
 def test_export_restate_and_a_crash_after_the_commit_that_reconciliation_settles(

@@ -90,10 +90,6 @@ def destination(tmp_path) -> DeltaDestination:
     return DeltaDestination(str(tmp_path / "delta" / "{export}"))
 
 
-@pytest.fixture
-def ledger(sqlite_url, clock) -> ExportLedger:
-    return ExportLedger(sqlite_url, clock=clock, lease_ttl=dt.timedelta(minutes=15))
-
 
 def recorded_intact(ledger: ExportLedger, destination: DeltaDestination, key) -> bytes:
     """What the asset check, ``load_input`` and drift do with a completed key: its current recorded revision verified

@@ -27,13 +27,13 @@ import pandas as pd
 import pytest
 import sqlalchemy as sa
 import yaml
-from builders import BUSINESS_DATE, sql_invoices
+from builders import BUSINESS_DATE, open_ledger, sql_invoices
 from pipeline_helpers import finish
 from sqlalchemy.engine import make_url
 
 from definitions import RUN_WORKER_SETTINGS, SOURCE_SETTINGS
 from export_ledger.frames import MANIFEST_NAME, Manifest
-from export_ledger.ledger import ExportLedger, ExportState, dispose_engines
+from export_ledger.ledger import ExportState, dispose_engines
 
 PROJECT = Path(__file__).resolve().parent.parent
 DEPLOY = PROJECT / "deploy"
@@ -362,7 +362,7 @@ def test_a_run_worker_given_exactly_what_a_launcher_config_passes_exports_and_re
     code, output = run_worker(image, launcher, environment)
 
     assert code == 0, f"the run worker of deploy/{launcher} failed:\n{output[-4000:]}"
-    records = {r.tenant: r for r in ExportLedger(deployment.ledger_url).queries.records(export=EXPORT)}
+    records = {r.tenant: r for r in open_ledger(deployment.ledger_url).queries.records(export=EXPORT)}
     dispose_engines()
     tenants = environment["EXPORTS_TENANTS"].split(",")
     assert sorted(records) == sorted(tenants), "one key per tenant the config names, in the deployment's ledger"
@@ -397,7 +397,7 @@ def test_a_run_worker_whose_launcher_config_lost_a_source_setting_refuses_naming
     code, output = run_worker(image, DOCKER, environment)
 
     assert code != 0 and expected in output, f"the worker refuses, naming the setting:\n{output[-3000:]}"
-    assert ExportLedger(deployment.ledger_url).queries.records() == [], "no key claimed, none recorded completed"
+    assert open_ledger(deployment.ledger_url).queries.records() == [], "no key claimed, none recorded completed"
     dispose_engines()
     volume = Path(environment["EXPORTS_DESTINATION"])
     assert not volume.exists() or not any(volume.rglob("*")), "nothing was published"

@@ -16,7 +16,7 @@ import json
 
 import pyarrow as pa
 import pytest
-from builders import ORDERS_DAY, ORDERS_SCHEMA, corrected_orders, key_for, orders_item
+from builders import ORDERS_DAY, ORDERS_SCHEMA, corrected_orders, key_for, open_ledger, orders_item
 from object_buckets import delta_destination, object_destination
 
 from export_ledger.destinations import (
@@ -32,7 +32,7 @@ from export_ledger.destinations import (
 from export_ledger.destinations.base import place_of_location
 from export_ledger.destinations.table import SqlTableDestination
 from export_ledger.frames import MANIFEST_NAME, Manifest
-from export_ledger.ledger import ExportLedger, ExportRecord
+from export_ledger.ledger import ExportRecord
 from export_ledger.protocol import export_key
 
 KEY = key_for()
@@ -281,7 +281,7 @@ def test_a_ledger_table_holds_no_pointer_of_its_own_and_hands_its_rows_back_as_c
     """The transactional kind answers the same questions: nothing to fence outside the ledger (its transaction fences
     it), rows read back as CSV whatever the export's format, and its dataset is its table in the ledger's database."""
     url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
-    ExportLedger(url)  # the ledger's database, where the table lives
+    open_ledger(url)  # the ledger's database, where the table lives
     table = SqlTableDestination(url, "exported_{export}")
 
     opened = table.open(target(), 1, logical_key=LOGICAL_KEY, superseded=0)
@@ -307,7 +307,7 @@ ORDERS_DAY_KEY = key_for(ORDERS_DAY, export="orders")
 def exported_to(request, tmp_path, clock):
     """A ledger and a destination of each kind, built as a user builds them."""
     url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
-    book = ExportLedger(url, clock=clock, lease_ttl=dt.timedelta(minutes=15))
+    book = open_ledger(url, clock=clock, lease_ttl=dt.timedelta(minutes=15))
     kind = request.param
     if kind == "local":
         built = LocalDestination(str(tmp_path / "exports"))

@@ -24,6 +24,7 @@ from builders import drift_source as _source
 from builders import drift_spec as _spec
 from builders import late_deleted_and_updated as _late_deleted_and_updated
 from builders import ledger_at as _ledger_at
+from builders import open_ledger
 from pipeline_helpers import tick
 
 from export_ledger.dagster import ledgered_definitions
@@ -127,7 +128,7 @@ def test_a_changed_source_makes_its_key_stale_with_counts_until_the_source_is_re
     assert defs.get_sensor_def("drift_sensor").default_status == dg.DefaultSensorStatus.STOPPED
     with dg.instance_for_test() as instance:
         _export(defs, instance)
-        ledger = ExportLedger(environ["EXPORTS_LEDGER_URL"])
+        ledger = open_ledger(environ["EXPORTS_LEDGER_URL"])
         (record,) = ledger.queries.records()
         stored = ledger.drift.fingerprints([record.logical_key])[record.logical_key]
         assert parse(stored).rows == 5 and parse(stored).versions is not None, "fingerprint stored at completion"
@@ -259,7 +260,7 @@ def test_a_v3_ledger_reads_unchanged_refuses_writes_and_upgrades_explicitly_keep
         ExportLedger(ledger_url)
     assert schema_version(sa.create_engine(ledger_url)) == 3, "opening to write never upgrades on its own"
     assert upgrade_url(ledger_url) == [4, 5, 6, 7, 8, 9], "the explicit upgrade runs each revision from 3 on"
-    writer = ExportLedger(ledger_url)
+    writer = open_ledger(ledger_url)
     assert schema_version(sa.create_engine(ledger_url)) == SCHEMA_VERSION == 9
     after = [(r.logical_key, r.state.value, r.row_count, r.sha256, r.fencing_token) for r in writer.queries.records()]
     assert after == before
@@ -278,7 +279,7 @@ def test_each_stale_key_fails_source_unchanged_on_its_own_tenants_asset(tmp_path
     from export_ledger.protocol import ExportItem, export_key
 
     spec = _spec(tmp_path / "shop.sqlite3", tenants={"acme": None, "kolkata": "Asia/Kolkata"})
-    ledger = ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    ledger = open_ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
     kolkata = spec.group_of("kolkata")
     window = spec.calendar_for("kolkata").window(_day().isoformat())
     frame = pd.DataFrame(
@@ -305,7 +306,7 @@ def test_pruning_a_stale_key_closes_its_drift_record(tmp_path) -> None:
     from export_ledger.protocol import ExportItem, export_key
 
     spec = _spec(tmp_path / "shop.sqlite3")
-    ledger = ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    ledger = open_ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
     window = spec.calendar.window("2026-03-10")
     frame = pd.DataFrame(
         {"order_id": ["o1"], "tenant": ["acme"], "placed_at": [pd.Timestamp(window.start_utc)], "total": [1.0]}
@@ -332,7 +333,7 @@ def test_drift_reads_a_ledger_table_export_back_to_count_the_changes(tmp_path) -
     environ = _environ(tmp_path)
     with dg.instance_for_test() as instance:
         _export(ledgered_definitions([spec], environ=environ), instance)
-    ledger = ExportLedger(environ["EXPORTS_LEDGER_URL"])
+    ledger = open_ledger(environ["EXPORTS_LEDGER_URL"])
     table = destination_from(spec.destination, ledger_url=ledger.url, what="test")
     with sa.create_engine(ledger.url).begin() as conn:
         conn.execute(sa.text("UPDATE export_runs SET source_fingerprint = NULL"))  # force the comparison

@@ -40,6 +40,7 @@ import pytest
 import requests
 import sqlalchemy as sa
 import yaml
+from builders import open_ledger
 from sqlalchemy.engine import make_url
 
 from export_ledger.ledger import ExportLedger, ExportRecord, dispose_engines
@@ -213,7 +214,7 @@ class Stack:
         return body["data"]
 
     def ledger(self) -> ExportLedger:
-        return ExportLedger(self.ledger_url)
+        return open_ledger(self.ledger_url)
 
     def launch_partition(
         self,

@@ -18,6 +18,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import sqlalchemy as sa
+from builders import open_ledger
 from pipeline_helpers import failure_message, ledger_at, make_defs, run_partition
 
 from export_ledger import cli
@@ -289,7 +290,7 @@ def test_an_acceptance_waits_for_the_claims_in_flight_and_never_recuts_a_day_the
     meanwhile would cut that day a second time. The claim holds the export's acceptance lock shared until it
     commits; the acceptance waits, then sees the day and refuses. The window is held open on PostgreSQL by a
     connection that keeps export_runs from being written."""
-    ledger = ExportLedger(postgres_url, clock=clock)
+    ledger = open_ledger(postgres_url, clock=clock)
     new_york = ExportCalendar("America/New_York", "2026-01-01").contract()
     ledger.claims.claim(_key(8), "run-0/x", contract=new_york)  # the contract in force: New York
     moved = ExportCalendar("Europe/Dublin", "2026-01-01", (ZoneMove("2026-03-09", "America/New_York"),)).contract()

@@ -30,12 +30,13 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from builders import open_ledger
 from harness.forkserver import ForkServer
 from harness.protocol import AttemptSpec, survey, violations
 
 from assets.invoices import EXPORT_NAME
 from export_ledger.destinations import ExportTarget
-from export_ledger.ledger import ExportLedger, dispose_engines
+from export_ledger.ledger import dispose_engines
 from export_ledger.ledger.schema import AttemptOutcome, ExportState
 
 pytest_plugins = ["harness.fixtures"]  # the shared fork server (fixture fork_server)
@@ -72,7 +73,7 @@ class RaceHarness:
         self.destination = {"kind": "local", "root": str(workdir / "exports")}
         for folder in ("results", "logs"):
             (workdir / folder).mkdir()
-        self.ledger = ExportLedger(ledger_url)
+        self.ledger = open_ledger(ledger_url)
         self.rounds = 0
         self.tally: Counter = Counter()
         self.problems: list[str] = []

@@ -39,6 +39,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 import sqlalchemy as sa
+from builders import open_ledger
 from harness.forkserver import ForkServer
 from harness.protocol import AttemptSpec, logical_key, run_attempt, survey, violations
 from pipeline_helpers import make_defs, read_export, run_partition
@@ -46,7 +47,7 @@ from pipeline_helpers import make_defs, read_export, run_partition
 from assets.invoices import EXPORT_NAME
 from definitions import build_definitions
 from export_ledger.destinations import ExportTarget
-from export_ledger.ledger import ExportLedger, dispose_engines
+from export_ledger.ledger import dispose_engines
 from export_ledger.ledger.schema import AttemptOutcome, ExportState
 
 pytest_plugins = ["harness.fixtures"]  # the shared fork server (fixture fork_server)
@@ -87,7 +88,7 @@ class FencingHarness:
             )
         for folder in ("results", "logs", "tmp"):
             (workdir / folder).mkdir(exist_ok=True)
-        self.ledger = ExportLedger(ledger_url)
+        self.ledger = open_ledger(ledger_url)
         server.prepare(self.destination, ledger_url)
         self.scenarios = 0
         self.tally: Counter = Counter()
@@ -492,7 +493,7 @@ def test_a_dagster_process_paused_past_its_lease_is_fenced_end_to_end(tmp_path):
     assert visible is not None, f"readers see the takeover's export: {found.partial}"
     manifest, frame = read_export(tmp_path / "exports" / visible.where)
     assert len(frame) == 92, "the takeover's export (15-minute cadence, a 23-hour day), not the stalled one's (30)"
-    ledger = ExportLedger(ledger_url)
+    ledger = open_ledger(ledger_url)
     record = ledger.queries.get(key)
     assert record.state is ExportState.COMPLETED and record.committed_attempt == manifest.attempt_id
     assert [a.outcome for a in ledger.queries.attempts(record.logical_key)] == [

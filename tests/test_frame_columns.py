@@ -13,13 +13,13 @@ import dagster as dg
 import numpy as np
 import pandas as pd
 import pytest
+from builders import open_ledger
 from pipeline_helpers import failure_message, published_dirs
 
 from export_ledger import ConfigurationError, ExportSpec, FrameError
 from export_ledger.calendar import window_for
 from export_ledger.dagster import ledgered_definitions
 from export_ledger.frames import ExportSchema, FrameBatches, validate_batches, validate_frame, write_rows
-from export_ledger.ledger import ExportLedger
 from export_ledger.ledger.schema import ExportState
 
 WINDOW = window_for(dt.date(2026, 3, 8), "America/New_York")
@@ -273,5 +273,5 @@ def test_an_assets_own_frame_with_a_repeated_column_is_refused_naming_it(tmp_pat
     assert f"orders (rows of the asset's frame): the frame has more than one column named '{repeated}'" in text, text
     assert "TypeError" not in text and "AttributeError" not in text, "the problem is named, not a Python error"
     assert published_dirs(tmp_path / "orders") == [], "nothing is published"
-    records = ExportLedger(ledger_url).queries.records()
+    records = open_ledger(ledger_url).queries.records()
     assert all(r.state is not ExportState.COMPLETED for r in records), "no completed record"

@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 from builders import ORDERS_SCHEMA as SCHEMA
 from builders import hourly_orders as orders  # hourly in each key's window
-from builders import key_for
+from builders import key_for, open_ledger
 from pipeline_helpers import places, published_dirs
 
 from export_ledger.destinations import LocalDestination, local
 from export_ledger.destinations.publishing import POINTER_NAME
 from export_ledger.failpoints import ENV_VAR as FAILPOINTS
 from export_ledger.failpoints import SimulatedCrash
-from export_ledger.ledger import ExportLedger, FencedOut
+from export_ledger.ledger import FencedOut
 from export_ledger.ledger.completions import Completions
 from export_ledger.ledger.schema import ExportState
 from export_ledger.protocol import ExportBatch, ExportBatchFailed, ExportItem, export_batch, export_key
@@ -39,11 +39,6 @@ def keys_of(count: int) -> list:
 
 def batch_of(keys) -> ExportBatch:
     return ExportBatch(SCHEMA, [ExportItem(key, key.window.business_date.isoformat(), orders(key)) for key in keys])
-
-
-@pytest.fixture
-def clocked(clock, sqlite_url) -> ExportLedger:
-    return ExportLedger(sqlite_url, clock=clock, lease_ttl=dt.timedelta(minutes=15))
 
 
 @pytest.fixture
@@ -80,16 +75,16 @@ def events(monkeypatch) -> list[str]:
 
 @pytest.mark.parametrize("size", [5, 20])
 def test_a_group_pays_two_syncs_whatever_its_size_where_one_key_pays_several_fsyncs(
-    tmp_path: Path, clocked, events, size
+    tmp_path: Path, ledger, events, size
 ) -> None:
     destination = LocalDestination(str(tmp_path / "exports"))
     alone = key_for(DAY, tenant="alone")
-    export_key(clocked, destination, SCHEMA, ExportItem(alone, "p", orders(alone)), "run-0/export")
+    export_key(ledger, destination, SCHEMA, ExportItem(alone, "p", orders(alone)), "run-0/export")
     per_key = events.count("fsync")
     assert per_key >= 4 and "syncfs" not in events, f"a single key keeps its own fsyncs ({events})"
 
     events.clear()
-    results = export_batch(clocked, destination, batch_of(keys_of(size)), "run-1/export", group_size=size)
+    results = export_batch(ledger, destination, batch_of(keys_of(size)), "run-1/export", group_size=size)
     assert [r.status for r in results] == ["exported"] * size
     assert events.count("syncfs") == 2, f"one sync before the pointers move, one before the ledger commit: {events}"
     assert events.count("fsync") == 0, f"no fsync of its own for any key of the group: {events}"
@@ -97,10 +92,10 @@ def test_a_group_pays_two_syncs_whatever_its_size_where_one_key_pays_several_fsy
 
 
 def test_no_pointer_moves_before_the_data_is_synced_and_nothing_is_recorded_before_the_moves_are(
-    tmp_path: Path, clocked, events
+    tmp_path: Path, ledger, events
 ) -> None:
     destination = LocalDestination(str(tmp_path / "exports"))
-    export_batch(clocked, destination, batch_of(keys_of(4)), "run-1/export")
+    export_batch(ledger, destination, batch_of(keys_of(4)), "run-1/export")
     moves = [i for i, event in enumerate(events) if event == "rename-pointer"]
     syncs = [i for i, event in enumerate(events) if event == "syncfs"]
     commit = events.index("commit")
@@ -112,13 +107,13 @@ def test_no_pointer_moves_before_the_data_is_synced_and_nothing_is_recorded_befo
 
 
 def test_without_syncfs_each_deferred_path_is_fsynced_and_the_fallback_is_logged(
-    tmp_path: Path, clocked, events, monkeypatch, caplog
+    tmp_path: Path, ledger, events, monkeypatch, caplog
 ) -> None:
     monkeypatch.setattr(local, "_syncfs", lambda folder: events.append("syncfs-missing") or False)
     monkeypatch.setattr(local, "_syncfs_missing_logged", False)
     destination = LocalDestination(str(tmp_path / "exports"))
     with caplog.at_level(logging.WARNING, logger="export_ledger"):
-        results = export_batch(clocked, destination, batch_of(keys_of(3)), "run-1/export")
+        results = export_batch(ledger, destination, batch_of(keys_of(3)), "run-1/export")
     assert [r.status for r in results] == ["exported"] * 3
     assert "syncfs is not available" in caplog.text, "the fallback is said, never silent"
     first, second = (i for i, event in enumerate(events) if event == "syncfs-missing")
@@ -128,46 +123,46 @@ def test_without_syncfs_each_deferred_path_is_fsynced_and_the_fallback_is_logged
 
 @pytest.mark.parametrize("point", ["before_group_sync", "after_group_sync"])
 def test_a_crash_between_publish_and_commit_leaves_the_keys_unrecorded_and_the_next_run_repairs_them(
-    tmp_path: Path, clocked, clock, monkeypatch, point
+    tmp_path: Path, ledger, clock, monkeypatch, point
 ) -> None:
     destination = LocalDestination(str(tmp_path / "exports"))
     keys = keys_of(3)
     monkeypatch.setenv(FAILPOINTS, f"{point}=crash")
     with pytest.raises(SimulatedCrash):
-        export_batch(clocked, destination, batch_of(keys), "run-1/export")
+        export_batch(ledger, destination, batch_of(keys), "run-1/export")
     monkeypatch.delenv(FAILPOINTS)
     assert len(published_dirs(tmp_path / "exports")) == 3, "every key of the group is published"
-    assert [clocked.queries.get(str(k)).state for k in keys] == [ExportState.IN_PROGRESS] * 3, "and none recorded"
+    assert [ledger.queries.get(str(k)).state for k in keys] == [ExportState.IN_PROGRESS] * 3, "and none recorded"
 
     clock.advance(minutes=16)
-    results = export_batch(clocked, destination, batch_of(keys), "run-2/export")
+    results = export_batch(ledger, destination, batch_of(keys), "run-2/export")
     assert [r.status for r in results] == ["repaired"] * 3
     assert len(places(tmp_path / "exports")) == 3, "recorded from their manifests: no second copy"
-    assert {clocked.queries.get(str(k)).committed_attempt for k in keys} == {"run-1/export"}
+    assert {ledger.queries.get(str(k)).committed_attempt for k in keys} == {"run-1/export"}
 
 
-def test_a_repair_makes_what_it_records_durable_first(tmp_path: Path, clocked, clock, monkeypatch) -> None:
+def test_a_repair_makes_what_it_records_durable_first(tmp_path: Path, ledger, clock, monkeypatch) -> None:
     """A group killed before its second sync leaves pointers that may not be durable yet: the attempt that records
     them (here a single key's, outside any group) fsyncs the pointer and the place it names before recording."""
     destination = LocalDestination(str(tmp_path / "exports"))
     keys = keys_of(2)
     monkeypatch.setenv(FAILPOINTS, "before_group_sync=crash")
     with pytest.raises(SimulatedCrash):
-        export_batch(clocked, destination, batch_of(keys), "run-1/export")
+        export_batch(ledger, destination, batch_of(keys), "run-1/export")
     monkeypatch.delenv(FAILPOINTS)
     synced: list[str] = []
     real = local._fsync_now
     monkeypatch.setattr(local, "_fsync_now", lambda path: synced.append(Path(path).name) or real(path))
 
     clock.advance(minutes=16)
-    result = export_key(clocked, destination, SCHEMA, ExportItem(keys[0], "p", orders(keys[0])), "run-2/export")
+    result = export_key(ledger, destination, SCHEMA, ExportItem(keys[0], "p", orders(keys[0])), "run-2/export")
     assert result.status == "repaired"
     assert POINTER_NAME in synced and "_manifest.json" in synced, f"settled before it was recorded: {synced}"
 
 
 @pytest.mark.parametrize(("failing", "state"), [(1, ExportState.FAILED), (2, ExportState.REMOTE_UNKNOWN)])
 def test_a_failed_sync_fails_a_staged_group_and_leaves_a_published_one_to_reconciliation(
-    tmp_path: Path, clocked, monkeypatch, failing, state
+    tmp_path: Path, ledger, monkeypatch, failing, state
 ) -> None:
     """The first sync failing: nothing is visible yet, so the keys are ``failed`` (safe to retry) and no pointer
     exists. The second failing: the pointers moved but may not survive a power cut, so the keys are
@@ -184,8 +179,8 @@ def test_a_failed_sync_fails_a_staged_group_and_leaves_a_published_one_to_reconc
     destination = LocalDestination(str(tmp_path / "exports"))
     keys = keys_of(3)
     with pytest.raises(ExportBatchFailed, match="3 of 3"):
-        export_batch(clocked, destination, batch_of(keys), "run-1/export")
-    assert [clocked.queries.get(str(k)).state for k in keys] == [state] * 3
+        export_batch(ledger, destination, batch_of(keys), "run-1/export")
+    assert [ledger.queries.get(str(k)).state for k in keys] == [state] * 3
     assert len(published_dirs(tmp_path / "exports")) == (0 if failing == 1 else 3)
 
 
@@ -196,8 +191,8 @@ def test_a_key_taken_over_before_its_group_renews_is_reported_lost_and_every_oth
     source was read) made the loop raise a bare KeyError on reaching it: the key staged before it was never
     published, and the keys after it (and the next group) were never attempted."""
     lease = dt.timedelta(seconds=3)  # the group renews after half of it, on this process's monotonic clock
-    ledger = ExportLedger(ledger_url, clock=clock, lease_ttl=lease)
-    rival = ExportLedger(ledger_url, clock=clock, lease_ttl=lease)
+    ledger = open_ledger(ledger_url, clock=clock, lease_ttl=lease)
+    rival = open_ledger(ledger_url, clock=clock, lease_ttl=lease)
     keys = keys_of(6)  # two groups: t00..t03, then t04..t05
     taken = keys[2]
 
@@ -236,7 +231,7 @@ def test_a_key_taken_over_before_its_group_renews_is_reported_lost_and_every_oth
 # -- reconciliation: a batch of fences, one sync --------------------------------------------------------------------
 
 
-def _stuck_pair(clocked, clock, destination, monkeypatch) -> tuple[list, list]:
+def _stuck_pair(ledger, clock, destination, monkeypatch) -> tuple[list, list]:
     """Two keys published and never recorded (their party died after the pointer moved), two never published (died
     after the claim); every lease has ended."""
     published, absent = keys_of(4)[:2], keys_of(4)[2:]
@@ -244,7 +239,7 @@ def _stuck_pair(clocked, clock, destination, monkeypatch) -> tuple[list, list]:
         monkeypatch.setenv(FAILPOINTS, f"{point}=crash")
         for key in keys:
             with pytest.raises(SimulatedCrash):
-                export_key(clocked, destination, SCHEMA, ExportItem(key, "p", orders(key)), f"run-{key.tenant}/x")
+                export_key(ledger, destination, SCHEMA, ExportItem(key, "p", orders(key)), f"run-{key.tenant}/x")
     monkeypatch.delenv(FAILPOINTS)
     clock.advance(minutes=16)
     return published, absent
@@ -263,7 +258,7 @@ def _record_finishes(events: list[str], monkeypatch) -> None:
 
 
 def test_reconciliation_fences_a_batch_with_one_sync_before_it_records_any_verdict(
-    tmp_path: Path, clocked, clock, monkeypatch, events
+    tmp_path: Path, ledger, clock, monkeypatch, events
 ) -> None:
     """Each fence (a pointer rewritten with the reconciler's token) used to be made durable on its own: the pointer's
     bytes, the folder and the repaired key's settled place fsynced key by key. A batch now pays two ``syncfs``: one
@@ -272,12 +267,12 @@ def test_reconciliation_fences_a_batch_with_one_sync_before_it_records_any_verdi
     the deferral there is no syncfs at all; with the sync after the record, "record" comes first; without the
     prepared fences each pointer's bytes are fsynced on their own (4 fsyncs)."""
     destination = LocalDestination(str(tmp_path / "exports"))
-    published, absent = _stuck_pair(clocked, clock, destination, monkeypatch)
+    published, absent = _stuck_pair(ledger, clock, destination, monkeypatch)
     _record_finishes(events, monkeypatch)
-    report = reconcile_batch(clocked, destination, limit=10, after=None, reconciler="test")
+    report = reconcile_batch(ledger, destination, limit=10, after=None, reconciler="test")
 
-    assert [clocked.queries.get(str(k)).state for k in published] == [ExportState.COMPLETED] * 2
-    assert [clocked.queries.get(str(k)).state for k in absent] == [ExportState.FAILED] * 2
+    assert [ledger.queries.get(str(k)).state for k in published] == [ExportState.COMPLETED] * 2
+    assert [ledger.queries.get(str(k)).state for k in absent] == [ExportState.FAILED] * 2
     assert len(report.resolved) == 4
     assert events.count("syncfs") == 2, f"two syncs for the batch: {events}"
     assert events.count("rename-pointer") == 4, f"every key fenced: {events}"
@@ -289,35 +284,35 @@ def test_reconciliation_fences_a_batch_with_one_sync_before_it_records_any_verdi
 
 
 def test_a_failed_sync_leaves_every_key_of_the_batch_unknown_and_records_no_verdict_behind_its_fences(
-    tmp_path: Path, clocked, clock, monkeypatch
+    tmp_path: Path, ledger, clock, monkeypatch
 ) -> None:
     """The fences were written but may not survive a power cut: a verdict recorded behind one (``failed``, then a
     rerun) could let the crashed party's late commit become visible. Every key stays ``remote_unknown``, keeping
     when it got stuck, and says why. Guard: without the downgrade, two keys are recorded completed, two failed."""
     destination = LocalDestination(str(tmp_path / "exports"))
-    published, absent = _stuck_pair(clocked, clock, destination, monkeypatch)
+    published, absent = _stuck_pair(ledger, clock, destination, monkeypatch)
 
     def syncfs(folder):
         raise OSError(5, "Input/output error")
 
     monkeypatch.setattr(local, "_syncfs", syncfs)
-    report = reconcile_batch(clocked, destination, limit=10, after=None, reconciler="test")
+    report = reconcile_batch(ledger, destination, limit=10, after=None, reconciler="test")
 
-    assert [clocked.queries.get(str(k)).state for k in [*published, *absent]] == [ExportState.REMOTE_UNKNOWN] * 4
+    assert [ledger.queries.get(str(k)).state for k in [*published, *absent]] == [ExportState.REMOTE_UNKNOWN] * 4
     assert len(report.unreachable) == 4 and not report.resolved
     details = [f.detail for f in report.unreachable]
     assert all("could not be made durable" in d and "Input/output error" in d for d in details), details
 
 
 def test_a_failed_sync_of_the_prepared_fences_renames_no_pointer_from_them(
-    tmp_path: Path, clocked, clock, monkeypatch, events
+    tmp_path: Path, ledger, clock, monkeypatch, events
 ) -> None:
     """The first sync (the fences' prepared bytes) fails and the second would succeed: no pointer is renamed from
     bytes that may not survive a power cut (Linux reports a writeback error once, so a later sync may say nothing),
     and every key stays ``remote_unknown``, saying why. Guard: renaming the prepared bytes anyway records two keys
     completed and two failed behind fences that were never durable."""
     destination = LocalDestination(str(tmp_path / "exports"))
-    published, absent = _stuck_pair(clocked, clock, destination, monkeypatch)
+    published, absent = _stuck_pair(ledger, clock, destination, monkeypatch)
     real, calls = local._syncfs, []
 
     def first_fails(folder):
@@ -328,17 +323,17 @@ def test_a_failed_sync_of_the_prepared_fences_renames_no_pointer_from_them(
 
     monkeypatch.setattr(local, "_syncfs", first_fails)
     _record_finishes(events, monkeypatch)
-    report = reconcile_batch(clocked, destination, limit=10, after=None, reconciler="test")
+    report = reconcile_batch(ledger, destination, limit=10, after=None, reconciler="test")
 
     assert "rename-pointer" not in events, events
-    assert [clocked.queries.get(str(k)).state for k in [*published, *absent]] == [ExportState.REMOTE_UNKNOWN] * 4
+    assert [ledger.queries.get(str(k)).state for k in [*published, *absent]] == [ExportState.REMOTE_UNKNOWN] * 4
     assert len(report.unreachable) == 4 and not report.resolved
     assert all("Input/output error" in f.detail for f in report.unreachable), report.unreachable
     leftovers = [p for p in (tmp_path / "exports").rglob("*") if p.name.startswith(".")]
     assert not [p for p in leftovers if p.is_file() and "lock" not in str(p)], f"prepared bytes left: {leftovers}"
 
 
-def test_a_destination_that_fences_its_own_way_is_reconciled_as_before(tmp_path: Path, clocked, clock, monkeypatch):
+def test_a_destination_that_fences_its_own_way_is_reconciled_as_before(tmp_path: Path, ledger, clock, monkeypatch):
     """A subclass written before fences were prepared overrides ``fence(target, token, *, logical_key)``: nothing is
     prepared for it and its fence is called as it was declared. Guard: passing it ``read`` is a TypeError, which
     leaves all four keys unreachable at every tick."""
@@ -348,16 +343,16 @@ def test_a_destination_that_fences_its_own_way_is_reconciled_as_before(tmp_path:
             return super().fence(target, token, logical_key=logical_key)
 
     destination = OwnFence(str(tmp_path / "exports"))
-    published, absent = _stuck_pair(clocked, clock, destination, monkeypatch)
+    published, absent = _stuck_pair(ledger, clock, destination, monkeypatch)
 
-    report = reconcile_batch(clocked, destination, limit=10, after=None, reconciler="test")
+    report = reconcile_batch(ledger, destination, limit=10, after=None, reconciler="test")
 
     assert len(report.resolved) == 4 and not report.unreachable, report.unreachable
-    assert [clocked.queries.get(str(k)).state for k in published] == [ExportState.COMPLETED] * 2
+    assert [ledger.queries.get(str(k)).state for k in published] == [ExportState.COMPLETED] * 2
 
 
 def test_a_batch_whose_export_folder_is_on_another_filesystem_syncs_that_filesystem_too(
-    tmp_path: Path, clocked, clock, monkeypatch
+    tmp_path: Path, ledger, clock, monkeypatch
 ) -> None:
     """The export's folder under the root is a symlink to another disk (here /dev/shm): the one ``syncfs`` of the
     root's filesystem never reaches the fences written there. Guard: one ``syncfs`` per filesystem of the deferred
@@ -370,12 +365,12 @@ def test_a_batch_whose_export_folder_is_on_another_filesystem_syncs_that_filesys
         (tmp_path / "exports").mkdir()
         (tmp_path / "exports" / "invoice_export").symlink_to(elsewhere, target_is_directory=True)
         destination = LocalDestination(str(tmp_path / "exports"))
-        _stuck_pair(clocked, clock, destination, monkeypatch)
+        _stuck_pair(ledger, clock, destination, monkeypatch)
         synced: list[int] = []
         real = local._syncfs
         monkeypatch.setattr(local, "_syncfs", lambda folder: synced.append(os.stat(folder).st_dev) or real(folder))
 
-        report = reconcile_batch(clocked, destination, limit=10, after=None, reconciler="test")
+        report = reconcile_batch(ledger, destination, limit=10, after=None, reconciler="test")
 
         assert len(report.resolved) == 4
         assert elsewhere.stat().st_dev in synced, f"the other disk's fences were synced: {synced}"
@@ -386,17 +381,17 @@ def test_a_batch_whose_export_folder_is_on_another_filesystem_syncs_that_filesys
 
 
 def test_reconciliation_inside_a_callers_deferral_syncs_it_before_recording(
-    tmp_path: Path, clocked, clock, monkeypatch, events
+    tmp_path: Path, ledger, clock, monkeypatch, events
 ) -> None:
     """A caller that already holds the destination's deferral in this thread (a group that reconciles): the batch
     cannot open its own, so it works in the caller's and syncs it before the ledger records a verdict."""
     destination = LocalDestination(str(tmp_path / "exports"))
-    published, absent = _stuck_pair(clocked, clock, destination, monkeypatch)
+    published, absent = _stuck_pair(ledger, clock, destination, monkeypatch)
     _record_finishes(events, monkeypatch)
     with destination.deferred():
-        report = reconcile_batch(clocked, destination, limit=10, after=None, reconciler="test")
+        report = reconcile_batch(ledger, destination, limit=10, after=None, reconciler="test")
     assert len(report.resolved) == 4
-    assert [clocked.queries.get(str(k)).state for k in published] == [ExportState.COMPLETED] * 2
+    assert [ledger.queries.get(str(k)).state for k in published] == [ExportState.COMPLETED] * 2
     assert events.count("syncfs") == 2, events
     assert max(i for i, e in enumerate(events) if e == "syncfs") < events.index("record"), events
 

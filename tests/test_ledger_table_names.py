@@ -11,13 +11,14 @@ import dagster as dg
 import pandas as pd
 import pytest
 import sqlalchemy as sa
+from builders import open_ledger
 
 from export_ledger import ConfigurationError, ExportSpec
 from export_ledger.dagster import ledgered_definitions
 from export_ledger.destinations import DestinationError
 from export_ledger.destinations.table import SqlTableDestination
 from export_ledger.keys import LogicalKey
-from export_ledger.ledger import ExportLedger, dispose_engines
+from export_ledger.ledger import dispose_engines
 from export_ledger.ledger.schema import ExportState
 from export_ledger.protocol import ExportBatch, ExportItem, export_batch
 
@@ -121,7 +122,7 @@ def test_the_longest_export_name_that_fits_exports_into_its_ledger_table(ledger_
         partition_key=PARTITION, instance=dg.DagsterInstance.ephemeral(), raise_on_error=False
     )
     assert result.success, [e.step_failure_data.error.message for e in result.all_events if e.is_step_failure]
-    (record,) = ExportLedger(ledger_url).queries.records()
+    (record,) = open_ledger(ledger_url).queries.records()
     assert record.state is ExportState.COMPLETED and record.row_count == 23
     assert _tables(ledger_url) == [f"exported_{LONGEST}", f"exported_{LONGEST}_manifests"]
 
@@ -130,7 +131,7 @@ def test_the_destination_refuses_a_table_name_too_long_before_writing_anything(l
     destination = SqlTableDestination(url=ledger_url, table="exported_{export}")
     spec = _spec(TOO_LONG)
     key = LogicalKey(TOO_LONG, "acme", spec.calendar.window(PARTITION))
-    ledger = ExportLedger(ledger_url)
+    ledger = open_ledger(ledger_url)
     frame = _orders("acme", key.window.start_utc, key.window.end_utc)
 
     with pytest.raises(DestinationError, match="over the limit of 63 bytes"):  # a key's own refusal, as it is

@@ -16,6 +16,7 @@ import dagster as dg
 import pandas as pd
 import pytest
 import sqlalchemy as sa
+from builders import open_ledger
 from builders import v1_ledger as _v1_ledger
 from pipeline_helpers import current_data_file
 
@@ -115,7 +116,7 @@ def test_two_declared_exports_share_one_ledger_and_sensor_and_get_their_own_asse
                 partition_key="2026-03-08", instance=instance
             )
             assert result.success
-    ledger = ExportLedger(environ["EXPORTS_LEDGER_URL"])
+    ledger = open_ledger(environ["EXPORTS_LEDGER_URL"])
     assert ledger.queries.exports() == ["orders", "payments"]
     orders = ledger.queries.records(export="orders")
     assert [(r.tenant, r.state.value, r.row_count) for r in orders] == [
@@ -181,7 +182,7 @@ def test_an_asset_of_ones_own_is_exported_through_the_ledgered_io_manager(tmp_pa
         assert (
             defs.resolve_job_def("usage_job").execute_in_process(partition_key="2026-03-08", instance=instance).success
         )
-    records = ExportLedger(environ["EXPORTS_LEDGER_URL"]).queries.records(export="usage")
+    records = open_ledger(environ["EXPORTS_LEDGER_URL"]).queries.records(export="usage")
     assert [(r.tenant, r.state.value, r.row_count) for r in records] == [
         ("acme", "completed", 23),
         ("globex", "completed", 23),
@@ -241,7 +242,7 @@ def test_a_ledger_made_by_the_old_schema_reads_unchanged_refuses_writes_until_up
     dispose_engines()
 
     assert upgrade_url(ledger_url), "the explicit upgrade has steps to run on a version 1 ledger"
-    writer = ExportLedger(ledger_url)
+    writer = open_ledger(ledger_url)
     assert schema_version(sa.create_engine(ledger_url)) == SCHEMA_VERSION
     assert [(r.logical_key, r.state.value, r.row_count, r.fencing_token) for r in writer.queries.records()] == before
     attempts = writer.queries.attempts("invoice_export/acme/2026-03-08T05:00:00Z")
@@ -339,7 +340,7 @@ def test_every_transition_is_declared_once_and_refuses_a_state_it_does_not_start
 
     names = [(t.name, t.from_states, t.to_state) for t in T.TRANSITIONS]
     assert len(set(names)) == len(names), "one declaration per transition"
-    ledger = ExportLedger(sqlite_url, clock=clock)
+    ledger = open_ledger(sqlite_url, clock=clock)
     claim = ledger.claims.claim(key_for_library(), "run-1/orders")
     with ledger.atomic() as conn, pytest.raises(InvalidTransition, match="does not start from"):
         T.apply(conn, T.FAIL, claim.logical_key, token=1, owner="run-1/orders", values={}, states=(T.S.COMPLETED,))
@@ -385,7 +386,7 @@ def test_an_export_declared_to_stream_reads_its_sql_source_in_batches_through_da
     assert all(r.success for r in results.values())
     (event,) = results["orders_job"].get_asset_materialization_events()
     assert event.materialization.metadata["streamed_keys"].value == 1, "the key was read while it was exported"
-    ledger = ExportLedger(environ["EXPORTS_LEDGER_URL"])
+    ledger = open_ledger(environ["EXPORTS_LEDGER_URL"])
     (a,), (b,) = ledger.queries.records(export="orders"), ledger.queries.records(export="orders_whole")
     assert a.row_count == b.row_count == 250
     assert a.sha256 == b.sha256, "streamed in batches of 40 rows, the file is the whole frame's, byte for byte"

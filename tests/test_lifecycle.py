@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 
 import pytest
+from builders import open_ledger
 from pipeline_helpers import failure_message, make_defs, published_dirs, run_partition
 
 from export_ledger import cli
@@ -38,7 +39,7 @@ TO_JAN_5 = 74
 def aged_ledger(ledger_url, clock):
     """Globex's keys completed on 2026-01-01..2026-01-10; acme's from 2026-01-02 on, its first one failed. Seen
     from 2026-03-20, so that ``prune(TO_JAN_5)`` has its horizon on 2026-01-05."""
-    ledger = ExportLedger(ledger_url, clock=clock)
+    ledger = open_ledger(ledger_url, clock=clock)
     for offset in range(10):
         _complete(ledger, dt.date(2026, 1, 1) + dt.timedelta(days=offset), tenant="globex")
     _fail(ledger, dt.date(2026, 1, 2))
@@ -76,7 +77,7 @@ def test_a_first_claim_below_the_low_water_mark_is_refused_unless_overridden(age
     retry = aged_ledger.claims.claim(failed_key, "retry/invoice_export")
     assert retry.fencing_token == 2, "a key not completed stays open"
 
-    override = ExportLedger(ledger_url, clock=clock, allow_below_low_water=True)
+    override = open_ledger(ledger_url, clock=clock, allow_below_low_water=True)
     assert override.claims.claim(pruned_key, "operator/invoice_export").fencing_token == 1
 
 
@@ -85,7 +86,7 @@ def test_a_restatement_of_an_unknown_key_says_it_was_pruned_only_when_its_date_i
 ):
     """The refusal reads the key's date from its window start (the key does not name its zone): a Tokyo key on the
     mark date itself starts the day before in UTC. It must not be told its date was pruned (the review, issue 26)."""
-    ledger = ExportLedger(sqlite_url, clock=clock)
+    ledger = open_ledger(sqlite_url, clock=clock)
     for day in range(1, 7):
         key = LogicalKey("invoice_export", "acme", window_for(dt.date(2026, 1, day), "Asia/Tokyo"))
         claim = ledger.claims.claim(key, f"run-{day}/invoice_export")
@@ -116,7 +117,7 @@ def test_the_low_water_mark_never_moves_back(aged_ledger, clock):
 
 def test_prune_older_than_0_never_closes_tonights_key_that_was_never_exported(ledger_url, clock):
     # Defect: the mark went to today, and tonight's key for yesterday (no record yet) was refused as BelowLowWater.
-    ledger = ExportLedger(ledger_url, clock=clock)  # now: 2026-03-20 09:30 UTC, 05:30 in New York
+    ledger = open_ledger(ledger_url, clock=clock)  # now: 2026-03-20 09:30 UTC, 05:30 in New York
     ledger.contracts.check({("invoice_export", "acme"): ExportCalendar("America/New_York", "2026-03-01").contract()})
     for day in range(1, 19):  # 2026-03-01..18 exported; 2026-03-19 (last night's) not yet
         _complete(ledger, dt.date(2026, 3, day))
@@ -134,7 +135,7 @@ def test_prune_older_than_0_never_closes_tonights_key_that_was_never_exported(le
 
 
 def test_closing_dates_never_exported_is_explicit_and_recorded(ledger_url, clock):
-    ledger = ExportLedger(ledger_url, clock=clock)  # 2026-03-20: 13 days back is 2026-03-07
+    ledger = open_ledger(ledger_url, clock=clock)  # 2026-03-20: 13 days back is 2026-03-07
     ledger.contracts.check({("invoice_export", "acme"): ExportCalendar("America/New_York", "2026-03-01").contract()})
     _complete(ledger, dt.date(2026, 3, 1))
     (plan,) = ledger.retention.prune(
@@ -148,7 +149,7 @@ def test_closing_dates_never_exported_is_explicit_and_recorded(ledger_url, clock
 
 def test_a_date_one_tenant_never_exported_stops_the_mark_although_another_tenant_exported_it(ledger_url, clock):
     # Issue 18 (8): a date counted as keyed when any tenant had a key on it, so globex's 2026-03-03 was closed.
-    ledger = ExportLedger(ledger_url, clock=clock)  # 2026-03-20: 13 days back is 2026-03-07
+    ledger = open_ledger(ledger_url, clock=clock)  # 2026-03-20: 13 days back is 2026-03-07
     contract = ExportCalendar("America/New_York", "2026-03-01").contract()
     ledger.contracts.check({("invoice_export", tenant): contract for tenant in ("acme", "globex")})
     for day in (1, 2, 3, 4, 5):
@@ -166,7 +167,7 @@ def test_a_date_one_tenant_never_exported_stops_the_mark_although_another_tenant
 
 def test_the_prune_horizon_is_the_earliest_local_date_among_the_tenants_zones(ledger_url, clock):
     # Issue 18 (8): the horizon was a UTC date; 2026-03-20 09:30 UTC is still 2026-03-19 in Honolulu.
-    ledger = ExportLedger(ledger_url, clock=clock)
+    ledger = open_ledger(ledger_url, clock=clock)
     ledger.contracts.check(
         {
             ("invoice_export", "acme"): ExportCalendar("Asia/Tokyo", "2026-03-01").contract(),  # 18:30 on the 20th
@@ -180,7 +181,7 @@ def test_the_prune_horizon_is_the_earliest_local_date_among_the_tenants_zones(le
 
 
 def test_prune_from_the_cli_shows_the_plan_and_changes_nothing_without_yes(tmp_path, sqlite_url, clock, capsys):
-    ledger = ExportLedger(sqlite_url)
+    ledger = open_ledger(sqlite_url)
     _complete(ledger, dt.date(2020, 1, 1))
     assert cli.main(["--ledger-url", sqlite_url, "prune", "--older-than", "30"]) == 0
     out = capsys.readouterr().out
@@ -199,7 +200,7 @@ def test_prune_from_the_cli_shows_the_plan_and_changes_nothing_without_yes(tmp_p
 def test_a_materialization_under_a_changed_timezone_is_refused_until_accepted(tmp_path, instance, monkeypatch, capsys):
     new_york = make_defs(tmp_path)
     assert run_partition(new_york, instance, "2026-03-08").success
-    recorded = ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}").contracts.in_force("invoice_export", "acme")
+    recorded = open_ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}").contracts.in_force("invoice_export", "acme")
     assert calendar_of(recorded) == ExportCalendar("America/New_York", "2026-01-01").contract(), (
         "each tenant's contract is recorded at its first materialization"
     )
@@ -219,7 +220,7 @@ def test_a_materialization_under_a_changed_timezone_is_refused_until_accepted(tm
     # A zone changed without saying when cannot be accepted: it would put 2026-03-08, exported in New York, in Chicago
     # (a second key of that day, sharing its folder). The refusal names the move to declare.
     ledger_url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
-    ledger = ExportLedger(ledger_url)
+    ledger = open_ledger(ledger_url)
     undeclared = ExportCalendar("America/Chicago", "2026-01-01").contract()
     with pytest.raises(ContractChanged, match="2026-03-08 in America/New_York.*--move 2026-03-09:America/New_York"):
         ledger.contracts.accept("invoice_export", undeclared, "moved the business to Chicago", tenant="acme")
@@ -238,7 +239,7 @@ def test_a_materialization_under_a_changed_timezone_is_refused_until_accepted(tm
 
 
 def test_accept_contract_from_the_cli_records_the_code_contract_and_reason(sqlite_url, clock, monkeypatch, capsys):
-    ledger = ExportLedger(sqlite_url, clock=clock)
+    ledger = open_ledger(sqlite_url, clock=clock)
     code_contract = ExportCalendar("America/New_York", "2026-01-01").contract()
     first, second = (
         LogicalKey("invoice_export", "acme", window_for(dt.date(2026, 3, day), "America/New_York")) for day in (7, 8)

@@ -15,7 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from builders import evidence_for, key_for
+from builders import evidence_for, key_for, open_ledger
 from prometheus_client.parser import text_string_to_metric_families
 
 from export_ledger.ledger import ExportLedger
@@ -33,7 +33,7 @@ def free_port() -> int:
 def build_ledger(url: str) -> ExportLedger:
     """invoice_export: acme completed on two days, globex failed once, initech remote_unknown (recent: not escalated),
     hooli in conflict and umbrella failed three times (both escalated); orders_export: acme completed."""
-    ledger = ExportLedger(url)
+    ledger = open_ledger(url)
 
     def claim(tenant: str, day: dt.date = DAY, export: str = "invoice_export", run: str = "run-1"):
         return ledger.claims.claim(key_for(day, tenant=tenant, export=export), attempt_id=f"{run}/{tenant}")

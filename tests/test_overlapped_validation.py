@@ -11,13 +11,13 @@ import pytest
 import sqlalchemy as sa
 from builders import INVOICES_SCHEMA as INVOICES
 from builders import invoices_frame as invoices
+from builders import open_ledger
 from pipeline_helpers import places, published_dirs
 
 from export_ledger import stage
 from export_ledger.destinations import LocalDestination
 from export_ledger.errors import FrameError
 from export_ledger.keys import LogicalKey
-from export_ledger.ledger import ExportLedger
 from export_ledger.ledger.schema import ExportState, export_runs
 from export_ledger.protocol import ExportItem, export_key
 
@@ -26,7 +26,7 @@ KEY = LogicalKey("invoice_export", "acme", __import__("test_validation_speed_equ
 
 
 def _export(tmp_path, name: str, frame, file_format: str = "csv"):
-    ledger = ExportLedger(f"sqlite:///{tmp_path / f'{name}.sqlite3'}")
+    ledger = open_ledger(f"sqlite:///{tmp_path / f'{name}.sqlite3'}")
     destination = LocalDestination(tmp_path / name)
     item = ExportItem(KEY, KEY.window.business_date.isoformat(), frame)
     return ledger, destination, export_key(ledger, destination, INVOICES, item, "run-1/step", file_format=file_format)
@@ -64,7 +64,7 @@ def test_a_duplicate_id_found_while_the_file_is_written_leaves_nothing_staged_or
         _export(tmp_path, "dup", frame)
     assert len(written) == 1, "the place was written on the second thread"
     assert published_dirs(tmp_path / "dup") == [] and places(tmp_path / "dup") == [], "nothing staged or published"
-    ledger = ExportLedger(f"sqlite:///{tmp_path / 'dup.sqlite3'}")
+    ledger = open_ledger(f"sqlite:///{tmp_path / 'dup.sqlite3'}")
     (record,) = ledger.queries.records()
     assert record.state is ExportState.FAILED, "refused rows: failed, safe to retry"
 

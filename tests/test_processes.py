@@ -9,6 +9,7 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
+from builders import open_ledger
 from pipeline_helpers import (
     DAGSTER,
     PROJECT,
@@ -19,7 +20,6 @@ from pipeline_helpers import (
     read_export,
 )
 
-from export_ledger.ledger import ExportLedger
 from export_ledger.ledger.schema import AttemptOutcome, ExportState
 
 pytestmark = pytest.mark.process
@@ -70,7 +70,7 @@ def test_two_processes_materializing_one_partition_export_it_once(tmp_path):
     if sorted([code_a, code_b]) == [0, 1]:
         assert f"{KEY} is being exported by attempt" in loser, "the loser is refused, naming the holder"
     assert len(published_dirs(tmp_path / "exports")) == 1
-    ledger = ExportLedger(env["EXPORTS_LEDGER_URL"])
+    ledger = open_ledger(env["EXPORTS_LEDGER_URL"])
     assert ledger.queries.get(KEY).state is ExportState.COMPLETED
     outcomes = sorted(a.outcome.value for a in ledger.queries.attempts(KEY))
     assert outcomes in (["completed", "refused"], ["already_completed", "completed"]), outcomes
@@ -82,7 +82,7 @@ def test_sigkill_after_publish_is_repaired_by_the_next_attempt_once_the_lease_ex
     assert code != 0, "the process was killed"
     (folder,) = published_dirs(tmp_path / "exports")
     killed_manifest, _ = read_export(folder)
-    ledger = ExportLedger(env["EXPORTS_LEDGER_URL"])
+    ledger = open_ledger(env["EXPORTS_LEDGER_URL"])
     assert ledger.queries.get(KEY).state is ExportState.IN_PROGRESS
     assert completed_without_export(ledger) == []
 

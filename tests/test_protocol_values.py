@@ -12,7 +12,7 @@ import pytest
 from builders import ORDERS_SCHEMA as SCHEMA
 from builders import corrected_orders as corrected
 from builders import hourly_orders as orders
-from builders import key_for
+from builders import key_for, open_ledger
 
 from export_ledger import failpoints
 from export_ledger.destinations import LocalDestination
@@ -24,7 +24,7 @@ from export_ledger.destinations.base import (
     PointerMoved,
     PublishOutcomeUnknown,
 )
-from export_ledger.ledger import ExportLedger, ExportState, FencedOut, LeaseHeld, LedgerError, LedgerUnavailable
+from export_ledger.ledger import ExportState, FencedOut, LeaseHeld, LedgerError, LedgerUnavailable
 from export_ledger.protocol import (
     BatchOutcome,
     ExportBatch,
@@ -71,30 +71,25 @@ def test_which_failure_becomes_which_finish_is_one_pure_function(error: Exceptio
         )
 
 
-@pytest.fixture
-def book(clock, sqlite_url) -> ExportLedger:
-    return ExportLedger(sqlite_url, clock=clock, lease_ttl=dt.timedelta(minutes=15))
-
-
-def test_a_fenced_destination_leaves_the_key_in_conflict_not_failed(book, tmp_path: Path) -> None:
+def test_a_fenced_destination_leaves_the_key_in_conflict_not_failed(ledger, tmp_path: Path) -> None:
     """The destination refuses this attempt's token (a token the ledger never issued fenced it): the key is
     ``conflict``, for a person, and never ``failed`` (a retry would be refused again)."""
     destination = LocalDestination(str(tmp_path / "exports"))
     key = key_for(DAY)
-    export_key(book, destination, SCHEMA, ExportItem(key, "p", orders(key)), "run-1/x")
-    book.restatements.request(str(key), reason="late rows", requested_by="ops")
+    export_key(ledger, destination, SCHEMA, ExportItem(key, "p", orders(key)), "run-1/x")
+    ledger.restatements.request(str(key), reason="late rows", requested_by="ops")
     # The key's pointer fenced far above any token the ledger issued.
     destination.fence(target_for(key, 2), 99, logical_key=str(key))
     with pytest.raises(Fenced):
-        export_key(book, destination, SCHEMA, ExportItem(key, "p", corrected(key)), "run-2/x")
-    assert book.queries.get(str(key)).state is ExportState.CONFLICT
+        export_key(ledger, destination, SCHEMA, ExportItem(key, "p", corrected(key)), "run-2/x")
+    assert ledger.queries.get(str(key)).state is ExportState.CONFLICT
 
 
 def test_one_key_and_a_batch_of_one_leave_the_same_ledger(clock, tmp_path: Path) -> None:
     """A key is a group of one: exported alone or as a batch's only key, its row and attempts are the same."""
     seen = []
     for how in ("key", "batch"):
-        book = ExportLedger(f"sqlite:///{tmp_path}/{how}.db", clock=clock, lease_ttl=dt.timedelta(minutes=15))
+        book = open_ledger(f"sqlite:///{tmp_path}/{how}.db", clock=clock, lease_ttl=dt.timedelta(minutes=15))
         destination = LocalDestination(str(tmp_path / how))
         key = key_for(DAY)
         item = ExportItem(key, "p", orders(key))
@@ -109,7 +104,7 @@ def test_one_key_and_a_batch_of_one_leave_the_same_ledger(clock, tmp_path: Path)
     assert seen[0][0] == "exported"
 
 
-def test_a_batch_settles_its_outcome_once_as_a_value(book, tmp_path: Path) -> None:
+def test_a_batch_settles_its_outcome_once_as_a_value(ledger, tmp_path: Path) -> None:
     destination = LocalDestination(str(tmp_path / "exports"))
     keys = [key_for(DAY, tenant=f"t{i}") for i in range(3)]
     bad = orders(keys[1])
@@ -119,7 +114,7 @@ def test_a_batch_settles_its_outcome_once_as_a_value(book, tmp_path: Path) -> No
     assert batch.outcome is None and batch.results == () and batch.failures == ()
 
     with pytest.raises(Exception, match="total"):
-        export_batch(book, destination, batch, "run-1/x")
+        export_batch(ledger, destination, batch, "run-1/x")
     assert isinstance(batch.outcome, BatchOutcome)
     assert [r.logical_key for r in batch.results] == [str(keys[0]), str(keys[2])], "every other key has its result"
     assert [f.logical_key for f in batch.failures] == [str(keys[1])]
@@ -127,14 +122,14 @@ def test_a_batch_settles_its_outcome_once_as_a_value(book, tmp_path: Path) -> No
         batch.outcome.results = ()
 
     with pytest.raises(ValueError, match="exported already"):
-        export_batch(book, destination, batch, "run-2/x")
+        export_batch(ledger, destination, batch, "run-2/x")
     assert [f.logical_key for f in batch.failures] == [str(keys[1])], "the first outcome stands"
-    assert all(a.attempt_id == "run-1/x" for a in book.queries.attempts(str(keys[1]))), (
+    assert all(a.attempt_id == "run-1/x" for a in ledger.queries.attempts(str(keys[1]))), (
         "refused before anything is claimed: the second run did nothing"
     )
 
 
-def test_a_ledger_lost_mid_group_keeps_the_failures_already_met(book, tmp_path: Path) -> None:
+def test_a_ledger_lost_mid_group_keeps_the_failures_already_met(ledger, tmp_path: Path) -> None:
     """A lost ledger stops the run at once; the keys that failed before it are still the batch's failures, and
     were logged as they failed."""
     destination = LocalDestination(str(tmp_path / "exports"))
@@ -148,7 +143,7 @@ def test_a_ledger_lost_mid_group_keeps_the_failures_already_met(book, tmp_path: 
     batch = ExportBatch(SCHEMA, [ExportItem(bad_key, "p", bad), ExportItem(lost_key, "p", ledger_gone)])
     logged = []
     with pytest.raises(LedgerUnavailable):
-        export_batch(book, destination, batch, "run-1/x", log=lambda level, message: logged.append((level, message)))
+        export_batch(ledger, destination, batch, "run-1/x", log=lambda level, message: logged.append((level, message)))
     assert [f.logical_key for f in batch.failures] == [str(bad_key)]
     assert [level for level, message in logged if str(bad_key) in message] == ["error"]
 
@@ -158,15 +153,15 @@ class _Neither(LocalDestination):
 
 
 def test_a_destination_that_can_neither_publish_nor_write_with_the_record_is_refused_before_any_claim(
-    book, tmp_path: Path
+    ledger, tmp_path: Path
 ) -> None:
     key = key_for(DAY)
     with pytest.raises(DestinationError, match="cannot export: takes_effect is 'sideways'"):
-        export_key(book, _Neither(str(tmp_path / "exports")), SCHEMA, ExportItem(key, "p", orders(key)), "run-1/x")
-    assert book.queries.get(str(key)) is None, "nothing claimed"
+        export_key(ledger, _Neither(str(tmp_path / "exports")), SCHEMA, ExportItem(key, "p", orders(key)), "run-1/x")
+    assert ledger.queries.get(str(key)) is None, "nothing claimed"
 
 
-def test_a_failed_sync_after_a_single_keys_publish_leaves_it_remote_unknown(book, tmp_path: Path) -> None:
+def test_a_failed_sync_after_a_single_keys_publish_leaves_it_remote_unknown(ledger, tmp_path: Path) -> None:
     """A single key passes the group's sync points too: an error there, after its pointer moved, is an unknown
     outcome (its export is visible), never an unrecorded key nor `failed`."""
     destination = LocalDestination(str(tmp_path / "exports"))
@@ -179,22 +174,22 @@ def test_a_failed_sync_after_a_single_keys_publish_leaves_it_remote_unknown(book
     failpoints.set_hook(fail_at)
     try:
         with pytest.raises(ExportOutcomeUnknown):
-            export_key(book, destination, SCHEMA, ExportItem(key, "p", orders(key)), "run-1/x")
+            export_key(ledger, destination, SCHEMA, ExportItem(key, "p", orders(key)), "run-1/x")
     finally:
         failpoints.set_hook(None)
-    assert book.queries.get(str(key)).state is ExportState.REMOTE_UNKNOWN
+    assert ledger.queries.get(str(key)).state is ExportState.REMOTE_UNKNOWN
 
 
-def test_a_refused_claim_records_nothing_and_is_raised_as_itself(book, tmp_path: Path) -> None:
+def test_a_refused_claim_records_nothing_and_is_raised_as_itself(ledger, tmp_path: Path) -> None:
     """A claim the ledger refuses (a live lease held by another attempt) is that key's failure alone: raised as
     itself, in the library's words, with the other keys of its group exported."""
     destination = LocalDestination(str(tmp_path / "exports"))
     held, other = key_for(DAY), key_for(DAY, tenant="other")
-    book.claims.claim(held, "run-0/x")
+    ledger.claims.claim(held, "run-0/x")
     with pytest.raises(LeaseHeld):
-        export_key(book, destination, SCHEMA, ExportItem(held, "p", orders(held)), "run-1/x")
+        export_key(ledger, destination, SCHEMA, ExportItem(held, "p", orders(held)), "run-1/x")
     batch = ExportBatch(SCHEMA, [ExportItem(k, "p", orders(k)) for k in (held, other)])
     with pytest.raises(LeaseHeld):
-        export_batch(book, destination, batch, "run-2/x")
+        export_batch(ledger, destination, batch, "run-2/x")
     assert [r.logical_key for r in batch.results] == [str(other)]
-    assert book.queries.get(str(held)).lease_owner == "run-0/x", "the holder keeps the key"
+    assert ledger.queries.get(str(held)).lease_owner == "run-0/x", "the holder keeps the key"

@@ -20,7 +20,7 @@ from builders import ORDERS_DAY as DAY
 from builders import ORDERS_SCHEMA as SCHEMA
 from builders import corrected_orders as corrected
 from builders import hourly_orders as orders
-from builders import key_folder
+from builders import key_folder, open_ledger
 from builders import orders_item as item
 
 from export_ledger import failpoints
@@ -48,6 +48,8 @@ from export_ledger.restate import withdraw
 from export_ledger.stage import Stager
 from tests.builders import commit_unrecorded, key_for
 
+pytestmark = pytest.mark.usefixtures("ledger_url")  # the `ledger` fixture on each backend in turn
+
 
 def pointer_of(root: Path, key) -> dict:
     return json.loads((key_folder(root, key) / POINTER_NAME).read_text())
@@ -72,11 +74,6 @@ def read_revision(folder: Path) -> tuple[Manifest, bytes]:
     payload = (folder / manifest.data_file).read_bytes()
     assert hashlib.sha256(payload).hexdigest() == manifest.sha256
     return manifest, payload
-
-
-@pytest.fixture
-def ledger(ledger_url, clock) -> ExportLedger:
-    return ExportLedger(ledger_url, clock=clock, lease_ttl=dt.timedelta(minutes=15))
 
 
 @pytest.fixture
@@ -440,7 +437,7 @@ def test_a_v4_ledger_reads_as_revision_1_then_upgrades_explicitly_and_restates(l
         ExportLedger(ledger_url)
     assert schema_version(sa.create_engine(ledger_url)) == 4, "a refused write-open changes nothing"
     assert upgrade_url(ledger_url) == [5, 6, 7, 8, 9]
-    writer = ExportLedger(ledger_url)
+    writer = open_ledger(ledger_url)
     assert schema_version(sa.create_engine(ledger_url)) == SCHEMA_VERSION == 9
     # Before 0.5 reruns were counted from the key's tokens: the upgrade counts its one claim.
     assert writer.queries.get(key).claim_count == 1

@@ -10,7 +10,6 @@ reader sees exactly one intact current revision, revision 1 stays readable, and 
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import hashlib
 import json
 
@@ -29,7 +28,7 @@ from export_ledger.destinations.table import SqlTableDestination
 from export_ledger.failpoints import ENV_VAR as FAILPOINTS
 from export_ledger.failpoints import SimulatedCrash
 from export_ledger.frames import MANIFEST_NAME, Manifest, validate_frame
-from export_ledger.ledger import ExportLedger, ExportState, LedgerError
+from export_ledger.ledger import ExportState, LedgerError
 from export_ledger.protocol import ExportOutcomeUnknown, export_key
 from export_ledger.reconcile import reconcile_batch
 from export_ledger.resolve import resolve_key
@@ -51,10 +50,6 @@ def restate(ledger, destination, key, run_id: str = "run-2/export"):
 
 # -- object stores (S3, GCS, Azure Blob) ---------------------------------------------------------------------------
 
-
-@pytest.fixture
-def s3_ledger(sqlite_url, clock) -> ExportLedger:
-    return ExportLedger(sqlite_url, clock=clock, lease_ttl=dt.timedelta(minutes=15))
 
 
 def s3_destination(bucket: str, endpoint_url: str) -> S3Destination:
@@ -116,15 +111,15 @@ def stage_revision(destination, key, revision: int, token: int, supersedes: Mani
     return destination.stage(target_of(key, revision), token, table, "csv", manifest)
 
 
-def test_restating_publishes_revision_2_beside_revision_1_and_moves_the_pointer(store, s3_ledger):
+def test_restating_publishes_revision_2_beside_revision_1_and_moves_the_pointer(store, ledger):
     destination, bucket = store
     key = key_for(DAY)
-    assert export_key(s3_ledger, destination, SCHEMA, item(key), "run-1/export").status == "exported"
+    assert export_key(ledger, destination, SCHEMA, item(key), "run-1/export").status == "exported"
     _, original_manifest, original = s3_current(bucket, key)
     first = json.loads(objects(bucket, key)[POINTER_NAME])
     assert (first["revision"], first["path"], first["fence"]) == (1, "r1-t1", 1), "revision 1 is committed too"
 
-    result = restate(s3_ledger, destination, key)
+    result = restate(ledger, destination, key)
     assert result.status == "exported" and result.row_count == len(corrected(key))
 
     revision, manifest, data = s3_current(bucket, key)
@@ -158,21 +153,21 @@ def test_restating_publishes_revision_2_beside_revision_1_and_moves_the_pointer(
     assert destination.read_data(target_of(key, 1, "r1-t1"), original_manifest) == original
     assert destination.read_data(target_of(key, 2, "r2-t2"), manifest) == data
 
-    record = s3_ledger.queries.get(str(key))
+    record = ledger.queries.get(str(key))
     assert record.state is ExportState.COMPLETED and record.sha256 == manifest.sha256
     assert record.location == f"{bucket.scheme}://{bucket.name}/{key_prefix(key)}r2-t2/"
-    assert [(r.revision, r.sha256) for r in s3_ledger.restatements.revisions(str(key))] == [
+    assert [(r.revision, r.sha256) for r in ledger.restatements.revisions(str(key))] == [
         (1, original_manifest.sha256),
         (2, manifest.sha256),
     ]
 
 
-def test_pointer_refuses_a_stale_commit_and_leaves_one_already_there_alone(store, s3_ledger):
+def test_pointer_refuses_a_stale_commit_and_leaves_one_already_there_alone(store, ledger):
     destination, bucket = store
     key = key_for(DAY)
-    export_key(s3_ledger, destination, SCHEMA, item(key), "run-1/export")
+    export_key(ledger, destination, SCHEMA, item(key), "run-1/export")
     _, first, _ = s3_current(bucket, key)
-    restate(s3_ledger, destination, key)
+    restate(ledger, destination, key)
     _, manifest, _ = s3_current(bucket, key)
     pointer_key = f"{key_prefix(key)}{POINTER_NAME}"
     before = bucket.version(pointer_key)
@@ -194,14 +189,14 @@ def test_pointer_refuses_a_stale_commit_and_leaves_one_already_there_alone(store
     ["another-revision-won", "a-newer-token-fenced-it", "the-same-commit-landed"],
 )
 def test_s3_pointer_written_between_read_and_write_is_never_overwritten(
-    s3, s3_bucket, s3_ledger, fault_proxy, interloper
+    s3, s3_bucket, ledger, fault_proxy, interloper
 ):
     """A real lost-update race: the interloper writes the pointer when the proxy holds the committer's conditional
     PUT (after the committer read the pointer, before its write reaches the store); the store answers 412, and the
     committer judges the pointer it reads again."""
     destination = s3_destination(s3_bucket, fault_proxy.endpoint_url)
     key = key_for(DAY)
-    export_key(s3_ledger, destination, SCHEMA, item(key), "run-1/export")
+    export_key(ledger, destination, SCHEMA, item(key), "run-1/export")
     _, first, _ = s3_current(bucket_of(s3, s3_bucket), key)
     staged = stage_revision(destination, key, 2, 2, first)  # the committer: token 2, revision 2 superseding 1
     committed = Pointer(2, 2, "r2-t2", staged.manifest.sha256, staged.manifest.row_count, "data.csv", str(key))
@@ -233,33 +228,33 @@ def test_s3_pointer_written_between_read_and_write_is_never_overwritten(
 
 
 @pytest.mark.parametrize("point", ["after_stage", "after_publish", "before_commit"])
-def test_restatement_killed_after_writing_ends_with_one_current_revision(store, s3_ledger, clock, monkeypatch, point):
+def test_restatement_killed_after_writing_ends_with_one_current_revision(store, ledger, clock, monkeypatch, point):
     destination, bucket = store
     key = key_for(DAY)
-    export_key(s3_ledger, destination, SCHEMA, item(key), "run-1/export")
+    export_key(ledger, destination, SCHEMA, item(key), "run-1/export")
     _, original_manifest, original = s3_current(bucket, key)
-    s3_ledger.restatements.request(str(key), reason="late rows", requested_by="ops")
+    ledger.restatements.request(str(key), reason="late rows", requested_by="ops")
     monkeypatch.setenv(FAILPOINTS, f"{point}=crash")
     with pytest.raises(SimulatedCrash):
-        export_key(s3_ledger, destination, SCHEMA, item(key, corrected(key)), "run-2/export")
+        export_key(ledger, destination, SCHEMA, item(key, corrected(key)), "run-2/export")
     monkeypatch.delenv(FAILPOINTS)
 
     committed = point != "after_stage"  # staged is invisible; after_publish is after the pointer's commit
     revision, _, _ = s3_current(bucket, key)  # readers see one intact revision, whatever was reached
     assert revision == (2 if committed else 1)
     clock.advance(minutes=16)
-    reconcile_batch(s3_ledger, destination, limit=10, after=None, reconciler="test")
+    reconcile_batch(ledger, destination, limit=10, after=None, reconciler="test")
     if not committed:
-        assert s3_ledger.queries.get(str(key)).state is ExportState.FAILED, "nothing visible: failed, and rerun"
-        assert export_key(s3_ledger, destination, SCHEMA, item(key, corrected(key)), "run-3/export").status == (
+        assert ledger.queries.get(str(key)).state is ExportState.FAILED, "nothing visible: failed, and rerun"
+        assert export_key(ledger, destination, SCHEMA, item(key, corrected(key)), "run-3/export").status == (
             "exported"
         )
 
-    record = s3_ledger.queries.get(str(key))
+    record = ledger.queries.get(str(key))
     revision, manifest, _ = s3_current(bucket, key)
     assert record.state is ExportState.COMPLETED and record.sha256 == manifest.sha256
     assert revision == 2 and manifest.supersedes_sha256 == original_manifest.sha256
-    assert [r.revision for r in s3_ledger.restatements.revisions(str(key))] == [1, 2]
+    assert [r.revision for r in ledger.restatements.revisions(str(key))] == [1, 2]
     stored = objects(bucket, key)
     # Tokens: revision 1's 1, the dead attempt 2, reconciliation's hold 3, the rerun 4 (which swept the dead place).
     assert place_names(stored) == ["r1-t1", "r2-t2" if committed else "r2-t4"]
@@ -268,12 +263,12 @@ def test_restatement_killed_after_writing_ends_with_one_current_revision(store, 
 
 @pytest.mark.parametrize("fault", ["error_503", "cut_before_response"])
 def test_s3_pointer_commit_with_an_unknown_outcome_is_remote_unknown_and_reconciled(
-    s3, s3_bucket, s3_ledger, fault_proxy, fault
+    s3, s3_bucket, ledger, fault_proxy, fault
 ):
     destination = s3_destination(s3_bucket, fault_proxy.endpoint_url)
     key = key_for(DAY)
-    export_key(s3_ledger, destination, SCHEMA, item(key), "run-1/export")
-    s3_ledger.restatements.request(str(key), reason="late rows", requested_by="ops")
+    export_key(ledger, destination, SCHEMA, item(key), "run-1/export")
+    ledger.restatements.request(str(key), reason="late rows", requested_by="ops")
     pointer_puts = []
 
     def the_commit(_method: str, path: str) -> bool:
@@ -282,51 +277,51 @@ def test_s3_pointer_commit_with_an_unknown_outcome_is_remote_unknown_and_reconci
 
     fault_proxy.inject(fault, method="PUT", path_suffix=f"/{POINTER_NAME}", when=the_commit)
     with pytest.raises(ExportOutcomeUnknown, match="may or may not exist"):
-        export_key(s3_ledger, destination, SCHEMA, item(key, corrected(key)), "run-2/export")
+        export_key(ledger, destination, SCHEMA, item(key, corrected(key)), "run-2/export")
     assert fault_proxy.remaining == 0, "the commit's PUT met the fault"
-    assert s3_ledger.queries.get(str(key)).state is ExportState.REMOTE_UNKNOWN
+    assert ledger.queries.get(str(key)).state is ExportState.REMOTE_UNKNOWN
     # 503: never forwarded, so revision 1 is still current; a cut response: the commit landed.
     landed = fault == "cut_before_response"
     assert s3_current(bucket_of(s3, s3_bucket), key)[0] == (2 if landed else 1)
 
-    report = reconcile_batch(s3_ledger, destination, limit=10, after=None, reconciler="test")
+    report = reconcile_batch(ledger, destination, limit=10, after=None, reconciler="test")
     if landed:
         assert [r.state for r in report.resolved_to(ExportState.COMPLETED)] == [ExportState.COMPLETED]
     else:
         # The commit never landed and is fenced now (token 3): nothing of it can become visible, so it is rerun.
         assert [r.state for r in report.resolved_to(ExportState.FAILED)] == [ExportState.FAILED]
-        assert export_key(s3_ledger, destination, SCHEMA, item(key, corrected(key)), "run-3/export").status == (
+        assert export_key(ledger, destination, SCHEMA, item(key, corrected(key)), "run-3/export").status == (
             "exported"
         )
     revision, manifest, _ = s3_current(bucket_of(s3, s3_bucket), key)
-    assert revision == 2 and s3_ledger.queries.get(str(key)).sha256 == manifest.sha256
-    assert [r.revision for r in s3_ledger.restatements.revisions(str(key))] == [1, 2]
+    assert revision == 2 and ledger.queries.get(str(key)).sha256 == manifest.sha256
+    assert [r.revision for r in ledger.restatements.revisions(str(key))] == [1, 2]
 
 
 def test_discarding_an_unrecorded_revision_keeps_every_recorded_one_and_sets_the_pointer_back(
-    store, s3_ledger, clock
+    store, ledger, clock
 ):
     """Replaces 0.4's discard of revision 1 beside a current revision 2 and its orphan sweep by age: in protocol v2
     nothing a recorded revision names is ever deleted, and only what no pointer can ever name is swept."""
     destination, bucket = store
     key = key_for(DAY)
-    export_key(s3_ledger, destination, SCHEMA, item(key), "run-1/export")
-    restate(s3_ledger, destination, key)
+    export_key(ledger, destination, SCHEMA, item(key), "run-1/export")
+    restate(ledger, destination, key)
     recorded = objects(bucket, key)
     assert place_names(recorded) == ["r1-t1", "r2-t2"]
     with pytest.raises(LedgerError, match="completed"):
-        resolve_key(s3_ledger, destination, str(key), action="discard-destination", operator="ops", reason="x")
+        resolve_key(ledger, destination, str(key), action="discard-destination", operator="ops", reason="x")
     pointer = destination.pointer(target_of(key))
     assert destination.sweep(target_of(key), 99, pointer) == 0, "recorded revisions are never swept"
 
     # Revision 3 committed by an attempt that died before recording it; an operator discards it.
-    s3_ledger.restatements.request(str(key), reason="more late rows", requested_by="ops")
-    claim = s3_ledger.claims.claim(key, "run-3/export")
+    ledger.restatements.request(str(key), reason="more late rows", requested_by="ops")
+    claim = ledger.claims.claim(key, "run-3/export")
     commit_unrecorded(destination, SCHEMA, claim, key, orders(key))
     assert s3_current(bucket, key)[0] == 3
     clock.advance(minutes=16)
     resolved = resolve_key(
-        s3_ledger, destination, str(key), action="discard-destination", operator="ops", reason="wrong source"
+        ledger, destination, str(key), action="discard-destination", operator="ops", reason="wrong source"
     )
     assert resolved.record.state is ExportState.FAILED
 
@@ -372,15 +367,15 @@ def ids(frame) -> list[str]:
     return sorted(frame["order_id"])
 
 
-def test_delta_restating_commits_revision_2_and_keeps_revision_1_readable(delta, s3_ledger):
+def test_delta_restating_commits_revision_2_and_keeps_revision_1_readable(delta, ledger):
     key = key_for(DAY)
-    assert export_key(s3_ledger, delta, SCHEMA, item(key), "run-1/export").status == "exported"
+    assert export_key(ledger, delta, SCHEMA, item(key), "run-1/export").status == "exported"
     assert delta_reader_sees(delta, key) == (1, ids(orders(key)))
-    (first,) = s3_ledger.restatements.revisions(str(key))
+    (first,) = ledger.restatements.revisions(str(key))
     original = delta.verify_recorded(target_of(key, 1, "r1-t1"), logical_key=str(key), sha256=first.sha256)
     assert original.verdict is Verdict.PUBLISHED, original.detail
 
-    result = restate(s3_ledger, delta, key)
+    result = restate(ledger, delta, key)
     assert result.status == "exported" and result.row_count == len(corrected(key))
     assert delta_reader_sees(delta, key) == (2, ids(corrected(key))), "readers see revision 2's rows, only them"
     assert delta.current_revision(target_of(key)) == 2
@@ -394,20 +389,20 @@ def test_delta_restating_commits_revision_2_and_keeps_revision_1_readable(delta,
     assert hashlib.sha256(delta.read_data(target_of(key, 1, "r1-t1"), again.manifest)).hexdigest() == first.sha256
     assert hashlib.sha256(delta.read_data(target_of(key, 2, "r2-t2"), manifest)).hexdigest() == manifest.sha256
 
-    record = s3_ledger.queries.get(str(key))
+    record = ledger.queries.get(str(key))
     assert record.state is ExportState.COMPLETED and record.sha256 == manifest.sha256
     assert record.location == delta.location(target_of(key, 2, "r2-t2"))
-    assert [(r.revision, r.sha256) for r in s3_ledger.restatements.revisions(str(key))] == [
+    assert [(r.revision, r.sha256) for r in ledger.restatements.revisions(str(key))] == [
         (1, first.sha256),
         (2, manifest.sha256),
     ]
 
 
-def test_delta_refuses_a_stale_or_fenced_commit_and_leaves_one_already_there_alone(delta, s3_ledger):
+def test_delta_refuses_a_stale_or_fenced_commit_and_leaves_one_already_there_alone(delta, ledger):
     key = key_for(DAY)
-    export_key(s3_ledger, delta, SCHEMA, item(key), "run-1/export")
+    export_key(ledger, delta, SCHEMA, item(key), "run-1/export")
     first = delta.verify(target_of(key), logical_key=str(key), superseded=0).manifest
-    restate(s3_ledger, delta, key)
+    restate(ledger, delta, key)
     manifest = delta.verify(target_of(key, 2), logical_key=str(key), superseded=1).manifest
     version, seen = delta_table_version(delta, key), delta_reader_sees(delta, key)
 
@@ -430,56 +425,56 @@ def test_delta_refuses_a_stale_or_fenced_commit_and_leaves_one_already_there_alo
 
 @pytest.mark.parametrize("point", ["after_stage", "after_publish", "before_commit"])
 def test_delta_restatement_killed_after_writing_ends_with_one_current_revision(
-    delta, s3_ledger, clock, monkeypatch, point
+    delta, ledger, clock, monkeypatch, point
 ):
     key = key_for(DAY)
-    export_key(s3_ledger, delta, SCHEMA, item(key), "run-1/export")
-    (first,) = s3_ledger.restatements.revisions(str(key))
-    s3_ledger.restatements.request(str(key), reason="late rows", requested_by="ops")
+    export_key(ledger, delta, SCHEMA, item(key), "run-1/export")
+    (first,) = ledger.restatements.revisions(str(key))
+    ledger.restatements.request(str(key), reason="late rows", requested_by="ops")
     monkeypatch.setenv(FAILPOINTS, f"{point}=crash")
     with pytest.raises(SimulatedCrash):
-        export_key(s3_ledger, delta, SCHEMA, item(key, corrected(key)), "run-2/export")
+        export_key(ledger, delta, SCHEMA, item(key, corrected(key)), "run-2/export")
     monkeypatch.delenv(FAILPOINTS)
 
     committed = point != "after_stage"  # staged rows are not in the table; after_publish is after the commit
     assert delta_reader_sees(delta, key) == ((2, ids(corrected(key))) if committed else (1, ids(orders(key))))
     clock.advance(minutes=16)
-    reconcile_batch(s3_ledger, delta, limit=10, after=None, reconciler="test")
+    reconcile_batch(ledger, delta, limit=10, after=None, reconciler="test")
     if not committed:
-        assert s3_ledger.queries.get(str(key)).state is ExportState.FAILED, "nothing visible: failed, and rerun"
-        assert export_key(s3_ledger, delta, SCHEMA, item(key, corrected(key)), "run-3/export").status == "exported"
+        assert ledger.queries.get(str(key)).state is ExportState.FAILED, "nothing visible: failed, and rerun"
+        assert export_key(ledger, delta, SCHEMA, item(key, corrected(key)), "run-3/export").status == "exported"
 
-    record = s3_ledger.queries.get(str(key))
+    record = ledger.queries.get(str(key))
     seen = delta.verify(target_of(key, 2), logical_key=str(key), superseded=1)
     assert seen.verdict is Verdict.PUBLISHED and record.state is ExportState.COMPLETED
     assert record.sha256 == seen.manifest.sha256 and seen.manifest.supersedes_sha256 == first.sha256
     assert delta_reader_sees(delta, key) == (2, ids(corrected(key)))
-    assert [r.revision for r in s3_ledger.restatements.revisions(str(key))] == [1, 2]
+    assert [r.revision for r in ledger.restatements.revisions(str(key))] == [1, 2]
     kept = delta.verify_recorded(target_of(key, 1, "r1-t1"), logical_key=str(key), sha256=first.sha256)
     assert kept.verdict is Verdict.PUBLISHED, "revision 1 is untouched"
 
 
-def test_delta_an_unrecorded_revision_is_not_discarded_and_every_recorded_one_stays(delta, s3_ledger, clock):
+def test_delta_an_unrecorded_revision_is_not_discarded_and_every_recorded_one_stays(delta, ledger, clock):
     """Delta's discard refuses (the operator restores the table instead): neither a recorded revision nor the
     unrecorded one is touched, and the key is not marked failed."""
     key = key_for(DAY)
-    export_key(s3_ledger, delta, SCHEMA, item(key), "run-1/export")
-    restate(s3_ledger, delta, key)
-    recorded = s3_ledger.restatements.revisions(str(key))
+    export_key(ledger, delta, SCHEMA, item(key), "run-1/export")
+    restate(ledger, delta, key)
+    recorded = ledger.restatements.revisions(str(key))
     with pytest.raises(LedgerError, match="completed"):
-        resolve_key(s3_ledger, delta, str(key), action="discard-destination", operator="ops", reason="x")
+        resolve_key(ledger, delta, str(key), action="discard-destination", operator="ops", reason="x")
     assert delta.sweep(target_of(key), 99, delta.pointer(target_of(key))) == 0, "recorded revisions are never swept"
 
-    s3_ledger.restatements.request(str(key), reason="more late rows", requested_by="ops")
-    claim = s3_ledger.claims.claim(key, "run-3/export")
+    ledger.restatements.request(str(key), reason="more late rows", requested_by="ops")
+    claim = ledger.claims.claim(key, "run-3/export")
     commit_unrecorded(delta, SCHEMA, claim, key, orders(key))
     assert delta_reader_sees(delta, key)[0] == 3
     clock.advance(minutes=16)
     # Refused before anything is written, naming the way out (restore the table, then resolve again).
     refusal = r"discard-destination of .* failed: delta:.*not discarded by export-ledger; restore the table .*restore"
     with pytest.raises(Exception, match=refusal):
-        resolve_key(s3_ledger, delta, str(key), action="discard-destination", operator="ops", reason="wrong source")
-    assert s3_ledger.queries.get(str(key)).state is not ExportState.FAILED
+        resolve_key(ledger, delta, str(key), action="discard-destination", operator="ops", reason="wrong source")
+    assert ledger.queries.get(str(key)).state is not ExportState.FAILED
     assert delta_reader_sees(delta, key) == (3, ids(orders(key))), "the unrecorded revision is left as it is"
     for revision in recorded:
         place = target_of(key, revision.revision, f"r{revision.revision}-t{revision.revision}")
@@ -489,10 +484,6 @@ def test_delta_an_unrecorded_revision_is_not_discarded_and_every_recorded_one_st
 
 # -- the ledger table (SQLite and PostgreSQL) ---------------------------------------------------------------------
 
-
-@pytest.fixture
-def ledger(ledger_url, clock) -> ExportLedger:
-    return ExportLedger(ledger_url, clock=clock, lease_ttl=dt.timedelta(minutes=15))
 
 
 @pytest.fixture
@@ -614,24 +605,24 @@ def test_table_restatement_killed_before_commit_leaves_revision_1_current_and_is
 
 
 def test_s3_pointer_is_never_written_on_a_store_that_fails_the_conditional_update_check(
-    s3, s3_bucket, s3_server, s3_ledger, fault_proxy
+    s3, s3_bucket, s3_server, ledger, fault_proxy
 ):
     key = key_for(DAY)
-    export_key(s3_ledger, s3_destination(s3_bucket, s3_server), SCHEMA, item(key), "run-1/export")
+    export_key(ledger, s3_destination(s3_bucket, s3_server), SCHEMA, item(key), "run-1/export")
     # Another process (the proxy's endpoint: a store this process has not checked yet) restates the key.
     destination = s3_destination(s3_bucket, fault_proxy.endpoint_url)
     pointer = objects(bucket_of(s3, s3_bucket), key)[POINTER_NAME]
     fault_proxy.inject("error_403", method="PUT", when=lambda _method, path: ".export-ledger-probe/" in path)
-    s3_ledger.restatements.request(str(key), reason="late rows", requested_by="ops")
+    ledger.restatements.request(str(key), reason="late rows", requested_by="ops")
     with pytest.raises(Exception, match="the store refused the check that s3://.* honours conditional writes"):
-        export_key(s3_ledger, destination, SCHEMA, item(key, corrected(key)), "run-2/export")
+        export_key(ledger, destination, SCHEMA, item(key, corrected(key)), "run-2/export")
     sent = [r.method for r in fault_proxy.history if r.path.endswith(POINTER_NAME)]
     assert "PUT" not in sent, "no pointer write (neither fence nor commit) was sent before the store was checked"
     assert objects(bucket_of(s3, s3_bucket), key)[POINTER_NAME] == pointer
-    assert s3_ledger.queries.get(str(key)).state is ExportState.FAILED and destination.current_revision(
+    assert ledger.queries.get(str(key)).state is ExportState.FAILED and destination.current_revision(
         target_of(key)
     ) == 1
     # Not remembered as checked: once the store answers, the check passes and the restatement is committed.
     fault_proxy.clear()
-    assert export_key(s3_ledger, destination, SCHEMA, item(key, corrected(key)), "run-3/export").status == "exported"
+    assert export_key(ledger, destination, SCHEMA, item(key, corrected(key)), "run-3/export").status == "exported"
     assert destination.current_revision(target_of(key)) == 2

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from builders import evidence_for, key_for
+from builders import evidence_for, key_for, open_ledger
 
 from export_ledger.ledger import ExportLedger, RestatementRefused
 from export_ledger.ledger.schema import ExportState
@@ -45,7 +45,7 @@ HOLD = {
 
 def completed_days(url: str, clock) -> ExportLedger:
     """acme's keys of 2026-01-01..06, each completed, seen from 2026-03-20."""
-    ledger = ExportLedger(url, clock=clock)
+    ledger = open_ledger(url, clock=clock)
     for day in DAYS:
         claim = ledger.claims.claim(key_for(day), f"run-{day}/invoice_export")
         ledger.completions.complete(claim, evidence_for(claim))
@@ -144,7 +144,7 @@ def race(postgres_url) -> Race:
 @pytest.mark.postgres
 def test_a_request_in_flight_when_a_prune_starts_lands_and_its_key_is_not_pruned(race, postgres_url, clock):
     ledger = completed_days(postgres_url, clock)
-    pruner = ExportLedger(race.url_for("prune"), clock=clock)
+    pruner = open_ledger(race.url_for("prune"), clock=clock)
     with race.holding("export_restatements") as let_the_request_write:
         console = restate_console(race.url_for("restate"))
         race.until_waiting("restate")  # it has read the key (and the mark), and waits to write its request
@@ -167,7 +167,7 @@ def test_a_request_in_flight_when_a_prune_starts_lands_and_its_key_is_not_pruned
 @pytest.mark.postgres
 def test_a_request_arriving_while_a_prune_commits_is_refused_naming_the_mark(race, postgres_url, clock):
     ledger = completed_days(postgres_url, clock)
-    pruner = ExportLedger(race.url_for("prune"), clock=clock)
+    pruner = open_ledger(race.url_for("prune"), clock=clock)
     with race.holding("export_low_water") as let_the_prune_commit:
         prune = Side(lambda: pruner.retention.prune(TO_JAN_5))
         race.until_waiting("prune")  # it has deleted what it prunes, and waits to raise the mark
@@ -194,8 +194,8 @@ def test_a_request_that_reads_the_key_after_a_prune_planned_is_refused_and_nothi
     """The widest window: the prune has planned (no request then) and not deleted yet; the request reads the key in
     between and would write its request after the prune deleted it."""
     ledger = completed_days(postgres_url, clock)
-    pruner = ExportLedger(race.url_for("prune"), clock=clock)
-    requester = ExportLedger(race.url_for("request"), clock=clock)
+    pruner = open_ledger(race.url_for("prune"), clock=clock)
+    requester = open_ledger(race.url_for("request"), clock=clock)
     with (
         race.holding("export_attempts") as let_the_prune_delete,
         race.holding("export_restatements") as let_the_request_write,
@@ -240,7 +240,7 @@ def test_a_key_exported_below_the_mark_by_an_override_is_not_restated(ledger_url
     request on it would be deleted with it by the next prune that moves the mark."""
     ledger = completed_days(ledger_url, clock)
     ledger.retention.prune(TO_JAN_5)
-    override = ExportLedger(ledger_url, clock=clock, allow_below_low_water=True)
+    override = open_ledger(ledger_url, clock=clock, allow_below_low_water=True)
     claim = override.claims.claim(RESTATED, "operator/invoice_export")
     override.completions.complete(claim, evidence_for(claim))
     with pytest.raises(RestatementRefused, match=NAMES_THE_MARK):

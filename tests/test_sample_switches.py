@@ -10,11 +10,12 @@ from zoneinfo import ZoneInfo
 
 import dagster as dg
 import pytest
+from builders import open_ledger
 from pipeline_helpers import run_partition, tick
 
 from definitions import build_definitions
 from export_ledger import ConfigurationError, SourceError
-from export_ledger.ledger import ExportLedger, ExportState
+from export_ledger.ledger import ExportState
 from resources.invoices import SampleInvoiceSource
 
 TENANTS = "acme,globex,initech"
@@ -32,7 +33,7 @@ def _environ(tmp_path, **settings: str) -> dict[str, str]:
 
 
 def _states(tmp_path, day: str) -> dict[str, ExportState]:
-    ledger = ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    ledger = open_ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
     date = dt.date.fromisoformat(day)
     return {r.tenant: r.state for r in ledger.queries.records(date_from=date, date_to=date)}
 
@@ -75,7 +76,7 @@ def test_a_voided_date_reads_one_invoice_fewer_per_tenant_and_drift_finds_it(tmp
     (evaluation,) = job.execute_in_process(instance=instance).get_asset_check_evaluations()
 
     assert not evaluation.passed, evaluation.description
-    ledger = ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    ledger = open_ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
     opened = ledger.drift.open_records(export="invoice_export")
     assert sorted((d.tenant, d.business_date, d.rows_removed, d.rows_added) for d in opened) == [
         (tenant, day, 1, 0) for tenant in TENANTS.split(",")

@@ -19,7 +19,7 @@ import dagster as dg
 import pandas as pd
 import pytest
 from azure.storage.blob import BlobServiceClient
-from builders import key_for
+from builders import key_for, open_ledger
 from cloud_fixtures import AZURITE_ACCOUNT, AZURITE_KEY
 from pipeline_helpers import failure_message, run_partition
 
@@ -211,9 +211,9 @@ def test_the_cli_refuses_a_destination_with_a_credential_exit_1_without_printing
 ):
     for name in ("EXPORTS_SOURCE_URL", "EXPORTS_TENANTS", "EXPORTS_FILE_FORMAT"):
         monkeypatch.delenv(name, raising=False)
-    ledger = ExportLedger(sqlite_url)
+    ledger = open_ledger(sqlite_url)
     long_ago = dt.datetime.now(dt.timezone.utc) - dt.timedelta(hours=1)
-    ExportLedger(sqlite_url, clock=lambda: long_ago).claims.claim(key_for(), "dead-run/invoice_export")  # stuck
+    open_ledger(sqlite_url, clock=lambda: long_ago).claims.claim(key_for(), "dead-run/invoice_export")  # stuck
     assert ledger.queries.get(str(key_for())) is not None
     monkeypatch.setenv("EXPORTS_LEDGER_URL", sqlite_url)
     monkeypatch.chdir(tmp_path)
@@ -235,7 +235,7 @@ def test_the_cli_refuses_a_destination_with_a_credential_exit_1_without_printing
 
 @pytest.mark.process
 def test_the_code_location_load_error_never_shows_a_destination_credential(tmp_path, sqlite_url):
-    ExportLedger(sqlite_url)
+    open_ledger(sqlite_url)
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith(("EXPORTS_", "AWS_", "AZURE_"))},
         "DAGSTER_HOME": str(tmp_path),

@@ -9,12 +9,12 @@ import datetime as dt
 
 import dagster as dg
 import pytest
-from builders import sql_invoices
+from builders import open_ledger, sql_invoices
 from pipeline_helpers import PROJECT, failure_message, published_dirs, read_export, run_partition, tick
 
 from definitions import build_definitions, invoice_source_from
 from export_ledger import ConfigurationError, cli
-from export_ledger.ledger import ExportLedger, ExportState
+from export_ledger.ledger import ExportState
 from resources.invoices import SampleInvoiceSource
 
 DAY = dt.date(2026, 3, 8)
@@ -39,7 +39,7 @@ def _refused_run(tmp_path, instance, environ) -> str:
     result = run_partition(defs, instance, DAY.isoformat())
 
     assert not result.success, "a run without a usable source fails"
-    assert ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}").queries.records() == [], "nothing claimed"
+    assert open_ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}").queries.records() == [], "nothing claimed"
     assert not (tmp_path / "exports").exists() or not any((tmp_path / "exports").rglob("*")), "nothing published"
     logs = "\n".join(str(e.message) for e in instance.all_logs(result.run_id))
     return f"{description}\n{failure_message(result)}\n{logs}"
@@ -100,7 +100,7 @@ def test_exports_source_sample_exports_the_sample_invoices(tmp_path, instance):
     assert result.success, failure_message(result)
     (folder,) = published_dirs(tmp_path / "exports")
     _, frame = read_export(folder)
-    (record,) = ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}").queries.records()
+    (record,) = open_ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}").queries.records()
     expected = SampleInvoiceSource(cadence_minutes=30).rows("acme", record.window_start_utc, record.window_end_utc)
     assert list(frame["invoice_id"]) == list(expected["invoice_id"]), "the sample at the chosen cadence"
 
@@ -118,7 +118,7 @@ def test_a_sql_source_exports_the_rows_of_the_table_it_names(tmp_path, instance)
     (folder,) = published_dirs(tmp_path / "exports")
     _, frame = read_export(folder)
     assert list(frame["invoice_id"]) == ids["acme"], "the named table's invoices, not the sample's"
-    (record,) = ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}").queries.records()
+    (record,) = open_ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}").queries.records()
     assert record.state is ExportState.COMPLETED and record.row_count == len(ids["acme"])
 
 

@@ -13,6 +13,7 @@ import dagster as dg
 import pandas as pd
 import pytest
 import sqlalchemy as sa
+from builders import open_ledger
 from pipeline_helpers import check_evaluations, failure_message, make_defs, run_partition
 
 from definitions import build_definitions
@@ -21,7 +22,6 @@ from export_ledger.destinations import ExportTarget, Verdict
 from export_ledger.destinations.table import SqlTableDestination
 from export_ledger.failpoints import ENV_VAR as FAILPOINTS
 from export_ledger.frames import Manifest
-from export_ledger.ledger import ExportLedger
 from export_ledger.ledger.schema import AttemptOutcome, ExportState
 from resources.invoices import SampleInvoiceSource
 
@@ -72,7 +72,7 @@ def test_rows_land_in_the_ledger_database_together_with_their_completion_record(
     result = run_partition(sql_defs, instance, PARTITION)
 
     assert result.success, failure_message(result)
-    ledger = ExportLedger(ledger_url)
+    ledger = open_ledger(ledger_url)
     record = ledger.queries.get(KEY)
     assert record.state is ExportState.COMPLETED and record.row_count == len(_expected_frame()) == 92
     assert record.location == f"sql:{TABLE}/invoice_export/tenant=acme/date={PARTITION}"
@@ -132,7 +132,7 @@ def test_a_failure_between_rows_and_completion_record_leaves_neither_and_a_rerun
     failed = run_partition(sql_defs, instance, PARTITION)
 
     assert not failed.success and "injected failure at before_commit" in failure_message(failed)
-    ledger = ExportLedger(ledger_url)
+    ledger = open_ledger(ledger_url)
     assert ledger.queries.get(KEY).state is ExportState.FAILED, "not completed: the transaction rolled back"
     assert stored_rows(ledger_url) == {}, "no row survives the rolled-back transaction"
 

@@ -11,13 +11,13 @@ import datetime as dt
 import dagster as dg
 import pandas as pd
 import pytest
+from builders import open_ledger
 
 from export_ledger import ExportSpec
 from export_ledger.dagster import ledgered_definitions
 from export_ledger.dagster.checks import HEALTH_CHECK_NAME, destination_problems
 from export_ledger.destinations import LocalDestination
 from export_ledger.keys import LogicalKey
-from export_ledger.ledger import ExportLedger
 from export_ledger.ledger.schema import ExportState
 from export_ledger.protocol import ExportBatch, ExportItem, export_batch
 from export_ledger.sources import CallableSource
@@ -96,7 +96,7 @@ def test_a_streaming_callable_source_exports_and_its_checks_pass_reading_it_once
         )
     failures = [e.step_failure_data.error.message for e in result.all_events if e.is_step_failure]
     assert result.success, f"the run and its checks succeed: {failures}"
-    records = ExportLedger(ledger_url).queries.records(export="orders")
+    records = open_ledger(ledger_url).queries.records(export="orders")
     assert [(r.tenant, r.state, r.row_count) for r in records] == [
         ("acme", ExportState.COMPLETED, 23),
         ("globex", ExportState.COMPLETED, 23),
@@ -115,7 +115,7 @@ def test_a_streaming_callable_source_exports_and_its_checks_pass_reading_it_once
 def test_the_runs_check_fails_when_what_is_published_is_not_what_the_run_read(tmp_path):
     source, reads = generator_source()
     spec = _spec(source)
-    ledger = ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    ledger = open_ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
     destination = LocalDestination(str(tmp_path / "exports"))
     items = [
         ExportItem.streamed(

@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from builders import STREAM_DAY as DAY
 from builders import STREAM_KEY as KEY
 from builders import STREAM_SCHEMA as SCHEMA
-from builders import key_for
+from builders import key_for, open_ledger
 from builders import split_frame as split
 from builders import stream_orders as orders
 from pipeline_helpers import current_data_file, published_dirs, read_export, stored_objects
@@ -36,14 +36,13 @@ from export_ledger.frames import (
     write_rows,
     write_table,
 )
-from export_ledger.ledger import ExportLedger
 from export_ledger.ledger.schema import AttemptOutcome, ExportState
 from export_ledger.protocol import ExportBatch, ExportItem, export_batch, export_key
 from export_ledger.sources import CallableSource
 
 
 def export(tmp_path: Path, frame, *, file_format: str = "csv", attempt: str = "run-1/export"):
-    ledger = ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    ledger = open_ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
     destination = LocalDestination(str(tmp_path / "exports"))
     item = ExportItem(KEY, DAY.isoformat(), frame)
     return ledger, export_key(ledger, destination, SCHEMA, item, attempt, file_format=file_format)
@@ -143,7 +142,7 @@ def test_bad_input_anywhere_in_a_stream_publishes_nothing_and_records_no_complet
     root = tmp_path / "exports"
     assert published_dirs(root) == []
     assert stored_objects(root) == [], "the partly written data file was discarded: nothing of the attempt is left"
-    ledger = ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    ledger = open_ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
     assert ledger.queries.get(str(KEY)).state is ExportState.FAILED
     assert [a.outcome for a in ledger.queries.attempts(str(KEY))] == [AttemptOutcome.FAILED]
 
@@ -220,7 +219,7 @@ def test_an_empty_stream_exports_an_empty_file_with_its_header(tmp_path: Path) -
 
 
 def test_a_streamed_key_in_a_run_is_claimed_alone_when_its_turn_comes(tmp_path: Path) -> None:
-    ledger = ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    ledger = open_ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
     before, streamed, after = (key_for(DAY, tenant=t) for t in ("before", "acme", "after"))
     seen: dict[str, object] = {}
 
@@ -279,7 +278,7 @@ def test_a_stream_to_s3_publishes_the_whole_frame_objects_and_a_bad_one_leaves_n
         access_key_id="testing",
         secret_access_key="testing",
     )
-    ledger = ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    ledger = open_ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
     result = export_key(
         ledger, destination, SCHEMA, ExportItem(KEY, DAY.isoformat(), FrameBatches(split(orders(), 30))), "run-1/export"
     )

@@ -15,6 +15,7 @@ import sqlalchemy as sa
 from builders import STREAM_DAY as DAY
 from builders import STREAM_KEY as KEY
 from builders import STREAM_SCHEMA as SCHEMA
+from builders import open_ledger
 from builders import split_frame as split
 from builders import stream_orders as orders
 
@@ -22,7 +23,6 @@ from export_ledger import FrameError
 from export_ledger.destinations import table as table_destination
 from export_ledger.destinations.table import SqlTableDestination
 from export_ledger.frames import FrameBatches, validate_frame, write_table
-from export_ledger.ledger import ExportLedger
 from export_ledger.ledger.schema import AttemptOutcome, ExportState
 from export_ledger.protocol import ExportItem, export_key
 
@@ -60,7 +60,7 @@ def journal():
 
 
 def export(ledger_url: str, frame, attempt: str = "run-1/export"):
-    ledger = ExportLedger(ledger_url)
+    ledger = open_ledger(ledger_url)
     destination = SqlTableDestination(url=ledger_url, table=TABLE)
     return ledger, export_key(ledger, destination, SCHEMA, ExportItem(KEY, DAY.isoformat(), frame), attempt)
 
@@ -133,7 +133,7 @@ def test_bad_input_mid_stream_rolls_back_the_rows_already_inserted(ledger_url: s
 
     assert journal.inserts[:2] == [50, 50], "the batches before the bad one were inserted"
     assert stored(ledger_url) == {TABLE: 0, f"{TABLE}_manifests": 0}, "and rolled back with the transaction"
-    ledger = ExportLedger(ledger_url)
+    ledger = open_ledger(ledger_url)
     assert ledger.queries.get(str(KEY)).state is ExportState.FAILED
     assert [a.outcome for a in ledger.queries.attempts(str(KEY))] == [AttemptOutcome.FAILED]
 

@@ -10,9 +10,10 @@ from collections import Counter
 
 import dagster as dg
 import pytest
+from builders import open_ledger
 from pipeline_helpers import JOB, failure_message, make_defs, tick
 
-from export_ledger import ExportLedger, Tenant
+from export_ledger import Tenant
 from export_ledger.calendar import ZoneMove
 from export_ledger.dagster import TENANTS_TAG
 from export_ledger.errors import ConfigurationError, SourceError
@@ -52,7 +53,7 @@ def _config(**fields) -> dict:
 
 
 def _states(tmp_path) -> dict[tuple[str, str], str]:
-    book = ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    book = open_ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
     return {
         (r.tenant, r.business_date.isoformat()): r.state.value for r in book.queries.records(export="invoice_export")
     }

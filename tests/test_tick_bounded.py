@@ -14,6 +14,7 @@ import warnings
 
 import dagster as dg
 import sqlalchemy as sa
+from builders import open_ledger
 
 from benchmarks.sensor_tick import START, TIMEZONE, StuckLedger, _row
 from export_ledger.calendar import tz_database_version, window_for
@@ -47,7 +48,7 @@ def counted_steps(url: str):
 
 def _days_ledger(url: str, tenants: int, state: ExportState) -> ExportLedger:
     """Two business days of ``tenants`` keys each, all in ``state`` (completed keys carry their evidence)."""
-    ledger = ExportLedger(url)
+    ledger = open_ledger(url)
     now = dt.datetime.now(UTC)
     windows = [window_for(START + dt.timedelta(days=d), TIMEZONE) for d in range(2)]
     rows = [_row(i, 2, windows, tz_database_version(TIMEZONE), now) for i in range(2 * tenants)]
@@ -160,7 +161,7 @@ def test_a_days_summary_is_read_from_the_covering_index_alone_on_a_fresh_and_an_
     shutil.copy(Path(__file__).parent / "data" / "ledger-0.4.0.sqlite3", upgraded)
     upgrade_url(f"sqlite:///{upgraded}")
     for url in (f"sqlite:///{tmp_path / 'fresh.sqlite3'}", f"sqlite:///{upgraded}"):
-        ledger = ExportLedger(url)
+        ledger = open_ledger(url)
         statements = []
 
         def seen(conn, cursor, statement, parameters, context, executemany, statements=statements):

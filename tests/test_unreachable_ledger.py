@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from export_ledger import cli
-from export_ledger.ledger import dispose_engines
+from export_ledger.ledger import ExportLedger, LedgerUnavailable, dispose_engines
 from export_ledger.ledger.store import why_unreachable
 
 
@@ -140,3 +140,31 @@ def test_the_cli_says_why_and_never_the_password(capsys):
     assert code == 1 and out == ""
     assert f"the connection to 127.0.0.1:{port} was refused" in err
     assert "u:***@" in err and "topsecret" not in err
+
+
+# -- refused at opening: an unreachable server, an uncreatable folder ------------------------------------------------
+
+
+def test_unreachable_ledger_raises_ledger_unavailable_without_the_password():
+    url = "postgresql+psycopg2://user:s3cr3t-pw@127.0.0.1:1/x"
+
+    with pytest.raises(LedgerUnavailable) as unavailable:
+        ExportLedger(url)
+
+    message = str(unavailable.value)
+    assert "s3cr3t-pw" not in message, "the ledger's password must never reach logs or error messages"
+    assert "s3cr3t-pw" not in repr(unavailable.value)
+    assert "127.0.0.1" in message, "the message says which ledger could not be reached"
+
+
+def test_unreachable_ledger_without_password_raises_ledger_unavailable():
+    with pytest.raises(LedgerUnavailable, match="127.0.0.1"):
+        ExportLedger("postgresql+psycopg2://nobody@127.0.0.1:1/x")
+
+
+def test_sqlite_ledger_in_an_uncreatable_folder_raises_ledger_unavailable(tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the ledger folder should be")
+
+    with pytest.raises(LedgerUnavailable):
+        ExportLedger(f"sqlite:///{blocker / 'ledger.sqlite3'}")

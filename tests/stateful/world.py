@@ -23,6 +23,7 @@ from urllib.parse import quote
 
 import pandas as pd
 import sqlalchemy as sa
+from builders import open_ledger
 
 from export_ledger.calendar import calendar_contract, window_for
 from export_ledger.contract import export_terms, with_terms
@@ -32,7 +33,7 @@ from export_ledger.destinations.publishing import PublishingDestination
 from export_ledger.destinations.store import ObjectStore
 from export_ledger.frames import ExportSchema
 from export_ledger.keys import LogicalKey
-from export_ledger.ledger import ExportLedger, ExportRecord, dispose_engines
+from export_ledger.ledger import ExportRecord, dispose_engines
 from export_ledger.ledger.schema import (
     export_attempts,
     export_contracts,
@@ -552,7 +553,7 @@ class World:
             self._closers.append(drop)
             self.url = f"{POSTGRES_ADMIN_URL}?options={quote(f'-csearch_path={schema}')}"
         self._closers.append(dispose_engines)
-        self.ledger = ExportLedger(self.url, lease_ttl=LEASE, clock=self.clock)
+        self.ledger = open_ledger(self.url, lease_ttl=LEASE, clock=self.clock)
         self.rows = LedgerRows(self.url)
         self._closers.append(self.rows.close)
         if destination == "local":

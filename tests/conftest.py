@@ -24,6 +24,7 @@ from install_fixtures import fresh_install  # noqa: F401  (a shared non-editable
 from s3_fixtures import *  # noqa: F403  (s3_server, s3_credentials, s3_bucket, s3, fault_proxy)
 
 from export_ledger.dagster import LedgerResource
+from export_ledger.destinations import LocalDestination
 from export_ledger.ledger import dispose_engines
 
 UTC = dt.timezone.utc
@@ -142,6 +143,12 @@ def ledger(request, clock: Clock):
     runs on each (it asks for ``ledger_url`` too, or its module is marked ``pytest.mark.usefixtures("ledger_url")``)."""
     url = request.getfixturevalue("ledger_url" if "ledger_url" in request.fixturenames else "sqlite_url")
     return open_ledger(url, clock=clock, lease_ttl=LEDGER_LEASE)
+
+
+@pytest.fixture
+def local(tmp_path) -> LocalDestination:
+    """A local destination in the test's folder (``exports``)."""
+    return LocalDestination(str(tmp_path / "exports"))
 
 
 class ClockedLedgerResource(LedgerResource):

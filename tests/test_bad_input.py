@@ -7,8 +7,10 @@ import datetime as dt
 import dagster as dg
 import pandas as pd
 import pytest
-from builders import open_ledger
+from builders import hourly_orders as orders
+from builders import key_for, open_ledger
 from pipeline_helpers import failure_message, make_defs, places, published_dirs, run_partition
+from restatement_support import DAY, SCHEMA, item
 
 from definitions import build_definitions
 from export_ledger import ConfigurationError
@@ -16,7 +18,10 @@ from export_ledger.calendar import CalendarError, ExportCalendar
 from export_ledger.dagster import LedgerResource
 from export_ledger.keys import InvalidIdentifier, parse_tenants
 from export_ledger.ledger.schema import ExportState
+from export_ledger.protocol import export_key
 from resources.invoices import InvoiceSource, SampleInvoiceSource
+
+EMAIL = "jane.doe@example.org"
 
 
 class DoctoredSource(InvoiceSource):
@@ -216,3 +221,22 @@ def test_each_export_and_destination_kind_exports_in_its_own_concurrency_pool(tm
     asset = build_definitions(environ=environ).get_assets_def("invoice_export")
     assert asset.op.pool == pool
     assert asset.backfill_policy == dg.BackfillPolicy.multi_run(max_partitions_per_run=7)
+
+
+# -- a duplicate id is never stored in the ledger ----------------------------------------------------------------------
+
+
+def test_a_duplicate_id_error_stores_no_id_value_in_the_ledger(ledger, local):
+    """Item 18: the ids of a row are customer data (here an id holding an email). A duplicate-id error must not store
+    an id value in the ledger's attempts table.
+    Fails on 0.4.0 (07f55b3): the ledger stores "duplicate order_id values (acme-jane.doe@example.org)"."""
+    key = key_for(DAY)
+    frame = orders(key)
+    frame.loc[[0, 1], "order_id"] = f"acme-{EMAIL}"
+    with pytest.raises(Exception, match="share their order_id with another"):  # 0.4.0 said "duplicate order_id values"
+        export_key(ledger, local, SCHEMA, item(key, frame), "run-1/export")
+    (attempt,) = ledger.queries.attempts(str(key))
+    assert EMAIL not in (attempt.error_message or ""), attempt.error_message
+    assert "2 row(s) share their order_id" in (attempt.error_message or ""), (
+        f"the refusal still says what is wrong, by count and row position: {attempt.error_message}"
+    )

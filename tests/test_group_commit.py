@@ -405,3 +405,31 @@ def test_a_sync_with_nothing_deferred_does_nothing(tmp_path: Path, monkeypatch) 
     with destination.deferred():
         destination.sync()
     assert calls == []
+
+
+# -- a lease that ends exactly now never stops its group ---------------------------------------------------------------
+
+
+def test_a_key_whose_lease_ends_exactly_now_never_stops_its_group_of_50(ledger, local, clock):
+    """Item 15: `_refusal` says a lease is held while `expires > now`, the takeover guard needs `expires < now`. At
+    equality claim_many raises and rolls back the whole group. One key must never stop the other 49.
+    Fails on 0.4.0 (07f55b3): InvalidTransition, 0 of 49 other keys completed."""
+    tenants = [f"t{i:02d}" for i in range(50)]
+    keys = [key_for(DAY, tenant=t) for t in tenants]
+    ledger.claims.claim(keys[0], "dead-run/export")  # its lease ends at now + 15 minutes, to the microsecond
+    clock.advance(minutes=15)  # exactly the lease's end
+    batch = ExportBatch(SCHEMA, [ExportItem(k, DAY.isoformat(), orders(k)) for k in keys])
+    try:
+        export_batch(ledger, local, batch, "run-2/export")
+        raised = None
+    except Exception as exc:
+        raised = f"{type(exc).__name__}: {exc}"[:160]
+    completed = [
+        k for k in keys[1:] if (r := ledger.queries.get(str(k))) is not None and r.state is ExportState.COMPLETED
+    ]
+    observed = {"export_batch raised": raised, "other keys completed": len(completed)}
+    assert observed["other keys completed"] == 49, observed
+    first = ledger.queries.get(str(keys[0]))
+    assert (first.state, first.committed_attempt) == (ExportState.COMPLETED, "run-2/export"), (
+        f"at equality the lease has ended: the key is taken over ({observed})"
+    )

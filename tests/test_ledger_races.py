@@ -16,10 +16,11 @@ import time
 from collections import Counter
 
 import pytest
+from builders import evidence_for, key_for, open_ledger, overlapping_writers
 
 from export_ledger.calendar import window_for
 from export_ledger.keys import LogicalKey
-from export_ledger.ledger import AlreadyCompleted, Claim, CompletionEvidence, ExportLedger, LeaseHeld
+from export_ledger.ledger import AlreadyCompleted, Claim, CompletionEvidence, LeaseHeld
 from export_ledger.ledger.schema import AttemptOutcome, ExportState
 
 FRESH = "fresh"  # nobody ever claimed the key
@@ -54,9 +55,9 @@ def seed_attempt_id(round_index: int) -> str:
 
 def seed_round_starts(url: str) -> None:
     """Puts every round's key in its starting state, from the test process, before any racer starts."""
-    ExportLedger(url, lease_ttl=LEASE_TTL)  # creates the schema
+    open_ledger(url, lease_ttl=LEASE_TTL)  # creates the schema
     long_ago = dt.datetime.now(UTC) - dt.timedelta(days=1)
-    crashed_holder = ExportLedger(url, lease_ttl=LEASE_TTL, clock=lambda: long_ago)
+    crashed_holder = open_ledger(url, lease_ttl=LEASE_TTL, clock=lambda: long_ago)
     for round_index, start in enumerate(ROUND_STARTS):
         if start == FRESH:
             continue
@@ -68,7 +69,7 @@ def seed_round_starts(url: str) -> None:
 def race(url: str, racer: int, barrier, results) -> None:
     """One racer: for every round, wait for the others, claim the round's key and complete it if it won."""
     try:
-        ledger = ExportLedger(url, lease_ttl=LEASE_TTL)
+        ledger = open_ledger(url, lease_ttl=LEASE_TTL)
     except BaseException as exc:  # report it for every round, and release the others instead of leaving them waiting
         barrier.abort()
         for round_index in range(ROUNDS):
@@ -145,7 +146,7 @@ def run_racers(url: str, racers: int) -> list[tuple[int, int, str, str]]:
 @pytest.mark.parametrize("racers", [2, 8])
 def test_racing_processes_complete_each_key_exactly_once(ledger_url, racers):
     seed_round_starts(ledger_url)
-    ledger = ExportLedger(ledger_url, lease_ttl=LEASE_TTL)
+    ledger = open_ledger(ledger_url, lease_ttl=LEASE_TTL)
 
     results = run_racers(ledger_url, racers)
 
@@ -187,3 +188,34 @@ def test_racing_processes_complete_each_key_exactly_once(ledger_url, racers):
             CRASHED: [AttemptOutcome.ABANDONED],  # recorded once, by the one takeover
         }[start]
         assert seed_rows == expected_seed_rows, f"the earlier attempt on the {start} key {key} is recorded once"
+
+
+# -- complete_many and claim_many never deadlock on PostgreSQL ---------------------------------------------------------
+
+
+@pytest.mark.postgres
+def test_overlapping_backfills_never_deadlock_between_complete_many_and_claim_many(postgres_url, postgres_admin_url):
+    """Suspected S1: run 1 completes its group (its first row update done, the second about to run) while an
+    overlapping backfill claims the same keys, locking them in logical key order (tenant first). Neither may fail
+    with a deadlock. (v2: the pause is before run 1's second update of export_runs whichever key it is, so that run 1
+    always holds one row lock when run 2 arrives; 0.4.0 updated in item order: x first, then y. v3: a group's finish
+    on PostgreSQL locks its rows in key order and then updates them in one statement: the pause is before the second
+    of those statements that lock rows, so run 1 holds its locks when run 2 arrives, whichever form it takes.)
+    Fails on 0.4.0 (07f55b3): DeadlockDetected between complete_many and claim_many."""
+    book = open_ledger(postgres_url)
+    x = key_for(dt.date(2026, 3, 1), tenant="tb")  # first in item order (the earlier date)
+    y = key_for(dt.date(2026, 3, 2), tenant="ta")  # first in key order (tenant ta sorts before tb)
+    assert str(y) < str(x)
+    cx, cy = book.claims.claim_many([x, y], "run-1/export")
+    completions = [(cx, evidence_for(cx)), (cy, evidence_for(cy))]
+
+    def complete_many():  # run 1
+        return book.completions.complete_many(completions)
+
+    def claim_many():  # run 2
+        return book.claims.claim_many([x, y], "run-2/export")
+
+    outcomes, waited = overlapping_writers(postgres_admin_url, complete_many, claim_many)
+    assert waited, f"run 2 waited for a row lock of run 1 (the overlap happened): {outcomes}"
+    assert all(v.startswith("ok") for v in outcomes.values()) and len(outcomes) == 2, outcomes
+    assert {book.queries.get(str(k)).state for k in (x, y)} == {ExportState.COMPLETED}, outcomes

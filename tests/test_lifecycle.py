@@ -5,11 +5,11 @@ from __future__ import annotations
 import datetime as dt
 
 import pytest
-from builders import open_ledger
+from builders import evidence_for, key_for, open_ledger
 from pipeline_helpers import failure_message, make_defs, published_dirs, run_partition
 
 from export_ledger import cli
-from export_ledger.calendar import ExportCalendar, ZoneMove, window_for
+from export_ledger.calendar import ExportCalendar, ZoneMove, utc_iso, window_for
 from export_ledger.contract import calendar_of
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger import BelowLowWater, CompletionEvidence, ContractChanged, ExportLedger, RestatementRefused
@@ -17,6 +17,7 @@ from export_ledger.ledger.schema import ExportState
 from export_ledger.tenants import Tenant
 
 UTC = dt.timezone.utc
+NY = "America/New_York"
 
 
 def _complete(ledger: ExportLedger, day: dt.date, tenant: str = "acme") -> None:
@@ -264,3 +265,60 @@ def test_accept_contract_from_the_cli_records_the_code_contract_and_reason(sqlit
     assert ledger.claims.claim(second, "run-3/invoice_export", contract=code_contract).fencing_token == 1
     assert ledger.contracts.history("invoice_export")[-1]["reason"] == "zone fixed in code"
     assert cli.main([*accept, "--reason", "  "]) == 2
+
+
+# -- prune never closes a date a tenant never exported -----------------------------------------------------------------
+
+
+def test_prune_never_closes_a_date_that_one_tenant_never_exported(sqlite_url, clock):
+    """Item 8: the low-water mark counts a date as keyed if any tenant has a key on it. `prune` must not close a
+    business date that a tenant of the export never exported: that tenant's first claim would be refused for good.
+    (v2: tenants' contracts are recorded at their first claim; there is no separate check_contracts.)
+    Fails on 0.4.0 (07f55b3): prune mark 2026-03-03 closes globex's unexported 03-02 (BelowLowWater)."""
+    book = open_ledger(sqlite_url, clock=clock)
+    contract = ExportCalendar(NY, "2026-03-01").contract()
+    done = [(dt.date(2026, 3, 1), "acme"), (dt.date(2026, 3, 1), "globex"), (dt.date(2026, 3, 2), "acme")]
+    for day, tenant in done:  # globex never exported 2026-03-02 (its run failed before any claim, say)
+        claim = book.claims.claim(key_for(day, tenant=tenant), f"run-{day}/invoice_export", contract=contract)
+        book.completions.complete(claim, evidence_for(claim))
+    code = cli.main(["--ledger-url", sqlite_url, "prune", "--older-than", "30", "--yes"])  # the host's clock: December
+    mark = book.retention.low_water("invoice_export")
+    late = key_for(dt.date(2026, 3, 2), tenant="globex")
+    try:
+        outcome = type(book.claims.claim(late, "late-run/invoice_export", contract=contract)).__name__
+    except BelowLowWater:
+        outcome = "BelowLowWater (refused)"
+    observed = {"prune exit code": code, "low-water mark": mark.isoformat() if mark else None, "globex 03-02": outcome}
+    assert code == 0 and mark == dt.date(2026, 3, 2), f"prune closed 03-01, which every tenant exported: {observed}"
+    assert observed["globex 03-02"] == "Claim", observed
+
+
+def test_prune_with_close_unexported_never_closes_a_date_whose_window_has_not_ended_in_the_tenants_zone(
+    sqlite_url, clock
+):
+    """Item 8 (its horizon is a UTC date): at 2026-03-09T09:30Z Honolulu's 2026-03-08 still runs until 10:00Z.
+    `prune --older-than 0 --close-unexported` closes dates before the UTC date 2026-03-09, so tonight's run of
+    2026-03-08 is refused. A date whose window has not ended in the tenant's zone must never be closed. (The test
+    clock starts at 2026-03-20 in v2's suite: it is set back to the issue's 2026-03-09T09:30Z.)
+    Fails on 0.4.0 (07f55b3): a UTC-date horizon closing a Honolulu day not over."""
+    clock.now = dt.datetime(2026, 3, 9, 9, 30, tzinfo=UTC)
+    book = open_ledger(sqlite_url, clock=clock)
+    zone = "Pacific/Honolulu"
+    contract = ExportCalendar(zone, "2026-03-07").contract()
+    claim = book.claims.claim(key_for(dt.date(2026, 3, 7), tenant="hono", timezone=zone), "run-1/invoice_export",
+                              contract=contract)  # fmt: skip
+    book.completions.complete(claim, evidence_for(claim))
+    book.retention.prune(0, close_unexported=True, operator="ops", reason="close the gaps")
+    today = key_for(dt.date(2026, 3, 8), tenant="hono", timezone=zone)
+    clock.now = today.window.end_utc + dt.timedelta(minutes=30)  # the nightly run, after the window ended
+    try:
+        outcome = type(book.claims.claim(today, "nightly/invoice_export", contract=contract)).__name__
+    except BelowLowWater:
+        outcome = "BelowLowWater (refused)"
+    mark = book.retention.low_water("invoice_export")
+    observed = {
+        "window of 2026-03-08": f"{utc_iso(today.window.start_utc)} .. {utc_iso(today.window.end_utc)}",
+        "low-water mark": mark.isoformat() if mark else None,
+        "nightly claim": outcome,
+    }
+    assert observed["nightly claim"] == "Claim", observed

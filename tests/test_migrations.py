@@ -238,3 +238,30 @@ def test_a_ledger_of_release_0_4_0_is_read_by_tenant_and_a_typo_is_named(ledger_
     assert "the ledger knows no tenant 'acmee' (known: acme, globex" in capsys.readouterr().err
     dispose_engines()
     assert _digest(ledger_040) == before, "a read-open never writes"
+
+
+# -- a ledger of release 0.4.0 records unchanged requests --------------------------------------------------------------
+
+
+def test_a_ledger_of_release_0_4_0_upgrades_to_record_unchanged_requests_and_keeps_its_indexes(tmp_path):
+    path = tmp_path / "ledger.sqlite3"
+    shutil.copy(Path(__file__).parent / "data" / "ledger-0.4.0.sqlite3", path)
+    url = f"sqlite:///{path}"
+    assert upgrade_url(url) == [6, 7, 8, 9]
+    insert = sa.text(
+        "INSERT INTO export_restatements (logical_key, export, tenant, business_date, revision, reason, requested_by, "
+        "requested_at, base_token, closed_at, outcome) VALUES (:k, 'invoice_export', 'acme', '2026-03-01', :r, 'x', "
+        "'ops', '2026-03-21 00:00:00', 1, :closed, :outcome)"
+    )
+    key = "invoice_export/acme/2026-03-01T05:00:00Z"
+    engine = sa.create_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(insert, {"k": key, "r": 7, "closed": "2026-03-21 01:00:00", "outcome": "unchanged"})
+            conn.execute(insert, {"k": key, "r": 8, "closed": None, "outcome": None})
+        with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:
+            conn.execute(insert, {"k": key, "r": 9, "closed": None, "outcome": None})  # a second open request
+        with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:
+            conn.execute(insert, {"k": key, "r": 10, "closed": "2026-03-21 01:00:00", "outcome": "forgotten"})
+    finally:
+        engine.dispose()

@@ -18,19 +18,27 @@ import socket
 import subprocess
 import sys
 import uuid
+from urllib.parse import urlsplit
 
 import pytest
-from builders import key_for
+from builders import key_for, open_ledger
 from cloud_fixtures import AZURITE_ACCOUNT, AZURITE_KEY
+from restatement_support import DAY, SCHEMA, item
+from restatement_support import s3_destination as support_s3_destination  # (bucket, endpoint_url)
 
 from export_ledger.destinations import DestinationError, DestinationUnreachable, PublishOutcomeUnknown
 from export_ledger.destinations.azure import AzureDestination
 from export_ledger.destinations.gcs import GCSDestination
 from export_ledger.destinations.s3 import S3Destination
 from export_ledger.destinations.store import AlreadyExists, PreconditionFailed
-from export_ledger.ledger import ExportLedger
+from export_ledger.errors import ExportLedgerError
+from export_ledger.failpoints import ENV_VAR as FAILPOINTS
+from export_ledger.failpoints import SimulatedCrash
+from export_ledger.ledger import ResolutionRefused
 from export_ledger.ledger.schema import ExportState
+from export_ledger.protocol import export_key
 from export_ledger.reconcile import Verdict, reconcile_batch
+from export_ledger.resolve import resolve_key
 
 SECRET = "SECRETcanary-0b9f"
 TIMEOUTS = {"connect_timeout_seconds": 2.0, "read_timeout_seconds": 3.0}
@@ -152,7 +160,7 @@ def test_a_key_reconciled_against_a_missing_bucket_or_container_stays_unknown_na
     """Read as "absent", a missing container would let reconciliation record a published key ``failed`` (and rerun
     it): the destination cannot say, so the key stays as it was."""
     destination, name = missing_destination
-    ledger = ExportLedger(sqlite_url)
+    ledger = open_ledger(sqlite_url)
     key = key_for()
     ledger.completions.mark_remote_unknown(ledger.claims.claim(key, "run-1"), TimeoutError("answer lost"))
 
@@ -232,3 +240,96 @@ print(json.dumps(answers))
     answers = json.loads(done.stdout.strip().splitlines()[-1])
     for call, answer in answers.items():
         assert "GOOGLE_APPLICATION_CREDENTIALS" in answer and "no Google credentials" in answer, f"{call}: {answer}"
+
+
+# -- a TLS error after the request went out ----------------------------------------------------------------------------
+
+
+def test_a_tls_error_on_a_write_is_an_unknown_outcome_not_nothing_sent():
+    """A TLS error can come after the request went out whole (the review drove one through a TLS proxy that answered
+    the pointer's PUT with a corrupted record): only a failed connect or missing credentials mean nothing was sent."""
+    botocore = pytest.importorskip("botocore.exceptions")
+    from export_ledger.destinations.base import PublishOutcomeUnknown
+    from export_ledger.destinations.s3 import S3Destination
+
+    store = S3Destination(bucket="exports-bucket", endpoint_url="https://127.0.0.1:9").store
+    ssl = botocore.SSLError(endpoint_url="https://127.0.0.1:9", error="decryption failed or bad record mac")
+    assert isinstance(store._write_failed(ssl, "writing the pointer"), PublishOutcomeUnknown)
+    refused = botocore.EndpointConnectionError(endpoint_url="https://127.0.0.1:9")
+    timed_out = botocore.ConnectTimeoutError(endpoint_url="https://127.0.0.1:9")
+    for nothing_sent in (refused, timed_out):
+        error = store._write_failed(nothing_sent, "writing the pointer")
+        assert not isinstance(error, PublishOutcomeUnknown) and "cannot reach the store" in str(error)
+
+
+# -- a failed S3 delete is the library's destination error -------------------------------------------------------------
+
+
+def test_a_failed_s3_delete_is_the_librarys_destination_error_not_a_raw_botocore_error(
+    ledger, clock, s3_bucket, fault_proxy, monkeypatch
+):
+    """Suspected S5: `discard_target` and `discard_abandoned` call delete_object bare. A delete answered 500 must be
+    a classified DestinationError (as every other S3 call is), not a raw botocore ClientError. (v2: every delete goes
+    through the store's `delete` hook; `resolve_key` reports a failed action as ResolutionRefused, in the library's
+    own words, with the key put back and the refusal logged, so the classification is read from its message, and
+    from the hook itself.)
+    Fails on 0.4.0 (07f55b3): raw botocore ClientError escapes resolve_key."""
+    destination = support_s3_destination(s3_bucket, fault_proxy.endpoint_url)
+    key = key_for(DAY)
+    monkeypatch.setenv(FAILPOINTS, "after_publish=crash")
+    with pytest.raises(SimulatedCrash):
+        export_key(ledger, destination, SCHEMA, item(key), "run-1/export")
+    monkeypatch.delenv(FAILPOINTS)
+    clock.advance(minutes=16)
+    fault_proxy.inject("error_500", method="DELETE")
+    try:
+        resolve_key(ledger, destination, str(key), action="discard-destination", operator="ops", reason="bad rows")
+        raised = None
+    except Exception as exc:
+        raised = exc
+    assert fault_proxy.remaining == 0, "the discard's delete was answered 500"
+    observed = {
+        "raised": f"{type(raised).__module__}.{type(raised).__name__}: {str(raised)[:160]}" if raised else None,
+        "state after": ledger.queries.get(str(key)).state.value,
+    }
+    assert raised is None or isinstance(raised, ExportLedgerError), observed
+    assert raised is None or (isinstance(raised, ResolutionRefused) and "cannot delete" in str(raised)), observed
+
+    fault_proxy.inject("error_500", method="DELETE")
+    with pytest.raises(DestinationError, match="cannot delete"):
+        destination.store.delete(f"{key.export}/tenant={key.tenant}/date={DAY.isoformat()}/r1-t1/data.csv")
+
+
+# -- a connect timeout to S3 is nothing sent ---------------------------------------------------------------------------
+
+
+def test_a_connect_timeout_to_s3_is_nothing_sent_not_an_unknown_outcome(ledger, s3_bucket, fault_proxy):
+    """Item 17: botocore's ConnectTimeoutError is not an EndpointConnectionError. A connection that was never
+    established sent nothing: the key must be `failed` (safe to retry), not `remote_unknown`. (v2: the connect
+    timeout starts right before the commit's PUT of the pointer, from botocore's before-send event, so the pointer's
+    GET before it still succeeds.)
+    Fails on 0.4.0 (07f55b3): ConnectTimeoutError taken as unknown: remote_unknown."""
+    destination = support_s3_destination(s3_bucket, fault_proxy.endpoint_url, connect_timeout_seconds=1.0)
+    destination.store.check_conditions()  # the store was fine until now
+    sent: list[str] = []
+
+    def connects_time_out_from_the_commit(request, **_):
+        if request.method == "PUT" and urlsplit(request.url).path.endswith("/_current.json") and not sent:
+            sent.append(request.url)
+            fault_proxy.inject("connect_timeout")
+
+    client = destination.store._s3()
+    client.meta.events.register("before-send.s3.PutObject", connects_time_out_from_the_commit)
+    key = key_for(DAY)
+    try:
+        export_key(ledger, destination, SCHEMA, item(key), "run-1/export")
+        raised = None
+    except Exception as exc:
+        raised = f"{type(exc).__name__}: {exc}"[:200]
+    finally:
+        client.meta.events.unregister("before-send.s3.PutObject", connects_time_out_from_the_commit)
+        fault_proxy.clear()
+    observed = {"raised": raised, "state": ledger.queries.get(str(key)).state.value}
+    assert sent, "the commit's PUT met the connect timeout"
+    assert observed["state"] == "failed", observed
+    assert "ConnectTimeoutError" in (raised or ""), f"the error names what happened: {observed}"

@@ -15,10 +15,14 @@ import json
 import os
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
 
 import dagster as dg
+import numpy as np
+import pandas as pd
 import pytest
+from builders import key_for, open_ledger
 from pipeline_helpers import (
     failure_message,
     key_rows,
@@ -30,6 +34,8 @@ from pipeline_helpers import (
     run_range,
     tick,
 )
+from restatement_support import DAY, SCHEMA, item, key_folder, s3_folder
+from restatement_support import s3_destination as support_s3_destination  # a 3-second read timeout
 from s3_support import Fault
 
 from export_ledger import cli
@@ -37,9 +43,13 @@ from export_ledger.calendar import window_for
 from export_ledger.destinations import POINTER_NAME, place_of_location
 from export_ledger.destinations.s3 import S3Destination
 from export_ledger.failpoints import ENV_VAR as FAILPOINTS
+from export_ledger.failpoints import SimulatedCrash
 from export_ledger.frames import MANIFEST_NAME
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger.schema import AttemptOutcome, ExportState
+from export_ledger.protocol import ExportItem, export_key, target_for
+from export_ledger.reconcile import reconcile_batch
+from export_ledger.sources import CallableSource
 from resources.invoices import SampleInvoiceSource
 
 UTC = dt.timezone.utc
@@ -642,9 +652,8 @@ def test_a_day_is_unfinished_only_for_a_listed_tenants_key_that_is_not_completed
     tenant's, a day all completed, and a day with no key are not (PostgreSQL sends days and tenants as two arrays)."""
     from builders import evidence_for, key_for
 
-    from export_ledger.ledger import ExportLedger
 
-    ledger = ExportLedger(ledger_url)
+    ledger = open_ledger(ledger_url)
     tenants = [f"t{i:02d}" for i in range(count)]
     failed, running, retired, done, empty = (dt.date(2026, 3, d) for d in range(2, 7))
     for day in (failed, running, retired, done):
@@ -664,9 +673,8 @@ def test_a_day_is_unfinished_only_for_a_listed_tenants_key_that_is_not_completed
 def test_a_day_is_summarised_in_the_database_and_only_its_listed_keys_are_read(ledger_url, count):
     from builders import evidence_for, key_for
 
-    from export_ledger.ledger import ExportLedger
 
-    ledger = ExportLedger(ledger_url)
+    ledger = open_ledger(ledger_url)
     tenants = [f"t{i:02d}" for i in range(count)]
     days = [dt.date(2026, 3, 7), dt.date(2026, 3, 8)]
     for day in days:
@@ -683,3 +691,85 @@ def test_a_day_is_summarised_in_the_database_and_only_its_listed_keys_are_read(l
     )
     assert {d: [r.tenant for r in rs] for d, rs in listed.items()} == {day: tenants[:20] for day in days}
     assert ledger.queries.first_keys(export="invoice_export", timezone=None, days=days, tenants=[], per_day=20) == {}
+
+
+# -- reconciling a large export reads it in bounded memory -------------------------------------------------------------
+
+
+def test_reconciling_a_large_published_export_reads_it_in_bounded_memory(ledger, local, clock, monkeypatch):
+    """Suspected S3: `read_data` returns the whole data object as bytes, so repair, examine and resolve hold a whole
+    export in memory (a streamed key may be larger than memory). Reconciling a committed, unrecorded 30 MB export
+    (and v2's one `verify`, which every party uses) must stay within a few MiB, as its streamed write does.
+    Fails on 0.4.0 (07f55b3): reconciling a 32.6 MiB export peaks at 32.7 MiB."""
+    key = key_for(DAY)
+    rows = 600_000
+    start = pd.Timestamp(key.window.start_utc)
+    step = (pd.Timestamp(key.window.end_utc) - start) / rows
+
+    def big(tenant, start_utc, end_utc):
+        for first in range(0, rows, 50_000):  # streamed: the write holds one batch at a time
+            n = np.arange(first, first + 50_000)
+            yield pd.DataFrame({
+                "order_id": [f"acme-{i:09d}" for i in n], "tenant": "acme",
+                "placed_at": pd.date_range(start + step * first, periods=len(n), freq=step).as_unit("us"),
+                "total": 12.5,
+            })  # fmt: skip
+
+    monkeypatch.setenv(FAILPOINTS, "after_publish=crash")
+    with pytest.raises(SimulatedCrash):
+        export_key(ledger, local, SCHEMA, ExportItem.streamed(key, DAY.isoformat(), CallableSource(big), SCHEMA), "r1")
+    monkeypatch.delenv(FAILPOINTS)
+    pointer = local.pointer(target_for(key))
+    size = sum(p.stat().st_size for p in (Path(local.root) / "/".join(target_for(key).parts) / pointer.place).iterdir())
+    peaks = {}
+    tracemalloc.start()
+    try:
+        verification = local.verify(target_for(key), logical_key=str(key), superseded=0)
+        peaks["verify"] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        clock.advance(minutes=16)
+        report = reconcile_batch(ledger, local, limit=10, after=None, reconciler="reconciliation_sensor")
+        peaks["reconcile"] = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    observed = {
+        "export size (MiB)": round(size / 2**20, 1),
+        "peak Python allocation (MiB)": {what: round(peak / 2**20, 1) for what, peak in peaks.items()},
+        "verdicts": [verification.verdict.value, *(f.verdict.value for f in report.findings)],
+    }
+    assert size > 25 * 2**20 and observed["verdicts"] == ["published", "completed"], observed
+    assert all(peak < 8 * 2**20 for peak in peaks.values()), observed
+
+
+# -- a manifest without its data is a conflict, not an unreachable store -----------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_a_manifest_without_its_data_is_a_conflict_not_an_unreachable_store(
+    kind, ledger, local, clock, s3, s3_bucket, s3_server, monkeypatch
+):
+    """Item 7: reconciliation finds a committed manifest (the pointer names its place) whose data object is gone
+    (what item 4 left). That is a conflict an operator must see at once, not an unreachable store that waits for
+    `stuck_after`.
+    Fails on 0.4.0 (07f55b3): verdict unreachable, state stays in_progress."""
+    destination = local if kind == "local" else support_s3_destination(s3_bucket, s3_server)
+    key = key_for(DAY)
+    monkeypatch.setenv(FAILPOINTS, "after_publish=crash")
+    with pytest.raises(SimulatedCrash):
+        export_key(ledger, destination, SCHEMA, item(key), "run-1/export")
+    monkeypatch.delenv(FAILPOINTS)
+    pointer = destination.pointer(target_for(key))
+    assert pointer.revision == 1, "the dead attempt's commit is what readers follow"
+    if kind == "local":
+        (key_folder(Path(local.root), key) / pointer.place / pointer.data_file).unlink()
+    else:
+        s3.delete_object(Bucket=s3_bucket, Key=f"{s3_folder(key)}/{pointer.place}/{pointer.data_file}")
+    clock.advance(minutes=16)
+    report = reconcile_batch(ledger, destination, limit=10, after=None, reconciler="reconciliation_sensor")
+    (finding,) = report.findings
+    observed = {
+        "verdict": finding.verdict.value,
+        "state": ledger.queries.get(str(key)).state.value,
+        "detail": finding.detail,
+    }
+    assert (observed["verdict"], observed["state"]) == ("conflict", "conflict"), observed

@@ -25,17 +25,20 @@ from builders import drift_environ as _environ
 from builders import drift_source as _source
 from builders import drift_spec as _spec
 from builders import late_deleted_and_updated as _late_deleted_and_updated
-from pipeline_helpers import failure_message, key_rows, tick
+from builders import open_ledger
+from pipeline_helpers import failure_message, key_rows, make_defs, published_dirs, read_export, run_partition, tick
 
+from export_ledger import cli
 from export_ledger.dagster import ledgered_definitions
 from export_ledger.destinations.publishing import POINTER_NAME
 from export_ledger.failpoints import ENV_VAR as FAILPOINTS
 from export_ledger.frames import MANIFEST_NAME, Manifest
 from export_ledger.keys import LogicalKey
-from export_ledger.ledger import ExportLedger, ExportState
+from export_ledger.ledger import ExportState
 from export_ledger.restate import asset_name_for
 
 REASON = "late invoices from the billing fix"
+KEY = "invoice_export/acme/2026-03-08T05:00:00Z"
 
 
 def _cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -66,7 +69,7 @@ class Shop:
         self.defs = ledgered_definitions([self.spec], environ=self.environ)
         self.instance = instance
         self.day = _day().isoformat()
-        self.ledger = ExportLedger(self.url)
+        self.ledger = open_ledger(self.url)
 
     def run(self, run_config: dict | None = None, *, job: str = "orders_job", partition: str | None = None, **kw):
         return self.defs.resolve_job_def(job).execute_in_process(
@@ -498,3 +501,33 @@ def test_export_ledger_drift_requests_the_restatements_of_restate_stale_exports(
     assert (request.reason, request.requested_by) == ("source changed: +1 -1 ~1 rows", "export-ledger drift (ops@desk)")
     code, out, _ = _cli(capsys, *drift)
     assert code == 0 and "restatement(s) requested" not in out, "the same drift asks once"
+
+
+# -- a restatement whose data is the current revision's ----------------------------------------------------------------
+
+
+def test_an_identical_restatement_is_closed_unchanged_visibly_and_never_launched_again(tmp_path, instance, capsys):
+    defs = make_defs(tmp_path)
+    assert run_partition(defs, instance, "2026-03-08").success
+    ledger = open_ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    ledger.restatements.request(KEY, reason="check the billing fix", requested_by="ops")
+
+    restated = run_partition(defs, instance, "2026-03-08")
+
+    assert restated.success, failure_message(restated)
+    (event,) = restated.get_asset_materialization_events()
+    (row,) = event.materialization.metadata["key_table"].value.records
+    assert (row.data["status"], row.data["revision"]) == ("unchanged", 1), "the run says what happened to the key"
+    metadata = event.materialization.metadata
+    assert (metadata["unchanged_keys"].value, metadata["exported_keys"].value, metadata["rows_exported"].value) == (
+        1, 0, 0,
+    ), "counted as unchanged, not as exported"  # fmt: skip
+    (folder,) = published_dirs(tmp_path / "exports")
+    assert read_export(folder)[0].revision == 1, "readers still get revision 1"
+    assert sorted(p.name for p in folder.iterdir()) == ["_current.json", "r1-t1"], "no copy of it beside it"
+    (request,) = ledger.restatements.requests(logical_keys=[KEY], open_only=False)
+    assert request.outcome == "unchanged" and ledger.restatements.requests() == [], "closed, not left open"
+    assert tick(defs, instance).result.run_requests in (None, []), "the reconciliation sensor launches nothing"
+    assert cli.main(["--ledger-url", ledger.url, "revisions", KEY]) == 0
+    out = capsys.readouterr().out
+    assert "revision 2 not published: its data was identical to the current revision's" in out, out

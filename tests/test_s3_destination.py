@@ -13,23 +13,33 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime as dt
 import hashlib
+import http.server
 import json
+import re
+import threading
+import time
 import uuid
 import warnings
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import dagster as dg
+import pandas as pd
 import pytest
+from builders import key_for, open_ledger
 from condition_proxy import CheckThenWrite
 from pipeline_helpers import failure_message, ledger_at, make_defs, places, published_dirs, run_partition
-from s3_support import Fault
+from restatement_support import DAY, SCHEMA, item, s3_folder, s3_reader_view
+from restatement_support import s3_destination as support_s3_destination  # the library's connect timeout
+from s3_support import Fault, FaultProxy
 
 from definitions import build_definitions
 from export_ledger.destinations import POINTER_NAME, ExportTarget, Fenced, StagedExport, Verdict, place_of_location
 from export_ledger.destinations import delta as delta_module
 from export_ledger.destinations import s3 as s3_module
+from export_ledger.destinations.base import DestinationError
 from export_ledger.destinations.delta import DeltaDestination
 from export_ledger.destinations.s3 import S3Destination
 from export_ledger.destinations.store import AlreadyExists
@@ -37,6 +47,7 @@ from export_ledger.errors import ConfigurationError
 from export_ledger.failpoints import ENV_VAR as FAILPOINTS
 from export_ledger.frames import MANIFEST_NAME, Manifest
 from export_ledger.ledger.schema import AttemptOutcome, ExportState
+from export_ledger.protocol import ExportItem, export_key, target_for
 
 ASSET = dg.AssetKey("invoice_export")
 PARTITION = "2026-03-08"
@@ -555,3 +566,274 @@ def test_credentials_never_appear_in_events_logs_or_output(
     assert "STEP_FAILURE" in captured.err, "Dagster's console log was captured too"
     leaks = [text[:200] for text in texts if secret in text]
     assert leaks == [], "the secret access key must appear in no event, log, message or output"
+
+
+# -- the orphan sweep never deletes the data of the manifest that wins -------------------------------------------------
+
+
+def test_s3_orphan_sweep_never_deletes_the_data_of_the_manifest_that_wins(s3, s3_bucket, s3_server, sqlite_url):
+    """Item 4: attempt A uploads its data and pauses before its manifest; B takes over, its sweep finds no manifest
+    at A's place; A wakes and its manifest create succeeds; B's sweep then deletes A's data object. Nothing a
+    published manifest names may ever be deleted. (v2: A's objects are at its own place `r1-t1/`, and a manifest is
+    published only once the pointer names its place: B fenced the pointer before sweeping, so A's commit is refused
+    and what readers follow is B's place, whole.)
+    Fails on 0.4.0 (07f55b3): readers see a manifest whose data is missing, ledger failed."""
+    ledger = open_ledger(sqlite_url, lease_ttl=dt.timedelta(seconds=1))  # the host's clock, a 1-second lease
+    key = key_for(DAY)
+    a_manifest_arrived, b_swept = threading.Event(), threading.Event()
+    manifest_key = f"{s3_folder(key)}/r1-t1/{MANIFEST_NAME}"
+
+    def a_pauses_before_its_manifest(method: str, path: str) -> bool:
+        if method == "PUT" and path.endswith(f"/{manifest_key}") and not a_manifest_arrived.is_set():
+            a_manifest_arrived.set()
+            b_swept.wait(30)  # A is paused here (its lease runs out) until B's sweep has decided what to delete
+        return False  # no fault: forwarded as sent
+
+    def b_deletes_after_a_published(method: str, path: str) -> bool:
+        if method == "DELETE" and "/r1-t1/data.csv" in path:
+            b_swept.set()  # B found no manifest at A's place and is deleting A's data; let A's manifest through first
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                if s3.list_objects_v2(Bucket=s3_bucket, Prefix=manifest_key).get("KeyCount"):
+                    break
+                time.sleep(0.05)
+        return False
+
+    with FaultProxy(s3_server) as proxy_a, FaultProxy(s3_server) as proxy_b:
+        proxy_a.inject("error_500", count=None, when=a_pauses_before_its_manifest)
+        proxy_b.inject("error_500", count=None, when=b_deletes_after_a_published)
+        a_destination = support_s3_destination(s3_bucket, proxy_a.endpoint_url)
+        b_destination = support_s3_destination(s3_bucket, proxy_b.endpoint_url)
+        a_outcome: list[str] = []
+
+        def attempt_a() -> None:
+            try:
+                a_outcome.append(export_key(ledger, a_destination, SCHEMA, item(key), "run-a/export").status)
+            except Exception as exc:
+                a_outcome.append(type(exc).__name__)
+
+        thread = threading.Thread(target=attempt_a)
+        thread.start()
+        assert a_manifest_arrived.wait(30), "A reached its manifest create"
+        time.sleep(2.5)  # A's 1-second lease has run out
+        try:
+            b_outcome = export_key(ledger, b_destination, SCHEMA, item(key), "run-b/export").status
+        except Exception as exc:
+            b_outcome = type(exc).__name__
+        thread.join(30)
+        assert b_swept.is_set(), "B's sweep deleted A's uncommitted data while A's manifest arrived"
+    readers = s3_reader_view(s3, s3_bucket, key)
+    record = ledger.queries.get(str(key))
+    observed = {"A": a_outcome, "B": b_outcome, "ledger state": record.state.value, "readers": readers}
+    assert not readers["manifest"] or (readers["data"] and readers["intact"]), observed
+    assert (b_outcome, record.state, readers["place"]) == ("exported", ExportState.COMPLETED, "r1-t2"), observed
+    assert a_outcome == ["FencedOut"], f"A's commit is refused by B's fence: {observed}"
+
+
+# -- an export larger than a single PUT's limit is uploaded in parts ---------------------------------------------------
+
+
+_FIVE_GIB = 5 * 2**30
+
+
+_ETAG = re.compile(r'"?([0-9a-f]+)"?')
+
+
+class _AwsLimits(http.server.BaseHTTPRequestHandler):
+    """Just enough of an S3 endpoint for an export, with AWS's documented PutObject limit (scaled by
+    ``max_single_put``): a single PUT larger than that is answered 400 EntityTooLarge before its body is read (as AWS
+    does), parts and multipart uploads are accepted. Conditional writes (``If-None-Match: *``, ``If-Match``) are
+    honoured, as the destination's startup check requires. Every request is recorded in ``seen``."""
+
+    protocol_version = "HTTP/1.1"
+    max_single_put = _FIVE_GIB
+    seen: list = []
+    objects: dict = {}
+    uploads: dict = {}
+    lock = threading.Lock()
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _reply(self, status: int, body: bytes = b"", headers: dict | None = None, close: bool = False) -> None:
+        self.send_response(status)
+        for name, value in {"Content-Length": str(len(body)), **(headers or {})}.items():
+            self.send_header(name, value)
+        if close:
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _where(self) -> tuple[str, dict]:
+        parts = urlsplit(self.path)
+        return unquote(parts.path), {k: v[0] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
+
+    def _size(self) -> int:
+        return int(self.headers.get("x-amz-decoded-content-length") or self.headers.get("Content-Length") or 0)
+
+    def _single_put(self) -> bool:
+        return self.command == "PUT" and "partNumber" not in self._where()[1]
+
+    def _body(self):
+        """The request's payload, decoded from aws-chunked framing when botocore streams with a trailing checksum;
+        yields it in pieces."""
+        remaining = int(self.headers.get("Content-Length") or 0)
+        if "aws-chunked" not in (self.headers.get("Content-Encoding") or ""):
+            while remaining:
+                piece = self.rfile.read(min(remaining, 1 << 20))
+                remaining -= len(piece)
+                yield piece
+            return
+        while True:
+            size = int(self.rfile.readline().split(b";")[0].strip(), 16)
+            if size == 0:
+                while self.rfile.readline() not in (b"\r\n", b""):  # trailers
+                    pass
+                return
+            left = size
+            while left:
+                piece = self.rfile.read(min(left, 1 << 20))
+                left -= len(piece)
+                yield piece
+            self.rfile.readline()
+
+    def handle_expect_100(self) -> bool:
+        if self._single_put() and self._size() > self.max_single_put:
+            self.seen.append(("PUT", self._where()[0], self._size(), "refused before the body"))
+            error = b"<Error><Code>EntityTooLarge</Code><Message>Your proposed upload exceeds the maximum allowed size"
+            self._reply(400, error + b"</Message></Error>", {"Content-Type": "application/xml"}, close=True)
+            return False
+        return super().handle_expect_100()
+
+    def do_GET(self) -> None:
+        path, query = self._where()
+        if query.get("list-type") == "2":
+            prefix = "/" + path.strip("/") + "/" + query.get("prefix", "")
+            with self.lock:
+                names = sorted(name for name in self.objects if name.startswith(prefix))
+            bucket = "/" + path.strip("/") + "/"
+            contents = "".join(
+                f"<Contents><Key>{name[len(bucket):]}</Key><LastModified>2026-12-01T00:00:00.000Z</LastModified>"
+                f"<Size>{len(self.objects[name][0])}</Size></Contents>"
+                for name in names
+            )
+            self.seen.append(("GET", path, 0, "list"))
+            body = (f'<?xml version="1.0"?><ListBucketResult><IsTruncated>false</IsTruncated><KeyCount>{len(names)}'
+                    f"</KeyCount>{contents}</ListBucketResult>").encode()  # fmt: skip
+            self._reply(200, body, {"Content-Type": "application/xml"})
+            return
+        self.seen.append(("GET", path, 0, ""))
+        with self.lock:
+            found = self.objects.get(path)
+        if found is None:
+            self._reply(404, b"<Error><Code>NoSuchKey</Code></Error>", {"Content-Type": "application/xml"})
+            return
+        self._reply(200, found[0], {"ETag": f'"{found[1]}"', "Content-Type": "application/octet-stream"})
+
+    def do_PUT(self) -> None:
+        path, query = self._where()
+        size = self._size()
+        if "partNumber" in query:
+            data = b"".join(self._body())
+            with self.lock:
+                self.uploads[query["uploadId"]][int(query["partNumber"])] = data
+            self.seen.append(("PUT", path, size, "part"))
+            self._reply(200, headers={"ETag": f'"{hashlib.md5(data).hexdigest()}"'})
+            return
+        if size > self.max_single_put:  # a client that did not wait for 100-continue
+            self.seen.append(("PUT", path, size, "refused"))
+            self._reply(400, b"<Error><Code>EntityTooLarge</Code></Error>", close=True)
+            return
+        data = b"".join(self._body())
+        self.seen.append(("PUT", path, size, ""))
+        with self.lock:
+            found = self.objects.get(path)
+            absent_only = self.headers.get("If-None-Match") == "*"
+            match = self.headers.get("If-Match")
+            if (absent_only and found is not None) or (match is not None and (found is None or
+                                                                             _ETAG.fullmatch(match)[1] != found[1])):
+                self._reply(412, b"<Error><Code>PreconditionFailed</Code></Error>", {"Content-Type": "application/xml"})
+                return
+            etag = hashlib.md5(data).hexdigest()
+            self.objects[path] = (data, etag)
+        self._reply(200, headers={"ETag": f'"{etag}"'})
+
+    def do_POST(self) -> None:
+        path, query = self._where()
+        body = b"".join(self._body())
+        if "uploads" in query:
+            upload_id = uuid.uuid4().hex
+            with self.lock:
+                self.uploads[upload_id] = {}
+            self.seen.append(("POST", path, 0, "create multipart"))
+            xml = (f"<InitiateMultipartUploadResult><Bucket>b</Bucket><Key>{path}</Key><UploadId>{upload_id}"
+                   "</UploadId></InitiateMultipartUploadResult>").encode()  # fmt: skip
+            self._reply(200, xml, {"Content-Type": "application/xml"})
+            return
+        numbers = [int(n) for n in re.findall(rb"<PartNumber>(\d+)</PartNumber>", body)]
+        with self.lock:
+            parts = self.uploads.pop(query["uploadId"])
+            data = b"".join(parts[n] for n in numbers)
+            etag = hashlib.md5(data).hexdigest() + f"-{len(numbers)}"
+            self.objects[path] = (data, etag)
+        self.seen.append(("POST", path, 0, f"complete multipart of {len(numbers)} parts"))
+        xml = f"<CompleteMultipartUploadResult><Key>{path}</Key><ETag>\"{etag}\"</ETag></CompleteMultipartUploadResult>"
+        self._reply(200, xml.encode(), {"Content-Type": "application/xml"})
+
+    def do_DELETE(self) -> None:
+        path, query = self._where()
+        self.seen.append(("DELETE", path, 0, ""))
+        with self.lock:
+            if "uploadId" in query:
+                self.uploads.pop(query["uploadId"], None)
+            else:
+                self.objects.pop(path, None)
+        self._reply(204)
+
+
+def _aws_limits_server(max_single_put: int):
+    handler = type("_Limits", (_AwsLimits,), {
+        "max_single_put": max_single_put, "seen": [], "objects": {}, "uploads": {}, "lock": threading.Lock(),
+    })  # fmt: skip
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, handler
+
+
+def test_an_export_larger_than_the_single_put_limit_is_uploaded_in_parts_not_refused_as_one_put(ledger):
+    """Suspected S4: the S3 destination writes the data object with one PutObject whatever its size; AWS refuses a
+    single PUT above 5 GiB, so such an export can never be published. It must be uploaded in parts (multipart).
+    Default tier: the same at a small scale (a store refusing single PUTs above 256 KiB, the destination's
+    multipart threshold 256 KiB and parts of 100 KiB, a data file of about 1 MiB), through the whole protocol.
+    Fails on 0.4.0 (07f55b3): one 5 GiB+1 PUT refused with HTTP 400, no multipart."""
+    limit = 256 << 10
+    server, handler = _aws_limits_server(limit)
+    try:
+        destination = support_s3_destination(
+            f"exports-{uuid.uuid4().hex[:8]}", f"http://127.0.0.1:{server.server_port}", read_timeout_seconds=30,
+            multipart_threshold_bytes=limit, part_size_bytes=100 << 10,
+        )  # fmt: skip
+        key = key_for(DAY)
+        times = pd.date_range(key.window.start_utc, key.window.end_utc, periods=20_000, inclusive="left")
+        frame = pd.DataFrame({
+            "order_id": [f"acme-{i:09d}" for i in range(len(times))], "tenant": "acme",
+            "placed_at": times.as_unit("us"), "total": 12.5,
+        })  # fmt: skip
+        try:
+            result = export_key(ledger, destination, SCHEMA, ExportItem(key, DAY.isoformat(), frame), "run-1/export")
+            outcome = result.status
+        except DestinationError as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        data = [s for s in handler.seen if "/r1-t1/data.csv" in s[1]]
+        target = target_for(key, 1, "r1-t1")
+        seen = destination.verify_recorded(target, logical_key=str(key), sha256=ledger.queries.get(str(key)).sha256)
+    finally:
+        server.shutdown()
+        server.server_close()
+    observed = {"outcome": outcome[:200], "data object requests": data, "verified": seen.verdict.value}
+    single = [s for s in data if s[0] == "PUT" and s[3] != "part"]
+    parts = [s for s in data if s[3] == "part"]
+    assert outcome == "exported" and not single, observed
+    assert len(parts) >= 3 and all(size <= limit for _, _, size, _ in parts), observed
+    assert seen.verdict is Verdict.PUBLISHED, f"what readers get is the whole data file: {observed}"

@@ -26,15 +26,19 @@ import dagster as dg
 import pandas as pd
 import pytest
 import sqlalchemy as sa
+from builders import key_for, open_ledger
 from harness.protocol import logical_key
+from restatement_support import DAY
 
+from assets.invoices import INVOICE_SCHEMA
 from definitions import build_definitions
 from export_ledger import cli
 from export_ledger.destinations.table import SqlTableDestination
 from export_ledger.failpoints import ENV_VAR as FAILPOINTS
-from export_ledger.ledger import ExportLedger, dispose_engines
+from export_ledger.ledger import dispose_engines
 from export_ledger.ledger.schema import ExportState, UtcDateTime
-from resources.invoices import InvoiceSource
+from export_ledger.protocol import ExportItem, export_key
+from resources.invoices import InvoiceSource, SampleInvoiceSource
 
 PROJECT = Path(__file__).resolve().parent.parent
 DAGSTER = str(Path(sys.executable).parent / "dagster")
@@ -165,7 +169,7 @@ def test_no_secret_or_customer_data_in_event_logs_run_records_instance_files_led
     assert leaks(printed.out + printed.err) == [], "nor in what the runs printed"
     assert leaks_in_files(home) == {}, "nor in any file of the Dagster instance (event logs, compute logs)"
 
-    ledger = ExportLedger(canary_env["EXPORTS_LEDGER_URL"])
+    ledger = open_ledger(canary_env["EXPORTS_LEDGER_URL"])
     assert ledger.queries.get(f"invoice_export/acme/{GOOD}T05:00:00Z").state is ExportState.COMPLETED
     assert leaks(repr(ledger.queries.all_attempts())) == [], "the ledger's error messages hold no customer data"
     dispose_engines()
@@ -174,7 +178,7 @@ def test_no_secret_or_customer_data_in_event_logs_run_records_instance_files_led
 
     # A stuck key for reconcile: an attempt that died holding its lease an hour ago.
     long_ago = dt.datetime.now(dt.timezone.utc) - dt.timedelta(hours=1)
-    ExportLedger(canary_env["EXPORTS_LEDGER_URL"], clock=lambda: long_ago).claims.claim(
+    open_ledger(canary_env["EXPORTS_LEDGER_URL"], clock=lambda: long_ago).claims.claim(
         logical_key("acme", "2026-03-13"), "dead-run/invoice_export"
     )
     dispose_engines()
@@ -198,7 +202,7 @@ def test_no_secret_or_customer_data_in_event_logs_run_records_instance_files_led
     # reconcile's error path: the store unreachable, the secret still configured.
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     monkeypatch.delitem(sys.modules, "definitions", raising=False)
-    ExportLedger(canary_env["EXPORTS_LEDGER_URL"], clock=lambda: long_ago).claims.claim(
+    open_ledger(canary_env["EXPORTS_LEDGER_URL"], clock=lambda: long_ago).claims.claim(
         logical_key("acme", "2026-03-14"), "dead-run-2/invoice_export"
     )
     dispose_engines()
@@ -220,7 +224,7 @@ def misfit_ledger_table(url: str) -> None:
 
 def test_a_failed_ledger_table_write_keeps_customer_rows_out_of_the_event_log(tmp_path):
     url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
-    ExportLedger(url)
+    open_ledger(url)
     misfit_ledger_table(url)
     defs = build_definitions(
         tenants=["acme"],
@@ -308,3 +312,44 @@ def test_no_secret_or_customer_data_in_dagster_asset_materialize_output(tmp_path
     for partition, (_, output) in outputs.items():
         assert leaks(output) == [], f"{partition}: secret or customer data in the CLI's output"
     assert leaks_in_files(home) == {}, "nor in any file of the Dagster instance"
+
+
+# -- a driver's message quoting a row never reaches the ledger ---------------------------------------------------------
+
+
+@pytest.mark.postgres
+def test_a_driver_message_quoting_a_row_never_reaches_the_ledger_through_atomic(postgres_url):
+    """Suspected S2: `ExportLedger.atomic()` turns any OperationalError into LedgerUnavailable with the driver's text,
+    and LedgerUnavailable's words are stored and logged as the library's own. A driver message that quotes a row
+    (here a deferred constraint trigger on the ledger-table destination, failing at COMMIT with SQLSTATE 55000, an
+    OperationalError, and quoting the row's customer_email) must never reach the attempts table.
+    Fails on 0.4.0 (07f55b3): a driver's message quoting a row stored in export_attempts."""
+    book = open_ledger(postgres_url)
+    destination = SqlTableDestination(url=postgres_url, table="exported_invoices")
+    source = SampleInvoiceSource()
+
+    def invoices(key) -> ExportItem:
+        rows = source.rows("acme", key.window.start_utc, key.window.end_utc)
+        return ExportItem(key, key.window.business_date.isoformat(), rows)
+
+    first = key_for(dt.date(2026, 3, 7))
+    export_key(book, destination, INVOICE_SCHEMA, invoices(first), "run-1/invoice_export")  # makes the tables
+    engine = sa.create_engine(postgres_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text(
+            "CREATE FUNCTION refuse_invoice() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            "RAISE EXCEPTION 'refused invoice of %', NEW.customer_email USING ERRCODE = '55000'; END $$"
+        ))  # fmt: skip
+        conn.execute(sa.text(
+            "CREATE CONSTRAINT TRIGGER refuse_invoices AFTER INSERT ON exported_invoices "
+            "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse_invoice()"
+        ))  # fmt: skip
+    engine.dispose()
+    key = key_for(DAY)
+    with pytest.raises(Exception) as raised:
+        export_key(book, destination, INVOICE_SCHEMA, invoices(key), "run-2/invoice_export")
+    stored = " ".join(a.error_message or "" for a in book.queries.attempts(str(key)))
+    observed = {"stored in export_attempts": stored[-160:], "raised": type(raised.value).__name__}
+    assert stored, f"the failure is recorded on the key: {observed}"
+    assert "@example.com" not in stored and "@example.com" not in str(raised.value), observed
+    assert book.queries.get(str(key)).state is ExportState.FAILED, observed

@@ -16,21 +16,27 @@ from pathlib import Path
 import dagster as dg
 import pandas as pd
 import pytest
+from builders import open_ledger
+from pipeline_helpers import failure_message, published_dirs, read_export
+from pipeline_helpers import run_range as run_dates  # (defs, instance, first, last); run_range below is per asset
 
 import export_ledger.calendar
 import export_ledger.tenants
+from assets.invoices import INVOICE_COLUMNS
 from definitions import build_definitions
 from export_ledger import cli
 from export_ledger.calendar import ExportCalendar, ZoneMove, utc_iso, window_for
+from export_ledger.contract import calendar_of
+from export_ledger.dagster import LedgerResource, ledgered_definitions
 from export_ledger.errors import ConfigurationError
 from export_ledger.keys import LogicalKey
-from export_ledger.ledger import ExportLedger, ExportState
+from export_ledger.ledger import ExportState
 from export_ledger.spec import ExportSpec
 from export_ledger.tenants import Tenant, zone_slug
 from resources.invoices import SampleInvoiceSource
-from tests.pipeline_helpers import failure_message, published_dirs, read_export
 
 THREE_ZONES = {"acme": "America/New_York", "bombay-traders": "Asia/Kolkata", "apia-foods": "Pacific/Apia"}
+NY = "America/New_York"
 ASSETS = {
     "America/New_York": "invoice_export",
     "Asia/Kolkata": "invoice_export__asia_kolkata",
@@ -184,7 +190,7 @@ def test_three_zone_code_location_exports_every_sample_event_exactly_once(tmp_pa
     for asset in ASSETS.values():
         for first, last in RANGES:
             assert run_range(defs, asset, instance, first, last).success, f"{asset} {first}..{last}"
-    ledger = ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    ledger = open_ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
     for tenant, zone in THREE_ZONES.items():
         rows = _exported_rows(tmp_path / "exports", tenant)
         assert rows["invoice_id"].is_unique, f"{tenant}: an event exported twice"
@@ -258,7 +264,7 @@ def test_a_zone_change_is_refused_for_that_tenant_alone_until_accepted(tmp_path,
     command = 'export-ledger accept-contract --export invoice_export --tenant acme --reason "..."'
     assert command in message, "the failure names the command that accepts the change"
     assert "zone America/New_York -> America/Chicago" in message, "and says what changed"
-    ledger = ExportLedger(url)
+    ledger = open_ledger(url)
     assert ledger.queries.records(export="invoice_export", tenant="acme", date_from=dt.date(2026, 3, 9)) == []
     globex = ledger.queries.records(export="invoice_export", tenant="globex", date_from=dt.date(2026, 3, 9))
     assert [r.state for r in globex] == [ExportState.COMPLETED], "the other tenant of the run was still exported"
@@ -298,7 +304,7 @@ def test_the_reconciliation_sensor_reruns_a_failed_key_through_its_zones_job(tmp
         id_columns=["invoice_id"], time_column="occurred_at", tenants=THREE_ZONES, timezone="America/New_York",
         start_date="2026-01-01", source=lambda *_: None,
     )  # fmt: skip
-    ledger = ExportLedger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    ledger = open_ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
     window = defs_spec.calendar_for("bombay-traders").window("2026-03-08")
     claim = ledger.claims.claim(LogicalKey("invoice_export", "bombay-traders", window), "run-1/step")
     ledger.completions.fail(claim, RuntimeError("source timed out"))
@@ -387,7 +393,7 @@ def test_a_downstream_asset_loads_the_committed_exports_of_its_zones_tenants(tmp
 
 
 def test_contracts_per_tenant_upgrade_from_an_export_wide_contract(sqlite_url, capsys):
-    ledger = ExportLedger(sqlite_url)
+    ledger = open_ledger(sqlite_url)
     new_york = ExportCalendar("America/New_York", "2026-01-01").contract()
     kolkata = ExportCalendar("Asia/Kolkata", "2026-01-01").contract()
     # What release 0.2.0 recorded: one contract for the whole export (today an export-wide acceptance).
@@ -415,3 +421,224 @@ def test_contracts_per_tenant_upgrade_from_an_export_wide_contract(sqlite_url, c
     assert cli.main([*url_args, "--tenant", "acme", *args[len(url_args):]]) == 0  # fmt: skip
     assert ledger.contracts.in_force("invoice_export", "acme")["start_date"] == "2026-02-01"
     assert ledger.contracts.in_force("invoice_export", "bombay") == kolkata, "the other tenant is untouched"
+
+
+# -- a tenant's zone typo ----------------------------------------------------------------------------------------------
+
+
+def test_a_tenant_zone_typo_is_refused_naming_the_tenant_the_zone_and_the_nearest_zone(tmp_path):
+    with pytest.raises(ConfigurationError) as refused:
+        build_definitions(
+            tenants={"globex": "Europe/Dublin", "acme": "America/New_Yrok"},
+            ledger_url=f"sqlite:///{tmp_path / 'ledger.sqlite3'}",
+            destination=str(tmp_path / "exports"),
+            environ={"EXPORTS_SOURCE": "sample"},
+        )
+    message = str(refused.value)
+    assert "tenant 'acme'" in message and "'America/New_Yrok'" in message, message
+    assert "did you mean 'America/New_York'" in message, message
+    assert "globex" not in message, "only the tenant whose zone is wrong is named"
+
+
+# -- a window is never exported before it ends -------------------------------------------------------------------------
+
+
+def test_a_key_is_never_claimed_before_its_window_ends_for_a_tenant_that_will_move_east(
+    tmp_path, instance, clock, clocked_ledger
+):
+    """Item 5: a tenant moving from Honolulu to Kiritimati on 2026-04-01. The nightly tick for 2026-03-08 of the
+    Kiritimati asset comes at 04:30 Kiritimati (2026-03-08T14:30Z) while the tenant's Honolulu window ends at
+    2026-03-09T10:00Z. No key may be claimed before its window has ended by the ledger's clock, whatever Dagster's
+    partition set says. (v2 groups tenants by zone per date, so the tenant's 2026-03-08 is the Honolulu asset's:
+    both assets' 2026-03-08 runs are made at 14:30Z, the Honolulu one as a manual launch Dagster allows.)
+    Fails on 0.4.0 (07f55b3): key claimed at 2026-03-08T14:30Z before its window ended 2026-03-09T10:00Z."""
+    import dagster as dg
+
+    from definitions import build_definitions
+
+    resource = clocked_ledger  # the clock fixture's, on tmp_path's ledger.sqlite3
+    tenant = Tenant("hono", "Pacific/Kiritimati", moves=(ZoneMove("2026-04-01", "Pacific/Honolulu"),))
+    defs = build_definitions(
+        tenants=[tenant], ledger=resource, destination=str(tmp_path / "exports"),
+        environ={"EXPORTS_SOURCE": "sample"},
+    )
+    tick_at = dt.datetime(2026, 3, 8, 14, 30, tzinfo=dt.timezone.utc)  # 2026-03-09 04:30 in Kiritimati
+    ran = {}
+    clock.now = tick_at
+    for asset in ("invoice_export__pacific_kiritimati", "invoice_export__pacific_honolulu"):
+        schedule = defs.get_schedule_def(f"nightly_{asset}")
+        with dg.build_schedule_context(instance=instance, scheduled_execution_time=tick_at) as context:
+            scheduled = [r.partition_key for r in schedule.evaluate_tick(context).run_requests or []]
+        result = defs.resolve_job_def(f"{asset}_job").execute_in_process(
+            partition_key="2026-03-08", instance=instance, raise_on_error=False
+        )
+        ran[asset] = {
+            "scheduled at 14:30Z": scheduled,
+            "run succeeded": result.success,
+            "refused": "WindowNotOver" in failure_message(result),
+        }
+    book = resource.get_ledger()
+    early = [
+        {
+            "key": r.logical_key,
+            "claimed at (ledger clock)": r.created_at.isoformat(),
+            "window ends": r.window_end_utc.isoformat(),
+            "state": r.state.value,
+        }
+        for r in book.queries.records(tenant="hono")
+        if r.created_at < r.window_end_utc
+    ]
+    assert early == [], f"runs of 2026-03-08 at {tick_at.isoformat()}: {ran}; claimed early: {early}"
+    assert book.queries.records(tenant="hono") == [], "a claim refused before its window ended leaves no row"
+    assert ran["invoice_export__pacific_honolulu"]["refused"], f"the early run is refused: {ran}"
+
+    # the Honolulu window has ended: now it is claimed
+    clock.now = dt.datetime(2026, 3, 9, 10, 0, tzinfo=dt.timezone.utc)
+    done = defs.resolve_job_def("invoice_export__pacific_honolulu_job").execute_in_process(
+        partition_key="2026-03-08", instance=instance, raise_on_error=False
+    )
+    (record,) = book.queries.records(tenant="hono")
+    assert done.success and record.state is ExportState.COMPLETED, (record, ran)
+    assert record.window_end_utc == clock.now and record.timezone == "Pacific/Honolulu", record
+
+
+# -- a zone move accepted while an old-zone run is in flight loses no hour ---------------------------------------------
+
+
+class _MoveAcceptedWhileRead(SampleInvoiceSource):
+    """The source of the old-zone run: while it reads acme's 2026-03-09, an operator accepts acme's move to Chicago
+    on 2026-03-10 (no key of 2026-03-10 exists yet, so the acceptance is allowed)."""
+
+    ledger_url: str = ""
+    accepted: list = []
+
+    def rows(self, tenant, start_utc, end_utc) -> pd.DataFrame:
+        if tenant == "acme" and start_utc.date() == dt.date(2026, 3, 9) and not self.accepted:
+            code = cli.main([
+                "--ledger-url", self.ledger_url, "accept-contract", "--export", "invoice_export", "--tenant", "acme",
+                "--timezone", "America/Chicago", "--start-date", "2026-01-01", "--move", "2026-03-10:America/New_York",
+                "--reason", "acme moved to Chicago",
+            ])  # fmt: skip
+            self.accepted.append(code)
+        return super().rows(tenant, start_utc, end_utc)
+
+
+def test_a_zone_move_accepted_while_an_old_zone_run_is_in_flight_loses_no_hour(tmp_path, instance):
+    """Item 9: the contract is checked at run start, never at claim. A move accepted while an old-zone run reads its
+    source must be seen by the claim (in the claim's transaction): every instant of the tenant's timeline must fall
+    in exactly one window, exported or still to export under the contract in force. (v2 reads a source after its
+    key's claim, so the run in flight is a range run 2026-03-09..10 whose rows are streamed: each key is claimed
+    right before it is read, and the move is accepted while 03-09 is read, before 03-10 is claimed.)
+    Fails on 0.4.0 (07f55b3): gap [2026-03-11T04:00Z, 05:00Z) between two days."""
+    url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+    source = _MoveAcceptedWhileRead(ledger_url=url, accepted=[])
+    spec = ExportSpec(
+        name="invoice_export", source=source, columns=INVOICE_COLUMNS, id_columns=["invoice_id"],
+        time_column="occurred_at", tenant_column="tenant", tenants=["acme"], timezone=NY, start_date="2026-01-01",
+        stream_rows=1000,
+    )  # fmt: skip
+    defs = ledgered_definitions(
+        [spec], ledger=LedgerResource(url=url), destination=str(tmp_path / "exports"), environ={}
+    )
+    in_flight = run_dates(defs, instance, "2026-03-09", "2026-03-10")
+    assert source.accepted == [0], "the operator's accept-contract succeeded while the run was in flight"
+    assert not in_flight.success and "calendar contract" in failure_message(in_flight), "the old-zone claim is refused"
+
+    book = open_ledger(url)
+    moved = ExportCalendar("America/Chicago", "2026-01-01", (ZoneMove("2026-03-10", NY),))  # the contract in force
+    recorded = {r.business_date: r for r in book.queries.records(tenant="acme")}
+    timeline = []
+    for day in (dt.date(2026, 3, 9), dt.date(2026, 3, 10), dt.date(2026, 3, 11)):
+        record = recorded.get(day)
+        if record is not None:
+            timeline.append((day, f"recorded in {record.timezone}", record.window_start_utc, record.window_end_utc))
+        else:
+            window = moved.window_of(day)
+            timeline.append((day, f"to export in {window.timezone}", window.start_utc, window.end_utc))
+    gaps = [
+        f"[{utc_iso(a[3])}, {utc_iso(b[2])}) between {a[0]} ({a[1]}) and {b[0]} ({b[1]})"
+        for a, b in zip(timeline, timeline[1:], strict=False)
+        if a[3] != b[2]
+    ]
+    assert dt.date(2026, 3, 9) in recorded, f"the run exported 03-09 before the move was accepted: {timeline}"
+    assert gaps == [], gaps
+
+
+# -- assets of the user's own follow zone moves and contracts ----------------------------------------------------------
+
+
+OWN_COLUMNS = {"order_id": "string", "tenant": "string", "placed_at": "timestamp", "total": "float"}
+
+
+def _own_orders(tenants, zone: str) -> tuple[ExportSpec, dg.AssetsDefinition]:
+    """An export whose rows come from the user's own partitioned asset (source=None), in ``zone``."""
+    spec = ExportSpec(
+        name="own_orders", source=None, columns=OWN_COLUMNS, id_columns=["order_id"], time_column="placed_at",
+        tenant_column="tenant", tenants=tenants, timezone=zone, start_date="2026-03-01", schedule_time=None,
+    )  # fmt: skip
+
+    @dg.asset(
+        name="own_orders",
+        partitions_def=dg.DailyPartitionsDefinition(start_date="2026-03-01", timezone=zone),
+        io_manager_key="own_orders__io_manager",
+    )
+    def own_orders(context) -> pd.DataFrame:
+        window = context.partition_time_window  # the user's rows for the partition Dagster gives
+        start, end = pd.Timestamp(window.start).tz_convert("UTC"), pd.Timestamp(window.end).tz_convert("UTC")
+        times = pd.date_range(start, end, freq="h", inclusive="left").as_unit("us")
+        return pd.DataFrame(
+            {"order_id": [f"o{int(t.timestamp())}" for t in times], "tenant": "acme", "placed_at": times, "total": 1.0}
+        )
+
+    return spec, own_orders
+
+
+def test_an_own_asset_export_follows_the_tenants_zone_moves_and_records_its_contract(tmp_path, instance):
+    """Item 10: for an export whose rows come from the user's own asset (source=None), the I/O manager must split the
+    frame with the tenant's calendar (its zone move included) and the tenant's calendar contract must be recorded and
+    checked, as for a declared source. (v2: an own asset has one partitions definition, so one zone; a tenant that
+    moved has days in two zones, and such an export is refused where it is declared instead of being split with a
+    calendar without the move: that refusal replaces the split. The contract part is kept as it was: recorded at the
+    first claim, and a zone changed in code without acceptance is refused at claim.)
+    Fails on 0.4.0 (07f55b3): own-asset export ignores the move and records no contract."""
+    moved = Tenant("acme", "America/Chicago", moves=(ZoneMove("2026-03-10", NY),))
+    with pytest.raises(ConfigurationError, match="moved"):
+        _own_orders([moved], "America/Chicago")
+
+    url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+    spec, asset = _own_orders([Tenant("acme", "America/Chicago")], "America/Chicago")
+    defs = ledgered_definitions(
+        [spec], ledger=LedgerResource(url=url), destination=str(tmp_path / "exports"), assets=[asset], environ={}
+    )
+    for partition in ("2026-03-09", "2026-03-10"):
+        run = defs.resolve_job_def("own_orders_job").execute_in_process(
+            partition_key=partition, instance=instance, raise_on_error=False
+        )
+        assert run.success, failure_message(run)
+    book = open_ledger(url)
+    calendar = spec.calendar_for("acme")
+    windows = {}
+    for record in book.queries.records(export="own_orders"):
+        expected = calendar.window_of(record.business_date)
+        windows[record.business_date.isoformat()] = {
+            "recorded": f"{record.timezone} {utc_iso(record.window_start_utc)}..{utc_iso(record.window_end_utc)}",
+            "tenant's calendar": f"{expected.timezone} {utc_iso(expected.start_utc)}..{utc_iso(expected.end_utc)}",
+        }
+    observed = {"windows": windows, "contract recorded": book.contracts.in_force("own_orders", "acme")}
+    assert sorted(windows) == ["2026-03-09", "2026-03-10"], observed
+    assert all(w["recorded"] == w["tenant's calendar"] for w in windows.values()), observed
+    assert calendar_of(observed["contract recorded"]) == calendar.contract(), observed
+
+    # The zone changed in code (New York), never accepted: the own asset's next claim is refused and escalated.
+    spec, asset = _own_orders(["acme"], NY)
+    changed = ledgered_definitions(
+        [spec], ledger=LedgerResource(url=url), destination=str(tmp_path / "exports"), assets=[asset], environ={}
+    )
+    refused = changed.resolve_job_def("own_orders_job").execute_in_process(
+        partition_key="2026-03-11", instance=instance, raise_on_error=False
+    )
+    assert not refused.success and "calendar contract" in failure_message(refused), failure_message(refused)
+    assert [r.business_date.isoformat() for r in book.queries.records(export="own_orders")] == list(windows), (
+        "nothing was claimed under the contract nobody accepted"
+    )
+    assert [r["tenant"] for r in book.contracts.refusals(exports=["own_orders"])] == ["acme"], "and it is escalated"

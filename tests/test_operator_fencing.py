@@ -1,7 +1,7 @@
-"""Regressions from the adversarial review of protocol v2 (safety, fencing, clocks), each a scenario that broke an
-invariant of docs/protocol.md before its fix: an operator's discard racing a newer commit, a release to a state read
-before the hold, two ledger keys sharing one folder, a TLS error after the pointer's PUT was sent, a group's committed
-keys losing their leases, and a killed writer's rows left in a swept place."""
+"""Fencing of the parties that change a key's place besides its attempt (docs/protocol.md), each a scenario that broke
+an invariant before its fix (the adversarial review of protocol v2): an operator's discard racing a newer commit, a
+withdrawal releasing the key to a state read before its hold, a zone changed without a move, two ledger keys sharing
+one folder, a group's committed keys losing their leases, and a killed writer's rows left in a swept place."""
 
 from __future__ import annotations
 
@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from builders import open_ledger
 
 from export_ledger.calendar import ExportCalendar, window_for
 from export_ledger.destinations import LocalDestination, place_name
 from export_ledger.destinations.local import LocalStore
 from export_ledger.frames import ExportSchema
 from export_ledger.keys import LogicalKey
-from export_ledger.ledger import ContractChanged, ExportLedger, ExportState, ResolutionRefused, RestatementRefused
+from export_ledger.ledger import ContractChanged, ExportState, ResolutionRefused, RestatementRefused
 from export_ledger.protocol import ExportBatch, ExportItem, export_batch, export_key
 from export_ledger.reconcile import reconcile_batch
 from export_ledger.resolve import resolve_key
@@ -71,11 +72,6 @@ def reader_sees(root: str, key: LogicalKey) -> tuple[int, str | None, bool]:
     data = folder(root, key) / pointer["data_file"]
     intact = data.exists() and hashlib.sha256(data.read_bytes()).hexdigest() == pointer["sha256"]
     return pointer["revision"], pointer["path"], intact
-
-
-@pytest.fixture
-def ledger(sqlite_url, clock) -> ExportLedger:
-    return ExportLedger(sqlite_url, clock=clock, lease_ttl=LEASE)
 
 
 @pytest.fixture
@@ -193,27 +189,10 @@ def test_a_discard_refuses_to_delete_another_recorded_keys_export(ledger, root):
     assert ledger.queries.get(str(tokyo)).state is ExportState.CONFLICT, "refused: the key is back in conflict"
 
 
-def test_a_tls_error_on_a_write_is_an_unknown_outcome_not_nothing_sent():
-    """A TLS error can come after the request went out whole (the review drove one through a TLS proxy that answered
-    the pointer's PUT with a corrupted record): only a failed connect or missing credentials mean nothing was sent."""
-    botocore = pytest.importorskip("botocore.exceptions")
-    from export_ledger.destinations.base import PublishOutcomeUnknown
-    from export_ledger.destinations.s3 import S3Destination
-
-    store = S3Destination(bucket="exports-bucket", endpoint_url="https://127.0.0.1:9").store
-    ssl = botocore.SSLError(endpoint_url="https://127.0.0.1:9", error="decryption failed or bad record mac")
-    assert isinstance(store._write_failed(ssl, "writing the pointer"), PublishOutcomeUnknown)
-    refused = botocore.EndpointConnectionError(endpoint_url="https://127.0.0.1:9")
-    timed_out = botocore.ConnectTimeoutError(endpoint_url="https://127.0.0.1:9")
-    for nothing_sent in (refused, timed_out):
-        error = store._write_failed(nothing_sent, "writing the pointer")
-        assert not isinstance(error, PublishOutcomeUnknown) and "cannot reach the store" in str(error)
-
-
 def test_a_groups_committed_keys_are_recorded_before_their_leases_end(sqlite_url, root, clock):
     """Three keys of one group whose sources each take most of half a lease: the first key's commit must be recorded
     while its lease holds, not at the end of the group when a reconciler may have taken it."""
-    ledger = ExportLedger(sqlite_url, clock=clock, lease_ttl=dt.timedelta(seconds=120))
+    ledger = open_ledger(sqlite_url, clock=clock, lease_ttl=dt.timedelta(seconds=120))
     keys = [key_for(tenant=f"t{i}") for i in range(3)]
 
     def slow(key):
@@ -230,7 +209,7 @@ def test_a_groups_committed_keys_are_recorded_before_their_leases_end(sqlite_url
     assert set(attempts.values()) == {"completed"}, "no key lost its lease: the group's commits were recorded in time"
 
 
-def test_a_killed_writers_temporary_file_is_swept_with_its_place(ledger, root):
+def test_a_killed_writers_temporary_file_is_swept_with_its_place(ledger, root, clock):
     """A worker killed while writing its data file leaves only a temporary file (customer rows) in its place; the next
     token's sweep must remove it, though the place holds no object yet."""
     key = key_for()
@@ -238,7 +217,7 @@ def test_a_killed_writers_temporary_file_is_swept_with_its_place(ledger, root):
     place.mkdir(parents=True)
     (place / ".tmp-data.csv-4242-1").write_text("order_id,tenant\nacme-1,jane@example.org\n")
     ledger.claims.claim(key, "killed/export")  # token 1, then the process died
-    ledger._clock.advance(minutes=16)
+    clock.advance(minutes=16)  # the ledger's clock
     export_key(ledger, LocalDestination(root), SCHEMA, item(key), "retry/export")
     assert not place.exists(), "nothing of the killed writer's rows is left"
     assert reader_sees(root, key) == (1, place_name(1, 2), True)

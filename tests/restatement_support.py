@@ -1,9 +1,7 @@
-"""Helpers and fixtures shared by the round-2 tests (issue 18): ``test_round2_safety.py`` (items 1 to 5),
-``test_round2_liveness.py`` (items 6 to 18) and ``test_round2_suspected.py`` (S1 to S6).
-
-What an outside reader of a destination does (follow the key's pointer ``_current.json`` to the place it names, read
-that manifest and the data file it names, check the sha256), the item-1 chain of a restatement fenced while it reads
-its source, and the processes of the black-box tests. A test module imports the fixtures it uses by name.
+"""What tests of restatements and their readers share: what an outside reader of a destination does (follow the
+key's pointer ``_current.json`` to the place it names, read that manifest and the data file it names, check the
+sha256), a restatement fenced while it reads its source, one killed right after publishing, and the environment of
+the processes of the black-box tests. Plain functions and values; the ``local`` destination fixture is conftest's.
 """
 
 from __future__ import annotations
@@ -23,8 +21,8 @@ from builders import ORDERS_SCHEMA as SCHEMA
 from builders import corrected_orders as corrected
 from builders import key_folder
 from builders import orders_item as item
+from pipeline_helpers import PROJECT, finish, materialize  # noqa: F401  (re-exported)
 
-from export_ledger.destinations import LocalDestination
 from export_ledger.destinations.base import ExportTarget, parse_place
 from export_ledger.destinations.publishing import POINTER_NAME
 from export_ledger.destinations.s3 import S3Destination
@@ -35,7 +33,6 @@ from export_ledger.ledger import ExportLedger
 from export_ledger.protocol import ExportItem, export_key
 from export_ledger.reconcile import reconcile_batch
 from export_ledger.sources import CallableSource
-from tests.pipeline_helpers import PROJECT, finish, materialize  # noqa: F401  (re-exported to the round-2 tests)
 
 UTC = dt.timezone.utc
 EXPORT_LEDGER = str(Path(sys.executable).parent / "export-ledger")
@@ -51,8 +48,6 @@ __all__ = [
     "fenced_restatement",
     "item",
     "key_folder",
-    "ledger",
-    "local",
     "local_places",
     "local_reader_view",
     "restatement_dead_after_publishing",
@@ -147,20 +142,6 @@ def local_places(root: Path, key) -> dict[int, list[str]]:
         if parsed is not None:
             found.setdefault(parsed[0], []).append(entry.name)
     return found
-
-
-# -- fixtures ---------------------------------------------------------------------------------------------------------
-
-
-
-@pytest.fixture
-def ledger(sqlite_url, clock) -> ExportLedger:
-    return ExportLedger(sqlite_url, clock=clock, lease_ttl=LEASE)
-
-
-@pytest.fixture
-def local(tmp_path) -> LocalDestination:
-    return LocalDestination(str(tmp_path / "exports"))
 
 
 # -- sources and scenarios --------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ deltalake = pytest.importorskip("deltalake")
 from builders import ORDERS_DAY as DAY  # noqa: E402
 from builders import ORDERS_SCHEMA as SCHEMA  # noqa: E402
 from builders import corrected_orders as corrected  # noqa: E402
+from builders import key_for  # noqa: E402
 from builders import orders_item as item  # noqa: E402
 
 from export_ledger.destinations import ExportTarget, Fenced, PointerMoved, Verdict, destination_from  # noqa: E402
@@ -26,7 +27,6 @@ from export_ledger.frames import Manifest  # noqa: E402
 from export_ledger.ledger import ExportState  # noqa: E402
 from export_ledger.protocol import export_key  # noqa: E402
 from export_ledger.reconcile import reconcile_batch  # noqa: E402
-from tests.builders import key_for  # noqa: E402
 
 KEY = key_for()
 LOGICAL_KEY = str(KEY)

@@ -17,6 +17,8 @@ import pytest
 
 deltalake = pytest.importorskip("deltalake")
 
+from builders import key_for  # noqa: E402
+
 from export_ledger.destinations import ExportTarget, Fenced, PointerMoved, Verdict  # noqa: E402
 from export_ledger.destinations import delta as delta_module  # noqa: E402
 from export_ledger.destinations.base import (  # noqa: E402
@@ -34,7 +36,6 @@ from export_ledger.ledger import ExportLedger, ExportState  # noqa: E402
 from export_ledger.ledger.schema import AttemptOutcome  # noqa: E402
 from export_ledger.protocol import ExportItem, ExportOutcomeUnknown, export_key  # noqa: E402
 from export_ledger.reconcile import reconcile_batch  # noqa: E402
-from tests.builders import key_for  # noqa: E402
 
 DAY = dt.date(2026, 3, 2)
 COLUMNS = {"order_id": "string", "tenant": "string", "placed_at": "timestamp", "total": "float"}

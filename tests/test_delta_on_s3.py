@@ -13,6 +13,7 @@ import pytest
 
 deltalake = pytest.importorskip("deltalake")
 
+from builders import key_for  # noqa: E402
 from s3_support import FaultProxy  # noqa: E402
 
 from export_ledger.destinations import ExportTarget  # noqa: E402
@@ -24,7 +25,6 @@ from export_ledger.destinations.base import (  # noqa: E402
 from export_ledger.destinations.delta import DeltaDestination  # noqa: E402
 from export_ledger.destinations.store import RACERS  # noqa: E402
 from export_ledger.frames import Manifest  # noqa: E402
-from tests.builders import key_for  # noqa: E402
 
 KEY = key_for()
 EXPORT = KEY.export

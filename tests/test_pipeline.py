@@ -7,6 +7,7 @@ import datetime as dt
 import dagster as dg
 import pandas as pd
 import pytest
+from object_buckets import KINDS, delta_destination, object_destination
 from pipeline_helpers import (
     check_evaluations,
     completed_without_export,
@@ -27,7 +28,6 @@ from export_ledger.failpoints import ENV_VAR as FAILPOINTS
 from export_ledger.keys import LogicalKey
 from export_ledger.ledger.schema import AttemptOutcome, ExportState
 from resources.invoices import SampleInvoiceSource
-from tests.object_buckets import KINDS, delta_destination, object_destination
 
 UTC = dt.timezone.utc
 

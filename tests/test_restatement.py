@@ -18,9 +18,9 @@ import pandas as pd
 import pytest
 from builders import ORDERS_DAY as DAY
 from builders import ORDERS_SCHEMA as SCHEMA
+from builders import commit_unrecorded, key_folder, key_for, open_ledger
 from builders import corrected_orders as corrected
 from builders import hourly_orders as orders
-from builders import key_folder, open_ledger
 from builders import orders_item as item
 
 from export_ledger import failpoints
@@ -46,7 +46,6 @@ from export_ledger.reconcile import reconcile_batch
 from export_ledger.resolve import resolve_key
 from export_ledger.restate import withdraw
 from export_ledger.stage import Stager
-from tests.builders import commit_unrecorded, key_for
 
 pytestmark = pytest.mark.usefixtures("ledger_url")  # the `ledger` fixture on each backend in turn
 

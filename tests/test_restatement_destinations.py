@@ -17,9 +17,11 @@ import pytest
 import sqlalchemy as sa
 from builders import ORDERS_DAY as DAY
 from builders import ORDERS_SCHEMA as SCHEMA
+from builders import commit_unrecorded, key_for
 from builders import corrected_orders as corrected
 from builders import hourly_orders as orders
 from builders import orders_item as item
+from object_buckets import KINDS, Bucket, bucket_for, delta_destination, object_destination
 
 from export_ledger.destinations.base import ExportTarget, Fenced, PointerMoved, Verdict
 from export_ledger.destinations.publishing import POINTER_NAME, Pointer, StagedExport
@@ -32,8 +34,6 @@ from export_ledger.ledger import ExportState, LedgerError
 from export_ledger.protocol import ExportOutcomeUnknown, export_key
 from export_ledger.reconcile import reconcile_batch
 from export_ledger.resolve import resolve_key
-from tests.builders import commit_unrecorded, key_for
-from tests.object_buckets import KINDS, Bucket, bucket_for, delta_destination, object_destination
 
 PREFIX = "exports"
 TABLE = "restated_orders"

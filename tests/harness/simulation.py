@@ -43,13 +43,14 @@ import threading
 from dataclasses import dataclass, field
 
 import pandas as pd
+from builders import open_ledger
 
 from export_ledger import failpoints
 from export_ledger.calendar import window_for
 from export_ledger.destinations import ExportTarget, TransactionalDestination
 from export_ledger.frames import ExportSchema
 from export_ledger.keys import LogicalKey
-from export_ledger.ledger import DEFAULT_MAX_ATTEMPTS, ExportLedger, ExportState
+from export_ledger.ledger import DEFAULT_MAX_ATTEMPTS, ExportState
 from export_ledger.protocol import ExportItem, export_key
 from export_ledger.reconcile import reconcile_batch
 from harness.protocol import EFFECTS, History, violations
@@ -174,7 +175,7 @@ class Simulation:
         self.seed = seed
         self.rng = random.Random(seed)
         self.clock = Clock(dt.datetime(2026, 3, 9, 9, 30, tzinfo=UTC) + dt.timedelta(days=seed))
-        self.ledger = ExportLedger(ledger_url, lease_ttl=TTL, clock=self.clock)
+        self.ledger = open_ledger(ledger_url, lease_ttl=TTL, clock=self.clock)
         self.destination = destination
         self.fault, self.survey, self.fault_kinds = fault, survey, fault_kinds
         self.restatements = restatements

@@ -1,6 +1,7 @@
-"""Destinations: publishing ones (a local folder, an S3-compatible store), one template over five hooks, and a
-transactional one (a table of the ledger's own database); built from a spec string by :func:`destination_from`
-through the schemes each destination module declares (:mod:`export_ledger.destinations.registry`)."""
+"""Destinations: publishing ones (a local folder, an S3-compatible store), one template over an object store's
+hooks, and a transactional one (a table of the ledger's own database); built from a spec string by
+:func:`destination_from` through the schemes each destination module declares
+(:mod:`export_ledger.destinations.registry`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""An Azure Blob Storage container as the publishing template's five hooks (optional extra ``[azure]``:
+"""An Azure Blob Storage container as the publishing template's store hooks (optional extra ``[azure]``:
 azure-storage-blob).
 
 Conditions are the store's own: ``If-None-Match: *`` creates only if absent, ``If-Match: <etag>`` replaces only the
@@ -29,6 +29,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from export_ledger.destinations.base import DestinationError, DestinationUnreachable, PublishOutcomeUnknown
 from export_ledger.destinations.publishing import PublishingDestination
@@ -37,11 +38,9 @@ from export_ledger.destinations.staging import StagedFileUpload, file_sha256, st
 from export_ledger.destinations.store import (
     AlreadyExists,
     Blob,
-    ObjectStore,
     PreconditionFailed,
+    ProbedStore,
     Upload,
-    race_problem,
-    racing_creates,
 )
 from export_ledger.errors import redact_text
 
@@ -82,8 +81,12 @@ def _container(account_url, account_name, account_key, sas_token, container, con
 
 
 @dataclass(frozen=True)
-class AzureStore(ObjectStore):
+class AzureStore(ProbedStore):
     """A container (and name prefix) as an object store. Built by :class:`AzureDestination`."""
+
+    _checked: ClassVar[set] = _CONDITIONS_CHECKED
+    PROBE_STALE = "an ETag the blob does not have (If-Match)"
+    PROBE_NOUN = "blob"
 
     container: str
     prefix: str
@@ -256,73 +259,42 @@ class AzureStore(ObjectStore):
 
     # -- the startup check ---------------------------------------------------------------------------------------
 
-    def check_conditions(self) -> None:
-        """Refuses a container that ignores ``If-None-Match: *`` or ``If-Match``: a probe blob is created twice (the
-        second must be refused), rewritten on an ETag it does not have and on its own, and a probe of the block path
-        is created twice as blocks; then racing creates of a third probe blob (exactly one may win). Once per
-        process and store."""
-        where = (self.account_url, self.container)
-        if where in _CONDITIONS_CHECKED:
-            return
+    def _where(self) -> str:
+        return f"az://{self.container}"
+
+    def _conditions_key(self) -> tuple:
+        return (self.account_url, self.container)
+
+    def _conditional_put(self, name: str, data: bytes, tag: str | None) -> str:
+        return self._send(name, data, tag)
+
+    def _stale_tag(self, tag: str) -> str:
+        return _NO_SUCH_ETAG
+
+    def _probe_failures(self) -> tuple:
         _, _, errors = _sdk()
+        return (errors.AzureError,)
+
+    def _probe_refused(self, exc, what: str) -> str | None:
+        status = getattr(exc, "status_code", None)
+        if self._no_container(exc):
+            return self._missing(what)
+        if status is not None and 400 <= status < 500:
+            return f"the store refused the {what}: {self._describe_error(exc)}"
+        return None
+
+    def _probe_more(self, name: str) -> None:
+        """The block path: a blob committed as a block list (as a large data file is) must be refused a second
+        create too."""
         size, single_put, block = _PROBE_BLOCKS
+        blocks = f"{name}-blocks"
         try:
-            small = self._probe_name()
-            blocks = f"{small}-blocks"
-            etag = self._send(small, b"1", None)
-            try:
-                self._must_refuse(lambda: self._send(small, b"2", None), "a second conditional create "
-                                  "(If-None-Match: *) of one blob", "a retry could replace a published export")
-                self._must_refuse(lambda: self._send(small, b"3", _NO_SUCH_ETAG), "a write conditional on an ETag "
-                                  "the blob does not have (If-Match)", "two parties could both move a key's pointer")
-                self._send(small, b"4", etag)
-                self._send(blocks, b"5" * size, None, (single_put, block))
-                self._must_refuse(lambda: self._send(blocks, b"6" * size, None, (single_put, block)), "a second "
-                                  "conditional create committed as a block list (Put Block List, If-None-Match: *)",
-                                  "a retry could replace a published data file uploaded in blocks")
-                self._race(f"{small}-race")
-            finally:
-                self.delete(small)
-                self.delete(blocks)
-                self.delete(f"{small}-race")
-        except errors.AzureError as exc:
-            status = getattr(exc, "status_code", None)
-            if self._no_container(exc):
-                what = f"check that az://{self.container} honours conditional writes"
-                raise DestinationError(self._missing(what)) from None
-            if status is not None and 400 <= status < 500:
-                raise DestinationError(
-                    f"the store refused the check that az://{self.container} honours conditional writes: "
-                    f"{self._describe_error(exc)}"
-                ) from None
-            raise DestinationUnreachable(
-                f"cannot do the check that az://{self.container} honours conditional writes: "
-                f"{self._describe_error(exc)}"
-            ) from None
-        _CONDITIONS_CHECKED.add(where)
-
-    def _race(self, name: str) -> None:
-        accepted = racing_creates(lambda body: self._send(name, body, None), self._refused_condition)
-        problem = race_problem(accepted, self.read(name))
-        if problem:
-            raise DestinationError(
-                f"az://{self.container} {problem}: its check that a blob is absent and its write are not one atomic "
-                "step, so two parties racing for a key's place or pointer could both win silently. Refusing to "
-                "publish to it"
-            )
-
-    def _must_refuse(self, write, what: str, risk: str) -> None:
-        _, _, errors = _sdk()
-        try:
-            write()
-        except errors.AzureError as exc:
-            if self._refused_condition(exc):
-                return
-            raise
-        raise DestinationError(
-            f"az://{self.container} accepted {what}: this store ignores conditional writes, so {risk} silently. "
-            "Refusing to publish to it"
-        )
+            self._send(blocks, b"5" * size, None, (single_put, block))
+            self._must_refuse(lambda: self._send(blocks, b"6" * size, None, (single_put, block)), "a second "
+                              "conditional create committed as a block list (Put Block List, If-None-Match: *)",
+                              "a retry could replace a published data file uploaded in blocks")  # fmt: skip
+        finally:
+            self.delete(blocks)
 
     def _probe_name(self) -> str:
         """A fresh probe blob's name, after removing probes an hour older than the newest (left by processes killed

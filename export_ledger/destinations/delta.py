@@ -458,16 +458,16 @@ class DeltaDestination(PublishingDestination):
         _CONDITIONS_CHECKED.add((self.endpoint_url, store.bucket))
 
     def _probe(self, store) -> None:
-        """:meth:`check_conditions`' probe on ``store`` (the table's folder); raises the store's own errors."""
-        _, _, errors = _boto()
-        client, bucket = store._s3(), store.bucket
-        probe = store._probe_key()
+        """:meth:`check_conditions`' probe on ``store`` (the table's folder), made of the S3 store's own probe hooks
+        (:class:`~export_ledger.destinations.store.ProbedStore`): only its creates, which is what Delta's commits
+        rely on. Raises the store's own errors."""
+        name = store._probe_name()
         try:
-            client.put_object(Bucket=bucket, Key=probe, Body=b"1", IfNoneMatch="*")
+            store._conditional_put(name, b"1", None)
             try:
-                client.put_object(Bucket=bucket, Key=probe, Body=b"2", IfNoneMatch="*")
-            except errors.ClientError as exc:
-                if store._status(exc) not in (409, 412):
+                store._conditional_put(name, b"2", None)
+            except store._probe_failures() as exc:
+                if not store._refused_condition(exc):
                     raise
             else:
                 raise ConfigurationError(
@@ -476,11 +476,9 @@ class DeltaDestination(PublishingDestination):
                     "Refusing to publish to it; use a store that honours conditional puts"
                 )
             accepted = racing_creates(
-                lambda body: client.put_object(Bucket=bucket, Key=f"{probe}-race", Body=body, IfNoneMatch="*"),
-                lambda exc: isinstance(exc, errors.ClientError) and store._status(exc) in (409, 412),
+                lambda body: store._conditional_put(f"{name}-race", body, None), store._refused_condition
             )
-            held = store.read(f"{probe}-race".removeprefix(f"{store.prefix}/"))
-            problem = race_problem(accepted, held)
+            problem = race_problem(accepted, store.read(f"{name}-race"))
             if problem:
                 raise ConfigurationError(
                     f"{self.describe()}: the store {problem} (its check and its write are not one atomic step), so "
@@ -488,10 +486,10 @@ class DeltaDestination(PublishingDestination):
                     "publish to it; use a store that honours conditional puts"
                 )
         finally:
-            for key in (probe, f"{probe}-race"):
+            for leftover in (name, f"{name}-race"):
                 try:
-                    client.delete_object(Bucket=bucket, Key=key)
-                except (errors.BotoCoreError, errors.ClientError):
+                    store.delete(leftover)
+                except DestinationError:
                     pass  # left behind, a probe is swept by a later check once an hour old; the verdict stands
 
     def _store(self, export: str):

@@ -1,4 +1,4 @@
-"""A Google Cloud Storage bucket as the publishing template's five hooks (optional extra ``[gcs]``:
+"""A Google Cloud Storage bucket as the publishing template's store hooks (optional extra ``[gcs]``:
 google-cloud-storage).
 
 Conditions are the store's own: ``ifGenerationMatch=0`` creates only if absent, ``ifGenerationMatch=<generation>``
@@ -25,7 +25,6 @@ conditions on one and not the other (fake-gcs-server before 1.55 ignores them on
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import io
@@ -33,6 +32,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from export_ledger.destinations.base import DestinationError, DestinationUnreachable, PublishOutcomeUnknown
 from export_ledger.destinations.publishing import PublishingDestination
@@ -41,11 +41,9 @@ from export_ledger.destinations.staging import StagedFileUpload, file_sha256, st
 from export_ledger.destinations.store import (
     AlreadyExists,
     Blob,
-    ObjectStore,
     PreconditionFailed,
+    ProbedStore,
     Upload,
-    race_problem,
-    racing_creates,
 )
 from export_ledger.errors import redact_text
 
@@ -104,8 +102,13 @@ def _not_sent(exc: BaseException) -> bool:
 
 
 @dataclass(frozen=True)
-class GCSStore(ObjectStore):
+class GCSStore(ProbedStore):
     """A bucket (and name prefix) as an object store. Built by :class:`GCSDestination`."""
+
+    _checked: ClassVar[set] = _CONDITIONS_CHECKED
+    PROBE_CREATE = "ifGenerationMatch=0"
+    PROBE_STALE = "a generation the object does not have"
+    PROBE_IGNORES = "the preconditions"
 
     bucket: str
     prefix: str
@@ -240,9 +243,7 @@ class GCSStore(ObjectStore):
     def list(self, prefix: str) -> list[str]:
         cut = len(self.prefix) + 1 if self.prefix else 0
         try:
-            blobs = self._connect().list_blobs(
-                self.bucket, prefix=self._key(prefix), timeout=self.timeout, retry=None
-            )
+            blobs = self._connect().list_blobs(self.bucket, prefix=self._key(prefix), timeout=self.timeout, retry=None)
             return [blob.name[cut:] for blob in blobs]
         except self._failures() as exc:
             raise self._unreadable(exc, f"list {self.url(prefix)}") from None
@@ -298,32 +299,28 @@ class GCSStore(ObjectStore):
 
     # -- the startup checks --------------------------------------------------------------------------------------
 
-    def check_conditions(self) -> None:
-        """Refuses a bucket whose single-request uploads ignore ``ifGenerationMatch``: a probe object is created twice
-        (the second must answer 412), rewritten on a generation it does not have (412 again) and on its own
-        (accepted), then deleted; then racing creates of another probe object (exactly one may win). Once per
-        process and store."""
-        where = (self.endpoint_url, self.bucket)
-        if where in _CONDITIONS_CHECKED:
-            return
+    def _where(self) -> str:
+        return f"gs://{self.bucket}"
 
-        def create_again():
-            self._send(key, b"2", 0)
+    def _conditions_key(self) -> tuple:
+        return (self.endpoint_url, self.bucket)
 
-        with self._probing("honours conditional writes"):
-            key = self._probe_name()
-            generation = int(self._send(key, b"1", 0))
-            try:
-                self._must_refuse(create_again, "a second conditional create (ifGenerationMatch=0) of one object",
-                                  "a retry could replace a published export")  # fmt: skip
-                self._must_refuse(lambda: self._send(key, b"3", generation + 1), "a write conditional on a "
-                                  "generation the object does not have", "two parties could both move a key's pointer")
-                self._send(key, b"4", generation)
-                self._race(f"{key}-race")
-            finally:
-                self.delete(key)
-                self.delete(f"{key}-race")
-        _CONDITIONS_CHECKED.add(where)
+    def _conditional_put(self, name: str, data: bytes, tag: str | None) -> str:
+        return self._send(name, data, 0 if tag is None else int(tag))
+
+    def _stale_tag(self, tag: str) -> str:
+        return str(int(tag) + 1)
+
+    def _probe_failures(self) -> tuple:
+        return self._failures()
+
+    def _probe_refused(self, exc, what: str) -> str | None:
+        code = getattr(exc, "code", None)
+        if self._no_bucket(exc):
+            return self._missing(what)
+        if isinstance(code, int) and 400 <= code < 500:
+            return f"the store refused the {what}: {self._describe_error(exc)}"
+        return None
 
     def check_resumable_conditions(self) -> None:
         """Refuses a bucket whose resumable uploads ignore ``ifGenerationMatch=0``, before the first data file above
@@ -337,9 +334,11 @@ class GCSStore(ObjectStore):
             key = self._probe_name()
             self._resumable(key, io.BytesIO(probe), len(probe))
             try:
-                self._must_refuse(lambda: self._resumable(key, io.BytesIO(probe), len(probe)), "a second "
-                                  f"conditional create of a {len(probe)}-byte object as a resumable upload",
-                                  f"a retry could replace a published data file above {SINGLE_REQUEST_LIMIT} bytes")
+                self._must_refuse(
+                    lambda: self._resumable(key, io.BytesIO(probe), len(probe)),
+                    f"a second conditional create of a {len(probe)}-byte object as a resumable upload",
+                    f"a retry could replace a published data file above {SINGLE_REQUEST_LIMIT} bytes",
+                )
             finally:
                 self.delete(key)
         _RESUMABLE_CHECKED.add(where)
@@ -347,45 +346,6 @@ class GCSStore(ObjectStore):
     def _resumable(self, name: str, source, size: int) -> None:
         blob = self._blob(name, chunk_size=self.chunk_size)
         blob.upload_from_file(source, size=size, if_generation_match=0, timeout=self.timeout, retry=None)
-
-    @contextlib.contextmanager
-    def _probing(self, what: str):
-        """A probe's failures as the destination's errors: a 4xx refuses the store, anything else is unreachable."""
-        try:
-            yield
-        except self._failures() as exc:
-            code = getattr(exc, "code", None)
-            if self._no_bucket(exc):
-                raise DestinationError(self._missing(f"check that gs://{self.bucket} {what}")) from None
-            if isinstance(code, int) and 400 <= code < 500:
-                raise DestinationError(
-                    f"the store refused the check that gs://{self.bucket} {what}: {self._describe_error(exc)}"
-                ) from None
-            raise DestinationUnreachable(
-                f"cannot do the check that gs://{self.bucket} {what}: {self._describe_error(exc)}"
-            ) from None
-
-    def _race(self, name: str) -> None:
-        accepted = racing_creates(lambda body: self._send(name, body, 0), self._refused_condition)
-        problem = race_problem(accepted, self.read(name))
-        if problem:
-            raise DestinationError(
-                f"gs://{self.bucket} {problem}: its check that an object is absent and its write are not one atomic "
-                "step, so two parties racing for a key's place or pointer could both win silently. Refusing to "
-                "publish to it"
-            )
-
-    def _must_refuse(self, write, what: str, risk: str) -> None:
-        try:
-            write()
-        except self._failures() as exc:
-            if self._refused_condition(exc):
-                return
-            raise
-        raise DestinationError(
-            f"gs://{self.bucket} accepted {what}: this store ignores the preconditions, so {risk} silently. "
-            "Refusing to publish to it"
-        )
 
     def _probe_name(self) -> str:
         """A fresh probe object's name, after removing probes an hour older than the newest (left by processes

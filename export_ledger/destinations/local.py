@@ -1,4 +1,4 @@
-"""A local folder as an object store: the five hooks over files, with the durability a crash needs.
+"""A local folder as an object store: the store hooks over files, with the durability a crash needs.
 
 Every object is created by writing a temporary file beside it, fsyncing it, and ``link``-ing it to its name (which
 fails if the name exists, so nothing is ever replaced), then fsyncing the folder. The pointer's compare-and-swap is

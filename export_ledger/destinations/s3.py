@@ -1,4 +1,4 @@
-"""An S3-compatible object store as the publishing template's five hooks (optional extra ``[s3]``: boto3).
+"""An S3-compatible object store as the publishing template's store hooks (optional extra ``[s3]``: boto3).
 
 Conditions are the store's own: ``If-None-Match: *`` creates only if absent, ``If-Match: <etag>`` replaces only the
 version read. Before its first write (once per process and store) the store is checked to honour both, and a store
@@ -31,6 +31,7 @@ import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from export_ledger.destinations.base import DestinationError, DestinationUnreachable, PublishOutcomeUnknown
 from export_ledger.destinations.publishing import PublishingDestination
@@ -39,11 +40,9 @@ from export_ledger.destinations.staging import staging_folder
 from export_ledger.destinations.store import (
     AlreadyExists,
     Blob,
-    ObjectStore,
     PreconditionFailed,
+    ProbedStore,
     Upload,
-    race_problem,
-    racing_creates,
 )
 from export_ledger.errors import redact_text
 
@@ -85,8 +84,10 @@ def _client(endpoint_url, region, key_id, secret, token, connect_timeout, read_t
 
 
 @dataclass(frozen=True)
-class S3Store(ObjectStore):
+class S3Store(ProbedStore):
     """A bucket (and key prefix) as an object store. Built by :class:`S3Destination`."""
+
+    _checked: ClassVar[set] = _CONDITIONS_CHECKED
 
     bucket: str
     prefix: str
@@ -269,86 +270,45 @@ class S3Store(ObjectStore):
                 raise DestinationUnreachable(f"cannot delete {self.url(name)}: {self._describe_error(exc)}") from None
             raise DestinationError(f"cannot delete {self.url(name)}: {self._describe_error(exc)}") from None
 
-    # -- the startup check ---------------------------------------------------------------------------------------
+    # -- the startup check (ProbedStore.check_conditions, over these hooks) ---------------------------------------
 
-    def check_conditions(self) -> None:
-        """Refuses a store that ignores ``If-None-Match: *`` or ``If-Match``: a probe object is created twice (the
-        second must answer 412), rewritten on an ETag it does not have (412 again) and on its own (accepted), then
-        deleted; then :data:`~export_ledger.destinations.store.RACERS` creates of another probe object are sent at
-        once, and exactly one may be accepted (:func:`~export_ledger.destinations.store.racing_creates` says what
-        that shows and what it cannot). Once per process and store."""
-        where = (self.endpoint_url, self.bucket)
-        if where in _CONDITIONS_CHECKED:
-            return
+    def _where(self) -> str:
+        return f"s3://{self.bucket}"
+
+    def _conditions_key(self) -> tuple:
+        return (self.endpoint_url, self.bucket)
+
+    def _conditional_put(self, name: str, data: bytes, tag: str | None) -> str:
+        condition = {"IfNoneMatch": "*"} if tag is None else {"IfMatch": tag}
+        return self._s3().put_object(Bucket=self.bucket, Key=self._key(name), Body=data, **condition)["ETag"]
+
+    def _stale_tag(self, tag: str) -> str:
+        return _NO_SUCH_ETAG
+
+    def _refused_condition(self, exc) -> bool:
+        """412, or 409: a concurrent conditional write won (S3's answer to a create racing another)."""
         _, _, errors = _boto()
+        return isinstance(exc, errors.ClientError) and self._status(exc) in (409, 412)
+
+    def _probe_failures(self) -> tuple:
+        _, _, errors = _boto()
+        return errors.ClientError, errors.BotoCoreError
+
+    def _probe_refused(self, exc, what: str) -> str | None:
+        _, _, errors = _boto()
+        if not isinstance(exc, errors.ClientError):
+            return None
+        if self._no_bucket(exc):
+            return self._missing(what)
+        status = self._status(exc)
+        if status is not None and 400 <= status < 500:
+            return f"the store refused the {what}: {self._describe_error(exc)}"
+        return None
+
+    def _probe_name(self) -> str:
+        folder = ".export-ledger-probe/"
         client = self._s3()
-        try:
-            key = self._probe_key()
-            etag = client.put_object(Bucket=self.bucket, Key=key, Body=b"1", IfNoneMatch="*")["ETag"]
-            try:
-                self._must_refuse(client, key, b"2", {"IfNoneMatch": "*"}, "a second conditional create "
-                                  "(If-None-Match: *) of one object", "a retry could replace a published export")
-                self._must_refuse(client, key, b"3", {"IfMatch": _NO_SUCH_ETAG}, "a write conditional on an ETag the "
-                                  "object does not have (If-Match)", "two parties could both move a key's pointer")
-                client.put_object(Bucket=self.bucket, Key=key, Body=b"4", IfMatch=etag)
-                self._race(client, f"{key}-race")
-            finally:
-                client.delete_object(Bucket=self.bucket, Key=key)
-                client.delete_object(Bucket=self.bucket, Key=f"{key}-race")
-        except errors.ClientError as exc:
-            status = self._status(exc)
-            if self._no_bucket(exc):
-                what = f"check that s3://{self.bucket} honours conditional writes"
-                raise DestinationError(self._missing(what)) from None
-            if status is not None and 400 <= status < 500:
-                raise DestinationError(
-                    f"the store refused the check that s3://{self.bucket} honours conditional writes: "
-                    f"{self._describe_error(exc)}"
-                ) from None
-            raise DestinationUnreachable(
-                f"cannot do the check that s3://{self.bucket} honours conditional writes: {self._describe_error(exc)}"
-            ) from None
-        except errors.BotoCoreError as exc:
-            raise DestinationUnreachable(
-                f"cannot check that s3://{self.bucket} honours conditional writes: {self._describe_error(exc)}"
-            ) from None
-        _CONDITIONS_CHECKED.add(where)
-
-    def _race(self, client, key: str) -> None:
-        """Racing creates of ``key``: exactly one may win (409: a concurrent conditional write won, S3's answer too)."""
-        _, _, errors = _boto()
-        accepted = racing_creates(
-            lambda body: client.put_object(Bucket=self.bucket, Key=key, Body=body, IfNoneMatch="*"),
-            lambda exc: isinstance(exc, errors.ClientError) and self._status(exc) in (409, 412),
-        )
-        found = self.get(key.removeprefix(f"{self.prefix}/") if self.prefix else key)
-        problem = race_problem(accepted, None if found is None else found.data)
-        if problem:
-            raise DestinationError(
-                f"s3://{self.bucket} {problem}: its check that an object is absent and its write are not one atomic "
-                f"step, so two parties racing for a key's place or pointer could both win silently. Refusing to "
-                "publish to it"
-            )
-
-    def _must_refuse(self, client, key: str, body: bytes, condition: dict, what: str, risk: str) -> None:
-        _, _, errors = _boto()
-        try:
-            client.put_object(Bucket=self.bucket, Key=key, Body=body, **condition)
-        except errors.ClientError as exc:
-            if self._status(exc) == 412:
-                return
-            raise
-        raise DestinationError(
-            f"s3://{self.bucket} accepted {what}: this store ignores conditional writes, so {risk} silently. "
-            "Refusing to publish to it"
-        )
-
-    def _probe_key(self) -> str:
-        """A fresh probe object's key, after removing probes older than an hour by the store's own clock (left by
-        processes killed mid-check)."""
-        folder = self._key(".export-ledger-probe/")
-        client = self._s3()
-        listing = client.list_objects_v2(Bucket=self.bucket, Prefix=folder)
+        listing = client.list_objects_v2(Bucket=self.bucket, Prefix=self._key(folder))
         store_now = _response_time(listing)
         if store_now is not None:
             for item in listing.get("Contents", []):

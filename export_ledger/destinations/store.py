@@ -1,4 +1,10 @@
-"""The five hooks a publishing destination is made of: an object store (a local folder, S3, ...).
+"""The hooks a publishing destination is made of: an object store (a local folder, S3, ...).
+
+An :class:`ObjectStore` has nine hooks every store writes (:meth:`~ObjectStore.url`, ``get``, ``digest``, ``read``,
+``put_if_absent``, ``upload``, ``put_if_match``, ``list``, ``delete``) and six it may (``check_conditions``,
+``describe``, and the group commit's ``deferred``, ``sync``, ``prepare``, ``settle``). A store that must be seen to
+honour its conditional writes before its first one derives from :class:`ProbedStore` instead, whose probe is written
+once over nine more small hooks (one conditional put, what a refusal looks like, how its errors read, a probe's name).
 
 Names are ``/``-separated paths relative to the store's root. Each operation is atomic on one object; nothing spans
 two. What a failed operation means is part of the contract, because a database transaction cannot commit a remote
@@ -18,9 +24,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import BinaryIO, ClassVar
 
-from export_ledger.destinations.base import DestinationError
+from export_ledger.destinations.base import DestinationError, DestinationUnreachable
 
 
 class AlreadyExists(DestinationError):
@@ -55,8 +61,9 @@ class Upload(ABC):
 
 class ObjectStore(ABC):
     """The hooks: :meth:`get`, :meth:`put_if_absent` (and :meth:`upload` for streams), :meth:`put_if_match`,
-    :meth:`list`, :meth:`delete`; plus :meth:`digest` and :meth:`read` of an object's bytes, and the startup check
-    that the store really honours the conditions."""
+    :meth:`list`, :meth:`delete`; :meth:`digest` and :meth:`read` of an object's bytes; :meth:`url`. Optional: the
+    startup check that the store really honours the conditions (:class:`ProbedStore` writes it), :meth:`describe`, and
+    the group commit's :meth:`deferred`, :meth:`sync`, :meth:`prepare` and :meth:`settle`."""
 
     @abstractmethod
     def url(self, name: str) -> str:
@@ -185,3 +192,128 @@ def race_problem(accepted: list[bytes], held: bytes | None, racers: int = RACERS
     if not accepted and held is not None:
         return f"refused all {racers} conditional creates of one new object sent at once, but holds one of them"
     return None
+
+
+class ProbedStore(ObjectStore):
+    """An object store that cannot be trusted to honour its conditional writes until it has been seen to: its
+    :meth:`check_conditions` is the one probe, written here once over the store's own hooks below.
+
+    The probe creates an object, then must see refused a second create of it and a replace on a version it does not
+    have, and accepted a replace on its own; :meth:`_probe_more` adds a store's other write paths; then
+    :data:`RACERS` racing creates of a new object (exactly one may win: :func:`racing_creates`). Once per process and
+    store (:attr:`_checked`, keyed by :meth:`_conditions_key`); a refusal is not remembered.
+    """
+
+    #: The process's stores that passed, by :meth:`_conditions_key` (a set of the store's module).
+    _checked: ClassVar[set]
+    #: How the refusals name the store's create-if-absent and stale-version conditions, what it ignores, its objects.
+    PROBE_CREATE: ClassVar[str] = "If-None-Match: *"
+    PROBE_STALE: ClassVar[str] = "an ETag the object does not have (If-Match)"
+    PROBE_IGNORES: ClassVar[str] = "conditional writes"
+    PROBE_NOUN: ClassVar[str] = "object"
+
+    # -- the hooks -----------------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def _where(self) -> str:
+        """The bucket or container as the refusals name it (``s3://bucket``)."""
+
+    @abstractmethod
+    def _conditions_key(self) -> tuple:
+        """What identifies this store among the checked ones (its endpoint and bucket)."""
+
+    @abstractmethod
+    def _conditional_put(self, name: str, data: bytes, tag: str | None) -> str:
+        """One raw conditional write (``tag`` None: only if absent), returning the new version's tag; the store's
+        own error when refused."""
+
+    @abstractmethod
+    def _stale_tag(self, tag: str) -> str:
+        """A version tag the object at ``tag`` does not have."""
+
+    @abstractmethod
+    def _refused_condition(self, exc: BaseException) -> bool:
+        """Whether the store's error ``exc`` is a refused condition (412, or 409 for a concurrent write)."""
+
+    @abstractmethod
+    def _probe_failures(self) -> tuple[type[BaseException], ...]:
+        """The store's client's errors, which :meth:`_probing` turns into the destination's."""
+
+    @abstractmethod
+    def _probe_refused(self, exc: BaseException, what: str) -> str | None:
+        """The message when the store answered ``what`` (the probe: "check that s3://b honours ...") with ``exc``
+        refusing it (a missing bucket, a 4xx); None when the store could not be reached or did not answer."""
+
+    @abstractmethod
+    def _describe_error(self, exc: BaseException) -> str:
+        """The error's class and status, never its text (which may quote a credential or a customer's data)."""
+
+    @abstractmethod
+    def _probe_name(self) -> str:
+        """A fresh probe object's name (under ``.export-ledger-probe/``), after removing probes an hour older than
+        the store's own clock says (left by processes killed mid-check)."""
+
+    def _probe_more(self, name: str) -> None:  # noqa: B027 - a hook: most stores have one write path
+        """The store's other write paths, probed with objects of their own beside ``name`` and deleted again."""
+
+    # -- the probe -----------------------------------------------------------------------------------------------
+
+    def check_conditions(self) -> None:
+        where = self._conditions_key()
+        if where in self._checked:
+            return
+        with self._probing("honours conditional writes"):
+            name = self._probe_name()
+            tag = self._conditional_put(name, b"1", None)
+            try:
+                self._must_refuse(lambda: self._conditional_put(name, b"2", None), f"a second conditional create "
+                                  f"({self.PROBE_CREATE}) of one {self.PROBE_NOUN}",
+                                  "a retry could replace a published export")  # fmt: skip
+                self._must_refuse(lambda: self._conditional_put(name, b"3", self._stale_tag(tag)),
+                                  f"a write conditional on {self.PROBE_STALE}", "two parties could both move a key's "
+                                  "pointer")  # fmt: skip
+                self._conditional_put(name, b"4", tag)
+                self._probe_more(name)
+                self._race(f"{name}-race")
+            finally:
+                self.delete(name)
+                self.delete(f"{name}-race")
+        self._checked.add(where)
+
+    @contextlib.contextmanager
+    def _probing(self, what: str) -> Iterator[None]:
+        """A probe's failures as the destination's errors: refused, the store is refused; else it is unreachable."""
+        try:
+            yield
+        except self._probe_failures() as exc:
+            check = f"check that {self._where()} {what}"
+            refused = self._probe_refused(exc, check)
+            if refused is not None:
+                raise DestinationError(refused) from None
+            raise DestinationUnreachable(f"cannot do the {check}: {self._describe_error(exc)}") from None
+
+    def _must_refuse(self, write: Callable[[], object], what: str, risk: str) -> None:
+        try:
+            write()
+        except self._probe_failures() as exc:
+            if self._refused_condition(exc):
+                return
+            raise
+        raise DestinationError(
+            f"{self._where()} accepted {what}: this store ignores {self.PROBE_IGNORES}, so {risk} silently. "
+            "Refusing to publish to it"
+        )
+
+    def _race(self, name: str) -> None:
+        accepted = racing_creates(lambda body: self._conditional_put(name, body, None), self._refused_condition)
+        problem = race_problem(accepted, self.read(name))
+        if problem:
+            raise DestinationError(
+                f"{self._where()} {problem}: its check that {_article(self.PROBE_NOUN)} is absent and its write are "
+                "not one atomic step, so two parties racing for a key's place or pointer could both win silently. "
+                "Refusing to publish to it"
+            )
+
+
+def _article(noun: str) -> str:
+    return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"

@@ -15,8 +15,8 @@ release 0.4.0 and earlier read the same way: no pointer and a ``_manifest.json``
 place ``.``; a pointer without a fence (0.4.0's restatements) names ``revision=<N>/`` with fence 0. The first write of
 this release (a fence or a commit) replaces either with a pointer of this format naming the same revision.
 
-A store is its hooks (nine written, six optional: :class:`~export_ledger.destinations.store.ObjectStore`); a destination class only says which
-store (:class:`~export_ledger.destinations.local.LocalDestination`,
+A store is its hooks (:class:`~export_ledger.destinations.store.ObjectStore`: nine written, six optional); a
+destination class only says which store (:class:`~export_ledger.destinations.local.LocalDestination`,
 :class:`~export_ledger.destinations.s3.S3Destination`).
 """
 

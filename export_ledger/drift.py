@@ -40,10 +40,8 @@ from export_ledger.destinations.base import (
 from export_ledger.errors import safe_message
 from export_ledger.fingerprint import Fingerprint, id_hashes, version_hashes
 from export_ledger.frames import ExportSchema, FrameBatches, _to_arrow, read_table
-from export_ledger.keys import LogicalKey
 from export_ledger.ledger import DriftChanges, DriftFinding, DriftRecord, ExportLedger, ExportRecord
 from export_ledger.placement import recorded_destinations
-from export_ledger.protocol import target_for
 from export_ledger.restate import DRIFT_REQUESTER, RequestReport, current_revisions, restate_stale
 from export_ledger.sources import readable
 from export_ledger.spec import ExportSpec
@@ -154,7 +152,7 @@ def _published(
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Per-row hashes of the export as published (its current ``revision``, read through the destination and
     checked against the ledger's sha256)."""
-    target = target_for_record(record).at_revision(revision, place_of_location(record.location))
+    target = ExportTarget.of_record(record, revision, place_of_location(record.location))
     seen = destination.verify_recorded(target, logical_key=record.logical_key, sha256=record.sha256)
     if seen.verdict is not Verdict.PUBLISHED:
         raise LookupError(f"{record.logical_key}: {seen.detail}")
@@ -167,11 +165,6 @@ def _published(
     ids = id_hashes(frame, schema.id_columns)
     versions = version_hashes(frame, ids, schema.version_column) if schema.version_column is not None else None
     return ids, versions
-
-
-def target_for_record(record: ExportRecord) -> ExportTarget:
-    """The destination target of a recorded key (its export, tenant and business date)."""
-    return target_for(LogicalKey(record.export, record.tenant, record.window))
 
 
 def check_key(

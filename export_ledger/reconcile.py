@@ -56,15 +56,11 @@ class Finding:
     evidence: CompletionEvidence | None = None
 
 
-def target_of(record: ExportRecord, revision: int = 1) -> ExportTarget:
-    return ExportTarget(record.export, record.tenant, record.business_date.isoformat(), revision)
-
-
 def examine(destination: Destination, record: ExportRecord, claim: Claim, read: Pointer | None = None) -> Finding:
     """Fences the destination with the hold's token and judges what the key's pointer names, against the revision
     the key was publishing (``claim.revision``) and the one it supersedes. ``read``: the key's pointer as
     :meth:`~export_ledger.destinations.PublishingDestination.prepare_fence` read it."""
-    target = target_of(record, claim.revision)
+    target = ExportTarget.of_record(record, claim.revision)
     elsewhere = _recorded_elsewhere(destination, record)
     if elsewhere is not None:
         return Finding(record, Verdict.UNREACHABLE, elsewhere)
@@ -134,7 +130,7 @@ def _prepared(destination: Destination, record: ExportRecord, claim: Claim) -> P
     """The key's pointer read for its fence, with the fence's bytes announced (None: left to the fence alone)."""
     if _recorded_elsewhere(destination, record) is not None:
         return None  # never fenced there
-    target = target_of(record, claim.revision)
+    target = ExportTarget.of_record(record, claim.revision)
     try:
         return destination.prepare_fence(target, claim.fencing_token, logical_key=record.logical_key)
     except Exception:  # noqa: BLE001 - an optimisation only: the fence reads and writes on its own
@@ -155,7 +151,7 @@ def _recorded_elsewhere(destination: Destination, record: ExportRecord) -> str |
     """Why ``destination`` is not the one the key's attempt wrote to (the location it recorded is not this
     destination's for the key), or None. Nothing is written there: a fence at the wrong destination, and a verdict
     "absent" from it, would say nothing of the key's export."""
-    if record.location is None or destination.recorded_here(target_of(record), record.location):
+    if record.location is None or destination.recorded_here(ExportTarget.of_record(record), record.location):
         return None
     return (
         f"the attempt recorded its export at {record.location}, which is not {destination.describe()}: reconcile "
@@ -188,7 +184,9 @@ class ReconcileReport:
 
 def reconcile_batch(
     ledger: ExportLedger,
-    destination: Destination | Mapping[str, Destination] | Callable[[Sequence[ExportRecord]], Mapping[str, Destination]],  # noqa: E501
+    destination: Destination
+    | Mapping[str, Destination]
+    | Callable[[Sequence[ExportRecord]], Mapping[str, Destination]],  # noqa: E501
     *,
     limit: int,
     after: str | None,

@@ -40,16 +40,12 @@ class Resolved:
     detail: str
 
 
-def _target(record: ExportRecord, revision: int = 1, place: str | None = None) -> ExportTarget:
-    return ExportTarget(record.export, record.tenant, record.business_date.isoformat(), revision, place)
-
-
 def recorded_target(ledger: ExportLedger, record: ExportRecord) -> ExportTarget | None:
     """The key's recorded current revision, at its place (None, for a key never completed)."""
     current = ledger.restatements.current_revision(record.logical_key)
     if current is None:
         return None
-    return _target(record, current.revision, place_of_location(current.location))
+    return ExportTarget.of_record(record, current.revision, place_of_location(current.location))
 
 
 def resolve_key(
@@ -82,7 +78,7 @@ def resolve_key(
     if record is None:
         raise LedgerError(f"unknown logical key {logical_key!r}: the ledger has no export with it")
     claim = ledger.claims.hold(logical_key, operator)
-    target = _target(record, claim.revision)
+    target = ExportTarget.of_record(record, claim.revision)
 
     def log(conn, now, _item) -> None:
         append_in(conn, now, operator, action, detail, reason, export=record.export, logical_key=logical_key)

@@ -225,7 +225,7 @@ def withdraw(ledger: ExportLedger, destination: Destination, logical_key: str, *
         )
     claim = ledger.claims.hold(logical_key, operator)
     current = ledger.restatements.current_revision(logical_key)
-    target = ExportTarget(record.export, record.tenant, record.business_date.isoformat(), claim.revision)
+    target = ExportTarget.of_record(record, claim.revision)
     try:
         seen = destination.open(
             target, claim.fencing_token, logical_key=logical_key, superseded=claim.superseded_revision

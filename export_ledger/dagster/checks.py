@@ -19,14 +19,13 @@ from export_ledger.calendar import ExportCalendar, utc_iso
 from export_ledger.dagster.io_manager import LISTED_KEYS, status_command
 from export_ledger.dagster.resources import LEDGER_KEY
 from export_ledger.deadlines import due_at, late_keys, with_late
-from export_ledger.destinations import Destination, DestinationUnreachable, Verdict, place_of_location
+from export_ledger.destinations import Destination, DestinationUnreachable, ExportTarget, Verdict, place_of_location
 from export_ledger.drift import describe
 from export_ledger.errors import CalendarError
 from export_ledger.health import SEVERE, STATUSES, Evidence, PartitionHealth, partition_health
-from export_ledger.keys import LogicalKey
 from export_ledger.ledger import AttentionSummary, DriftRecord, Escalation, ExportLedger, ExportRecord
 from export_ledger.placement import recorded_destinations
-from export_ledger.protocol import ExportBatch, target_for
+from export_ledger.protocol import ExportBatch
 from export_ledger.spec import ExportSpec
 from export_ledger.tenants import TenantGroup
 
@@ -114,8 +113,7 @@ def destination_problems(
 def _key_problem(record: ExportRecord, currents, places, read) -> str | None:
     """What is wrong with one completed key of :func:`destination_problems` (None: it matches)."""
     current = currents[record.logical_key]
-    key = LogicalKey(record.export, record.tenant, record.window)
-    target = target_for(key, current.revision, place_of_location(current.location))
+    target = ExportTarget.of_record(record, current.revision, place_of_location(current.location))
     seen = places[record.logical_key].verify_current(target, logical_key=record.logical_key, sha256=current.sha256)
     if seen.verdict is not Verdict.PUBLISHED:
         return f"at the destination: {seen.detail}"

@@ -239,8 +239,7 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
     ) -> pd.DataFrame:
         """One key's ``current`` revision (the newest the ledger recorded), read where it was recorded and checked
         against its sha256 (:meth:`~export_ledger.destinations.Destination.verify_recorded`)."""
-        target = ExportTarget(record.export, record.tenant, partition_key, current.revision,
-                              place_of_location(current.location))  # fmt: skip
+        target = ExportTarget.of_record(record, current.revision, place_of_location(current.location))
         pointer = destination.current_revision(target)
         if pointer != current.revision:
             # Ahead: a restatement committed and not yet recorded (reconciliation records it). The ledger's recorded
@@ -352,9 +351,7 @@ def key_table(rows: list[tuple[str, str, int | None, int | None, str | None, str
     return dg.MetadataValue.table(records, schema=KEY_TABLE_SCHEMA)
 
 
-def partition_metadata(
-    results: list[ExportResult], *, restatements: Mapping[str, Restatement] | None = None
-) -> dict:
+def partition_metadata(results: list[ExportResult], *, restatements: Mapping[str, Restatement] | None = None) -> dict:
     """The materialization metadata of one partition's keys in one run: its own counts (never the run's), a table of
     its first :data:`LISTED_KEYS` keys, ``dagster/row_count`` (the rows of every key of the partition as the run
     leaves them, skipped ones included) and the published location (typed: a path or a URL) of a one-key partition.

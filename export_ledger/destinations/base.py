@@ -95,6 +95,12 @@ class ExportTarget:
         """The key's folder: where its pointer lives, and its places."""
         return (self.export, f"tenant={self.tenant}", f"date={self.business_date}")
 
+    @classmethod
+    def of_record(cls, record, revision: int = 1, place: str | None = None) -> ExportTarget:
+        """The target of a key the ledger holds (an :class:`~export_ledger.ledger.ExportRecord`: its export, tenant
+        and business date), at ``revision`` and ``place``: the one way from a ledger record to a target."""
+        return cls(record.export, record.tenant, record.business_date.isoformat(), revision, place)
+
     def at_revision(self, revision: int, place: str | None = None) -> ExportTarget:
         return ExportTarget(self.export, self.tenant, self.business_date, revision, place)
 

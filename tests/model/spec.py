@@ -170,7 +170,8 @@ class Guards:
     #: A takeover's error before its fence lands records ``remote_unknown``, never ``failed``.
     error_before_fence_is_remote_unknown: bool = True
     #: An error while verifying a pointer that names something other than s records ``remote_unknown``, not
-    #: ``failed`` (export_ledger/protocol.py does this; docs/protocol.md's rule for errors before step 7 does not).
+    #: ``failed`` (export_ledger/steps.py, KeySteps._staged, does this; docs/protocol.md's rule for errors before
+    #: step 7 does not).
     probe_error_past_s_is_remote_unknown: bool = True
     #: Finishing moves (complete, fail, conflict, remote_unknown, release) are guarded by the token and lease owner.
     finish_guarded_by_token_and_owner: bool = True

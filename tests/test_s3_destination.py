@@ -361,6 +361,42 @@ def test_a_store_whose_conditional_create_is_a_check_then_a_write_is_refused_by_
     assert (destination.endpoint_url, destination.bucket) not in s3_module._CONDITIONS_CHECKED
 
 
+@pytest.mark.parametrize("answer", [503, 403])
+def test_a_probe_object_that_cannot_be_deleted_leaves_the_verdict_as_it_was(s3, s3_server, s3_bucket, answer):
+    """The startup check's cleanup is best effort: a DELETE answered 503 or 403 leaves the probe behind (a later check
+    sweeps it), and neither refuses an honest store nor hides the refusal of one that ignores If-None-Match."""
+
+    def refuse_delete(request, **_):
+        from botocore.awsrequest import AWSResponse
+
+        code = {503: "SlowDown", 403: "AccessDenied"}[answer]
+
+        class Raw:
+            def stream(self, **_):
+                yield f"<Error><Code>{code}</Code><Message>refused</Message></Error>".encode()
+
+        return AWSResponse(request.url, answer, {}, Raw())
+
+    for prefix, ignores in (("honest", False), ("ignoring", True)):
+        destination = s3_destination(s3_bucket, s3_server, prefix)
+        client = destination.store._s3()
+        client.meta.events.register("before-send.s3.DeleteObject", refuse_delete)
+        try:
+            with ignoring(destination, "IfNoneMatch") if ignores else contextlib.nullcontext():
+                if ignores:
+                    with pytest.raises(DestinationError, match="ignores conditional writes"):
+                        destination.store.check_conditions()
+                else:
+                    s3_module._CONDITIONS_CHECKED.discard((destination.endpoint_url, destination.bucket))
+                    destination.store.check_conditions()
+                    assert (destination.endpoint_url, destination.bucket) in s3_module._CONDITIONS_CHECKED
+        finally:
+            client.meta.events.unregister("before-send.s3.DeleteObject", refuse_delete)
+            s3_module._CONDITIONS_CHECKED.discard((destination.endpoint_url, destination.bucket))
+        left = stored(s3, s3_bucket, folder=".export-ledger-probe", prefix=prefix)
+        assert left, "the probes that could not be deleted are left behind, for a later check to sweep"
+
+
 def test_a_delta_table_on_a_store_whose_conditional_create_is_a_check_then_a_write_is_refused(s3_server, s3_bucket, s3):
     """Delta's commit is a create-only-if-absent of the next log entry: on such a store two racing writers could both
     commit one table version. The sequential second create of the probe is refused there; racing creates are not."""

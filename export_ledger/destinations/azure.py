@@ -294,7 +294,7 @@ class AzureStore(ProbedStore):
                               "conditional create committed as a block list (Put Block List, If-None-Match: *)",
                               "a retry could replace a published data file uploaded in blocks")  # fmt: skip
         finally:
-            self.delete(blocks)
+            self._remove_probes(blocks)
 
     def _probe_name(self) -> str:
         """A fresh probe blob's name, after removing probes an hour older than the newest (left by processes killed

@@ -86,7 +86,7 @@ def sql_invoices(url: str, day: dt.date, tenants: tuple[str, ...], *, table: str
     return ids
 
 
-def hourly_orders(key: LogicalKey) -> pd.DataFrame:
+def hourly_orders(key: LogicalKey, total: float = 12.5) -> pd.DataFrame:
     """Hourly orders of the key's tenant inside its window (order_id, tenant, placed_at, total)."""
     start, end = pd.Timestamp(key.window.start_utc), pd.Timestamp(key.window.end_utc)
     times = pd.date_range(start.ceil("h"), end, freq="h", inclusive="left").as_unit("us")
@@ -95,7 +95,7 @@ def hourly_orders(key: LogicalKey) -> pd.DataFrame:
             "order_id": [f"{key.tenant}-{int(t.timestamp())}" for t in times],
             "tenant": [key.tenant] * len(times),
             "placed_at": times,
-            "total": [12.5] * len(times),
+            "total": [total] * len(times),
         }
     )
 

@@ -190,8 +190,11 @@ def fenced_restatement(ledger: ExportLedger, destination, clock, key) -> Excepti
 # -- processes ------------------------------------------------------------------------------------------------------
 
 
-def process_env(tmp_path: Path, home: str, **extra: str) -> dict[str, str]:
-    """The environment of a ``dagster`` or ``export-ledger`` process on the project's definitions in ``tmp_path``."""
+def process_env(tmp_path: Path, home: str = "dagster_home", **extra: str) -> dict[str, str]:
+    """The environment of a ``dagster`` or ``export-ledger`` process on the project's definitions in ``tmp_path``.
+
+    Racing processes take separate ``home``s: two fresh SQLite Dagster instances created at once race on their own
+    schema migration, which is Dagster's business, not the ledger's."""
     folder = tmp_path / home
     folder.mkdir(exist_ok=True)
     env = {

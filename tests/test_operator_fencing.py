@@ -11,8 +11,8 @@ import json
 import os
 from pathlib import Path
 
-import pandas as pd
 import pytest
+from builders import hourly_orders as orders
 from builders import open_ledger
 
 from export_ledger.calendar import ExportCalendar, window_for
@@ -38,19 +38,6 @@ LEASE = dt.timedelta(minutes=15)
 
 def key_for(day: dt.date = dt.date(2026, 3, 2), tenant: str = "acme", zone: str = "America/New_York") -> LogicalKey:
     return LogicalKey("invoice_export", tenant, window_for(day, zone))
-
-
-def orders(key: LogicalKey, total: float = 12.5) -> pd.DataFrame:
-    start, end = pd.Timestamp(key.window.start_utc), pd.Timestamp(key.window.end_utc)
-    times = pd.date_range(start.ceil("h"), end, freq="h", inclusive="left").as_unit("us")
-    return pd.DataFrame(
-        {
-            "order_id": [f"{key.tenant}-{int(t.timestamp())}" for t in times],
-            "tenant": [key.tenant] * len(times),
-            "placed_at": times,
-            "total": [total] * len(times),
-        }
-    )
 
 
 def item(key: LogicalKey, frame=None) -> ExportItem:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import time
-from pathlib import Path
 
 import dagster as dg
 import pytest
@@ -19,6 +17,7 @@ from pipeline_helpers import (
     published_dirs,
     read_export,
 )
+from restatement_support import process_env
 
 from export_ledger.ledger.schema import AttemptOutcome, ExportState
 
@@ -27,29 +26,11 @@ pytestmark = pytest.mark.process
 KEY = "invoice_export/acme/2026-03-08T05:00:00Z"
 
 
-def _env(tmp_path: Path, home: str = "dagster_home", **extra: str) -> dict[str, str]:
-    # Separate DAGSTER_HOMEs for racing processes: two fresh SQLite instances created at once race on their own
-    # schema migration, which is Dagster's business, not the ledger's.
-    home = tmp_path / home
-    home.mkdir(exist_ok=True)
-    env = {
-        **os.environ,
-        "DAGSTER_HOME": str(home),
-        "EXPORTS_LEDGER_URL": f"sqlite:///{tmp_path / 'ledger.sqlite3'}",
-        "EXPORTS_DESTINATION": str(tmp_path / "exports"),
-        "EXPORTS_TENANTS": "acme",
-        "PYTHONPATH": str(PROJECT),
-    }
-    env.pop("EXPORTS_FAILPOINTS", None)
-    env.update(extra)
-    return env
-
-
 def test_code_location_validates(tmp_path):
     result = subprocess.run(
         [DAGSTER, "definitions", "validate", "-w", "workspace.yaml"],
         cwd=PROJECT,
-        env=_env(tmp_path),
+        env=process_env(tmp_path),
         capture_output=True,
         text=True,
         timeout=120,
@@ -60,8 +41,8 @@ def test_code_location_validates(tmp_path):
 
 def test_two_processes_materializing_one_partition_export_it_once(tmp_path):
     # Each attempt pauses after its claim, so the second process arrives while the first holds the lease.
-    env = _env(tmp_path, EXPORTS_FAILPOINTS="after_claim=pause:4")
-    second_env = _env(tmp_path, "dagster_home_2", EXPORTS_FAILPOINTS=env["EXPORTS_FAILPOINTS"])
+    env = process_env(tmp_path, EXPORTS_FAILPOINTS="after_claim=pause:4")
+    second_env = process_env(tmp_path, "dagster_home_2", EXPORTS_FAILPOINTS=env["EXPORTS_FAILPOINTS"])
     first, second = materialize(env), materialize(second_env)
     (code_a, out_a), (code_b, out_b) = finish(first), finish(second)
 
@@ -77,7 +58,7 @@ def test_two_processes_materializing_one_partition_export_it_once(tmp_path):
 
 
 def test_sigkill_after_publish_is_repaired_by_the_next_attempt_once_the_lease_expires(tmp_path):
-    env = _env(tmp_path, EXPORTS_LEASE_TTL_SECONDS="2", EXPORTS_FAILPOINTS="after_publish=kill")
+    env = process_env(tmp_path, EXPORTS_LEASE_TTL_SECONDS="2", EXPORTS_FAILPOINTS="after_publish=kill")
     code, output = finish(materialize(env))
     assert code != 0, "the process was killed"
     (folder,) = published_dirs(tmp_path / "exports")
@@ -101,7 +82,7 @@ def test_sigkill_after_publish_is_repaired_by_the_next_attempt_once_the_lease_ex
 def test_materializing_the_export_from_the_cli_is_one_step_whose_checks_name_its_materialization(tmp_path):
     """``dagster asset materialize --select invoice_export`` selects the asset and every check of it: all are the
     asset's own, so the run is one step in one process, and the partition's checks judge what it materialized."""
-    env = _env(tmp_path)
+    env = process_env(tmp_path)
     code, output = finish(materialize(env, partition="2026-03-08"))
     assert code == 0, output[-3000:]
     assert "did not yield or return expected outputs" not in output, "every check the step was asked for is answered"

@@ -22,10 +22,10 @@ from builders import corrected_orders as corrected
 from builders import hourly_orders as orders
 from builders import orders_item as item
 from object_buckets import KINDS, Bucket, bucket_for, delta_destination, object_destination
+from restatement_support import s3_destination  # a read timeout of 3 s
 
 from export_ledger.destinations.base import ExportTarget, Fenced, PointerMoved, Verdict
 from export_ledger.destinations.publishing import POINTER_NAME, Pointer, StagedExport
-from export_ledger.destinations.s3 import S3Destination
 from export_ledger.destinations.table import SqlTableDestination
 from export_ledger.failpoints import ENV_VAR as FAILPOINTS
 from export_ledger.failpoints import SimulatedCrash
@@ -50,17 +50,6 @@ def restate(ledger, destination, key, run_id: str = "run-2/export"):
 
 # -- object stores (S3, GCS, Azure Blob) ---------------------------------------------------------------------------
 
-
-
-def s3_destination(bucket: str, endpoint_url: str) -> S3Destination:
-    return S3Destination(
-        bucket=bucket,
-        prefix=PREFIX,
-        endpoint_url=endpoint_url,
-        access_key_id="testing",
-        secret_access_key="testing",
-        read_timeout_seconds=3.0,
-    )
 
 
 @pytest.fixture(params=KINDS)

@@ -230,12 +230,12 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
                 # Read where the key's contract says it was exported (kept there when the destination changed).
                 place = recorded_destinations(ledger, records, known=destination, fallback=lambda _: destination)
                 frames.append(
-                    self._read_revision(place[records[0].logical_key], records[0], current, partition_key, context)
+                    self._read_revision(place[records[0].logical_key], records[0], current, context)
                 )
         return pd.concat(frames, ignore_index=True)
 
     def _read_revision(
-        self, destination, record: ExportRecord, current: Revision, partition_key: str, context: dg.InputContext
+        self, destination, record: ExportRecord, current: Revision, context: dg.InputContext
     ) -> pd.DataFrame:
         """One key's ``current`` revision (the newest the ledger recorded), read where it was recorded and checked
         against its sha256 (:meth:`~export_ledger.destinations.Destination.verify_recorded`)."""

@@ -118,10 +118,11 @@ def require_tenant(ledger: ExportLedger, tenant: str | None, export: str | None 
 
 
 def given_destination(given: str | None, *, settings: Settings, ledger_url: str) -> Destination | None:
-    """The destination an operator named with ``--destination`` (built with the environment's credentials), or None."""
+    """The destination an operator named with ``--destination`` (built with its settings from the environment), or
+    None."""
     if not given:
         return None
-    return destination_from(given, ledger_url=ledger_url, credentials=settings.s3_credentials(), what="--destination")
+    return destination_from(given, ledger_url=ledger_url, environ=settings.environ, what="--destination")
 
 
 def destination_for(
@@ -147,7 +148,7 @@ def destination_for(
         chosen, what = given, "--destination"
     else:
         chosen, what = settings.destination, "EXPORTS_DESTINATION"
-    return destination_from(chosen, ledger_url=ledger_url, credentials=settings.s3_credentials(), what=what)
+    return destination_from(chosen, ledger_url=ledger_url, environ=settings.environ, what=what)
 
 
 def key_destination(
@@ -158,7 +159,7 @@ def key_destination(
     else the settings' (``EXPORTS_DESTINATION``)."""
     named = given_destination(given, settings=settings, ledger_url=ledger.url)
     return recorded_destinations(
-        ledger, [record], credentials=settings.s3_credentials(), given=named,
+        ledger, [record], environ=settings.environ, given=named,
         fallback=lambda export: named or destination_for(export, settings=settings, ledger_url=ledger.url),
     )[record.logical_key]  # fmt: skip
 
@@ -381,7 +382,7 @@ def reconcile_once(
 
     def placed(records: Sequence[ExportRecord]) -> dict[str, Destination]:
         return recorded_destinations(
-            ledger, records, credentials=settings.s3_credentials(), known=known, given=named, fallback=legacy
+            ledger, records, environ=settings.environ, known=known, given=named, fallback=legacy
         )
 
     report = reconcile_batch(ledger, placed, limit=limit, after=None, reconciler=reconciler, exports=exports)

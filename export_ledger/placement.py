@@ -23,7 +23,7 @@ def recorded_destinations(
     ledger: ExportLedger,
     records: Sequence[ExportRecord],
     *,
-    credentials: Mapping[str, object] | None = None,
+    environ: Mapping[str, str] | None = None,
     known: Mapping[str, Destination] | Destination | None = None,
     given: Destination | None = None,
     fallback: Callable[[str], Destination] | None = None,
@@ -34,8 +34,8 @@ def recorded_destinations(
     Args:
         ledger: The ledger.
         records: The keys.
-        credentials: Settings for a destination built from a recorded root (credentials never are recorded: the
-            environment's, or a known destination's of the same kind).
+        environ: The environment a destination built from a recorded root reads its settings from (credentials
+            never are recorded), by the variables its scheme declares; a known destination's own settings win.
         known: Destinations at hand, by export (a code location's), or one for every export: used where they are the
             recorded one, and their settings lend credentials to a recorded root of the same kind.
         given: A destination an operator named (``--destination``): refused unless it is the recorded one.
@@ -77,14 +77,14 @@ def recorded_destinations(
         else:
             key = repr(sorted(place.items()))
             if key not in built:
-                lent = dict(credentials or {})
+                lent = {}
                 if own is not None and own.kind == place["kind"] and hasattr(own, "spec"):
                     lent.update({k: v for k, v in own.spec()[1].items() if v is not None})
                 # The store the contract records (its endpoint, its account), whatever the environment names: only
                 # credentials come from here.
                 lent.update({k: v for k, v in place.items() if k not in ("kind", "root")})
                 built[key] = destination_from(
-                    place["root"], ledger_url=ledger.url, credentials=lent,
+                    place["root"], ledger_url=ledger.url, settings=lent, environ=environ,
                     what=f"the destination {record.export}'s contract records",
                 )  # fmt: skip
             chosen[record.logical_key] = built[key]

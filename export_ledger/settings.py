@@ -1,8 +1,9 @@
 """Settings: read once from the environment, shared by the Dagster code location and the ``export-ledger`` CLI.
 
 Plain Python. Defaults resolve from the working directory (``./var/ledger.sqlite3``, ``./var/exports``), never
-from where a module is installed. Secrets (URLs with passwords, S3 credentials) are kept by *name* as well as value,
-so the Dagster layer can hand them over as ``EnvVar`` and the UI shows names, never values.
+from where a module is installed. The environment is kept whole (``Settings.environ``): secrets (a ledger URL with a
+password, a destination's credentials, read by the variables its scheme declares) are known by *name* as well as
+value, so the Dagster layer can hand them over as ``EnvVar`` and the UI shows names, never values.
 """
 
 from __future__ import annotations
@@ -29,22 +30,6 @@ OPENLINEAGE_NAMESPACE_ENV = "EXPORTS_OPENLINEAGE_NAMESPACE"
 #: A secret, read by name when an event is sent (never kept in ``Settings``' repr).
 OPENLINEAGE_API_KEY_ENV = "EXPORTS_OPENLINEAGE_API_KEY"
 DEFAULT_OPENLINEAGE_NAMESPACE = "export-ledger"
-S3_ENV = {
-    "endpoint_url": "AWS_ENDPOINT_URL",
-    "access_key_id": "AWS_ACCESS_KEY_ID",
-    "secret_access_key": "AWS_SECRET_ACCESS_KEY",
-    "session_token": "AWS_SESSION_TOKEN",
-}
-#: The GCS (``gs://``) and Azure Blob (``az://``) settings, kept by name like the S3 ones.
-CLOUD_ENV = {
-    "gcs_endpoint_url": "EXPORTS_GCS_ENDPOINT_URL",
-    "gcs_project": "GOOGLE_CLOUD_PROJECT",
-    "gcs_credentials_file": "GOOGLE_APPLICATION_CREDENTIALS",
-    "azure_endpoint_url": "EXPORTS_AZURE_ENDPOINT_URL",
-    "azure_account_name": "AZURE_STORAGE_ACCOUNT_NAME",
-    "azure_account_key": "AZURE_STORAGE_ACCOUNT_KEY",
-    "azure_sas_token": "AZURE_STORAGE_SAS_TOKEN",
-}
 
 
 def default_ledger_url(base: Path | None = None) -> str:
@@ -103,11 +88,11 @@ class Settings:
         lease_ttl_seconds: ``EXPORTS_LEASE_TTL_SECONDS``.
         allow_below_low_water: ``EXPORTS_ALLOW_BELOW_LOW_WATER=1``.
         max_partitions_per_run: ``EXPORTS_MAX_PARTITIONS_PER_RUN``.
-        region_name: ``AWS_REGION`` or ``AWS_DEFAULT_REGION`` (default ``us-east-1``).
-        s3_secrets: Which of the object-store settings (S3, GCS, Azure) are set: setting -> environment variable
-            name.
         openlineage_url: ``EXPORTS_OPENLINEAGE_URL``, or None when unset (no lineage events).
         openlineage_namespace: ``EXPORTS_OPENLINEAGE_NAMESPACE``: the OpenLineage job namespace.
+        environ: The environment read. A destination's own settings (``AWS_SECRET_ACCESS_KEY``, ...) are read from
+            it by the variables its scheme declares (:class:`export_ledger.destinations.registry.Setting`), when a
+            destination is built from a spec: ``destination_from(spec, ..., environ=settings.environ)``.
         implicit_ledger_url: The URL ``ledger_url`` defaulted to (``./var/ledger.sqlite3``) when
             ``EXPORTS_LEDGER_URL`` was unset, else None: see :attr:`ledger_is_implicit`.
     """
@@ -119,9 +104,7 @@ class Settings:
     lease_ttl_seconds: int = DEFAULT_LEASE_TTL_SECONDS
     allow_below_low_water: bool = False
     max_partitions_per_run: int = DEFAULT_MAX_PARTITIONS_PER_RUN
-    region_name: str = "us-east-1"
     ledger_url_from_env: bool = False
-    s3_secrets: Mapping[str, str] = field(default_factory=dict)
     openlineage_url: str | None = None
     openlineage_namespace: str = DEFAULT_OPENLINEAGE_NAMESPACE
     environ: Mapping[str, str] = field(default_factory=dict, repr=False)
@@ -162,13 +145,7 @@ class Settings:
                 "EXPORTS_MAX_PARTITIONS_PER_RUN",
                 env.get("EXPORTS_MAX_PARTITIONS_PER_RUN", str(DEFAULT_MAX_PARTITIONS_PER_RUN)),
             ),
-            region_name=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
-            s3_secrets={name: var for name, var in {**S3_ENV, **CLOUD_ENV}.items() if env.get(var)},
             openlineage_url=http_url(OPENLINEAGE_URL_ENV, env.get(OPENLINEAGE_URL_ENV) or None),
             openlineage_namespace=env.get(OPENLINEAGE_NAMESPACE_ENV) or DEFAULT_OPENLINEAGE_NAMESPACE,
             environ=dict(env),
         )
-
-    def s3_credentials(self) -> dict[str, str | None]:
-        """The S3 settings' values (for the CLI and plain Python use)."""
-        return {"region_name": self.region_name, **{k: self.environ.get(v) for k, v in self.s3_secrets.items()}}

@@ -181,16 +181,17 @@ def test_azure_a_lost_answer_after_the_pointer_landed_ends_as_one_completed_expo
 
 
 def test_gs_and_az_specs_build_their_destinations_and_refuse_bad_names():
-    gcs = destination_from("gs://exports-bucket/team/a", ledger_url="", credentials={"gcs_project": "p"})
+    gcs = destination_from("gs://exports-bucket/team/a", ledger_url="", settings={"gcs_project": "p"})
     assert isinstance(gcs, GCSDestination) and (gcs.bucket, gcs.prefix, gcs.gcs_project) == ("exports-bucket",
                                                                                              "team/a", "p")
-    az = destination_from("az://exports/team", ledger_url="", credentials={"azure_account_name": "acct"})
+    az = destination_from("az://exports/team", ledger_url="", settings={"azure_account_name": "acct"})
     assert isinstance(az, AzureDestination) and az.account_url == "https://acct.blob.core.windows.net"
-    assert az.spec() == ("az://exports/team", {name: getattr(az, name) for name in azure_module.SCHEME.credentials})
+    declared = [setting.name for setting in azure_module.SCHEME.settings]
+    assert az.spec() == ("az://exports/team", {name: getattr(az, name) for name in declared})
     with pytest.raises(Exception, match="not a valid GCS bucket name"):
         destination_from("gs://B/x", ledger_url="")
     with pytest.raises(Exception, match="not a valid Azure container name"):
-        destination_from("az://a--b/x", ledger_url="", credentials={"azure_account_name": "acct"})
+        destination_from("az://a--b/x", ledger_url="", settings={"azure_account_name": "acct"})
 
 
 @pytest.mark.parametrize(("spec", "module", "extra"), [
@@ -200,4 +201,4 @@ def test_gs_and_az_specs_build_their_destinations_and_refuse_bad_names():
 def test_a_configured_destination_without_its_client_package_names_the_extra(monkeypatch, spec, module, extra):
     monkeypatch.setitem(sys.modules, module, None)  # what an environment without the package imports
     with pytest.raises(DestinationError, match=extra.replace("[", r"\[").replace("]", r"\]")):
-        destination_from(spec, ledger_url="", credentials={"azure_account_name": "acct"})
+        destination_from(spec, ledger_url="", environ={"AZURE_STORAGE_ACCOUNT_NAME": "acct"})

@@ -575,7 +575,8 @@ def test_credentials_never_appear_in_events_logs_or_output(
     monkeypatch.setenv("EXPORTS_TENANTS", "acme")
     defs = build_definitions(environ=None)
     destination = defs.resources["invoice_export__destination"]
-    assert isinstance(destination.secret_access_key, dg.EnvVar), "the secret stays a variable name in the definitions"
+    secret_setting = destination.settings["secret_access_key"]
+    assert isinstance(secret_setting, dg.EnvVar), "the secret stays a variable name in the definitions"
 
     texts = []
     ok = run_partition(defs, instance, "2026-03-07")

@@ -139,7 +139,8 @@ def test_no_secret_or_customer_data_in_event_logs_run_records_instance_files_led
     source = CanarySource(defects={OUTSIDE: "outside_window", TEXT_AMOUNTS: "text_amounts"})
     defs = build_definitions(source=source, environ=None)
     destination = defs.resources["invoice_export__destination"]
-    assert isinstance(destination.secret_access_key, dg.EnvVar), "the secret reaches the resource as an EnvVar"
+    secret = destination.settings["secret_access_key"]
+    assert isinstance(secret, dg.EnvVar), "the secret reaches the resource as an EnvVar"
 
     home = tmp_path / "dagster_home"
     home.mkdir()

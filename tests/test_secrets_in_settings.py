@@ -149,7 +149,9 @@ def test_a_destination_spec_with_a_credential_is_refused_without_repeating_it(
 ):
     monkeypatch.chdir(tmp_path)  # a spec taken for a folder would be created here
     with pytest.raises(ConfigurationError) as refused:
-        destination_from(spec, ledger_url="", credentials={"azure_account_name": "acct"}, what="EXPORTS_DESTINATION")
+        destination_from(
+            spec, ledger_url="", environ={"AZURE_STORAGE_ACCOUNT_NAME": "acct"}, what="EXPORTS_DESTINATION"
+        )
     message = str(refused.value)
     assert SECRET not in message, f"the refusal repeats the secret: {message}"
     assert message.startswith("EXPORTS_DESTINATION carries "), "the refusal names the setting and the problem"
@@ -164,7 +166,7 @@ def test_a_destination_spec_with_a_credential_is_refused_without_repeating_it(
      "key=2026", "./R&D/exports", "/srv/exports/user@host"],
 )
 def test_destination_specs_without_credentials_are_still_accepted(spec):
-    destination_from(spec, ledger_url="sqlite://", credentials={"azure_account_name": "acct"})
+    destination_from(spec, ledger_url="sqlite://", environ={"AZURE_STORAGE_ACCOUNT_NAME": "acct"})
 
 
 SOME_SPECS = [CREDENTIAL_SPECS[0], CREDENTIAL_SPECS[5], CREDENTIAL_SPECS[9]]
@@ -420,7 +422,9 @@ def test_a_destination_objects_secret_held_by_its_variable_reaches_dagster_by_na
 
     config = ui_resource_config(defs)
     assert CANARY not in json.dumps(config) and PASSWORD not in json.dumps(config), "a secret in the UI's config"
-    assert config["orders__destination"][setting] == {"env": variable}, "the secret is passed by its variable's name"
+    values = config["orders__destination"]
+    shown = values["ledger_url"] if setting == "ledger_url" else values["settings"][setting]
+    assert shown == {"env": variable}, "the secret is passed by its variable's name"
     with dg.build_resources({"destination": defs.resources["orders__destination"]}) as resources:
         assert resources.destination.get_destination() == make(secret), "the variable resolves to the same value"
 
@@ -462,8 +466,9 @@ def test_a_secret_read_from_an_environ_mapping_is_refused_like_the_ledger_url_un
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", CANARY)  # the same value in the code location's own environment
     config = ui_resource_config(ledgered_definitions([orders()], environ=environ))
-    assert config["orders__destination"]["secret_access_key"] == {"env": "AWS_SECRET_ACCESS_KEY"}
-    assert config["orders__destination"]["access_key_id"] == "AKIAEXAMPLE", "a setting that is no secret stays a value"
+    settings = config["orders__destination"]["settings"]
+    assert settings["secret_access_key"] == {"env": "AWS_SECRET_ACCESS_KEY"}
+    assert settings["access_key_id"] == "AKIAEXAMPLE", "a setting that is no secret stays a value"
     assert CANARY not in json.dumps(config)
 
 
@@ -488,7 +493,7 @@ def test_an_azure_destination_from_the_environment_loads_with_its_credentials_an
     defs = build_definitions()
 
     config = ui_resource_config(defs)["invoice_export__destination"]
-    assert config["azure_account_key"] == {"env": "AZURE_STORAGE_ACCOUNT_KEY"}, "the key is passed by name"
+    assert config["settings"]["azure_account_key"] == {"env": "AZURE_STORAGE_ACCOUNT_KEY"}, "the key is passed by name"
     assert AZURITE_KEY not in json.dumps(ui_resource_config(defs))
     result = run_partition(defs, instance, "2026-03-08")
     assert result.success, failure_message(result)

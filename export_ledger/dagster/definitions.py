@@ -321,22 +321,26 @@ def _refuse_secret_ledger_url(url: str | dg.EnvVar) -> None:
 def _destination_resource(
     spec: Destination | str, ledger: LedgerResource, settings: Settings, by_name: bool, what: str
 ) -> DestinationResource:
-    """The destination's resource. Its settings read from the environment go by name (``EnvVar``) when that is the
-    process environment; read from an ``environ`` mapping, a secret goes by name only where the process environment
-    holds the same value, and is refused otherwise (as the ledger URL is)."""
+    """The destination's resource. The settings its scheme declares, read from the environment by their variables,
+    go by name (``EnvVar``) when that is the process environment; read from an ``environ`` mapping, a secret goes by
+    name only where the process environment holds the same value, and is refused otherwise (as the ledger URL is)."""
     if isinstance(spec, Destination):
         ledger_variable = ledger.url.env_var_name if isinstance(ledger.url, dg.EnvVar) else LEDGER_URL_ENV
         return DestinationResource.of(spec, what=what, ledger_variable=ledger_variable)
-    values = {name: settings.environ.get(var) for name, var in settings.s3_secrets.items()}
-    # A bad spec fails here, naming the setting; built with the settings it will run with (an az:// destination
+    # A bad spec or setting fails here, naming it; built with the settings it will run with (an az:// destination
     # needs its account or endpoint, which are settings, not part of the spec).
-    destination_from(spec, ledger_url="", credentials={**values, "region_name": settings.region_name}, what=what)
+    destination_from(spec, ledger_url="", environ=settings.environ, what=what)
     given = {}
-    for name, var in settings.s3_secrets.items():
+    for setting in scheme_of(spec).settings:
+        found = setting.read(settings.environ)
+        if found is None:
+            continue
+        variable, value = found
         if by_name:
-            given[name] = dg.EnvVar(var)
-        elif is_secret(name, values[name]):
-            given[name] = secret_by_name(values[name], var, f"{var} (read from the environ mapping) is a secret")
+            given[setting.name] = dg.EnvVar(variable)
+        elif is_secret(setting, value):
+            refusal = f"{variable} (read from the environ mapping) is a secret"
+            given[setting.name] = secret_by_name(value, variable, refusal)
         else:
-            given[name] = values[name]
-    return DestinationResource(spec=spec, ledger_url=ledger.url, region_name=settings.region_name, **given)
+            given[setting.name] = value
+    return DestinationResource(spec=spec, ledger_url=ledger.url, settings=given)

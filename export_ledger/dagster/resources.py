@@ -11,11 +11,11 @@ import os
 import dagster as dg
 
 from export_ledger.destinations import Destination, destination_from
-from export_ledger.destinations.registry import refuse_credentials
+from export_ledger.destinations.registry import Setting, refuse_credentials, scheme_of
 from export_ledger.errors import ConfigurationError
 from export_ledger.ledger import ExportLedger
 from export_ledger.ledger.urls import holds_secret
-from export_ledger.settings import CLOUD_ENV, LEDGER_URL_ENV, S3_ENV
+from export_ledger.settings import LEDGER_URL_ENV
 from export_ledger.spec import ExportSpec
 
 #: The resource key of the ledger, shared by every export of a code location.
@@ -26,18 +26,13 @@ def resource_keys(spec: ExportSpec) -> tuple[str, str]:
     """The resource keys of an export's destination and I/O manager."""
     return f"{spec.name}__destination", f"{spec.name}__io_manager"
 
-#: Every destination setting read from the environment, by the variable it is read from.
-SETTING_ENV = {**S3_ENV, **CLOUD_ENV}
-#: The destination settings that are secrets whatever their value.
-SECRET_SETTINGS = frozenset({"secret_access_key", "session_token", "azure_account_key", "azure_sas_token"})
 
-
-def is_secret(setting: str, value: object) -> bool:
-    """Whether a destination setting's value is a secret: a key or token, or a URL (an endpoint, the ledger's) that
-    carries a password or a signature."""
+def is_secret(setting: Setting, value: object) -> bool:
+    """Whether a destination setting's value is a secret: one its scheme declares secret (a key, a token), or a URL
+    (an endpoint) that carries a password or a signature."""
     if not value or not isinstance(value, str):
         return False
-    return setting in SECRET_SETTINGS or (setting.endswith("_url") and holds_secret(value))
+    return setting.secret or (setting.name.endswith("_url") and holds_secret(value))
 
 
 def secret_by_name(value: str, variable: str, refusal: str) -> dg.EnvVar:
@@ -88,80 +83,67 @@ class LedgerResource(dg.ConfigurableResource):
 
 
 class DestinationResource(dg.ConfigurableResource):
-    """Where exports go, by spec: a folder, ``s3://bucket/prefix`` or ``ledger-table:<table>``.
+    """Where exports go, by spec: a folder, ``s3://bucket/prefix``, ``gs://``, ``az://``, ``delta:`` or
+    ``ledger-table:<table>``, and the settings the spec's scheme declares.
 
     Attributes:
         spec: The destination spec (``EXPORTS_DESTINATION``).
         ledger_url: The ledger's URL (a ``ledger-table:`` destination lives in the ledger's database).
-        endpoint_url, region_name, access_key_id, secret_access_key, session_token: S3 settings; None lets boto3
-            find them itself.
-        connect_timeout_seconds, read_timeout_seconds: Client timeouts (S3, GCS, Azure).
-        gcs_endpoint_url, gcs_project, gcs_credentials_file: GCS settings (``gs://``); None: Google's endpoint with
-            application default credentials.
-        azure_endpoint_url, azure_account_name, azure_account_key, azure_sas_token: Azure Blob settings (``az://``).
+        settings: The destination's settings by name, as text (``{"endpoint_url": ..., "secret_access_key":
+            dg.EnvVar("AWS_SECRET_ACCESS_KEY"), "read_timeout_seconds": "60"}``): each one the spec's scheme declares
+            (:class:`export_ledger.destinations.registry.Setting`), parsed by its declaration; a secret as ``EnvVar``,
+            so the UI shows its variable's name. A setting left out takes its default (None: the store's own lookup,
+            such as boto3's).
+
+    Example:
+        >>> DestinationResource(spec="s3://bucket/exports", settings={"region_name": "eu-west-1"})  # doctest: +SKIP
     """
 
     spec: str
     ledger_url: str = ""
-    endpoint_url: str | None = None
-    region_name: str = "us-east-1"
-    access_key_id: str | None = None
-    secret_access_key: str | None = None
-    session_token: str | None = None
-    connect_timeout_seconds: float = 5.0
-    read_timeout_seconds: float = 30.0
-    gcs_endpoint_url: str | None = None
-    gcs_project: str | None = None
-    gcs_credentials_file: str | None = None
-    azure_endpoint_url: str | None = None
-    azure_account_name: str | None = None
-    azure_account_key: str | None = None
-    azure_sas_token: str | None = None
+    settings: dict[str, str] = {}
 
     def get_destination(self) -> Destination:
         return destination_from(
-            self.spec,
-            ledger_url=self.ledger_url,
-            credentials=dict(
-                endpoint_url=self.endpoint_url,
-                region_name=self.region_name,
-                access_key_id=self.access_key_id,
-                secret_access_key=self.secret_access_key,
-                session_token=self.session_token,
-                connect_timeout_seconds=self.connect_timeout_seconds,
-                read_timeout_seconds=self.read_timeout_seconds,
-                gcs_endpoint_url=self.gcs_endpoint_url,
-                gcs_project=self.gcs_project,
-                gcs_credentials_file=self.gcs_credentials_file,
-                azure_endpoint_url=self.azure_endpoint_url,
-                azure_account_name=self.azure_account_name,
-                azure_account_key=self.azure_account_key,
-                azure_sas_token=self.azure_sas_token,
-            ),
+            self.spec, ledger_url=self.ledger_url, settings=self.settings, what="the destination resource"
         )
 
     @classmethod
     def of(
         cls, destination: Destination, *, what: str = "destination", ledger_variable: str = LEDGER_URL_ENV
     ) -> "DestinationResource":
-        """The resource for a destination built in Python. Its secrets reach Dagster by name: each secret setting
+        """The resource for a destination built in Python: its spec and the settings its scheme declares, as text
+        (those at their default left out). Its secrets reach Dagster by name: each secret setting
         (``secret_access_key``, ``azure_account_key``, an endpoint or table URL with a password, ...) becomes
-        ``EnvVar`` of the variable it is read from (``AWS_SECRET_ACCESS_KEY``, ...; a table destination's URL: the
-        ledger's, ``ledger_variable``) when the process environment holds that very value there.
+        ``EnvVar`` of the variable its declaration reads (``AWS_SECRET_ACCESS_KEY``, ...; a table destination's URL:
+        the ledger's, ``ledger_variable``) when the process environment holds that very value there.
 
         Raises:
             ConfigurationError: naming ``what`` and the setting: the spec carries a credential, or a secret setting
                 holds a value the process environment does not.
         """
-        spec, settings = destination.spec()
+        spec, values = destination.spec()
         refuse_credentials(spec, what)
-        kind = type(destination).__name__
-        for name, value in settings.items():
-            if is_secret(name, value):
-                settings[name] = secret_by_name(value, SETTING_ENV[name], f"{what}: the {kind}'s {name} is a secret")
+        scheme, kind = scheme_of(spec), type(destination).__name__
+        settings = {}
+        for name, value in values.items():
+            setting = scheme.setting(name)
+            if setting is None:
+                raise ConfigurationError(f"{what}: the {kind}'s setting {name} is none its scheme ({scheme.example}) "
+                                         "declares")  # fmt: skip
+            if value is None or value == setting.default:
+                continue
+            if is_secret(setting, value):
+                if setting.variable is None:
+                    raise ConfigurationError(
+                        f"{what}: the {kind}'s {name} is a secret, and given as a value it would be shown in the "
+                        f"Dagster UI's resource config; {scheme.example} reads it from no environment variable"
+                    )
+                value = secret_by_name(value, setting.variable, f"{what}: the {kind}'s {name} is a secret")
+            settings[name] = value if isinstance(value, (str, dg.EnvVar)) else str(value)
         ledger_url = getattr(destination, "url", "")
-        if is_secret("ledger_url", ledger_url):
+        if isinstance(ledger_url, str) and ledger_url and holds_secret(ledger_url):
             ledger_url = secret_by_name(
                 ledger_url, ledger_variable, f"{what}: the {kind}'s url (the ledger_url setting) holds a password"
             )
-        return cls(spec=spec, ledger_url=ledger_url, **settings)
+        return cls(spec=spec, ledger_url=ledger_url, settings=settings)

@@ -33,7 +33,7 @@ from typing import ClassVar
 
 from export_ledger.destinations.base import DestinationError, DestinationUnreachable, PublishOutcomeUnknown
 from export_ledger.destinations.publishing import PublishingDestination
-from export_ledger.destinations.registry import Scheme
+from export_ledger.destinations.registry import Scheme, Setting
 from export_ledger.destinations.staging import StagedFileUpload, file_sha256, staging_folder
 from export_ledger.destinations.store import (
     AlreadyExists,
@@ -376,22 +376,26 @@ class AzureDestination(PublishingDestination):
         return None if _CONTAINER_RE.fullmatch(container) else f"{container!r} is not a valid Azure container name"
 
     @classmethod
-    def from_spec(cls, spec: str, *, ledger_url: str, credentials) -> AzureDestination:
+    def from_spec(cls, spec: str, *, ledger_url: str, settings) -> AzureDestination:
         container, _, prefix = spec.removeprefix("az://").partition("/")
-        return cls(container=container, prefix=prefix.strip("/"), **credentials)
+        return cls(container=container, prefix=prefix.strip("/"), **settings)
 
     def spec(self) -> tuple[str, dict]:
         """The spec and settings that build this destination again."""
-        settings = {name: getattr(self, name) for name in SCHEME.credentials}
-        return f"az://{self.container}/{self.prefix}".rstrip("/"), settings
+        return f"az://{self.container}/{self.prefix}".rstrip("/"), SCHEME.settings_of(self)
 
 
 SCHEME = Scheme(
     "az://",
     "AzureDestination",
     "az://container/prefix",
-    credentials=(
-        "azure_endpoint_url", "azure_account_name", "azure_account_key", "azure_sas_token", "connect_timeout_seconds",
-        "read_timeout_seconds",
+    settings=(
+        Setting("azure_endpoint_url", "EXPORTS_AZURE_ENDPOINT_URL",
+                doc="The account's blob endpoint; None: https://<account>.blob.core.windows.net"),
+        Setting("azure_account_name", "AZURE_STORAGE_ACCOUNT_NAME", credential=True, doc="The storage account"),
+        Setting("azure_account_key", "AZURE_STORAGE_ACCOUNT_KEY", secret=True, doc="The account's shared key"),
+        Setting("azure_sas_token", "AZURE_STORAGE_SAS_TOKEN", secret=True, doc="A SAS token (instead of the key)"),
+        Setting("connect_timeout_seconds", parse=float, default=5.0, doc="Client connect timeout"),
+        Setting("read_timeout_seconds", parse=float, default=30.0, doc="Client read timeout (a write's: unknown)"),
     ),
 )  # fmt: skip

@@ -65,7 +65,7 @@ from export_ledger.destinations.base import (
     place_name,
 )
 from export_ledger.destinations.publishing import Pointer, PublishingDestination, StagedExport
-from export_ledger.destinations.registry import Scheme
+from export_ledger.destinations.registry import Scheme, Setting
 from export_ledger.destinations.s3 import S3Destination, _boto
 from export_ledger.destinations.store import race_problem, racing_creates
 from export_ledger.errors import ConfigurationError, ManifestError
@@ -313,12 +313,12 @@ class DeltaDestination(PublishingDestination):
         return None
 
     @classmethod
-    def from_spec(cls, spec: str, *, ledger_url: str, credentials) -> DeltaDestination:
+    def from_spec(cls, spec: str, *, ledger_url: str, settings) -> DeltaDestination:
         _deltalake()  # a configured delta: destination without the extra fails here, naming it
-        return cls(table=spec.removeprefix("delta:"), **credentials)
+        return cls(table=spec.removeprefix("delta:"), **settings)
 
     def spec(self) -> tuple[str, dict]:
-        return f"delta:{self.table}", {name: getattr(self, name) for name in SCHEME.credentials}
+        return f"delta:{self.table}", SCHEME.settings_of(self)
 
     def describe(self) -> str:
         return f"delta:{self.table}"
@@ -877,9 +877,17 @@ _NOT_DISCARDED = (
 )
 
 
+#: A table on S3 reads the S3 destination's variables: its settings are declared as s3.py declares them (checked by
+#: tests/test_scheme_settings.py), the client timeouts aside (Delta's object store has its own).
 SCHEME = Scheme(
     "delta:",
     "DeltaDestination",
     "delta:PATH_OR_URL",
-    credentials=("endpoint_url", "region_name", "access_key_id", "secret_access_key", "session_token"),
-)
+    settings=(
+        Setting("endpoint_url", "AWS_ENDPOINT_URL", doc="Endpoint of a non-AWS store; None: AWS itself"),
+        Setting("region_name", ("AWS_REGION", "AWS_DEFAULT_REGION"), default="us-east-1", doc="The bucket's region"),
+        Setting("access_key_id", "AWS_ACCESS_KEY_ID", credential=True, doc="Access key id"),
+        Setting("secret_access_key", "AWS_SECRET_ACCESS_KEY", secret=True, doc="Secret access key"),
+        Setting("session_token", "AWS_SESSION_TOKEN", secret=True, doc="Session token"),
+    ),
+)  # fmt: skip

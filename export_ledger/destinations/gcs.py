@@ -36,7 +36,7 @@ from typing import ClassVar
 
 from export_ledger.destinations.base import DestinationError, DestinationUnreachable, PublishOutcomeUnknown
 from export_ledger.destinations.publishing import PublishingDestination
-from export_ledger.destinations.registry import Scheme
+from export_ledger.destinations.registry import Scheme, Setting
 from export_ledger.destinations.staging import StagedFileUpload, file_sha256, staging_folder
 from export_ledger.destinations.store import (
     AlreadyExists,
@@ -125,9 +125,7 @@ class GCSStore(ProbedStore):
         try:
             return _client(*self.client_settings)
         except (OSError, ValueError, auth_errors.GoogleAuthError) as exc:
-            from export_ledger.settings import CLOUD_ENV
-
-            variable = CLOUD_ENV["gcs_credentials_file"]
+            variable = SCHEME.setting("gcs_credentials_file").variable
             if self.client_settings[2]:  # the key file
                 problem = (
                     f"gcs_credentials_file ({variable}) names no readable service-account key file "
@@ -446,21 +444,25 @@ class GCSDestination(PublishingDestination):
         return None if _BUCKET_RE.fullmatch(bucket) else f"{bucket!r} is not a valid GCS bucket name"
 
     @classmethod
-    def from_spec(cls, spec: str, *, ledger_url: str, credentials) -> GCSDestination:
+    def from_spec(cls, spec: str, *, ledger_url: str, settings) -> GCSDestination:
         bucket, _, prefix = spec.removeprefix("gs://").partition("/")
-        return cls(bucket=bucket, prefix=prefix.strip("/"), **credentials)
+        return cls(bucket=bucket, prefix=prefix.strip("/"), **settings)
 
     def spec(self) -> tuple[str, dict]:
         """The spec and settings that build this destination again."""
-        settings = {name: getattr(self, name) for name in SCHEME.credentials}
-        return f"gs://{self.bucket}/{self.prefix}".rstrip("/"), settings
+        return f"gs://{self.bucket}/{self.prefix}".rstrip("/"), SCHEME.settings_of(self)
 
 
 SCHEME = Scheme(
     "gs://",
     "GCSDestination",
     "gs://bucket/prefix",
-    credentials=(
-        "gcs_endpoint_url", "gcs_project", "gcs_credentials_file", "connect_timeout_seconds", "read_timeout_seconds",
+    settings=(
+        Setting("gcs_endpoint_url", "EXPORTS_GCS_ENDPOINT_URL", doc="An emulator's or private endpoint"),
+        Setting("gcs_project", "GOOGLE_CLOUD_PROJECT", doc="The project"),
+        Setting("gcs_credentials_file", "GOOGLE_APPLICATION_CREDENTIALS", credential=True,
+                doc="A service-account key file; None: application default credentials"),
+        Setting("connect_timeout_seconds", parse=float, default=5.0, doc="Client connect timeout"),
+        Setting("read_timeout_seconds", parse=float, default=30.0, doc="Client read timeout (a write's: unknown)"),
     ),
 )  # fmt: skip

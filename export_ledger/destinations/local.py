@@ -476,7 +476,7 @@ class LocalDestination(PublishingDestination):
         return None  # any path; a URL-like spec no destination takes is refused by the registry
 
     @classmethod
-    def from_spec(cls, spec: str, *, ledger_url: str, credentials) -> LocalDestination:
+    def from_spec(cls, spec: str, *, ledger_url: str, settings) -> LocalDestination:
         return cls(root=spec)
 
     def spec(self) -> tuple[str, dict]:

@@ -2,8 +2,10 @@
 each destination module declares: a new store is one file under ``export_ledger/destinations/`` with a ``SCHEME``.
 
 A module declares ``SCHEME = Scheme(...)``: the spec's prefix (``s3://``; ``""`` for a plain folder path), its
-destination class (which builds itself with ``from_spec`` and checks a spec with ``check_spec``), the Dagster pool kind
-its exports run in, and the credential settings it takes (passed as Dagster ``EnvVar`` s, never values).
+destination class (which builds itself with ``from_spec`` and checks a spec with ``check_spec``), an example spec, and
+the settings it takes (:class:`Setting`: each with the environment variable it is read from, whether it is a secret,
+how its text is parsed and its default). The Dagster resource holds a destination's settings by name, secrets as
+``EnvVar`` s of their declared variables, so a new store needs no code outside its own module.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ import functools
 import importlib
 import pkgutil
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 
 from export_ledger.errors import ConfigurationError, userinfo_end
 
@@ -36,8 +38,76 @@ _CREDENTIAL_PARAMETER = re.compile(
 _LOCAL_USERINFO = re.compile(r"^[^/\\:@]+:(?:[^/\\]*@|.*@[^/\\:@]+:)")
 #: A SAS token's signature (``sig=``), the part of a bare SAS token (``sv=..&sig=..``, no ``?``) that is the secret.
 _SAS_SIGNATURE = re.compile(r"(?:^|[?&;])sig=", re.IGNORECASE)
-#: The settings of a scheme that hold or name credentials (``DestinationResource`` fields).
-_CREDENTIAL_SETTING = re.compile(r"key|secret|token|credential|account_name")
+#: How a parser reads in a message about a bad value.
+_PARSED_AS = {"float": "a number", "int": "an integer"}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting a destination takes, as its scheme declares it.
+
+    Attributes:
+        name: The destination's attribute, and the setting's key in ``DestinationResource.settings``.
+        env: The environment variables it is read from, the first one set winning (a str: one variable); ``()``
+            for a setting given only in code or resource config.
+        secret: A secret whatever its value (a key, a token): it reaches Dagster by name, as ``EnvVar`` of its first
+            variable, never as a value, so it needs one. A setting named ``*_url`` is also a secret when its value
+            carries a password or a signature.
+        credential: It holds or names a credential (a key id, an account, a key file; every secret does): a spec
+            refused for carrying a credential names its variable as the place to put one.
+        parse: How its text (from the environment or resource config) becomes its value: ``str``, ``float``.
+        default: Its value when nothing gives one (None: the destination's own lookup, such as boto3's).
+        doc: One line on what it is.
+
+    Example:
+        >>> Setting("api_token", "STORE_API_TOKEN", secret=True, doc="The store's API token")  # doctest: +SKIP
+    """
+
+    name: str
+    env: tuple[str, ...] | str = ()
+    secret: bool = False
+    credential: bool = False
+    parse: Callable[[str], object] = str
+    default: object = None
+    doc: str = ""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.env, str):
+            object.__setattr__(self, "env", (self.env,))
+        if self.secret and not self.env:
+            raise ValueError(f"the secret setting {self.name!r} needs an environment variable: it is passed by name")
+        object.__setattr__(self, "credential", self.credential or self.secret)
+
+    @property
+    def variable(self) -> str | None:
+        """The variable it is named by in messages, and passed to Dagster as (``EnvVar``) when no other is set."""
+        return self.env[0] if self.env else None
+
+    def read(self, environ: Mapping[str, str]) -> tuple[str, str] | None:
+        """``(variable, text)`` of the first of its variables that ``environ`` sets (to anything but ""), or None."""
+        for variable in self.env:
+            if environ.get(variable):
+                return variable, environ[variable]
+        return None
+
+    def value(self, given: object, *, what: str, source: str | None = None) -> object:
+        """``given`` parsed when it is text, as it is otherwise (a value from code).
+
+        Raises:
+            ConfigurationError: naming ``what``, the setting, ``source`` (the variable it was read from) and what
+                it must be; the value only when it is no secret.
+        """
+        if not isinstance(given, str):
+            return given
+        try:
+            return self.parse(given)
+        except (TypeError, ValueError):
+            name = getattr(self.parse, "__name__", "")
+            shown = "" if self.secret else f", got {given!r}"
+            where = f" ({source})" if source else ""
+            raise ConfigurationError(
+                f"{what}: setting {self.name}{where} must be {_PARSED_AS.get(name, f'a valid {name}')}{shown}"
+            ) from None
 
 
 @dataclass(frozen=True)
@@ -48,17 +118,58 @@ class Scheme:
         prefix: What a spec of this kind starts with (``""``: a local folder path, the default).
         destination: The destination class's name in the declaring module.
         example: A spec of this kind, for messages.
-        credentials: The credential settings the destination takes (names of ``DestinationResource`` fields).
+        settings: The settings the destination takes (:class:`Setting`), by which its spec builds it.
+        module: The declaring module (filled in by :func:`schemes`).
     """
 
     prefix: str
     destination: str
     example: str
-    credentials: tuple[str, ...] = ()
+    settings: tuple[Setting, ...] = ()
     module: str = ""
 
     def load(self):
         return getattr(importlib.import_module(self.module), self.destination)
+
+    def setting(self, name: str) -> Setting | None:
+        return next((setting for setting in self.settings if setting.name == name), None)
+
+    def settings_of(self, destination: object) -> dict[str, object]:
+        """A destination's values of this scheme's settings, by name (what its ``spec()`` returns)."""
+        return {setting.name: getattr(destination, setting.name) for setting in self.settings}
+
+    def values(
+        self,
+        given: Mapping[str, object] | None = None,
+        *,
+        environ: Mapping[str, str] | None = None,
+        what: str = "destination",
+    ) -> dict[str, object]:
+        """Every setting's value: ``given`` (by setting name), else read from ``environ`` (by variable), else its
+        default. Text is parsed by the setting's declaration; a None or "" in ``given`` gives nothing.
+
+        Raises:
+            ConfigurationError: ``given`` names a setting this scheme does not declare (named, with those it does),
+                or a value does not parse (the setting named).
+        """
+        unknown = sorted(set(given or {}) - {setting.name for setting in self.settings})
+        if unknown:
+            known = ", ".join(setting.name for setting in self.settings)
+            raise ConfigurationError(
+                f"{what}: {self.example} takes no setting {', '.join(map(repr, unknown))}; "
+                + (f"its settings are {known}" if known else "it takes no settings")
+            )
+        values = {}
+        for setting in self.settings:
+            found = setting.read(environ) if environ is not None else None
+            value = (given or {}).get(setting.name)
+            if value is not None and value != "":
+                values[setting.name] = setting.value(value, what=what)
+            elif found is not None:
+                values[setting.name] = setting.value(found[1], what=what, source=found[0])
+            else:
+                values[setting.name] = setting.default
+        return values
 
 
 @functools.cache
@@ -71,7 +182,7 @@ def schemes() -> tuple[Scheme, ...]:
         module = importlib.import_module(f"{package.__name__}.{info.name}")
         scheme = getattr(module, "SCHEME", None)
         if isinstance(scheme, Scheme):
-            found.append(Scheme(scheme.prefix, scheme.destination, scheme.example, scheme.credentials, module.__name__))
+            found.append(replace(scheme, module=module.__name__))
     return tuple(sorted(found, key=lambda s: -len(s.prefix)))
 
 
@@ -92,20 +203,26 @@ def destination_from(
     spec: str,
     *,
     ledger_url: str,
-    credentials: Mapping[str, object] | None = None,
+    settings: Mapping[str, object] | None = None,
+    environ: Mapping[str, str] | None = None,
     what: str = "destination",
 ):
-    """Builds a destination from its spec.
+    """Builds a destination from its spec and the settings its scheme declares.
 
     Args:
         spec: The spec.
         ledger_url: The ledger's URL (a ``ledger-table:`` destination lives in the ledger's database).
-        credentials: Settings for the destination's kind (for S3: ``endpoint_url``, ``region_name``,
-            ``access_key_id``, ...); None values are left to the destination's own lookup.
+        settings: Settings given by name (a ``DestinationResource``'s, code's): each must be one the spec's scheme
+            declares; text is parsed by its declaration, and None or "" gives nothing.
+        environ: An environment (``os.environ``; the CLI's): the scheme's own settings are read from their declared
+            variables there, and every other variable is none of the destination's business. ``settings`` wins.
         what: The setting's name in error messages.
 
     Raises:
-        ConfigurationError: naming the setting and what is wrong with it.
+        ConfigurationError: naming the setting and what is wrong with it, or a setting the scheme does not declare.
+
+    Example:
+        >>> destination_from("s3://bucket/exports", ledger_url="", environ=os.environ)  # doctest: +SKIP
     """
     if not isinstance(spec, str) or not spec.strip():
         raise ConfigurationError(f"{what} must be {kinds()}")
@@ -117,8 +234,8 @@ def destination_from(
     problem = cls.check_spec(spec)
     if problem:
         raise ConfigurationError(f"{what} {spec!r}: {problem}")
-    given = {k: v for k, v in (credentials or {}).items() if v is not None and k in scheme.credentials}
-    return cls.from_spec(spec, ledger_url=ledger_url, credentials=given)
+    values = scheme.values(settings, environ=environ, what=what)
+    return cls.from_spec(spec, ledger_url=ledger_url, settings=values)
 
 
 def refuse_credentials(spec: str, what: str = "destination") -> None:
@@ -182,17 +299,13 @@ def _credential_in(spec: str) -> tuple[str, str, Scheme] | None:
 
 
 def _where_credentials_go(scheme: Scheme, *, url_like: bool) -> str:
-    """Where the credentials go instead: the environment variables of export_ledger.settings that the scheme's
-    destination reads (every object store's, for a URL no destination takes)."""
-    from export_ledger.settings import CLOUD_ENV, S3_ENV
-
-    by_setting = {**S3_ENV, **CLOUD_ENV}
-    taking = [scheme] if scheme.credentials or not url_like else [s for s in schemes() if s.credentials]
-    settings = [name for s in taking for name in s.credentials if _CREDENTIAL_SETTING.search(name)]
-    names = list(dict.fromkeys(by_setting[name] for name in settings if name in by_setting))
+    """Where the credentials go instead: the variables of the credential settings the scheme declares (every
+    scheme's, for a URL no destination takes)."""
+    taking = [scheme] if scheme.settings or not url_like else [s for s in schemes() if s.settings]
+    names = list(dict.fromkeys(s.variable for each in taking for s in each.settings if s.credential and s.variable))
     if not names:
         return f"{scheme.example} takes no credentials: write it without one"
-    written = scheme.example if scheme.credentials else f"one of {kinds()}"
+    written = scheme.example if scheme.settings else f"one of {kinds()}"
     return (
         f"write it as {written} and give the credentials in the environment ({', '.join(names)}), which the code "
         "location passes to Dagster by name (EnvVar), never by value"

@@ -35,7 +35,7 @@ from typing import ClassVar
 
 from export_ledger.destinations.base import DestinationError, DestinationUnreachable, PublishOutcomeUnknown
 from export_ledger.destinations.publishing import PublishingDestination
-from export_ledger.destinations.registry import Scheme
+from export_ledger.destinations.registry import Scheme, Setting
 from export_ledger.destinations.staging import staging_folder
 from export_ledger.destinations.store import (
     AlreadyExists,
@@ -446,22 +446,26 @@ class S3Destination(PublishingDestination):
         return None if _BUCKET_RE.fullmatch(bucket) else f"{bucket!r} is not a valid S3 bucket name"
 
     @classmethod
-    def from_spec(cls, spec: str, *, ledger_url: str, credentials) -> S3Destination:
+    def from_spec(cls, spec: str, *, ledger_url: str, settings) -> S3Destination:
         bucket, _, prefix = spec.removeprefix("s3://").partition("/")
-        return cls(bucket=bucket, prefix=prefix.strip("/"), **credentials)
+        return cls(bucket=bucket, prefix=prefix.strip("/"), **settings)
 
     def spec(self) -> tuple[str, dict]:
         """The spec and settings that build this destination again."""
-        settings = {name: getattr(self, name) for name in SCHEME.credentials}
-        return f"s3://{self.bucket}/{self.prefix}".rstrip("/"), settings
+        return f"s3://{self.bucket}/{self.prefix}".rstrip("/"), SCHEME.settings_of(self)
 
 
 SCHEME = Scheme(
     "s3://",
     "S3Destination",
     "s3://bucket/prefix",
-    credentials=(
-        "endpoint_url", "region_name", "access_key_id", "secret_access_key", "session_token",
-        "connect_timeout_seconds", "read_timeout_seconds",
+    settings=(
+        Setting("endpoint_url", "AWS_ENDPOINT_URL", doc="Endpoint of a non-AWS store; None: AWS itself"),
+        Setting("region_name", ("AWS_REGION", "AWS_DEFAULT_REGION"), default="us-east-1", doc="The bucket's region"),
+        Setting("access_key_id", "AWS_ACCESS_KEY_ID", credential=True, doc="Access key id; None: boto3's lookup"),
+        Setting("secret_access_key", "AWS_SECRET_ACCESS_KEY", secret=True, doc="Secret access key"),
+        Setting("session_token", "AWS_SESSION_TOKEN", secret=True, doc="Session token of temporary credentials"),
+        Setting("connect_timeout_seconds", parse=float, default=5.0, doc="Client connect timeout"),
+        Setting("read_timeout_seconds", parse=float, default=30.0, doc="Client read timeout (a write's: unknown)"),
     ),
-)  # fmt: skip
+)

@@ -199,7 +199,7 @@ class SqlTableDestination(TransactionalDestination):
         return None
 
     @classmethod
-    def from_spec(cls, spec: str, *, ledger_url: str, credentials) -> SqlTableDestination:
+    def from_spec(cls, spec: str, *, ledger_url: str, settings) -> SqlTableDestination:
         return cls(url=ledger_url, table=spec.removeprefix("ledger-table:"))
 
     def spec(self) -> tuple[str, dict]:

@@ -41,6 +41,7 @@ from export_ledger.destinations.registry import Scheme, Setting
 class TokenFolderDestination(LocalDestination):
     api_token: str | None = field(default=None, repr=False)
     timeout_seconds: float = 10.0
+    mirror_url: str | None = None
 
     @classmethod
     def from_spec(cls, spec, *, ledger_url, settings):
@@ -57,6 +58,7 @@ SCHEME = Scheme(
     settings=(
         Setting("api_token", "TOKENFOLDER_API_TOKEN", secret=True, doc="The folder's API token"),
         Setting("timeout_seconds", "TOKENFOLDER_TIMEOUT_SECONDS", parse=float, default=10.0, doc="Its timeout"),
+        Setting("mirror_url", doc="A mirror, given in code or resource config only"),
     ),
 )
 '''
@@ -159,6 +161,12 @@ def test_a_new_stores_secret_and_a_credential_in_its_spec_are_refused_naming_its
         ledgered_definitions([orders()], ledger=LedgerResource(url=sqlite_url), destination=literal)
     message = str(refused.value)
     assert TOKEN not in message and "api_token" in message and "TOKENFOLDER_API_TOKEN" in message, message
+
+    with_password = token_folder.TokenFolderDestination(root=str(tmp_path), mirror_url=f"https://u:{TOKEN}@mirror")
+    with pytest.raises(ConfigurationError) as no_variable:
+        ledgered_definitions([orders()], ledger=LedgerResource(url=sqlite_url), destination=with_password)
+    message = str(no_variable.value)
+    assert TOKEN not in message and "mirror_url is a secret" in message and "no environment variable" in message
 
     with pytest.raises(ConfigurationError) as in_spec:
         refuse_credentials(f"tokenfolder:user:{TOKEN}@files.example:/srv", "EXPORTS_DESTINATION")

@@ -140,7 +140,7 @@ class DestinationResource(dg.ConfigurableResource):
                         f"Dagster UI's resource config; {scheme.example} reads it from no environment variable"
                     )
                 value = secret_by_name(value, setting.variable, f"{what}: the {kind}'s {name} is a secret")
-            settings[name] = value if isinstance(value, (str, dg.EnvVar)) else str(value)
+            settings[name] = value if isinstance(value, str) else str(value)  # an EnvVar is a str
         ledger_url = getattr(destination, "url", "")
         if isinstance(ledger_url, str) and ledger_url and holds_secret(ledger_url):
             ledger_url = secret_by_name(

@@ -395,6 +395,8 @@ DESTINATIONS_WITH_A_SECRET = [
                  SAS, "azure_sas_token", "AZURE_STORAGE_SAS_TOKEN", id="azure-sas-token"),
     pytest.param(lambda secret: DeltaDestination(table="s3://exports-bucket/t/{export}", secret_access_key=secret),
                  CANARY, "secret_access_key", "AWS_SECRET_ACCESS_KEY", id="delta-secret-access-key"),
+    pytest.param(lambda secret: S3Destination(bucket="exports-bucket", endpoint_url=secret),
+                 f"https://{CANARY}@minio:9000", "endpoint_url", "AWS_ENDPOINT_URL", id="s3-endpoint-token-as-user"),
     pytest.param(lambda secret: SqlTableDestination(url=secret, table="exported_orders"),
                  LEDGER_WITH_PASSWORD, "ledger_url", "EXPORTS_LEDGER_URL", id="table-url-with-password"),
 ]  # fmt: skip

@@ -8,7 +8,6 @@ import os
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
-from urllib.parse import urlsplit
 
 import dagster as dg
 
@@ -32,7 +31,7 @@ from export_ledger.destinations.registry import scheme_of
 from export_ledger.destinations.table import SqlTableDestination
 from export_ledger.drift import DEFAULT_DRIFT_BATCH, DEFAULT_LOOKBACK_DAYS
 from export_ledger.errors import ConfigurationError
-from export_ledger.ledger.urls import holds_secret, redact_url
+from export_ledger.ledger.urls import holds_secret, may_hold_secret, redact_url
 from export_ledger.settings import LEDGER_URL_ENV, OPENLINEAGE_API_KEY_ENV, OPENLINEAGE_URL_ENV, Settings
 from export_ledger.spec import ExportSpec
 
@@ -283,10 +282,9 @@ def _lineage_fields(settings: Settings) -> dict:
     if settings.openlineage_url is None:
         return {}
     url: str | dg.EnvVar = settings.openlineage_url
-    parts = urlsplit(url)
     if os.environ.get(OPENLINEAGE_URL_ENV) == url:
         url = dg.EnvVar(OPENLINEAGE_URL_ENV)
-    elif parts.username is not None or parts.password is not None or parts.query or holds_secret(url):
+    elif may_hold_secret(url):  # as an endpoint URL setting is judged (resources.is_secret)
         url = secret_by_name(url, OPENLINEAGE_URL_ENV, f"{OPENLINEAGE_URL_ENV} has a user part or a query")
     fields = {"openlineage_url": url, "openlineage_namespace": settings.openlineage_namespace}
     if settings.environ.get(OPENLINEAGE_API_KEY_ENV):

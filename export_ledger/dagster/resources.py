@@ -14,7 +14,7 @@ from export_ledger.destinations import Destination, destination_from
 from export_ledger.destinations.registry import Setting, refuse_credentials, scheme_of
 from export_ledger.errors import ConfigurationError
 from export_ledger.ledger import ExportLedger
-from export_ledger.ledger.urls import holds_secret
+from export_ledger.ledger.urls import holds_secret, may_hold_secret
 from export_ledger.settings import LEDGER_URL_ENV
 from export_ledger.spec import ExportSpec
 
@@ -28,11 +28,12 @@ def resource_keys(spec: ExportSpec) -> tuple[str, str]:
 
 
 def is_secret(setting: Setting, value: object) -> bool:
-    """Whether a destination setting's value is a secret: one its scheme declares secret (a key, a token), or a URL
-    (an endpoint) that carries a password or a signature."""
+    """Whether a destination setting's value is a secret: one its scheme declares secret (a key, a token), or a
+    ``*_url`` setting (an endpoint) whose URL carries a password, a user part (a token: ``https://t0ken@minio:9000``)
+    or a query, as the OpenLineage URL is judged."""
     if not value or not isinstance(value, str):
         return False
-    return setting.secret or (setting.name.endswith("_url") and holds_secret(value))
+    return setting.secret or (setting.name.endswith("_url") and may_hold_secret(value))
 
 
 def secret_by_name(value: str, variable: str, refusal: str) -> dg.EnvVar:

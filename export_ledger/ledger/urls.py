@@ -71,6 +71,17 @@ def holds_secret(url: str) -> bool:
     return any(SECRET_NAME.search(part.partition("=")[0]) for part in re.split(r"[&;]", query) if part)
 
 
+def may_hold_secret(url: str) -> bool:
+    """Whether a URL that names no database may carry a secret: a password or a parameter named like one
+    (:func:`holds_secret`), a user part alone (a token written as the user: ``https://t0ken@minio:9000``), or any
+    query (``?auth=...``). An endpoint's or a lineage server's URL is judged so; a ledger URL's user name is none.
+    Text without ``://`` (a plain path) holds none."""
+    if holds_secret(url):
+        return True
+    _, found, rest = url.partition("://")
+    return bool(found) and (userinfo_end(rest) >= 0 or "?" in rest)
+
+
 def database_url(text: str, *, what: str = "database URL") -> URL:
     """The SQLAlchemy URL to open for ``text``: a plain path as a SQLite file, ``postgresql://`` with the installed
     driver, anything else as written.

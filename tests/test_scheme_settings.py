@@ -265,6 +265,34 @@ def test_a_secret_setting_without_a_variable_is_a_declaration_error():
     assert Setting("region", ("A", "B")).read({"B": "x", "A": ""}) == ("B", "x"), "the first variable set wins"
 
 
+def host_only(text: str) -> str:
+    """A parser that refuses every URL: the setting's value fails to parse."""
+    if "://" in text:
+        raise ValueError("a host, not a URL")
+    return text
+
+
+@pytest.mark.parametrize(
+    ("name", "given"),
+    [
+        pytest.param("mirror", "http://u:SEKRIT@mirror", id="password-in-a-url"),
+        pytest.param("mirror", "http://SEKRIT@mirror", id="user-part-of-a-url"),
+        pytest.param("mirror", "http://mirror/?auth=SEKRIT", id="query-of-a-url"),
+        pytest.param("mirror_url", "http://mirror/SEKRIT", id="a-url-setting"),
+    ],
+)
+def test_a_value_that_fails_to_parse_is_never_shown_where_it_may_hold_a_secret(name, given):
+    with pytest.raises(ConfigurationError) as refused:
+        Setting(name, parse=host_only).value(given, what="the destination resource", source="MIRROR")
+    message = str(refused.value)
+    assert "SEKRIT" not in message and f"setting {name} (MIRROR) must be a valid host_only" in message, message
+
+
+def test_a_value_that_fails_to_parse_and_cannot_hold_a_secret_is_shown():
+    with pytest.raises(ConfigurationError, match="must be a number, got '30s'"):
+        Setting("read_timeout_seconds", parse=float).value("30s", what="the destination resource")
+
+
 def test_the_region_is_read_from_aws_region_then_aws_default_region_as_before():
     environ = {"AWS_DEFAULT_REGION": "eu-central-1"}
     assert destination_from("s3://b-1/p", ledger_url="", environ=environ).region_name == "eu-central-1"

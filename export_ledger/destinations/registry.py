@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from export_ledger.errors import ConfigurationError, userinfo_end
+from export_ledger.ledger.urls import may_hold_secret
 
 #: Spec prefixes that look like a URL: a folder path never starts with one.
 _URL_SCHEMES = ("s3", "gs", "az", "abfs", "ftp", "http", "https", "delta", "file")
@@ -95,7 +96,8 @@ class Setting:
 
         Raises:
             ConfigurationError: naming ``what``, the setting, ``source`` (the variable it was read from) and what
-                it must be; the value only when it is no secret.
+                it must be; the value only when it cannot hold a secret (the setting is no secret and no ``*_url``,
+                and the value is no URL with a user part, a password or a query).
         """
         if not isinstance(given, str):
             return given
@@ -103,7 +105,8 @@ class Setting:
             return self.parse(given)
         except (TypeError, ValueError):
             name = getattr(self.parse, "__name__", "")
-            shown = "" if self.secret else f", got {given!r}"
+            hidden = self.secret or self.name.endswith("_url") or may_hold_secret(given)
+            shown = "" if hidden else f", got {given!r}"
             where = f" ({source})" if source else ""
             raise ConfigurationError(
                 f"{what}: setting {self.name}{where} must be {_PARSED_AS.get(name, f'a valid {name}')}{shown}"

@@ -15,6 +15,7 @@ import textwrap
 
 import dagster as dg
 import pandas as pd
+import pydantic
 import pytest
 
 import export_ledger.destinations as destinations_package
@@ -192,17 +193,35 @@ def get_destination(resource: DestinationResource):
         return resources.destination.get_destination()
 
 
-def test_a_setting_the_scheme_does_not_declare_is_refused_naming_it_and_the_schemes_settings():
-    for given in ({"azure_account_key": "x"}, {"endpoint_url": "http://minio:9000", "gcs_project": "p"}):
-        resource = DestinationResource(spec="s3://exports-bucket/p", settings=given)
-        with pytest.raises(ConfigurationError) as refused:
-            get_destination(resource)
+def test_a_setting_the_scheme_does_not_declare_is_refused_when_the_resource_is_built_naming_it_and_the_schemes():
+    for given in ({"read_timout_seconds": "60"}, {"endpoint_url": "http://minio:9000", "gcs_project": "p"}):
+        with pytest.raises(pydantic.ValidationError) as refused:  # the code location's load, not each run
+            DestinationResource(spec="s3://exports-bucket/p", settings=given)
         message = str(refused.value)
         undeclared = next(name for name in given if name != "endpoint_url")
         assert f"takes no setting {undeclared!r}" in message, message
         assert "endpoint_url, region_name, access_key_id, secret_access_key" in message, "and names those it takes"
     with pytest.raises(ConfigurationError, match="takes no setting 'region_name'; it takes no settings"):
         destination_from("./exports", ledger_url="", settings={"region_name": "eu-west-1"})
+
+
+def test_a_resource_is_refused_when_built_for_a_spec_no_destination_takes_and_never_shows_a_refused_value():
+    with pytest.raises(pydantic.ValidationError, match="scheme 'ftp' is not supported"):
+        DestinationResource(spec="ftp://files.example/exports", settings={})
+    with pytest.raises(pydantic.ValidationError) as refused:
+        DestinationResource(spec="s3://exports-bucket/p", settings={"secret_acess_key": TOKEN})
+    assert "'secret_acess_key'" in str(refused.value) and TOKEN not in str(refused.value), str(refused.value)
+
+
+def test_a_resources_settings_given_as_envvars_are_checked_by_name_and_resolved_when_a_run_builds_it(monkeypatch):
+    monkeypatch.setenv("READ_TIMEOUT", "60")
+    monkeypatch.setenv("EXPORTS_DESTINATION", "s3://exports-bucket/p")
+    resource = DestinationResource(
+        spec="s3://exports-bucket/p", settings={"read_timeout_seconds": dg.EnvVar("READ_TIMEOUT")}
+    )
+    assert get_destination(resource).read_timeout_seconds == 60.0, "the key survives Dagster's resolution"
+    by_name = DestinationResource(spec=dg.EnvVar("EXPORTS_DESTINATION"), settings={"region_name": "eu-west-1"})
+    assert get_destination(by_name).region_name == "eu-west-1", "a spec given by name is checked when a run reads it"
 
 
 def test_a_destination_object_whose_spec_returns_a_setting_its_scheme_does_not_declare_is_refused_naming_it():

@@ -7,11 +7,13 @@ UI (GraphQL ``configuredValues``). A secret that cannot be given by name is refu
 
 import datetime as dt
 import os
+from collections.abc import Mapping
 
 import dagster as dg
+import pydantic
 
 from export_ledger.destinations import Destination, destination_from
-from export_ledger.destinations.registry import Setting, refuse_credentials, scheme_of
+from export_ledger.destinations.registry import Setting, refuse_credentials, scheme_of, scheme_taking
 from export_ledger.errors import ConfigurationError
 from export_ledger.ledger import ExportLedger
 from export_ledger.ledger.urls import holds_secret, may_hold_secret
@@ -100,9 +102,26 @@ class DestinationResource(dg.ConfigurableResource):
         >>> DestinationResource(spec="s3://bucket/exports", settings={"region_name": "eu-west-1"})  # doctest: +SKIP
     """
 
+    # A refused value may be a secret: pydantic's message then leaves out what it was given.
+    model_config = pydantic.ConfigDict(hide_input_in_errors=True)
+
     spec: str
     ledger_url: str = ""
     settings: dict[str, str] = {}
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _settings_declared_by_the_specs_scheme(cls, given: object) -> object:
+        """A mistyped setting, or a spec no destination takes, fails the code location's load, not each run and
+        sensor tick. Only the keys are checked: they survive Dagster's resolution of the resource, while a value may
+        still be an ``EnvVar``'s name. A spec given as ``EnvVar`` is checked when a run resolves it (it is seen here
+        before pydantic makes it a plain str, which would pass its variable's name for the spec)."""
+        spec = given.get("spec") if isinstance(given, Mapping) else None
+        settings = given.get("settings") if isinstance(given, Mapping) else None
+        if isinstance(spec, str) and not isinstance(spec, dg.EnvVar) and spec.strip() and isinstance(settings, Mapping):
+            what = "the destination resource"
+            scheme_taking(spec, what).refuse_undeclared(settings, what)
+        return given
 
     def get_destination(self) -> Destination:
         return destination_from(

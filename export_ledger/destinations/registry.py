@@ -14,7 +14,7 @@ import functools
 import importlib
 import pkgutil
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from export_ledger.errors import ConfigurationError, userinfo_end
@@ -137,6 +137,20 @@ class Scheme:
     def setting(self, name: str) -> Setting | None:
         return next((setting for setting in self.settings if setting.name == name), None)
 
+    def refuse_undeclared(self, names: Iterable[str], what: str = "destination") -> None:
+        """Refuses setting names this scheme does not declare.
+
+        Raises:
+            ConfigurationError: naming ``what``, the undeclared names and the scheme's settings.
+        """
+        unknown = sorted(set(names) - {setting.name for setting in self.settings})
+        if unknown:
+            known = ", ".join(setting.name for setting in self.settings)
+            raise ConfigurationError(
+                f"{what}: {self.example} takes no setting {', '.join(map(repr, unknown))}; "
+                + (f"its settings are {known}" if known else "it takes no settings")
+            )
+
     def settings_of(self, destination: object) -> dict[str, object]:
         """A destination's values of this scheme's settings, by name (what its ``spec()`` returns)."""
         return {setting.name: getattr(destination, setting.name) for setting in self.settings}
@@ -155,13 +169,7 @@ class Scheme:
             ConfigurationError: ``given`` names a setting this scheme does not declare (named, with those it does),
                 or a value does not parse (the setting named).
         """
-        unknown = sorted(set(given or {}) - {setting.name for setting in self.settings})
-        if unknown:
-            known = ", ".join(setting.name for setting in self.settings)
-            raise ConfigurationError(
-                f"{what}: {self.example} takes no setting {', '.join(map(repr, unknown))}; "
-                + (f"its settings are {known}" if known else "it takes no settings")
-            )
+        self.refuse_undeclared(given or {}, what)
         values = {}
         for setting in self.settings:
             found = setting.read(environ) if environ is not None else None
@@ -194,6 +202,18 @@ def scheme_of(spec: str) -> Scheme:
         if spec.startswith(scheme.prefix):
             return scheme
     raise ConfigurationError(f"no destination takes {spec!r}")  # the folder path (prefix "") takes everything
+
+
+def scheme_taking(spec: str, what: str = "destination") -> Scheme:
+    """The scheme whose destination takes ``spec`` (a folder path's, for anything no other prefix matches).
+
+    Raises:
+        ConfigurationError: ``spec`` is a URL of a scheme no destination takes (``ftp://``), naming those there are.
+    """
+    scheme = scheme_of(spec)
+    if not scheme.prefix and ("://" in spec or spec.split(":", 1)[0] in _URL_SCHEMES):
+        raise ConfigurationError(f"{what} scheme {spec.split(':', 1)[0]!r} is not supported; use {kinds()}")
+    return scheme
 
 
 def kinds() -> str:
@@ -230,9 +250,7 @@ def destination_from(
     if not isinstance(spec, str) or not spec.strip():
         raise ConfigurationError(f"{what} must be {kinds()}")
     refuse_credentials(spec, what)
-    scheme = scheme_of(spec)
-    if not scheme.prefix and ("://" in spec or spec.split(":", 1)[0] in _URL_SCHEMES):
-        raise ConfigurationError(f"{what} scheme {spec.split(':', 1)[0]!r} is not supported; use {kinds()}")
+    scheme = scheme_taking(spec, what)
     cls = scheme.load()
     problem = cls.check_spec(spec)
     if problem:

@@ -57,7 +57,7 @@ SCHEME = Scheme(
     "TokenFolderDestination",
     "tokenfolder:PATH",
     settings=(
-        Setting("api_token", "TOKENFOLDER_API_TOKEN", secret=True, doc="The folder's API token"),
+        Setting("api_token", ("TOKENFOLDER_API_TOKEN", "TOKENFOLDER_TOKEN"), secret=True, doc="The API token"),
         Setting("timeout_seconds", "TOKENFOLDER_TIMEOUT_SECONDS", parse=float, default=10.0, doc="Its timeout"),
         Setting("mirror_url", doc="A mirror, given in code or resource config only"),
     ),
@@ -173,6 +173,23 @@ def test_a_new_stores_secret_and_a_credential_in_its_spec_are_refused_naming_its
         refuse_credentials(f"tokenfolder:user:{TOKEN}@files.example:/srv", "EXPORTS_DESTINATION")
     message = str(in_spec.value)
     assert TOKEN not in message and "TOKENFOLDER_API_TOKEN" in message and "tokenfolder:PATH" in message, message
+
+
+def test_a_secret_read_from_either_of_its_variables_reaches_dagster_by_the_one_holding_it(
+    token_folder, clean_environment, monkeypatch, tmp_path
+):
+    made = token_folder.TokenFolderDestination(root=str(tmp_path), api_token=TOKEN)
+    monkeypatch.setenv("TOKENFOLDER_API_TOKEN", "another-token")
+    monkeypatch.setenv("TOKENFOLDER_TOKEN", TOKEN)
+    resource = DestinationResource.of(made)
+    assert resource.settings["api_token"] == dg.EnvVar("TOKENFOLDER_TOKEN"), "the variable that holds this value"
+    assert get_destination(resource) == made
+
+    monkeypatch.delenv("TOKENFOLDER_TOKEN")
+    with pytest.raises(ConfigurationError) as refused:
+        DestinationResource.of(made)
+    message = str(refused.value)
+    assert TOKEN not in message and "set TOKENFOLDER_API_TOKEN or TOKENFOLDER_TOKEN to it" in message, message
 
 
 def test_a_new_stores_bad_value_from_its_variable_fails_the_load_naming_the_setting_and_the_variable(

@@ -7,7 +7,7 @@ UI (GraphQL ``configuredValues``). A secret that cannot be given by name is refu
 
 import datetime as dt
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import dagster as dg
 import pydantic
@@ -38,19 +38,24 @@ def is_secret(setting: Setting, value: object) -> bool:
     return setting.secret or (setting.name.endswith("_url") and may_hold_secret(value))
 
 
-def secret_by_name(value: str, variable: str, refusal: str) -> dg.EnvVar:
-    """A secret as Dagster gets it: ``EnvVar(variable)`` when the code location's process environment holds this
-    very value under ``variable`` (a run worker then reads it there too), so the UI shows the name, never the value.
+def secret_by_name(value: str, variables: str | Sequence[str], refusal: str) -> dg.EnvVar:
+    """A secret as Dagster gets it: ``EnvVar(variable)`` of the first of ``variables`` under which the code
+    location's process environment holds this very value (a run worker then reads it there too), so the UI shows the
+    name, never the value.
 
     Raises:
-        ConfigurationError: the process environment does not hold it; the message (``refusal`` and what to do)
-            names the setting and the variable, never the value.
+        ConfigurationError: the process environment holds it under none of them; the message (``refusal`` and what
+            to do) names the setting and the variables, never the value.
     """
-    if os.environ.get(variable) == value:
-        return dg.EnvVar(variable)
+    names = (variables,) if isinstance(variables, str) else tuple(variables)
+    for variable in names:
+        if os.environ.get(variable) == value:
+            return dg.EnvVar(variable)
+    first, others = names[0], names[1:]
+    passed = "EnvVar of that variable" if others else f"EnvVar({first!r})"
     raise ConfigurationError(
         f"{refusal}, and given as a value it would be shown in the Dagster UI's resource config. Give it by name: set "
-        f"{variable} to it in the code location's environment, and it is passed to Dagster as EnvVar({variable!r})"
+        f"{' or '.join(names)} to it in the code location's environment, and it is passed to Dagster as {passed}"
     )
 
 
@@ -154,12 +159,12 @@ class DestinationResource(dg.ConfigurableResource):
             if value is None or value == setting.default:
                 continue
             if is_secret(setting, value):
-                if setting.variable is None:
+                if not setting.env:
                     raise ConfigurationError(
                         f"{what}: the {kind}'s {name} is a secret, and given as a value it would be shown in the "
                         f"Dagster UI's resource config; {scheme.example} reads it from no environment variable"
                     )
-                value = secret_by_name(value, setting.variable, f"{what}: the {kind}'s {name} is a secret")
+                value = secret_by_name(value, setting.env, f"{what}: the {kind}'s {name} is a secret")
             settings[name] = value if isinstance(value, str) else str(value)  # an EnvVar is a str
         ledger_url = getattr(destination, "url", "")
         if isinstance(ledger_url, str) and ledger_url and holds_secret(ledger_url):

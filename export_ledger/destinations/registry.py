@@ -51,9 +51,9 @@ class Setting:
         name: The destination's attribute, and the setting's key in ``DestinationResource.settings``.
         env: The environment variables it is read from, the first one set winning (a str: one variable); ``()``
             for a setting given only in code or resource config.
-        secret: A secret whatever its value (a key, a token): it reaches Dagster by name, as ``EnvVar`` of its first
-            variable, never as a value, so it needs one. A setting named ``*_url`` is also a secret when its value
-            carries a password or a signature.
+        secret: A secret whatever its value (a key, a token): it reaches Dagster by name, as ``EnvVar`` of the one
+            of its variables that holds it, never as a value, so it needs one. A setting named ``*_url`` is also a
+            secret when its value carries a password, a user part (a token: ``https://t0ken@host``) or a query.
         credential: It holds or names a credential (a key id, an account, a key file; every secret does): a spec
             refused for carrying a credential names its variable as the place to put one.
         parse: How its text (from the environment or resource config) becomes its value: ``str``, ``float``.

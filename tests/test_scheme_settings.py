@@ -280,12 +280,14 @@ def test_every_scheme_reads_the_variables_it_read_before_and_the_same_settings_a
     assert secrets == SECRETS_BEFORE
 
 
-def test_each_declared_default_is_the_destination_classes_own():
+def test_each_declared_default_is_the_destination_classes_own_and_a_secrets_field_is_left_out_of_its_repr():
     for scheme in [s for s in schemes() if s.settings]:
         fields = {f.name: f for f in dataclasses.fields(scheme.load())}
         for setting in scheme.settings:
             assert setting.name in fields, f"{scheme.example}: {setting.name} is no field of its destination"
             assert fields[setting.name].default == setting.default, f"{scheme.example}: {setting.name}'s default"
+            if setting.secret:  # a destination's repr is in logs and tracebacks
+                assert fields[setting.name].repr is False, f"{scheme.example}: {setting.name} needs field(repr=False)"
 
 
 def test_delta_on_s3_declares_the_s3_destinations_settings_bar_the_client_timeouts():

@@ -406,7 +406,7 @@ class S3Destination(PublishingDestination):
         bucket: Bucket name.
         prefix: Key prefix without leading or trailing slash ("" for the bucket root).
         endpoint_url: Endpoint of a non-AWS store (``AWS_ENDPOINT_URL``); None for AWS itself.
-        region_name: Region (``AWS_DEFAULT_REGION``).
+        region_name: Region (``AWS_REGION``, else ``AWS_DEFAULT_REGION``).
         access_key_id / secret_access_key / session_token: Credentials, normally given as Dagster ``EnvVar`` so
             they never appear in run config or the UI; None lets boto3 find them itself.
         connect_timeout_seconds / read_timeout_seconds: Client timeouts; a read timeout on a write makes its

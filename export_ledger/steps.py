@@ -118,7 +118,8 @@ class HeldKey:
         return target_for(self.item.key, self.claim.revision)
 
 
-#: What the protocol calls on a destination whose exports are published (``takes_effect = "published"``).
+#: What the protocol calls on a destination whose exports are published (``takes_effect = "published"``): the steps
+#: :class:`~export_ledger.destinations.PointerDestination` declares.
 PUBLISHING_STEPS = ("pointer", "fence", "verify", "sweep", "stage", "commit", "unstage", "location")
 
 

@@ -1,6 +1,9 @@
-"""The destination's half of the protocol, written once for every publishing destination (docs/protocol.md).
+"""The publishing kind (docs/protocol.md): its contract, :class:`PointerDestination` (the steps the protocol asks of a
+destination whose exports are published behind a pointer, and what is written once over them), and the template that
+implements it over an object store, :class:`PublishingDestination`. Delta Lake implements the contract over its own
+log (:mod:`export_ledger.destinations.delta`).
 
-Per key, at ``<export>/tenant=<tenant>/date=<YYYY-MM-DD>/``:
+The template, per key, at ``<export>/tenant=<tenant>/date=<YYYY-MM-DD>/``:
 
 * ``_current.json``, **the pointer**: the only object that ever changes, and only by compare-and-swap on the version
   read (:meth:`~export_ledger.destinations.store.ObjectStore.put_if_match`). It names the current revision's place
@@ -17,7 +20,7 @@ this release (a fence or a commit) replaces either with a pointer of this format
 
 A store is its hooks (:class:`~export_ledger.destinations.store.ObjectStore`: nine written, six optional); a
 destination class only says which store (:class:`~export_ledger.destinations.local.LocalDestination`,
-:class:`~export_ledger.destinations.s3.S3Destination`).
+:class:`~export_ledger.destinations.s3.S3Destination`, ``gcs.py``, ``azure.py``).
 """
 
 from __future__ import annotations
@@ -141,9 +144,137 @@ class StagedExport:
     manifest: Manifest
 
 
-class PublishingDestination(Destination):
-    """A destination outside the ledger's database, the same template over any store: fence, verify, stage, sweep,
-    commit, discard (docs/protocol.md)."""
+class PointerDestination(Destination):
+    """The publishing kind (``takes_effect = "published"``): a key's export is staged where readers do not see it,
+    then made current by one commit of the key's *pointer*, outside the ledger, and recorded after; the pointer
+    carries the fence that keeps an older party from changing what readers see (docs/protocol.md).
+
+    A kind writes the protocol's steps on one key (:data:`export_ledger.steps.PUBLISHING_STEPS`): :meth:`pointer`,
+    :meth:`fence`, :meth:`verify`, :meth:`sweep`, :meth:`stage`, :meth:`commit`, :meth:`unstage` and
+    :meth:`location`, and what every destination answers (:meth:`verify_recorded`, :meth:`read_data`,
+    :meth:`key_at`). Written once here over them: :meth:`hold`, :meth:`open`, :meth:`current_revision`,
+    :meth:`readers_see_otherwise`, :meth:`attempt_location` and :meth:`recorded_here`.
+
+    Two kinds: :class:`PublishingDestination`, the template over an object store (a local folder, S3, GCS, Azure),
+    and :class:`~export_ledger.destinations.delta.DeltaDestination`, over a Delta table's log.
+    """
+
+    takes_effect = "published"
+
+    # -- the protocol's steps on one key -------------------------------------------------------------------------
+
+    @abstractmethod
+    def pointer(self, target: ExportTarget) -> Pointer:
+        """What the key's readers see now: its current revision and place, and the fence (nothing: revision 0).
+
+        Raises:
+            DestinationUnreachable: the destination cannot say.
+        """
+
+    @abstractmethod
+    def fence(self, target: ExportTarget, token: int, *, logical_key: str, read: Pointer | None = None) -> Pointer:
+        """Raises the key's fence to ``token``, keeping what its pointer names: from now on no party with a lower
+        token can change what the key's readers see. Returns the pointer as fenced. ``read``: the pointer as this
+        destination's own :meth:`prepare_fence` read it, passed only when that returned one; a kind that prepares
+        nothing is never given it, and need not declare it.
+
+        Raises:
+            Fenced: the fence is already above ``token``.
+            PublishOutcomeUnknown: the write's outcome is unknown (nothing readers see changed either way).
+        """
+
+    @abstractmethod
+    def verify(
+        self,
+        target: ExportTarget,
+        *,
+        logical_key: str,
+        superseded: int,
+        expected_sha256: str | None = None,
+        pointer: Pointer | None = None,
+    ) -> Verification:
+        """:meth:`Destination.verify`, judged from ``pointer`` when the caller has just read or fenced it."""
+
+    @abstractmethod
+    def sweep(self, target: ExportTarget, token: int, pointer: Pointer) -> int:
+        """Before ``token``'s party stages: removes what earlier parties staged and no pointer ever named or can
+        (their tokens are fenced); returns how many places were removed."""
+
+    @abstractmethod
+    def stage(
+        self, target: ExportTarget, token: int, table: pa.Table | TableStream, file_format: str, manifest: Manifest
+    ) -> StagedExport:
+        """Makes revision ``target.revision`` ready to commit at this party's own place, invisible to readers;
+        the staged manifest has the data's sha256 and row count. A stream that fails validation raises from here,
+        and nothing of it is left."""
+
+    @abstractmethod
+    def commit(self, staged: StagedExport, token: int, *, superseded: int) -> Pointer:
+        """Makes the staged revision current: the one step that changes what readers see. Idempotent (a pointer that
+        already names this place is success).
+
+        Raises:
+            Fenced: the fence is above ``token``: nothing of this party is visible.
+            PointerMoved: the pointer names neither ``superseded`` nor this place: a conflict.
+            PublishOutcomeUnknown: the write's outcome is unknown.
+            DestinationError: the write certainly did not happen.
+        """
+
+    @abstractmethod
+    def unstage(self, staged: StagedExport) -> None:
+        """Removes a staged revision that will not be committed (a restatement whose data was the current
+        revision's): no pointer ever named it, and none can."""
+
+    # -- written once over the steps ---------------------------------------------------------------------------
+
+    def hold(self, target: ExportTarget, token: int, *, logical_key: str) -> Pointer:
+        return self.fence(target, token, logical_key=logical_key)
+
+    def open(
+        self,
+        target: ExportTarget,
+        token: int,
+        *,
+        logical_key: str,
+        superseded: int,
+        expected_sha256: str | None = None,
+        read: Pointer | None = None,
+    ) -> Opened:
+        # A prepared read goes to fence() only when there is one: a kind that prepares nothing takes no read.
+        pointer = (
+            self.hold(target, token, logical_key=logical_key)
+            if read is None
+            else self.fence(target, token, logical_key=logical_key, read=read)
+        )
+        verification = self.verify(
+            target, logical_key=logical_key, superseded=superseded, expected_sha256=expected_sha256, pointer=pointer
+        )
+        return Opened(pointer, verification)
+
+    def current_revision(self, target: ExportTarget) -> int:
+        return self.pointer(target).revision
+
+    def readers_see_otherwise(self, target: ExportTarget, *, sha256: str) -> str | None:
+        """What the key's pointer (what readers follow) names instead of ``target`` with ``sha256``."""
+        try:
+            pointer = self.pointer(target)
+        except DestinationConflict as exc:
+            return safe_message(exc)
+        return pointer_otherwise(pointer, target, sha256)
+
+    def attempt_location(self, target: ExportTarget) -> str | None:
+        return self.location(target)
+
+    def recorded_here(self, target: ExportTarget, location: str) -> bool:
+        try:
+            return self.location(target.at_place(place_of_location(location))) == location
+        except DestinationError:
+            return True  # this destination cannot say where such a place would be: judged here, as before
+
+
+class PublishingDestination(PointerDestination):
+    """The publishing kind over an object store, the same template over any store: layout, pointer, fence, verify,
+    stage, sweep, commit, discard (docs/protocol.md). A destination class only says which store."""
 
     @property
     @abstractmethod
@@ -168,40 +299,7 @@ class PublishingDestination(Destination):
     def describe(self) -> str:
         return self.store.describe()
 
-    def attempt_location(self, target: ExportTarget) -> str | None:
-        return self.location(target)
-
-    def recorded_here(self, target: ExportTarget, location: str) -> bool:
-        try:
-            return self.location(target.at_place(place_of_location(location))) == location
-        except DestinationError:
-            return True  # this destination cannot say where such a place would be: judged here, as before
-
     # -- what a party holding a key does here ----------------------------------------------------------------------
-
-    def hold(self, target: ExportTarget, token: int, *, logical_key: str) -> Pointer:
-        return self.fence(target, token, logical_key=logical_key)
-
-    def open(
-        self,
-        target: ExportTarget,
-        token: int,
-        *,
-        logical_key: str,
-        superseded: int,
-        expected_sha256: str | None = None,
-        read: Pointer | None = None,
-    ) -> Opened:
-        # A prepared read goes to fence() only when there is one: a subclass with a fence of its own takes no read.
-        pointer = (
-            self.hold(target, token, logical_key=logical_key)
-            if read is None
-            else self.fence(target, token, logical_key=logical_key, read=read)
-        )
-        verification = self.verify(
-            target, logical_key=logical_key, superseded=superseded, expected_sha256=expected_sha256, pointer=pointer
-        )
-        return Opened(pointer, verification)
 
     def discard_key(self, target: ExportTarget, token: int, *, logical_key: str, recorded: ExportTarget | None
                     ) -> list[str]:  # fmt: skip
@@ -220,9 +318,6 @@ class PublishingDestination(Destination):
         if legacy is None:
             return Pointer.nothing()
         return Pointer(0, legacy.revision, ".", legacy.sha256, legacy.row_count, legacy.data_file, legacy.logical_key)
-
-    def current_revision(self, target: ExportTarget) -> int:
-        return self.pointer(target).revision
 
     def key_at(self, target: ExportTarget) -> str | None:
         pointer = self.pointer(target)
@@ -243,14 +338,8 @@ class PublishingDestination(Destination):
                        manifest.logical_key)  # fmt: skip
 
     def fence(self, target: ExportTarget, token: int, *, logical_key: str, read: Pointer | None = None) -> Pointer:
-        """Raises the pointer's fence to ``token``, keeping what it names: from now on no party with a lower token
-        can change what the key's readers see. Returns the pointer as fenced. ``read``: the pointer as
-        :meth:`prepare_fence` read it (its tag makes the write conditional on it still being so), not read again.
-
-        Raises:
-            Fenced: the pointer's fence is already above ``token``.
-            PublishOutcomeUnknown: the write's outcome is unknown (nothing readers see changed either way).
-        """
+        """The pointer rewritten with the fence raised, by compare-and-swap on the version read (``read``'s tag, when
+        :meth:`prepare_fence` read it: the write is then conditional on it still being so, not read again)."""
         self.store.check_conditions()  # no conditional write goes to a store that ignores the conditions
         name = f"{self.key_folder(target)}/{POINTER_NAME}"
         for _ in range(_ROUNDS):
@@ -337,14 +426,6 @@ class PublishingDestination(Destination):
             manifest=manifest, data_sha256=data_sha256, pointer_sha256=None, where=where, expected_sha256=sha256,
         )  # fmt: skip
         return verification
-
-    def readers_see_otherwise(self, target: ExportTarget, *, sha256: str) -> str | None:
-        """What the key's pointer (what readers follow) names instead of ``target`` with ``sha256``."""
-        try:
-            pointer = self.pointer(target)
-        except DestinationConflict as exc:
-            return safe_message(exc)
-        return pointer_otherwise(pointer, target, sha256)
 
     def _manifest(self, target: ExportTarget, place: str) -> Manifest | None:
         name = self._in_place(target, place, MANIFEST_NAME)
@@ -553,4 +634,4 @@ def _count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-__all__ = ["POINTER_NAME", "Pointer", "PublishingDestination", "StagedExport", "Verdict"]
+__all__ = ["POINTER_NAME", "Pointer", "PointerDestination", "PublishingDestination", "StagedExport", "Verdict"]

@@ -86,7 +86,7 @@ def test_every_docs_page_is_in_the_site_navigation():
     assert listed == {page.name for page in (PROJECT / "docs").glob("*.md")}
 
 
-WALK_STEP = re.compile(r"`(export_ledger/[\w/]+\.py):(\d+)` `(\w+)`")
+WALK_STEP = re.compile(r"`(export_ledger/[\w/]+\.py):(\d+)`\s+`(\w+)`")  # a step may wrap between its path and name
 
 
 def test_every_step_of_the_walk_names_the_line_its_function_is_defined_on():

@@ -1,0 +1,137 @@
+"""The kinds of destination and what each is asked (docs/destinations.md, "The kinds").
+
+A destination whose exports are published behind a pointer implements
+:class:`~export_ledger.destinations.PointerDestination`: the object-store template
+(:class:`~export_ledger.destinations.PublishingDestination`: the local folder, S3, GCS, Azure) and Delta, each on its
+own. These tests hold the contract to what the protocol asks of such a destination, every publishing kind to every
+step of it, and the callers to never asking a destination which kind it is.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pkgutil
+from pathlib import Path
+
+import pytest
+
+import export_ledger.destinations as destinations
+from export_ledger.destinations import (
+    Destination,
+    DestinationError,
+    ExportTarget,
+    PointerDestination,
+    PublishingDestination,
+    TransactionalDestination,
+)
+from export_ledger.destinations.delta import DeltaDestination
+from export_ledger.steps import PUBLISHING_STEPS
+
+PACKAGE = Path(destinations.__file__).parents[1]
+#: The modules that ask a destination something, by the name they hold it under (``destination``).
+CALLERS = ("steps.py", "stage.py", "protocol.py", "reconcile.py", "resolve.py", "restate.py", "drift.py")
+
+
+def asked(*modules: str) -> set[str]:
+    """Every attribute the modules read on ``destination`` or ``self.destination``."""
+    names = set()
+    for module in modules:
+        for node in ast.walk(ast.parse((PACKAGE / module).read_text())):
+            if not isinstance(node, ast.Attribute):
+                continue
+            held = node.value
+            if (isinstance(held, ast.Name) and held.id == "destination") or (
+                isinstance(held, ast.Attribute) and held.attr == "destination"
+            ):
+                names.add(node.attr)
+    return names
+
+
+def every_kind() -> list[type[Destination]]:
+    """Every concrete destination class the destinations package defines (its modules imported, no registry)."""
+    for info in pkgutil.iter_modules(destinations.__path__):
+        importlib.import_module(f"{destinations.__name__}.{info.name}")
+    found, todo = [], [Destination]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            todo.append(sub)
+            if sub.__module__.startswith(destinations.__name__) and not sub.__abstractmethods__:
+                found.append(sub)
+    return sorted(set(found), key=lambda kind: kind.__name__)
+
+
+PUBLISHED_KINDS = [kind for kind in every_kind() if issubclass(kind, PointerDestination)]
+
+
+def test_the_published_kinds_contract_is_what_the_protocol_asks_of_it() -> None:
+    """The abstract methods of :class:`PointerDestination` are the protocol's steps on one key, and what every
+    destination answers (less the current revision, written once over the pointer); every one is asked by a caller,
+    and a caller asks a published kind nothing the contract does not declare."""
+    contract = PointerDestination.__abstractmethods__
+    answered_by_all = Destination.__abstractmethods__ - {"current_revision"}
+    assert contract == set(PUBLISHING_STEPS) | answered_by_all, "the steps, and what every destination answers"
+    assert set(PUBLISHING_STEPS) <= asked("steps.py", "stage.py"), "each step is one the protocol takes on a key"
+    every_ask = asked(*CALLERS)
+    assert contract <= every_ask, f"abstract, never asked: {sorted(contract - every_ask)}"
+    undeclared = every_ask - {"write_in_transaction"} - set(dir(PointerDestination))  # the other kind's one step
+    assert undeclared == set(), "a caller asks a published kind only what its contract declares"
+
+
+def test_the_publishing_kinds_are_the_object_store_template_and_delta() -> None:
+    names = [kind.__name__ for kind in PUBLISHED_KINDS]
+    assert names == ["AzureDestination", "DeltaDestination", "GCSDestination", "LocalDestination", "S3Destination"]
+    assert [kind.__name__ for kind in every_kind() if issubclass(kind, TransactionalDestination)] == [
+        "SqlTableDestination"
+    ]
+
+
+@pytest.mark.parametrize("kind", PUBLISHED_KINDS, ids=lambda kind: kind.__name__)
+def test_every_publishing_kind_writes_every_step_of_the_contract(kind: type[PointerDestination]) -> None:
+    for name in sorted(PointerDestination.__abstractmethods__):
+        owner = next(base for base in kind.__mro__ if name in vars(base))
+        assert owner not in (PointerDestination, Destination), f"{kind.__name__}.{name} is not written"
+        assert not getattr(vars(owner)[name], "__isabstractmethod__", False), f"{kind.__name__}.{name} is abstract"
+
+
+def test_delta_is_a_publishing_kind_of_its_own_not_the_object_store_template(tmp_path: Path) -> None:
+    """Delta publishes over its table's log: it is no object store, and inherits only what the contract writes once
+    over its steps and what every destination shares; an operator's discard is refused naming the way out."""
+    assert DeltaDestination.__mro__[1:] == PointerDestination.__mro__, "Delta derives from the contract only"
+    assert not issubclass(DeltaDestination, PublishingDestination)
+    assert "store" not in dir(DeltaDestination), "a Delta table is not an object store"
+    delta = DeltaDestination(table=str(tmp_path / "{export}"))
+    target = ExportTarget("invoice_export", "acme", "2026-03-08", 2, "r2-t2")
+    with pytest.raises(DestinationError, match=r"not discarded by export-ledger; restore the table"):
+        delta.discard_key(target, 3, logical_key="invoice_export/acme/2026-03-08T05:00:00Z", recorded=None)
+    assert not (tmp_path / "invoice_export").exists(), "refused before anything is read or written"
+
+
+#: The calls that would ask an object which class it is.
+_KIND_CHECKS = {"isinstance", "issubclass"}
+
+
+def _named(node: ast.expr) -> list[str]:
+    if isinstance(node, ast.Tuple):
+        return [name for element in node.elts for name in _named(element)]
+    if isinstance(node, ast.Attribute):
+        return [node.attr]
+    return [node.id] if isinstance(node, ast.Name) else []
+
+
+def test_no_module_outside_the_destinations_asks_a_destination_which_kind_it_is() -> None:
+    """Callers ask ``takes_effect`` and the contract's methods, never the class: ``isinstance(x, Destination)`` (is it
+    a destination at all) is fine, a check against any kind of it is not."""
+    kinds = {cls.__name__ for cls in every_kind()} | {
+        PointerDestination.__name__, PublishingDestination.__name__, TransactionalDestination.__name__,
+    }  # fmt: skip
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if (PACKAGE / "destinations") in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and _named(node.func) and _named(node.func)[0] in _KIND_CHECKS:
+                checked = [name for arg in node.args[1:] for name in _named(arg) if name in kinds]
+                if checked:
+                    found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {', '.join(checked)}")
+    assert found == [], "the protocol asks takes_effect, never a destination's kind"

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 import pkgutil
+import re
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,7 @@ from export_ledger.destinations.delta import DeltaDestination
 from export_ledger.steps import PUBLISHING_STEPS
 
 PACKAGE = Path(destinations.__file__).parents[1]
+DOCS = PACKAGE.parent / "docs" / "destinations.md"
 #: The modules that ask a destination something, by the name they hold it under (``destination``).
 CALLERS = ("steps.py", "stage.py", "protocol.py", "reconcile.py", "resolve.py", "restate.py", "drift.py")
 
@@ -135,3 +138,47 @@ def test_no_module_outside_the_destinations_asks_a_destination_which_kind_it_is(
                 if checked:
                     found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {', '.join(checked)}")
     assert found == [], "the protocol asks takes_effect, never a destination's kind"
+
+
+BASES = (Destination, PointerDestination, PublishingDestination, TransactionalDestination)
+
+
+def documented_bases() -> dict[type, tuple[list[str], ...]]:
+    """docs/destinations.md's table of the kinds: for each base, the names (and the number stated) of its abstract
+    methods, of what it writes, and of its optional hooks."""
+    rows = {}
+    for line in DOCS.read_text().splitlines():
+        cells = line.split("|")[1:-1]
+        if len(cells) != 6 or not cells[0].strip().startswith("`"):
+            continue
+        base = next(b for b in BASES if cells[0].strip().startswith(f"`{b.__name__}`"))
+        rows[base] = tuple(
+            (int(re.match(r"\s*(\d+)", cell).group(1)), re.findall(r"`(\w+)`", cell)) for cell in cells[2:5]
+        )
+    return rows
+
+
+_DESCRIBED = (property, staticmethod)
+
+
+def methods(cls: type) -> set[str]:
+    """The public methods (and properties) of ``cls``, its own and inherited."""
+    found = {name: inspect.getattr_static(cls, name) for name in dir(cls) if not name.startswith("_")}
+    return {name for name, value in found.items() if inspect.isfunction(value) or isinstance(value, _DESCRIBED)}
+
+
+def test_the_docs_say_each_bases_true_numbers_of_abstract_methods_and_hooks() -> None:
+    """Each row names the base's abstract methods exactly, what it writes itself, and its optional hooks; with what
+    its ancestors write, that is every public method of it, each once. Every number stated is the names' count."""
+    rows = documented_bases()
+    assert set(rows) == set(BASES), "docs/destinations.md has a row for each base"
+    for base, ((abstract_count, abstract), (written_count, written), (hooks_count, hooks)) in rows.items():
+        where = f"docs/destinations.md, {base.__name__}"
+        assert set(abstract) == base.__abstractmethods__ and abstract_count == len(abstract), f"{where}: abstract"
+        assert (written_count, hooks_count) == (len(written), len(hooks)), f"{where}: the numbers stated"
+        concrete = methods(base) - base.__abstractmethods__
+        assert set(written) <= concrete & set(vars(base)), f"{where}: what it writes is written in it"
+        assert set(hooks) <= concrete, f"{where}: a hook has a default"
+        inherited = {name for b in base.__mro__[1:] if b in rows for name in rows[b][1][1]}
+        named = [*abstract, *written, *hooks, *inherited]
+        assert sorted(named) == sorted(methods(base)), f"{where}: every public method named once"

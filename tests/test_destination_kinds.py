@@ -27,7 +27,11 @@ from export_ledger.destinations import (
     PublishingDestination,
     TransactionalDestination,
 )
+from export_ledger.destinations.azure import AzureDestination
 from export_ledger.destinations.delta import DeltaDestination
+from export_ledger.destinations.gcs import GCSDestination
+from export_ledger.destinations.local import LocalDestination
+from export_ledger.destinations.s3 import S3Destination
 from export_ledger.steps import PUBLISHING_STEPS
 
 PACKAGE = Path(destinations.__file__).parents[1]
@@ -89,12 +93,15 @@ def test_the_publishing_kinds_are_the_object_store_template_and_delta() -> None:
     ]
 
 
-@pytest.mark.parametrize("kind", PUBLISHED_KINDS, ids=lambda kind: kind.__name__)
+#: The publishing kinds, named rather than found: a kind that leaves a step unwritten is abstract, and would drop out
+#: of :func:`every_kind`.
+PUBLISHING_KINDS = (LocalDestination, S3Destination, GCSDestination, AzureDestination, DeltaDestination)
+
+
+@pytest.mark.parametrize("kind", PUBLISHING_KINDS, ids=lambda kind: kind.__name__)
 def test_every_publishing_kind_writes_every_step_of_the_contract(kind: type[PointerDestination]) -> None:
-    for name in sorted(PointerDestination.__abstractmethods__):
-        owner = next(base for base in kind.__mro__ if name in vars(base))
-        assert owner not in (PointerDestination, Destination), f"{kind.__name__}.{name} is not written"
-        assert not getattr(vars(owner)[name], "__isabstractmethod__", False), f"{kind.__name__}.{name} is abstract"
+    assert issubclass(kind, PointerDestination), f"{kind.__name__} is a publishing kind"
+    assert not kind.__abstractmethods__, f"{kind.__name__} leaves {sorted(kind.__abstractmethods__)} unwritten"
 
 
 def test_delta_is_a_publishing_kind_of_its_own_not_the_object_store_template(tmp_path: Path) -> None:

@@ -119,19 +119,50 @@ def test_delta_is_a_publishing_kind_of_its_own_not_the_object_store_template(tmp
 
 #: The calls that would ask an object which class it is.
 _KIND_CHECKS = {"isinstance", "issubclass"}
+#: The calls that would ask an object whether it has a member only one kind has: the object-store template's store.
+_MEMBER_CHECKS = {"hasattr", "getattr"}
 
 
 def _named(node: ast.expr) -> list[str]:
-    if isinstance(node, ast.Tuple):
+    """The names ``node`` gives: a class (``Kind``, ``module.Kind``), a string (``"Kind"``), or a collection of them."""
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
         return [name for element in node.elts for name in _named(element)]
     if isinstance(node, ast.Attribute):
         return [node.attr]
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
     return [node.id] if isinstance(node, ast.Name) else []
+
+
+def _type_of(node: ast.expr) -> bool:
+    """``type(x)``, or its name: ``type(x).__name__``, ``type(x).__qualname__``."""
+    if isinstance(node, ast.Attribute) and node.attr in ("__name__", "__qualname__"):
+        node = node.value
+    return isinstance(node, ast.Call) and _named(node.func) == ["type"] and len(node.args) == 1
+
+
+def kind_checks(tree: ast.AST, kinds: set[str]) -> list[tuple[int, list[str]]]:
+    """Where ``tree`` asks an object which of ``kinds`` it is: ``isinstance``/``issubclass`` against one,
+    ``type(x) is``/``==``/``in`` one (or its name), or ``hasattr``/``getattr`` of ``store``, the template's own
+    member. Each as its line and the kinds (or member) it names."""
+    found = []
+    for node in ast.walk(tree):
+        checked = []
+        if isinstance(node, ast.Call) and _named(node.func)[:1] and _named(node.func)[0] in _KIND_CHECKS:
+            checked = [name for arg in node.args[1:] for name in _named(arg) if name in kinds]
+        elif isinstance(node, ast.Call) and _named(node.func)[:1] and _named(node.func)[0] in _MEMBER_CHECKS:
+            checked = [name for name in _named(node.args[1]) if name == "store"] if len(node.args) > 1 else []
+        elif isinstance(node, ast.Compare) and any(_type_of(side) for side in (node.left, *node.comparators)):
+            checked = [name for side in (node.left, *node.comparators) for name in _named(side) if name in kinds]
+        if checked:
+            found.append((node.lineno, checked))
+    return found
 
 
 def test_no_module_outside_the_destinations_asks_a_destination_which_kind_it_is() -> None:
     """Callers ask ``takes_effect`` and the contract's methods, never the class: ``isinstance(x, Destination)`` (is it
-    a destination at all) is fine, a check against any kind of it is not."""
+    a destination at all) is fine; ``isinstance``/``issubclass`` against any kind of it, ``type(x) is`` or ``==`` a
+    kind (or its name), and ``hasattr(x, "store")`` (is it the object-store template) are not."""
     kinds = {cls.__name__ for cls in every_kind()} | {
         PointerDestination.__name__, PublishingDestination.__name__, TransactionalDestination.__name__,
     }  # fmt: skip
@@ -139,12 +170,35 @@ def test_no_module_outside_the_destinations_asks_a_destination_which_kind_it_is(
     for path in sorted(PACKAGE.rglob("*.py")):
         if (PACKAGE / "destinations") in path.parents:
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and _named(node.func) and _named(node.func)[0] in _KIND_CHECKS:
-                checked = [name for arg in node.args[1:] for name in _named(arg) if name in kinds]
-                if checked:
-                    found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {', '.join(checked)}")
+        for line, checked in kind_checks(ast.parse(path.read_text()), kinds):
+            found.append(f"{path.relative_to(PACKAGE.parent)}:{line} {', '.join(checked)}")
     assert found == [], "the protocol asks takes_effect, never a destination's kind"
+
+
+def test_the_kind_check_finds_each_way_of_asking_which_kind() -> None:
+    """What the test above looks for, shown on each form it must see, and on the questions it must let pass."""
+    asking = """
+isinstance(d, LocalDestination)
+issubclass(type(d), (S3Destination, PointerDestination))
+type(d) is DeltaDestination
+type(d) == GCSDestination
+type(d) is not AzureDestination
+type(d) in (LocalDestination, S3Destination)
+type(d).__name__ == "SqlTableDestination"
+hasattr(d, "store")
+getattr(d, "store", None)
+"""
+    kinds = {"LocalDestination", "S3Destination", "PointerDestination", "DeltaDestination", "GCSDestination",
+             "AzureDestination", "SqlTableDestination"}  # fmt: skip
+    assert [line for line, _ in kind_checks(ast.parse(asking), kinds)] == list(range(2, 11))
+    allowed = """
+isinstance(d, Destination)
+type(d).__name__
+type(value).__name__ == "Definitions"
+hasattr(own, "spec")
+d.takes_effect == "published"
+"""
+    assert kind_checks(ast.parse(allowed), kinds) == [], "asking for a destination, or its takes_effect, is fine"
 
 
 BASES = (Destination, PointerDestination, PublishingDestination, TransactionalDestination)

@@ -232,9 +232,11 @@ class Destination(ABC):
     #: The Dagster concurrency pool kind exports to this destination run in (each destination kind has its own).
     pool: str = "exports"
     #: How a key's export takes effect here, which the protocol asks instead of the destination's class: "published"
-    #: (staged outside the ledger, made visible by the pointer's commit, recorded after) or "with_record" (the rows
-    #: commit in the ledger's own transaction, together with the completion record: :meth:`write_in_transaction`).
-    takes_effect: str = "published"
+    #: (staged outside the ledger, made visible by the pointer's commit, recorded after:
+    #: :class:`~export_ledger.destinations.PointerDestination`) or "with_record" (the rows commit in the ledger's own
+    #: transaction, together with the completion record: :class:`TransactionalDestination`). Neither here: a
+    #: destination says which by its base, and the protocol refuses one that says neither before any key is claimed.
+    takes_effect: str | None = None
 
     # -- what a party holding a key does here -----------------------------------------------------------------------
 

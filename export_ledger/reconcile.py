@@ -30,7 +30,7 @@ from export_ledger.destinations.base import (
     Fenced,
 )
 from export_ledger.destinations.base import Verdict as DestinationVerdict
-from export_ledger.destinations.publishing import Pointer
+from export_ledger.destinations.pointer import Pointer
 from export_ledger.errors import ManifestError, safe_message
 from export_ledger.ledger import Claim, CompletionEvidence, ExportLedger, ExportRecord, ExportState, Finish
 from export_ledger.ledger import transitions as T

@@ -15,7 +15,7 @@ import pandas as pd
 import pyarrow as pa
 
 from export_ledger.destinations.base import DestinationError, ExportTarget, Verdict, place_of_location
-from export_ledger.destinations.publishing import Pointer, PointerDestination, StagedExport, pointer_otherwise
+from export_ledger.destinations.pointer import Pointer, PointerDestination, StagedExport, pointer_otherwise
 from export_ledger.errors import safe_message
 from export_ledger.fingerprint import Fingerprint
 from export_ledger.frames import (

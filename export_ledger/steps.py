@@ -23,7 +23,7 @@ from export_ledger.destinations.base import (
     Verdict,
     place_name,
 )
-from export_ledger.destinations.publishing import Pointer, StagedExport
+from export_ledger.destinations.pointer import Pointer, StagedExport
 from export_ledger.errors import safe_message
 from export_ledger.fingerprint import Fingerprint
 from export_ledger.keys import LogicalKey

@@ -23,13 +23,8 @@ from export_ledger.destinations.base import (
     place_of_location,
 )
 from export_ledger.destinations.local import LocalDestination
-from export_ledger.destinations.publishing import (
-    POINTER_NAME,
-    Pointer,
-    PointerDestination,
-    PublishingDestination,
-    StagedExport,
-)
+from export_ledger.destinations.pointer import Pointer, PointerDestination, StagedExport
+from export_ledger.destinations.publishing import POINTER_NAME, PublishingDestination
 from export_ledger.destinations.registry import destination_from, kinds, schemes
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 Two kinds of destination:
 
-* A *publishing* destination (:class:`~export_ledger.destinations.publishing.PointerDestination`) stages a key's
+* A *publishing* destination (:class:`~export_ledger.destinations.pointer.PointerDestination`) stages a key's
   export where readers do not see it and makes it current by one commit of the key's fenced pointer, outside the
   ledger (docs/protocol.md). A local folder and the object stores are one template of it,
   :class:`~export_ledger.destinations.publishing.PublishingDestination`, over the small hooks of an

@@ -270,7 +270,7 @@ class _Entry:
 class DeltaDestination(PointerDestination):
     """Exports as rows of a Delta table, one commit per key and revision (see the module docstring).
 
-    A kind of the publishing contract of its own (:class:`~export_ledger.destinations.publishing.PointerDestination`,
+    A kind of the publishing contract of its own (:class:`~export_ledger.destinations.pointer.PointerDestination`,
     not the object-store template): its steps (pointer, fence, verify, sweep, stage, commit, unstage) are written on
     the table's log, so the protocol, reconciliation and restatements drive it as they drive a folder or S3; its
     "pointer" is the key's txn versions.

@@ -14,7 +14,9 @@ import importlib
 import inspect
 import pkgutil
 import re
+from abc import ABC
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -204,28 +206,49 @@ d.takes_effect == "published"
 BASES = (Destination, PointerDestination, PublishingDestination, TransactionalDestination)
 
 
-def documented_bases() -> dict[type, tuple[list[str], ...]]:
-    """docs/destinations.md's table of the kinds: for each base, the names (and the number stated) of its abstract
-    methods, of what it writes, and of its optional hooks."""
+class Row(NamedTuple):
+    """A row of docs/destinations.md's table of the kinds, as the names (and numbers) it states."""
+
+    heading: list[str]  # the base, its module, its takes_effect
+    derives_from: list[str]
+    abstract: tuple[int, list[str]]
+    written: tuple[int, list[str]]
+    hooks: tuple[int, list[str]]
+    kinds: list[str]
+
+
+def documented_bases() -> dict[type, Row]:
+    """docs/destinations.md's table of the kinds, by base."""
     rows = {}
     for line in DOCS.read_text().splitlines():
         cells = line.split("|")[1:-1]
         if len(cells) != 6 or not cells[0].strip().startswith("`"):
             continue
         base = next(b for b in BASES if cells[0].strip().startswith(f"`{b.__name__}`"))
-        rows[base] = tuple(
-            (int(re.match(r"\s*(\d+)", cell).group(1)), re.findall(r"`(\w+)`", cell)) for cell in cells[2:5]
-        )
+        counted = [(int(re.match(r"\s*(\d+)", cell).group(1)), re.findall(r"`(\w+)`", cell)) for cell in cells[2:5]]
+        named = [re.findall(r"`([^`]+)`", cell) for cell in (cells[0], cells[1], cells[5])]
+        rows[base] = Row(named[0], named[1], *counted, named[2])
     return rows
 
 
 _DESCRIBED = (property, staticmethod)
 
 
+def _method(value: object) -> bool:
+    return inspect.isfunction(value) or isinstance(value, _DESCRIBED)
+
+
 def methods(cls: type) -> set[str]:
     """The public methods (and properties) of ``cls``, its own and inherited."""
-    found = {name: inspect.getattr_static(cls, name) for name in dir(cls) if not name.startswith("_")}
-    return {name for name, value in found.items() if inspect.isfunction(value) or isinstance(value, _DESCRIBED)}
+    return {name for name in dir(cls) if not name.startswith("_") and _method(inspect.getattr_static(cls, name))}
+
+
+def own_methods(cls: type) -> set[str]:
+    """The public methods (and properties) defined in ``cls`` itself, abstract ones excepted."""
+    return {
+        name for name, value in vars(cls).items()
+        if not name.startswith("_") and _method(value) and name not in cls.__abstractmethods__
+    }  # fmt: skip
 
 
 def test_the_docs_say_each_bases_true_numbers_of_abstract_methods_and_hooks() -> None:
@@ -233,13 +256,34 @@ def test_the_docs_say_each_bases_true_numbers_of_abstract_methods_and_hooks() ->
     its ancestors write, that is every public method of it, each once. Every number stated is the names' count."""
     rows = documented_bases()
     assert set(rows) == set(BASES), "docs/destinations.md has a row for each base"
-    for base, ((abstract_count, abstract), (written_count, written), (hooks_count, hooks)) in rows.items():
+    for base, row in rows.items():
+        (abstract_count, abstract), (written_count, written), (hooks_count, hooks) = row[2:5]
         where = f"docs/destinations.md, {base.__name__}"
         assert set(abstract) == base.__abstractmethods__ and abstract_count == len(abstract), f"{where}: abstract"
         assert (written_count, hooks_count) == (len(written), len(hooks)), f"{where}: the numbers stated"
         concrete = methods(base) - base.__abstractmethods__
-        assert set(written) <= concrete & set(vars(base)), f"{where}: what it writes is written in it"
         assert set(hooks) <= concrete, f"{where}: a hook has a default"
-        inherited = {name for b in base.__mro__[1:] if b in rows for name in rows[b][1][1]}
+        inherited = {name for b in base.__mro__[1:] if b in rows for name in rows[b].written[1]}
         named = [*abstract, *written, *hooks, *inherited]
         assert sorted(named) == sorted(methods(base)), f"{where}: every public method named once"
+
+
+def test_the_docs_say_what_each_base_writes_derives_from_and_is_derived_by() -> None:
+    """The other columns of each row: its module and the ``takes_effect`` it sets; what it writes is every public
+    method defined in the base itself, less the hooks it introduces (a hook it replaces is written here); what it
+    derives from is its ``__bases__``; and its kinds are the concrete destinations whose nearest base in the table it
+    is."""
+    rows = documented_bases()
+    for base, row in rows.items():
+        where = f"docs/destinations.md, {base.__name__}"
+        said = vars(base).get("takes_effect", ...)  # stated where the base sets it
+        effect = [] if said is ... else ["None" if said is None else f'"{said}"']
+        heading = [base.__name__, Path(inspect.getfile(base)).name, *effect]
+        assert row.heading == heading, f"{where}: its module, and the takes_effect it sets"
+        own, hooks = own_methods(base), set(row.hooks[1])
+        replaced = {name for name in own if any(name in vars(ancestor) for ancestor in base.__mro__[1:])}
+        assert hooks.isdisjoint(replaced), f"{where}: a hook it replaces is written here: {sorted(hooks & replaced)}"
+        assert set(row.written[1]) == own - hooks, f"{where}: written here is what is defined here"
+        assert row.derives_from == [b.__name__ for b in base.__bases__ if b is not ABC], f"{where}: derives from"
+        nearest = {kind.__name__ for kind in every_kind() if next(b for b in kind.__mro__ if b in rows) is base}
+        assert set(row.kinds) == nearest, f"{where}: its kinds"

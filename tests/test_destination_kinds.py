@@ -108,7 +108,8 @@ def test_every_publishing_kind_writes_every_step_of_the_contract(kind: type[Poin
 
 def test_delta_is_a_publishing_kind_of_its_own_not_the_object_store_template(tmp_path: Path) -> None:
     """Delta publishes over its table's log: it is no object store, and inherits only what the contract writes once
-    over its steps and what every destination shares; an operator's discard is refused naming the way out."""
+    over its steps and what every destination shares; its discard_key refuses, naming the way out, before reading or
+    writing the table (called through resolve_key, the operator's hold has fenced the key first: a commit)."""
     assert DeltaDestination.__mro__[1:] == PointerDestination.__mro__, "Delta derives from the contract only"
     assert not issubclass(DeltaDestination, PublishingDestination)
     assert "store" not in dir(DeltaDestination), "a Delta table is not an object store"
@@ -116,7 +117,7 @@ def test_delta_is_a_publishing_kind_of_its_own_not_the_object_store_template(tmp
     target = ExportTarget("invoice_export", "acme", "2026-03-08", 2, "r2-t2")
     with pytest.raises(DestinationError, match=r"not discarded by export-ledger; restore the table"):
         delta.discard_key(target, 3, logical_key="invoice_export/acme/2026-03-08T05:00:00Z", recorded=None)
-    assert not (tmp_path / "invoice_export").exists(), "refused before anything is read or written"
+    assert not (tmp_path / "invoice_export").exists(), "discard_key alone neither reads nor writes the table"
 
 
 #: The calls that would ask an object which class it is.

@@ -30,7 +30,7 @@ from export_ledger.destinations.base import (
     Fenced,
 )
 from export_ledger.destinations.base import Verdict as DestinationVerdict
-from export_ledger.destinations.publishing import Pointer
+from export_ledger.destinations.pointer import Pointer
 from export_ledger.errors import ManifestError, safe_message
 from export_ledger.ledger import Claim, CompletionEvidence, ExportLedger, ExportRecord, ExportState, Finish
 from export_ledger.ledger import transitions as T
@@ -59,7 +59,7 @@ class Finding:
 def examine(destination: Destination, record: ExportRecord, claim: Claim, read: Pointer | None = None) -> Finding:
     """Fences the destination with the hold's token and judges what the key's pointer names, against the revision
     the key was publishing (``claim.revision``) and the one it supersedes. ``read``: the key's pointer as
-    :meth:`~export_ledger.destinations.PublishingDestination.prepare_fence` read it."""
+    :meth:`~export_ledger.destinations.Destination.prepare_fence` read it."""
     target = ExportTarget.of_record(record, claim.revision)
     elsewhere = _recorded_elsewhere(destination, record)
     if elsewhere is not None:

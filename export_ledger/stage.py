@@ -15,7 +15,7 @@ import pandas as pd
 import pyarrow as pa
 
 from export_ledger.destinations.base import DestinationError, ExportTarget, Verdict, place_of_location
-from export_ledger.destinations.publishing import Pointer, PublishingDestination, StagedExport, pointer_otherwise
+from export_ledger.destinations.pointer import Pointer, PointerDestination, StagedExport, pointer_otherwise
 from export_ledger.errors import safe_message
 from export_ledger.fingerprint import Fingerprint
 from export_ledger.frames import (
@@ -67,7 +67,7 @@ class Stager:
         return self._checked(rows, claim, key, fingerprint), None
 
     def stage(
-        self, destination: PublishingDestination, target: ExportTarget, token: int, table: pa.Table | TableStream,
+        self, destination: PointerDestination, target: ExportTarget, token: int, table: pa.Table | TableStream,
         finish: Callable[[], pa.Table] | None, template: Manifest,
     ) -> StagedExport:  # fmt: skip
         """Stages ``table``; with ``finish`` (the ids' check), writes it on a second thread while ``finish`` runs on
@@ -93,7 +93,7 @@ class Stager:
             staged = destination.stage(target, token, final, self.file_format, template)
         return staged
 
-    def unstage(self, destination: PublishingDestination, staged: StagedExport) -> None:
+    def unstage(self, destination: PointerDestination, staged: StagedExport) -> None:
         """Removes the place of a revision that will not be committed. A failure changes nothing readers see (no
         pointer names the place, and none can: only this attempt could commit it), so it is logged, and the key's
         next claim sweeps the place."""
@@ -124,7 +124,7 @@ class Stager:
         )
 
     def unchanged(
-        self, ledger: ExportLedger, destination: PublishingDestination, claim: Claim, staged: StagedExport,
+        self, ledger: ExportLedger, destination: PointerDestination, claim: Claim, staged: StagedExport,
         fingerprint: Fingerprint, pointer: Pointer,
     ) -> CompletionEvidence | None:  # fmt: skip
         """For a restatement whose staged data is the revision it supersedes, byte for byte (the same sha256 and row

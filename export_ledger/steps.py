@@ -23,7 +23,7 @@ from export_ledger.destinations.base import (
     Verdict,
     place_name,
 )
-from export_ledger.destinations.publishing import Pointer, StagedExport
+from export_ledger.destinations.pointer import Pointer, StagedExport
 from export_ledger.errors import safe_message
 from export_ledger.fingerprint import Fingerprint
 from export_ledger.keys import LogicalKey
@@ -118,7 +118,8 @@ class HeldKey:
         return target_for(self.item.key, self.claim.revision)
 
 
-#: What the protocol calls on a destination whose exports are published (``takes_effect = "published"``).
+#: What the protocol calls on a destination whose exports are published (``takes_effect = "published"``): the steps
+#: :class:`~export_ledger.destinations.PointerDestination` declares.
 PUBLISHING_STEPS = ("pointer", "fence", "verify", "sweep", "stage", "commit", "unstage", "location")
 
 

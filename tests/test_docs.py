@@ -86,12 +86,13 @@ def test_every_docs_page_is_in_the_site_navigation():
     assert listed == {page.name for page in (PROJECT / "docs").glob("*.md")}
 
 
-WALK_STEP = re.compile(r"`(export_ledger/[\w/]+\.py):(\d+)` `(\w+)`")
+WALK_STEP = re.compile(r"`(export_ledger/[\w/]+\.py):(\d+)`\s+`(\w+)`")  # a step may wrap between its path and name
 
 
 def test_every_step_of_the_walk_names_the_line_its_function_is_defined_on():
     """docs/walk.md names each function of one export with its file and line: an edit that moves one makes this fail,
-    naming the step, so that the page is mended with the code."""
+    naming the step, so that the page is mended with the code. A line that holds an abstract declaration is refused
+    too: the walk goes through what runs, not the contract that declares it."""
     steps = WALK_STEP.findall((PROJECT / "docs" / "walk.md").read_text())
     assert len(steps) >= 20, "the walk names each function it goes through"
     wrong = []
@@ -101,4 +102,15 @@ def test_every_step_of_the_walk_names_the_line_its_function_is_defined_on():
         if not re.match(rf"\s*def {name}\(", named):
             defined = [n for n, text in enumerate(source, 1) if re.match(rf"\s*def {name}\(", text)]
             wrong.append(f"{path}:{line} {name} (defined on line(s) {defined})")
-    assert wrong == []
+        elif "abstractmethod" in _decorators(source, int(line)):
+            wrong.append(f"{path}:{line} {name} (an abstract declaration: name the method that implements it)")
+    assert wrong == [], "each step names the line its function is defined on, and that function runs"
+
+
+def _decorators(source: list[str], line: int) -> str:
+    """The decorator lines just above line ``line`` (1-based) of ``source``."""
+    found = []
+    while line > 1 and source[line - 2].strip().startswith("@"):
+        line -= 1
+        found.append(source[line - 1].strip())
+    return " ".join(found)

@@ -15,7 +15,7 @@ from builders import hourly_orders as orders
 from builders import key_for, open_ledger
 
 from export_ledger import failpoints
-from export_ledger.destinations import LocalDestination
+from export_ledger.destinations import Destination, LocalDestination
 from export_ledger.destinations.base import (
     DestinationConflict,
     DestinationError,
@@ -158,6 +158,37 @@ def test_a_destination_that_can_neither_publish_nor_write_with_the_record_is_ref
     key = key_for(DAY)
     with pytest.raises(DestinationError, match="cannot export: takes_effect is 'sideways'"):
         export_key(ledger, _Neither(str(tmp_path / "exports")), SCHEMA, ExportItem(key, "p", orders(key)), "run-1/x")
+    assert ledger.queries.get(str(key)) is None, "nothing claimed"
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("a destination of no kind is never asked to take a step")
+
+
+class _PlainDestination(Destination):
+    """A destination of no kind: what every destination answers, and methods named as every step a published kind
+    takes, but no base that says how its exports take effect."""
+
+    pointer = fence = sweep = stage = commit = unstage = verify = verify_recorded = read_data = _never
+
+    def location(self, target):
+        return f"plain://{'/'.join(target.parts)}"
+
+    def current_revision(self, target):
+        return 0
+
+    def key_at(self, target):
+        return None
+
+
+def test_a_plain_destination_subclass_takes_effect_neither_way_and_is_refused_before_any_claim(ledger) -> None:
+    """``Destination`` itself claims no kind: a subclass of it alone is refused, naming what it lacks, as one that
+    answers a kind the protocol does not know, even when it has methods named as the published kind's steps."""
+    key = key_for(DAY)
+    assert _PlainDestination().takes_effect is None
+    lacks = r"_PlainDestination cannot export: takes_effect is None, .* 'published' \(with pointer, fence"
+    with pytest.raises(DestinationError, match=lacks):
+        export_key(ledger, _PlainDestination(), SCHEMA, ExportItem(key, "p", orders(key)), "run-1/x")
     assert ledger.queries.get(str(key)) is None, "nothing claimed"
 
 

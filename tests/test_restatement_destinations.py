@@ -459,7 +459,8 @@ def test_delta_an_unrecorded_revision_is_not_discarded_and_every_recorded_one_st
     commit_unrecorded(delta, SCHEMA, claim, key, orders(key))
     assert delta_reader_sees(delta, key)[0] == 3
     clock.advance(minutes=16)
-    # Refused before anything is written, naming the way out (restore the table, then resolve again).
+    # Refused, naming the way out (restore the table, then resolve again). Not before anything is written: the
+    # operator's hold fences the key first, an empty commit of its fence to the table; no row is written or removed.
     refusal = r"discard-destination of .* failed: delta:.*not discarded by export-ledger; restore the table .*restore"
     with pytest.raises(Exception, match=refusal):
         resolve_key(ledger, delta, str(key), action="discard-destination", operator="ops", reason="wrong source")

@@ -1,5 +1,6 @@
-"""Destinations: publishing ones (a local folder, an S3-compatible store), one template over an object store's
-hooks, and a transactional one (a table of the ledger's own database); built from a spec string by
+"""Destinations of two kinds: publishing ones (:class:`PointerDestination`: a local folder, S3, GCS and Azure, one
+template over an object store's hooks, :class:`PublishingDestination`; and a Delta table), and a transactional one (a
+table of the ledger's own database, :class:`TransactionalDestination`); built from a spec string by
 :func:`destination_from` through the schemes each destination module declares
 (:mod:`export_ledger.destinations.registry`)."""
 
@@ -22,7 +23,8 @@ from export_ledger.destinations.base import (
     place_of_location,
 )
 from export_ledger.destinations.local import LocalDestination
-from export_ledger.destinations.publishing import POINTER_NAME, Pointer, PublishingDestination, StagedExport
+from export_ledger.destinations.pointer import Pointer, PointerDestination, StagedExport
+from export_ledger.destinations.publishing import POINTER_NAME, PublishingDestination
 from export_ledger.destinations.registry import destination_from, kinds, schemes
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "Fenced",
     "LocalDestination",
     "Pointer",
+    "PointerDestination",
     "PointerMoved",
     "PublishOutcomeUnknown",
     "PublishingDestination",

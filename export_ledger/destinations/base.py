@@ -2,11 +2,13 @@
 
 Two kinds of destination:
 
-* A *publishing* destination (a local folder, an object store) is one template,
-  :class:`~export_ledger.destinations.publishing.PublishingDestination`, over five small hooks of an
-  :class:`~export_ledger.destinations.store.ObjectStore` (get, put-if-absent, put-if-match, list, delete). Per key it
-  holds one pointer (``date=D/_current.json``) and places (``date=D/r<revision>-t<token>/``); readers see only what the
-  pointer names, and the pointer is fenced (docs/protocol.md).
+* A *publishing* destination (:class:`~export_ledger.destinations.pointer.PointerDestination`) stages a key's
+  export where readers do not see it and makes it current by one commit of the key's fenced pointer, outside the
+  ledger (docs/protocol.md). A local folder and the object stores are one template of it,
+  :class:`~export_ledger.destinations.publishing.PublishingDestination`, over the small hooks of an
+  :class:`~export_ledger.destinations.store.ObjectStore` (get, put-if-absent, put-if-match, list, delete...): per key
+  one pointer (``date=D/_current.json``) and places (``date=D/r<revision>-t<token>/``). A Delta table
+  (:class:`~export_ledger.destinations.delta.DeltaDestination`) implements it over its own log.
 * A *transactional* destination lives in the ledger's own database: ``write_in_transaction`` writes the rows with the
   ledger's connection, inside the transaction that records completion, so effect and record commit together.
 
@@ -230,9 +232,11 @@ class Destination(ABC):
     #: The Dagster concurrency pool kind exports to this destination run in (each destination kind has its own).
     pool: str = "exports"
     #: How a key's export takes effect here, which the protocol asks instead of the destination's class: "published"
-    #: (staged outside the ledger, made visible by the pointer's commit, recorded after) or "with_record" (the rows
-    #: commit in the ledger's own transaction, together with the completion record: :meth:`write_in_transaction`).
-    takes_effect: str = "published"
+    #: (staged outside the ledger, made visible by the pointer's commit, recorded after:
+    #: :class:`~export_ledger.destinations.PointerDestination`) or "with_record" (the rows commit in the ledger's own
+    #: transaction, together with the completion record: :class:`TransactionalDestination`). Neither here: a
+    #: destination says which by its base, and the protocol refuses one that says neither before any key is claimed.
+    takes_effect: str | None = None
 
     # -- what a party holding a key does here -----------------------------------------------------------------------
 

@@ -64,7 +64,7 @@ from export_ledger.destinations.base import (
     judge,
     place_name,
 )
-from export_ledger.destinations.publishing import Pointer, PublishingDestination, StagedExport
+from export_ledger.destinations.pointer import Pointer, PointerDestination, StagedExport
 from export_ledger.destinations.registry import Scheme, Setting
 from export_ledger.destinations.s3 import S3Destination, _boto
 from export_ledger.destinations.store import race_problem, racing_creates
@@ -267,11 +267,13 @@ class _Entry:
 
 
 @dataclass(frozen=True)
-class DeltaDestination(PublishingDestination):
+class DeltaDestination(PointerDestination):
     """Exports as rows of a Delta table, one commit per key and revision (see the module docstring).
 
-    It implements the publishing template's steps (fence, verify, stage, commit) on a Delta table, so the protocol,
-    reconciliation and restatements drive it as they drive a folder or S3; its "pointer" is the key's txn versions.
+    A kind of the publishing contract of its own (:class:`~export_ledger.destinations.pointer.PointerDestination`,
+    not the object-store template): its steps (pointer, fence, verify, sweep, stage, commit, unstage) are written on
+    the table's log, so the protocol, reconciliation and restatements drive it as they drive a folder or S3; its
+    "pointer" is the key's txn versions.
 
     Attributes:
         table: The table's path or URL (``s3://bucket/prefix/table``); ``{export}`` is replaced by the export's name.
@@ -298,10 +300,6 @@ class DeltaDestination(PublishingDestination):
 
     pool = "exports-delta"
     locators = ("endpoint_url",)
-
-    @property
-    def store(self):
-        raise DestinationError(f"{self.describe()} is a Delta table, not an object store")
 
     # -- spec ----------------------------------------------------------------------------------------------------
 
@@ -622,16 +620,9 @@ class DeltaDestination(PublishingDestination):
     def pointer(self, target: ExportTarget) -> Pointer:
         return self._state(target)[1]
 
-    def current_revision(self, target: ExportTarget) -> int:
-        return self.pointer(target).revision
-
     def key_at(self, target: ExportTarget) -> str | None:
         pointer = self.pointer(target)
         return pointer.logical_key if pointer.revision else None
-
-    def pointer_to(self, target: ExportTarget) -> Pointer:
-        # Read only by an operator's discard (the pointer to restore): Delta's commits cannot be taken back that way.
-        raise DestinationError(_NOT_DISCARDED.format(table=self.describe()))
 
     def rows(self, target: ExportTarget, logical_key: str, revision: int) -> pa.Table:
         """The key's rows as revision ``revision`` committed them, in export order, without the key columns: the
@@ -867,7 +858,10 @@ class DeltaDestination(PublishingDestination):
         )  # fmt: skip
         return table.version()  # the table object follows its own commit, rebased or not
 
-    def discard(self, target: ExportTarget, token: int, *, logical_key: str, restore: Pointer) -> list[str]:
+    def discard_key(self, target: ExportTarget, token: int, *, logical_key: str, recorded: ExportTarget | None
+                    ) -> list[str]:  # fmt: skip
+        """Refused, naming the way out: a Delta commit is not taken back by export-ledger (the operator restores the
+        table to the version before it, then resolves the key again)."""
         raise DestinationError(_NOT_DISCARDED.format(table=self.describe()))
 
 

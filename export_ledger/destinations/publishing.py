@@ -1,4 +1,5 @@
-"""The destination's half of the protocol, written once for every publishing destination (docs/protocol.md).
+"""The object-store template of the publishing kind (docs/protocol.md): :class:`PublishingDestination` implements
+the contract, :class:`~export_ledger.destinations.pointer.PointerDestination`, once over the hooks of an object store.
 
 Per key, at ``<export>/tenant=<tenant>/date=<YYYY-MM-DD>/``:
 
@@ -17,24 +18,20 @@ this release (a fence or a commit) replaces either with a pointer of this format
 
 A store is its hooks (:class:`~export_ledger.destinations.store.ObjectStore`: nine written, six optional); a
 destination class only says which store (:class:`~export_ledger.destinations.local.LocalDestination`,
-:class:`~export_ledger.destinations.s3.S3Destination`).
+:class:`~export_ledger.destinations.s3.S3Destination`, ``gcs.py``, ``azure.py``).
 """
 
 from __future__ import annotations
 
-import json
 from abc import abstractmethod
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pyarrow as pa
 
 from export_ledger.destinations.base import (
-    Destination,
-    DestinationConflict,
     DestinationError,
     ExportTarget,
     Fenced,
-    Opened,
     PointerMoved,
     PublishOutcomeUnknown,
     Verdict,
@@ -42,108 +39,24 @@ from export_ledger.destinations.base import (
     judge,
     parse_place,
     place_name,
-    place_of_location,
 )
+
+# The contract and its values, importable from here as they were before the template had a contract of its own.
+from export_ledger.destinations.pointer import Pointer, PointerDestination, StagedExport, in_place, pointer_otherwise
 from export_ledger.destinations.store import AlreadyExists, ObjectStore, PreconditionFailed
-from export_ledger.errors import ManifestError, safe_message
+from export_ledger.errors import ManifestError
 from export_ledger.frames import MANIFEST_NAME, Manifest, TableStream, data_file_name, write_rows
 
 #: The key's pointer, in the key's folder.
 POINTER_NAME = "_current.json"
-POINTER_FORMAT = 2
 #: Compare-and-swap rounds before a pointer that keeps changing is given up on (each lost round is another party's
 #: successful write, so this is only ever reached when several parties raise the fence at once).
 _ROUNDS = 8
 
 
-@dataclass(frozen=True)
-class Pointer:
-    """The key's pointer as read: what readers see.
-
-    Attributes:
-        fence: The highest token that wrote it (0: written by 0.4.0 or earlier, or absent).
-        revision: The current revision (0: nothing published).
-        place: Its place (None when nothing is published).
-        sha256, row_count, data_file: The current revision's data (``data_file`` relative to its place).
-        logical_key: The key.
-        tag: The store's version tag of the pointer object; None when there is none (absent, or a legacy revision 1
-            without a pointer): a write must then create it.
-    """
-
-    fence: int
-    revision: int
-    place: str | None
-    sha256: str | None = None
-    row_count: int | None = None
-    data_file: str | None = None
-    logical_key: str | None = None
-    tag: str | None = None
-
-    @classmethod
-    def nothing(cls) -> Pointer:
-        return cls(0, 0, None)
-
-    def payload(self) -> bytes:
-        values: dict = {"format": POINTER_FORMAT, "fence": self.fence, "revision": self.revision}
-        if self.logical_key is not None:
-            values["logical_key"] = self.logical_key
-        if self.revision:
-            values.update(
-                path=self.place,
-                manifest=_join(self.place, MANIFEST_NAME),
-                data_file=_join(self.place, self.data_file),
-                sha256=self.sha256,
-                row_count=self.row_count,
-            )
-        return (json.dumps(values, indent=2, sort_keys=True) + "\n").encode("utf-8")
-
-    @classmethod
-    def parse(cls, payload: bytes, tag: str, where: str) -> Pointer:
-        try:
-            values = json.loads(payload)
-            revision = values["revision"]
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, RecursionError):
-            raise DestinationConflict(f"pointer {where} is not a JSON object with a revision") from None
-        fence = values.get("fence", 0)
-        if not _count(revision) or not _count(fence):
-            raise DestinationConflict(f"pointer {where} names revision {revision!r} with fence {fence!r}")
-        if revision == 0:
-            return cls(fence, 0, None, logical_key=values.get("logical_key"), tag=tag)
-        place = values.get("path")
-        data_file = values.get("data_file")
-        if not isinstance(place, str) or not isinstance(data_file, str):
-            raise DestinationConflict(f"pointer {where} names revision {revision} without its path and data file")
-        if not (_relative(place) and _relative(data_file)):
-            raise DestinationConflict(f"pointer {where} names a path outside its key's folder")
-        prefix = "" if place == "." else f"{place}/"
-        return cls(
-            fence, revision, place, values.get("sha256"), values.get("row_count"), data_file.removeprefix(prefix),
-            values.get("logical_key"), tag,
-        )  # fmt: skip
-
-
-def pointer_otherwise(pointer: Pointer, target: ExportTarget, sha256: str) -> str | None:
-    """What ``pointer`` names instead of ``target`` (its revision, at its place) with ``sha256``, in words; None when
-    it names exactly that (a pointer without a sha256, a legacy revision 1's, names any)."""
-    if (pointer.revision, pointer.place) == (target.revision, target.place) and pointer.sha256 in (None, sha256):
-        return None
-    return (
-        f"its pointer names revision {pointer.revision} at {pointer.place} (sha256 {pointer.sha256}), the ledger "
-        f"recorded revision {target.revision} at {target.place}"
-    )
-
-
-@dataclass(frozen=True)
-class StagedExport:
-    """A revision written at its place and not yet committed: invisible to readers."""
-
-    target: ExportTarget
-    manifest: Manifest
-
-
-class PublishingDestination(Destination):
-    """A destination outside the ledger's database, the same template over any store: fence, verify, stage, sweep,
-    commit, discard (docs/protocol.md)."""
+class PublishingDestination(PointerDestination):
+    """The publishing kind over an object store, the same template over any store: layout, pointer, fence, verify,
+    stage, sweep, commit, discard (docs/protocol.md). A destination class only says which store."""
 
     @property
     @abstractmethod
@@ -157,7 +70,7 @@ class PublishingDestination(Destination):
         return "/".join(target.parts)
 
     def _in_place(self, target: ExportTarget, place: str, name: str) -> str:
-        return f"{self.key_folder(target)}/{_join(place, name)}"
+        return f"{self.key_folder(target)}/{in_place(place, name)}"
 
     def location(self, target: ExportTarget) -> str:
         if target.place is None:
@@ -168,40 +81,7 @@ class PublishingDestination(Destination):
     def describe(self) -> str:
         return self.store.describe()
 
-    def attempt_location(self, target: ExportTarget) -> str | None:
-        return self.location(target)
-
-    def recorded_here(self, target: ExportTarget, location: str) -> bool:
-        try:
-            return self.location(target.at_place(place_of_location(location))) == location
-        except DestinationError:
-            return True  # this destination cannot say where such a place would be: judged here, as before
-
     # -- what a party holding a key does here ----------------------------------------------------------------------
-
-    def hold(self, target: ExportTarget, token: int, *, logical_key: str) -> Pointer:
-        return self.fence(target, token, logical_key=logical_key)
-
-    def open(
-        self,
-        target: ExportTarget,
-        token: int,
-        *,
-        logical_key: str,
-        superseded: int,
-        expected_sha256: str | None = None,
-        read: Pointer | None = None,
-    ) -> Opened:
-        # A prepared read goes to fence() only when there is one: a subclass with a fence of its own takes no read.
-        pointer = (
-            self.hold(target, token, logical_key=logical_key)
-            if read is None
-            else self.fence(target, token, logical_key=logical_key, read=read)
-        )
-        verification = self.verify(
-            target, logical_key=logical_key, superseded=superseded, expected_sha256=expected_sha256, pointer=pointer
-        )
-        return Opened(pointer, verification)
 
     def discard_key(self, target: ExportTarget, token: int, *, logical_key: str, recorded: ExportTarget | None
                     ) -> list[str]:  # fmt: skip
@@ -220,9 +100,6 @@ class PublishingDestination(Destination):
         if legacy is None:
             return Pointer.nothing()
         return Pointer(0, legacy.revision, ".", legacy.sha256, legacy.row_count, legacy.data_file, legacy.logical_key)
-
-    def current_revision(self, target: ExportTarget) -> int:
-        return self.pointer(target).revision
 
     def key_at(self, target: ExportTarget) -> str | None:
         pointer = self.pointer(target)
@@ -243,14 +120,8 @@ class PublishingDestination(Destination):
                        manifest.logical_key)  # fmt: skip
 
     def fence(self, target: ExportTarget, token: int, *, logical_key: str, read: Pointer | None = None) -> Pointer:
-        """Raises the pointer's fence to ``token``, keeping what it names: from now on no party with a lower token
-        can change what the key's readers see. Returns the pointer as fenced. ``read``: the pointer as
-        :meth:`prepare_fence` read it (its tag makes the write conditional on it still being so), not read again.
-
-        Raises:
-            Fenced: the pointer's fence is already above ``token``.
-            PublishOutcomeUnknown: the write's outcome is unknown (nothing readers see changed either way).
-        """
+        """The pointer rewritten with the fence raised, by compare-and-swap on the version read (``read``'s tag, when
+        :meth:`prepare_fence` read it: the write is then conditional on it still being so, not read again)."""
         self.store.check_conditions()  # no conditional write goes to a store that ignores the conditions
         name = f"{self.key_folder(target)}/{POINTER_NAME}"
         for _ in range(_ROUNDS):
@@ -337,14 +208,6 @@ class PublishingDestination(Destination):
             manifest=manifest, data_sha256=data_sha256, pointer_sha256=None, where=where, expected_sha256=sha256,
         )  # fmt: skip
         return verification
-
-    def readers_see_otherwise(self, target: ExportTarget, *, sha256: str) -> str | None:
-        """What the key's pointer (what readers follow) names instead of ``target`` with ``sha256``."""
-        try:
-            pointer = self.pointer(target)
-        except DestinationConflict as exc:
-            return safe_message(exc)
-        return pointer_otherwise(pointer, target, sha256)
 
     def _manifest(self, target: ExportTarget, place: str) -> Manifest | None:
         name = self._in_place(target, place, MANIFEST_NAME)
@@ -536,21 +399,12 @@ def _committed(staged: StagedExport, token: int) -> Pointer:
     )  # fmt: skip
 
 
-def _join(place: str | None, name: str | None) -> str | None:
-    if name is None:
-        return None
-    return name if place in (None, ".") else f"{place}/{name}"
-
-
-def _relative(path: str) -> bool:
-    """A path inside the key's folder: relative, no parent steps, no NUL (a pointer is read from the store: it is
-    input like any other)."""
-    parts = path.split("/")
-    return bool(path) and "\x00" not in path and not path.startswith("/") and ".." not in parts and "\\" not in path
-
-
-def _count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-__all__ = ["POINTER_NAME", "Pointer", "PublishingDestination", "StagedExport", "Verdict"]
+__all__ = [
+    "POINTER_NAME",
+    "Pointer",
+    "PointerDestination",
+    "PublishingDestination",
+    "StagedExport",
+    "Verdict",
+    "pointer_otherwise",
+]

@@ -1,4 +1,7 @@
-"""The hooks a publishing destination is made of: an object store (a local folder, S3, ...).
+"""The hooks the object-store template's destinations are made of (local, S3, GCS, Azure:
+:class:`~export_ledger.destinations.publishing.PublishingDestination`): an object store. Delta publishes over its
+table's log instead: it uses this module only to check, on S3, that conditional creates hold
+(:func:`racing_creates`).
 
 An :class:`ObjectStore` has nine hooks every store writes (:meth:`~ObjectStore.url`, ``get``, ``digest``, ``read``,
 ``put_if_absent``, ``upload``, ``put_if_match``, ``list``, ``delete``) and six it may (``check_conditions``,

@@ -26,23 +26,23 @@ killed child then restates it (revision N + 1, from a source whose cadence chang
 N stays current until N + 1 is committed (the pointer's move is the publish: ``after_publish``), and that the key ends
 at revision N + 1.
 
-The slow tier runs ``EXPORTS_CRASH_TRIALS`` random-moment trials per destination (100 by default, to keep
-the whole CI run under 20 minutes; 300 before the restatements came) plus 4 named-point kills at each of the 5 points
-of a first export (one of them through the whole Dagster job, ``execute_in_process`` in the child), the ledger-table
-destination once more in PostgreSQL (``EXPORTS_CRASH_TRIALS_POSTGRES``, 30 random trials), and restatements on the
+The slow tier runs ``EXPORTS_CRASH_TRIALS`` random-moment trials per destination plus 4 named-point kills at each
+of the 5 points of a first export (one of them through the whole Dagster job, ``execute_in_process`` in the child),
+the ledger-table destination once more in PostgreSQL (``EXPORTS_CRASH_TRIALS_POSTGRES``), and restatements on the
 destinations that keep revisions (``RESTATING``: all six): 2 kills at each of the 5 points and
-``EXPORTS_CRASH_RESTATE_TRIALS`` random ones (40 by default; on S3 ``EXPORTS_CRASH_RESTATE_TRIALS_S3``, 20), a
-quarter of them early and a quarter late in the restatement's life. GCS, Azure and Delta (issue #20) run small counts
-to fit CI's budget: 2 kills at each point and ``EXPORTS_CRASH_TRIALS_<KIND>`` (10) random first exports,
-``EXPORTS_CRASH_RESTATE_TRIALS_<KIND>`` (6) random restatements. Each prints its trial count and tallies. The default
-run keeps a smoke version: each named point once per destination, for a first export and for a restatement.
+``EXPORTS_CRASH_RESTATE_TRIALS`` random ones (on S3 ``EXPORTS_CRASH_RESTATE_TRIALS_S3``), a quarter of them early and
+a quarter late in the restatement's life. GCS, Azure and Delta (issue #20) run 2 kills at each point and
+``EXPORTS_CRASH_TRIALS_<KIND>`` random first exports, ``EXPORTS_CRASH_RESTATE_TRIALS_<KIND>`` random restatements.
+The random counts are CI's (50 per destination, 12 on PostgreSQL, 20 restatements, 20 on S3, 6 and 4 for the newer
+kinds) unless ``EXPORTS_TEST_DEPTH=full`` (200, 60, 80, 60, 30 and 20; tests/depth.py) or a variable sets them. Each
+prints its trial count and tallies. The default run keeps a smoke version: each named point once per destination,
+for a first export and for a restatement.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 import random
 import shutil
 import signal
@@ -60,6 +60,7 @@ import pyarrow as pa
 import pytest
 from builders import open_ledger
 from cloud_fixtures import AZURITE_ACCOUNT, AZURITE_KEY
+from depth import sized
 from harness.forkserver import CHILD_ERROR, ForkServer
 from harness.protocol import (
     INVARIANTS,
@@ -88,26 +89,27 @@ pytest_plugins = ["harness.fixtures"]  # the shared fork server (fixture fork_se
 
 CHILD_LEASE_SECONDS = 30
 PAST_THE_LEASE = CHILD_LEASE_SECONDS + 5  # where the reconciler's and the retry's clock stand
-# CI's counts keep the whole CI run under 20 minutes on 2 cores: 100 random trials per destination still land kills in
-# every state each protocol passes through (the named points are covered apart, NAMED_REPEATS times each). This file
-# takes about 1.5 minutes at these counts on the idle 2-core machine (December 2026); the environment variables below
-# run more.
-RANDOM_TRIALS = int(os.environ.get("EXPORTS_CRASH_TRIALS", "100"))
-POSTGRES_RANDOM_TRIALS = int(os.environ.get("EXPORTS_CRASH_TRIALS_POSTGRES", "30"))
+# The random searches' sizes at CI's depth and at the full depth (tests/depth.py: EXPORTS_TEST_DEPTH=full; each
+# variable below sets its own). CI's 50 random trials per destination are the fewest at which every state a first
+# export passes through is asserted to have been reached by some kill (EVERY_STATE_TRIALS, with the top-ups below);
+# the named points are covered apart, NAMED_REPEATS times each, at every depth.
+RANDOM_TRIALS = sized("EXPORTS_CRASH_TRIALS", ci=50, full=200)
+POSTGRES_RANDOM_TRIALS = sized("EXPORTS_CRASH_TRIALS_POSTGRES", ci=12, full=60)
 NAMED_REPEATS = 4
-RESTATE_RANDOM_TRIALS = int(os.environ.get("EXPORTS_CRASH_RESTATE_TRIALS", "40"))
+RESTATE_RANDOM_TRIALS = sized("EXPORTS_CRASH_RESTATE_TRIALS", ci=20, full=80)
 # An S3 restatement trial takes about 0.5 s here (a pointer read and a conditional write more, through moto), 4 times
-# a local one: fewer of them keep the slow tier within its budget.
-S3_RESTATE_RANDOM_TRIALS = int(os.environ.get("EXPORTS_CRASH_RESTATE_TRIALS_S3", "20"))
+# a local one. 20 is the fewest CI runs: the test asserts that random kills landed before, inside and after the
+# restatement, and 10 on S3 once left none after it under load (their quarter drawn late all fell inside).
+S3_RESTATE_RANDOM_TRIALS = sized("EXPORTS_CRASH_RESTATE_TRIALS_S3", ci=20, full=60)
 RESTATE_NAMED_REPEATS = 2
 # The destinations added for issue #20 (GCS on fake-gcs-server, Azure on Azurite, Delta on a local path) take a few
-# seconds each in the default tier and a small count in the slow tier, so that CI stays within its budget:
-# EXPORTS_CRASH_TRIALS_<KIND> random first-export trials and EXPORTS_CRASH_RESTATE_TRIALS_<KIND> random restatements
-# each, and NEW_KIND_NAMED_REPEATS kills at each named point (the default tier kills at each one once already).
+# seconds each in the default tier and a small count in the slow tier: EXPORTS_CRASH_TRIALS_<KIND> random
+# first-export trials and EXPORTS_CRASH_RESTATE_TRIALS_<KIND> random restatements each, and NEW_KIND_NAMED_REPEATS
+# kills at each named point (the default tier kills at each one once already).
 NEW_KINDS = ("gcs", "azure", "delta")
-NEW_KIND_TRIALS = {kind: int(os.environ.get(f"EXPORTS_CRASH_TRIALS_{kind.upper()}", "10")) for kind in NEW_KINDS}
+NEW_KIND_TRIALS = {kind: sized(f"EXPORTS_CRASH_TRIALS_{kind.upper()}", ci=6, full=30) for kind in NEW_KINDS}
 NEW_KIND_RESTATE_TRIALS = {
-    kind: int(os.environ.get(f"EXPORTS_CRASH_RESTATE_TRIALS_{kind.upper()}", "6")) for kind in NEW_KINDS
+    kind: sized(f"EXPORTS_CRASH_RESTATE_TRIALS_{kind.upper()}", ci=4, full=20) for kind in NEW_KINDS
 }
 NEW_KIND_NAMED_REPEATS = 2
 #: Below this many random trials, the few percent of kills that land inside a protocol's narrow states (staged,

@@ -9,12 +9,11 @@ v2, for a first export and a restatement alike): on the local folder a failure a
 proxy faulting the next PUT; the ledger table writes everything inside the completion transaction, where the armed
 insert failure falls.
 
-``EXPORTS_SIM_SCHEDULES`` sets the count per destination: by default 400 (local), 250 (ledger table,
-``EXPORTS_SIM_SCHEDULES_TABLE``) and 40 (S3, ``EXPORTS_SIM_SCHEDULES_S3``), counts that keep the whole CI run under
-20 minutes. At 1,000, 400 and 60 they took 61, 26 and 18 s on this 2-core machine at a load of about 2 (December
-2026, protocol v2: an attempt fences and sweeps, and every step is checked against the ledger's invariants with what
-the steps before saw).
-``EXPORTS_SIM_SCHEDULES=10000`` is the full run.
+``EXPORTS_SIM_SCHEDULES`` sets the count per destination (``EXPORTS_SIM_SCHEDULES_TABLE`` and
+``EXPORTS_SIM_SCHEDULES_S3`` the ledger table's and S3's alone). Unset, CI's depth runs 120 (local), 80 (ledger table)
+and 12 (S3) schedules, and ``EXPORTS_TEST_DEPTH=full`` runs 1,000, 400 and 60 (tests/depth.py). At 400, 250 and 40
+they took 91, 29 and 56 s on this 2-core machine while other work loaded it (December 2026).
+``EXPORTS_SIM_SCHEDULES=10000`` is the longest run.
 ``EXPORTS_SIM_SEED=N`` replays schedule N alone. A failure names its seed and how to replay it.
 """
 
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import boto3
 import pytest
+from depth import sized
 from harness.protocol import survey
 from harness.simulation import Simulation
 from s3_support import Fault
@@ -39,12 +39,12 @@ from export_ledger.ledger import dispose_engines
 
 pytestmark = pytest.mark.slow
 
-SCHEDULES = int(os.environ.get("EXPORTS_SIM_SCHEDULES", "400"))
+SCHEDULES = sized("EXPORTS_SIM_SCHEDULES", ci=120, full=1000)
 # Restating schedules run more attempts, and each step reads the key's pointer row and every kept revision.
-TABLE_SCHEDULES = int(os.environ.get("EXPORTS_SIM_SCHEDULES_TABLE", os.environ.get("EXPORTS_SIM_SCHEDULES", "250")))
+TABLE_SCHEDULES = sized("EXPORTS_SIM_SCHEDULES_TABLE", ci=80, full=400, fallback="EXPORTS_SIM_SCHEDULES")
 # S3 goes through HTTP (the fault proxy, then moto), and the survey after each step lists each key's folder and reads
 # what changed since the last look (a new place, the pointer): about 1 s a schedule here.
-S3_SCHEDULES = int(os.environ.get("EXPORTS_SIM_SCHEDULES_S3", os.environ.get("EXPORTS_SIM_SCHEDULES", "40")))
+S3_SCHEDULES = sized("EXPORTS_SIM_SCHEDULES_S3", ci=12, full=60, fallback="EXPORTS_SIM_SCHEDULES")
 REPLAY = os.environ.get("EXPORTS_SIM_SEED")
 
 

@@ -58,6 +58,7 @@ import os
 import time
 
 import pytest
+from depth import sized
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 from stateful import world
@@ -124,12 +125,16 @@ def test_protocol_holds_on_sqlite_and_s3(s3_endpoint):
 
 @pytest.mark.slow
 def test_protocol_holds_explored_at_length(capsys, s3_endpoint):
-    """Random (not derandomized): every run looks at other interleavings; a failure prints its reproduction."""
-    budget = [("sqlite", "local", 100), ("sqlite", "s3", 10)]
+    """Random (not derandomized): every run looks at other interleavings; a failure prints its reproduction. CI's
+    depth runs 30, 3 and 8 examples; ``EXPORTS_TEST_DEPTH=full`` 200, 20 and 50 (tests/depth.py)."""
+    budget = [
+        ("sqlite", "local", sized("EXPORTS_STATEFUL_EXAMPLES", ci=30, full=200)),
+        ("sqlite", "s3", sized("EXPORTS_STATEFUL_EXAMPLES_S3", ci=3, full=20)),
+    ]
     lines = []
     unavailable = world.postgres_unavailable()
     if unavailable is None:
-        budget.append(("postgres", "local", 25))
+        budget.append(("postgres", "local", sized("EXPORTS_STATEFUL_EXAMPLES_POSTGRES", ci=8, full=50)))
     elif os.environ.get("CI", "").lower() == "true":
         pytest.fail(f"CI=true but {unavailable}")
     else:

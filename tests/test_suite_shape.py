@@ -1,10 +1,14 @@
 """The test suite's own shape (issue 29): what tests share lives in support modules (``builders.py``, ``conftest.py``
-and the like), never in a test module another one imports, so a test module can be moved or renamed alone."""
+and the like), never in a test module another one imports, so a test module can be moved or renamed alone; and the
+long searches' sizes come from one place (``depth.py``)."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
+from depth import sized
 
 TESTS = Path(__file__).resolve().parent
 
@@ -31,3 +35,26 @@ def test_the_import_check_sees_both_spellings(tmp_path):
     module = tmp_path / "test_x.py"
     module.write_text("from tests.test_a import A\nimport test_b\nfrom builders import key_for\n")
     assert _imported_test_modules(module) == ["tests.test_a", "test_b"]
+
+
+def test_the_long_searches_run_at_ci_depth_unless_told_full_and_a_bad_setting_names_its_variable(monkeypatch):
+    monkeypatch.delenv("EXPORTS_TEST_DEPTH", raising=False)
+    monkeypatch.delenv("EXPORTS_X_TRIALS", raising=False)
+    monkeypatch.delenv("EXPORTS_X_ALL", raising=False)
+    assert sized("EXPORTS_X_TRIALS", ci=5, full=50) == 5
+    monkeypatch.setenv("EXPORTS_TEST_DEPTH", "full")
+    assert sized("EXPORTS_X_TRIALS", ci=5, full=50) == 50
+    monkeypatch.setenv("EXPORTS_X_ALL", "7")
+    assert sized("EXPORTS_X_TRIALS", ci=5, full=50, fallback="EXPORTS_X_ALL") == 7
+    monkeypatch.setenv("EXPORTS_X_TRIALS", "3")
+    assert sized("EXPORTS_X_TRIALS", ci=5, full=50, fallback="EXPORTS_X_ALL") == 3
+    monkeypatch.setenv("EXPORTS_X_TRIALS", "lots")
+    with pytest.raises(ValueError, match=r"EXPORTS_X_TRIALS='lots': a positive whole number"):
+        sized("EXPORTS_X_TRIALS", ci=5, full=50)
+    monkeypatch.setenv("EXPORTS_X_TRIALS", "0")
+    with pytest.raises(ValueError, match="EXPORTS_X_TRIALS='0'"):
+        sized("EXPORTS_X_TRIALS", ci=5, full=50)
+    monkeypatch.delenv("EXPORTS_X_TRIALS")
+    monkeypatch.setenv("EXPORTS_TEST_DEPTH", "deep")
+    with pytest.raises(ValueError, match=r"EXPORTS_TEST_DEPTH='deep': use one of ci, full"):
+        sized("EXPORTS_X_TRIALS", ci=5, full=50)

@@ -14,6 +14,7 @@ import importlib
 import inspect
 import pkgutil
 import re
+import sys
 from abc import ABC
 from pathlib import Path
 from typing import NamedTuple
@@ -57,6 +58,14 @@ def asked(*modules: str) -> set[str]:
     return names
 
 
+def _shipped(kind: type) -> bool:
+    """Whether a class comes from a module file of the package itself: a test's throwaway store (a module dropped on
+    the package's path, then removed) stays among ``Destination``'s subclasses for the rest of the process."""
+    module = sys.modules.get(kind.__module__)
+    package = Path(destinations.__file__).parent
+    return module is not None and Path(getattr(module, "__file__", "") or "/").parent == package
+
+
 def every_kind() -> list[type[Destination]]:
     """Every concrete destination class the destinations package defines (its modules imported, no registry)."""
     for info in pkgutil.iter_modules(destinations.__path__):
@@ -65,7 +74,7 @@ def every_kind() -> list[type[Destination]]:
     while todo:
         for sub in todo.pop().__subclasses__():
             todo.append(sub)
-            if sub.__module__.startswith(destinations.__name__) and not sub.__abstractmethods__:
+            if _shipped(sub) and not sub.__abstractmethods__:
                 found.append(sub)
     return sorted(set(found), key=lambda kind: kind.__name__)
 

@@ -65,7 +65,8 @@ from export_ledger.destinations.base import (
     place_name,
 )
 from export_ledger.destinations.pointer import Pointer, PointerDestination, StagedExport
-from export_ledger.destinations.registry import Scheme, Setting
+from export_ledger.destinations.registry import Scheme
+from export_ledger.destinations.s3 import SCHEME as S3_SCHEME
 from export_ledger.destinations.s3 import S3Destination, _boto
 from export_ledger.destinations.store import race_problem, racing_creates
 from export_ledger.errors import ConfigurationError, ManifestError
@@ -871,17 +872,11 @@ _NOT_DISCARDED = (
 )
 
 
-#: A table on S3 reads the S3 destination's variables: its settings are declared as s3.py declares them (checked by
-#: tests/test_scheme_settings.py), the client timeouts aside (Delta's object store has its own).
+#: A table on S3 reads the S3 destination's variables: its settings are s3.py's, the client timeouts aside (Delta's
+#: object store has its own).
 SCHEME = Scheme(
     "delta:",
     "DeltaDestination",
     "delta:PATH_OR_URL",
-    settings=(
-        Setting("endpoint_url", "AWS_ENDPOINT_URL", doc="Endpoint of a non-AWS store; None: AWS itself"),
-        Setting("region_name", ("AWS_REGION", "AWS_DEFAULT_REGION"), default="us-east-1", doc="The bucket's region"),
-        Setting("access_key_id", "AWS_ACCESS_KEY_ID", credential=True, doc="Access key id"),
-        Setting("secret_access_key", "AWS_SECRET_ACCESS_KEY", secret=True, doc="Secret access key"),
-        Setting("session_token", "AWS_SESSION_TOKEN", secret=True, doc="Session token"),
-    ),
-)  # fmt: skip
+    settings=tuple(s for s in S3_SCHEME.settings if not s.name.endswith("_timeout_seconds")),
+)

@@ -1,7 +1,8 @@
-"""Profile the single-key ledger (claim + complete per key) against the benchmark's raw SQL of the same transactions.
+"""Profile the ledger against the benchmark's raw SQL of the same transactions: one key at a time, and in groups of 50.
 
 Run from the project root:  python -m benchmarks.profiles.ledger_profile [--postgres]
-Writes benchmarks/profiles/ledger-single-key.txt (the summary lines at its top are added by hand).
+Writes benchmarks/profiles/ledger-single-key.txt and benchmarks/profiles/ledger-groups.txt (the summary lines at the
+top of each are added by hand).
 """
 
 from __future__ import annotations
@@ -29,10 +30,13 @@ from benchmarks.ledger_throughput import (
     _sqlite_connection,
 )
 from export_ledger.calendar import tz_database_version, window_for
+from export_ledger.keys import LogicalKey
 from export_ledger.ledger import CompletionEvidence, ExportLedger, dispose_engines, ledger_engine
+from export_ledger.protocol import DEFAULT_GROUP_SIZE
 
 KEYS = 500
 OUT = Path("benchmarks/profiles/ledger-single-key.txt")
+GROUPS_OUT = Path("benchmarks/profiles/ledger-groups.txt")
 PG = "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
 
 
@@ -105,6 +109,75 @@ def run_ledger(ledger, keys):
 def run_raw(raw, keys, tz_database):
     for key in keys:
         raw.claim_and_complete(key, "bench/attempt", tz_database)
+
+
+def run_ledger_groups(ledger, keys):
+    for first in range(0, len(keys), DEFAULT_GROUP_SIZE):
+        claims = ledger.claims.claim_many(keys[first : first + DEFAULT_GROUP_SIZE], "bench/attempt")
+        ledger.completions.complete_many(
+            [
+                (c, CompletionEvidence(f"/exports/{c.logical_key}", "0" * 64, 96, c.attempt_id, c.fencing_token))
+                for c in claims
+            ]
+        )
+
+
+def run_raw_groups(raw, keys, tz_database):
+    for first in range(0, len(keys), DEFAULT_GROUP_SIZE):
+        raw.claim_and_complete_group(keys[first : first + DEFAULT_GROUP_SIZE], "bench/attempt", tz_database)
+
+
+def run_keys(prefix: str, windows, days: int = 31, tenants: int = 10) -> list[LogicalKey]:
+    """A 31-partition x 10-tenant run's keys in the order the asset lists them, as the benchmark's batched variant."""
+    return [
+        LogicalKey("invoice_export", f"{prefix}{t:03d}", window) for window in windows[:days] for t in range(tenants)
+    ]
+
+
+def measure_groups(dialect, ledger_url, raw_conn, prefix, lines, rounds=3):
+    """Groups of 50: statements per group, ms per key on both sides, and a cProfile of the ledger's side."""
+    windows = [window_for(PAST_YEAR + dt.timedelta(days=d), TIMEZONE) for d in range(365)]
+    tz_database = tz_database_version(TIMEZONE)
+    ledger = ExportLedger(ledger_url)
+    engine = ledger_engine(ledger_url)
+    raw_tally = collections.defaultdict(lambda: [0, 0.0])
+    raw = RawSqlLedger(dialect, TimedConnection(raw_conn, raw_tally))
+    run_ledger_groups(ledger, run_keys(f"{prefix}w", windows))
+    run_raw_groups(raw, run_keys(f"{prefix}x", windows), tz_database)
+    raw_tally.clear()
+    tally = ledger_counter(engine)
+    ledger_s = raw_s = 0.0
+    keys = 0
+    for r in range(rounds):
+        batch = run_keys(f"{prefix}l{r}", windows)
+        start = time.perf_counter()
+        run_ledger_groups(ledger, batch)
+        ledger_s += time.perf_counter() - start
+        batch = run_keys(f"{prefix}r{r}", windows)
+        start = time.perf_counter()
+        run_raw_groups(raw, batch, tz_database)
+        raw_s += time.perf_counter() - start
+        keys += len(batch)
+    groups = keys / DEFAULT_GROUP_SIZE
+    counted = {k: list(v) for k, v in tally.items()}
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run_ledger_groups(ledger, run_keys(f"{prefix}p", windows))
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    prof_total = sum(v[2] for v in stats.stats.values())
+    lines += [
+        f"{dialect}: {rounds} runs of 31 x 10 keys in groups of {DEFAULT_GROUP_SIZE}, unprofiled, after a warm-up run",
+        f"  ledger  {1000 * ledger_s / keys:7.3f} ms/key   raw SQL in groups {1000 * raw_s / keys:7.3f} ms/key   "
+        f"ratio (ledger/raw throughput) {raw_s / ledger_s:.3f}",
+        f"  ledger statements per group (before_cursor_execute, first word): {fmt(counted, groups)}",
+        f"  raw    statements per group (driver cursor.execute / commit):    {fmt(raw_tally, groups)}",
+        f"  ledger (profiled run, {1000 * prof_total / len(run_keys('', windows)):.3f} ms/key under cProfile): DBAPI "
+        f"commit {1000 * commit_time(stats, dialect) / len(run_keys('', windows)):.3f} ms/key",
+    ]
+    buffer = io.StringIO()
+    pstats.Stats(profiler, stream=buffer).strip_dirs().sort_stats("cumulative").print_stats(45)
+    return buffer.getvalue().rstrip()
 
 
 def fmt(tally, keys):
@@ -233,6 +306,62 @@ def main() -> None:
     lines += ["", f"pstats of the ledger, {KEYS} keys on SQLite, sorted by cumulative (top 40):", table]
     OUT.write_text("\n".join(lines) + "\n")
     print("\n".join(lines[:40]))
+    groups(commit)
+
+
+def groups(commit: str) -> None:
+    lines = [
+        f"# cProfile of the ledger in groups of {DEFAULT_GROUP_SIZE}: a 31-partition x 10-tenant run's keys through "
+        "claims.claim_many + completions.complete_many,",
+        "# against benchmarks.ledger_throughput.RawSqlLedger.claim_and_complete_group (one multi-row INSERT ... ON "
+        "CONFLICT, one UPDATE ... FROM (VALUES) ... RETURNING and one attempt insert per group).",
+        "# Rerun: python -m benchmarks.profiles.ledger_profile --postgres",
+        f"# Date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC; commit {commit}.",
+        "",
+    ]
+    tables = []
+    with tempfile.TemporaryDirectory(prefix="prof-ledger-groups-") as tmp:
+        baseline = f"{tmp}/baseline.sqlite3"
+        ledger_engine(f"sqlite:///{baseline}")
+        conn = _sqlite_connection(baseline)
+        try:
+            tables.append(("sqlite", measure_groups("sqlite", f"sqlite:///{tmp}/ledger.sqlite3", conn, "g", lines)))
+        finally:
+            conn.close()
+            dispose_engines()
+    if "--postgres" in sys.argv:
+        import psycopg2
+
+        schemas = [f"prof_{uuid.uuid4().hex[:8]}_l", f"prof_{uuid.uuid4().hex[:8]}_r"]
+        admin = sa.create_engine(PG, isolation_level="AUTOCOMMIT")
+        with admin.connect() as c:
+            for s in schemas:
+                c.execute(sa.schema.CreateSchema(s))
+        try:
+            urls = [f"{PG}?options=-csearch_path%3D{s}" for s in schemas]
+            ledger_engine(urls[1])
+            conn = psycopg2.connect(
+                host="127.0.0.1", port=5432, user="postgres", dbname="test", options=f"-csearch_path={schemas[1]}"
+            )
+            try:
+                lines.append("")
+                tables.append(("postgresql", measure_groups("postgresql", urls[0], conn, "h", lines)))
+            finally:
+                conn.close()
+                dispose_engines()
+        finally:
+            with admin.connect() as c:
+                for s in schemas:
+                    c.execute(sa.schema.DropSchema(s, cascade=True))
+            admin.dispose()
+    for dialect, table in tables:
+        lines += [
+            "",
+            f"pstats of the ledger's groups on {dialect}, one 31 x 10 run, sorted by cumulative (top 45):",
+            table,
+        ]
+    GROUPS_OUT.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[:20]))
 
 
 if __name__ == "__main__":

@@ -438,3 +438,72 @@ def test_a_group_larger_than_one_statement_finishes_every_key_on_its_own_guards(
     assert fenced == [75], fenced
     assert all(r.state is ExportState.COMPLETED for i, r in enumerate(results) if i != 75)
     assert ledger.queries.get(str(keys[75])).lease_owner == "run-2/export"
+
+
+def test_a_claim_closes_the_missed_rows_of_its_own_partitions_only(ledger_url) -> None:
+    """A claim reads in one statement whether any partition of its export is open as missed, and closes the open rows
+    of the partitions it claimed keys of: not another export's, not another date's. Guard: the missed-partitions part
+    of the claim's facts (reading it as always closed leaves the claimed partition open)."""
+    ledger = open_ledger(ledger_url)
+    claimed, other_day = dt.date(2026, 3, 2), dt.date(2026, 3, 3)
+    for export, day in (("invoice_export", claimed), ("invoice_export", other_day), ("refund_export", claimed)):
+        ledger.attention.note_missed(export, key_for(day).window.timezone, day, missing_keys=2, run_id=f"run-{export}")
+    outcomes = ledger.claims.claim_many([key_for(claimed, tenant=t) for t in ("acme", "globex")], "run-2/export")
+    assert all(isinstance(outcome, Claim) for outcome in outcomes), outcomes
+    engine = sa.create_engine(ledger_url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                sa.text(
+                    "SELECT export, business_date, closed_at FROM export_missed_partitions "
+                    "ORDER BY export, business_date"
+                )
+            ).all()
+    finally:
+        engine.dispose()
+    is_open = {(row.export, str(row.business_date)[:10]): row.closed_at is None for row in rows}
+    assert is_open == {
+        ("invoice_export", "2026-03-02"): False,
+        ("invoice_export", "2026-03-03"): True,
+        ("refund_export", "2026-03-02"): True,
+    }, is_open
+
+
+@pytest.mark.postgres
+def test_a_group_on_postgresql_reads_the_ledgers_clock_inside_statements_it_sends_anyway(postgres_url) -> None:
+    """On PostgreSQL the ledger's clock is ``now()`` of the deciding transaction. A claim reads it with the export's
+    low-water mark and missed partitions, a completion with the lock on its rows: no round trip of its own (issue 28).
+    The times recorded are still the database's, within the transaction. Guard: a separate ``SELECT now()`` in either
+    path, or a clock taken from anywhere else."""
+    ledger = open_ledger(postgres_url)  # no test clock: the database's
+    keys = [key_for(DAY, tenant=t) for t in TENANTS]
+    sent: list[str] = []
+
+    def record(conn, cursor, statement, parameters, context, executemany) -> None:
+        sent.append(" ".join(statement.split())[:60].upper())
+
+    engine = sa.create_engine(postgres_url)
+    with engine.connect() as conn:
+        before = conn.execute(sa.text("SELECT clock_timestamp()")).scalar_one()
+    sa.event.listen(ledger._engine, "before_cursor_execute", record)
+    try:
+        claims = ledger.claims.claim_many(keys, "run-1/export")
+        claim_statements = list(sent)
+        sent.clear()
+        records = ledger.completions.complete_many([(c, evidence_for(c)) for c in claims])
+        complete_statements = list(sent)
+    finally:
+        sa.event.remove(ledger._engine, "before_cursor_execute", record)
+    with engine.connect() as conn:
+        after = conn.execute(sa.text("SELECT clock_timestamp()")).scalar_one()
+    engine.dispose()
+    assert not [s for s in claim_statements + complete_statements if s.startswith("SELECT NOW()")], (
+        claim_statements,
+        complete_statements,
+    )
+    assert len(claim_statements) == 3, claim_statements  # the facts, the rows (locked), the inserts
+    assert len(complete_statements) == 3, complete_statements  # the lock with the clock, the update, the attempts
+    for claim, record in zip(claims, records, strict=True):
+        assert before <= claim.started_at <= after, (before, claim.started_at, after)
+        assert claim.lease_expires_at - claim.started_at == ledger.lease_ttl
+        assert claim.started_at <= record.updated_at <= after, (claim.started_at, record.updated_at, after)

@@ -22,8 +22,16 @@ from export_ledger.ledger.contracts import Decided
 from export_ledger.ledger.errors import FencedOut, InvalidTransition, LedgerError
 from export_ledger.ledger.records import AlreadyCompleted, Claim, ExportRecord, Restatement
 from export_ledger.ledger.rows import INSERT_ATTEMPT, INSERT_RUN, RUN_BY_KEY_LOCKED, abandoned_values, attempt_values
-from export_ledger.ledger.schema import RUN_COLUMNS, AttemptOutcome, ExportState, export_runs
+from export_ledger.ledger.schema import (
+    RUN_COLUMNS,
+    AttemptOutcome,
+    ExportState,
+    export_low_water,
+    export_missed_partitions,
+    export_runs,
+)
 from export_ledger.ledger.selection import Refuse, Skip, select_claim, select_hold
+from export_ledger.ledger.store import database_time
 
 #: A claim's outcome per key: the claim, "already completed", or the refusal (returned, never raised, by
 #: :meth:`Claims.claim_many`).
@@ -106,7 +114,7 @@ class Claims:
         inserts: list[dict] = []
         attempts: list[dict] = []
         with ledger.atomic() as conn:
-            now = ledger.now(conn)
+            now, marks, missed_open = _claim_facts(ledger, conn, sorted({key.export for key in keys}))
             decided = ledger.contracts.decide_in(conn, contracts, now, _spans(keys)) if contracts else Decided()
             refused = decided.refusals
             found = _find_many(conn, keys)
@@ -114,20 +122,17 @@ class Claims:
             moved = ledger.contracts.moved_in(conn, list(records.values()), decided, contracts) if contracts else {}
             requests = ledger.restatements.open_in(conn, [row.logical_key for row in found.values()])
             supersedes = ledger.restatements.current_in(conn, list(requests))
-            marks: dict[str, dt.date | None] = {}
             names = [str(key) for key in keys]
             for i in sorted(range(len(keys)), key=names.__getitem__):
                 key = keys[i]
                 record = records.get((key.export, key.tenant, key.window.timezone, key.window.business_date))
-                if record is None and key.export not in marks:
-                    marks[key.export] = ledger.retention.low_water_in(conn, key.export)
                 request = requests.get(record.logical_key) if record is not None else None
                 decision = select_claim(
                     record,
                     request,
                     now,
                     key=key,
-                    low_water=marks.get(key.export),
+                    low_water=marks[key.export],
                     allow_below_low_water=ledger.allow_below_low_water,
                 )
                 contract_refusal = refused.get((key.export, key.tenant))
@@ -143,12 +148,13 @@ class Claims:
                 conn.execute(INSERT_RUN, inserts)  # one executemany, in logical key order
             if attempts:
                 conn.execute(INSERT_ATTEMPT, attempts)
-            reached = {
-                (key.export, key.window.timezone, key.window.business_date)
-                for key, outcome in zip(keys, outcomes, strict=True)
-                if isinstance(outcome, (Claim, AlreadyCompleted))
-            }
-            ledger.attention.close_missed_in(conn, reached, now)  # a run got this far: the partition is not missed
+            if missed_open:  # a run got this far: its partitions are not missed
+                reached = {
+                    (key.export, key.window.timezone, key.window.business_date)
+                    for key, outcome in zip(keys, outcomes, strict=True)
+                    if isinstance(outcome, (Claim, AlreadyCompleted))
+                }
+                ledger.attention.close_missed_in(conn, reached, now)
         return outcomes
 
     def _apply_claim(
@@ -170,9 +176,7 @@ class Claims:
         under (None: no contract checked, the key's own is kept)."""
         expires = now + self.ledger.lease_ttl
         if isinstance(decision, Skip):
-            attempts.append(
-                attempt_values(record.logical_key, attempt_id, None, now, AttemptOutcome.ALREADY_COMPLETED)
-            )
+            attempts.append(attempt_values(record.logical_key, attempt_id, None, now, AttemptOutcome.ALREADY_COMPLETED))
             return AlreadyCompleted(record)
         if isinstance(decision, Refuse):
             if record is not None and decision.recorded:
@@ -246,7 +250,9 @@ class Claims:
                 renewed.append(
                     replace(claim, lease_expires_at=expires)
                     if moved
-                    else FencedOut(f"attempt {claim.attempt_id} lost its lease on {claim.logical_key} before renewing it")
+                    else FencedOut(
+                        f"attempt {claim.attempt_id} lost its lease on {claim.logical_key} before renewing it"
+                    )
                 )
         return renewed
 
@@ -387,6 +393,51 @@ _FIND_MANY = (
     .order_by(export_runs.c.logical_key)
     .with_for_update()
 )
+
+
+def _facts_statement(*, missed: bool, clock: bool) -> sa.Select:
+    low_water = sa.select(export_low_water.c.low_water_date).where(
+        export_low_water.c.export == sa.bindparam("w_export")
+    )
+    columns = [low_water.scalar_subquery().label("low_water")]
+    if missed:
+        open_missed = sa.exists().where(
+            export_missed_partitions.c.closed_at.is_(None),
+            export_missed_partitions.c.export == sa.bindparam("w_export"),
+        )  # the open rows' partial unique index answers it
+        columns.append(open_missed.label("missed_open"))
+    if clock:
+        columns.append(sa.func.now().label("now"))
+    return sa.select(*columns)
+
+
+#: What a claim group reads of each of its exports before it decides, built once per shape: the export's retention
+#: low-water mark, whether any of its partitions is open as missed (schema 6 on), and on PostgreSQL the ledger's clock.
+_FACTS = {
+    (missed, clock): _facts_statement(missed=missed, clock=clock) for missed in (False, True) for clock in (False, True)
+}
+
+
+def _claim_facts(
+    ledger, conn: Connection, exports: Sequence[str]
+) -> tuple[dt.datetime, dict[str, dt.date | None], bool]:
+    """The ledger's clock, each export's low-water mark, and whether a partition of any of them is open as missed.
+
+    One statement per export (a run's group is of one export), read at the start of the claim's transaction. Before,
+    these were three round trips on PostgreSQL (``now()``, the mark, and an UPDATE closing missed partitions on every
+    claim, which almost always matched nothing): the UPDATE now runs only when a partition is open.
+    """
+    missed, clock = ledger.supports(6), ledger.clock_in_database(conn)
+    now = None if clock else ledger.now(conn)
+    marks: dict[str, dt.date | None] = {}
+    missed_open = False
+    for export in exports:
+        row = conn.execute(_FACTS[(missed, clock)], {"w_export": export}).one()
+        marks[export] = row.low_water
+        missed_open = missed_open or (missed and bool(row.missed_open))
+        if now is None:
+            now = database_time(row.now)
+    return now, marks, missed_open
 
 
 def _find_many(conn: Connection, keys: Sequence[LogicalKey]) -> dict[tuple, sa.Row]:

@@ -124,11 +124,12 @@ class Completions:
         outcomes: dict[int, ExportRecord | FencedOut] = {}
         rows: dict[str, sa.Row] = {}
         with ledger.atomic() as conn:
-            now = ledger.now(conn)
+            # On PostgreSQL one statement locks every key of the group in key order and reads the ledger's clock.
+            now = T.lock_in_key_order(conn, names, clock=ledger.clock_in_database(conn)) or ledger.now(conn)
             attempts: list[dict] = []
             order = sorted(range(len(finishes)), key=names.__getitem__)
-            # One statement per transition on PostgreSQL, after one that locks every key of the group in key order.
-            moved = T.apply_many(conn, [self._move(item, now) for item in finishes])
+            # Then one statement per transition.
+            moved = T.apply_many(conn, [self._move(item, now) for item in finishes], locked=True)
             for i in order:
                 outcome = self._after_move(conn, finishes[i], moved.get(names[i]), now, attempts, then, rows)
                 if outcome is not None:

@@ -96,6 +96,11 @@ class ExportLedger:
         with self.atomic(read_only=True) as own:
             return database_now(own)
 
+    def clock_in_database(self, conn: Connection) -> bool:
+        """Whether :meth:`now` in ``conn``'s transaction is the database's ``now()`` (PostgreSQL, no test's clock): a
+        statement that reads something else may then carry the clock along, saving its own round trip."""
+        return self._clock is None and conn.dialect.name == "postgresql"
+
     @contextlib.contextmanager
     def atomic(self, *, read_only: bool = False) -> Iterator[Connection]:
         """The one transaction entry point. Everything inside commits together or not at all.

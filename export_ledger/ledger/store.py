@@ -53,11 +53,15 @@ def database_now(conn: Connection) -> dt.datetime:
     """The ledger's clock, read inside ``conn``'s transaction: PostgreSQL's ``now()`` (the server's clock, fixed for
     the transaction), the host's clock on SQLite. Always UTC-aware."""
     if conn.dialect.name == "postgresql":
-        value = conn.execute(_NOW).scalar_one()
-        if value.tzinfo is None:  # a timestamptz always comes back aware; a misconfigured driver must not pass
-            raise LedgerUnavailable("the ledger's database returned a naive time for now(); refusing to use it")
-        return value.astimezone(UTC)
+        return database_time(conn.execute(_NOW).scalar_one())
     return dt.datetime.now(UTC)
+
+
+def database_time(value: dt.datetime) -> dt.datetime:
+    """PostgreSQL's ``now()`` as read by any statement of the transaction, checked and in UTC."""
+    if value.tzinfo is None:  # a timestamptz always comes back aware; a misconfigured driver must not pass
+        raise LedgerUnavailable("the ledger's database returned a naive time for now(); refusing to use it")
+    return value.astimezone(UTC)
 
 
 _NOW = sa.select(sa.func.now())

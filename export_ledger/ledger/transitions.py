@@ -21,6 +21,7 @@ from sqlalchemy.engine import Connection
 
 from export_ledger.ledger.errors import InvalidTransition
 from export_ledger.ledger.schema import AttemptOutcome, ExportState, export_drift, export_restatements, export_runs
+from export_ledger.ledger.store import database_time
 
 S = ExportState
 
@@ -269,7 +270,9 @@ SQLITE_BATCH_SIZES = (1, 5, 10, 25, 50)
 SQLITE_BATCH_ROWS = SQLITE_BATCH_SIZES[-1]
 
 
-def apply_many(conn: Connection, moves: Sequence[Move], *, now: dt.datetime | None = None) -> dict[str, sa.Row]:
+def apply_many(
+    conn: Connection, moves: Sequence[Move], *, now: dt.datetime | None = None, locked: bool = False
+) -> dict[str, sa.Row]:
     """:func:`apply` for each of ``moves`` (distinct keys, any transitions), each with its own guards; returns the
     updated row of each key that moved, by key (a key whose guards did not match is absent).
 
@@ -283,7 +286,7 @@ def apply_many(conn: Connection, moves: Sequence[Move], *, now: dt.datetime | No
     over overlapping keys wait for each other instead of deadlocking, whatever mix of transitions each holds); a row
     whose guards fail stays locked until the commit, as under :func:`apply` one key at a time in order. SQLite has one
     writer at a time (a write transaction begins ``IMMEDIATE``). Any other database takes each move with
-    :func:`apply`, in key order.
+    :func:`apply`, in key order. ``locked``: the caller locked the keys already, with :func:`lock_in_key_order`.
     """
     keys = [move.logical_key for move in moves]
     if len(set(keys)) != len(keys):
@@ -325,7 +328,8 @@ def apply_many(conn: Connection, moves: Sequence[Move], *, now: dt.datetime | No
                 for row in conn.execute(statement, parameters):
                     moved[row.logical_key] = row
         return moved
-    conn.execute(_LOCK_IN_KEY_ORDER, {"l_keys": [move.logical_key for move in ordered]}).all()
+    if not locked:
+        lock_in_key_order(conn, keys)
     for (transition, states, columns), group in groups.items():
         parameters = {
             "g_states": [state.value for state in states],
@@ -342,12 +346,31 @@ def apply_many(conn: Connection, moves: Sequence[Move], *, now: dt.datetime | No
     return moved
 
 
-_LOCK_IN_KEY_ORDER = (
-    sa.select(export_runs.c.logical_key)
-    .where(export_runs.c.logical_key == sa.any_(sa.cast(sa.bindparam("l_keys"), pg.ARRAY(sa.String))))
-    .order_by(export_runs.c.logical_key)
-    .with_for_update()
-)
+def lock_in_key_order(conn: Connection, keys: Sequence[str], *, clock: bool = False) -> dt.datetime | None:
+    """On PostgreSQL, locks the rows of ``keys`` in key order, in one statement, as :func:`apply_many` does first.
+
+    With ``clock``, the same statement reads the transaction's ``now()`` and returns it (None when no key has a row):
+    a group's completion needs the ledger's clock before its moves, and a round trip of its own cost as much as the
+    lock. Does nothing on other databases (SQLite has one writer at a time) and returns None.
+    """
+    if conn.dialect.name != "postgresql":
+        return None
+    statement = _LOCK_IN_KEY_ORDER_WITH_CLOCK if clock else _LOCK_IN_KEY_ORDER
+    rows = conn.execute(statement, {"l_keys": sorted(keys)}).all()
+    return database_time(rows[0].now) if clock and rows else None
+
+
+def _lock_statement(*columns) -> sa.Select:
+    return (
+        sa.select(export_runs.c.logical_key, *columns)
+        .where(export_runs.c.logical_key == sa.any_(sa.cast(sa.bindparam("l_keys"), pg.ARRAY(sa.String))))
+        .order_by(export_runs.c.logical_key)
+        .with_for_update()
+    )
+
+
+_LOCK_IN_KEY_ORDER = _lock_statement()
+_LOCK_IN_KEY_ORDER_WITH_CLOCK = _lock_statement(sa.func.now().label("now"))
 
 
 def _guarded_update(transition: Transition, rows, columns: tuple[str, ...]) -> sa.Update:

@@ -124,7 +124,7 @@ def ledger_token_guard(monkeypatch) -> None:
         return apply(conn, transition, logical_key, token=token, values=values, states=states, owner=owner, now=now,
                      returning=returning)  # fmt: skip
 
-    def unguarded_many(conn, moves, *, now=None):  # a group's moves (finish_many, hold_many) the same way
+    def unguarded_many(conn, moves, *, now=None, locked=False):  # a group's moves (finish_many, hold_many) alike
         rows = {
             row.logical_key: row
             for row in conn.execute(
@@ -139,7 +139,7 @@ def ledger_token_guard(monkeypatch) -> None:
             if move.transition in T.FINISHING and move.logical_key in rows else move
             for move in moves
         ]  # fmt: skip
-        return apply_many(conn, moves, now=now)
+        return apply_many(conn, moves, now=now, locked=locked)
 
     apply_many = T.apply_many
     monkeypatch.setattr(T, "apply", unguarded)

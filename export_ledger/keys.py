@@ -50,9 +50,12 @@ class LogicalKey:
     def __post_init__(self) -> None:
         validate_slug(self.export, "export name")
         validate_slug(self.tenant, "tenant id")
+        # The name is asked for several times per key and claim (statements, ordering, records): made once. Not a
+        # field, so equality and hashing stay the three fields'.
+        object.__setattr__(self, "_name", f"{self.export}/{self.tenant}/{utc_iso(self.window.start_utc)}")
 
     def __str__(self) -> str:
-        return f"{self.export}/{self.tenant}/{utc_iso(self.window.start_utc)}"
+        return self._name
 
 
 def attempt_id(run_id: str, step_key: str | None = None) -> str:

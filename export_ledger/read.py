@@ -34,7 +34,7 @@ from export_ledger.destinations.registry import destination_from
 from export_ledger.errors import CalendarError, ConfigurationError
 from export_ledger.frames import ExportSchema, read_arrow
 from export_ledger.keys import LogicalKey, validate_slug
-from export_ledger.settings import DESTINATION_ENV, LEDGER_URL_ENV, default_destination, ledger_url_from
+from export_ledger.settings import DESTINATION_ENV, LEDGER_URL_ENV, ledger_url_from
 from export_ledger.spec import ExportSpec
 
 #: The longest range :func:`read_current` reads unless asked for more (``max_days=``): a year and a day, so that any
@@ -69,13 +69,15 @@ def read_current(
     max_days: int | None = MAX_DAYS,
 ) -> pd.DataFrame:
     """The current revision of every key of ``start`` to ``end`` (business dates, **both included**), read from the
-    destination's evidence alone, one key at a time.
+    destination's evidence alone, one key at a time. It only reads (:meth:`Destination.reading`): nothing is
+    created, fsynced or written, so read access to the destination is enough.
 
     Args:
-        spec_or_destination: An :class:`~export_ledger.ExportSpec`: read where its keys are exported (its own
-            ``destination``, else ``EXPORTS_DESTINATION``, else ``./var/exports``; the scheme's settings from the
-            environment, as the CLI reads them), for its tenants in their own zones. Or a
-            :class:`~export_ledger.destinations.Destination`, with ``export=``.
+        spec_or_destination: An :class:`~export_ledger.ExportSpec` that declares its ``destination`` (the scheme's
+            settings, such as credentials, from the environment, as the CLI reads them; a ``ledger-table:`` one in
+            the database ``EXPORTS_LEDGER_URL`` names, which must be set), for its tenants in their own zones. Or a
+            :class:`~export_ledger.destinations.Destination`, with ``export=``: the way to read a spec without a
+            destination of its own (nothing is guessed from ``EXPORTS_DESTINATION`` or ``./var/exports``).
         start, end: The first and the last business date (``datetime.date`` or ``YYYY-MM-DD``), each tenant's in its
             own zone. A datetime is refused (naive, it names no zone; aware, an instant rather than a day), and so is
             an ``end`` before ``start``.
@@ -100,9 +102,11 @@ def read_current(
             manifest, a data file whose sha256 is not the one its manifest and pointer record, or a missing one),
             naming the key.
         CalendarError: a range that is reversed, not made of dates, or starts before the export does.
-        ConfigurationError: a range longer than ``max_days``, a tenant the export does not have, or a destination
-            without the export it holds.
+        ConfigurationError: a range longer than ``max_days``, a tenant the export does not have, a destination
+            without the export it holds, or a spec without a destination of its own.
         DestinationUnreachable: the destination cannot be read.
+        LedgerUnavailable: a ledger table's database does not exist or holds no ledger (a reader never creates
+            one).
 
     Example:
         >>> from export_ledger import LocalDestination, read_current
@@ -132,18 +136,19 @@ def read_current(
     tables: list[pa.Table] = []
     current: dict[str, int] = {}
     missing: list[str] = []
-    for offset in range(days):
-        day = first + dt.timedelta(days=offset)
-        for tenant in wanted:
-            window = spec.calendar_for(tenant).window_of(day) if spec is not None else window_for(day, timezone)
-            key = LogicalKey(name, tenant, window)
-            found = _read_key(destination, key, schema)
-            if found is None:
-                missing.append(str(key))
-                continue
-            revision, table = found
-            current[str(key)] = revision
-            tables.append(table)
+    with destination.reading():  # a reader creates, settles and writes nothing: read access is enough
+        for offset in range(days):
+            day = first + dt.timedelta(days=offset)
+            for tenant in wanted:
+                window = spec.calendar_for(tenant).window_of(day) if spec is not None else window_for(day, timezone)
+                key = LogicalKey(name, tenant, window)
+                found = _read_key(destination, key, schema)
+                if found is None:
+                    missing.append(str(key))
+                    continue
+                revision, table = found
+                current[str(key)] = revision
+                tables.append(table)
     frame = _frame(tables, schema)
     frame.attrs["current"] = current
     frame.attrs["missing"] = missing
@@ -222,11 +227,31 @@ def _export_and_destination(
 
 
 def _destination_of(spec: ExportSpec) -> Destination:
-    """Where the code location exports ``spec``: its own destination, else ``EXPORTS_DESTINATION``, else
-    ``./var/exports``; a ``ledger-table:`` one in the database ``EXPORTS_LEDGER_URL`` names."""
+    """The destination ``spec`` declares (its scheme's settings, such as credentials, from the environment, as the
+    CLI reads them). A spec without one is refused: a reader never guesses where a partner's export is from
+    ``EXPORTS_DESTINATION`` or the working directory (a wrong guess reads as every key missing)."""
+    if not spec.destination:
+        raise ConfigurationError(
+            f"export {spec.name!r} declares no destination of its own, and read_current does not guess one (not "
+            f"{DESTINATION_ENV}, not ./var/exports): pass the destination its keys are published to, with the spec: "
+            "read_current(LocalDestination(FOLDER), start, end, export=spec), or read_current(destination_from(SPEC, "
+            "ledger_url=..., environ=os.environ), start, end, export=spec)"
+        )
     environ = os.environ
-    text = spec.destination or environ.get(DESTINATION_ENV) or default_destination()
-    return destination_from(text, ledger_url=ledger_url_from(environ.get(LEDGER_URL_ENV) or ""), environ=environ)
+    destination = destination_from(
+        spec.destination,
+        ledger_url=ledger_url_from(environ.get(LEDGER_URL_ENV) or ""),
+        environ=environ,
+        what=f"destination of export {spec.name}",
+    )
+    if destination.kind == "ledger-table" and not environ.get(LEDGER_URL_ENV):
+        # Its rows are in the ledger's database: named, never the working directory's ./var/ledger.sqlite3.
+        raise ConfigurationError(
+            f"export {spec.name!r} is published to a ledger table, in the database {LEDGER_URL_ENV} names, and "
+            f"{LEDGER_URL_ENV} is not set: set it, or pass read_current(SqlTableDestination(url=..., table=...), "
+            "start, end, export=spec)"
+        )
+    return destination
 
 
 def _day(value: object, name: str) -> dt.date:

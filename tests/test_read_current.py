@@ -32,8 +32,10 @@ from export_ledger import (
     read_current,
 )
 from export_ledger.destinations.delta import DeltaDestination
+from export_ledger.destinations.local import LocalStore
 from export_ledger.destinations.publishing import POINTER_NAME
 from export_ledger.destinations.table import SqlTableDestination
+from export_ledger.ledger.errors import LedgerUnavailable
 from export_ledger.restate import request_each
 
 EXPORT = "orders"
@@ -220,6 +222,72 @@ def test_a_destination_needs_its_export_and_a_spec_its_own_tenants_and_dates(tmp
         read_current(destination, DAY, DAY, export=spec, tenants=["globex"])
     with pytest.raises(CalendarError, match="before export 'orders' starts"):
         read_current(destination, dt.date(2026, 2, 28), DAY, export=spec)
+
+
+def orders_spec(**fields) -> ExportSpec:
+    return ExportSpec(
+        name=EXPORT, columns=SCHEMA.columns, id_columns=SCHEMA.id_columns, time_column=SCHEMA.time_column,
+        tenant_column="tenant", tenants=list(TENANTS), timezone=ZONE, start_date="2026-03-01", **fields,
+    )  # fmt: skip
+
+
+def test_a_spec_without_a_destination_of_its_own_is_refused_never_guessed_from_the_environment(
+    ledger, tmp_path, monkeypatch
+):
+    """Neither EXPORTS_DESTINATION nor ./var/exports is read: a guess at a partner's folder reads as every key
+    missing. The error says how to name the destination."""
+    monkeypatch.chdir(tmp_path)
+    exported = LocalDestination(str(tmp_path / "var" / "exports"))
+    publish(ledger, exported, key("acme"), 1, "run-1")
+    monkeypatch.setenv("EXPORTS_DESTINATION", str(tmp_path / "var" / "exports"))
+    with pytest.raises(ConfigurationError, match=r"declares no destination of its own.*export=spec"):
+        read_current(orders_spec(), DAY, DAY)
+    monkeypatch.delenv("EXPORTS_DESTINATION")
+    with pytest.raises(ConfigurationError, match="does not guess one"):
+        read_current(orders_spec(), DAY, DAY)
+    frame = read_current(exported, DAY, DAY, export=orders_spec())  # the way the error names
+    assert frame.attrs["current"] == {str(key("acme")): 1}
+
+
+def test_a_ledger_table_spec_reads_the_database_exports_ledger_url_names_never_a_default_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("EXPORTS_LEDGER_URL", raising=False)
+    with pytest.raises(ConfigurationError, match="EXPORTS_LEDGER_URL is not set"):
+        read_current(orders_spec(destination="ledger-table:exported_{export}"), DAY, DAY)
+    assert not (tmp_path / "var").exists(), "no ./var/ledger.sqlite3 made by a reader"
+
+
+def test_a_reader_never_creates_the_database_of_a_ledger_table(tmp_path):
+    nowhere = tmp_path / "elsewhere" / "ledger.sqlite3"
+    destination = SqlTableDestination(url=f"sqlite:///{nowhere}", table="exported_{export}")
+    with pytest.raises(LedgerUnavailable, match="does not exist"):
+        read(destination)
+    assert not nowhere.parent.exists(), "a reader creates no folder, no file and no ledger schema"
+
+
+class ReadOnlyFolder(LocalStore):
+    """A local folder that refuses every write, fsync and lock: what a reader on a read-only copy may do is read."""
+
+    def _refuse(self, *_args, **_kwargs):
+        raise AssertionError("a reader wrote to, fsynced or locked the destination")
+
+    put_if_absent = put_if_match = upload = delete = settle = prepare = sync = _locked = _refuse
+
+
+class ReadOnlyDestination(LocalDestination):
+    @property
+    def store(self) -> LocalStore:
+        return ReadOnlyFolder(Path(self.root).resolve())
+
+
+def test_a_reader_only_reads_a_local_folder_never_writes_fsyncs_or_locks(ledger, tmp_path):
+    exported = LocalDestination(str(tmp_path / "exports"))
+    publish(ledger, exported, key("acme"), 1, "run-1")
+    publish(ledger, exported, key("acme"), 2, "run-2")
+    publish(ledger, exported, key("globex"), 1, "run-3")
+    frame = read(ReadOnlyDestination(str(tmp_path / "exports")))
+    assert assert_one_revision_each(frame, [key("acme"), key("globex")]) == {str(key("acme")): 2,
+                                                                            str(key("globex")): 1}  # fmt: skip
 
 
 # -- while a restatement is published ---------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """export-ledger: ledgered nightly data exports, one logical export per (export, tenant, window).
 
 This top level is the Dagster-free core: declare exports (:class:`ExportSpec`), read and change the ledger
-(:class:`ExportLedger`), export one key (:func:`export_key`), reconcile stuck keys (:func:`reconcile_batch`).
+(:class:`ExportLedger`), export one key (:func:`export_key`), reconcile stuck keys (:func:`reconcile_batch`), read
+back every key's current revision from a destination (:func:`read_current`).
 The Dagster integration is :mod:`export_ledger.dagster`; importing this package never imports Dagster.
 """
 
@@ -55,6 +56,7 @@ from export_ledger.ledger import (
 )
 from export_ledger.ledger.urls import create_engine as database_engine
 from export_ledger.protocol import ExportBatch, ExportItem, ExportResult, export_batch, export_key
+from export_ledger.read import CurrentRevisionUnreadable, read_current
 from export_ledger.reconcile import reconcile_batch
 from export_ledger.settings import Settings
 from export_ledger.sources import CallableSource, ExportSource, SqlSource, UnusableSource, url_identity
@@ -71,6 +73,7 @@ __all__ = [
     "CalendarError",
     "CallableSource",
     "ConfigurationError",
+    "CurrentRevisionUnreadable",
     "Destination",
     "DestinationError",
     "ExportBatch",
@@ -118,6 +121,7 @@ __all__ = [
     "load_zone",
     "parse_business_date",
     "parse_tenants",
+    "read_current",
     "reconcile_batch",
     "redact_url",
     "require_aware",

@@ -774,13 +774,17 @@ def _lexicographic_steps(keys: list[np.ndarray], where: str) -> tuple[np.ndarray
 
 def read_table(payload: bytes, file_format: str, schema: ExportSchema | None = None) -> pd.DataFrame:
     """Parses an export's data file back into a frame."""
+    return read_arrow(payload, file_format, schema).to_pandas()
+
+
+def read_arrow(payload: bytes, file_format: str, schema: ExportSchema | None = None) -> pa.Table:
+    """Parses an export's data file back into an Arrow table (a CSV file's columns typed by ``schema`` when given,
+    else as pyarrow infers them)."""
     data_file_name(file_format)
     if file_format == "parquet":
-        table = pq.read_table(io.BytesIO(payload))
-    else:
-        convert = pa_csv.ConvertOptions(column_types=schema.arrow_schema() if schema else None)
-        table = pa_csv.read_csv(io.BytesIO(payload), convert_options=convert)
-    return table.to_pandas()
+        return pq.read_table(io.BytesIO(payload))
+    convert = pa_csv.ConvertOptions(column_types=schema.arrow_schema() if schema else None)
+    return pa_csv.read_csv(io.BytesIO(payload), convert_options=convert)
 
 
 _REVISION_FIELDS = ("revision", "supersedes_revision", "supersedes_sha256")

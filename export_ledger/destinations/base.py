@@ -20,8 +20,10 @@ all ask it.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import enum
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -308,6 +310,19 @@ class Destination(ABC):
         :meth:`open`'s ``read``. None: nothing to prepare (the default)."""
         return None
 
+    # -- a reader's reads ----------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Reads of a consumer (:func:`export_ledger.read_current`), not of a party that holds a key: within it, no
+        destination creates, settles (a local folder's fsyncs), fences or writes anything, so a reader needs read
+        access only. :func:`reading_only` says whether a read runs inside one."""
+        reset = _READING.set(True)
+        try:
+            yield
+        finally:
+            _READING.reset(reset)
+
     # -- how the export's data and dataset are read ---------------------------------------------------------------
 
     def data_format(self, file_format: str) -> str:
@@ -426,6 +441,16 @@ class Destination(ABC):
             if value:
                 found[name] = _locator(str(value))
         return found
+
+
+#: Whether the reads in progress are a consumer's (:meth:`Destination.reading`).
+_READING: contextvars.ContextVar[bool] = contextvars.ContextVar("export_ledger_reading", default=False)
+
+
+def reading_only() -> bool:
+    """Whether the reads in progress are a consumer's (inside :meth:`Destination.reading`): nothing may be created,
+    settled or written."""
+    return _READING.get()
 
 
 #: The tenant of the key whose location :meth:`Destination.dataset` reads (any slug: no key of it is touched).

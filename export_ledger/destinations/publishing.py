@@ -39,6 +39,7 @@ from export_ledger.destinations.base import (
     judge,
     parse_place,
     place_name,
+    reading_only,
 )
 
 # The contract and its values, importable from here as they were before the template had a contract of its own.
@@ -189,7 +190,8 @@ class PublishingDestination(PointerDestination):
         if verification.verdict is Verdict.CONFLICT:
             where = where if where != self.key_folder(target) else self.location(target.at_place("."))
             return replace(verification, fence=pointer.fence, location=where)
-        if verification.verdict is Verdict.PUBLISHED:
+        if verification.verdict is Verdict.PUBLISHED and not reading_only():
+            # A consumer's read (read_current) records nothing, so it settles nothing: it needs read access only.
             # Whoever records this next (a repair, reconciliation) records it durable: its writer may have died
             # inside a deferral before the sync (docs/protocol.md, "Group commit").
             self.store.settle(

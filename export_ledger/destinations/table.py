@@ -34,6 +34,7 @@ from export_ledger.destinations.base import (
     Verdict,
     Verification,
     judge,
+    reading_only,
 )
 from export_ledger.destinations.registry import Scheme
 from export_ledger.errors import ManifestError
@@ -238,6 +239,10 @@ class SqlTableDestination(TransactionalDestination):
         )
 
     def _engine(self) -> sa.Engine:
+        if reading_only():
+            # A consumer's read (read_current): a database that holds no ledger, or a SQLite file that does not
+            # exist, is refused, never created; an older schema reads as it is.
+            return ledger_engine(self.url, read_only=True, create=False)
         return ledger_engine(self.url)
 
     def write_in_transaction(

@@ -469,6 +469,30 @@ def test_attempt_rows_are_append_only_across_every_transition(ledger, clock):
 # -- time ------------------------------------------------------------------------------------------------------------
 
 
+def test_sqlite_stores_times_as_sqlalchemys_datetime_text_in_utc_whatever_the_zone_given():
+    """The ledger binds times on SQLite in one step (benchmarks: a group binds about ten a key): the text must stay
+    what SQLAlchemy's SQLite DATETIME stores, naive UTC ``YYYY-MM-DD HH:MM:SS.ffffff``, which orders as time does and
+    which every ledger written before reads. Guard: the one-step bind processor of ``UtcDateTime``."""
+    from sqlalchemy.dialects import sqlite
+
+    from export_ledger.ledger.schema import UtcDateTime
+
+    dialect = sqlite.dialect()
+    ours = UtcDateTime().bind_processor(dialect)
+    theirs = sqlite.DATETIME().bind_processor(dialect)
+    new_york = dt.timezone(dt.timedelta(hours=-5))
+    for value in (
+        dt.datetime(2026, 3, 8, 7, 0, tzinfo=UTC),
+        dt.datetime(2026, 3, 8, 2, 0, 0, 123456, tzinfo=new_york),
+        dt.datetime(2026, 12, 31, 23, 59, 59, 999999, tzinfo=dt.timezone(dt.timedelta(hours=14))),
+        dt.datetime(1, 1, 1, 0, 0, tzinfo=UTC),
+    ):
+        assert ours(value) == theirs(value.astimezone(UTC).replace(tzinfo=None)), value
+    assert ours(None) is None
+    with pytest.raises(ValueError, match="timezone-aware"):
+        ours(dt.datetime(2026, 3, 8, 7, 0))
+
+
 def test_naive_clock_is_refused_before_anything_is_written(ledger_url):
     naive = open_ledger(ledger_url, clock=lambda: dt.datetime(2026, 3, 9, 9, 30), lease_ttl=TTL)
     key = key_for()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -83,3 +84,19 @@ def test_quick_runs_the_protocols_benchmarks_at_middle_sizes_and_refuses_smoke_b
     assert quick.size(full=(365, 100), smoke=(4, 2), quick=(31, 20)) == (31, 20)
     full = Settings(smoke=False, scratch=tmp_path)
     assert full.reps(full=9) == 9 and full.size(full=(365, 100), smoke=(4, 2), quick=(31, 20)) == (365, 100)
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/benchmarks.md", "benchmarks/RESULTS.md"])
+def test_the_published_figures_are_the_committed_runs_not_a_transcription(tmp_path, page):
+    """The README's table, docs/benchmarks.md's and RESULTS.md's are generated from benchmarks/RESULTS.json: writing
+    the report of that file into a copy of each page changes nothing. A figure edited by hand, or a new run committed
+    without its pages written again, fails here."""
+    root = Path(__file__).resolve().parent.parent
+    document = json.loads((root / "benchmarks" / "RESULTS.json").read_text(encoding="utf-8"))
+    copy = tmp_path / Path(page).name
+    copy.write_text((root / page).read_text(encoding="utf-8"), encoding="utf-8")
+    report.write_into(copy, document)
+    assert copy.read_text(encoding="utf-8") == (root / page).read_text(encoding="utf-8"), (
+        f"{page}'s generated block is not the report of benchmarks/RESULTS.json: run "
+        f"python -m benchmarks.report benchmarks/RESULTS.json --write {page}"
+    )

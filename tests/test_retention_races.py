@@ -246,3 +246,30 @@ def test_a_key_exported_below_the_mark_by_an_override_is_not_restated(ledger_url
     with pytest.raises(RestatementRefused, match=NAMES_THE_MARK):
         request(ledger)
     assert ledger.restatements.requests(logical_keys=[str(RESTATED)], open_only=False) == []
+
+
+@pytest.mark.postgres
+def test_a_claim_that_waits_on_a_key_being_pruned_is_refused_below_the_mark_not_claimed_again(
+    race, postgres_url, clock
+):
+    """A rerun claims a completed key while a prune deletes it: the claim waits on the key's row lock, and when the
+    prune commits the row is gone. The claim must decide on the mark the prune committed (read after its row locks),
+    not on one read at the start of its transaction: that claim would be a first claim below the mark, exporting
+    again a key whose completion record was just pruned. Guard: claims read the low-water mark after locking rows."""
+    from export_ledger.ledger import BelowLowWater
+
+    ledger = completed_days(postgres_url, clock)
+    pruner = open_ledger(race.url_for("prune"), clock=clock)
+    claimer = open_ledger(race.url_for("claim"), clock=clock)
+    with race.holding("export_low_water") as let_the_prune_commit:
+        prune = Side(lambda: pruner.retention.prune(TO_JAN_5))
+        race.until_waiting("prune")  # it has deleted what it prunes (the rows stay locked), and waits to raise the mark
+        claim = Side(lambda: claimer.claims.claim(RESTATED, "rerun/invoice_export"))
+        race.until_waiting("claim")  # it waits on the row lock of the key being pruned
+        let_the_prune_commit()
+    (plan,) = prune.outcome()
+
+    assert plan.mark == MARK and plan.pruned == 4
+    with pytest.raises(BelowLowWater, match=NAMES_THE_MARK):
+        claim.outcome()
+    assert ledger.queries.get(str(RESTATED)) is None, "a pruned key is not claimed again below the mark"

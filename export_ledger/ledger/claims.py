@@ -26,7 +26,6 @@ from export_ledger.ledger.schema import (
     RUN_COLUMNS,
     AttemptOutcome,
     ExportState,
-    export_low_water,
     export_missed_partitions,
     export_runs,
 )
@@ -114,7 +113,7 @@ class Claims:
         inserts: list[dict] = []
         attempts: list[dict] = []
         with ledger.atomic() as conn:
-            now, marks, missed_open = _claim_facts(ledger, conn, sorted({key.export for key in keys}))
+            now, missed_open = _claim_facts(ledger, conn, sorted({key.export for key in keys}))
             decided = ledger.contracts.decide_in(conn, contracts, now, _spans(keys)) if contracts else Decided()
             refused = decided.refusals
             found = _find_many(conn, keys)
@@ -122,17 +121,22 @@ class Claims:
             moved = ledger.contracts.moved_in(conn, list(records.values()), decided, contracts) if contracts else {}
             requests = ledger.restatements.open_in(conn, [row.logical_key for row in found.values()])
             supersedes = ledger.restatements.current_in(conn, list(requests))
+            marks: dict[str, dt.date | None] = {}
             names = [str(key) for key in keys]
             for i in sorted(range(len(keys)), key=names.__getitem__):
                 key = keys[i]
                 record = records.get((key.export, key.tenant, key.window.timezone, key.window.business_date))
+                if record is None and key.export not in marks:
+                    # Read after the rows are locked, never before: a prune that deleted a key's row while this
+                    # claim waited on it has committed its mark by now (READ COMMITTED), and the key is refused.
+                    marks[key.export] = ledger.retention.low_water_in(conn, key.export)
                 request = requests.get(record.logical_key) if record is not None else None
                 decision = select_claim(
                     record,
                     request,
                     now,
                     key=key,
-                    low_water=marks[key.export],
+                    low_water=marks.get(key.export),
                     allow_below_low_water=ledger.allow_below_low_water,
                 )
                 contract_refusal = refused.get((key.export, key.tenant))
@@ -395,11 +399,8 @@ _FIND_MANY = (
 )
 
 
-def _facts_statement(*, missed: bool, clock: bool) -> sa.Select:
-    low_water = sa.select(export_low_water.c.low_water_date).where(
-        export_low_water.c.export == sa.bindparam("w_export")
-    )
-    columns = [low_water.scalar_subquery().label("low_water")]
+def _facts_statement(*, missed: bool, clock: bool) -> sa.Select | None:
+    columns = []
     if missed:
         open_missed = sa.exists().where(
             export_missed_partitions.c.closed_at.is_(None),
@@ -408,36 +409,36 @@ def _facts_statement(*, missed: bool, clock: bool) -> sa.Select:
         columns.append(open_missed.label("missed_open"))
     if clock:
         columns.append(sa.func.now().label("now"))
-    return sa.select(*columns)
+    return sa.select(*columns) if columns else None
 
 
-#: What a claim group reads of each of its exports before it decides, built once per shape: the export's retention
-#: low-water mark, whether any of its partitions is open as missed (schema 6 on), and on PostgreSQL the ledger's clock.
+#: What a claim group reads of each of its exports before it decides, built once per shape: whether any of its
+#: partitions is open as missed (schema 6 on), and on PostgreSQL the ledger's clock. Not the retention low-water mark:
+#: that is read after the rows are locked (a prune deleting a key's row commits its mark before the lock is granted).
 _FACTS = {
     (missed, clock): _facts_statement(missed=missed, clock=clock) for missed in (False, True) for clock in (False, True)
 }
 
 
-def _claim_facts(
-    ledger, conn: Connection, exports: Sequence[str]
-) -> tuple[dt.datetime, dict[str, dt.date | None], bool]:
-    """The ledger's clock, each export's low-water mark, and whether a partition of any of them is open as missed.
+def _claim_facts(ledger, conn: Connection, exports: Sequence[str]) -> tuple[dt.datetime, bool]:
+    """The ledger's clock, and whether a partition of any of ``exports`` is open as missed.
 
     One statement per export (a run's group is of one export), read at the start of the claim's transaction. Before,
-    these were three round trips on PostgreSQL (``now()``, the mark, and an UPDATE closing missed partitions on every
-    claim, which almost always matched nothing): the UPDATE now runs only when a partition is open.
+    these were two round trips on PostgreSQL (``now()`` and an UPDATE closing missed partitions on every claim, which
+    almost always matched nothing): the UPDATE now runs only when a partition is open.
     """
     missed, clock = ledger.supports(6), ledger.clock_in_database(conn)
     now = None if clock else ledger.now(conn)
-    marks: dict[str, dt.date | None] = {}
     missed_open = False
+    statement = _FACTS[(missed, clock)]
+    if statement is None:
+        return now, missed_open
     for export in exports:
-        row = conn.execute(_FACTS[(missed, clock)], {"w_export": export}).one()
-        marks[export] = row.low_water
+        row = conn.execute(statement, {"w_export": export}).one()
         missed_open = missed_open or (missed and bool(row.missed_open))
         if now is None:
             now = database_time(row.now)
-    return now, marks, missed_open
+    return now, missed_open
 
 
 def _find_many(conn: Connection, keys: Sequence[LogicalKey]) -> dict[tuple, sa.Row]:

@@ -3,10 +3,10 @@
     python -m benchmarks.report benchmarks/RESULTS.json > /tmp/figures.md
     python -m benchmarks.report benchmarks/RESULTS.json --write benchmarks/RESULTS.md --write docs/benchmarks.md
 
-``--write FILE`` replaces what stands between the lines ``<!-- benchmarks.report: full -->`` (or ``: targets``) and
-``<!-- benchmarks.report: end -->`` in FILE with the whole report (or its facts and targets only), so that
-RESULTS.md and the table of docs/benchmarks.md are the run's figures, not a transcription. A file without those lines
-is refused.
+``--write FILE`` replaces what stands between the lines ``<!-- benchmarks.report: full -->`` (or ``: targets``, or
+``: summary``) and ``<!-- benchmarks.report: end -->`` in FILE with the whole report (or its facts and targets only,
+or one line of facts and a row per target), so that RESULTS.md, the table of docs/benchmarks.md and the README's are
+the run's figures, not a transcription. A file without those lines is refused.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 MARK = "<!-- benchmarks.report: {} -->"
+#: The generated blocks: the whole report, its facts and targets, or one line of facts and the targets' rows.
+KINDS = ("full", "targets", "summary")
 END = MARK.format("end")
 
 
@@ -85,6 +87,34 @@ def render(document: dict, *, targets_only: bool = False) -> str:
     return "\n".join(out)
 
 
+def summary(document: dict) -> str:
+    """One line of the run's facts and one row per target: the README's table (generated, as the pages' are)."""
+    code = document.get("code", {})
+    machine = document.get("machine", {})
+    started, finished = (str(document.get(k, "?"))[:16].replace("T", " ") for k in ("started_utc", "finished_utc"))
+    facts = (
+        f"`{document.get('command', 'python -m benchmarks.run')}` on `{str(code.get('commit'))[:7]}`"
+        f"{' with local changes' if code.get('modified') else ''}, {started} to {finished} UTC, "
+        f"{machine.get('cores')} cores, load average {machine.get('load_average_at_start')} at start and "
+        f"{document.get('load_average_at_end')} at end:\n"
+    )
+    rows = []
+    for name, result in document.get("benchmarks", {}).items():
+        for t in result.get("targets", []):
+            unit = "" if t.get("unit") in (None, "x") else t["unit"]
+            rows.append(
+                {
+                    "target": f"{name}: {t.get('name')}",
+                    "value": f"{_cell(t.get('value'))}{unit}",
+                    "limit": f"{t.get('comparison', '')} {_cell(t.get('limit'))}{unit}".strip(),
+                    "met": t.get("met"),
+                }
+            )
+        if "error" in result:
+            rows.append({"target": f"{name}: did not run", "value": "-", "limit": "-", "met": False})
+    return facts + "\n" + markdown_table(rows)
+
+
 def write_into(path: Path, document: dict) -> None:
     """Replaces each generated block of ``path`` (see the module's docstring) with this run's report."""
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
@@ -93,9 +123,12 @@ def write_into(path: Path, document: dict) -> None:
         stripped = line.strip()
         if block is None:
             out.append(line)
-            for kind in ("full", "targets"):
+            for kind in KINDS:
                 if stripped == MARK.format(kind):
                     block = kind
+                    if kind == "summary":
+                        out.append(summary(document))
+                        continue
                     text = render(document, targets_only=kind == "targets")
                     # The report's own title would be a second top-level heading inside the page: it is dropped, and
                     # its headings go one level down, below the section the block stands in.
@@ -108,8 +141,10 @@ def write_into(path: Path, document: dict) -> None:
             raise SystemExit(f"{path}:{number}: a generated block opens inside another one")
     if block is not None:
         raise SystemExit(f"{path}: the generated block ({block}) has no {END} line")
-    if not any(line.strip() in (MARK.format("full"), MARK.format("targets")) for line in lines):
-        raise SystemExit(f"{path} has no {MARK.format('full')} or {MARK.format('targets')} line to write after")
+    if not any(line.strip() in {MARK.format(kind) for kind in KINDS} for line in lines):
+        raise SystemExit(
+            f"{path} has none of the lines {', '.join(MARK.format(kind) for kind in KINDS)} to write after"
+        )
     path.write_text("".join(out), encoding="utf-8")
 
 

@@ -61,7 +61,7 @@ def test_write_replaces_only_the_generated_blocks_and_refuses_a_file_without_the
     assert "| rows |" in full.read_text() and "def456" in full.read_text()
     bare = tmp_path / "bare.md"
     bare.write_text("no markers\n")
-    with pytest.raises(SystemExit, match="no <!-- benchmarks.report: full -->"):
+    with pytest.raises(SystemExit, match="none of the lines <!-- benchmarks.report: full -->"):
         report.main([str(results), "--write", str(bare)])
     assert bare.read_text() == "no markers\n"
     unclosed = tmp_path / "unclosed.md"

@@ -31,6 +31,7 @@ from export_ledger import (
     export_key,
     read_current,
 )
+from export_ledger.destinations import DestinationUnreachable
 from export_ledger.destinations.delta import DeltaDestination
 from export_ledger.destinations.local import LocalStore
 from export_ledger.destinations.publishing import POINTER_NAME
@@ -96,7 +97,7 @@ def destination(request, tmp_path, sqlite_url):
     """Every kind the tests reach without a server of their own (GCS and Azure are the object-store template local
     and S3 are, over other stores)."""
     if request.param == "local":
-        return LocalDestination(str(tmp_path / "exports"))
+        return LocalDestination(exports_folder(tmp_path))
     if request.param == "s3":
         return s3_destination(request.getfixturevalue("s3_bucket"), request.getfixturevalue("s3_server"))
     if request.param == "delta":
@@ -124,7 +125,7 @@ def test_a_restated_key_is_read_at_its_current_revision_only_and_a_key_never_pub
 
 
 def test_a_spec_reads_where_its_keys_are_exported_in_its_columns_kinds(ledger, tmp_path):
-    destination = LocalDestination(str(tmp_path / "exports"))
+    destination = LocalDestination(exports_folder(tmp_path))
     spec = ExportSpec(
         name=EXPORT, columns=SCHEMA.columns, id_columns=SCHEMA.id_columns, time_column=SCHEMA.time_column,
         tenant_column="tenant", tenants=list(TENANTS), timezone=ZONE, start_date="2026-03-01",
@@ -141,12 +142,26 @@ def test_a_spec_reads_where_its_keys_are_exported_in_its_columns_kinds(ledger, t
     assert by_spec.attrs["missing"] == [str(key("acme")), str(key("initech"))]
 
 
+def exports_folder(tmp_path: Path) -> str:
+    """An export folder that exists, with nothing published in it yet."""
+    folder = tmp_path / "exports"
+    folder.mkdir(exist_ok=True)
+    return str(folder)
+
+
+def test_a_local_folder_that_does_not_exist_is_an_error_not_every_key_missing(tmp_path):
+    """A mistyped or unmounted folder would read as every key missing, the same as nothing published: refused, naming
+    the folder. Guard: ``LocalDestination.reading``'s check of its root."""
+    with pytest.raises(DestinationUnreachable, match=r"export folder .*exprots does not exist"):
+        read(LocalDestination(str(tmp_path / "exprots")), DAY, DAY, tenants=["acme"])
+
+
 def test_nothing_published_reads_as_an_empty_frame_of_the_exports_columns(tmp_path):
     spec = ExportSpec(
         name=EXPORT, columns=SCHEMA.columns, id_columns=SCHEMA.id_columns, time_column=SCHEMA.time_column,
         tenant_column="tenant", tenants=["acme"], timezone=ZONE, start_date="2026-03-01",
     )  # fmt: skip
-    frame = read_current(LocalDestination(str(tmp_path / "exports")), DAY, DAY, export=spec)
+    frame = read_current(LocalDestination(exports_folder(tmp_path)), DAY, DAY, export=spec)
     assert frame.empty and list(frame.columns) == list(SCHEMA.columns)
     assert frame.attrs == {"current": {}, "missing": [str(key("acme"))]}
 
@@ -155,7 +170,7 @@ def test_nothing_published_reads_as_an_empty_frame_of_the_exports_columns(tmp_pa
 
 
 def test_a_data_file_whose_sha256_is_not_the_recorded_one_is_an_error_naming_the_key(ledger, tmp_path):
-    destination = LocalDestination(str(tmp_path / "exports"))
+    destination = LocalDestination(exports_folder(tmp_path))
     for tenant in TENANTS:
         publish(ledger, destination, key(tenant), 1, f"run-{tenant}")
     folder = key_folder(tmp_path / "exports", key("globex"))
@@ -176,7 +191,7 @@ class SwappedAfterTheVerdict(LocalDestination):
 
 
 def test_data_that_changed_between_its_check_and_its_read_is_refused_not_returned(ledger, tmp_path):
-    publish(ledger, LocalDestination(str(tmp_path / "exports")), key("acme"), 1, "run-1")
+    publish(ledger, LocalDestination(exports_folder(tmp_path)), key("acme"), 1, "run-1")
     swapped = SwappedAfterTheVerdict(str(tmp_path / "exports"))
     with pytest.raises(CurrentRevisionUnreadable, match=re.escape(str(key("acme")))):
         read(swapped, tenants=["acme"])
@@ -199,17 +214,17 @@ def test_data_that_changed_between_its_check_and_its_read_is_refused_not_returne
 )
 def test_a_bad_range_or_tenant_list_is_refused_naming_the_problem(tmp_path, start, end, options, error, words):
     with pytest.raises(error, match=re.escape(words)):
-        read(LocalDestination(str(tmp_path / "exports")), start, end, **options)
+        read(LocalDestination(exports_folder(tmp_path)), start, end, **options)
 
 
 def test_a_long_range_is_read_when_asked_for(tmp_path):
-    frame = read(LocalDestination(str(tmp_path / "exports")), DAY, DAY + dt.timedelta(days=400), max_days=None,
+    frame = read(LocalDestination(exports_folder(tmp_path)), DAY, DAY + dt.timedelta(days=400), max_days=None,
                  tenants=["acme"])  # fmt: skip
     assert len(frame.attrs["missing"]) == 401
 
 
 def test_a_destination_needs_its_export_and_a_spec_its_own_tenants_and_dates(tmp_path):
-    destination = LocalDestination(str(tmp_path / "exports"))
+    destination = LocalDestination(exports_folder(tmp_path))
     with pytest.raises(ConfigurationError, match="name the one to read"):
         read_current(destination, DAY, DAY, tenants=["acme"])
     with pytest.raises(ConfigurationError, match="needs timezone="):
@@ -281,7 +296,7 @@ class ReadOnlyDestination(LocalDestination):
 
 
 def test_a_reader_only_reads_a_local_folder_never_writes_fsyncs_or_locks(ledger, tmp_path):
-    exported = LocalDestination(str(tmp_path / "exports"))
+    exported = LocalDestination(exports_folder(tmp_path))
     publish(ledger, exported, key("acme"), 1, "run-1")
     publish(ledger, exported, key("acme"), 2, "run-2")
     publish(ledger, exported, key("globex"), 1, "run-3")
@@ -310,7 +325,7 @@ class RestatedWhileRead(LocalDestination):
 
 
 def test_a_key_restated_between_its_pointer_and_its_verdict_is_read_at_the_new_revision(ledger, tmp_path):
-    plain = LocalDestination(str(tmp_path / "exports"))
+    plain = LocalDestination(exports_folder(tmp_path))
     publish(ledger, plain, key("acme"), 1, "run-1")
     racing = RestatedWhileRead(str(tmp_path / "exports"), lambda: publish(ledger, plain, key("acme"), 2, "run-2"))
 
@@ -326,7 +341,7 @@ def test_a_reader_never_sees_two_revisions_of_a_key_or_none_while_restatements_a
     """A reader thread reads the range in a loop while another thread restates every key of it, key by key, three
     times: every read shows each key exactly once, whole, at one revision, and no key's revision goes backwards."""
     if kind == "local":
-        destination = LocalDestination(str(tmp_path / "exports"))
+        destination = LocalDestination(exports_folder(tmp_path))
     else:
         destination = s3_destination(request.getfixturevalue("s3_bucket"), request.getfixturevalue("s3_server"))
     days = (DAY, DAY + dt.timedelta(days=1))

@@ -497,6 +497,18 @@ class LocalDestination(PublishingDestination):
             finally:
                 _PINNED.reset(pinned)
 
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """A consumer's reads (:meth:`Destination.reading`) of a folder that exists: a mistyped or unmounted path would
+        otherwise read as every key missing, the same as nothing published."""
+        if not Path(self.root).expanduser().is_dir():
+            raise DestinationUnreachable(
+                f"the export folder {self.root_of('')} does not exist or is not a folder: nothing was read (a wrong "
+                "path would look like every key missing)"
+            )
+        with super().reading():
+            yield
+
     def sync(self) -> None:
         self.store.sync()
 

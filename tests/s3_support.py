@@ -81,8 +81,15 @@ _CONDITIONAL_WRITES = threading.Lock()
 
 def _atomic_conditional_writes(app):
     def serialized(environ, start_response):
+        method = environ.get("REQUEST_METHOD")
+        if method in ("GET", "HEAD"):
+            # moto replaces an object in place and closes the old one's buffer: a read racing a conditional write of
+            # the same key (a reader of a pointer while a restatement commits it) could meet the closed buffer and
+            # answer 500, where S3 serves either version whole. Reads have no body to wait for: they take the lock.
+            with _CONDITIONAL_WRITES:
+                return list(app(environ, start_response))
         conditional = "HTTP_IF_NONE_MATCH" in environ or "HTTP_IF_MATCH" in environ
-        if not conditional or environ.get("REQUEST_METHOD") not in ("PUT", "POST", "DELETE"):
+        if not conditional or method not in ("PUT", "POST", "DELETE"):
             return app(environ, start_response)
         # The body is read whole before the lock, as S3 evaluates a condition once the request is complete: a client
         # frozen mid-upload (SIGSTOP, a cut link) must neither hold every other conditional write nor win the race

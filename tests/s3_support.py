@@ -38,10 +38,10 @@ class MotoServer:
     moto checks ``If-None-Match``/``If-Match`` and then stores (or deletes) the object in two steps on the request's
     thread, so on a loaded machine two conditional creates of one object sent at once can both succeed (seen in CI:
     2 of 8). The S3 destination's startup probe rightly refuses such a store, which turns a test of something else
-    into a refusal. Every conditional ``PUT``/``POST``/``DELETE`` therefore runs, its body read first, under one lock
-    for the whole process (moto's backend is one per process, whichever server a request reaches); plain requests
-    run concurrently as before. The probe's refusal of a store that is not atomic is tested through the fault proxy,
-    which strips the condition.
+    into a refusal. Every ``PUT``/``POST``/``DELETE`` therefore runs, its body read first, under one lock for the
+    whole process (moto's backend is one per process, whichever server a request reaches), and so does every ``GET``
+    and ``HEAD`` (moto replaces an object in place, see below): the store answers one request at a time. The probe's refusal
+    of a store that is not atomic is tested through the fault proxy, which strips the condition.
     """
 
     def __init__(self, ip_address: str = LOOPBACK, port: int = 0) -> None:
@@ -88,9 +88,11 @@ def _atomic_conditional_writes(app):
             # answer 500, where S3 serves either version whole. Reads have no body to wait for: they take the lock.
             with _CONDITIONAL_WRITES:
                 return list(app(environ, start_response))
-        conditional = "HTTP_IF_NONE_MATCH" in environ or "HTTP_IF_MATCH" in environ
-        if not conditional or method not in ("PUT", "POST", "DELETE"):
+        if method not in ("PUT", "POST", "DELETE"):
             return app(environ, start_response)
+        # Unconditional writes take the lock too: a check-then-write gateway (tests/condition_proxy.py) forwards racing
+        # creates without their condition, and moto replacing one object from two threads at once (or under a read
+        # holding the lock) meets the closed buffer as above and answers 500.
         # The body is read whole before the lock, as S3 evaluates a condition once the request is complete: a client
         # frozen mid-upload (SIGSTOP, a cut link) must neither hold every other conditional write nor win the race
         # against the party that fenced it.

@@ -1,0 +1,196 @@
+"""Pytest fixtures for the SFTP destination: Debian's OpenSSH server on 127.0.0.1, with a host key and a user key of
+its own, one per session (:func:`sftp_server`) or one a test may stop and start (:class:`SshServer`); a fresh folder
+per test (:func:`sftp_folder`); a TCP proxy that cuts the connection after a number of bytes (:class:`CuttingProxy`).
+
+The server is ``/usr/sbin/sshd -D -f <config>`` (``apt-get install openssh-server``): its own config in a temporary
+folder (``ListenAddress 127.0.0.1:<free port>``, ``AuthorizedKeysFile`` and ``PidFile`` of its own, ``Subsystem sftp
+internal-sftp``, ``UsePAM no``, ``StrictModes no``), run as a child in a process group of its own and stopped by it.
+The test's user logs in as itself. Without the binary the tests skip with the reason; with ``CI=true`` that fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cloud_fixtures import _free_port, _unavailable, _wait_for_port
+from s3_support import LOOPBACK
+
+__all__ = ["sftp_folder", "sftp_server"]
+
+SSHD = "/usr/sbin/sshd"
+
+
+class SshServer:
+    """One OpenSSH server on 127.0.0.1 (keys and config under ``folder``), started and stopped by the test."""
+
+    def __init__(self, folder: Path) -> None:
+        if not os.path.exists(SSHD) or shutil.which("ssh-keygen") is None:
+            _unavailable(f"no OpenSSH server ({SSHD}; apt-get install openssh-server)")
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        self.port = _free_port()
+        self.user = getpass.getuser()
+        self.host_key = folder / "host_ed25519"
+        self.key_file = str(folder / "user_ed25519")
+        for key in (self.host_key, Path(self.key_file)):
+            subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+        (folder / "authorized_keys").write_text(Path(self.key_file + ".pub").read_text())
+        public = self.host_key.with_suffix(".pub").read_text().split()[:2]
+        self.known_hosts = str(folder / "known_hosts")
+        Path(self.known_hosts).write_text(f"[{LOOPBACK}]:{self.port} {' '.join(public)}\n")
+        self.config = folder / "sshd_config"
+        self.config.write_text(
+            f"ListenAddress {LOOPBACK}:{self.port}\nHostKey {self.host_key}\nPidFile {folder / 'sshd.pid'}\n"
+            f"AuthorizedKeysFile {folder / 'authorized_keys'}\nSubsystem sftp internal-sftp\nUsePAM no\n"
+            "StrictModes no\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
+            "PermitRootLogin prohibit-password\nMaxStartups 200\nMaxSessions 200\nLogLevel ERROR\n"
+        )
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> SshServer:
+        if os.geteuid() == 0:
+            os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # its privilege separation folder (no systemd here)
+        self.process = subprocess.Popen(
+            [SSHD, "-D", "-e", "-f", str(self.config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+        _wait_for_port(self.port, self.process, "sshd")
+        return self
+
+    def stop(self) -> None:
+        """Stops the server and every session it forked (its process group)."""
+        if self.process is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        self.process = None
+
+    def destination(self, path: str, *, port: int | None = None, **settings):
+        """A destination on ``path`` of this server (through ``port``: a proxy), logged in with the test's key."""
+        from export_ledger.destinations.sftp import SftpDestination
+
+        settings.setdefault("read_timeout_seconds", 3.0)
+        settings.setdefault("connect_timeout_seconds", 3.0)
+        return SftpDestination(
+            host=LOOPBACK, port=port or self.port, path=path, sftp_user=self.user, sftp_key_file=self.key_file,
+            sftp_known_hosts=self.known_hosts, **settings,
+        )  # fmt: skip
+
+    def spec(self, path: str) -> dict:
+        """The destination as the crash harness's children build it (a JSON-able dict)."""
+        return {"kind": "sftp", "host": LOOPBACK, "port": self.port, "path": path, "user": self.user,
+                "key_file": self.key_file, "known_hosts": self.known_hosts}  # fmt: skip
+
+    def environment(self) -> dict[str, str]:
+        """The settings as a deployment gives them (``EXPORTS_SFTP_*``)."""
+        return {"EXPORTS_SFTP_USER": self.user, "EXPORTS_SFTP_KEY_FILE": self.key_file,
+                "EXPORTS_SFTP_KNOWN_HOSTS": self.known_hosts}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def sftp_server(tmp_path_factory) -> Iterator[SshServer]:
+    """One OpenSSH server for the session."""
+    server = SshServer(tmp_path_factory.mktemp("sshd")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def sftp_folder(sftp_server: SshServer, tmp_path_factory) -> str:
+    """A new, empty folder the server serves (the server is on this machine: a test may look at it directly)."""
+    folder = tmp_path_factory.mktemp(f"sftp-{uuid.uuid4().hex[:8]}")
+    return str(folder)
+
+
+class CuttingProxy:
+    """A TCP proxy on 127.0.0.1 in front of a server that, once armed, closes both sides of the connection after
+    ``cut_after`` more bytes from the client (the client's write is cut in the middle)."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.listener = socket.create_server((LOOPBACK, 0))
+        self.port = self.listener.getsockname()[1]
+        self.cut_after: int | None = None
+        self.cuts = 0
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        self._stopping = False
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def arm(self, cut_after: int) -> None:
+        with self._lock:
+            self.cut_after = cut_after
+
+    def _accept(self) -> None:
+        while not self._stopping:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection((LOOPBACK, self.upstream_port))
+            with self._lock:
+                self._sockets += [client, upstream]
+            for source, sink, counted in ((client, upstream, True), (upstream, client, False)):
+                thread = threading.Thread(target=self._pump, args=(source, sink, counted, client, upstream), daemon=True)
+                thread.start()
+                self._threads.append(thread)
+
+    def _pump(self, source, sink, counted, *both) -> None:
+        try:
+            while data := source.recv(65536):
+                if counted:
+                    with self._lock:
+                        if self.cut_after is not None and len(data) >= self.cut_after:
+                            data, cut = data[: self.cut_after], True
+                            self.cut_after, self.cuts = None, self.cuts + 1
+                        else:
+                            if self.cut_after is not None:
+                                self.cut_after -= len(data)
+                            cut = False
+                    if cut:
+                        sink.sendall(data)
+                        for each in both:
+                            with contextlib.suppress(OSError):
+                                each.shutdown(socket.SHUT_RDWR)
+                        return
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for each in both:
+                with contextlib.suppress(OSError):
+                    each.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._stopping = True
+        with contextlib.suppress(OSError):
+            self.listener.close()
+        with self._lock:
+            sockets = list(self._sockets)
+        for each in sockets:
+            with contextlib.suppress(OSError):
+                each.close()
+        deadline = time.monotonic() + 5
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))

@@ -40,11 +40,11 @@ LOGICAL_KEY = str(KEY)
 TABLE = pa.table({"invoice_id": ["a", "b"], "amount": [1.0, 2.0]})
 
 
-@pytest.fixture(params=["local", "s3", "gcs", "azure"])
+@pytest.fixture(params=["local", "s3", "gcs", "azure", "sftp"])
 def destination(request, tmp_path):
     if request.param == "local":
         return LocalDestination(str(tmp_path / "exports"))
-    if request.param in ("gcs", "azure"):
+    if request.param in ("gcs", "azure", "sftp"):
         return object_destination(request.param, request, prefix="contract")
     from export_ledger.destinations.s3 import S3Destination
 
@@ -299,7 +299,7 @@ def test_a_ledger_table_holds_no_pointer_of_its_own_and_hands_its_rows_back_as_c
 # reconciliation and the operators' commands ask of any destination: a key never held is absent, an exported key is
 # judged from the destination's own evidence, and a restatement leaves one current revision.
 
-ALL_KINDS = ["local", "s3", "gcs", "azure", "delta", "table"]
+ALL_KINDS = ["local", "s3", "gcs", "azure", "sftp", "delta", "table"]
 ORDERS_DAY_KEY = key_for(ORDERS_DAY, export="orders")
 
 

@@ -73,6 +73,10 @@ class SshServer:
         """Stops the server and every session it forked (its process group)."""
         if self.process is None:
             return
+        # Each session's sshd calls setsid(): it is in no group of the server's, so it is stopped by its pid.
+        for child in _descendants(self.process.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGTERM)
         try:
@@ -87,11 +91,17 @@ class SshServer:
         """A destination on ``path`` of this server (through ``port``: a proxy), logged in with the test's key."""
         from export_ledger.destinations.sftp import SftpDestination
 
+        if port is not None and "sftp_known_hosts" not in settings:  # the proxy's port: the same host key there
+            known = Path(self.folder / f"known_hosts-{port}")
+            entry = Path(self.known_hosts).read_text().split(" ", 1)[1]
+            known.write_text(f"[{LOOPBACK}]:{port} {entry}")
+            settings["sftp_known_hosts"] = str(known)
+        settings.setdefault("sftp_known_hosts", self.known_hosts)
         settings.setdefault("read_timeout_seconds", 3.0)
         settings.setdefault("connect_timeout_seconds", 3.0)
         return SftpDestination(
             host=LOOPBACK, port=port or self.port, path=path, sftp_user=self.user, sftp_key_file=self.key_file,
-            sftp_known_hosts=self.known_hosts, **settings,
+            **settings,
         )  # fmt: skip
 
     def spec(self, path: str) -> dict:
@@ -103,6 +113,22 @@ class SshServer:
         """The settings as a deployment gives them (``EXPORTS_SFTP_*``)."""
         return {"EXPORTS_SFTP_USER": self.user, "EXPORTS_SFTP_KEY_FILE": self.key_file,
                 "EXPORTS_SFTP_KNOWN_HOSTS": self.known_hosts}  # fmt: skip
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (read from /proc), children first."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        children = [child for child, of in parents.items() if of == parent]
+        found += children
+        todo += children
+    return found
 
 
 @pytest.fixture(scope="session")
@@ -123,14 +149,18 @@ def sftp_folder(sftp_server: SshServer, tmp_path_factory) -> str:
 
 
 class CuttingProxy:
-    """A TCP proxy on 127.0.0.1 in front of a server that, once armed, closes both sides of the connection after
-    ``cut_after`` more bytes from the client (the client's write is cut in the middle)."""
+    """A TCP proxy on 127.0.0.1 in front of a server that, once armed, cuts the connection: after ``cut_after`` more
+    bytes from the client (:meth:`arm`: the client's request is cut before the server has it whole), or after
+    forwarding the client's next write whole and letting the server act on it, its answer never delivered
+    (:meth:`arm_after_request`: the request happened, the client cannot know)."""
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
         self.listener = socket.create_server((LOOPBACK, 0))
         self.port = self.listener.getsockname()[1]
         self.cut_after: int | None = None
+        self.after_request = False
+        self.swallowing = False
         self.cuts = 0
         self._lock = threading.Lock()
         self._sockets: list[socket.socket] = []
@@ -142,6 +172,10 @@ class CuttingProxy:
         with self._lock:
             self.cut_after = cut_after
 
+    def arm_after_request(self) -> None:
+        with self._lock:
+            self.after_request = True
+
     def _accept(self) -> None:
         while not self._stopping:
             try:
@@ -151,44 +185,58 @@ class CuttingProxy:
             upstream = socket.create_connection((LOOPBACK, self.upstream_port))
             with self._lock:
                 self._sockets += [client, upstream]
+                self.swallowing = False  # a new connection's answers are delivered
             for source, sink, counted in ((client, upstream, True), (upstream, client, False)):
-                thread = threading.Thread(target=self._pump, args=(source, sink, counted, client, upstream), daemon=True)
+                thread = threading.Thread(
+                    target=self._pump, args=(source, sink, counted, client, upstream), daemon=True
+                )
                 thread.start()
                 self._threads.append(thread)
+
+    def _cut(self, both) -> None:
+        for each in both:
+            with contextlib.suppress(OSError):
+                each.shutdown(socket.SHUT_RDWR)
 
     def _pump(self, source, sink, counted, *both) -> None:
         try:
             while data := source.recv(65536):
-                if counted:
-                    with self._lock:
-                        if self.cut_after is not None and len(data) >= self.cut_after:
-                            data, cut = data[: self.cut_after], True
-                            self.cut_after, self.cuts = None, self.cuts + 1
-                        else:
-                            if self.cut_after is not None:
-                                self.cut_after -= len(data)
-                            cut = False
-                    if cut:
+                if not counted:
+                    if not self.swallowing:
                         sink.sendall(data)
-                        for each in both:
-                            with contextlib.suppress(OSError):
-                                each.shutdown(socket.SHUT_RDWR)
-                        return
+                    continue
+                with self._lock:
+                    deliver_then_cut, self.after_request = self.after_request, False
+                    cut = self.cut_after is not None and len(data) >= self.cut_after
+                    if cut:
+                        data, self.cut_after = data[: self.cut_after], None
+                    elif self.cut_after is not None:
+                        self.cut_after -= len(data)
+                    if cut or deliver_then_cut:
+                        self.cuts += 1
+                        self.swallowing = deliver_then_cut
                 sink.sendall(data)
+                if deliver_then_cut:
+                    time.sleep(0.3)  # the server acts on the request; its answer is swallowed
+                if cut or deliver_then_cut:
+                    self._cut(both)
+                    return
         except OSError:
             pass
         finally:
-            for each in both:
-                with contextlib.suppress(OSError):
-                    each.shutdown(socket.SHUT_RDWR)
+            self._cut(both)
 
     def close(self) -> None:
         self._stopping = True
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (a close alone does not, on Linux)
         with contextlib.suppress(OSError):
             self.listener.close()
         with self._lock:
             sockets = list(self._sockets)
         for each in sockets:
+            with contextlib.suppress(OSError):
+                each.shutdown(socket.SHUT_RDWR)  # wakes the pumps blocked in recv
             with contextlib.suppress(OSError):
                 each.close()
         deadline = time.monotonic() + 5

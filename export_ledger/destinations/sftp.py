@@ -101,8 +101,9 @@ class SftpServer:
         return f"sftp://{self.host}:{self.port}"
 
     def _key(self) -> tuple:
+        passphrase = hashlib.sha256((self.passphrase or "").encode()).hexdigest()
         return (self.host, self.port, self.user, self.key_file, self.known_hosts, self.connect_timeout,
-                self.read_timeout, hashlib.sha256((self.passphrase or "").encode()).hexdigest(), os.getpid())  # fmt: skip
+                self.read_timeout, passphrase, os.getpid())  # fmt: skip
 
     def connection(self):
         """The process's open SFTP session to this server (a forked child opens its own)."""
@@ -534,8 +535,12 @@ SCHEME = Scheme(
         Setting("sftp_user", "EXPORTS_SFTP_USER", credential=True, doc="The login on the server"),
         Setting("sftp_key_file", "EXPORTS_SFTP_KEY_FILE", credential=True, doc="The private key file"),
         Setting("sftp_key_passphrase", "EXPORTS_SFTP_KEY_PASSPHRASE", secret=True, doc="The key file's passphrase"),
-        Setting("sftp_known_hosts", "EXPORTS_SFTP_KNOWN_HOSTS", default="~/.ssh/known_hosts",
-                doc="The known_hosts file the server's host key is checked against"),  # fmt: skip
+        Setting(
+            "sftp_known_hosts",
+            "EXPORTS_SFTP_KNOWN_HOSTS",
+            default="~/.ssh/known_hosts",
+            doc="The known_hosts file the server's host key is checked against",
+        ),  # fmt: skip
         Setting("connect_timeout_seconds", parse=float, default=5.0, doc="Connect timeout"),
         Setting("read_timeout_seconds", parse=float, default=30.0, doc="Read timeout (during a create: unknown)"),
     ),

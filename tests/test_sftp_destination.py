@@ -1,0 +1,190 @@
+"""The SFTP destination against Debian's OpenSSH server (tests/sftp_fixtures.py): a store that can only create, each
+key's pointer a sequence of created pointer objects (export_ledger/destinations/sequence.py).
+
+The contract suite, the restatements, read_current and the end-to-end run hold it to what every publishing kind does.
+These hold it to what is its own: racing writers and a fence never change what a partner reading the pointer objects
+sees unless they hold the key; a connection cut mid-upload publishes nothing; a cut during the pointer's create is an
+unknown outcome that the sequence settles; a restarted server is reached again; the host key is always checked; a spec
+carrying a credential is refused without echoing it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from object_buckets import sftp_client, sftp_objects
+from sftp_fixtures import CuttingProxy, SshServer
+from test_destination_contract import manifest, target
+
+from export_ledger.destinations import Fenced, PointerMoved, Verdict
+from export_ledger.destinations.base import DestinationError, DestinationUnreachable, PublishOutcomeUnknown
+from export_ledger.destinations.registry import destination_from
+from export_ledger.destinations.sftp import SftpStore
+from export_ledger.errors import ConfigurationError
+
+TABLE = pa.table({"invoice_id": ["a", "b"], "amount": [1.0, 2.0]})
+BIG = pa.table({"invoice_id": [f"invoice-{n:06d}" for n in range(20000)], "amount": [float(n) for n in range(20000)]})
+
+
+def key_folder(destination) -> str:
+    return destination.key_folder(target())
+
+
+def partner_sees(server, folder: str, destination) -> dict:
+    """What a partner reading with its own session sees of the key: the highest pointer object, or {}."""
+    sftp = sftp_client(server)
+    try:
+        found = sftp_objects(sftp, f"{folder}/{key_folder(destination)}")
+    finally:
+        sftp.close()
+    return json.loads(found["_current.json"]) if "_current.json" in found else {}
+
+
+def pointer_objects(folder: str, destination) -> list[dict]:
+    """Every pointer object the key holds, in order (the server is on this machine)."""
+    found = sorted((Path(folder) / key_folder(destination) / "_pointers").glob("*.json"))
+    return [json.loads(path.read_bytes()) for path in found]
+
+
+def test_racing_writers_and_a_fence_never_change_what_a_reader_sees_below_the_fence(sftp_server, sftp_folder):
+    """A fence at token 5, then four parties commit revision 1 at once: the two below the fence are Fenced and
+    create no pointer object at all; of the two above, exactly one moves the pointer, and the reader sees its place."""
+    destination = sftp_server.destination(sftp_folder)
+    destination.fence(target(), 5, logical_key=manifest(5).logical_key)
+    staged = {token: destination.stage(target(), token, TABLE, "csv", manifest(token)) for token in (3, 4, 6, 7)}
+    barrier, outcomes = threading.Barrier(len(staged)), {}
+
+    def commit(token: int) -> None:
+        barrier.wait(timeout=10)
+        try:
+            destination.commit(staged[token], token, superseded=0)
+            outcomes[token] = "committed"
+        except (Fenced, PointerMoved) as exc:
+            outcomes[token] = type(exc).__name__
+
+    threads = [threading.Thread(target=commit, args=(token,)) for token in staged]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+
+    assert outcomes[3] == outcomes[4] == "Fenced", outcomes
+    winners = [token for token in (6, 7) if outcomes[token] == "committed"]
+    assert len(winners) == 1, outcomes
+    seen = partner_sees(sftp_server, sftp_folder, destination)
+    assert (seen["revision"], seen["path"], seen["fence"]) == (1, f"r1-t{winners[0]}", winners[0])
+    written = pointer_objects(sftp_folder, destination)
+    assert [p["fence"] for p in written] == [5, winners[0]], "the fence, then one commit: nothing of tokens 3 and 4"
+    assert destination.pointer(target()).tag == "2", "the current pointer is the highest number"
+
+
+def test_a_fence_then_a_stale_commit_leaves_the_reader_on_what_it_saw(sftp_server, sftp_folder):
+    destination = sftp_server.destination(sftp_folder)
+    staged = destination.stage(target(), 1, TABLE, "csv", manifest(1))
+    destination.commit(staged, 1, superseded=0)
+    before = partner_sees(sftp_server, sftp_folder, destination)
+    later = destination.stage(target(2), 2, TABLE, "csv", manifest(2, 2))
+    destination.fence(target(), 3, logical_key=manifest(3).logical_key)
+    with pytest.raises(Fenced, match="fenced at token 3"):
+        destination.commit(later, 2, superseded=1)
+    after = partner_sees(sftp_server, sftp_folder, destination)
+    assert {k: v for k, v in after.items() if k != "fence"} == {k: v for k, v in before.items() if k != "fence"}
+    assert after["fence"] == 3 and len(pointer_objects(sftp_folder, destination)) == 2
+
+
+@pytest.fixture
+def proxy(sftp_server):
+    cutting = CuttingProxy(sftp_server.port)
+    yield cutting
+    cutting.close()
+
+
+def test_a_connection_cut_mid_upload_publishes_nothing_and_the_next_attempt_publishes(sftp_server, sftp_folder, proxy):
+    destination = sftp_server.destination(sftp_folder, port=proxy.port)
+    destination.fence(target(), 1, logical_key=manifest(1).logical_key)  # connected, checked: the data file is next
+    proxy.arm(cut_after=64 << 10)  # inside the data file's ~400 kB
+    with pytest.raises(DestinationError, match="cannot write .*data.csv") as cut:
+        destination.stage(target(), 1, BIG, "csv", manifest(1))
+    assert not isinstance(cut.value, PublishOutcomeUnknown) and proxy.cuts == 1
+    assert partner_sees(sftp_server, sftp_folder, destination)["revision"] == 0, "only the fence: nothing published"
+
+    staged = destination.stage(target(), 1, BIG, "csv", manifest(1))  # a new connection
+    destination.commit(staged, 1, superseded=0)
+    seen = partner_sees(sftp_server, sftp_folder, destination)
+    assert (seen["revision"], seen["row_count"]) == (1, BIG.num_rows)
+
+
+@pytest.mark.parametrize("delivered", [True, False], ids=["rename-done-answer-lost", "rename-never-sent"])
+def test_a_cut_during_the_pointers_create_is_unknown_and_the_sequence_settles_it(
+    sftp_server, sftp_folder, proxy, monkeypatch, delivered
+):
+    """The connection is cut at the rename that creates pointer object 1: after the server did it (its answer lost),
+    or before the request reached it. Either way the commit cannot know; the verdict, read from the sequence on a
+    new connection, says which (what reconciliation records)."""
+    destination = sftp_server.destination(sftp_folder, port=proxy.port)
+    staged = destination.stage(target(), 1, TABLE, "csv", manifest(1))
+    create = SftpStore._create
+
+    def cut_at_the_pointer(store, temporary, name, data):
+        if "/_pointers/" in name:
+            proxy.arm_after_request() if delivered else proxy.arm(cut_after=0)
+        return create(store, temporary, name, data)
+
+    monkeypatch.setattr(SftpStore, "_create", cut_at_the_pointer)
+    with pytest.raises(PublishOutcomeUnknown, match="may or may not exist"):
+        destination.commit(staged, 1, superseded=0)
+    monkeypatch.setattr(SftpStore, "_create", create)
+
+    verdict = destination.verify(target(), logical_key=manifest(1).logical_key, superseded=0).verdict
+    assert verdict is (Verdict.PUBLISHED if delivered else Verdict.ABSENT)
+    assert partner_sees(sftp_server, sftp_folder, destination).get("revision", 0) == (1 if delivered else 0)
+
+
+def test_a_restarted_server_is_reached_again_and_a_stopped_one_is_unreachable(tmp_path):
+    server = SshServer(tmp_path / "sshd").start()
+    try:
+        destination = server.destination(str(tmp_path / "exports"))
+        destination.fence(target(), 1, logical_key=manifest(1).logical_key)
+        server.stop()
+        # The open session's next request meets the closed connection (nothing was created, and it is dropped), or
+        # the session saw it close first and connects again, refused.
+        with pytest.raises(DestinationError, match="connection lost.*nothing was created|cannot connect") as lost:
+            destination.stage(target(), 1, TABLE, "csv", manifest(1))
+        assert not isinstance(lost.value, PublishOutcomeUnknown)
+        with pytest.raises(DestinationUnreachable, match="cannot connect"):  # a new one is refused
+            destination.stage(target(), 1, TABLE, "csv", manifest(1))
+        server.start()
+        staged = destination.stage(target(), 1, TABLE, "csv", manifest(1))
+        destination.commit(staged, 1, superseded=0)
+        assert destination.pointer(target()).revision == 1
+    finally:
+        server.stop()
+
+
+def test_an_unknown_host_key_is_refused_never_added(sftp_server, sftp_folder, tmp_path):
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    destination = sftp_server.destination(sftp_folder, sftp_known_hosts=str(empty))
+    with pytest.raises(DestinationError, match="host key is not in .*never added"):
+        destination.pointer(target())
+    assert empty.read_text() == "", "nothing was added"
+
+
+def test_a_spec_with_a_credential_is_refused_without_echo_and_settings_come_from_the_environment(sftp_server):
+    with pytest.raises(ConfigurationError) as refused:
+        destination_from("sftp://bob:hunter2@127.0.0.1/srv/exports", ledger_url="")
+    assert "hunter2" not in str(refused.value) and "EXPORTS_SFTP_KEY_PASSPHRASE" in str(refused.value)
+    built = destination_from(
+        f"sftp://127.0.0.1:{sftp_server.port}/srv/exports", ledger_url="", environ=sftp_server.environment()
+    )
+    assert (built.sftp_user, built.sftp_key_file, built.path) == (
+        sftp_server.user,
+        sftp_server.key_file,
+        "/srv/exports",
+    )
+    with pytest.raises(ConfigurationError, match="names no folder"):
+        destination_from("sftp://127.0.0.1/", ledger_url="")

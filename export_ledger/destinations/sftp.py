@@ -120,8 +120,11 @@ class SftpServer:
         """Closes the session after a broken operation: the next one connects again."""
         found = _sessions().pop(self._key(), None)
         if found is not None:
+            transport = found.client.get_transport()
             with contextlib.suppress(Exception):
                 found.client.close()
+            if transport is not None and transport is not threading.current_thread():
+                transport.join(5)  # its reader thread ends with it (a fork server forks with no thread running)
 
     def _connect(self) -> _Connection:
         paramiko = _paramiko()
@@ -394,8 +397,9 @@ class SftpStore(ObjectStore):
 
     def check_conditions(self) -> None:
         """Refuses a server whose rename replaces an existing file: a second create of one name must be refused,
-        and of :data:`RACERS` racing creates exactly one may win. Once per process and server and root."""
-        key = (self.server.host, self.server.port, self.root, os.getpid())
+        and of :data:`RACERS` racing creates exactly one may win. Once per process (and its forks) and server and
+        root."""
+        key = (self.server.host, self.server.port, self.root)
         if key in _CHECKED:
             return
         name = f"{_PROBES}/{uuid.uuid4().hex}"
@@ -410,8 +414,14 @@ class SftpStore(ObjectStore):
                     f"{self.describe()} replaced an existing file on rename: this server cannot create only if "
                     "absent, so a retry could replace a published export. Refusing to publish to it"
                 )
-            accepted = racing_creates(lambda body: self.put_if_absent(f"{name}-race", body),
-                                      lambda exc: isinstance(exc, AlreadyExists), RACERS)  # fmt: skip
+
+            def create(body: bytes) -> None:
+                try:
+                    self.put_if_absent(f"{name}-race", body)
+                finally:
+                    self.server.drop()  # each racer's own session: its thread ends here
+
+            accepted = racing_creates(create, lambda exc: isinstance(exc, AlreadyExists), RACERS)
             problem = race_problem(accepted, self.read(f"{name}-race"))
             if problem:
                 raise DestinationError(

@@ -188,3 +188,28 @@ def test_a_spec_with_a_credential_is_refused_without_echo_and_settings_come_from
     )
     with pytest.raises(ConfigurationError, match="names no folder"):
         destination_from("sftp://127.0.0.1/", ledger_url="")
+
+
+def test_the_partners_reader_in_the_docs_reads_what_the_destination_made_current(sftp_server, sftp_folder):
+    """docs/destinations.md's paramiko reader, run as written, on a key restated once and fenced since."""
+    section = Path(__file__).parents[1].joinpath("docs", "destinations.md").read_text().split("## SFTP", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(compile(code, "docs/destinations.md", "exec"), namespace)  # noqa: S102 - the docs' own example
+    destination = sftp_server.destination(sftp_folder)
+    sftp = sftp_client(sftp_server)
+    try:
+        folder = f"{sftp_folder}/{key_folder(destination)}"
+        assert namespace["current"](sftp, folder) is None, "a key never held"
+        destination.fence(target(), 1, logical_key=manifest(1).logical_key)
+        assert namespace["current"](sftp, folder) is None, "fenced, nothing published"
+        first = destination.stage(target(), 1, TABLE, "csv", manifest(1))
+        destination.commit(first, 1, superseded=0)
+        second = destination.stage(target(2), 2, BIG, "csv", manifest(2, 2))
+        destination.commit(second, 2, superseded=1)
+        destination.fence(target(), 3, logical_key=manifest(3).logical_key)
+        pointer, data = namespace["current"](sftp, folder)
+    finally:
+        sftp.close()
+    assert (pointer["revision"], pointer["path"], pointer["fence"]) == (2, "r2-t2", 3)
+    assert len(data) > 100_000 and pointer["row_count"] == BIG.num_rows

@@ -213,3 +213,26 @@ def test_the_partners_reader_in_the_docs_reads_what_the_destination_made_current
         sftp.close()
     assert (pointer["revision"], pointer["path"], pointer["fence"]) == (2, "r2-t2", 3)
     assert len(data) > 100_000 and pointer["row_count"] == BIG.num_rows
+
+
+def test_moving_the_pointer_from_the_version_read_is_refused_once_another_party_moved_it(sftp_server, sftp_folder):
+    """The sequence's compare-and-swap, step by step: a party reads version N, another moves the pointer to N + 1
+    meanwhile; the first party's move from N is refused (it never becomes N + 2), as is a create-if-absent of a pointer
+    that exists; the pointer objects are the two accepted writes, in order."""
+    from export_ledger.destinations.store import PreconditionFailed
+
+    store = sftp_server.destination(sftp_folder).store
+    name = "invoice_export/tenant=acme/date=2026-03-08/_current.json"
+    assert store.get(name) is None
+    assert store.put_if_match(name, b'{"first": 1}', None) == "1"
+    read = store.get(name)
+    assert (read.data, read.tag) == (b'{"first": 1}', "1")
+    assert store.put_if_match(name, b'{"other": 2}', read.tag) == "2"  # another party, from the same version
+    with pytest.raises(PreconditionFailed):
+        store.put_if_match(name, b'{"stale": 3}', read.tag)
+    with pytest.raises(PreconditionFailed):
+        store.put_if_match(name, b'{"absent?": 4}', None)
+    assert store.get(name) == type(read)(b'{"other": 2}', "2")
+    folder = Path(sftp_folder) / "invoice_export/tenant=acme/date=2026-03-08/_pointers"
+    assert sorted(p.name for p in folder.iterdir()) == ["000000000001.json", "000000000002.json"]
+    assert store.list("invoice_export/") == [name], "a listing shows the pointer, never its objects as a place"

@@ -147,7 +147,9 @@ class SequencedPointers(ObjectStore):
     # -- everything else passes through -----------------------------------------------------------------------------
 
     def url(self, name: str) -> str:
-        return self.inner.url(name)
+        folder = self._folder_of(name)
+        # A message about the pointer names where it is: the folder of pointer objects (there is no _current.json).
+        return self.inner.url(name if folder is None else f"{folder}/{POINTERS_FOLDER}/")
 
     def describe(self) -> str:
         return self.inner.describe()

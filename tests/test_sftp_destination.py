@@ -16,18 +16,34 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from builders import key_for
 from object_buckets import sftp_client, sftp_objects
 from sftp_fixtures import CuttingProxy, SshServer
-from test_destination_contract import manifest, target
 
-from export_ledger.destinations import Fenced, PointerMoved, Verdict
+from export_ledger.destinations import ExportTarget, Fenced, PointerMoved, Verdict
 from export_ledger.destinations.base import DestinationError, DestinationUnreachable, PublishOutcomeUnknown
 from export_ledger.destinations.registry import destination_from
 from export_ledger.destinations.sftp import SftpStore
 from export_ledger.errors import ConfigurationError
+from export_ledger.frames import Manifest
+
+KEY = key_for()
 
 TABLE = pa.table({"invoice_id": ["a", "b"], "amount": [1.0, 2.0]})
 BIG = pa.table({"invoice_id": [f"invoice-{n:06d}" for n in range(20000)], "amount": [float(n) for n in range(20000)]})
+
+
+def target(revision: int = 1) -> ExportTarget:
+    return ExportTarget(KEY.export, KEY.tenant, KEY.window.business_date.isoformat(), revision)
+
+
+def manifest(token: int, revision: int = 1) -> Manifest:
+    """Revision ``revision``'s manifest as party ``token`` writes it (the stage fills in its sha256 and count)."""
+    return Manifest.build(
+        logical_key=str(KEY), export=KEY.export, tenant=KEY.tenant, window=KEY.window, row_count=0, sha256="",
+        attempt_id=f"run-{token}/invoice_export", fencing_token=token, data_file="data.csv", tz_database="test",
+        revision=revision, supersedes=(revision - 1, "ab" * 32) if revision > 1 else None,
+    )  # fmt: skip
 
 
 def key_folder(destination) -> str:

@@ -53,7 +53,8 @@ from export_ledger.destinations.store import (
 )
 
 _CHUNK = 1 << 20
-_HOST_RE = re.compile(r"[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\]")
+#: A host name or an IPv4 address (an IPv6 address is refused: give the host a name).
+_HOST_RE = re.compile(r"[A-Za-z0-9._-]+")
 #: Where the startup check writes its probe objects, under the root (readers ignore dot folders).
 _PROBES = ".export-ledger-probe"
 _CHECKED: set[tuple] = set()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -252,3 +253,33 @@ def test_moving_the_pointer_from_the_version_read_is_refused_once_another_party_
     folder = Path(sftp_folder) / "invoice_export/tenant=acme/date=2026-03-08/_pointers"
     assert sorted(p.name for p in folder.iterdir()) == ["000000000001.json", "000000000002.json"]
     assert store.list("invoice_export/") == [name], "a listing shows the pointer, never its objects as a place"
+
+
+def test_a_session_of_a_thread_that_ended_is_closed_when_the_next_one_opens(sftp_server, sftp_folder):
+    """Each thread holds its own session (paramiko's SFTP client serves one thread at a time); a worker's threads
+    come and go, so the sessions of ended threads are closed, not left open until the process ends."""
+    from export_ledger.destinations import sftp
+
+    destination = sftp_server.destination(sftp_folder)
+    ours = destination.raw_store.server
+    release = threading.Event()
+
+    def read_then_wait() -> None:
+        destination.pointer(target())
+        release.wait(10)
+
+    threads = [threading.Thread(target=read_then_wait) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    ended = [thread.ident for thread in threads]  # distinct while they all run (an ended thread's may be reused)
+    deadline = time.monotonic() + 10
+    while sum(key[-1] in ended for key in sftp._OPEN) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    release.set()
+    for thread in threads:
+        thread.join(10)
+    assert sum(key[-1] in ended for key in sftp._OPEN) == 3, "each thread opened its own"
+    another = sftp.SftpServer(**{**vars(ours), "connect_timeout": ours.connect_timeout + 1})
+    another.connection()  # a new session: the ended threads' are closed first
+    assert [key for key in sftp._OPEN if key[-1] in ended] == []
+    another.drop()

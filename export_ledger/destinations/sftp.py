@@ -58,9 +58,11 @@ _HOST_RE = re.compile(r"[A-Za-z0-9._-]+")
 #: Where the startup check writes its probe objects, under the root (readers ignore dot folders).
 _PROBES = ".export-ledger-probe"
 _CHECKED: set[tuple] = set()
-#: Each thread's open sessions, by server: paramiko's SFTP client answers one thread's requests at a time (two
-#: threads waiting on one session read each other's answers), so threads never share one.
-_OPEN = threading.local()
+#: The open sessions, by server and thread: paramiko's SFTP client answers one thread's requests at a time (two
+#: threads waiting on one session read each other's answers), so threads never share one. A session whose thread has
+#: ended is closed when the next one is opened (a worker's thread pool comes and goes; its sessions must not stay).
+_OPEN: dict[tuple, _Connection] = {}
+_OPEN_LOCK = threading.Lock()
 
 
 def _paramiko():
@@ -108,24 +110,25 @@ class SftpServer:
 
     def connection(self):
         """The process's open SFTP session to this server (a forked child opens its own)."""
-        key, sessions = self._key(), _sessions()
-        found = sessions.get(key)
+        key = (*self._key(), threading.get_ident())
+        with _OPEN_LOCK:
+            found = _OPEN.get(key)
         transport = found.client.get_transport() if found is not None else None
         if transport is not None and transport.is_active():
             return found.sftp
         self.drop()
-        sessions[key] = self._connect()
-        return sessions[key].sftp
+        _close_orphans()
+        opened = self._connect()
+        with _OPEN_LOCK:
+            _OPEN[key] = opened
+        return opened.sftp
 
     def drop(self) -> None:
         """Closes the session after a broken operation: the next one connects again."""
-        found = _sessions().pop(self._key(), None)
+        with _OPEN_LOCK:
+            found = _OPEN.pop((*self._key(), threading.get_ident()), None)
         if found is not None:
-            transport = found.client.get_transport()
-            with contextlib.suppress(Exception):
-                found.client.close()
-            if transport is not None and transport is not threading.current_thread():
-                transport.join(5)  # its reader thread ends with it (a fork server forks with no thread running)
+            _close(found)
 
     def _connect(self) -> _Connection:
         paramiko = _paramiko()
@@ -191,10 +194,25 @@ class SftpServer:
             raise
 
 
-def _sessions() -> dict[tuple, _Connection]:
-    if not hasattr(_OPEN, "sessions"):
-        _OPEN.sessions = {}
-    return _OPEN.sessions
+def _close(found: _Connection) -> None:
+    transport = found.client.get_transport()
+    with contextlib.suppress(Exception):
+        found.client.close()
+    if transport is not None and transport is not threading.current_thread():
+        transport.join(5)  # its reader thread ends with it (a fork server forks with no thread running)
+
+
+def _close_orphans() -> None:
+    """Closes the sessions of this process's threads that have ended. Those a forked child inherited from its parent
+    are forgotten, never closed: their socket is the parent's too, and a close would say goodbye on it."""
+    alive, pid = {thread.ident for thread in threading.enumerate()}, os.getpid()
+    with _OPEN_LOCK:
+        inherited = [key for key in _OPEN if key[-2] != pid]
+        for key in inherited:
+            del _OPEN[key]
+        closing = [_OPEN.pop(key) for key in list(_OPEN) if key[-1] not in alive]
+    for found in closing:
+        _close(found)
 
 
 def _absent(exc: OSError) -> bool:

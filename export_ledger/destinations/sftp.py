@@ -346,7 +346,8 @@ class SftpStore(ObjectStore):
             ) from None
         except OSError as refused:
             failure = refused
-        with contextlib.suppress(OSError, _Lost), self.server.session() as live:
+        # Best effort: a temporary file left behind is swept with its place; the verdict comes from the read below.
+        with contextlib.suppress(OSError, _Lost, DestinationError), self.server.session() as live:
             live.remove(temporary)
         try:
             exists = self.read(name)

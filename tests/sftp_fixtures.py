@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import getpass
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -35,7 +36,7 @@ SSHD = "/usr/sbin/sshd"
 class SshServer:
     """One OpenSSH server on 127.0.0.1 (keys and config under ``folder``), started and stopped by the test."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, *, file_size_limit: int | None = None) -> None:
         if not os.path.exists(SSHD) or shutil.which("ssh-keygen") is None:
             _unavailable(f"no OpenSSH server ({SSHD}; apt-get install openssh-server)")
         self.folder = folder
@@ -58,13 +59,22 @@ class SshServer:
             "PermitRootLogin prohibit-password\nMaxStartups 200\nMaxSessions 200\nLogLevel ERROR\n"
         )
         self.process: subprocess.Popen | None = None
+        #: A limit on the size of any file the server writes (``RLIMIT_FSIZE``; a write past it fails with EFBIG, as
+        #: on a full disk), or None.
+        self.file_size_limit = file_size_limit
+
+    def _limit(self) -> None:
+        """In the server's process before it starts: files past the limit fail to write (the signal that would kill
+        the writer is ignored, so the write answers an error, as a full disk's does)."""
+        resource.setrlimit(resource.RLIMIT_FSIZE, (self.file_size_limit, self.file_size_limit))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
     def start(self) -> SshServer:
         if os.geteuid() == 0:
             os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # its privilege separation folder (no systemd here)
         self.process = subprocess.Popen(
             [SSHD, "-D", "-e", "-f", str(self.config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True,
+            start_new_session=True, preexec_fn=self._limit if self.file_size_limit else None,
         )  # fmt: skip
         _wait_for_port(self.port, self.process, "sshd")
         return self

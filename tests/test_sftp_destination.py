@@ -182,6 +182,23 @@ def test_a_restarted_server_is_reached_again_and_a_stopped_one_is_unreachable(tm
         server.stop()
 
 
+def test_a_write_the_server_fails_mid_upload_publishes_nothing(tmp_path):
+    """The server stores only the first 100 kB of a file (a full disk: its writes past that answer an error, the
+    connection stays up). The data file's pipelined writes are not each awaited, so their errors come back unasked
+    for: the stage must still fail, and nothing of the cut data file may ever become current."""
+    server = SshServer(tmp_path / "sshd", file_size_limit=100_000).start()
+    try:
+        destination = server.destination(str(tmp_path / "exports"))
+        with pytest.raises(DestinationError, match="cannot write .*data.csv") as failed:
+            staged = destination.stage(target(), 1, BIG, "csv", manifest(1))
+            destination.commit(staged, 1, superseded=0)  # reached only when the stage missed the failure
+        assert not isinstance(failed.value, PublishOutcomeUnknown)
+        assert destination.pointer(target()).revision == 0, "nothing published"
+        assert not list((tmp_path / "exports").rglob("_manifest.json")), "no manifest names the cut data file"
+    finally:
+        server.stop()
+
+
 def test_an_unknown_host_key_is_refused_never_added(sftp_server, sftp_folder, tmp_path):
     empty = tmp_path / "known_hosts"
     empty.write_text("")

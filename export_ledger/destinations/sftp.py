@@ -460,28 +460,41 @@ class _Writer:
 
     def __init__(self, handle) -> None:
         self._handle = handle
+        self.written = 0  # what was handed over: the file the server stored must be as long (_SftpUpload.commit)
 
     def write(self, data) -> int:
         paramiko = _paramiko()
+        data = bytes(data)
         try:
-            self._handle.write(bytes(data))
+            self._handle.write(data)
         except (EOFError, paramiko.SSHException) as exc:
             raise ConnectionError(errno.ECONNRESET, "connection lost") from exc
+        self.written += len(data)
         return len(data)
 
 
 class _SftpUpload(Upload):
     def __init__(self, store: SftpStore, name: str, temporary: str, handle) -> None:
         self.store, self.name, self.temporary, self._file = store, name, temporary, handle
-        self.handle: BinaryIO = _Writer(handle)  # type: ignore[assignment]
+        self._writer = _Writer(handle)
+        self.handle: BinaryIO = self._writer  # type: ignore[assignment]
 
     def commit(self) -> None:
         try:
-            with self.store.server.session():
-                self._file.close()  # waits for every pipelined write's answer
+            with self.store.server.session() as sftp:
+                self._file.close()
+                # paramiko drops the answers to pipelined writes it was not waiting for (the close waits for its own
+                # only), so a write the server failed (a full disk, a quota) goes unnoticed: the file it stored tells.
+                stored = sftp.stat(self.temporary).st_size
         except (OSError, _Lost) as exc:
             self.abort()
             raise DestinationError(f"cannot write {self.store.url(self.name)}: {_reason(exc)}") from None
+        if stored != self._writer.written:
+            self.abort()
+            raise DestinationError(
+                f"cannot write {self.store.url(self.name)}: the server stored {stored} of its {self._writer.written} "
+                "bytes (a write failed there: a full disk or a quota?); nothing was published"
+            )
         self.store._create(self.temporary, self.name, None)
 
     def abort(self) -> None:

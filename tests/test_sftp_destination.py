@@ -10,6 +10,7 @@ carrying a credential is refused without echoing it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -197,6 +198,16 @@ def test_a_write_the_server_fails_mid_upload_publishes_nothing(tmp_path):
         assert not list((tmp_path / "exports").rglob("_manifest.json")), "no manifest names the cut data file"
     finally:
         server.stop()
+
+
+def test_a_failed_login_is_unreachable_and_its_message_names_the_settings_never_the_login(sftp_server, sftp_folder):
+    """A login the server refuses: nothing happened (unreachable); the message, which reaches the ledger and the logs,
+    names the settings to look at, not the login name (half of a credential) nor the key file."""
+    destination = dataclasses.replace(sftp_server.destination(sftp_folder), sftp_user="partner-login-7f3a")
+    with pytest.raises(DestinationUnreachable, match="authentication failed") as refused:
+        destination.pointer(target())
+    assert "sftp_user" in str(refused.value)
+    assert "partner-login-7f3a" not in str(refused.value) and sftp_server.key_file not in str(refused.value)
 
 
 def test_an_unknown_host_key_is_refused_never_added(sftp_server, sftp_folder, tmp_path):

@@ -158,7 +158,7 @@ class SftpServer:
         except paramiko.AuthenticationException:
             client.close()
             raise DestinationUnreachable(
-                f"cannot log in to {self.where()} as {self.user!r}: authentication failed (settings sftp_user, "
+                f"cannot log in to {self.where()}: authentication failed (settings sftp_user, "
                 "sftp_key_file, sftp_key_passphrase)"
             ) from None
         except paramiko.SSHException as exc:

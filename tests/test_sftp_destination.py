@@ -210,6 +210,22 @@ def test_a_failed_login_is_unreachable_and_its_message_names_the_settings_never_
     assert "partner-login-7f3a" not in str(refused.value) and sftp_server.key_file not in str(refused.value)
 
 
+def test_the_startup_check_leaves_another_process_probe_alone(sftp_server, sftp_folder, monkeypatch):
+    """Every process checks the server before its first write, in one probe folder: a worker's steps start together.
+    One process's cleanup must not remove another's probe file while it is being written (nor the folder it is about
+    to write in), or that process's check fails and its run with it."""
+    from export_ledger.destinations import sftp
+
+    monkeypatch.setattr(sftp, "_CHECKED", set())
+    probes = Path(sftp_folder) / ".export-ledger-probe"
+    probes.mkdir()
+    theirs = probes / ".tmp-0123abcd-5f5f5f5f5f5f5f5f"  # another process's probe, written, not yet renamed
+    theirs.write_bytes(b"1")
+    sftp_server.destination(sftp_folder).raw_store.check_conditions()
+    assert theirs.exists(), "another process's probe file, removed under it"
+    assert sorted(p.name for p in probes.iterdir()) == [theirs.name], "this process's own probes are removed"
+
+
 def test_an_unknown_host_key_is_refused_never_added(sftp_server, sftp_folder, tmp_path):
     empty = tmp_path / "known_hosts"
     empty.write_text("")

@@ -386,14 +386,16 @@ class SftpStore(ObjectStore):
     def put_if_match(self, name: str, data: bytes, tag: str | None) -> str:
         raise DestinationError(f"{self.url(name)}: an SFTP store replaces nothing (its pointer is a sequence)")
 
-    def delete(self, name: str) -> None:
+    def delete(self, name: str, *, tidy: bool = True) -> None:
+        """Deletes ``name``, and with ``tidy`` its folder once it holds nothing but temporary files (a place's: only
+        its own writer, fenced by now, writes there)."""
         path = self._path(name)
         try:
             with self.server.session() as sftp:
                 with contextlib.suppress(FileNotFoundError):
                     sftp.remove(path)
                 folder = posixpath.dirname(path)
-                if folder != self.root.rstrip("/"):
+                if tidy and folder != self.root.rstrip("/"):
                     self._remove_if_spent(sftp, folder)
         except (OSError, _Lost) as exc:
             raise DestinationError(f"cannot delete {self.url(name)}: {_reason(exc)}") from None
@@ -450,7 +452,9 @@ class SftpStore(ObjectStore):
         finally:
             for each in (name, f"{name}-race"):
                 with contextlib.suppress(DestinationError):
-                    self.delete(each)
+                    # Its own files only: other processes check in the same folder at the same time, and a temporary
+                    # file there is another's probe being written (the folder stays, an empty dot folder).
+                    self.delete(each, tidy=False)
         _CHECKED.add(key)
 
 

@@ -171,6 +171,7 @@ class CuttingProxy:
         self.cut_after: int | None = None
         self.after_request = False
         self.swallowing = False
+        self.answered = threading.Event()  # the server answered while its answers were swallowed
         self.cuts = 0
         self._lock = threading.Lock()
         self._sockets: list[socket.socket] = []
@@ -214,6 +215,8 @@ class CuttingProxy:
                 if not counted:
                     if not self.swallowing:
                         sink.sendall(data)
+                    else:
+                        self.answered.set()
                     continue
                 with self._lock:
                     deliver_then_cut, self.after_request = self.after_request, False
@@ -225,9 +228,12 @@ class CuttingProxy:
                     if cut or deliver_then_cut:
                         self.cuts += 1
                         self.swallowing = deliver_then_cut
+                        self.answered.clear()
                 sink.sendall(data)
                 if deliver_then_cut:
-                    time.sleep(0.3)  # the server acts on the request; its answer is swallowed
+                    # The server acts on the request: cut once its answer came (swallowed), not after a guessed while
+                    # (a loaded machine's server may not have read the request yet, and a cut then would stop it).
+                    self.answered.wait(10)
                 if cut or deliver_then_cut:
                     self._cut(both)
                     return

@@ -21,10 +21,11 @@ class Bucket:
     kind: str
     name: str
     client: Any
+    root: str = ""  # sftp: the folder the names are relative to (``name`` is ``host:port<root>``)
 
     @property
     def scheme(self) -> str:
-        return {"s3": "s3", "gcs": "gs", "azure": "az"}[self.kind]
+        return {"s3": "s3", "gcs": "gs", "azure": "az", "sftp": "sftp"}[self.kind]
 
     def objects(self, prefix: str) -> dict[str, bytes]:
         """Object name (relative to ``prefix``) -> bytes, for everything under ``prefix``."""
@@ -32,6 +33,8 @@ class Bucket:
             listing = self.client.list_objects_v2(Bucket=self.name, Prefix=prefix).get("Contents", [])
             names = [item["Key"] for item in listing]
             return {n[len(prefix) :]: self.client.get_object(Bucket=self.name, Key=n)["Body"].read() for n in names}
+        if self.kind == "sftp":
+            return sftp_objects(self.client, f"{self.root}/{prefix}")
         if self.kind == "gcs":
             blobs = list(self.client.list_blobs(self.name, prefix=prefix))
             return {blob.name[len(prefix) :]: blob.download_as_bytes() for blob in blobs}
@@ -46,6 +49,13 @@ class Bucket:
         if self.kind == "s3":
             head = self.client.head_object(Bucket=self.name, Key=name)
             return head["ETag"], head["LastModified"]
+        if self.kind == "sftp":
+            folder, _, last = f"{self.root}/{name}".rpartition("/")
+            if last == "_current.json":  # the pointer: its highest pointer object (what a reader follows)
+                number = max(int(n[:-5]) for n in self.client.listdir(f"{folder}/_pointers") if n[:-5].isdigit())
+                name = f"{name[: -len(last)]}_pointers/{number:012d}.json"
+            found = self.client.stat(f"{self.root}/{name}")
+            return name, found.st_mtime, found.st_size
         if self.kind == "gcs":
             blob = self.client.bucket(self.name).get_blob(name)
             return blob.generation, blob.metageneration, blob.updated
@@ -81,7 +91,58 @@ def bucket_for(kind: str, request) -> Bucket:
         )
         request.addfinalizer(service.close)
         return Bucket(kind, request.getfixturevalue("azure_container"), service)
+    if kind == "sftp":
+        server = request.getfixturevalue("sftp_server")
+        root = request.getfixturevalue("sftp_folder")
+        client = sftp_client(server)
+        request.addfinalizer(client.close)
+        return Bucket(kind, f"127.0.0.1:{server.port}{root}", client, root)
     raise AssertionError(f"no bucket of kind {kind!r}")
+
+
+def sftp_client(server):
+    """A partner's own paramiko session to the test's SFTP server (host key checked against its known_hosts)."""
+    import paramiko
+
+    ssh = paramiko.SSHClient()
+    ssh.load_host_keys(server.known_hosts)
+    ssh.set_missing_host_key_policy(paramiko.RejectPolicy())
+    ssh.connect("127.0.0.1", server.port, server.user, key_filename=server.key_file, allow_agent=False,
+                look_for_keys=False)  # fmt: skip
+    sftp = ssh.open_sftp()
+    sftp.close = ssh.close  # closing the session closes its connection
+    return sftp
+
+
+def sftp_objects(sftp, folder: str) -> dict[str, bytes]:
+    """Every file under ``folder`` (name relative to it -> bytes), read as a partner reads an SFTP destination: a
+    key's ``_pointers/`` folder is shown as the one ``_current.json`` its highest pointer object is
+    (docs/destinations.md, "SFTP"); temporary files are no objects."""
+    import stat
+
+    found: dict[str, bytes] = {}
+
+    def walk(path: str, relative: str) -> None:
+        try:
+            entries = sftp.listdir_attr(path)
+        except FileNotFoundError:
+            return
+        numbered = sorted(int(e.filename[:-5]) for e in entries if e.filename[:-5].isdigit()) if (
+            path.endswith("/_pointers")) else None  # fmt: skip
+        if numbered is not None:
+            if numbered:
+                with sftp.open(f"{path}/{numbered[-1]:012d}.json") as handle:
+                    found[relative.removesuffix("_pointers/") + "_current.json"] = handle.read()
+            return
+        for entry in entries:
+            if stat.S_ISDIR(entry.st_mode):
+                walk(f"{path}/{entry.filename}", f"{relative}{entry.filename}/")
+            elif not entry.filename.startswith(".tmp-"):
+                with sftp.open(f"{path}/{entry.filename}") as handle:
+                    found[relative + entry.filename] = handle.read()
+
+    walk(folder.rstrip("/"), "")
+    return found
 
 
 def object_destination(kind: str, request, prefix: str, endpoint_url: str | None = None):
@@ -112,6 +173,10 @@ def object_destination(kind: str, request, prefix: str, endpoint_url: str | None
             azure_endpoint_url=endpoint_url or request.getfixturevalue("azurite_server"),
             azure_account_name=AZURITE_ACCOUNT, azure_account_key=AZURITE_KEY, read_timeout_seconds=3.0,
         )  # fmt: skip
+    if kind == "sftp":
+        server = request.getfixturevalue("sftp_server")
+        folder = f"{request.getfixturevalue('sftp_folder')}/{prefix}".rstrip("/")
+        return server.destination(folder, port=int(endpoint_url.rsplit(":", 1)[1]) if endpoint_url else None)
     raise AssertionError(f"no object-store destination of kind {kind!r}")
 
 

@@ -106,7 +106,7 @@ RESTATE_NAMED_REPEATS = 2
 # seconds each in the default tier and a small count in the slow tier: EXPORTS_CRASH_TRIALS_<KIND> random
 # first-export trials and EXPORTS_CRASH_RESTATE_TRIALS_<KIND> random restatements each, and NEW_KIND_NAMED_REPEATS
 # kills at each named point (the default tier kills at each one once already).
-NEW_KINDS = ("gcs", "azure", "delta")
+NEW_KINDS = ("gcs", "azure", "sftp", "delta")
 NEW_KIND_TRIALS = {kind: sized(f"EXPORTS_CRASH_TRIALS_{kind.upper()}", ci=6, full=30) for kind in NEW_KINDS}
 NEW_KIND_RESTATE_TRIALS = {
     kind: sized(f"EXPORTS_CRASH_RESTATE_TRIALS_{kind.upper()}", ci=4, full=20) for kind in NEW_KINDS
@@ -158,6 +158,7 @@ EXPECTED_LANDING = {
     "s3": PUBLISHING_LANDING,
     "gcs": PUBLISHING_LANDING,
     "azure": PUBLISHING_LANDING,
+    "sftp": PUBLISHING_LANDING,
     "delta": {**PUBLISHING_LANDING, "after_stage": "claimed"},
     "sql": {
         "after_claim": "claimed",
@@ -191,6 +192,7 @@ GROUP_LANDING = {
     "s3": _GROUP_PUBLISHING,
     "gcs": _GROUP_PUBLISHING,
     "azure": _GROUP_PUBLISHING,
+    "sftp": _GROUP_PUBLISHING,
     # Delta stages nothing: a kill at after_stage or after_publish leaves the unpublished keys only claimed.
     "delta": {
         **_GROUP_PUBLISHING,
@@ -209,7 +211,7 @@ GROUP_LANDING = {
 # pointer naming revision N + 1, which the ledger does not record yet (protocol v2 has no separate pointer move).
 EXPECTED_RESTATE_LANDING = EXPECTED_LANDING
 # The destinations whose restatements the harness runs: every destination that keeps revisions.
-RESTATING = ("local", "s3", "sql", "gcs", "azure", "delta")
+RESTATING = ("local", "s3", "sql", "gcs", "azure", "sftp", "delta")
 
 
 @dataclass
@@ -286,6 +288,9 @@ class CrashHarness:
             self.destination_spec = {"kind": "delta", "table": str(workdir / "delta" / "{export}")}
         elif kind in ("gcs", "azure"):
             self.destination_spec = {"kind": kind, "prefix": "exports", **store}
+            self.store_client = store_client(self.destination_spec)
+        elif kind == "sftp":
+            self.destination_spec = store
             self.store_client = store_client(self.destination_spec)
         else:
             self.destination_spec = {"kind": "s3", "prefix": "exports", **store}
@@ -667,6 +672,9 @@ def harness(request, fork_server, tmp_path):
             "account_key": AZURITE_KEY,
         }
         crash = CrashHarness(fork_server, "azure", tmp_path, azure)
+    elif name == "sftp":
+        spec = request.getfixturevalue("sftp_server").spec(request.getfixturevalue("sftp_folder"))
+        crash = CrashHarness(fork_server, "sftp", tmp_path, spec)
     elif name == "sql-postgres":
         crash = CrashHarness(fork_server, "sql", tmp_path, ledger_url=request.getfixturevalue("postgres_url"))
     else:
@@ -681,7 +689,7 @@ def assert_clean(tally: Tally) -> None:
         assert tally.violations[name] == 0, f"invariant {name} violated {tally.violations[name]} times"
 
 
-@pytest.mark.parametrize("harness", ["local", "sql", "s3", "gcs", "azure", "delta"], indirect=True)
+@pytest.mark.parametrize("harness", ["local", "sql", "s3", "gcs", "azure", "sftp", "delta"], indirect=True)
 def test_a_kill_at_each_named_point_is_reconciled_and_retried_to_one_export(harness):
     started = time.monotonic()
     for index, point in enumerate(POINTS):
@@ -694,7 +702,7 @@ def test_a_kill_at_each_named_point_is_reconciled_and_retried_to_one_export(harn
 
 @pytest.mark.parametrize(
     "harness",
-    ["local", "sql", "delta", *(pytest.param(kind, marks=pytest.mark.slow) for kind in ("s3", "gcs", "azure"))],
+    ["local", "sql", "delta", *(pytest.param(kind, marks=pytest.mark.slow) for kind in ("s3", "gcs", "azure", "sftp"))],
     indirect=True,
 )
 def test_a_group_killed_at_each_named_point_is_reconciled_and_retried_to_one_export_per_key(harness):

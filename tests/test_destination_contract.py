@@ -3,7 +3,7 @@
 The publishing template's tests run on the local folder and on S3, GCS and Azure (their emulators on 127.0.0.1): the
 pointer is fenced and moved only by compare-and-swap, places are invisible until the pointer names them, the verdict
 is the same function everywhere, the sweep deletes only what no pointer can name, and an operator's discard behaves
-the same on each. The tests at the end hold all six kinds, Delta and the ledger table too, to what the protocol and
+the same on each. The tests at the end hold all seven kinds, Delta and the ledger table too, to what the protocol and
 the operators ask of any destination.
 """
 
@@ -40,11 +40,11 @@ LOGICAL_KEY = str(KEY)
 TABLE = pa.table({"invoice_id": ["a", "b"], "amount": [1.0, 2.0]})
 
 
-@pytest.fixture(params=["local", "s3", "gcs", "azure"])
+@pytest.fixture(params=["local", "s3", "gcs", "azure", "sftp"])
 def destination(request, tmp_path):
     if request.param == "local":
         return LocalDestination(str(tmp_path / "exports"))
-    if request.param in ("gcs", "azure"):
+    if request.param in ("gcs", "azure", "sftp"):
         return object_destination(request.param, request, prefix="contract")
     from export_ledger.destinations.s3 import S3Destination
 
@@ -294,12 +294,12 @@ def test_a_ledger_table_holds_no_pointer_of_its_own_and_hands_its_rows_back_as_c
 
 # -- what every kind answers, through the protocol and the interface every destination shares --------------------
 #
-# The tests above hold the publishing template to its pointer and places. These hold all six kinds, the two that are
+# The tests above hold the publishing template to its pointer and places. These hold all seven kinds, the two that are
 # not object stores too (a Delta table, and a table in the ledger's own database), to what the protocol, the
 # reconciliation and the operators' commands ask of any destination: a key never held is absent, an exported key is
 # judged from the destination's own evidence, and a restatement leaves one current revision.
 
-ALL_KINDS = ["local", "s3", "gcs", "azure", "delta", "table"]
+ALL_KINDS = ["local", "s3", "gcs", "azure", "sftp", "delta", "table"]
 ORDERS_DAY_KEY = key_for(ORDERS_DAY, export="orders")
 
 

@@ -44,7 +44,7 @@ def _destination(kind: str, request, tmp_path):
 
 
 # Delta on moto's S3 takes about 12 s (its log listing is slow there): in the slow tier with the crash harness.
-KINDS = ["local", "s3", "gcs", "azure", "delta", pytest.param("delta-s3", marks=pytest.mark.slow)]
+KINDS = ["local", "s3", "gcs", "azure", "sftp", "delta", pytest.param("delta-s3", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("kind", KINDS)

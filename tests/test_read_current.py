@@ -92,10 +92,12 @@ def assert_one_revision_each(frame: pd.DataFrame, keys) -> dict[str, int]:
     return seen
 
 
-@pytest.fixture(params=["local", "s3", "delta", "ledger-table"])
+@pytest.fixture(params=["local", "s3", "sftp", "delta", "ledger-table"])
 def destination(request, tmp_path, sqlite_url):
     """Every kind the tests reach without a server of their own (GCS and Azure are the object-store template local
-    and S3 are, over other stores)."""
+    and S3 are, over other stores), and SFTP (its pointer is a sequence of pointer objects, read another way)."""
+    if request.param == "sftp":
+        return request.getfixturevalue("sftp_server").destination(request.getfixturevalue("sftp_folder"))
     if request.param == "local":
         return LocalDestination(exports_folder(tmp_path))
     if request.param == "s3":
@@ -334,7 +336,7 @@ def test_a_key_restated_between_its_pointer_and_its_verdict_is_read_at_the_new_r
     assert assert_one_revision_each(frame, [key("acme")]) == {str(key("acme")): 2}
 
 
-@pytest.mark.parametrize("kind", ["local", "s3"])
+@pytest.mark.parametrize("kind", ["local", "s3", "sftp"])
 def test_a_reader_never_sees_two_revisions_of_a_key_or_none_while_restatements_are_published(
     request, ledger, tmp_path, kind
 ):
@@ -342,6 +344,8 @@ def test_a_reader_never_sees_two_revisions_of_a_key_or_none_while_restatements_a
     times: every read shows each key exactly once, whole, at one revision, and no key's revision goes backwards."""
     if kind == "local":
         destination = LocalDestination(exports_folder(tmp_path))
+    elif kind == "sftp":
+        destination = request.getfixturevalue("sftp_server").destination(request.getfixturevalue("sftp_folder"))
     else:
         destination = s3_destination(request.getfixturevalue("s3_bucket"), request.getfixturevalue("s3_server"))
     days = (DAY, DAY + dt.timedelta(days=1))

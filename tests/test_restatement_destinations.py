@@ -52,7 +52,7 @@ def restate(ledger, destination, key, run_id: str = "run-2/export"):
 
 
 
-@pytest.fixture(params=KINDS)
+@pytest.fixture(params=(*KINDS, "sftp"))
 def store(request) -> tuple:
     """``(destination, bucket)``: a destination of each object-store kind, and its bucket read with the store's own
     client (an outside reader)."""

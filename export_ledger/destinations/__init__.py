@@ -1,4 +1,4 @@
-"""Destinations of two kinds: publishing ones (:class:`PointerDestination`: a local folder, S3, GCS and Azure, one
+"""Destinations of two kinds: publishing ones (:class:`PointerDestination`: a local folder, S3, GCS, Azure and SFTP, one
 template over an object store's hooks, :class:`PublishingDestination`; and a Delta table), and a transactional one (a
 table of the ledger's own database, :class:`TransactionalDestination`); built from a spec string by
 :func:`destination_from` through the schemes each destination module declares

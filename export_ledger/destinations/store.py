@@ -67,7 +67,14 @@ class ObjectStore(ABC):
     """The hooks: :meth:`get`, :meth:`put_if_absent` (and :meth:`upload` for streams), :meth:`put_if_match`,
     :meth:`list`, :meth:`delete`; :meth:`digest` and :meth:`read` of an object's bytes; :meth:`url`. Optional: the
     startup check that the store really honours the conditions (:class:`ProbedStore` writes it), :meth:`describe`, and
-    the group commit's :meth:`deferred`, :meth:`sync`, :meth:`prepare` and :meth:`settle`."""
+    the group commit's :meth:`deferred`, :meth:`sync`, :meth:`prepare` and :meth:`settle`.
+
+    A store that can only create (:attr:`compare_and_swap` False: its :meth:`put_if_match` replaces nothing) gets
+    each key's pointer as a sequence of created objects instead (:mod:`export_ledger.destinations.sequence`).
+    """
+
+    #: Whether :meth:`put_if_match` replaces an object only at the version given (False: the store can only create).
+    compare_and_swap: ClassVar[bool] = True
 
     @abstractmethod
     def url(self, name: str) -> str:

@@ -172,6 +172,10 @@ class _Server:
             store = protocol.build_destination(spec, request["ledger_url"]).store
             store.check_conditions()
             _close_cached_clients(store)
+        elif spec["kind"] == "sftp":  # the server's check once here, its sessions closed: each child opens its own
+            store = protocol.build_destination(spec, request["ledger_url"]).raw_store
+            store.check_conditions()
+            store.server.drop()
         sockets = _open_sockets()
         if sockets:
             raise RuntimeError(f"the fork server holds {sockets} open socket(s); children would share them")

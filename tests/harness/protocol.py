@@ -148,6 +148,14 @@ def build_destination(spec: dict, ledger_url: str) -> Destination:
             azure_account_name=spec["account_name"], azure_account_key=spec["account_key"],
             connect_timeout_seconds=5, read_timeout_seconds=10,
         )  # fmt: skip
+    if kind == "sftp":
+        from export_ledger.destinations.sftp import SftpDestination
+
+        return SftpDestination(
+            host=spec["host"], port=spec["port"], path=spec["path"], sftp_user=spec["user"],
+            sftp_key_file=spec["key_file"], sftp_known_hosts=spec["known_hosts"], connect_timeout_seconds=5,
+            read_timeout_seconds=10,
+        )  # fmt: skip
     if kind == "delta":
         from export_ledger.destinations.delta import DeltaDestination
 
@@ -503,7 +511,7 @@ def survey(
     bodies = {} if s3_bodies is None else s3_bodies
     if kind == "local":
         found.finish(_survey_local(Path(destination_spec["root"]), targets, found))
-    elif kind in ("s3", "gcs", "azure"):
+    elif kind in ("s3", "gcs", "azure", "sftp"):
         lister = _S3Objects(s3_client, destination_spec["bucket"]) if kind == "s3" else (
             client or store_client(destination_spec))  # fmt: skip
         prefix = destination_spec.get("prefix", "")
@@ -686,6 +694,68 @@ class _GCSObjects:
         self.client.close()
 
 
+class _SftpObjects:
+    """A folder on an SFTP server, read as a partner reads it with its own paramiko session: each key's
+    ``_pointers/`` folder is its pointer, ``_current.json``, the highest pointer object (docs/destinations.md,
+    "SFTP"), tagged with its number; every other file is tagged with its size and modification time."""
+
+    def __init__(self, spec: dict) -> None:
+        import paramiko
+
+        self.ssh = paramiko.SSHClient()
+        self.ssh.load_host_keys(spec["known_hosts"])
+        self.ssh.set_missing_host_key_policy(paramiko.RejectPolicy())
+        self.ssh.connect(spec["host"], spec["port"], spec["user"], key_filename=spec["key_file"], allow_agent=False,
+                         look_for_keys=False)  # fmt: skip
+        self.sftp = self.ssh.open_sftp()
+        self.root = spec["path"].rstrip("/")
+        self.url = f"sftp://{spec['host']}:{spec['port']}{self.root}"
+
+    def listing(self, start: str):
+        import stat
+
+        def walk(relative: str):
+            try:
+                entries = self.sftp.listdir_attr(f"{self.root}/{relative}".rstrip("/"))
+            except FileNotFoundError:
+                return
+            for entry in entries:
+                name = f"{relative}{entry.filename}"
+                if entry.filename == "_pointers" and stat.S_ISDIR(entry.st_mode):
+                    numbers = self._numbers(name)
+                    if numbers:
+                        yield f"{relative}{POINTER_NAME}", str(numbers[-1])
+                elif stat.S_ISDIR(entry.st_mode):
+                    if not entry.filename.startswith("."):
+                        yield from walk(f"{name}/")
+                elif not entry.filename.startswith(".tmp-"):
+                    yield name, f"{entry.st_size}-{entry.st_mtime}"
+
+        yield from walk(start)
+
+    def _numbers(self, folder: str) -> list[int]:
+        names = self.sftp.listdir(f"{self.root}/{folder}")
+        return sorted(int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit())
+
+    def body(self, name: str) -> tuple[bytes, str] | None:
+        folder, _, last = name.rpartition("/")
+        try:
+            if last == POINTER_NAME:
+                numbers = self._numbers(f"{folder}/_pointers")
+                if not numbers:
+                    return None
+                with self.sftp.open(f"{self.root}/{folder}/_pointers/{numbers[-1]:012d}.json") as handle:
+                    return handle.read(), str(numbers[-1])
+            found = self.sftp.stat(f"{self.root}/{name}")
+            with self.sftp.open(f"{self.root}/{name}") as handle:
+                return handle.read(), f"{found.st_size}-{found.st_mtime}"
+        except FileNotFoundError:
+            return None
+
+    def close(self) -> None:
+        self.ssh.close()
+
+
 class _AzureObjects:
     """A container on Azurite, read with azure-storage-blob: names with their ETags."""
 
@@ -724,6 +794,8 @@ def store_client(destination_spec: dict):
             destination_spec["endpoint_url"], destination_spec["container"], destination_spec["account_name"],
             destination_spec["account_key"],
         )  # fmt: skip
+    if kind == "sftp":
+        return _SftpObjects(destination_spec)
     raise ValueError(f"no store client for destination kind {kind!r}")
 
 

@@ -35,6 +35,7 @@ from export_ledger.destinations.delta import DeltaDestination
 from export_ledger.destinations.gcs import GCSDestination
 from export_ledger.destinations.local import LocalDestination
 from export_ledger.destinations.s3 import S3Destination
+from export_ledger.destinations.warehouse import WarehouseDestination
 from export_ledger.steps import PUBLISHING_STEPS
 
 PACKAGE = Path(destinations.__file__).parents[1]
@@ -96,9 +97,12 @@ def test_the_published_kinds_contract_is_what_the_protocol_asks_of_it() -> None:
     assert undeclared == set(), "a caller asks a published kind only what its contract declares"
 
 
-def test_the_publishing_kinds_are_the_object_store_template_and_delta() -> None:
+def test_the_publishing_kinds_are_the_object_store_template_delta_and_the_warehouse() -> None:
     names = [kind.__name__ for kind in PUBLISHED_KINDS]
-    assert names == ["AzureDestination", "DeltaDestination", "GCSDestination", "LocalDestination", "S3Destination"]
+    assert names == [
+        "AzureDestination", "DeltaDestination", "GCSDestination", "LocalDestination", "S3Destination",
+        "WarehouseDestination",
+    ]  # fmt: skip
     assert [kind.__name__ for kind in every_kind() if issubclass(kind, TransactionalDestination)] == [
         "SqlTableDestination"
     ]
@@ -106,7 +110,9 @@ def test_the_publishing_kinds_are_the_object_store_template_and_delta() -> None:
 
 #: The publishing kinds, named rather than found: a kind that leaves a step unwritten is abstract, and would drop out
 #: of :func:`every_kind`.
-PUBLISHING_KINDS = (LocalDestination, S3Destination, GCSDestination, AzureDestination, DeltaDestination)
+PUBLISHING_KINDS = (
+    LocalDestination, S3Destination, GCSDestination, AzureDestination, DeltaDestination, WarehouseDestination,
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", PUBLISHING_KINDS, ids=lambda kind: kind.__name__)

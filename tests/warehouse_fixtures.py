@@ -113,7 +113,9 @@ def _postgres_url(request) -> Iterator[str]:
         conn.execute(sa.text(f"CREATE DATABASE {name}"))
         conn.execute(sa.text(f"REVOKE ALL ON DATABASE {name} FROM PUBLIC"))
         conn.execute(sa.text(f"GRANT CONNECT ON DATABASE {name} TO {name}"))
-    in_database = sa.create_engine(admin_url.set(database=name), isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
+    in_database = sa.create_engine(
+        admin_url.set(database=name), isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool
+    )
     with in_database.connect() as conn:
         conn.execute(sa.text("REVOKE ALL ON SCHEMA public FROM PUBLIC"))
         conn.execute(sa.text(f"GRANT USAGE, CREATE ON SCHEMA public TO {name}"))

@@ -191,10 +191,7 @@ def _tables(name: str) -> _Tables:
         f"{name}_history",
         metadata,
         *(sa.Column(c.name, c.type, primary_key=True) for c in key_parts),
-        *(
-            sa.Column(c.name, c.type, primary_key=c.name == "revision", nullable=c.nullable)
-            for c in _marker_columns()
-        ),
+        *(sa.Column(c.name, c.type, primary_key=c.name == "revision", nullable=c.nullable) for c in _marker_columns()),
     )
     return _Tables(metadata, markers, history, name)
 
@@ -500,8 +497,8 @@ class WarehouseDestination(PointerDestination):
         """Removes what parties with lower tokens staged for the key (fenced: never committed)."""
         tables = self._names(target.export)
         staged = sa.Table(
-            f"{tables.name}_staged", sa.MetaData(), sa.Column(KEY_COLUMN, sa.String), sa.Column(PLACE_COLUMN, sa.String),
-            sa.Column(TOKEN_COLUMN, sa.BigInteger),
+            f"{tables.name}_staged", sa.MetaData(), sa.Column(KEY_COLUMN, sa.String),
+            sa.Column(PLACE_COLUMN, sa.String), sa.Column(TOKEN_COLUMN, sa.BigInteger),
         )  # fmt: skip
         key = pointer.logical_key
         if key is None:
@@ -774,9 +771,7 @@ SCHEME = Scheme(
     "warehouse:",
     "WarehouseDestination",
     "warehouse:<table>",
-    settings=(
-        Setting("url", "EXPORTS_WAREHOUSE_URL", secret=True, doc="The warehouse database's SQLAlchemy URL"),
-    ),
+    settings=(Setting("url", "EXPORTS_WAREHOUSE_URL", secret=True, doc="The warehouse database's SQLAlchemy URL"),),
 )
 
 __all__ = ["WarehouseDestination"]

@@ -548,6 +548,9 @@ class WarehouseDestination(PointerDestination):
             try:
                 with self._engine().begin() as conn:
                     when = _now()
+                    before = self._marker(conn, target)
+                    if before is not None and (before.revision, before.place) == (target.revision, target.place):
+                        raise _NotMoved(before)  # an earlier send of this very commit landed: nothing to do again
                     conn.execute(
                         markers.update()
                         .where(*self._where(markers, target), markers.c.fence <= token,

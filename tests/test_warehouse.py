@@ -1,0 +1,171 @@
+"""The warehouse destination on its three real servers (PostgreSQL, MariaDB, DuckDB): what only it promises beyond
+the contract suite (tests/test_destination_contract.py runs that on all three).
+
+* Fencing at the destination: a fenced attempt's rows never become visible to a plain ``SELECT`` of the rows table.
+* Restatements: a reader thread querying the rows table throughout sees exactly one revision's rows, never a mix
+  and never none; the superseded marker is kept in the history table.
+* ``read_current`` reads each key's current rows back.
+* The URL is a secret: never in the spec, ``describe()`` or an error; a missing one is refused by name.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+
+import pyarrow as pa
+import pytest
+import sqlalchemy as sa
+from builders import ORDERS_DAY, ORDERS_SCHEMA, ZONE, hourly_orders, key_for, open_ledger, orders_item
+
+from export_ledger.destinations import ExportTarget, Fenced
+from export_ledger.destinations.registry import destination_from
+from export_ledger.destinations.warehouse import WarehouseDestination
+from export_ledger.errors import ConfigurationError
+from export_ledger.frames import Manifest
+from export_ledger.protocol import export_key
+from export_ledger.read import read_current
+
+KEY = key_for(ORDERS_DAY, export="orders")
+TARGET = ExportTarget(KEY.export, KEY.tenant, KEY.window.business_date.isoformat(), 1)
+
+
+@pytest.fixture
+def warehouse(warehouse_url) -> WarehouseDestination:
+    return WarehouseDestination(table="exported_{export}", url=warehouse_url)
+
+
+def manifest_for(token: int, revision: int = 1) -> Manifest:
+    return Manifest(
+        logical_key=str(KEY), export=KEY.export, tenant=KEY.tenant, business_date=TARGET.business_date,
+        timezone="UTC", window_start_utc="2026-03-02T05:00:00Z", window_end_utc="2026-03-03T05:00:00Z",
+        row_count=0, sha256="", attempt_id=f"attempt-{token}", fencing_token=token, data_file="", revision=revision,
+    )  # fmt: skip
+
+
+def rows(total: float) -> pa.Table:
+    frame = hourly_orders(KEY, total=total)
+    return pa.Table.from_pandas(frame, preserve_index=False).cast(
+        pa.schema([("order_id", pa.string()), ("tenant", pa.string()), ("placed_at", pa.timestamp("us", tz="UTC")),
+                   ("total", pa.float64())])
+    )  # fmt: skip
+
+
+def visible(destination: WarehouseDestination) -> list[tuple[str, float]]:
+    """What a plain SELECT of the rows table shows of the key, as any reader of the warehouse runs it."""
+    engine = sa.create_engine(destination.url, poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            if not sa.inspect(conn).has_table("exported_orders"):
+                return []
+            query = sa.text("SELECT order_id, total FROM exported_orders WHERE _export_key = :key ORDER BY _export_row")
+            return [tuple(row) for row in conn.execute(query, {"key": str(KEY)})]
+    finally:
+        engine.dispose()
+
+
+def test_a_fenced_attempts_rows_never_become_visible(warehouse) -> None:
+    """Attempt 1 stages its rows; attempt 2 takes the key over and fences it; attempt 1's commit is refused as
+    fenced, and a plain SELECT of the rows table never shows its rows. Attempt 2's sweep removes what 1 staged, and
+    its own commit is what readers see."""
+    first = warehouse.stage(TARGET, 1, rows(1.0), "csv", manifest_for(1))
+    assert visible(warehouse) == [], "staged rows are where readers do not look"
+    pointer = warehouse.fence(TARGET, 2, logical_key=str(KEY))
+
+    with pytest.raises(Fenced):
+        warehouse.commit(first, 1, superseded=0)
+    assert visible(warehouse) == [], "a fenced attempt's rows never become visible"
+    assert warehouse.pointer(TARGET).revision == 0 and warehouse.pointer(TARGET).fence == 2
+
+    assert warehouse.sweep(TARGET, 2, pointer) == 1, "the fenced attempt's staged rows are removed"
+    second = warehouse.stage(TARGET, 2, rows(2.0), "csv", manifest_for(2))
+    landed = warehouse.commit(second, 2, superseded=0)
+    assert (landed.revision, landed.fence) == (1, 2)
+    assert {total for _, total in visible(warehouse)} == {2.0}
+    assert warehouse.commit(second, 2, superseded=0) == landed, "a commit sent again is the one that landed"
+    with pytest.raises(Fenced):  # a stale party cannot fence below the marker's fence either
+        warehouse.fence(TARGET, 1, logical_key=str(KEY))
+
+
+def test_readers_see_revision_n_or_n_plus_1_never_both_or_neither(warehouse, tmp_path) -> None:
+    """Five restatements while a reader thread runs a plain SELECT of the key's rows again and again: every answer is
+    exactly one revision's rows. The markers of the superseded revisions are kept in the history table."""
+    ledger = open_ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    revisions = 6
+
+    def frame(revision: int):
+        return hourly_orders(KEY, total=float(revision))
+
+    expected = {revision: [(row.order_id, row.total) for row in frame(revision).itertuples()]
+                for revision in range(1, revisions + 1)}  # fmt: skip
+    assert export_key(ledger, warehouse, ORDERS_SCHEMA, orders_item(KEY, frame(1)), "run-1/x").status == "exported"
+    seen: list[list] = []
+    stop = threading.Event()
+    engine = sa.create_engine(warehouse.url) if not warehouse.url.startswith("duckdb") else warehouse._engine()
+    query = sa.text("SELECT order_id, total FROM exported_orders WHERE _export_key = :key ORDER BY _export_row")
+
+    def read() -> None:
+        with engine.connect() as conn:
+            while not stop.is_set():
+                seen.append([tuple(row) for row in conn.execute(query, {"key": str(KEY)})])
+                conn.rollback()  # a fresh snapshot for the next SELECT (MariaDB's REPEATABLE READ keeps one open)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for revision in range(2, revisions + 1):
+            ledger.restatements.request(str(KEY), reason="late rows", requested_by="ops")
+            result = export_key(
+                ledger, warehouse, ORDERS_SCHEMA, orders_item(KEY, frame(revision)), f"run-{revision}/x"
+            )
+            assert result.status == "exported"
+    finally:
+        stop.set()
+        reader.join()
+        if engine is not warehouse._engine():
+            engine.dispose()
+    by_answer = {tuple(rows): revision for revision, rows in expected.items()}
+    answers = [by_answer.get(tuple(answer)) for answer in seen]
+    assert seen and None not in answers, "every answer is exactly one revision's rows: never both, never neither"
+    assert answers == sorted(answers), "a reader never goes back to an earlier revision"
+    assert visible(warehouse) == expected[revisions]
+    with warehouse._engine().connect() as conn:
+        kept = conn.execute(sa.text("SELECT revision FROM exported_orders_history ORDER BY revision")).scalars().all()
+        marker = conn.execute(sa.text("SELECT revision, fence, row_count FROM exported_orders_markers")).one()
+    assert kept == list(range(1, revisions + 1)), "every revision's marker is kept"
+    assert marker == (revisions, revisions, len(expected[revisions]))
+
+
+def test_read_current_reads_each_keys_current_rows(warehouse, tmp_path) -> None:
+    ledger = open_ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    other = key_for(ORDERS_DAY + dt.timedelta(days=1), export="orders")
+    for key in (KEY, other):
+        assert export_key(ledger, warehouse, ORDERS_SCHEMA, orders_item(key), f"run-{key}/x").status == "exported"
+    ledger.restatements.request(str(KEY), reason="late rows", requested_by="ops")
+    restated = hourly_orders(KEY, total=99.0)
+    assert export_key(ledger, warehouse, ORDERS_SCHEMA, orders_item(KEY, restated), "run-2/x").status == "exported"
+
+    frame = read_current(
+        warehouse, ORDERS_DAY, ORDERS_DAY + dt.timedelta(days=2), tenants=["acme"], export="orders",
+        timezone=ZONE,
+    )  # fmt: skip
+
+    assert frame.attrs["current"] == {str(KEY): 2, str(other): 1}
+    assert len(frame) == len(restated) + len(hourly_orders(other))
+    assert sorted(frame["total"].astype(float).unique()) == [12.5, 99.0]
+    assert len(frame.attrs["missing"]) == 1, "the third day has nothing published"
+
+
+def test_the_url_is_a_secret_never_shown_and_a_missing_one_is_named(tmp_path) -> None:
+    url = "postgresql+psycopg2://exporter:s3cr3t-pw@127.0.0.1:1/analytics"
+    built = destination_from("warehouse:exported_{export}", ledger_url="", environ={"EXPORTS_WAREHOUSE_URL": url})
+    assert built.url == url
+    assert "s3cr3t-pw" not in built.describe() and "s3cr3t-pw" not in repr(built)
+    assert "s3cr3t-pw" not in str(built.identity("orders")) and built.root_of("orders") == "warehouse:exported_orders"
+    with pytest.raises(Exception) as unreachable:
+        built.pointer(TARGET)
+    assert "s3cr3t-pw" not in str(unreachable.value), "the driver's error text (which may quote the URL) is not shown"
+    with pytest.raises(ConfigurationError, match="EXPORTS_WAREHOUSE_URL"):
+        destination_from("warehouse:exported_{export}", ledger_url="", environ={})
+    with pytest.raises(ConfigurationError, match="not a table name"):
+        destination_from("warehouse:Bad-Name", ledger_url="", environ={"EXPORTS_WAREHOUSE_URL": url})

@@ -128,6 +128,7 @@ def test_readers_see_revision_n_or_n_plus_1_never_both_or_neither(warehouse, tmp
     answers = [by_answer.get(tuple(answer)) for answer in seen]
     assert seen and None not in answers, "every answer is exactly one revision's rows: never both, never neither"
     assert answers == sorted(answers), "a reader never goes back to an earlier revision"
+    assert len(set(answers)) > 1, "the reader saw the restatements happen (a fresh snapshot per SELECT)"
     assert visible(warehouse) == expected[revisions]
     with warehouse._engine().connect() as conn:
         kept = conn.execute(sa.text("SELECT revision FROM exported_orders_history ORDER BY revision")).scalars().all()

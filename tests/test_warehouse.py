@@ -32,7 +32,7 @@ TARGET = ExportTarget(KEY.export, KEY.tenant, KEY.window.business_date.isoformat
 
 @pytest.fixture
 def warehouse(warehouse_url) -> WarehouseDestination:
-    return WarehouseDestination(table="exported_{export}", url=warehouse_url)
+    return WarehouseDestination(table="exported_{export}", warehouse_url=warehouse_url)
 
 
 def manifest_for(token: int, revision: int = 1) -> Manifest:
@@ -53,7 +53,7 @@ def rows(total: float) -> pa.Table:
 
 def visible(destination: WarehouseDestination) -> list[tuple[str, float]]:
     """What a plain SELECT of the rows table shows of the key, as any reader of the warehouse runs it."""
-    engine = sa.create_engine(destination.url, poolclass=sa.pool.NullPool)
+    engine = sa.create_engine(destination.warehouse_url, poolclass=sa.pool.NullPool)
     try:
         with engine.connect() as conn:
             if not sa.inspect(conn).has_table("exported_orders"):
@@ -101,7 +101,7 @@ def test_readers_see_revision_n_or_n_plus_1_never_both_or_neither(warehouse, tmp
     assert export_key(ledger, warehouse, ORDERS_SCHEMA, orders_item(KEY, frame(1)), "run-1/x").status == "exported"
     seen: list[list] = []
     stop = threading.Event()
-    engine = sa.create_engine(warehouse.url) if not warehouse.url.startswith("duckdb") else warehouse._engine()
+    engine = sa.create_engine(warehouse.warehouse_url) if not warehouse.warehouse_url.startswith("duckdb") else warehouse._engine()
     query = sa.text("SELECT order_id, total FROM exported_orders WHERE _export_key = :key ORDER BY _export_row")
 
     def read() -> None:
@@ -160,7 +160,7 @@ def test_read_current_reads_each_keys_current_rows(warehouse, tmp_path) -> None:
 def test_the_url_is_a_secret_never_shown_and_a_missing_one_is_named(tmp_path) -> None:
     url = "postgresql+psycopg2://exporter:s3cr3t-pw@127.0.0.1:1/analytics"
     built = destination_from("warehouse:exported_{export}", ledger_url="", environ={"EXPORTS_WAREHOUSE_URL": url})
-    assert built.url == url
+    assert built.warehouse_url == url
     assert "s3cr3t-pw" not in built.describe() and "s3cr3t-pw" not in repr(built)
     assert "s3cr3t-pw" not in str(built.identity("orders")) and built.root_of("orders") == "warehouse:exported_orders"
     with pytest.raises(Exception) as unreachable:

@@ -159,4 +159,4 @@ def warehouse_destination(kind: str, request, tmp_path, table: str = "exported_{
     urls = _warehouse_url(kind, request, tmp_path)
     url = next(urls)
     request.addfinalizer(lambda: next(urls, None))
-    return WarehouseDestination(table=table, url=url)
+    return WarehouseDestination(table=table, warehouse_url=url)

@@ -231,12 +231,12 @@ class WarehouseDestination(PointerDestination):
 
     Attributes:
         table: The rows table's name; ``{export}`` is replaced by the export's name.
-        url: The warehouse database's SQLAlchemy URL (a secret: it may carry a password), from
+        warehouse_url: The warehouse database's SQLAlchemy URL (a secret: it may carry a password), from
             ``EXPORTS_WAREHOUSE_URL``; never shown (:meth:`describe` masks its password).
     """
 
     table: str
-    url: str | None = field(default=None, repr=False)
+    warehouse_url: str | None = field(default=None, repr=False)
 
     pool = "exports-warehouse"
 
@@ -255,17 +255,17 @@ class WarehouseDestination(PointerDestination):
 
     @classmethod
     def from_spec(cls, spec: str, *, ledger_url: str, settings) -> WarehouseDestination:
-        if not settings.get("url"):
+        if not settings.get("warehouse_url"):
             raise ConfigurationError(
                 f"destination {spec!r} needs its database's URL in EXPORTS_WAREHOUSE_URL (a secret, passed by name)"
             )
-        return cls(table=spec.removeprefix("warehouse:"), url=settings["url"])
+        return cls(table=spec.removeprefix("warehouse:"), warehouse_url=settings["warehouse_url"])
 
     def spec(self) -> tuple[str, dict]:
         return f"warehouse:{self.table}", SCHEME.settings_of(self)
 
     def describe(self) -> str:
-        return f"warehouse:{self.table} in {redact_url(self.url or '')}"
+        return f"warehouse:{self.table} in {redact_url(self.warehouse_url or '')}"
 
     def root_of(self, export: str) -> str:
         return f"warehouse:{self.table_for(export)}"
@@ -273,7 +273,7 @@ class WarehouseDestination(PointerDestination):
     def dataset(self, export: str) -> tuple[str, str]:
         from export_ledger.lineage import database_dataset  # the database as OpenLineage names one, no credentials
 
-        return database_dataset(self.url).namespace, self.table_for(export)
+        return database_dataset(self.warehouse_url).namespace, self.table_for(export)
 
     def table_for(self, export: str) -> str:
         return self.table.replace("{export}", export)
@@ -286,7 +286,7 @@ class WarehouseDestination(PointerDestination):
     # -- the database ----------------------------------------------------------------------------------------------
 
     def _engine(self) -> sa.Engine:
-        return _engine_for(self.url)
+        return _engine_for(self.warehouse_url)
 
     def _names(self, export: str) -> _Tables:
         name = self.table_for(export)
@@ -302,7 +302,7 @@ class WarehouseDestination(PointerDestination):
     def _ensure(self, export: str) -> _Tables:
         """The export's marker and history tables, made when absent (never within a reader's read)."""
         tables = self._names(export)
-        if not reading_only() and tables.name not in _MADE.get(self.url, set()):
+        if not reading_only() and tables.name not in _MADE.get(self.warehouse_url, set()):
             try:
                 with self._engine().begin() as conn:
                     tables.metadata.create_all(conn, checkfirst=True)
@@ -310,7 +310,7 @@ class WarehouseDestination(PointerDestination):
                 # Two parties creating at once: one of them wins; a table that still is not there is reported by
                 # the next read.
                 pass
-            _MADE.setdefault(self.url, set()).add(tables.name)
+            _MADE.setdefault(self.warehouse_url, set()).add(tables.name)
         return tables
 
     def _where(self, table: sa.Table, target: ExportTarget):
@@ -774,7 +774,7 @@ SCHEME = Scheme(
     "warehouse:",
     "WarehouseDestination",
     "warehouse:<table>",
-    settings=(Setting("url", "EXPORTS_WAREHOUSE_URL", secret=True, doc="The warehouse database's SQLAlchemy URL"),),
+    settings=(Setting("warehouse_url", "EXPORTS_WAREHOUSE_URL", secret=True, doc="The warehouse database's SQLAlchemy URL"),),
 )
 
 __all__ = ["WarehouseDestination"]

@@ -59,7 +59,8 @@ def test_a_partition_a_backfill_a_restatement_and_a_crash_after_publish_on_each_
 ):
     destination = _destination(kind, request, tmp_path)
     if kind.startswith("warehouse-"):
-        monkeypatch.setenv("EXPORTS_WAREHOUSE_URL", destination.warehouse_url)  # a secret: Dagster gets it by name (EnvVar)
+        # A secret: Dagster gets it by name (EnvVar), from the code location's environment.
+        monkeypatch.setenv("EXPORTS_WAREHOUSE_URL", destination.warehouse_url)
     source = CorrectedInvoices()
     defs = make_defs(
         tmp_path, tenants=["acme", "globex"], ledger=clocked_ledger, destination=destination, source=source

@@ -101,7 +101,9 @@ def test_readers_see_revision_n_or_n_plus_1_never_both_or_neither(warehouse, tmp
     assert export_key(ledger, warehouse, ORDERS_SCHEMA, orders_item(KEY, frame(1)), "run-1/x").status == "exported"
     seen: list[list] = []
     stop = threading.Event()
-    engine = sa.create_engine(warehouse.warehouse_url) if not warehouse.warehouse_url.startswith("duckdb") else warehouse._engine()
+    # A reader of its own (DuckDB: the same process's database, one writer at a time, so its engine).
+    duck = warehouse.warehouse_url.startswith("duckdb")
+    engine = warehouse._engine() if duck else sa.create_engine(warehouse.warehouse_url)
     query = sa.text("SELECT order_id, total FROM exported_orders WHERE _export_key = :key ORDER BY _export_row")
 
     def read() -> None:

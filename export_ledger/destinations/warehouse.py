@@ -774,7 +774,9 @@ SCHEME = Scheme(
     "warehouse:",
     "WarehouseDestination",
     "warehouse:<table>",
-    settings=(Setting("warehouse_url", "EXPORTS_WAREHOUSE_URL", secret=True, doc="The warehouse database's SQLAlchemy URL"),),
+    settings=(
+        Setting("warehouse_url", "EXPORTS_WAREHOUSE_URL", secret=True, doc="The warehouse database's SQLAlchemy URL"),
+    ),
 )
 
 __all__ = ["WarehouseDestination"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
+import tracemalloc
 
 import pyarrow as pa
 import pytest
@@ -22,7 +23,7 @@ from export_ledger.destinations import ExportTarget, Fenced
 from export_ledger.destinations.registry import destination_from
 from export_ledger.destinations.warehouse import WarehouseDestination
 from export_ledger.errors import ConfigurationError
-from export_ledger.frames import Manifest
+from export_ledger.frames import Manifest, TableStream
 from export_ledger.protocol import export_key
 from export_ledger.read import read_current
 
@@ -172,3 +173,43 @@ def test_the_url_is_a_secret_never_shown_and_a_missing_one_is_named(tmp_path) ->
         destination_from("warehouse:exported_{export}", ledger_url="", environ={})
     with pytest.raises(ConfigurationError, match="not a table name"):
         destination_from("warehouse:Bad-Name", ledger_url="", environ={"EXPORTS_WAREHOUSE_URL": url})
+
+
+def test_a_streamed_key_is_staged_in_bulk_with_flat_memory(warehouse) -> None:
+    """A key streamed as batches is staged batch by batch: the Python memory at its peak is the same for 4 batches
+    and for 16 (one batch's values at a time, whatever the key's size), and every row is there once committed."""
+    size = 1_000
+    schema = pa.schema([("order_id", pa.string()), ("total", pa.float64())])
+
+    def batch(number: int) -> pa.Table:
+        first = number * size
+        return pa.table({"order_id": [f"order-{first + i:09d}-{'x' * 40}" for i in range(size)],
+                         "total": [float(first + i) for i in range(size)]}, schema=schema)  # fmt: skip
+
+    arrow_held: list[int] = []  # Arrow's allocations (not Python's, which tracemalloc sees) as each batch is made
+
+    def batches(count: int):
+        for number in range(count):
+            made = batch(number)
+            arrow_held.append(pa.total_allocated_bytes())
+            yield made
+
+    def staged_with_peak(count: int, token: int):
+        tracemalloc.start()
+        try:
+            staged = warehouse.stage(TARGET, token, TableStream(schema, batches(count)), "csv", manifest_for(token))
+            return staged, tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    small, small_peak = staged_with_peak(4, 1)
+    large, large_peak = staged_with_peak(16, 2)
+    assert large_peak < 1.5 * small_peak, f"Python's peak: {large_peak} bytes for 16 batches, {small_peak} for 4"
+    one = batch(0).nbytes
+    assert max(arrow_held) - min(arrow_held) < 4 * one, "the batches already staged are let go, not gathered"
+    warehouse.unstage(small)
+    warehouse.commit(large, 2, superseded=0)
+    assert large.manifest.row_count == 16 * size
+    with warehouse._engine().connect() as conn:
+        count = conn.execute(sa.text("SELECT COUNT(*) FROM exported_orders WHERE _export_key = :k"), {"k": str(KEY)})
+        assert count.scalar() == 16 * size

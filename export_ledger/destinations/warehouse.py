@@ -422,8 +422,9 @@ class WarehouseDestination(PointerDestination):
     def stage(
         self, target: ExportTarget, token: int, table: pa.Table | TableStream, file_format: str, manifest: Manifest
     ) -> WarehouseStaged:
-        """Writes the rows into ``T_staged`` at this party's place in one transaction, batch by batch (a stream is
-        consumed as it arrives, hashed on its way in); a batch that fails validation rolls every row back."""
+        """Writes the rows into ``T_staged`` at this party's place in one transaction (on DuckDB, one per batch), batch
+        by batch (a stream is consumed as it arrives, hashed on its way in); a batch that fails validation leaves no
+        row of the place behind."""
         tables = self._ensure(target.export)
         if len(manifest.logical_key) > _KEY_LENGTH:
             raise DestinationError(f"{manifest.logical_key!r} is longer than {_KEY_LENGTH} characters; nothing written")
@@ -433,15 +434,24 @@ class WarehouseDestination(PointerDestination):
         rows = _rows_table(tables.name, metadata, columns, staged=False)
         staged = _rows_table(tables.name, metadata, columns, staged=True)
         stream = table if isinstance(table, TableStream) else TableStream(table.schema, iter([table]))
+        key = manifest.logical_key
+        at_place = (staged.c[KEY_COLUMN] == key, staged.c[PLACE_COLUMN] == place)
         try:
-            with self._engine().begin() as conn:
-                self._check_columns(conn, rows.name, columns)
-                self._check_columns(conn, staged.name, (*columns, (PLACE_COLUMN, ""), (TOKEN_COLUMN, "")))
-                metadata.create_all(conn, checkfirst=True)
-                key, where = manifest.logical_key, (staged.c[KEY_COLUMN] == manifest.logical_key)
-                conn.execute(staged.delete().where(where, staged.c[PLACE_COLUMN] == place))
-                loaded = TableStream(stream.schema, self._loaded(conn, staged, key, place, token, stream))
-                sha256, row_count = write_rows(loaded, "csv", _Discarded())
+            with self._engine().connect() as conn:
+                try:
+                    self._check_columns(conn, rows.name, columns)
+                    self._check_columns(conn, staged.name, (*columns, (PLACE_COLUMN, ""), (TOKEN_COLUMN, "")))
+                    metadata.create_all(conn, checkfirst=True)
+                    conn.execute(staged.delete().where(*at_place))
+                    loaded = TableStream(stream.schema, self._loaded(conn, staged, key, place, token, stream))
+                    sha256, row_count = write_rows(loaded, "csv", _Discarded())
+                    conn.commit()
+                except BaseException:
+                    conn.rollback()
+                    if conn.dialect.name == "duckdb":  # its batches were committed one by one (see _loaded)
+                        conn.execute(staged.delete().where(*at_place))
+                        conn.commit()
+                    raise
         except sa.exc.SQLAlchemyError as exc:
             raise DestinationError(
                 f"{self.describe()}: cannot stage {manifest.logical_key}: {type(getattr(exc, 'orig', exc)).__name__}"
@@ -458,6 +468,9 @@ class WarehouseDestination(PointerDestination):
                 part = table.slice(start, INSERT_ROWS)
                 if duck:
                     self._load_arrow(conn, staged, part, key, place, token, row_number)
+                    # DuckDB keeps every Arrow batch it scanned until the transaction ends: each batch is committed
+                    # on its own (staged rows are invisible to readers; a failed stage deletes its place's rows).
+                    conn.commit()
                 else:
                     extra = {KEY_COLUMN: key, PLACE_COLUMN: place, TOKEN_COLUMN: token}
                     records = part.to_pylist()

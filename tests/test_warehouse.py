@@ -22,7 +22,7 @@ from builders import ORDERS_DAY, ORDERS_SCHEMA, ZONE, hourly_orders, key_for, op
 from export_ledger.destinations import ExportTarget, Fenced
 from export_ledger.destinations.registry import destination_from
 from export_ledger.destinations.warehouse import WarehouseDestination
-from export_ledger.errors import ConfigurationError
+from export_ledger.errors import ConfigurationError, FrameError
 from export_ledger.frames import Manifest, TableStream
 from export_ledger.protocol import export_key
 from export_ledger.read import read_current
@@ -213,3 +213,22 @@ def test_a_streamed_key_is_staged_in_bulk_with_flat_memory(warehouse) -> None:
     with warehouse._engine().connect() as conn:
         count = conn.execute(sa.text("SELECT COUNT(*) FROM exported_orders WHERE _export_key = :k"), {"k": str(KEY)})
         assert count.scalar() == 16 * size
+
+
+def test_a_stream_that_fails_midway_leaves_no_staged_row(warehouse) -> None:
+    """A batch that fails validation after others were staged (on DuckDB, already committed batch by batch) raises
+    from stage, and no row of the attempt's place is left in the staging table."""
+    schema = rows(1.0).schema
+
+    def failing():
+        yield rows(1.0)
+        raise FrameError("batch 2: a row outside the window")
+
+    with pytest.raises(FrameError):
+        warehouse.stage(TARGET, 1, TableStream(schema, failing()), "csv", manifest_for(1))
+    with warehouse._engine().connect() as conn:
+        # PostgreSQL rolls the staging table's creation back with the rows (its DDL is transactional).
+        made = sa.inspect(conn).has_table("exported_orders_staged")
+        left = conn.execute(sa.text("SELECT COUNT(*) FROM exported_orders_staged")).scalar() if made else 0
+    assert left == 0, "nothing of the failed stream is left"
+    assert visible(warehouse) == []

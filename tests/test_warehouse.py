@@ -18,6 +18,7 @@ import pyarrow as pa
 import pytest
 import sqlalchemy as sa
 from builders import ORDERS_DAY, ORDERS_SCHEMA, ZONE, hourly_orders, key_for, open_ledger, orders_item
+from warehouse_fixtures import warehouse_destination
 
 from export_ledger.destinations import ExportTarget, Fenced
 from export_ledger.destinations.registry import destination_from
@@ -232,3 +233,48 @@ def test_a_stream_that_fails_midway_leaves_no_staged_row(warehouse) -> None:
         left = conn.execute(sa.text("SELECT COUNT(*) FROM exported_orders_staged")).scalar() if made else 0
     assert left == 0, "nothing of the failed stream is left"
     assert visible(warehouse) == []
+
+
+def test_a_run_pointed_at_another_warehouse_database_is_refused_and_exports_nothing(
+    request, tmp_path, instance, monkeypatch
+) -> None:
+    """The export's contract records which database its warehouse is (host, port, database; never the user or the
+    password): a run whose ``EXPORTS_WAREHOUSE_URL`` names another database, with the same table name, is refused
+    at its claim, naming both, and nothing reaches that database."""
+    from pipeline_helpers import failure_message, make_defs, run_partition
+
+    from export_ledger.destinations.warehouse import warehouse_locator
+
+    first = warehouse_destination("postgres", request, tmp_path)
+    other = warehouse_destination("postgres", request, tmp_path)
+    monkeypatch.setenv("EXPORTS_WAREHOUSE_URL", first.warehouse_url)
+    assert run_partition(make_defs(tmp_path, destination=first), instance, "2026-03-07").success
+
+    monkeypatch.setenv("EXPORTS_WAREHOUSE_URL", other.warehouse_url)
+    refused = run_partition(make_defs(tmp_path, destination=other), instance, "2026-03-08")
+
+    assert not refused.success
+    said = failure_message(refused)
+    assert warehouse_locator(other.warehouse_url) in said and warehouse_locator(first.warehouse_url) in said, said
+    for url in (first.warehouse_url, other.warehouse_url):
+        assert sa.make_url(url).password not in said, "the password is never shown"
+    engine = sa.create_engine(other.warehouse_url, poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            assert sa.inspect(conn).get_table_names() == [], "nothing fenced, staged or written in the other database"
+    finally:
+        engine.dispose()
+    assert sa.make_url(first.warehouse_url).password not in str(first.identity("orders"))
+
+
+def test_the_recorded_locator_names_the_database_not_the_user_password_driver_or_query() -> None:
+    from export_ledger.destinations.warehouse import warehouse_locator
+
+    same = warehouse_locator("postgresql+psycopg2://a:pw1@db.example/analytics?sslmode=require")
+    assert (
+        same
+        == warehouse_locator("postgresql://b:pw2@db.example:5432/analytics")
+        == "postgresql://db.example:5432/analytics"
+    )
+    assert warehouse_locator("postgresql://a:pw1@db.example/other") != same
+    assert "SECRET" not in warehouse_locator("duckdb:///md:db?motherduck_token=SECRET")

@@ -37,6 +37,7 @@ import json
 import re
 import threading
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import pyarrow as pa
 import sqlalchemy as sa
@@ -277,6 +278,15 @@ class WarehouseDestination(PointerDestination):
 
     def table_for(self, export: str) -> str:
         return self.table.replace("{export}", export)
+
+    def identity(self, export: str) -> dict:
+        """The kind, the root and *which* database (:func:`warehouse_locator`: no user, password or query), as the
+        export's contract records them: a worker whose ``EXPORTS_WAREHOUSE_URL`` names another database is refused
+        at its claim, like an S3 destination at another endpoint."""
+        found = {"kind": self.kind, "root": self.root_of(export)}
+        if self.warehouse_url:
+            found["warehouse_url"] = warehouse_locator(self.warehouse_url)
+        return found
 
     def location(self, target: ExportTarget) -> str:
         if target.place is None:
@@ -777,6 +787,29 @@ def _conflict(exc: sa.exc.DBAPIError) -> bool:
         word in text
         for word in ("conflict", "deadlock", "could not serialize", "lock wait timeout", "try restarting transaction")
     )
+
+
+#: The port a URL that names none connects to, by database system (so both spellings name the same database).
+_DEFAULT_PORTS = {"postgresql": 5432, "mysql": 3306, "mariadb": 3306}
+
+
+def warehouse_locator(url: str) -> str:
+    """Which warehouse database a URL names, without its user, password, driver or query: the database system, host,
+    port and database (a DuckDB or SQLite file's absolute path). Never a secret.
+
+    Example:
+        >>> warehouse_locator("postgresql+psycopg2://exporter:pw@db.example/analytics?sslmode=require")
+        'postgresql://db.example:5432/analytics'
+    """
+    try:
+        parsed = sa.make_url(url)
+    except Exception:  # SQLAlchemy's message quotes the URL, password included
+        raise ConfigurationError("EXPORTS_WAREHOUSE_URL is not a SQLAlchemy database URL") from None
+    backend, database = parsed.get_backend_name(), parsed.database
+    if backend in ("duckdb", "sqlite") and database and database != ":memory:" and ":" not in database:
+        database = str(Path(database).expanduser().resolve())  # a relative file is another file in another folder
+    port = parsed.port or (_DEFAULT_PORTS.get(backend) if parsed.host else None)
+    return sa.engine.URL.create(backend, host=parsed.host, port=port, database=database).render_as_string()
 
 
 def _now() -> dt.datetime:

@@ -278,3 +278,17 @@ def test_the_recorded_locator_names_the_database_not_the_user_password_driver_or
     )
     assert warehouse_locator("postgresql://a:pw1@db.example/other") != same
     assert "SECRET" not in warehouse_locator("duckdb:///md:db?motherduck_token=SECRET")
+
+
+def test_a_column_name_is_an_identifier_never_sql(warehouse) -> None:
+    """DuckDB's Arrow path builds its INSERT from column names: a name holding ``"`` is quoted as an identifier (the
+    quote doubled), stored under that very name as on PostgreSQL and MariaDB, and never read as SQL (a name that
+    closes the quote and names a reserved column does not reach it)."""
+    odd = {'to"tal': [1.0, 2.0], 'x", "_export_token': [3.0, 4.0]}
+    staged = warehouse.stage(TARGET, 1, pa.table({"order_id": ["a", "b"], **odd}), "csv", manifest_for(1))
+    warehouse.commit(staged, 1, superseded=0)
+    with warehouse._engine().connect() as conn:
+        found = conn.execute(sa.select(sa.text("*")).select_from(sa.table("exported_orders")).limit(0)).keys()
+        values = conn.execute(sa.text("SELECT * FROM exported_orders ORDER BY _export_row")).mappings().all()
+    assert set(found) == {"_export_key", "_export_row", "order_id", *odd}
+    assert [[row[name] for name in odd] for row in values] == [[1.0, 3.0], [2.0, 4.0]]

@@ -508,11 +508,13 @@ class WarehouseDestination(PointerDestination):
         batch = pa.Table.from_arrays(arrays, names=names)
         raw = conn.connection.driver_connection
         view = f"export_ledger_batch_{threading.get_ident()}"
-        quoted = ", ".join(f'"{name}"' for name in names)
+        # Names only, each quoted as the dialect quotes an identifier (a '"' in an export's column name is doubled,
+        # so a name is never read as SQL); no value is in the statement.
+        quote = conn.dialect.identifier_preparer.quote_identifier
+        quoted = ", ".join(quote(name) for name in names)
         raw.register(view, batch)
         try:
-            # Names only (checked table name, the export's column names quoted); no value is in the statement.
-            raw.execute(f'INSERT INTO "{staged.name}" ({quoted}) SELECT {quoted} FROM {view}')
+            raw.execute(f"INSERT INTO {quote(staged.name)} ({quoted}) SELECT {quoted} FROM {view}")
         finally:
             raw.unregister(view)
 

@@ -97,6 +97,9 @@ def _mariadb_url(request) -> Iterator[str]:
     try:
         yield f"mysql+pymysql://{name}:{password}@{LOOPBACK}:{server['port']}/{name}"
     finally:
+        from export_ledger.destinations.warehouse import dispose_engines
+
+        dispose_engines()  # else its pooled connections outlive the user: more per test, up to max_connections
         with admin.begin() as conn:
             conn.execute(sa.text(f"DROP DATABASE {name}"))
             conn.execute(sa.text(f"DROP USER '{name}'@'{LOOPBACK}'"))

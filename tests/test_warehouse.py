@@ -292,3 +292,47 @@ def test_a_column_name_is_an_identifier_never_sql(warehouse) -> None:
         values = conn.execute(sa.text("SELECT * FROM exported_orders ORDER BY _export_row")).mappings().all()
     assert set(found) == {"_export_key", "_export_row", "order_id", *odd}
     assert [[row[name] for name in odd] for row in values] == [[1.0, 3.0], [2.0, 4.0]]
+
+
+def _while_another_fences(warehouse: WarehouseDestination, step, fence: int = 6):
+    """Runs ``step`` while another party's transaction holds the marker's row, raising its fence to ``fence``, and
+    commits that transaction once ``step`` has read the marker and waits on the row: what it returned or raised."""
+    engine = sa.create_engine(warehouse.warehouse_url, poolclass=sa.pool.NullPool)
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["returned"] = step()
+        except Exception as exc:  # noqa: BLE001  (the outcome is what the test judges)
+            outcome["raised"] = exc
+
+    try:
+        with engine.connect() as other:
+            other.execute(sa.text("UPDATE exported_orders_markers SET fence = :fence"), {"fence": fence})
+            worker = threading.Thread(target=run)
+            worker.start()
+            worker.join(1.0)  # it reads the marker (a plain read does not wait) and waits at its guarded UPDATE
+            assert worker.is_alive(), f"the step did not wait for the other party's row lock: {outcome}"
+            other.commit()
+            worker.join(30)
+    finally:
+        engine.dispose()
+    return outcome
+
+
+def test_a_fence_or_commit_that_loses_to_a_higher_fence_meanwhile_is_told_fenced(warehouse) -> None:
+    """A party whose guarded UPDATE matched nothing because a higher fence committed after it first read the marker is
+    refused as Fenced: the marker is read again as committed now, not from the snapshot of its first read (MariaDB's
+    default REPEATABLE READ would show the old fence: the fence would be granted, the commit called a moved pointer,
+    which the ledger records as a conflict)."""
+    if warehouse.warehouse_url.startswith("duckdb"):
+        pytest.skip("DuckDB refuses a conflicting writer (retried) rather than making it wait: no interleaving here")
+    warehouse.fence(TARGET, 4, logical_key=str(KEY))
+    fenced = _while_another_fences(warehouse, lambda: warehouse.fence(TARGET, 5, logical_key=str(KEY)))
+    assert isinstance(fenced.get("raised"), Fenced), f"a fence above the party's token is not granted: {fenced}"
+
+    staged = warehouse.stage(TARGET, 7, rows(1.0), "csv", manifest_for(7))
+    warehouse.fence(TARGET, 7, logical_key=str(KEY))
+    refused = _while_another_fences(warehouse, lambda: warehouse.commit(staged, 7, superseded=0), fence=8)
+    assert isinstance(refused.get("raised"), Fenced), f"a fenced commit is Fenced, not a conflict: {refused}"
+    assert visible(warehouse) == [], "nothing of the fenced party is visible"

@@ -135,7 +135,13 @@ def _engine_for(url: str) -> sa.Engine:
         engine = _ENGINES.get(url)
         if engine is None:
             try:
-                engine = _ENGINES[url] = sa.create_engine(url, pool_pre_ping=True)
+                options = {}
+                if sa.make_url(url).get_backend_name() in ("mysql", "mariadb"):
+                    # Each statement reads what is committed now, as on PostgreSQL: under InnoDB's default REPEATABLE
+                    # READ, the marker read after a guarded UPDATE that matched nothing (a higher fence committed
+                    # meanwhile) would come from the transaction's first snapshot and show the old fence.
+                    options["isolation_level"] = "READ COMMITTED"
+                engine = _ENGINES[url] = sa.create_engine(url, pool_pre_ping=True, **options)
             except ImportError as exc:
                 raise _warehouse_driver_missing(exc) from None
             except sa.exc.ArgumentError:

@@ -336,3 +336,14 @@ def test_a_fence_or_commit_that_loses_to_a_higher_fence_meanwhile_is_told_fenced
     refused = _while_another_fences(warehouse, lambda: warehouse.commit(staged, 7, superseded=0), fence=8)
     assert isinstance(refused.get("raised"), Fenced), f"a fenced commit is Fenced, not a conflict: {refused}"
     assert visible(warehouse) == [], "nothing of the fenced party is visible"
+
+
+@pytest.mark.parametrize(
+    "url", ["postgresql://exporter:s3cr@t-pw@127.0.0.1:5432/analytics", "s3cr3t-pw", "./s3cr3t-pw.duckdb"]
+)
+def test_a_url_sqlalchemy_would_misread_is_refused_where_it_is_set_without_echo(url) -> None:
+    """An un-encoded '@' in the password makes its tail the host (the locator the contract records would carry it);
+    text that is no URL at all (a password pasted alone) would be opened as a SQLite file of that name."""
+    with pytest.raises(ConfigurationError, match="EXPORTS_WAREHOUSE_URL") as refused:
+        destination_from("warehouse:exported_{export}", ledger_url="", environ={"EXPORTS_WAREHOUSE_URL": url})
+    assert "t-pw" not in str(refused.value)

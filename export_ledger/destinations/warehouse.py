@@ -60,7 +60,7 @@ from export_ledger.destinations.registry import Scheme, Setting
 from export_ledger.destinations.table import _Discarded, _serialize
 from export_ledger.errors import ConfigurationError, ManifestError
 from export_ledger.frames import Manifest, TableStream, write_rows
-from export_ledger.ledger.urls import redact_url
+from export_ledger.ledger.urls import database_url, is_plain_path, redact_url
 
 KEY_COLUMN = "_export_key"
 ROW_COLUMN = "_export_row"
@@ -134,14 +134,15 @@ def _engine_for(url: str) -> sa.Engine:
     with _ENGINES_LOCK:
         engine = _ENGINES.get(url)
         if engine is None:
+            parsed = _parsed(url)
             try:
                 options = {}
-                if sa.make_url(url).get_backend_name() in ("mysql", "mariadb"):
+                if parsed.get_backend_name() in ("mysql", "mariadb"):
                     # Each statement reads what is committed now, as on PostgreSQL: under InnoDB's default REPEATABLE
                     # READ, the marker read after a guarded UPDATE that matched nothing (a higher fence committed
                     # meanwhile) would come from the transaction's first snapshot and show the old fence.
                     options["isolation_level"] = "READ COMMITTED"
-                engine = _ENGINES[url] = sa.create_engine(url, pool_pre_ping=True, **options)
+                engine = _ENGINES[url] = sa.create_engine(parsed, pool_pre_ping=True, **options)
             except ImportError as exc:
                 raise _warehouse_driver_missing(exc) from None
             except sa.exc.ArgumentError:
@@ -266,6 +267,7 @@ class WarehouseDestination(PointerDestination):
             raise ConfigurationError(
                 f"destination {spec!r} needs its database's URL in EXPORTS_WAREHOUSE_URL (a secret, passed by name)"
             )
+        warehouse_locator(settings["warehouse_url"])  # a URL SQLAlchemy would misread is refused here, without echo
         return cls(table=spec.removeprefix("warehouse:"), warehouse_url=settings["warehouse_url"])
 
     def spec(self) -> tuple[str, dict]:
@@ -801,6 +803,16 @@ def _conflict(exc: sa.exc.DBAPIError) -> bool:
 _DEFAULT_PORTS = {"postgresql": 5432, "mysql": 3306, "mariadb": 3306}
 
 
+def _parsed(url: str) -> sa.engine.URL:
+    """The warehouse URL parsed, or refused without echo: text that is no URL (a path, or a password pasted alone)
+    and a URL SQLAlchemy would misread (an un-encoded '@' in the password makes its tail the host)."""
+    if is_plain_path(url):
+        raise ConfigurationError(
+            "EXPORTS_WAREHOUSE_URL is not a SQLAlchemy database URL (a DuckDB file is duckdb:///path/to/file.duckdb)"
+        )
+    return database_url(url, what="EXPORTS_WAREHOUSE_URL")
+
+
 def warehouse_locator(url: str) -> str:
     """Which warehouse database a URL names, without its user, password, driver or query: the database system, host,
     port and database (a DuckDB or SQLite file's absolute path). Never a secret.
@@ -809,10 +821,7 @@ def warehouse_locator(url: str) -> str:
         >>> warehouse_locator("postgresql+psycopg2://exporter:pw@db.example/analytics?sslmode=require")
         'postgresql://db.example:5432/analytics'
     """
-    try:
-        parsed = sa.make_url(url)
-    except Exception:  # SQLAlchemy's message quotes the URL, password included
-        raise ConfigurationError("EXPORTS_WAREHOUSE_URL is not a SQLAlchemy database URL") from None
+    parsed = _parsed(url)
     backend, database = parsed.get_backend_name(), parsed.database
     if backend in ("duckdb", "sqlite") and database and database != ":memory:" and ":" not in database:
         database = str(Path(database).expanduser().resolve())  # a relative file is another file in another folder

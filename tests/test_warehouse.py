@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from builders import ORDERS_DAY, ORDERS_SCHEMA, ZONE, hourly_orders, key_for, open_ledger, orders_item
 from warehouse_fixtures import warehouse_destination
 
-from export_ledger.destinations import ExportTarget, Fenced
+from export_ledger.destinations import DestinationError, ExportTarget, Fenced
 from export_ledger.destinations.registry import destination_from
 from export_ledger.destinations.warehouse import WarehouseDestination
 from export_ledger.errors import ConfigurationError, FrameError
@@ -347,3 +347,15 @@ def test_a_url_sqlalchemy_would_misread_is_refused_where_it_is_set_without_echo(
     with pytest.raises(ConfigurationError, match="EXPORTS_WAREHOUSE_URL") as refused:
         destination_from("warehouse:exported_{export}", ledger_url="", environ={"EXPORTS_WAREHOUSE_URL": url})
     assert "t-pw" not in str(refused.value)
+
+
+def test_a_commit_whose_staged_rows_are_gone_is_refused_and_shows_nothing(warehouse) -> None:
+    """The commit counts the rows it moves: when the place's staged rows are not all there (swept, or removed by hand)
+    it is refused, rolled back whole: the marker is not moved and readers see nothing of it (never an empty key)."""
+    staged = warehouse.stage(TARGET, 1, rows(1.0), "csv", manifest_for(1))
+    with warehouse._engine().begin() as conn:
+        conn.execute(sa.text("DELETE FROM exported_orders_staged WHERE _export_row >= 3"))
+    with pytest.raises(DestinationError, match="staged rows .* were found, not 24"):
+        warehouse.commit(staged, 1, superseded=0)
+    assert visible(warehouse) == []
+    assert warehouse.pointer(TARGET).revision == 0

@@ -359,3 +359,23 @@ def test_a_commit_whose_staged_rows_are_gone_is_refused_and_shows_nothing(wareho
         warehouse.commit(staged, 1, superseded=0)
     assert visible(warehouse) == []
     assert warehouse.pointer(TARGET).revision == 0
+
+
+def test_a_user_who_may_not_create_the_tables_is_refused_naming_them_not_left_unknown(
+    request, tmp_path, postgres_admin_url
+) -> None:
+    """A warehouse user without the right to create tables, in a database without them: the fence is refused naming
+    the tables (nothing was written), not an unknown outcome that sends the key to reconciliation again and again."""
+    destination = warehouse_destination("postgres", request, tmp_path)
+    url = sa.make_url(destination.warehouse_url)
+    admin = sa.create_engine(
+        sa.make_url(postgres_admin_url).set(database=url.database), isolation_level="AUTOCOMMIT",
+        poolclass=sa.pool.NullPool,
+    )  # fmt: skip
+    with admin.connect() as conn:
+        conn.execute(sa.text(f"REVOKE CREATE ON SCHEMA public FROM {url.username}"))
+    admin.dispose()
+
+    with pytest.raises(DestinationError, match="cannot create the tables exported_orders_history, exported_orders_mar"):
+        destination.fence(TARGET, 1, logical_key=str(KEY))
+    assert url.password not in str(destination.describe())

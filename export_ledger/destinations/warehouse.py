@@ -324,12 +324,26 @@ class WarehouseDestination(PointerDestination):
             try:
                 with self._engine().begin() as conn:
                     tables.metadata.create_all(conn, checkfirst=True)
-            except sa.exc.DBAPIError:
-                # Two parties creating at once: one of them wins; a table that still is not there is reported by
-                # the next read.
-                pass
+            except sa.exc.DBAPIError as exc:
+                # Two parties creating at once: one of them wins. A table still absent is one this user may not make
+                # (no CREATE right): said so, as a refusal (nothing was written), never as an unknown outcome.
+                absent = self._absent(tables, exc)
+                if absent:
+                    raise DestinationError(
+                        f"{self.describe()}: cannot create the table{'s' if len(absent) > 1 else ''} "
+                        f"{', '.join(absent)} ({type(getattr(exc, 'orig', exc)).__name__}): create them, or let the "
+                        "warehouse's user create tables; nothing was written"
+                    ) from None
             _MADE.setdefault(self.warehouse_url, set()).add(tables.name)
         return tables
+
+    def _absent(self, tables: _Tables, exc: Exception) -> list[str]:
+        try:
+            with self._engine().connect() as conn:
+                inspector = sa.inspect(conn)
+                return [table.name for table in tables.metadata.sorted_tables if not inspector.has_table(table.name)]
+        except sa.exc.DBAPIError:
+            raise self._unreachable(exc, f"make the tables of {tables.name}") from None
 
     def _where(self, table: sa.Table, target: ExportTarget):
         return (

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime as dt
 import threading
 import tracemalloc
+from dataclasses import replace
 
 import pyarrow as pa
 import pytest
@@ -20,7 +21,7 @@ import sqlalchemy as sa
 from builders import ORDERS_DAY, ORDERS_SCHEMA, ZONE, hourly_orders, key_for, open_ledger, orders_item
 from warehouse_fixtures import warehouse_destination
 
-from export_ledger.destinations import DestinationError, ExportTarget, Fenced
+from export_ledger.destinations import DestinationError, ExportTarget, Fenced, Verdict
 from export_ledger.destinations.registry import destination_from
 from export_ledger.destinations.warehouse import WarehouseDestination
 from export_ledger.errors import ConfigurationError, FrameError
@@ -379,3 +380,32 @@ def test_a_user_who_may_not_create_the_tables_is_refused_naming_them_not_left_un
     with pytest.raises(DestinationError, match="cannot create the tables exported_orders_history, exported_orders_mar"):
         destination.fence(TARGET, 1, logical_key=str(KEY))
     assert url.password not in str(destination.describe())
+
+
+def test_verifying_a_large_key_holds_one_batch_not_the_key(warehouse) -> None:
+    """A retry or reconciliation that finds its revision committed re-hashes the key's rows: it reads them batch by
+    batch, so Python's peak while verifying a key of 20,000 rows is that of one of 5,000, and the verdict holds."""
+    schema = pa.schema([("order_id", pa.string()), ("total", pa.float64())])
+
+    def committed(size: int, token: int):
+        table = pa.table({"order_id": [f"order-{i:09d}-{'x' * 40}" for i in range(size)],
+                          "total": [float(i) for i in range(size)]}, schema=schema)  # fmt: skip
+        target = ExportTarget(KEY.export, KEY.tenant, f"2026-03-0{token}", 1)
+        key = f"{KEY}-{token}"
+        staged = warehouse.stage(target, token, table, "csv", replace(manifest_for(token), logical_key=key))
+        warehouse.commit(staged, token, superseded=0)
+        return target, key, staged.manifest.sha256
+
+    def verified_with_peak(target: ExportTarget, key: str, sha256: str):
+        tracemalloc.start()
+        try:
+            verdict = warehouse.verify(target, logical_key=key, superseded=0, expected_sha256=sha256)
+            return verdict, tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    small, large = committed(5_000, 1), committed(20_000, 2)
+    verified_with_peak(*small)  # the first read of a table warms SQLAlchemy's caches
+    (small_verdict, small_peak), (large_verdict, large_peak) = verified_with_peak(*small), verified_with_peak(*large)
+    assert small_verdict.verdict is large_verdict.verdict is Verdict.PUBLISHED, large_verdict.detail
+    assert large_peak < 1.5 * small_peak, f"Python's peak: {large_peak} bytes for 20,000 rows, {small_peak} for 5,000"

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
-import hashlib
 import json
 import re
 import threading
@@ -724,6 +723,29 @@ class WarehouseDestination(PointerDestination):
         schema = pa.schema([(column, _ARROW[kind]) for column, kind in columns.items()])
         return pa.Table.from_pylist(records, schema=schema)
 
+    def _rows_sha256(self, target: ExportTarget, row) -> str:
+        """The sha256 of the key's current rows as :meth:`read_data` gives them, read batch by batch (a server-side
+        cursor of :data:`INSERT_ROWS` rows): verifying a large key holds one batch, not the key."""
+        columns = json.loads(row.columns)
+        table = _rows_of(self.table_for(target.export), tuple(columns.items()), False)
+        query = (
+            sa.select(*(table.c[column] for column in columns))
+            .where(table.c[KEY_COLUMN] == row.logical_key)
+            .order_by(table.c[ROW_COLUMN])
+        )
+        schema = pa.schema([(column, _ARROW[kind]) for column, kind in columns.items()])
+
+        def batches():
+            with self._engine().connect() as conn:
+                result = conn.execution_options(yield_per=INSERT_ROWS).execute(query)
+                for part in result.partitions():
+                    yield pa.Table.from_pylist([dict(r._mapping) for r in part], schema=schema)
+
+        try:
+            return write_rows(TableStream(schema, batches()), "csv", _Discarded())[0]
+        except sa.exc.DBAPIError as exc:
+            raise self._unreachable(exc, f"read the rows of {row.logical_key}") from None
+
     def read_data(self, target: ExportTarget, manifest: Manifest) -> bytes:
         row, current = self._record_of(target, target.revision)
         if row is None:
@@ -759,8 +781,8 @@ class WarehouseDestination(PointerDestination):
             if pointer.revision == target.revision:
                 row, _ = self._record_of(target, pointer.revision)
                 manifest = self._manifest(row, where) if row is not None else None
-                if manifest is not None:
-                    data_sha256 = hashlib.sha256(self.read_data(target, manifest)).hexdigest()
+                if manifest is not None and row is not None:
+                    data_sha256 = self._rows_sha256(target, row)
         verification = judge(
             logical_key=logical_key, revision=target.revision, superseded=superseded,
             pointer_revision=pointer.revision, manifest=manifest, data_sha256=data_sha256, pointer_sha256=None,
@@ -780,7 +802,7 @@ class WarehouseDestination(PointerDestination):
                 location=where,
             )  # fmt: skip
         manifest = self._manifest(row, where)
-        data_sha256 = hashlib.sha256(self.read_data(target, manifest)).hexdigest() if manifest else None
+        data_sha256 = self._rows_sha256(target, row) if manifest else None
         return judge(
             logical_key=logical_key, revision=target.revision, superseded=-1, pointer_revision=target.revision,
             manifest=manifest, data_sha256=data_sha256, pointer_sha256=None, where=where, expected_sha256=sha256,

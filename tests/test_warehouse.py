@@ -427,3 +427,28 @@ def test_a_first_commit_racing_a_fence_that_makes_the_marker_is_told_fenced(ware
     assert isinstance(refused.get("raised"), Fenced), refused
     assert visible(warehouse) == []
     assert (warehouse.pointer(TARGET).revision, warehouse.pointer(TARGET).fence) == (0, 2)
+
+
+def test_an_operator_command_finds_the_recorded_table_with_the_environments_password(
+    request, tmp_path, instance, monkeypatch
+) -> None:
+    """A key is acted on where its contract says (its table, its database), whatever the code names now; credentials
+    come from the environment: the URL the environment holds (with its password) is kept when it names the recorded
+    database, never replaced by the recorded locator, which has no password."""
+    from pipeline_helpers import make_defs, run_partition
+
+    from export_ledger.placement import recorded_destinations
+
+    first = warehouse_destination("postgres", request, tmp_path)
+    monkeypatch.setenv("EXPORTS_WAREHOUSE_URL", first.warehouse_url)
+    assert run_partition(make_defs(tmp_path, destination=first), instance, "2026-03-07").success
+    ledger = open_ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    records = ledger.queries.records(tenant="acme")
+    renamed = WarehouseDestination(table="renamed_{export}", warehouse_url=first.warehouse_url)
+
+    chosen = recorded_destinations(ledger, records, known=renamed, environ={})
+    (found,) = set(chosen.values())
+    export = records[0].export
+    assert found.root_of(export) == first.root_of(export) != renamed.root_of(export), "the recorded table"
+    assert found.warehouse_url == first.warehouse_url, "the environment's URL, password and all"
+    assert found.pointer(TARGET) is not None

@@ -69,18 +69,18 @@ def visible(destination: WarehouseDestination) -> list[tuple[str, float]]:
 
 def test_a_fenced_attempts_rows_never_become_visible(warehouse) -> None:
     """Attempt 1 stages its rows; attempt 2 takes the key over and fences it; attempt 1's commit is refused as
-    fenced, and a plain SELECT of the rows table never shows its rows. Attempt 2's sweep removes what 1 staged, and
-    its own commit is what readers see."""
+    fenced, and a plain SELECT of the rows table never shows its rows. Attempt 2's sweep removes what 1 staged (a
+    refused commit of 1 also removes its own place: tested below), and its own commit is what readers see."""
     first = warehouse.stage(TARGET, 1, rows(1.0), "csv", manifest_for(1))
     assert visible(warehouse) == [], "staged rows are where readers do not look"
     pointer = warehouse.fence(TARGET, 2, logical_key=str(KEY))
+    assert warehouse.sweep(TARGET, 2, pointer) == 1, "the fenced attempt's staged rows are removed"
 
     with pytest.raises(Fenced):
         warehouse.commit(first, 1, superseded=0)
     assert visible(warehouse) == [], "a fenced attempt's rows never become visible"
     assert warehouse.pointer(TARGET).revision == 0 and warehouse.pointer(TARGET).fence == 2
 
-    assert warehouse.sweep(TARGET, 2, pointer) == 1, "the fenced attempt's staged rows are removed"
     second = warehouse.stage(TARGET, 2, rows(2.0), "csv", manifest_for(2))
     landed = warehouse.commit(second, 2, superseded=0)
     assert (landed.revision, landed.fence) == (1, 2)
@@ -452,3 +452,18 @@ def test_an_operator_command_finds_the_recorded_table_with_the_environments_pass
     assert found.root_of(export) == first.root_of(export) != renamed.root_of(export), "the recorded table"
     assert found.warehouse_url == first.warehouse_url, "the environment's URL, password and all"
     assert found.pointer(TARGET) is not None
+
+
+def test_a_fenced_party_that_staged_after_the_sweep_leaves_no_staged_row(warehouse) -> None:
+    """The newer party fences and sweeps before the older one has finished staging: the older one's rows land after
+    the sweep. Its commit is refused as Fenced and removes its own place, so nothing of it stays in the staging
+    table until some later party happens to sweep the key."""
+    pointer = warehouse.fence(TARGET, 2, logical_key=str(KEY))
+    assert warehouse.sweep(TARGET, 2, pointer) == 0
+    late = warehouse.stage(TARGET, 1, rows(1.0), "csv", manifest_for(1))
+    with pytest.raises(Fenced):
+        warehouse.commit(late, 1, superseded=0)
+    with warehouse._engine().connect() as conn:
+        left = conn.execute(sa.text("SELECT COUNT(*) FROM exported_orders_staged")).scalar()
+    assert left == 0, "the fenced party's staged rows are removed by its refused commit"
+    assert visible(warehouse) == []

@@ -665,6 +665,11 @@ class WarehouseDestination(PointerDestination):
         if current.revision == target.revision and current.place == target.place:
             return current  # an earlier send of this very commit landed
         if current.fence > token:
+            # Never committable now: its staged rows go (a newer party's sweep may have run before they landed).
+            try:
+                self._unstage(target, manifest.logical_key)
+            except sa.exc.DBAPIError:
+                pass  # the key's next party sweeps them
             raise self._fenced(manifest.logical_key, current.fence, token)
         raise PointerMoved(
             f"{self.describe()}: {manifest.logical_key} is at revision {current.revision}, not revision {superseded} "

@@ -43,11 +43,15 @@ def mariadb_server() -> Iterator[dict]:
     folder = Path(tempfile.mkdtemp(prefix="export-ledger-mariadb-"))
     data, socket_path = folder / "data", folder / "mariadb.sock"
     as_root = ["--user=root"] if os.geteuid() == 0 else []
-    subprocess.run(
+    installed = subprocess.run(
         [install, "--no-defaults", f"--datadir={data}", *as_root, "--auth-root-authentication-method=normal",
          "--skip-test-db"],
-        check=True, capture_output=True, timeout=120,
+        capture_output=True, text=True, timeout=120,
     )  # fmt: skip
+    if installed.returncode != 0:
+        shutil.rmtree(folder, ignore_errors=True)
+        said = (installed.stderr or installed.stdout).strip().splitlines()[-15:]
+        raise RuntimeError(f"mariadb-install-db exited with {installed.returncode}:\n" + "\n".join(said))
     port = _free_port()
     process = subprocess.Popen(
         [MARIADBD, "--no-defaults", f"--datadir={data}", f"--socket={socket_path}", f"--port={port}",

@@ -141,7 +141,9 @@ def _moves(contract: Mapping) -> str:
 def _place(destination: Mapping | None) -> str:
     if not destination:
         return "(none recorded)"
-    return f"{destination.get('kind')} {destination.get('root')}"
+    # The store's locators too (an endpoint, a database): the same root in another store is another place.
+    where = ", ".join(f"{k} {v}" for k, v in sorted(destination.items()) if k not in ("kind", "root"))
+    return f"{destination.get('kind')} {destination.get('root')}" + (f" ({where})" if where else "")
 
 
 def _source(source: Mapping | None) -> str:

@@ -78,11 +78,14 @@ def recorded_destinations(
             key = repr(sorted(place.items()))
             if key not in built:
                 lent = {}
+                mine: Mapping = {}
                 if own is not None and own.kind == place["kind"] and hasattr(own, "spec"):
                     lent.update({k: v for k, v in own.spec()[1].items() if v is not None})
+                    mine = own.identity(record.export)
                 # The store the contract records (its endpoint, its account), whatever the environment names: only
-                # credentials come from here.
-                lent.update({k: v for k, v in place.items() if k not in ("kind", "root")})
+                # credentials come from here. A setting that names the recorded store already is kept as it is (a
+                # warehouse URL carries its password, which the recorded locator leaves out).
+                lent.update({k: v for k, v in place.items() if k not in ("kind", "root") and mine.get(k) != v})
                 built[key] = destination_from(
                     place["root"], ledger_url=ledger.url, settings=lent, environ=environ,
                     what=f"the destination {record.export}'s contract records",

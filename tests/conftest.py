@@ -23,6 +23,7 @@ from cloud_fixtures import *  # noqa: F403  (gcs_server, gcs_bucket, azurite_ser
 from install_fixtures import fresh_install  # noqa: F401  (a shared non-editable install)
 from s3_fixtures import *  # noqa: F403  (s3_server, s3_credentials, s3_bucket, s3, fault_proxy)
 from sftp_fixtures import *  # noqa: F403  (sftp_server, sftp_folder)
+from warehouse_fixtures import *  # noqa: F403  (mariadb_server, warehouse_url)
 
 from export_ledger.dagster import LedgerResource
 from export_ledger.destinations import LocalDestination

@@ -75,6 +75,7 @@ from harness.protocol import (
     violations,
 )
 from s3_support import Fault
+from warehouse_fixtures import warehouse_destination
 
 from assets.invoices import EXPORT_NAME
 from export_ledger.destinations import ExportTarget
@@ -160,6 +161,8 @@ EXPECTED_LANDING = {
     "azure": PUBLISHING_LANDING,
     "sftp": PUBLISHING_LANDING,
     "delta": {**PUBLISHING_LANDING, "after_stage": "claimed"},
+    # The warehouse stages the rows in its staging table (invisible), and its one transaction is the publish.
+    "warehouse": PUBLISHING_LANDING,
     "sql": {
         "after_claim": "claimed",
         "after_stage": "completed",
@@ -193,6 +196,7 @@ GROUP_LANDING = {
     "gcs": _GROUP_PUBLISHING,
     "azure": _GROUP_PUBLISHING,
     "sftp": _GROUP_PUBLISHING,
+    "warehouse": _GROUP_PUBLISHING,
     # Delta stages nothing: a kill at after_stage or after_publish leaves the unpublished keys only claimed.
     "delta": {
         **_GROUP_PUBLISHING,
@@ -286,6 +290,8 @@ class CrashHarness:
             self.destination_spec = {"kind": "sql", "table": "exported_invoices"}
         elif kind == "delta":
             self.destination_spec = {"kind": "delta", "table": str(workdir / "delta" / "{export}")}
+        elif kind == "warehouse":
+            self.destination_spec = {"kind": "warehouse", "table": "exported_{export}", **store}
         elif kind in ("gcs", "azure"):
             self.destination_spec = {"kind": kind, "prefix": "exports", **store}
             self.store_client = store_client(self.destination_spec)
@@ -675,6 +681,9 @@ def harness(request, fork_server, tmp_path):
     elif name == "sftp":
         spec = request.getfixturevalue("sftp_server").spec(request.getfixturevalue("sftp_folder"))
         crash = CrashHarness(fork_server, "sftp", tmp_path, spec)
+    elif name.startswith("warehouse-"):
+        built = warehouse_destination(name.removeprefix("warehouse-"), request, tmp_path)
+        crash = CrashHarness(fork_server, "warehouse", tmp_path, {"url": built.warehouse_url})
     elif name == "sql-postgres":
         crash = CrashHarness(fork_server, "sql", tmp_path, ledger_url=request.getfixturevalue("postgres_url"))
     else:
@@ -689,7 +698,11 @@ def assert_clean(tally: Tally) -> None:
         assert tally.violations[name] == 0, f"invariant {name} violated {tally.violations[name]} times"
 
 
-@pytest.mark.parametrize("harness", ["local", "sql", "s3", "gcs", "azure", "sftp", "delta"], indirect=True)
+@pytest.mark.parametrize(
+    "harness",
+    ["local", "sql", "s3", "gcs", "azure", "sftp", "delta", "warehouse-postgres", "warehouse-mariadb"],
+    indirect=True,
+)
 def test_a_kill_at_each_named_point_is_reconciled_and_retried_to_one_export(harness):
     started = time.monotonic()
     for index, point in enumerate(POINTS):
@@ -702,7 +715,13 @@ def test_a_kill_at_each_named_point_is_reconciled_and_retried_to_one_export(harn
 
 @pytest.mark.parametrize(
     "harness",
-    ["local", "sql", "delta", *(pytest.param(kind, marks=pytest.mark.slow) for kind in ("s3", "gcs", "azure", "sftp"))],
+    [
+        "local",
+        "sql",
+        "delta",
+        "warehouse-postgres",
+        *(pytest.param(kind, marks=pytest.mark.slow) for kind in ("s3", "gcs", "azure", "sftp")),
+    ],  # fmt: skip
     indirect=True,
 )
 def test_a_group_killed_at_each_named_point_is_reconciled_and_retried_to_one_export_per_key(harness):

@@ -18,6 +18,7 @@ import pyarrow as pa
 import pytest
 from builders import ORDERS_DAY, ORDERS_SCHEMA, corrected_orders, key_for, open_ledger, orders_item
 from object_buckets import delta_destination, object_destination
+from warehouse_fixtures import WAREHOUSE_KINDS, warehouse_destination
 
 from export_ledger.destinations import (
     POINTER_NAME,
@@ -299,7 +300,7 @@ def test_a_ledger_table_holds_no_pointer_of_its_own_and_hands_its_rows_back_as_c
 # reconciliation and the operators' commands ask of any destination: a key never held is absent, an exported key is
 # judged from the destination's own evidence, and a restatement leaves one current revision.
 
-ALL_KINDS = ["local", "s3", "gcs", "azure", "sftp", "delta", "table"]
+ALL_KINDS = ["local", "s3", "gcs", "azure", "sftp", "delta", "table", *(f"warehouse-{k}" for k in WAREHOUSE_KINDS)]
 ORDERS_DAY_KEY = key_for(ORDERS_DAY, export="orders")
 
 
@@ -315,6 +316,8 @@ def exported_to(request, tmp_path, clock):
         built = delta_destination(request, tmp_path)
     elif kind == "table":
         built = SqlTableDestination(url, "exported_{export}")
+    elif kind.startswith("warehouse-"):
+        built = warehouse_destination(kind.removeprefix("warehouse-"), request, tmp_path)
     else:
         built = object_destination(kind, request, prefix="contract-all")
     return book, built

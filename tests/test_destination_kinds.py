@@ -36,6 +36,7 @@ from export_ledger.destinations.gcs import GCSDestination
 from export_ledger.destinations.local import LocalDestination
 from export_ledger.destinations.s3 import S3Destination
 from export_ledger.destinations.sftp import SftpDestination
+from export_ledger.destinations.warehouse import WarehouseDestination
 from export_ledger.steps import PUBLISHING_STEPS
 
 PACKAGE = Path(destinations.__file__).parents[1]
@@ -97,10 +98,11 @@ def test_the_published_kinds_contract_is_what_the_protocol_asks_of_it() -> None:
     assert undeclared == set(), "a caller asks a published kind only what its contract declares"
 
 
-def test_the_publishing_kinds_are_the_object_store_template_and_delta() -> None:
+def test_the_publishing_kinds_are_the_object_store_template_delta_and_the_warehouse() -> None:
     names = [kind.__name__ for kind in PUBLISHED_KINDS]
     assert names == [
-        "AzureDestination", "DeltaDestination", "GCSDestination", "LocalDestination", "S3Destination", "SftpDestination"
+        "AzureDestination", "DeltaDestination", "GCSDestination", "LocalDestination", "S3Destination", "SftpDestination",
+        "WarehouseDestination",
     ]  # fmt: skip
     assert [kind.__name__ for kind in every_kind() if issubclass(kind, TransactionalDestination)] == [
         "SqlTableDestination"
@@ -110,7 +112,8 @@ def test_the_publishing_kinds_are_the_object_store_template_and_delta() -> None:
 #: The publishing kinds, named rather than found: a kind that leaves a step unwritten is abstract, and would drop out
 #: of :func:`every_kind`.
 PUBLISHING_KINDS = (
-    LocalDestination, S3Destination, GCSDestination, AzureDestination, SftpDestination, DeltaDestination
+    LocalDestination, S3Destination, GCSDestination, AzureDestination, SftpDestination, DeltaDestination,
+    WarehouseDestination,
 )  # fmt: skip
 
 

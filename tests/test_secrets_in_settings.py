@@ -33,6 +33,7 @@ from export_ledger.destinations.gcs import GCSDestination
 from export_ledger.destinations.local import LocalDestination
 from export_ledger.destinations.s3 import S3Destination
 from export_ledger.destinations.table import SqlTableDestination
+from export_ledger.destinations.warehouse import WarehouseDestination
 from export_ledger.errors import ConfigurationError, redact_text
 from export_ledger.ledger import ExportLedger, LedgerUnavailable, redact_url
 
@@ -166,8 +167,15 @@ def test_a_destination_spec_with_a_credential_is_refused_without_repeating_it(
 
 @pytest.mark.parametrize(
     "spec",
-    ["s3://exports-bucket/team@corp/p", "./exports/key=2026", "ledger-table:exported_{export}", "az://exports/p",
-     "key=2026", "./R&D/exports", "/srv/exports/user@host"],
+    [
+        "s3://exports-bucket/team@corp/p",
+        "./exports/key=2026",
+        "ledger-table:exported_{export}",
+        "az://exports/p",
+        "key=2026",
+        "./R&D/exports",
+        "/srv/exports/user@host",
+    ],
 )
 def test_destination_specs_without_credentials_are_still_accepted(spec):
     destination_from(spec, ledger_url="sqlite://", environ={"AZURE_STORAGE_ACCOUNT_NAME": "acct"})
@@ -334,7 +342,9 @@ def test_a_ledger_url_without_a_password_is_still_taken_as_an_argument(no_export
 
 
 def test_an_endpoint_setting_with_a_credential_is_masked_where_a_destination_describes_itself():
-    azure = AzureDestination(container="exports", azure_endpoint_url=f"https://acct.blob.core.windows.net/?sig={SECRET}")
+    azure = AzureDestination(
+        container="exports", azure_endpoint_url=f"https://acct.blob.core.windows.net/?sig={SECRET}"
+    )
     s3 = S3Destination(bucket="exports-bucket", endpoint_url=f"https://minio:{SECRET}@minio.internal:9000")
     gcs = GCSDestination(bucket="exports-bucket", gcs_endpoint_url=f"https://gcs.internal/?token={SECRET}")
     for destination in (azure, s3, gcs):
@@ -403,6 +413,9 @@ DESTINATIONS_WITH_A_SECRET = [
                  f"https://{CANARY}@minio:9000", "endpoint_url", "AWS_ENDPOINT_URL", id="s3-endpoint-token-as-user"),
     pytest.param(lambda secret: SqlTableDestination(url=secret, table="exported_orders"),
                  LEDGER_WITH_PASSWORD, "ledger_url", "EXPORTS_LEDGER_URL", id="table-url-with-password"),
+    pytest.param(lambda secret: WarehouseDestination(table="exported_{export}", warehouse_url=secret),
+                 LEDGER_WITH_PASSWORD.replace("/ledger", "/analytics"), "warehouse_url", "EXPORTS_WAREHOUSE_URL",
+                 id="warehouse-url-with-password"),
 ]  # fmt: skip
 
 

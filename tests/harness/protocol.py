@@ -160,6 +160,10 @@ def build_destination(spec: dict, ledger_url: str) -> Destination:
         from export_ledger.destinations.delta import DeltaDestination
 
         return DeltaDestination(table=spec["table"])
+    if kind == "warehouse":
+        from export_ledger.destinations.warehouse import WarehouseDestination
+
+        return WarehouseDestination(table=spec["table"], warehouse_url=spec["url"])
     raise ValueError(f"unknown destination kind {kind!r}")
 
 
@@ -231,6 +235,8 @@ def destination_environment(spec: dict) -> dict[str, str]:
         return {"AWS_SECRET_ACCESS_KEY": spec.get("secret_access_key", "testing")}
     if spec["kind"] == "azure":
         return {"AZURE_STORAGE_ACCOUNT_KEY": spec["account_key"]}
+    if spec["kind"] == "warehouse":
+        return {"EXPORTS_WAREHOUSE_URL": spec["url"]}
     return {}
 
 
@@ -520,6 +526,8 @@ def survey(
         found.finish(_survey_delta(destination_spec["table"], targets, found))
     elif kind == "sql":
         found.finish(_survey_sql(ledger_url, destination_spec["table"], targets, found))
+    elif kind == "warehouse":
+        found.finish(_survey_warehouse(destination_spec, targets, found))
     else:
         raise ValueError(kind)
     return found
@@ -967,6 +975,87 @@ def _delta_place(uri: str, latest, key: str, revision: int, version: int, where:
     else:
         place.whole = True
     return place
+
+
+def _survey_warehouse(spec: dict, targets: list[ExportTarget] | None, found: Survey) -> list[KeyFolder]:
+    """A warehouse database as its readers read it (export_ledger/destinations/warehouse.py's module docstring), with
+    plain SQL, never through the destination: the key's marker row is its pointer (fence, revision, place, sha256);
+    the current revision's place is the key's rows in the rows table, re-hashed against the marker's manifest (a
+    superseded revision's rows are replaced by design: only its marker is kept, in the history table); what an attempt
+    staged (``T_staged``, by place) is a place of its token that readers never see. Rows of a key no marker names are
+    visible and broken."""
+    engine = sa.create_engine(spec["url"], poolclass=sa.pool.NullPool)
+    folders = []
+    try:
+        with engine.connect() as conn:
+            exports = sorted({t.export for t in targets}) if targets is not None else [EXPORT_NAME]
+            for export in exports:
+                name = spec["table"].replace("{export}", export)
+                if not sa.inspect(conn).has_table(f"{name}_markers"):
+                    continue
+                where_key = "" if targets is None else " WHERE export = :export"
+                markers = {
+                    (row.tenant, row.business_date): row
+                    for row in conn.execute(sa.text(f"SELECT * FROM {name}_markers{where_key}"), {"export": export})
+                }
+                wanted = [t for t in targets if t.export == export] if targets is not None else [
+                    ExportTarget(export, tenant, day) for tenant, day in markers]  # fmt: skip
+                for target in wanted:
+                    folder = _warehouse_folder(conn, name, target, markers.get((target.tenant, target.business_date)))
+                    if folder is not None:
+                        folders.append(folder)
+                if targets is None and sa.inspect(conn).has_table(name):
+                    named = {row.logical_key for row in markers.values() if row.revision}
+                    for (key,) in conn.execute(sa.text(f"SELECT DISTINCT _export_key FROM {name}")):
+                        if key not in named:
+                            found.partial.append(f"warehouse:{name}: rows of {key}, which no marker names")
+    finally:
+        engine.dispose()
+    return folders
+
+
+def _warehouse_folder(conn, name: str, target: ExportTarget, marker) -> KeyFolder | None:
+    where = f"warehouse:{name}#/{'/'.join(target.parts)}"
+    folder = KeyFolder(where)
+    key = marker.logical_key if marker is not None else str(logical_key(target.tenant, target.business_date))
+    if sa.inspect(conn).has_table(f"{name}_staged"):
+        staged = conn.execute(
+            sa.text(f"SELECT _export_place, _export_token, COUNT(*) AS n FROM {name}_staged WHERE _export_key = :key "
+                    "GROUP BY _export_place, _export_token"), {"key": key},
+        )  # fmt: skip
+        for place_text, token, count in staged:
+            revision, _ = parse_place(place_text) or (None, None)
+            folder.places[place_text] = Place(
+                f"{where}/{place_text} (staged)", place_text, revision, token, problem=f"staged, {count} rows"
+            )  # fmt: skip
+    if marker is None:
+        return folder if folder.places else None
+    folder.pointer = Pointer(f"{where} (marker)", key, marker.fence, marker.revision, marker.place, marker.sha256)
+    if marker.revision == 0:
+        return folder
+    manifest = Manifest.from_json(marker.manifest.encode("utf-8"), where)
+    place = Place(f"{where}/{marker.place}", marker.place, marker.revision, marker.fencing_token, manifest)
+    columns = json.loads(marker.columns)
+    from export_ledger.destinations.warehouse import _ARROW, _rows_of
+
+    table = _rows_of(name, tuple(columns.items()), False)
+    query = sa.select(*(table.c[c] for c in columns)).where(table.c._export_key == key).order_by(table.c._export_row)
+    records = [dict(r._mapping) for r in conn.execute(query)]
+    import pyarrow as pa
+
+    rows = pa.Table.from_pylist(records, schema=pa.schema([(c, _ARROW[k]) for c, k in columns.items()]))
+    buffer = io.BytesIO()
+    write_table(rows, "csv", buffer)
+    if manifest.revision != marker.revision or manifest.logical_key != key:
+        place.problem = f"the marker of {key}'s revision {marker.revision} holds {manifest.logical_key}'s"
+    elif rows.num_rows != manifest.row_count:
+        place.problem = f"{rows.num_rows} rows, its manifest says {manifest.row_count}"
+    elif hashlib.sha256(buffer.getvalue()).hexdigest() != manifest.sha256:
+        place.problem = "rows do not match the manifest's sha256"
+    else:
+        place.whole = True
+    folder.places[place.name] = place
+    return folder
 
 
 def _survey_sql(ledger_url: str, table: str, targets: list[ExportTarget] | None, found: Survey) -> list[KeyFolder]:

@@ -40,8 +40,8 @@ class MotoServer:
     2 of 8). The S3 destination's startup probe rightly refuses such a store, which turns a test of something else
     into a refusal. Every ``PUT``/``POST``/``DELETE`` therefore runs, its body read first, under one lock for the
     whole process (moto's backend is one per process, whichever server a request reaches), and so does every ``GET``
-    and ``HEAD`` (moto replaces an object in place, see below): the store answers one request at a time. The probe's refusal
-    of a store that is not atomic is tested through the fault proxy, which strips the condition.
+    and ``HEAD`` (moto replaces an object in place, see below): the store answers one request at a time. The probe's
+    refusal of a store that is not atomic is tested through the fault proxy, which strips the condition.
     """
 
     def __init__(self, ip_address: str = LOOPBACK, port: int = 0) -> None:

@@ -101,8 +101,8 @@ def test_the_published_kinds_contract_is_what_the_protocol_asks_of_it() -> None:
 def test_the_publishing_kinds_are_the_object_store_template_delta_and_the_warehouse() -> None:
     names = [kind.__name__ for kind in PUBLISHED_KINDS]
     assert names == [
-        "AzureDestination", "DeltaDestination", "GCSDestination", "LocalDestination", "S3Destination", "SftpDestination",
-        "WarehouseDestination",
+        "AzureDestination", "DeltaDestination", "GCSDestination", "LocalDestination", "S3Destination",
+        "SftpDestination", "WarehouseDestination",
     ]  # fmt: skip
     assert [kind.__name__ for kind in every_kind() if issubclass(kind, TransactionalDestination)] == [
         "SqlTableDestination"

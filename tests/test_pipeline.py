@@ -22,6 +22,7 @@ from pipeline_helpers import (
     run_range,
     tick,
 )
+from warehouse_fixtures import WAREHOUSE_KINDS, warehouse_destination
 
 from export_ledger.calendar import ExportWindow, window_for
 from export_ledger.failpoints import ENV_VAR as FAILPOINTS
@@ -30,7 +31,6 @@ from export_ledger.ledger.schema import AttemptOutcome, ExportState
 from resources.invoices import SampleInvoiceSource
 
 UTC = dt.timezone.utc
-
 
 
 def test_materializing_a_partition_twice_publishes_one_export_and_records_two_attempts(tmp_path, instance):
@@ -302,7 +302,10 @@ def _load(defs: dg.Definitions, instance, partition_key: str, **kwargs) -> tuple
 
 
 # Delta on moto's S3: several seconds a test (its log listing is slow there), so in the slow tier.
-LOAD_KINDS = ["local", *KINDS[1:], "delta", pytest.param("delta-s3", marks=pytest.mark.slow)]
+LOAD_KINDS = [
+    "local", *KINDS[1:], "sftp", "delta", pytest.param("delta-s3", marks=pytest.mark.slow),
+    *(f"warehouse-{kind}" for kind in WAREHOUSE_KINDS),
+]  # fmt: skip
 
 
 @pytest.fixture(params=LOAD_KINDS)
@@ -312,6 +315,11 @@ def load_destination(request, tmp_path):
         return str(tmp_path / "exports")
     if request.param.startswith("delta"):
         return delta_destination(request, tmp_path, on_s3=request.param == "delta-s3")
+    if request.param.startswith("warehouse-"):
+        destination = warehouse_destination(request.param.removeprefix("warehouse-"), request, tmp_path)
+        # A secret: Dagster gets it by name (EnvVar), from the code location's environment.
+        request.getfixturevalue("monkeypatch").setenv("EXPORTS_WAREHOUSE_URL", destination.warehouse_url)
+        return destination
     return object_destination(request.param, request, "exports")
 
 
@@ -335,10 +343,19 @@ def test_load_input_refuses_an_export_that_is_not_committed(tmp_path, instance, 
     assert seen == []
 
 
-# Two runs of two tenants each: over 2 s a test on Azurite and Delta, so those in the slow tier.
+# Two runs of two tenants each: over 2 s a test on Azurite, SFTP, Delta and DuckDB, so those in the slow tier; the
+# warehouse (which replaces a restated key's rows rather than keeping them beside) runs by default on PostgreSQL.
 @pytest.mark.parametrize(
     "load_destination",
-    ["local", "gcs", *(pytest.param(kind, marks=pytest.mark.slow) for kind in ("azure", "delta", "delta-s3"))],
+    [
+        "local",
+        "gcs",
+        "warehouse-postgres",
+        *(
+            pytest.param(kind, marks=pytest.mark.slow)
+            for kind in ("azure", "sftp", "delta", "delta-s3", "warehouse-duckdb")
+        ),
+    ],
     indirect=True,
 )
 def test_load_input_returns_exactly_the_current_revision_and_after_a_restatement_the_new_rows(

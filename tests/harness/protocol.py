@@ -336,6 +336,11 @@ class KeyFolder:
     pointer: Pointer | None = None
     places: dict[str, Place] = field(default_factory=dict)
     problem: str = ""  # a pointer that does not read
+    #: A kind that replaces a key's rows when a restatement supersedes them (the warehouse): a superseded revision's
+    #: place is gone by design, and what is kept of it is its marker, in ``kept_markers``.
+    replaces: bool = False
+    #: A replacing kind's kept markers: revision -> (place, sha256, row count), as its history table holds them.
+    kept_markers: dict[int, tuple[str, str, int]] = field(default_factory=dict)
 
     @property
     def current(self) -> int:
@@ -1031,6 +1036,13 @@ def _warehouse_folder(conn, name: str, target: ExportTarget, marker) -> KeyFolde
     if marker is None:
         return folder if folder.places else None
     folder.pointer = Pointer(f"{where} (marker)", key, marker.fence, marker.revision, marker.place, marker.sha256)
+    folder.replaces = True
+    if sa.inspect(conn).has_table(f"{name}_history"):
+        kept = conn.execute(
+            sa.text(f"SELECT revision, place, sha256, row_count FROM {name}_history WHERE logical_key = :key"),
+            {"key": key},
+        )
+        folder.kept_markers = {row.revision: (row.place, row.sha256, row.row_count) for row in kept}
     if marker.revision == 0:
         return folder
     manifest = Manifest.from_json(marker.manifest.encode("utf-8"), where)
@@ -1247,7 +1259,10 @@ def violations(
       token; with ``history``, a fence that went down, or the pointer moved to a place whose token is below a fence
       it carried before (a stale commit that succeeded).
     * ``named_deleted`` (7): a recorded revision's place gone, or not whole with its recorded sha256; with
-      ``history``, a place once named by the pointer or a record gone or changed.
+      ``history``, a place once named by the pointer or a record gone or changed. For a kind that replaces a key's
+      rows (:attr:`KeyFolder.replaces`, the warehouse), a superseded revision's place is gone by design: its kept
+      marker must name its recorded place, sha256 and row count instead, and the current place must hold the
+      recorded row count too.
     * ``revision_replaced``: with ``history``, a revision once named at one place (or sha256) named at another.
     * ``not_completed`` (final): a key not ``completed``, or completed with its restatement still open.
     * ``effects_not_one`` (final): not exactly one recorded effect per recorded revision.
@@ -1404,15 +1419,34 @@ class _KeyCheck:
                                             f"{self.record.fencing_token}")  # fmt: skip
 
     def kept(self) -> None:
-        """Invariant 7, from the ledger: every recorded revision's place is there, whole, with its sha256."""
+        """Invariant 7, from the ledger: every recorded revision's place is there, whole, with its sha256.
+
+        A kind that replaces rows (:attr:`KeyFolder.replaces`) keeps only the revision its pointer names as a place;
+        each recorded revision it superseded must be kept as a marker of that place, sha256 and row count instead."""
         for row in self.recorded:
             name = place_of_location(row.location)
+            if self.folder.replaces and row.revision < self.pointer.revision:
+                self.superseded_kept(row.revision, name, row.sha256, row.row_count, "recorded revision")
+                continue
             place = self.folder.places.get(name)
             if place is None:
                 self.add("named_deleted", f"recorded revision {row.revision}'s place {name!r} is gone")
             elif not place.whole or place.manifest.sha256 != row.sha256:
                 self.add("named_deleted", f"recorded revision {row.revision} at {place.where} is not whole with its "
                                           f"recorded sha256 ({place.problem or 'other bytes'})")  # fmt: skip
+            elif self.folder.replaces and place.manifest.row_count != row.row_count:
+                self.add("named_deleted", f"recorded revision {row.revision} at {place.where} holds "
+                                          f"{place.manifest.row_count} rows, {row.row_count} recorded")  # fmt: skip
+
+    def superseded_kept(self, revision: int, name: str, sha256: str, row_count: int | None, said: str) -> None:
+        """A replacing kind's superseded revision: its marker is in the history, naming its place and sha256."""
+        kept = self.folder.kept_markers.get(revision)
+        if kept is None:
+            self.add("named_deleted", f"{said} {revision} was superseded and its marker is not in the history")
+        elif kept[:2] != (name, sha256) or (row_count is not None and kept[2] != row_count):
+            recorded = "" if row_count is None else f" ({row_count} rows)"
+            self.add("named_deleted", f"{said} {revision}'s kept marker names {kept[0]!r} {str(kept[1])[:12]} "
+                                      f"({kept[2]} rows), not {name!r} {sha256[:12]}{recorded}")  # fmt: skip
 
     def against(self, history: History) -> None:
         """Invariants 4, 5 and 7 over time, then what this look saw is remembered."""
@@ -1430,7 +1464,9 @@ class _KeyCheck:
         seen = history.named.setdefault(key, {})
         for name, (revision, sha256) in sorted(seen.items()):
             place = self.folder.places.get(name)
-            if place is None:
+            if self.folder.replaces and revision < pointer.revision:
+                self.superseded_kept(revision, name, sha256, None, "once named, revision")
+            elif place is None:
                 self.add("named_deleted", f"{name} (revision {revision}), once named, is gone")
             elif not place.whole or place.manifest.sha256 != sha256:
                 self.add("named_deleted", f"{place.where} (revision {revision}), once named, changed ({place.problem})")

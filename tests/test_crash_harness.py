@@ -18,7 +18,9 @@ Each trial is one logical key (tenant ``acme``, its own business date) in one le
    after each step, with what earlier steps saw of the key: one recorded export per revision, nothing half-visible,
    exactly one current revision (the pointer, naming a whole place), the pointer agreeing with the ledger, the
    recorded revisions a chain and the pointer never moving back, no effect of a stale token visible (no commit below
-   a fence raised), nothing a pointer or a recorded revision named deleted or replaced, and finally every key
+   a fence raised), nothing a pointer or a recorded revision named deleted or replaced (for the warehouse, which
+   replaces a restated key's rows by design: each superseded revision's marker kept in its history table, the current
+   rows matching the recorded sha256 and row count), and finally every key
    ``completed`` with one recorded effect (one ``completed`` or ``repaired`` attempt row) per revision.
 
 A restatement trial first completes its key at revision N (1, 2 or 3, in this process) and records a request; the
@@ -29,14 +31,14 @@ at revision N + 1.
 The slow tier runs ``EXPORTS_CRASH_TRIALS`` random-moment trials per destination plus 4 named-point kills at each
 of the 5 points of a first export (one of them through the whole Dagster job, ``execute_in_process`` in the child),
 the ledger-table destination once more in PostgreSQL (``EXPORTS_CRASH_TRIALS_POSTGRES``), and restatements on the
-destinations that keep revisions (``RESTATING``: all six): 2 kills at each of the 5 points and
+destinations that keep revisions (``RESTATING``): 2 kills at each of the 5 points and
 ``EXPORTS_CRASH_RESTATE_TRIALS`` random ones (on S3 ``EXPORTS_CRASH_RESTATE_TRIALS_S3``), a quarter of them early and
 a quarter late in the restatement's life. GCS, Azure and Delta (issue #20) run 2 kills at each point and
 ``EXPORTS_CRASH_TRIALS_<KIND>`` random first exports, ``EXPORTS_CRASH_RESTATE_TRIALS_<KIND>`` random restatements.
 The random counts are CI's (50 per destination, 12 on PostgreSQL, 20 restatements, 20 on S3, 6 and 4 for the newer
 kinds) unless ``EXPORTS_TEST_DEPTH=full`` (200, 60, 80, 60, 30 and 20; tests/depth.py) or a variable sets them. Each
 prints its trial count and tallies. The default run keeps a smoke version: each named point once per destination,
-for a first export and for a restatement.
+for a first export and for a restatement (the warehouse's on PostgreSQL).
 """
 
 from __future__ import annotations

@@ -969,17 +969,26 @@ def _delta_place(uri: str, latest, key: str, revision: int, version: int, where:
     place = Place(f"{where}/{name}@v{version}", name, revision, manifest.fencing_token, manifest)
     table = latest if latest is not None else deltalake.DeltaTable(uri, version=version)
     rows = table.to_pyarrow_table(filters=[(KEY_COLUMN, "=", key)]).sort_by(ROW_COLUMN)
+    foreign = f"the commit of {key}'s revision {revision} holds {manifest.logical_key}'s {manifest.revision}"
+    _judge_rows(place, rows.drop_columns([KEY_COLUMN, ROW_COLUMN]), key, revision, foreign)
+    return place
+
+
+def _judge_rows(place: Place, rows, key: str, revision: int, foreign: str) -> None:
+    """A place whose rows are read from a table (Delta, the warehouse) judged against its manifest, as a folder's data
+    file is: the manifest names this key at this revision (else ``foreign``), then the row count, then the sha256 of
+    the rows' CSV serialization."""
+    manifest = place.manifest
     buffer = io.BytesIO()
-    write_table(rows.drop_columns([KEY_COLUMN, ROW_COLUMN]), "csv", buffer)
+    write_table(rows, "csv", buffer)
     if manifest.revision != revision or manifest.logical_key != key:
-        place.problem = f"the commit of {key}'s revision {revision} holds {manifest.logical_key}'s {manifest.revision}"
+        place.problem = foreign
     elif rows.num_rows != manifest.row_count:
         place.problem = f"{rows.num_rows} rows, its manifest says {manifest.row_count}"
     elif hashlib.sha256(buffer.getvalue()).hexdigest() != manifest.sha256:
         place.problem = "rows do not match the manifest's sha256"
     else:
         place.whole = True
-    return place
 
 
 def _survey_warehouse(spec: dict, targets: list[ExportTarget] | None, found: Survey) -> list[KeyFolder]:
@@ -1056,16 +1065,8 @@ def _warehouse_folder(conn, name: str, target: ExportTarget, marker) -> KeyFolde
     import pyarrow as pa
 
     rows = pa.Table.from_pylist(records, schema=pa.schema([(c, _ARROW[k]) for c, k in columns.items()]))
-    buffer = io.BytesIO()
-    write_table(rows, "csv", buffer)
-    if manifest.revision != marker.revision or manifest.logical_key != key:
-        place.problem = f"the marker of {key}'s revision {marker.revision} holds {manifest.logical_key}'s"
-    elif rows.num_rows != manifest.row_count:
-        place.problem = f"{rows.num_rows} rows, its manifest says {manifest.row_count}"
-    elif hashlib.sha256(buffer.getvalue()).hexdigest() != manifest.sha256:
-        place.problem = "rows do not match the manifest's sha256"
-    else:
-        place.whole = True
+    foreign = f"the marker of {key}'s revision {marker.revision} holds {manifest.logical_key}'s"
+    _judge_rows(place, rows, key, marker.revision, foreign)
     folder.places[place.name] = place
     return folder
 

@@ -1,16 +1,19 @@
 """Benchmark 7: the invoice export against the peer a user would pick instead, a plain Dagster asset on UPathIOManager.
 
 The peer (``PLAIN_PEER`` below, written into the scratch folder as a user's own file) is a daily-partitioned
-``@dg.asset`` (America/New_York, from 2025-01-01) returning each tenant's invoices of the partition's window, and a
-``dg.UPathIOManager`` subclass that writes one CSV per tenant with pyarrow's writer (the export's writer and default
-format) and one fsync per file. It imports neither export_ledger nor this project: its frame generator is a copy of
-``SampleInvoiceSource.rows``, checked equal to it (untimed) before anything is timed, so the peer does not pay the
-library's imports. Dagster 1.13's ``UPathIOManager.handle_output`` refuses an output of several partitions (one run
-of a ``multi_run`` backfill chunk), so the peer overrides it to dump each partition's value, as a user must.
+``@dg.asset`` (America/New_York, from 2026-01-01, the reference code location's first date) returning each tenant's
+invoices of the partition's window, and a ``dg.UPathIOManager`` subclass that writes one CSV per tenant with pyarrow's
+writer (the export's writer and default format) and one fsync per file. It imports neither export_ledger nor this
+project: its frame generator is a copy of ``SampleInvoiceSource.rows``, checked equal to it (untimed) before anything is
+timed, so the peer does not pay the library's imports. Dagster 1.13's ``UPathIOManager.handle_output`` refuses an output
+of several partitions (one run of a ``multi_run`` backfill chunk), so the peer overrides it to dump each partition's
+value, as a user must.
 
 1. **One partition as a whole process**, what ``dagster asset materialize --select <export> --partition D`` costs
-   a user: each variant a fresh ``dagster asset materialize -f FILE --select ASSET --partition D`` process, with a
-   fresh ``DAGSTER_HOME`` (telemetry off), ledger and destination per repetition (made untimed), interleaved;
+   a user: each variant a fresh ``dagster asset materialize -f FILE --select ASSET --partition D`` process, the
+   export's FILE this project's own ``definitions.py`` configured by its environment as the README's command runs it
+   (the sample source, one tenant), with a fresh ``DAGSTER_HOME`` (telemetry off), ledger (its tables created) and
+   destination per repetition, made untimed, interleaved;
    ``python -c "import dagster"`` beside them as the floor. One tenant, so each writes exactly one data file. From
    each run's event log (read untimed afterwards) the wall time is split into phases; the first run of each variant
    (the untimed warm-up; in ``--smoke``, which has none, the one timed run) runs under ``python -X importtime``: what
@@ -46,9 +49,9 @@ from benchmarks.common import PROJECT_ROOT, Settings, interleaved, median, scrat
 
 NAME = "dagster_peer"
 TIMEZONE = "America/New_York"
-START = dt.date(2025, 1, 1)
+START = dt.date(2026, 1, 1)  # the reference code location's first date (definitions.DEFAULT_START_DATE)
 #: The partition of target 1: an ordinary (no DST change) day whose window has long ended.
-PARTITION = "2025-01-02"
+PARTITION = "2026-01-02"
 TENANT = "acme"
 CHUNK = 31
 #: The sample source's default cadence (``EXPORTS_SAMPLE_CADENCE_MINUTES``): one invoice per tenant every 15 minutes,
@@ -80,7 +83,7 @@ from dagster._core.definitions.asset_checks.asset_check_evaluation import (  # a
 from upath import UPath
 
 _CURRENCIES = np.array(["USD", "EUR", "GBP", "CAD"], dtype=object)
-PARTITIONS = dg.DailyPartitionsDefinition(start_date="2025-01-01", timezone="America/New_York")
+PARTITIONS = dg.DailyPartitionsDefinition(start_date="2026-01-01", timezone="America/New_York")
 
 
 def sample_rows(tenant, start_utc, end_utc, cadence_minutes=15):
@@ -181,18 +184,6 @@ def build(root, tenants, chunk=None, cadence_minutes=15, checked=False):
     )
 '''
 
-LEDGERED_FILE = """from definitions import build_definitions
-
-defs = build_definitions(
-    "{timezone}",
-    "{start}",
-    [{tenant!r}],
-    ledger_url="sqlite:///{ledger}",
-    destination="{destination}",
-    environ={{"EXPORTS_SOURCE": "sample", "EXPORTS_SAMPLE_CADENCE_MINUTES": "{cadence}"}},
-)
-"""
-
 #: The last line of the peer's file for target 1 (the peer's source is put before it).
 PLAIN_DEFS = "\n\ndefs = build({root!r}, [{tenant!r}], {chunk}, {cadence})\n"
 
@@ -226,6 +217,15 @@ def _run(command: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Compl
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} exited {done.returncode}: {done.stderr[-3000:]}")
     return done
+
+
+def _make_ledger(url: str) -> None:
+    """Untimed: the ledger's tables, as a deployment's ledger has them before its first run."""
+    from export_ledger import ExportLedger
+    from export_ledger.ledger import dispose_engines
+
+    ExportLedger(url).now()
+    dispose_engines()
 
 
 def _data_files(root: Path, pattern: str) -> list[Path]:
@@ -283,27 +283,33 @@ class _Process:
         home.mkdir(parents=True)
         (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n", encoding="utf-8")
         exports = work / "exports"
+        env = _environment(home)
         if name == "ledgered":
-            text = LEDGERED_FILE.format(
-                timezone=TIMEZONE, start=START.isoformat(), tenant=TENANT, ledger=work / "ledger.sqlite3",
-                destination=exports, cadence=CADENCE_MINUTES,
-            )  # fmt: skip
-            asset, pattern = LEDGERED_ASSET, "data.csv"
+            # The README's own command on this project's code location, configured by its environment; the ledger's
+            # tables are made here, untimed, as a deployment's ledger already exists when a run starts.
+            ledger_url = f"sqlite:///{work / 'ledger.sqlite3'}"
+            _make_ledger(ledger_url)
+            env.update(
+                EXPORTS_LEDGER_URL=ledger_url,
+                EXPORTS_DESTINATION=str(exports),
+                EXPORTS_TENANTS=TENANT,
+                EXPORTS_SAMPLE_CADENCE_MINUTES=str(CADENCE_MINUTES),
+            )
+            file, asset, pattern = str(PROJECT_ROOT / "definitions.py"), LEDGERED_ASSET, "data.csv"
         else:
             text = PLAIN_PEER + PLAIN_DEFS.format(
                 root=str(exports), tenant=TENANT, chunk=CHUNK, cadence=CADENCE_MINUTES
             )
-            asset, pattern = PLAIN_ASSET, "*.csv"
-        module = f"{name}_definitions"
-        (work / f"{module}.py").write_text(text, encoding="utf-8")
-        arguments = ["asset", "materialize", "-f", f"{module}.py", "--select", asset, "--partition", PARTITION]
+            (work / "plain_definitions.py").write_text(text, encoding="utf-8")
+            file, asset, pattern = "plain_definitions.py", PLAIN_ASSET, "*.csv"
+        arguments = ["asset", "materialize", "-f", file, "--select", asset, "--partition", PARTITION]
         # The first run of each variant (the warm-up, untimed, but for --smoke) runs under -X importtime, which the step
         # process inherits: the import breakdown.
         first = not self.calls[name]
         launcher = [sys.executable, "-X", "importtime", "-m", "dagster"] if first else _dagster_command()
         self.current = {
             "name": name, "rep": rep, "first": first, "work": work, "home": home, "exports": exports,
-            "pattern": pattern, "arguments": arguments, "command": [*launcher, *arguments], "env": _environment(home),
+            "pattern": pattern, "arguments": arguments, "command": [*launcher, *arguments], "env": env,
         }  # fmt: skip
 
     def call(self, _rep: int) -> None:
@@ -425,11 +431,13 @@ class _Backfill:
         self.stack = contextlib.ExitStack()
         self.instance = self.stack.enter_context(dg.instance_for_test(temp_dir=str(self.work / "dagster")))
         if name == "ledgered":
+            ledger_url = f"sqlite:///{self.work / 'ledger.sqlite3'}"
+            _make_ledger(ledger_url)
             defs = build_definitions(
                 TIMEZONE,
                 START.isoformat(),
                 self.tenants,
-                ledger_url=f"sqlite:///{self.work / 'ledger.sqlite3'}",
+                ledger_url=ledger_url,
                 destination=str(self.exports),
                 environ={"EXPORTS_SOURCE": "sample", "EXPORTS_SAMPLE_CADENCE_MINUTES": str(CADENCE_MINUTES)},
                 max_partitions_per_run=CHUNK,

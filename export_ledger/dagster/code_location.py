@@ -22,9 +22,10 @@ from types import ModuleType
 import dagster as dg
 
 from export_ledger.dagster.definitions import declared_exports
-from export_ledger.dagster.resources import resource_keys
+from export_ledger.dagster.resources import SourceResource, resolved_spec, resource_keys, source_key
 from export_ledger.errors import ConfigurationError
 from export_ledger.operations import CodeLocation
+from export_ledger.sources import UnusableSource
 
 
 def load_code_location(
@@ -45,7 +46,7 @@ def load_code_location(
     module = _import(python_file, module_name, named)
     defs = _definitions(module, attribute, named)
     try:
-        specs = tuple(declared_exports(defs))
+        specs = _with_sources(defs, declared_exports(defs))
     except ConfigurationError as exc:
         raise ConfigurationError(f"{named}: {exc}") from None
     return CodeLocation(
@@ -105,6 +106,26 @@ def _ledger_url(defs: dg.Definitions) -> str | None:
         return None
     with dg.build_resources({"ledger": resource}) as built:
         return built.ledger.url
+
+
+def _with_sources(defs: dg.Definitions, specs) -> tuple:
+    """The exports with each source declared as a resource resolved as a run resolves it (an ``EnvVar`` read now):
+    the CLI reads what a run of this location reads, or names the setting it lacks here
+    (:class:`~export_ledger.sources.UnusableSource`)."""
+    return tuple(_with_source(defs, spec) if isinstance(spec.source, SourceResource) else spec for spec in specs)
+
+
+def _with_source(defs: dg.Definitions, spec):
+    key = source_key(spec)
+    try:
+        with dg.build_resources({key: (defs.resources or {}).get(key, spec.source)}) as built:
+            return resolved_spec(spec, getattr(built, key))
+    except dg.DagsterInvalidConfigError as exc:  # an EnvVar this process lacks: Dagster's message names it
+        said = next(
+            (line.strip() for line in str(exc).splitlines() if "environment variable" in line),
+            f"its resource {key} is not valid config here",  # other config errors may quote a value: not repeated
+        )
+        return spec.with_source(UnusableSource(f"the source cannot be used in this process: {said}"))
 
 
 def _args(python_file: str | None, module_name: str | None, attribute: str | None) -> tuple[str, ...]:

@@ -20,9 +20,11 @@ from export_ledger.dagster.resources import (
     LEDGER_KEY,
     DestinationResource,
     LedgerResource,
+    SourceResource,
     is_secret,
     resource_keys,
     secret_by_name,
+    source_key,
 )
 from export_ledger.dagster.schedules import build_nightly_schedule
 from export_ledger.dagster.sensors import build_reconciliation_sensor, job_selection
@@ -118,6 +120,8 @@ def ledgered_definitions(
 
     lineage = _lineage_fields(settings)
     resources: dict = {LEDGER_KEY: ledger}
+    # A source declared as a resource is one of the location's: each run, tick and command resolves it there.
+    resources.update({source_key(spec): spec.source for spec in exports if isinstance(spec.source, SourceResource)})
     definitions: list = list(assets)
     checks, jobs, schedules, health_jobs = [], [], [], []
     ledger_tables: dict[str, list[tuple[str, str]]] = {}  # table -> (export, its role there)

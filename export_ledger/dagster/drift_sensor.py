@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import dagster as dg
 
 from export_ledger.dagster.checks import drift_evaluation
-from export_ledger.dagster.resources import LEDGER_KEY, resource_keys
+from export_ledger.dagster.resources import LEDGER_KEY, SourceResource, resolved_spec, resource_keys, source_key
 from export_ledger.drift import DEFAULT_DRIFT_BATCH, DEFAULT_LOOKBACK_DAYS, describe, drift_pass, stale_digest
 from export_ledger.ledger import DriftRecord, ExportLedger
 from export_ledger.sources import UnusableSource
@@ -61,12 +61,14 @@ def build_drift_sensor(
         raise ValueError(f"lookback_days must be positive, got {lookback_days}")
     checked = [spec for spec in exports if spec.source is not None]
     destination_keys = {spec.name: resource_keys(spec)[0] for spec in checked}
+    # Sources declared as resources, resolved at each tick from the settings the daemon has.
+    source_keys = {spec.name: source_key(spec) for spec in checked if isinstance(spec.source, SourceResource)}
 
     @dg.sensor(
         name="drift_sensor",
         minimum_interval_seconds=minimum_interval_seconds,
         default_status=dg.DefaultSensorStatus.RUNNING if running else dg.DefaultSensorStatus.STOPPED,
-        required_resource_keys={LEDGER_KEY, *destination_keys.values()},
+        required_resource_keys={LEDGER_KEY, *destination_keys.values(), *source_keys.values()},
         description=(
             f"Re-reads the sources of keys completed in the last {lookback_days} business dates and marks stale "
             "those whose source changed (counts only); fails source_unchanged while any is stale; requests a "
@@ -80,11 +82,17 @@ def build_drift_sensor(
         destinations = {
             name: getattr(context.resources, key).get_destination() for name, key in destination_keys.items()
         }
-        for spec in checked:
+        here = [
+            resolved_spec(spec, getattr(context.resources, source_keys[spec.name]))
+            if spec.name in source_keys
+            else spec
+            for spec in checked
+        ]
+        for spec in here:
             if isinstance(spec.source, UnusableSource):
                 context.log.warning(f"{spec.name}: not checked for drift: {spec.source.reason}")
         report = drift_pass(
-            book, checked, destinations, lookback_days=lookback_days, limit=batch_size, after=state.get("after")
+            book, here, destinations, lookback_days=lookback_days, limit=batch_size, after=state.get("after")
         )
         for key, why in report.unchecked:
             context.log.warning(f"{key}: not checked for drift: {why}")

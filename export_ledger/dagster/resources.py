@@ -7,6 +7,7 @@ UI (GraphQL ``configuredValues``). A secret that cannot be given by name is refu
 
 import datetime as dt
 import os
+from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 
 import dagster as dg
@@ -18,6 +19,7 @@ from export_ledger.errors import ConfigurationError
 from export_ledger.ledger import ExportLedger
 from export_ledger.ledger.urls import holds_secret, may_hold_secret
 from export_ledger.settings import LEDGER_URL_ENV
+from export_ledger.sources import ExportSource, ResolvableSource, UnusableSource
 from export_ledger.spec import ExportSpec
 
 #: The resource key of the ledger, shared by every export of a code location.
@@ -27,6 +29,11 @@ LEDGER_KEY = "ledger"
 def resource_keys(spec: ExportSpec) -> tuple[str, str]:
     """The resource keys of an export's destination and I/O manager."""
     return f"{spec.name}__destination", f"{spec.name}__io_manager"
+
+
+def source_key(spec: ExportSpec) -> str:
+    """The resource key of an export's source, when it is declared as a :class:`SourceResource`."""
+    return f"{spec.name}__source"
 
 
 def is_secret(setting: Setting, value: object) -> bool:
@@ -172,3 +179,52 @@ class DestinationResource(dg.ConfigurableResource):
                 ledger_url, ledger_variable, f"{what}: the {kind}'s url (the ledger_url setting) holds a password"
             )
         return cls(spec=spec, ledger_url=ledger_url, settings=settings)
+
+
+class SourceResource(dg.ConfigurableResource, ResolvableSource):
+    """An export's source as a Dagster resource: its settings are the resource's fields, a secret among them given as
+    ``dg.EnvVar`` (the UI's resource config then shows the variable's name, never its value).
+
+    Declared as an :class:`~export_ledger.spec.ExportSpec`'s ``source``, it is a resource of the code location
+    (key :func:`source_key`), and each use gets the source from it as Dagster resolved it there: the export's step in
+    its run worker, the drift sensor at each tick, the CLI through ``dg.build_resources`` (``-f``/``-m``/``-w``).
+    A setting that use lacks makes the source an :class:`~export_ledger.sources.UnusableSource` there alone: a run
+    fails naming it before anything is claimed, and the code location still loads. Subclasses implement
+    :meth:`get_source`; :meth:`problem` may say at load what is wrong with the fields as given.
+
+    Example:
+        >>> class OrdersSource(SourceResource):  # doctest: +SKIP
+        ...     url: str
+        ...     def get_source(self, spec):
+        ...         return SqlSource(url=self.url, query="SELECT ... WHERE tenant = :tenant AND ...")
+        >>> ExportSpec(name="orders", source=OrdersSource(url=dg.EnvVar("ORDERS_DB_URL")), ...)  # doctest: +SKIP
+    """
+
+    @abstractmethod
+    def get_source(self, spec: ExportSpec) -> ExportSource:
+        """The source the fields give for the export ``spec``, in this process.
+
+        Raises:
+            ConfigurationError: a field is missing or contradicts another, naming it, never its value.
+        """
+
+    def resolve(self, spec: ExportSpec) -> ExportSource:
+        # Dagster resolves an EnvVar field into a new instance; on the declared one the field is the variable's name
+        # (an EnvVar is a str), which would be read as the setting itself: a path, a table.
+        unresolved = sorted(name for name, value in self.__dict__.items() if isinstance(value, dg.EnvVar))
+        if unresolved:
+            raise ConfigurationError(
+                f"{type(self).__name__}'s {', '.join(unresolved)} not resolved: use the resource Dagster gives a run "
+                "or a sensor (context.resources), or dg.build_resources, not the declared one"
+            )
+        return self.get_source(spec)
+
+
+def resolved_spec(spec: ExportSpec, resource: ResolvableSource) -> ExportSpec:
+    """``spec`` with its source resolved from ``resource`` (the export's :class:`SourceResource` as Dagster resolved it
+    for this run, tick or command): an :class:`~export_ledger.sources.UnusableSource` naming the setting when the
+    settings are missing or contradict each other here."""
+    try:
+        return spec.with_source(resource.resolve(spec))
+    except ConfigurationError as exc:
+        return spec.with_source(UnusableSource(f"the source cannot be used in this process: {exc}"))

@@ -1,21 +1,27 @@
 """The reference code location's invoice source is chosen, never implied (issue 26): ``EXPORTS_SOURCE=sample`` chooses
 the sample, ``EXPORTS_SOURCE_URL`` with ``EXPORTS_SOURCE_TABLE`` a SQL table; anything else fails each run, naming
 the settings (the location still loads: issue 27). Before, a process whose environment lost ``EXPORTS_SOURCE_URL``
-(a run worker whose launcher config did not pass it) exported the sample invoices and recorded them ``completed``."""
+(a run worker whose launcher config did not pass it) exported the sample invoices and recorded them ``completed``.
+
+The settings are the fields of a Dagster resource (``InvoiceSourceResource``, issue 27 item 4): the URL by name
+(``EnvVar``), resolved where the source is used: a run's step, the drift sensor's tick, the CLI."""
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 
 import dagster as dg
 import pytest
 from builders import open_ledger, sql_invoices
 from pipeline_helpers import PROJECT, failure_message, published_dirs, read_export, run_partition, tick
 
-from definitions import build_definitions, invoice_source_from
+from assets.invoices import invoice_export
+from definitions import build_definitions, invoice_source_resource
 from export_ledger import ConfigurationError, cli
+from export_ledger.dagster.code_location import load_code_location
 from export_ledger.ledger import ExportState
-from resources.invoices import SampleInvoiceSource
+from resources.invoices import InvoiceSourceResource, SampleInvoiceSource, SqlInvoiceSource
 
 DAY = dt.date(2026, 3, 8)
 PASSWORD = "hunter2-canary"
@@ -72,24 +78,118 @@ def test_a_location_given_no_source_setting_loads_and_each_run_fails_naming_the_
             "EXPORTS_SOURCE_URL is set without EXPORTS_SOURCE_TABLE",
         ),
         ({"EXPORTS_SOURCE_TABLE": "invoices"}, "EXPORTS_SOURCE_TABLE is set without EXPORTS_SOURCE_URL"),
-        (
-            {"EXPORTS_SOURCE": f"postgresql://u:{PASSWORD}@db/billing"},
-            "EXPORTS_SOURCE takes one value, 'sample'",
-        ),
     ],
-    ids=["sample-and-url", "sample-and-table", "url-without-table", "table-without-url", "unknown-choice"],
+    ids=["sample-and-url", "sample-and-table", "url-without-table", "table-without-url"],
 )
 def test_two_sources_or_half_of_one_fail_each_run_naming_the_settings_never_their_values(
-    tmp_path, instance, settings, expected
+    tmp_path, instance, monkeypatch, settings, expected
 ):
-    with pytest.raises(ConfigurationError) as refused:
-        invoice_source_from(settings)
-    assert expected in str(refused.value) and PASSWORD not in str(refused.value)
+    if "EXPORTS_SOURCE_URL" in settings:  # a URL is given by name, as the process environment's (never as a value)
+        monkeypatch.setenv("EXPORTS_SOURCE_URL", settings["EXPORTS_SOURCE_URL"])
+    assert expected in invoice_source_resource(settings).problem()
 
     words = _refused_run(tmp_path, instance, _environ(tmp_path, **settings))
 
     assert words.count(expected) >= 2, f"the asset's page and the run name it: {words[-2000:]}"
     assert PASSWORD not in words, "a source URL's password is never quoted"
+
+
+def test_a_choice_other_than_sample_is_refused_at_load_without_its_value(tmp_path):
+    """A value malformed in itself is wrong in every process: refused at load, never carried into the resource config
+    the UI shows (here a URL pasted into EXPORTS_SOURCE)."""
+    with pytest.raises(ConfigurationError) as refused:
+        build_definitions(environ=_environ(tmp_path, EXPORTS_SOURCE=f"postgresql://u:{PASSWORD}@db/billing"))
+
+    assert "EXPORTS_SOURCE takes one value, 'sample'" in str(refused.value)
+    assert PASSWORD not in str(refused.value)
+
+
+def ui_resource_config(defs: dg.Definitions, key: str) -> dict:
+    """A resource's configured values as the Dagster UI gets them (GraphQL ``configuredValues``: the default value of
+    the resource's config schema)."""
+    resource = defs.get_repository_def().get_top_level_resources()[key]
+    return json.loads(resource.config_schema.default_value_as_json_str)
+
+
+def test_the_ui_resource_config_names_exports_source_url_never_the_url(tmp_path, monkeypatch):
+    for name, value in _environ(tmp_path).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("EXPORTS_SOURCE")
+    monkeypatch.setenv("EXPORTS_SOURCE_URL", f"postgresql+psycopg2://reader:{PASSWORD}@billing-db/billing")
+    monkeypatch.setenv("EXPORTS_SOURCE_TABLE", "billing_invoices")
+
+    config = ui_resource_config(build_definitions(), "invoice_export__source")
+
+    assert config["url"] == {"env": "EXPORTS_SOURCE_URL"}, f"the URL is passed by name: {config}"
+    assert config["table"] == "billing_invoices" and config["sample"] is False
+    assert PASSWORD not in json.dumps(config) and "billing-db" not in json.dumps(config)
+
+
+def test_a_source_url_with_a_password_given_as_a_value_is_refused_at_load_without_quoting_it(tmp_path):
+    """Read from an environ mapping that the process environment does not hold, the URL could only reach Dagster as a
+    value, shown in the UI's resource config: refused, saying how to give it by name."""
+    url = f"postgresql+psycopg2://reader:{PASSWORD}@billing-db/billing"
+    with pytest.raises(ConfigurationError) as refused:
+        build_definitions(environ=_environ(tmp_path, EXPORTS_SOURCE_URL=url, EXPORTS_SOURCE_TABLE="invoices"))
+
+    assert "EXPORTS_SOURCE_URL" in str(refused.value) and "holds a password" in str(refused.value)
+    assert PASSWORD not in str(refused.value)
+
+
+def test_a_run_resolves_the_source_url_where_it_runs_and_the_contract_refuses_another_database(
+    tmp_path, instance, monkeypatch
+):
+    """The location's Definitions name the URL's variable; each run reads it from the environment it runs in (its run
+    worker's). A run whose environment names another database than the one the key's contract recorded is refused
+    before a row is read, naming what changed without the URL's credentials."""
+    first = f"sqlite:///{tmp_path / 'billing.sqlite3'}"
+    other = f"sqlite:///{tmp_path / 'elsewhere.sqlite3'}"
+    sql_invoices(first, DAY - dt.timedelta(days=1), ("acme",))
+    sql_invoices(other, DAY, ("acme",))
+    monkeypatch.setenv("EXPORTS_SOURCE_URL", first)
+    defs = build_definitions(environ=_environ(tmp_path, EXPORTS_SOURCE_URL=first, EXPORTS_SOURCE_TABLE="invoices"))
+    assert run_partition(defs, instance, (DAY - dt.timedelta(days=1)).isoformat()).success
+
+    monkeypatch.setenv("EXPORTS_SOURCE_URL", other)  # the same Definitions; a run worker given another database
+    result = run_partition(defs, instance, DAY.isoformat())
+
+    assert not result.success, "a run reading another database than the contract's is refused"
+    message = failure_message(result)
+    assert "source sql (" in message and "elsewhere.sqlite3" in message, message
+    ledger = open_ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    assert [r.business_date for r in ledger.queries.records()] == [DAY - dt.timedelta(days=1)], "nothing claimed"
+
+
+def test_the_cli_reads_the_source_a_run_of_the_location_reads(tmp_path, instance, monkeypatch, capsys):
+    url = f"sqlite:///{tmp_path / 'billing.sqlite3'}"
+    sql_invoices(url, DAY, ("acme",), table="billing_invoices")
+    for name, value in _environ(tmp_path).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("EXPORTS_SOURCE")
+    monkeypatch.setenv("EXPORTS_SOURCE_URL", url)
+    monkeypatch.setenv("EXPORTS_SOURCE_TABLE", "billing_invoices")
+    monkeypatch.chdir(PROJECT)
+    assert run_partition(build_definitions(), instance, DAY.isoformat()).success
+
+    (spec,) = load_code_location(python_file="definitions.py").specs
+
+    assert isinstance(spec.source, SqlInvoiceSource), "the CLI has the source resolved, as a run resolves it"
+    assert (spec.source.url, spec.source.table) == (url, "billing_invoices")
+    code = cli.main(["drift", "-f", "definitions.py", "--lookback-days", "3650"])
+    out = capsys.readouterr().out
+    assert code == 0 and "1 key(s) checked: 0 stale, 1 match their source" in out, out
+
+
+def test_the_declared_resource_is_never_read_as_its_settings(monkeypatch):
+    """The declared resource holds the variable's name where Dagster resolves a value: read as the source, the name
+    would be taken for the URL. Only the resource Dagster resolved (a run's, a tick's, build_resources') gives one."""
+    monkeypatch.setenv("EXPORTS_SOURCE_URL", "sqlite://")
+    declared = InvoiceSourceResource(url=dg.EnvVar("EXPORTS_SOURCE_URL"), table="invoices")
+    spec = invoice_export(source=SampleInvoiceSource(), tenants=["acme"], timezone="UTC", start_date="2026-01-01")
+    with pytest.raises(ConfigurationError, match="url not resolved"):
+        declared.resolve(spec)
+    with dg.build_resources({"source": declared}) as built:
+        assert built.source.resolve(spec).identity()["table"] == "invoices"
 
 
 def test_exports_source_sample_exports_the_sample_invoices(tmp_path, instance):
@@ -134,7 +234,7 @@ def test_drift_passes_over_an_export_whose_source_is_unusable_here_and_says_why(
     found = tick(defs, instance, sensor_name="drift_sensor")
 
     said = [record.getMessage() for record in found.logs]
-    assert any("invoice_export: not checked for drift: the invoice source cannot be used" in s for s in said), said
+    assert any("invoice_export: not checked for drift: the source cannot be used" in s for s in said), said
     assert found.skip_message.startswith("0 key(s) checked, 0 stale, 0 not checked"), found.skip_message
 
     for name, value in _environ(tmp_path).items():
@@ -144,7 +244,7 @@ def test_drift_passes_over_an_export_whose_source_is_unusable_here_and_says_why(
     code = cli.main(["drift", "-f", "definitions.py", "--lookback-days", "3650"])
     out = capsys.readouterr().out
     assert code == 1 and "0 key(s) checked" in out, "keys left unchecked: exit 1, as the CLI's exit codes say"
-    assert "not checked, no source to read again here: invoice_export (the invoice source cannot be used" in out
+    assert "not checked, no source to read again here: invoice_export (the source cannot be used" in out
     assert "EXPORTS_SOURCE_URL" in out
 
 

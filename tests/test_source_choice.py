@@ -21,6 +21,7 @@ from definitions import build_definitions, invoice_source_resource
 from export_ledger import ConfigurationError, cli
 from export_ledger.dagster.code_location import load_code_location
 from export_ledger.ledger import ExportState
+from export_ledger.sources import UnusableSource
 from resources.invoices import InvoiceSourceResource, SampleInvoiceSource, SqlInvoiceSource
 
 DAY = dt.date(2026, 3, 8)
@@ -256,3 +257,42 @@ def test_a_bad_sample_cadence_is_refused_at_load_without_its_value(tmp_path):
 
     assert "EXPORTS_SAMPLE_CADENCE_MINUTES must be a positive integer" in str(refused.value)
     assert PASSWORD not in str(refused.value)
+
+
+SHOP_LOCATION = """
+import dagster as dg
+from export_ledger import ExportSpec, SqlSource
+from export_ledger.dagster import SourceResource, ledgered_definitions
+
+
+class OrdersSource(SourceResource):
+    url: str
+    def get_source(self, spec):
+        return SqlSource(self.url, "SELECT * FROM o WHERE tenant = :tenant AND t >= :start AND t < :end")
+
+
+orders = ExportSpec(
+    name="orders", source=OrdersSource(url=dg.EnvVar("SHOP_ORDERS_URL")),
+    columns={"order_id": "string", "tenant": "string", "t": "timestamp"}, id_columns=["order_id"], time_column="t",
+    tenant_column="tenant", tenants=["acme"], timezone="UTC", start_date="2026-01-01",
+)
+shop_defs = ledgered_definitions([orders], environ={"EXPORTS_LEDGER_URL": LEDGER, "EXPORTS_DESTINATION": EXPORTS})
+"""
+
+
+def test_a_source_resource_of_a_users_own_is_resolved_for_the_cli_or_names_the_variable_it_lacks(tmp_path, monkeypatch):
+    """A resource whose URL is always an EnvVar: where the CLI's environment lacks the variable, Dagster cannot
+    resolve it, and the export's source is unusable there, naming the variable (a run is refused by Dagster the same
+    way); where it has it, the CLI reads the URL the variable holds."""
+    location = tmp_path / "shop_location.py"
+    ledger, exports = f"sqlite:///{tmp_path / 'ledger.sqlite3'}", str(tmp_path / "exports")
+    location.write_text(f"LEDGER = {ledger!r}\nEXPORTS = {exports!r}\n{SHOP_LOCATION}")
+    monkeypatch.delenv("SHOP_ORDERS_URL", raising=False)
+
+    (lacking,) = load_code_location(python_file=str(location)).specs
+    monkeypatch.setenv("SHOP_ORDERS_URL", f"sqlite:///{tmp_path / 'shop.sqlite3'}")
+    (given,) = load_code_location(python_file=str(location)).specs
+
+    assert isinstance(lacking.source, UnusableSource), lacking.source
+    assert 'environment variable "SHOP_ORDERS_URL" which is not set' in lacking.source.reason, lacking.source.reason
+    assert given.source.url == f"sqlite:///{tmp_path / 'shop.sqlite3'}", "the CLI reads what the variable holds"

@@ -193,10 +193,11 @@ class SourceResource(dg.ConfigurableResource, ResolvableSource):
     :meth:`get_source`; :meth:`problem` may say at load what is wrong with the fields as given.
 
     An ``EnvVar`` field whose variable a process lacks is refused by Dagster itself, when it resolves the resource:
-    every run of the export's asset (its check-only runs too: they are the same step) fails on its config, naming the variable, and so does
-    the drift sensor's tick; the CLI says the source cannot be used there. To fail only the runs that read the source,
-    and in their step, leave the field empty where the variable is unset when the location loads and say so in
-    :meth:`problem` (the reference location's ``InvoiceSourceResource`` and the Component's SQL source do this).
+    every run of the export's asset (its check-only runs too: they are the same step) fails on its config, naming the
+    variable, and so does the drift sensor's tick; the CLI says the source cannot be used there. To fail only the runs
+    that read the source, and in their step, leave the field empty where the variable is unset when the location
+    loads and say so in :meth:`problem` (the reference location's ``InvoiceSourceResource`` and the Component's SQL
+    source do this).
 
     Example:
         >>> class OrdersSource(SourceResource):  # doctest: +SKIP

@@ -19,6 +19,7 @@ from pipeline_helpers import PROJECT, failure_message, published_dirs, read_expo
 from assets.invoices import invoice_export
 from definitions import build_definitions, invoice_source_resource
 from export_ledger import ConfigurationError, cli
+from export_ledger.dagster import SourceResource, ledgered_definitions
 from export_ledger.dagster.code_location import load_code_location
 from export_ledger.ledger import ExportState
 from export_ledger.sources import UnusableSource
@@ -135,6 +136,34 @@ def test_a_source_url_with_a_password_given_as_a_value_is_refused_at_load_withou
 
     assert "EXPORTS_SOURCE_URL" in str(refused.value) and "holds a password" in str(refused.value)
     assert PASSWORD not in str(refused.value)
+
+
+class UsersSource(SourceResource):
+    """A user's own source resource (its url meant to be a dg.EnvVar)."""
+
+    url: str
+
+    def get_source(self, spec):
+        return SqlInvoiceSource(url=self.url, table="invoices")
+
+
+@pytest.mark.parametrize("how", ["reference", "users_own"])
+def test_a_source_resource_given_a_password_as_a_value_is_refused_at_load_naming_the_field(tmp_path, how):
+    """A SourceResource's field is shown in the UI's resource config as given: a URL with a password given as a
+    value (not an EnvVar) is refused at load, as the ledger URL is, naming the field and dg.EnvVar, never the value."""
+    literal = f"postgresql://reader:{PASSWORD}@billing-db/billing"
+    with pytest.raises(ConfigurationError) as refused:
+        if how == "reference":
+            build_definitions(environ=_environ(tmp_path), source=InvoiceSourceResource(url=literal, table="invoices"))
+        else:
+            spec = invoice_export(
+                source=UsersSource(url=literal), tenants=["acme"], timezone="UTC", start_date="2026-01-01"
+            )
+            ledgered_definitions([spec], environ=_environ(tmp_path))
+
+    said = str(refused.value)
+    assert "'s url holds a password" in said and "dg.EnvVar" in said, said
+    assert PASSWORD not in said and "billing-db" not in said, said
 
 
 def test_a_run_resolves_the_source_url_where_it_runs_and_the_contract_refuses_another_database(

@@ -8,6 +8,7 @@ The settings are the fields of a Dagster resource (``InvoiceSourceResource``, is
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 
@@ -276,6 +277,26 @@ def test_drift_passes_over_an_export_whose_source_is_unusable_here_and_says_why(
     assert code == 1 and "0 key(s) checked" in out, "keys left unchecked: exit 1, as the CLI's exit codes say"
     assert "not checked, no source to read again here: invoice_export (the source cannot be used" in out
     assert "EXPORTS_SOURCE_URL" in out
+
+
+def test_one_exports_source_setting_missing_at_a_tick_leaves_the_other_exports_checked_for_drift(
+    tmp_path, instance, monkeypatch
+):
+    """The drift sensor resolves each export's source resource itself, export by export: a variable one export's
+    resource lacks in the code server makes that export unchecked (logged, naming the variable), not the whole tick
+    refused by Dagster for every export."""
+    monkeypatch.setenv("TEST_ORDERS_URL", f"sqlite:///{tmp_path / 'shop.sqlite3'}")  # for the run (in process)
+    invoices = invoice_export(source=SampleInvoiceSource(), tenants=["acme"], timezone="UTC", start_date="2026-01-01")
+    orders = dataclasses.replace(invoices, name="orders", source=UsersSource(url=dg.EnvVar("TEST_ORDERS_URL")))
+    defs = ledgered_definitions([invoices, orders], environ=_environ(tmp_path), drift_lookback_days=3650)
+    assert run_partition(defs, instance, DAY.isoformat()).success
+    monkeypatch.delenv("TEST_ORDERS_URL")  # the code server, where ticks run, lacks it
+
+    found = tick(defs, instance, sensor_name="drift_sensor")
+
+    said = [record.getMessage() for record in found.logs]
+    assert any(s.startswith("orders: not checked for drift") and "TEST_ORDERS_URL" in s for s in said), said
+    assert found.skip_message.startswith("1 key(s) checked, 0 stale"), (found.skip_message, said)
 
 
 def test_a_bad_sample_cadence_is_refused_at_load_without_its_value(tmp_path):

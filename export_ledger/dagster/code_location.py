@@ -22,10 +22,9 @@ from types import ModuleType
 import dagster as dg
 
 from export_ledger.dagster.definitions import declared_exports
-from export_ledger.dagster.resources import SourceResource, resolved_spec, resource_keys, source_key
+from export_ledger.dagster.resources import SourceResource, built_spec, resource_keys, source_key
 from export_ledger.errors import ConfigurationError
 from export_ledger.operations import CodeLocation
-from export_ledger.sources import UnusableSource
 
 
 def load_code_location(
@@ -116,16 +115,7 @@ def _with_sources(defs: dg.Definitions, specs) -> tuple:
 
 
 def _with_source(defs: dg.Definitions, spec):
-    key = source_key(spec)
-    try:
-        with dg.build_resources({key: (defs.resources or {}).get(key, spec.source)}) as built:
-            return resolved_spec(spec, getattr(built, key))
-    except dg.DagsterInvalidConfigError as exc:  # an EnvVar this process lacks: Dagster's message names it
-        said = next(
-            (line.strip() for line in str(exc).splitlines() if "environment variable" in line),
-            f"its resource {key} is not valid config here",  # other config errors may quote a value: not repeated
-        )
-        return spec.with_source(UnusableSource(f"the source cannot be used in this process: {said}"))
+    return built_spec(spec, (defs.resources or {}).get(source_key(spec)))
 
 
 def _args(python_file: str | None, module_name: str | None, attribute: str | None) -> tuple[str, ...]:

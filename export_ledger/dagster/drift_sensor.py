@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import dagster as dg
 
 from export_ledger.dagster.checks import drift_evaluation
-from export_ledger.dagster.resources import LEDGER_KEY, SourceResource, resolved_spec, resource_keys, source_key
+from export_ledger.dagster.resources import LEDGER_KEY, SourceResource, built_spec, resource_keys
 from export_ledger.drift import DEFAULT_DRIFT_BATCH, DEFAULT_LOOKBACK_DAYS, describe, drift_pass, stale_digest
 from export_ledger.ledger import DriftRecord, ExportLedger
 from export_ledger.sources import UnusableSource
@@ -61,14 +61,12 @@ def build_drift_sensor(
         raise ValueError(f"lookback_days must be positive, got {lookback_days}")
     checked = [spec for spec in exports if spec.source is not None]
     destination_keys = {spec.name: resource_keys(spec)[0] for spec in checked}
-    # Sources declared as resources, resolved at each tick from the settings the daemon has.
-    source_keys = {spec.name: source_key(spec) for spec in checked if isinstance(spec.source, SourceResource)}
 
     @dg.sensor(
         name="drift_sensor",
         minimum_interval_seconds=minimum_interval_seconds,
         default_status=dg.DefaultSensorStatus.RUNNING if running else dg.DefaultSensorStatus.STOPPED,
-        required_resource_keys={LEDGER_KEY, *destination_keys.values(), *source_keys.values()},
+        required_resource_keys={LEDGER_KEY, *destination_keys.values()},
         description=(
             f"Re-reads the sources of keys completed in the last {lookback_days} business dates and marks stale "
             "those whose source changed (counts only); fails source_unchanged while any is stale; requests a "
@@ -82,12 +80,10 @@ def build_drift_sensor(
         destinations = {
             name: getattr(context.resources, key).get_destination() for name, key in destination_keys.items()
         }
-        here = [
-            resolved_spec(spec, getattr(context.resources, source_keys[spec.name]))
-            if spec.name in source_keys
-            else spec
-            for spec in checked
-        ]
+        # A source declared as a resource is resolved here, at each tick, from the code server's environment (ticks
+        # run there), export by export: one export's missing setting leaves it unchecked and the others checked.
+        # Requiring its key on the sensor would make Dagster refuse the whole tick instead.
+        here = [built_spec(spec) if isinstance(spec.source, SourceResource) else spec for spec in checked]
         for spec in here:
             if isinstance(spec.source, UnusableSource):
                 context.log.warning(f"{spec.name}: not checked for drift: {spec.source.reason}")

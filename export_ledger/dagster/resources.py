@@ -194,7 +194,8 @@ class SourceResource(dg.ConfigurableResource, ResolvableSource):
 
     An ``EnvVar`` field whose variable a process lacks is refused by Dagster itself, when it resolves the resource:
     every run of the export's asset (its check-only runs too: they are the same step) fails on its config, naming the
-    variable, and so does the drift sensor's tick; the CLI says the source cannot be used there. To fail only the runs
+    variable. The drift sensor's tick and the CLI resolve it themselves (:func:`built_spec`): that export alone is
+    not checked there, saying which variable is missing. To fail only the runs
     that read the source, and in their step, leave the field empty where the variable is unset when the location
     loads and say so in :meth:`problem` (the reference location's ``InvoiceSourceResource`` and the Component's SQL
     source do this).
@@ -235,3 +236,21 @@ def resolved_spec(spec: ExportSpec, resource: ResolvableSource) -> ExportSpec:
         return spec.with_source(resource.resolve(spec))
     except ConfigurationError as exc:
         return spec.with_source(UnusableSource(f"the source cannot be used in this process: {exc}"))
+
+
+def built_spec(spec: ExportSpec, resource: SourceResource | None = None) -> ExportSpec:
+    """``spec`` with its source resolved here as a run would resolve it: ``resource`` (default the declared
+    ``spec.source``) built by ``dg.build_resources``, its ``EnvVar`` fields read from this process's environment. Used
+    where Dagster does not hand the resource over: the CLI, and the drift sensor's tick (per export, so one export's
+    missing setting leaves the others checked). A setting this process lacks makes the source an
+    :class:`~export_ledger.sources.UnusableSource` naming it (never a value)."""
+    key = source_key(spec)
+    try:
+        with dg.build_resources({key: resource if resource is not None else spec.source}) as built:
+            return resolved_spec(spec, getattr(built, key))
+    except dg.DagsterInvalidConfigError as exc:  # an EnvVar this process lacks: Dagster's message names it
+        said = next(
+            (line.strip() for line in str(exc).splitlines() if "environment variable" in line),
+            f"its resource {key} is not valid config here",  # other config errors may quote a value: not repeated
+        )
+        return spec.with_source(UnusableSource(f"the source cannot be used in this process: {said}"))

@@ -19,7 +19,7 @@ from pipeline_helpers import PROJECT, failure_message, published_dirs, read_expo
 
 from assets.invoices import invoice_export
 from definitions import build_definitions, invoice_source_resource
-from export_ledger import ConfigurationError, cli
+from export_ledger import ConfigurationError, SqlSource, cli
 from export_ledger.dagster import SourceResource, ledgered_definitions
 from export_ledger.dagster.code_location import load_code_location
 from export_ledger.ledger import ExportState
@@ -297,6 +297,71 @@ def test_one_exports_source_setting_missing_at_a_tick_leaves_the_other_exports_c
     said = [record.getMessage() for record in found.logs]
     assert any(s.startswith("orders: not checked for drift") and "TEST_ORDERS_URL" in s for s in said), said
     assert found.skip_message.startswith("1 key(s) checked, 0 stale"), (found.skip_message, said)
+
+
+class BadQuerySource(SourceResource):
+    """Gives a SqlSource whose query lacks the bound parameters: SqlSource refuses it (a ValueError)."""
+
+    url: str
+
+    def get_source(self, spec):
+        return SqlSource(self.url, "SELECT * FROM invoices")
+
+
+class FailingSource(SourceResource):
+    """Its get_source fails with an error of no kind the library knows."""
+
+    def get_source(self, spec):
+        raise RuntimeError("the billing client could not start")
+
+
+def _checks_reported(instance, result) -> int:
+    """The check evaluations the run recorded (a failed step's own are in the instance's log of the run)."""
+    return sum(
+        1
+        for entry in instance.all_logs(result.run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION)
+        if entry.dagster_event is not None
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "said"),
+    [
+        (BadQuerySource(url="sqlite:///billing.sqlite3"), "bound parameters"),
+        (FailingSource(), "the billing client could not start"),
+    ],
+)
+def test_a_source_resource_that_fails_to_give_its_source_fails_the_run_with_its_checks_reported(
+    tmp_path, instance, source, said
+):
+    """Whatever resolving the source raises, the run fails before anything is claimed, and its checks are judged
+    from the ledger rather than left planned (each date shown "execution failed")."""
+    sample = invoice_export(source=SampleInvoiceSource(), tenants=["acme"], timezone="UTC", start_date="2026-01-01")
+    assert run_partition(ledgered_definitions([sample], environ=_environ(tmp_path)), instance, DAY.isoformat()).success
+    defs = ledgered_definitions([dataclasses.replace(sample, source=source)], environ=_environ(tmp_path))
+
+    result = run_partition(defs, instance, DAY.isoformat())
+
+    assert not result.success and said in failure_message(result), failure_message(result)[-2000:]
+    assert _checks_reported(instance, result) > 0, "the run's checks are judged from the ledger, not left planned"
+
+
+def test_a_source_resource_giving_a_refused_source_leaves_its_export_unchecked_for_drift_saying_why(tmp_path, instance):
+    """A source refused when it is made (a SqlSource query without its bound parameters raises ValueError) makes the
+    export's source unusable where it is resolved (the tick, the CLI: the same resolution), saying why: the drift
+    tick logs it instead of failing."""
+    spec = invoice_export(
+        source=BadQuerySource(url="sqlite:///billing.sqlite3"),
+        tenants=["acme"],
+        timezone="UTC",
+        start_date="2026-01-01",
+    )
+    defs = ledgered_definitions([spec], environ=_environ(tmp_path), drift_lookback_days=3650)
+
+    found = tick(defs, instance, sensor_name="drift_sensor")
+
+    said = [record.getMessage() for record in found.logs]
+    assert any(s.startswith("invoice_export: not checked for drift") and "bound parameters" in s for s in said), said
 
 
 def test_a_bad_sample_cadence_is_refused_at_load_without_its_value(tmp_path):

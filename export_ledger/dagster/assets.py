@@ -137,13 +137,15 @@ def build_export_asset(
             _log_events(context, verdicts(_checked_days(context, spec, group, calendar, selected)))
             yield from _check_outputs(context)
             return
-        run_spec = spec if source_resource is None else resolved_spec(spec, getattr(context.resources, source_resource))
         try:
+            resource = None if source_resource is None else getattr(context.resources, source_resource)
+            run_spec = spec if resource is None else resolved_spec(spec, resource)
             batch, tenants_by_day, only = _plan(context, run_spec, config, book, destination)
         except Exception:
-            # Refused before anything was exported (a bad launchpad config, an unreadable ledger): the run's checks
-            # are planned for its partitions, and a check left planned shows each date "execution failed" though
-            # nothing changed. The ledger holds the truth: its verdicts are reported, then the error is raised.
+            # Refused before anything was exported (a bad launchpad config, an unreadable ledger, a source that cannot
+            # be resolved): the run's checks are planned for its partitions, and a check left planned shows each date
+            # "execution failed" though nothing changed. The ledger holds the truth: its verdicts are reported, then
+            # the error is raised.
             _report_or_warn(context, lambda: verdicts(_checked_days(context, spec, group, calendar, selected)))
             raise
         if only is not None:

@@ -231,10 +231,12 @@ class SourceResource(dg.ConfigurableResource, ResolvableSource):
 def resolved_spec(spec: ExportSpec, resource: ResolvableSource) -> ExportSpec:
     """``spec`` with its source resolved from ``resource`` (the export's :class:`SourceResource` as Dagster resolved it
     for this run, tick or command): an :class:`~export_ledger.sources.UnusableSource` naming the setting when the
-    settings are missing or contradict each other here."""
+    settings are missing or contradict each other here, or the source they give is refused (a ``ValueError`` or
+    ``TypeError``, as :class:`~export_ledger.spec.ExportSpec` refuses a source given in code: a ``SqlSource`` query
+    without its bound parameters)."""
     try:
         return spec.with_source(resource.resolve(spec))
-    except ConfigurationError as exc:
+    except (ConfigurationError, ValueError, TypeError) as exc:
         return spec.with_source(UnusableSource(f"the source cannot be used in this process: {exc}"))
 
 

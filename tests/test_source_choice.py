@@ -411,3 +411,21 @@ def test_a_source_resource_of_a_users_own_is_resolved_for_the_cli_or_names_the_v
     assert isinstance(lacking.source, UnusableSource), lacking.source
     assert 'environment variable "SHOP_ORDERS_URL" which is not set' in lacking.source.reason, lacking.source.reason
     assert given.source.url == f"sqlite:///{tmp_path / 'shop.sqlite3'}", "the CLI reads what the variable holds"
+
+
+def test_drift_given_specs_whose_source_is_a_resource_says_to_name_the_code_location_and_exits_1(
+    tmp_path, monkeypatch, capsys
+):
+    """--specs names exports, not their code location: a source declared as a resource cannot be resolved there.
+    The export is named unchecked, saying to use -f/-m, and the command exits 1 (it exited 0, checking nothing)."""
+    (tmp_path / "shop_specs.py").write_text(SHOP_LOCATION.replace("shop_defs = ", "# "))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("SHOP_ORDERS_URL", f"sqlite:///{tmp_path / 'shop.sqlite3'}")
+    ledger = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+    open_ledger(ledger)
+
+    code = cli.main(["--ledger-url", ledger, "drift", "--specs", "shop_specs:orders", "--destination", str(tmp_path)])
+
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "orders (its source is OrdersSource" in out and "-f FILE or -m MODULE" in out, out

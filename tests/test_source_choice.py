@@ -15,7 +15,7 @@ import json
 import dagster as dg
 import pytest
 from builders import open_ledger, sql_invoices
-from pipeline_helpers import PROJECT, failure_message, published_dirs, read_export, run_partition, tick
+from pipeline_helpers import JOB, PROJECT, failure_message, published_dirs, read_export, run_partition, tick
 
 from assets.invoices import invoice_export
 from definitions import build_definitions, invoice_source_resource
@@ -429,3 +429,22 @@ def test_drift_given_specs_whose_source_is_a_resource_says_to_name_the_code_loca
     out = capsys.readouterr().out
     assert code == 1, out
     assert "orders (its source is OrdersSource" in out and "-f FILE or -m MODULE" in out, out
+
+
+def test_a_run_whose_config_sets_the_source_resource_is_refused_before_anything_is_claimed(tmp_path, instance):
+    """The launchpad can give resources.invoice_export__source a config of its own (the sample on a SQL location):
+    the source is the location's settings, so such a run is refused, saying so, and nothing is claimed."""
+    url = f"sqlite:///{tmp_path / 'billing.sqlite3'}"
+    sql_invoices(url, DAY, ("acme",))
+    defs = build_definitions(environ=_environ(tmp_path, EXPORTS_SOURCE_URL=url, EXPORTS_SOURCE_TABLE="invoices"))
+
+    result = defs.resolve_job_def(JOB).execute_in_process(
+        partition_key=DAY.isoformat(),
+        instance=instance,
+        raise_on_error=False,
+        run_config={"resources": {"invoice_export__source": {"config": {"sample": True, "url": "", "table": ""}}}},
+    )
+
+    assert not result.success
+    assert "sets resources.invoice_export__source" in failure_message(result), failure_message(result)[-2000:]
+    assert open_ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}").queries.records() == [], "nothing claimed"

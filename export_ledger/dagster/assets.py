@@ -138,6 +138,7 @@ def build_export_asset(
             yield from _check_outputs(context)
             return
         try:
+            _refuse_source_config(context, spec, source_resource)
             resource = None if source_resource is None else getattr(context.resources, source_resource)
             run_spec = spec if resource is None else resolved_spec(spec, resource)
             batch, tenants_by_day, only = _plan(context, run_spec, config, book, destination)
@@ -271,6 +272,20 @@ def build_export_asset(
         return ExportBatch(spec.schema, items), tenants_by_day, only
 
     return _export
+
+
+def _refuse_source_config(context: dg.AssetExecutionContext, spec: ExportSpec, key: str | None) -> None:
+    """Refuses a run whose run config sets the source resource (the launchpad's ``resources.<export>__source``): the
+    source is the code location's settings, recorded in each key's contract, not a run's choice; a run config could
+    switch a tenant's first run to another source, and a URL typed there is stored in the run's config."""
+    if key is None:
+        return
+    given = (context.run.run_config or {}).get("resources") or {}
+    if key in given:
+        raise ConfigurationError(
+            f"{spec.name}: nothing was exported: the run's config sets resources.{key}, but the source comes from the "
+            "code location's settings (the resource's fields, resolved in the run worker): launch the run without it"
+        )
 
 
 def _report_or_warn(context: dg.AssetExecutionContext, evaluations: Callable[[], Iterable[dg.AssetCheckEvaluation]]):

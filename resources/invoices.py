@@ -28,7 +28,6 @@ from export_ledger import (
     redact_url,
     require_aware,
     url_identity,
-    validate_slug,
 )
 from export_ledger.dagster import SourceResource
 
@@ -269,14 +268,15 @@ class InvoiceSourceResource(SourceResource):
         return SqlInvoiceSource(url=self.url, table=self.table)
 
 
-def _date(setting: str, text: str) -> dt.date:
-    """One date written YYYY-MM-DD; anything else names the setting and the entry."""
+def _date(setting: str, position: int, text: str) -> dt.date:
+    """One date written YYYY-MM-DD; anything else names the setting and the entry's position, never its text (a URL
+    pasted into the wrong setting may carry a password)."""
     try:
         if re.fullmatch(r"\d{4}-\d{2}-\d{2}", text):
             return dt.date.fromisoformat(text)
     except ValueError:
         pass
-    raise ConfigurationError(f"{setting}: {text!r} is not a date (YYYY-MM-DD)")
+    raise ConfigurationError(f"{setting}: entry {position} is not a date (YYYY-MM-DD)")
 
 
 def _entries(text: str) -> list[str]:
@@ -289,23 +289,24 @@ def sample_switches(outage: str, voided: str, spec: ExportSpec) -> tuple[frozens
     (a tenant east of UTC+12 has its own day's window, not the next one's).
 
     Raises:
-        ConfigurationError: an entry is malformed, names an unknown tenant, or a date outside the calendar.
+        ConfigurationError: an entry is malformed, names an unknown tenant, or a date outside the calendar; the entry
+            is named by its position (1 for the first), never quoted.
     """
     outages = set()
-    for entry in _entries(outage):
+    for position, entry in enumerate(_entries(outage), start=1):
         tenant, at, day = entry.partition("@")
         if not at or not tenant or not day.strip():
-            raise ConfigurationError(f"EXPORTS_SAMPLE_OUTAGE: {entry!r} is not tenant@YYYY-MM-DD")
-        validate_slug(tenant, "EXPORTS_SAMPLE_OUTAGE tenant")
-        if tenant not in spec.tenants:
+            raise ConfigurationError(f"EXPORTS_SAMPLE_OUTAGE: entry {position} is not tenant@YYYY-MM-DD")
+        if tenant not in spec.tenants:  # the tenants are slugs: an entry that is not one is not among them
             raise ConfigurationError(
-                f"EXPORTS_SAMPLE_OUTAGE names {tenant}, not among the tenants ({', '.join(sorted(spec.tenants))})"
+                f"EXPORTS_SAMPLE_OUTAGE: entry {position} names a tenant not among the tenants "
+                f"({', '.join(sorted(spec.tenants))})"
             )
-        date = _date("EXPORTS_SAMPLE_OUTAGE", day.strip())
+        date = _date("EXPORTS_SAMPLE_OUTAGE", position, day.strip())
         outages.add((tenant, _window_start(spec, tenant, date, "EXPORTS_SAMPLE_OUTAGE")))
     voided_windows = {
-        (tenant, _window_start(spec, tenant, _date("EXPORTS_SAMPLE_VOIDED", day), "EXPORTS_SAMPLE_VOIDED"))
-        for day in _entries(voided)
+        (tenant, _window_start(spec, tenant, _date("EXPORTS_SAMPLE_VOIDED", position, day), "EXPORTS_SAMPLE_VOIDED"))
+        for position, day in enumerate(_entries(voided), start=1)
         for tenant in spec.tenants
     }
     return frozenset(outages), frozenset(voided_windows)

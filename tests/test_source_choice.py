@@ -22,6 +22,7 @@ from definitions import build_definitions, invoice_source_resource
 from export_ledger import ConfigurationError, SqlSource, cli
 from export_ledger.dagster import SourceResource, ledgered_definitions
 from export_ledger.dagster.code_location import load_code_location
+from export_ledger.dagster.resources import built_spec
 from export_ledger.ledger import ExportState
 from export_ledger.sources import UnusableSource
 from resources.invoices import InvoiceSourceResource, SampleInvoiceSource, SqlInvoiceSource
@@ -448,3 +449,40 @@ def test_a_run_whose_config_sets_the_source_resource_is_refused_before_anything_
     assert not result.success
     assert "sets resources.invoice_export__source" in failure_message(result), failure_message(result)[-2000:]
     assert open_ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}").queries.records() == [], "nothing claimed"
+
+
+def test_a_source_resource_field_given_a_wrong_value_is_refused_without_quoting_it():
+    """A URL pasted into the wrong field (the cadence): pydantic's message would quote it; the resource hides it."""
+    with pytest.raises(Exception) as refused:
+        InvoiceSourceResource(sample=True, sample_cadence_minutes=f"postgresql://u:{PASSWORD}@db/billing")
+
+    assert "sample_cadence_minutes" in str(refused.value), str(refused.value)
+    assert PASSWORD not in str(refused.value), str(refused.value)
+
+
+class CadenceSource(SourceResource):
+    """A user's resource with an integer field, given as dg.EnvVar.int."""
+
+    cadence: int
+
+    def get_source(self, spec):
+        return SampleInvoiceSource(cadence_minutes=self.cadence)
+
+
+def test_a_source_resource_that_dagster_cannot_build_here_is_unusable_naming_its_key_in_one_line(monkeypatch):
+    """An EnvVar.int whose variable holds no integer (a URL pasted there): Dagster refuses the resource's config. The
+    source is unusable here, named by its resource key, in one line: neither the value nor Dagster's stack trace."""
+    monkeypatch.setenv("TEST_CADENCE", f"postgresql://u:{PASSWORD}@db/billing")
+    spec = invoice_export(
+        source=CadenceSource(cadence=dg.EnvVar.int("TEST_CADENCE")),
+        tenants=["acme"],
+        timezone="UTC",
+        start_date="2026-01-01",
+    )
+
+    reason = built_spec(spec).source.reason
+
+    assert (
+        reason
+        == "the source cannot be used in this process: its resource invoice_export__source is not valid config here"
+    )

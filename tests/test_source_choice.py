@@ -486,3 +486,23 @@ def test_a_source_resource_that_dagster_cannot_build_here_is_unusable_naming_its
         reason
         == "the source cannot be used in this process: its resource invoice_export__source is not valid config here"
     )
+
+
+def test_a_code_server_loaded_without_the_source_url_leaves_drift_unchecked_even_when_a_tick_has_it(
+    tmp_path, instance, monkeypatch
+):
+    """What docs/production.md says: ticks run in the code server, and its environment at load decides whether the URL
+    field is EnvVar or empty. Loaded without EXPORTS_SOURCE_URL, the tick cannot use the source, naming the variable."""
+    url = f"sqlite:///{tmp_path / 'billing.sqlite3'}"
+    sql_invoices(url, DAY, ("acme",))
+    for name, value in _environ(tmp_path).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("EXPORTS_SOURCE", raising=False)
+    monkeypatch.delenv("EXPORTS_SOURCE_URL", raising=False)
+    monkeypatch.setenv("EXPORTS_SOURCE_TABLE", "invoices")
+    defs = build_definitions()  # the code server, without the URL
+    monkeypatch.setenv("EXPORTS_SOURCE_URL", url)  # set afterwards: too late for that code server
+
+    said = [record.getMessage() for record in tick(defs, instance, sensor_name="drift_sensor").logs]
+
+    assert any("not checked for drift" in s and "EXPORTS_SOURCE_URL" in s for s in said), said

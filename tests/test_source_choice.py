@@ -410,7 +410,10 @@ def test_a_source_resource_of_a_users_own_is_resolved_for_the_cli_or_names_the_v
     (given,) = load_code_location(python_file=str(location)).specs
 
     assert isinstance(lacking.source, UnusableSource), lacking.source
-    assert 'environment variable "SHOP_ORDERS_URL" which is not set' in lacking.source.reason, lacking.source.reason
+    assert lacking.source.reason.startswith(
+        "the source cannot be used in this process: "
+        'You have attempted to fetch the environment variable "SHOP_ORDERS_URL" which is not set'
+    ), f"Dagster's words without its exception class: {lacking.source.reason}"
     assert given.source.url == f"sqlite:///{tmp_path / 'shop.sqlite3'}", "the CLI reads what the variable holds"
 
 

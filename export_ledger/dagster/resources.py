@@ -7,6 +7,7 @@ UI (GraphQL ``configuredValues``). A secret that cannot be given by name is refu
 
 import datetime as dt
 import os
+import re
 from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 
@@ -240,6 +241,9 @@ def resolved_spec(spec: ExportSpec, resource: ResolvableSource) -> ExportSpec:
         return spec.with_source(UnusableSource(f"the source cannot be used in this process: {exc}"))
 
 
+_DAGSTER_PREFIX = re.compile(r"^[\w.]*Error:\s*")
+
+
 def built_spec(spec: ExportSpec, resource: SourceResource | None = None) -> ExportSpec:
     """``spec`` with its source resolved here as a run would resolve it: ``resource`` (default the declared
     ``spec.source``) built by ``dg.build_resources``, its ``EnvVar`` fields read from this process's environment. Used
@@ -252,7 +256,9 @@ def built_spec(spec: ExportSpec, resource: SourceResource | None = None) -> Expo
             return resolved_spec(spec, getattr(built, key))
     except dg.DagsterInvalidConfigError as exc:  # an EnvVar this process lacks: Dagster's message names it
         said = next(
-            (line.strip() for line in str(exc).splitlines() if "environment variable" in line),
+            # Dagster's line reads "dagster._config.errors.PostProcessingError: You have attempted to fetch the
+            # environment variable ...": its exception class is not the operator's business.
+            (_DAGSTER_PREFIX.sub("", line.strip()) for line in str(exc).splitlines() if "environment variable" in line),
             f"its resource {key} is not valid config here",  # other config errors may quote a value: not repeated
         )
         return spec.with_source(UnusableSource(f"the source cannot be used in this process: {said}"))

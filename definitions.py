@@ -8,24 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import re
+import os
 from collections.abc import Mapping, Sequence
 
 import dagster as dg
 
 from assets.invoices import invoice_export
-from export_ledger import (
-    ConfigurationError,
-    Destination,
-    ExportSource,
-    Settings,
-    Tenant,
-    UnusableSource,
-    validate_slug,
-)
-from export_ledger.dagster import LedgerResource, ledgered_definitions
+from export_ledger import ConfigurationError, Destination, ExportSource, Settings, Tenant, validate_slug
+from export_ledger.dagster import LedgerResource, SourceResource, ledgered_definitions
+from export_ledger.dagster.resources import secret_by_name
+from export_ledger.ledger.urls import holds_secret
 from export_ledger.settings import positive_int
-from resources.invoices import InvoiceSource, SampleInvoiceSource, SqlInvoiceSource
+from resources.invoices import InvoiceSourceResource, SampleInvoiceSource, sample_switches
 from sensors import RECONCILE_BATCH_SIZE, STUCK_AFTER
 
 DEFAULT_TIMEZONE = "America/New_York"  # set in code: a timezone change is a business change
@@ -38,7 +32,8 @@ _FROM_ENVIRONMENT = object()  # an argument left to the environment (where None 
 #: with ``EXPORTS_SOURCE_URL`` and ``EXPORTS_SOURCE_TABLE``.
 SOURCE_SETTINGS = {"sample": ("EXPORTS_SOURCE",), "sql": ("EXPORTS_SOURCE_URL", "EXPORTS_SOURCE_TABLE")}
 #: What every run worker of this code location must be given besides its source's settings, as the code server has
-#: it: a worker builds its export from its own environment, so a launcher config that drops one runs another export.
+#: it: a worker loads the location again and resolves its resources (the source's too) from its own environment, so
+#: a launcher config that drops one runs another export, or fails naming the source setting it lacks.
 #: The launcher configs in deploy/ pass each of these, the source's, the instance's (``DAGSTER_PG_*``) and the
 #: destination's credentials. Optional settings (``EXPORTS_DEADLINE``, ``EXPORTS_ALLOW_BELOW_LOW_WATER``,
 #: ``EXPORTS_OPENLINEAGE_*``, ...) are passed by a deployment that sets them.
@@ -49,19 +44,57 @@ RUN_WORKER_SETTINGS = (
     "EXPORTS_FILE_FORMAT",
     "EXPORTS_LEASE_TTL_SECONDS",
 )
+#: The sample source's switches, to see each partition status from the UI (docs/ui.md: *See each status yourself*).
+SAMPLE_SWITCHES = ("EXPORTS_SAMPLE_OUTAGE", "EXPORTS_SAMPLE_VOIDED")
 
 
-def _check_sample_settings(env: Mapping[str, str]) -> None:
-    """The sample's own settings, refused at load when malformed (a value given wrong, not a setting a run lacks):
-    its switches without the sample, a cadence that is not a positive integer (its value never quoted)."""
-    if env.get("EXPORTS_SOURCE") == "sample":
-        _sample_cadence(env)
+def invoice_source_resource(env: Mapping[str, str], *, by_name: bool = True) -> InvoiceSourceResource:
+    """The invoice source's resource, its fields the settings ``env`` gives (:data:`SOURCE_SETTINGS`, the sample's
+    ``EXPORTS_SAMPLE_*``). The URL goes to Dagster by name, ``EnvVar("EXPORTS_SOURCE_URL")``: a run resolves it in its
+    own worker, and the UI's resource config shows the variable, never the URL.
+
+    A setting missing, two sources chosen or half of the SQL source's settings are not refused here: the location
+    loads, and each run (tick, command) fails naming them where it resolves the resource
+    (:meth:`InvoiceSourceResource.problem`), since which of them a process has depends on its own environment. A
+    value malformed in itself is refused here, at load, without being quoted: ``EXPORTS_SOURCE`` other than
+    ``sample``, a cadence that is not a positive integer, a sample switch without the sample. It is wrong in every
+    process that reads it, and would otherwise be carried into the resource config the UI shows.
+
+    Args:
+        env: The settings.
+        by_name: ``env`` is the process environment: the URL is passed as ``EnvVar``. Otherwise (a mapping given to
+            :func:`build_definitions`) it is passed by name where the process environment holds the same value, as a
+            value when it holds no password, and refused otherwise.
+
+    Raises:
+        ConfigurationError: a malformed value, named, never quoted.
+    """
+    choice = env.get("EXPORTS_SOURCE") or ""
+    if choice not in ("", "sample"):
+        raise ConfigurationError(
+            "EXPORTS_SOURCE takes one value, 'sample'; a SQL source is chosen with EXPORTS_SOURCE_URL and "
+            "EXPORTS_SOURCE_TABLE instead"
+        )
     sample_only = [name for name in SAMPLE_SWITCHES if (env.get(name) or "").strip()]
-    if sample_only and env.get("EXPORTS_SOURCE") != "sample":
+    if sample_only and not choice:
         raise ConfigurationError(
             f"{' and '.join(sample_only)} {'apply' if len(sample_only) > 1 else 'applies'} to the sample source only "
             "(EXPORTS_SOURCE=sample)"
         )
+    fields: dict = {"sample": bool(choice), "table": env.get("EXPORTS_SOURCE_TABLE") or ""}
+    if choice:
+        fields["sample_cadence_minutes"] = _sample_cadence(env)
+        fields["sample_outage"] = env.get("EXPORTS_SAMPLE_OUTAGE") or ""
+        fields["sample_voided"] = env.get("EXPORTS_SAMPLE_VOIDED") or ""
+    url = env.get("EXPORTS_SOURCE_URL") or ""
+    if url and (by_name or os.environ.get("EXPORTS_SOURCE_URL") == url):
+        fields["url"] = dg.EnvVar("EXPORTS_SOURCE_URL")
+    elif url and holds_secret(url):
+        fields["url"] = secret_by_name(url, "EXPORTS_SOURCE_URL", "EXPORTS_SOURCE_URL (read from the environ mapping) "
+                                       "holds a password")  # fmt: skip
+    else:
+        fields["url"] = url
+    return InvoiceSourceResource(**fields)
 
 
 def _sample_cadence(env: Mapping[str, str]) -> int:
@@ -71,94 +104,6 @@ def _sample_cadence(env: Mapping[str, str]) -> int:
         raise ConfigurationError("EXPORTS_SAMPLE_CADENCE_MINUTES must be a positive integer of minutes") from None
 
 
-def invoice_source_from(env: Mapping[str, str]) -> InvoiceSource:
-    """The invoice source the environment chooses (:data:`SOURCE_SETTINGS`).
-
-    Nothing is implied: a process whose environment lost its source settings (a run worker whose launcher config does
-    not pass them) never exports the sample invoices as if they were the real ones. :func:`build_definitions` then
-    loads with an :class:`~export_ledger.UnusableSource`: the UI shows the export, and each run fails naming them.
-
-    Raises:
-        ConfigurationError: no source chosen, two chosen, or half of the SQL source's settings. Values are never quoted
-            (the URL may carry a password).
-    """
-    choice = env.get("EXPORTS_SOURCE") or ""
-    sql = {name: env.get(name) or "" for name in SOURCE_SETTINGS["sql"]}
-    given = [name for name, value in sql.items() if value]
-    if choice not in ("", "sample"):
-        raise ConfigurationError(
-            "EXPORTS_SOURCE takes one value, 'sample'; a SQL source is chosen with EXPORTS_SOURCE_URL and "
-            "EXPORTS_SOURCE_TABLE instead"
-        )
-    if choice and given:
-        raise ConfigurationError(f"EXPORTS_SOURCE=sample and {' and '.join(given)} choose two sources: set one")
-    _check_sample_settings(env)
-    if choice:
-        cadence = _sample_cadence(env)
-        return SampleInvoiceSource(cadence_minutes=cadence)
-    if not given:
-        raise ConfigurationError(
-            "no invoice source: set EXPORTS_SOURCE=sample for the sample invoices, or EXPORTS_SOURCE_URL and "
-            "EXPORTS_SOURCE_TABLE for a SQL table (a run worker gets them from its launcher config)"
-        )
-    if len(given) == 1:
-        (missing,) = set(sql) - set(given)
-        raise ConfigurationError(f"{given[0]} is set without {missing}: a SQL source needs both")
-    return SqlInvoiceSource(url=sql["EXPORTS_SOURCE_URL"], table=sql["EXPORTS_SOURCE_TABLE"])
-
-
-#: The sample source's switches, to see each partition status from the UI (docs/ui.md: *See each status yourself*).
-SAMPLE_SWITCHES = ("EXPORTS_SAMPLE_OUTAGE", "EXPORTS_SAMPLE_VOIDED")
-
-
-def _date(setting: str, text: str) -> dt.date:
-    """One date written YYYY-MM-DD; anything else names the setting and the entry."""
-    try:
-        if re.fullmatch(r"\d{4}-\d{2}-\d{2}", text):
-            return dt.date.fromisoformat(text)
-    except ValueError:
-        pass
-    raise ConfigurationError(f"{setting}: {text!r} is not a date (YYYY-MM-DD)")
-
-
-def _entries(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
-
-
-def sample_switches(env: Mapping[str, str], spec) -> tuple[frozenset, frozenset]:
-    """``EXPORTS_SAMPLE_OUTAGE`` (``tenant@YYYY-MM-DD,...``) and ``EXPORTS_SAMPLE_VOIDED`` (``YYYY-MM-DD,...``) as the
-    sample source takes them: ``(tenant, window start in UTC)`` of each business date in the tenant's own calendar
-    (a tenant east of UTC+12 has its own day's window, not the next one's)."""
-    outages = set()
-    for entry in _entries(env.get("EXPORTS_SAMPLE_OUTAGE") or ""):
-        tenant, at, day = entry.partition("@")
-        if not at or not tenant or not day.strip():
-            raise ConfigurationError(f"EXPORTS_SAMPLE_OUTAGE: {entry!r} is not tenant@YYYY-MM-DD")
-        validate_slug(tenant, "EXPORTS_SAMPLE_OUTAGE tenant")
-        if tenant not in spec.tenants:
-            raise ConfigurationError(
-                f"EXPORTS_SAMPLE_OUTAGE names {tenant}, not among the tenants ({', '.join(sorted(spec.tenants))})"
-            )
-        date = _date("EXPORTS_SAMPLE_OUTAGE", day.strip())
-        outages.add((tenant, _window_start(spec, tenant, date, "EXPORTS_SAMPLE_OUTAGE")))
-    voided = {
-        (tenant, _window_start(spec, tenant, _date("EXPORTS_SAMPLE_VOIDED", day), "EXPORTS_SAMPLE_VOIDED"))
-        for day in _entries(env.get("EXPORTS_SAMPLE_VOIDED") or "")
-        for tenant in spec.tenants
-    }
-    return frozenset(outages), frozenset(voided)
-
-
-def _window_start(spec, tenant: str, day: dt.date, setting: str) -> dt.datetime:
-    calendar = spec.calendar_for(tenant)
-    if day < calendar.first_date:
-        raise ConfigurationError(f"{setting}: {day} is before the export's first business date ({calendar.start_date})")
-    try:
-        return calendar.window_of(day).start_utc
-    except OverflowError:
-        raise ConfigurationError(f"{setting}: {day} is out of the calendar's range") from None
-
-
 def build_definitions(
     timezone: str = DEFAULT_TIMEZONE,
     start_date: str = DEFAULT_START_DATE,
@@ -166,7 +111,7 @@ def build_definitions(
     *,
     ledger_url: str | None = None,
     destination: Destination | str | None = None,
-    source: ExportSource | None = None,
+    source: ExportSource | SourceResource | None = None,
     file_format: str | None = None,
     schedule_time: str = DEFAULT_SCHEDULE_TIME,
     lease_ttl_seconds: int | None = None,
@@ -193,8 +138,10 @@ def build_definitions(
             ``EXPORTS_LEDGER_URL`` instead, which is passed by name, or leave the password to the driver
             (``PGPASSWORD``, ``~/.pgpass``).
         destination: A destination or its spec; default ``EXPORTS_DESTINATION`` or ``./var/exports``.
-        source: Invoice source; default the one the environment chooses (:func:`invoice_source_from`), never
-            implied: ``EXPORTS_SOURCE=sample``, or ``EXPORTS_SOURCE_URL`` and ``EXPORTS_SOURCE_TABLE``.
+        source: Invoice source (an ``ExportSource``, or a ``SourceResource`` such as ``InvoiceSourceResource``);
+            default the resource of the settings the environment gives (:func:`invoice_source_resource`), never
+            implied: ``EXPORTS_SOURCE=sample``, or ``EXPORTS_SOURCE_URL`` and ``EXPORTS_SOURCE_TABLE``. Each run
+            resolves it in its own worker; one that lacks a setting fails naming it, and the location still loads.
         file_format: ``csv`` or ``parquet``; default ``EXPORTS_FILE_FORMAT`` or ``csv``.
         schedule_time: Local ``HH:MM`` of the nightly run; must exist exactly once on every day of the zone.
         lease_ttl_seconds: Lease length of a claim; default ``EXPORTS_LEASE_TTL_SECONDS`` or 900.
@@ -229,13 +176,7 @@ def build_definitions(
             settings, lease_ttl_seconds=positive_int("lease_ttl_seconds", str(lease_ttl_seconds))
         )
     if source is None:
-        _check_sample_settings(env)
-        try:
-            source = invoice_source_from(env)
-        except ConfigurationError as exc:
-            # The location loads (the UI shows the export and its history); each run fails naming the settings, and
-            # nothing is read from another source instead.
-            source = UnusableSource(f"the invoice source cannot be used in this process: {exc}")
+        source = invoice_source_resource(env, by_name=environ is None)
     spec = invoice_export(
         source=source,
         tenants=tenants,
@@ -245,9 +186,13 @@ def build_definitions(
         file_format=file_format or settings.file_format or "csv",
         deadline=deadline or env.get("EXPORTS_DEADLINE") or None,
     )
+    if isinstance(source, InvoiceSourceResource) and source.sample:
+        sample_switches(source.sample_outage, source.sample_voided, spec)  # a malformed switch is refused at load
     switched = env.get("EXPORTS_SOURCE") == "sample" and any((env.get(n) or "").strip() for n in SAMPLE_SWITCHES)
-    if switched and isinstance(source, SampleInvoiceSource):
-        source.outages, source.voided = sample_switches(env, spec)  # business dates: each tenant's own window
+    if switched and isinstance(source, SampleInvoiceSource):  # a sample given in code takes the switches too
+        source.outages, source.voided = sample_switches(
+            env.get("EXPORTS_SAMPLE_OUTAGE") or "", env.get("EXPORTS_SAMPLE_VOIDED") or "", spec
+        )  # business dates: each tenant's own window
     return ledgered_definitions(
         [spec],
         ledger=ledger,

@@ -59,7 +59,14 @@ from export_ledger.protocol import ExportBatch, ExportItem, ExportResult, export
 from export_ledger.read import CurrentRevisionUnreadable, read_current
 from export_ledger.reconcile import reconcile_batch
 from export_ledger.settings import Settings
-from export_ledger.sources import CallableSource, ExportSource, SqlSource, UnusableSource, url_identity
+from export_ledger.sources import (
+    CallableSource,
+    ExportSource,
+    ResolvableSource,
+    SqlSource,
+    UnusableSource,
+    url_identity,
+)
 from export_ledger.spec import ExportSpec
 from export_ledger.tenants import Tenant, TenantGroup
 
@@ -89,6 +96,7 @@ __all__ = [
     "ExportState",
     "ExportTarget",
     "ExportWindow",
+    "ResolvableSource",
     "Restatement",
     "RestatementRefused",
     "Revision",

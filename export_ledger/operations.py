@@ -39,7 +39,7 @@ from export_ledger.restate import (
     request_for_date,
 )
 from export_ledger.settings import Settings
-from export_ledger.sources import UnusableSource, readable
+from export_ledger.sources import ResolvableSource, UnusableSource, readable
 from export_ledger.spec import ExportSpec
 from export_ledger.tenants import zone_slug
 
@@ -563,6 +563,9 @@ def load_specs(references: Sequence[str]) -> list[ExportSpec]:
     Raises:
         UsageRefused: a reference that is not ``module:attribute``, names nothing, names a Definitions (a code location
             is named with -f/-m) or something other than ExportSpecs, or an export declared twice.
+
+    An export whose source is a :class:`~export_ledger.sources.ResolvableSource` (a Dagster ``SourceResource``) is
+    returned with an :class:`~export_ledger.sources.UnusableSource` naming -f/-m: its code location resolves it.
         ConfigurationError: a module that cannot be imported.
     """
     import importlib
@@ -599,7 +602,19 @@ def load_specs(references: Sequence[str]) -> list[ExportSpec]:
     names = [spec.name for spec in specs]
     if len(set(names)) != len(names):
         raise UsageRefused(f"--specs declares an export twice: {sorted({n for n in names if names.count(n) > 1})}")
-    return specs
+    # A source declared as settings resolved where it is used (a Dagster SourceResource) is resolved by its code
+    # location, which --specs does not name: unusable here, saying how to name it, so the command exits 1.
+    return [
+        spec.with_source(
+            UnusableSource(
+                f"its source is {type(spec.source).__name__}, settings a code location resolves: name the location "
+                "with -f FILE or -m MODULE instead of --specs"
+            )
+        )
+        if isinstance(spec.source, ResolvableSource)
+        else spec
+        for spec in specs
+    ]
 
 
 __all__ = [

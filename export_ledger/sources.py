@@ -116,9 +116,51 @@ class UnusableSource(ExportSource):
         self._refuse()
 
 
+class ResolvableSource(ExportSource):
+    """A source declared by its settings, resolved where it is used: a run, a sensor tick, the CLI (the Dagster
+    layer's :class:`~export_ledger.dagster.SourceResource` is one, its settings Dagster resource fields).
+
+    Declared, it is not read: each use resolves it in the process that uses it (:meth:`resolve`), so what a run reads
+    is what its own settings say, and a setting the process lacks fails that use alone. Read without resolving,
+    it refuses (:class:`ConfigurationError`), as :class:`UnusableSource` does.
+    """
+
+    @abstractmethod
+    def resolve(self, spec) -> ExportSource:
+        """The source these settings give for the export ``spec`` (its tenants and calendars), in this process.
+
+        Raises:
+            ConfigurationError: a setting is missing or contradicts another, naming it, never its value.
+        """
+
+    def problem(self) -> str | None:
+        """What is wrong with the settings as declared, known without reading any environment (None: nothing known):
+        shown with the export before any run, as a run would fail for it."""
+        return None
+
+    def _unresolved(self):
+        raise ConfigurationError(
+            f"{type(self).__name__} is a source's settings, resolved where it is used (a run, a sensor tick, the CLI): "
+            "read the source it resolves to, not the settings"
+        )
+
+    def rows(self, tenant, start_utc, end_utc):
+        self._unresolved()
+
+    def count(self, tenant, start_utc, end_utc):
+        self._unresolved()
+
+    def identity(self) -> dict:
+        self._unresolved()
+
+    def batches(self, tenant, start_utc, end_utc, *, schema=None, batch_rows=DEFAULT_BATCH_ROWS):
+        self._unresolved()
+
+
 def readable(source: ExportSource | None) -> bool:
-    """Whether a source can be read here: declared, and not an :class:`UnusableSource`."""
-    return source is not None and not isinstance(source, UnusableSource)
+    """Whether a source can be read here: declared, not an :class:`UnusableSource`, and not settings still to
+    resolve (:class:`ResolvableSource`)."""
+    return source is not None and not isinstance(source, (UnusableSource, ResolvableSource))
 
 
 def bounds(start_utc: dt.datetime, end_utc: dt.datetime) -> tuple[dt.datetime, dt.datetime]:

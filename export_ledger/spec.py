@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,8 +41,11 @@ class ExportSpec:
     Attributes:
         name: The export's name (a slug): its asset, the first part of its logical keys and its folder.
         source: An :class:`~export_ledger.sources.ExportSource`, a callable ``(tenant, start_utc, end_utc) ->
-            DataFrame``, a :class:`~export_ledger.sources.SqlSource`, or None when a partitioned Dagster asset of
-            your own produces the rows (one frame with a tenant column, through the ledgered I/O manager).
+            DataFrame``, a :class:`~export_ledger.sources.SqlSource`, a source's settings resolved where it is used
+            (:class:`~export_ledger.sources.ResolvableSource`, such as a Dagster
+            :class:`~export_ledger.dagster.SourceResource`: :meth:`with_source` gives the spec with it resolved), or
+            None when a partitioned Dagster asset of your own produces the rows (one frame with a tenant column,
+            through the ledgered I/O manager).
         columns: Column name -> kind (``string``, ``float``, ``int``, ``timestamp``, ``bool``), in file order.
         id_columns: The columns whose values together identify a row (unique within one export).
         time_column: The timestamp column that places a row in a window.
@@ -234,6 +238,19 @@ class ExportSpec:
     def calendar_for(self, tenant_id: str) -> ExportCalendar:
         """The tenant's calendar: its zone (or the export's), the export's start date, its earlier zones."""
         return tenant_calendar(self._tenants[tenant_id], self.timezone, self.start_date)
+
+    def with_source(self, source: ExportSource) -> "ExportSpec":
+        """This export read from ``source`` instead: its declared settings resolved in the process that uses them
+        (:class:`~export_ledger.sources.ResolvableSource`). Nothing else is checked again: only the source changes.
+
+        Raises:
+            ConfigurationError: the source's identity cannot be made (it is recorded in every claim's contract).
+        """
+        resolved = copy.copy(self)
+        object.__setattr__(resolved, "source", as_source(source))
+        if readable(resolved.source):
+            resolved.source.identity()
+        return resolved
 
     def terms(self, destination: Destination) -> dict:
         """The export's terms at ``destination``: what its contract records besides each tenant's calendar

@@ -1,5 +1,6 @@
 """The reference export's invoice sources: a deterministic sample that needs no setup, and a SQL table read by UTC
-bounds. Written against export_ledger's public API (``ExportSource``), as a user's own source would be.
+bounds; and :class:`InvoiceSourceResource`, the choice between them as a Dagster resource's fields. Written against
+export_ledger's public API (``ExportSource``, ``SourceResource``), as a user's own source would be.
 
 Events carry a customer email and an amount: personal and business data that is exported but never logged.
 """
@@ -9,14 +10,18 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import math
+import re
 from abc import ABC, abstractmethod
 
 import numpy as np
 import pandas as pd
+import pydantic
 import sqlalchemy as sa
 
 from export_ledger import (
+    ConfigurationError,
     ExportSource,
+    ExportSpec,
     SourceError,
     UtcDateTime,
     database_engine,
@@ -24,6 +29,7 @@ from export_ledger import (
     require_aware,
     url_identity,
 )
+from export_ledger.dagster import SourceResource
 
 _CURRENCIES = np.array(["USD", "EUR", "GBP", "CAD"], dtype=object)
 
@@ -181,3 +187,136 @@ class SqlInvoiceSource(InvoiceSource):
             table.c.tenant == tenant, table.c.occurred_at >= start, table.c.occurred_at < end
         )
         return int(self._run(query)[0][0])
+
+
+#: Each field of :class:`InvoiceSourceResource` and the environment variable definitions.py reads it from.
+SOURCE_VARIABLES = {
+    "sample": "EXPORTS_SOURCE",
+    "url": "EXPORTS_SOURCE_URL",
+    "table": "EXPORTS_SOURCE_TABLE",
+    "sample_cadence_minutes": "EXPORTS_SAMPLE_CADENCE_MINUTES",
+    "sample_outage": "EXPORTS_SAMPLE_OUTAGE",
+    "sample_voided": "EXPORTS_SAMPLE_VOIDED",
+}
+
+
+class InvoiceSourceResource(SourceResource):
+    """The invoice source chosen by its settings, as Dagster resource fields: the sample, or a SQL table. Nothing is
+    implied: a process given neither (a run worker whose launcher config dropped them) never exports the sample
+    invoices as if they were the real ones.
+
+    Each use resolves it where it runs (a run's step in its worker, the drift sensor's tick, the CLI): a choice
+    missing there, two sources chosen, or half of the SQL source's settings fail that use, naming the settings
+    (:meth:`problem`), and the code location still loads. They are refused at use, not at load, because which of them
+    a process has depends on what its environment was given: a code server may lack the URL its run workers have,
+    and a launcher config may drop one; the run reads what its own worker's settings say, or nothing.
+
+    Attributes:
+        sample: The sample invoices (``EXPORTS_SOURCE=sample``).
+        url: SQLAlchemy URL of the SQL source's database (``EXPORTS_SOURCE_URL``); a secret, given as
+            ``dg.EnvVar("EXPORTS_SOURCE_URL")`` so that the UI's resource config shows the variable, never the URL.
+        table: The SQL source's invoices table (``EXPORTS_SOURCE_TABLE``).
+        sample_cadence_minutes: One sample invoice per tenant every this many minutes
+            (``EXPORTS_SAMPLE_CADENCE_MINUTES``).
+        sample_outage: ``tenant@YYYY-MM-DD,...``: the sample's reads of those tenants' business dates fail as an
+            outage would (``EXPORTS_SAMPLE_OUTAGE``).
+        sample_voided: ``YYYY-MM-DD,...``: each tenant's last sample invoice of those dates is voided after the fact
+            (``EXPORTS_SAMPLE_VOIDED``), which drift detection finds.
+    """
+
+    # A refused value may be a URL pasted into the wrong setting: pydantic's message then leaves out what it was given.
+    model_config = pydantic.ConfigDict(hide_input_in_errors=True)
+
+    sample: bool = False
+    url: str = ""
+    table: str = ""
+    sample_cadence_minutes: int = 15
+    sample_outage: str = ""
+    sample_voided: str = ""
+
+    def problem(self) -> str | None:
+        """What the settings lack or contradict, naming them and never their values; None when they choose one
+        source. Nothing is read: an ``EnvVar`` not yet resolved counts as given."""
+        given = [SOURCE_VARIABLES[name] for name in ("url", "table") if getattr(self, name)]
+        switches = [SOURCE_VARIABLES[name] for name in ("sample_outage", "sample_voided") if getattr(self, name)]
+        if self.sample and given:
+            return f"EXPORTS_SOURCE=sample and {' and '.join(given)} choose two sources: set one"
+        if switches and not self.sample:
+            verb = "apply" if len(switches) > 1 else "applies"
+            return f"{' and '.join(switches)} {verb} to the sample source only (EXPORTS_SOURCE=sample)"
+        if self.sample:
+            if self.sample_cadence_minutes <= 0:
+                return "EXPORTS_SAMPLE_CADENCE_MINUTES must be a positive integer of minutes"
+            return None
+        if not given:
+            return (
+                "no invoice source: set EXPORTS_SOURCE=sample for the sample invoices, or EXPORTS_SOURCE_URL and "
+                "EXPORTS_SOURCE_TABLE for a SQL table (a run worker gets them from its launcher config)"
+            )
+        if len(given) == 1:
+            (missing,) = {"EXPORTS_SOURCE_URL", "EXPORTS_SOURCE_TABLE"} - set(given)
+            return f"{given[0]} is set without {missing}: a SQL source needs both"
+        return None
+
+    def get_source(self, spec: ExportSpec) -> InvoiceSource:
+        problem = self.problem()
+        if problem is not None:
+            raise ConfigurationError(problem)
+        if self.sample:
+            outages, voided = sample_switches(self.sample_outage, self.sample_voided, spec)
+            return SampleInvoiceSource(cadence_minutes=self.sample_cadence_minutes, outages=outages, voided=voided)
+        return SqlInvoiceSource(url=self.url, table=self.table)
+
+
+def _date(setting: str, position: int, text: str) -> dt.date:
+    """One date written YYYY-MM-DD; anything else names the setting and the entry's position, never its text (a URL
+    pasted into the wrong setting may carry a password)."""
+    try:
+        if re.fullmatch(r"\d{4}-\d{2}-\d{2}", text):
+            return dt.date.fromisoformat(text)
+    except ValueError:
+        pass
+    raise ConfigurationError(f"{setting}: entry {position} is not a date (YYYY-MM-DD)")
+
+
+def _entries(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def sample_switches(outage: str, voided: str, spec: ExportSpec) -> tuple[frozenset, frozenset]:
+    """``EXPORTS_SAMPLE_OUTAGE`` (``tenant@YYYY-MM-DD,...``) and ``EXPORTS_SAMPLE_VOIDED`` (``YYYY-MM-DD,...``) as the
+    sample source takes them: ``(tenant, window start in UTC)`` of each business date in the tenant's own calendar
+    (a tenant east of UTC+12 has its own day's window, not the next one's).
+
+    Raises:
+        ConfigurationError: an entry is malformed, names an unknown tenant, or a date outside the calendar; the entry
+            is named by its position (1 for the first), never quoted.
+    """
+    outages = set()
+    for position, entry in enumerate(_entries(outage), start=1):
+        tenant, at, day = entry.partition("@")
+        if not at or not tenant or not day.strip():
+            raise ConfigurationError(f"EXPORTS_SAMPLE_OUTAGE: entry {position} is not tenant@YYYY-MM-DD")
+        if tenant not in spec.tenants:  # the tenants are slugs: an entry that is not one is not among them
+            raise ConfigurationError(
+                f"EXPORTS_SAMPLE_OUTAGE: entry {position} names a tenant not among the tenants "
+                f"({', '.join(sorted(spec.tenants))})"
+            )
+        date = _date("EXPORTS_SAMPLE_OUTAGE", position, day.strip())
+        outages.add((tenant, _window_start(spec, tenant, date, "EXPORTS_SAMPLE_OUTAGE")))
+    voided_windows = {
+        (tenant, _window_start(spec, tenant, _date("EXPORTS_SAMPLE_VOIDED", position, day), "EXPORTS_SAMPLE_VOIDED"))
+        for position, day in enumerate(_entries(voided), start=1)
+        for tenant in spec.tenants
+    }
+    return frozenset(outages), frozenset(voided_windows)
+
+
+def _window_start(spec: ExportSpec, tenant: str, day: dt.date, setting: str) -> dt.datetime:
+    calendar = spec.calendar_for(tenant)
+    if day < calendar.first_date:
+        raise ConfigurationError(f"{setting}: {day} is before the export's first business date ({calendar.start_date})")
+    try:
+        return calendar.window_of(day).start_utc
+    except OverflowError:
+        raise ConfigurationError(f"{setting}: {day} is out of the calendar's range") from None

@@ -209,9 +209,10 @@ def tick(
         warnings.simplefilter("ignore", UserWarning)  # get_sensor_def's notice about unresolved resources
         sensor = defs.get_sensor_def(sensor_name)
     recorder = _Recorder()
-    with dg.build_sensor_context(
-        instance=instance, resources=defs.resources, definitions=defs, cursor=cursor
-    ) as context:
+    # Only the resources the sensor requires, as the code server builds them for a tick: another export's resource
+    # that cannot be built in this process (an unset EnvVar) does not concern this sensor.
+    resources = {key: value for key, value in (defs.resources or {}).items() if key in sensor.required_resource_keys}
+    with dg.build_sensor_context(instance=instance, resources=resources, definitions=defs, cursor=cursor) as context:
         context.log.addHandler(recorder)
         result = sensor(context)
     for event in result.asset_events:

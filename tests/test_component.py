@@ -228,6 +228,10 @@ def test_the_source_url_is_never_shown_by_the_component_or_its_assets(sandbox, s
     assert url not in repr(component), "the component's repr names the variable, never the URL"
     for asset in defs.assets:
         assert url not in repr(asset.metadata_by_key) and url not in repr(asset.descriptions_by_key)
+    # The UI's resource config (GraphQL configuredValues): the source is a resource whose URL is the variable's name.
+    resource = defs.get_repository_def().get_top_level_resources()["orders__source"]
+    configured = json.loads(resource.config_schema.default_value_as_json_str)
+    assert configured["url"] == {"env": "SHOP_DATABASE_URL"} and url not in json.dumps(configured), configured
 
 
 def test_a_missing_source_url_variable_fails_each_run_naming_it_and_the_location_still_loads(

@@ -111,13 +111,19 @@ def test_a_switch_names_the_business_date_in_each_tenants_own_zone(tmp_path, zon
 @pytest.mark.parametrize(
     ("settings", "expected"),
     [
-        ({"EXPORTS_SAMPLE_OUTAGE": "globex"}, "EXPORTS_SAMPLE_OUTAGE: 'globex' is not tenant@YYYY-MM-DD"),
-        ({"EXPORTS_SAMPLE_OUTAGE": "globex@2026-02-30"}, "EXPORTS_SAMPLE_OUTAGE: '2026-02-30' is not a date"),
-        ({"EXPORTS_SAMPLE_OUTAGE": "hooli@2026-03-08"}, "names hooli, not among the tenants (acme, globex, initech)"),
-        ({"EXPORTS_SAMPLE_OUTAGE": "globex@"}, "EXPORTS_SAMPLE_OUTAGE: 'globex@' is not tenant@YYYY-MM-DD"),
-        ({"EXPORTS_SAMPLE_OUTAGE": "@2026-03-08"}, "EXPORTS_SAMPLE_OUTAGE: '@2026-03-08' is not tenant@YYYY-MM-DD"),
-        ({"EXPORTS_SAMPLE_VOIDED": "yesterday"}, "EXPORTS_SAMPLE_VOIDED: 'yesterday' is not a date"),
-        ({"EXPORTS_SAMPLE_VOIDED": "20260308"}, "EXPORTS_SAMPLE_VOIDED: '20260308' is not a date (YYYY-MM-DD)"),
+        ({"EXPORTS_SAMPLE_OUTAGE": "globex"}, "EXPORTS_SAMPLE_OUTAGE: entry 1 is not tenant@YYYY-MM-DD"),
+        (
+            {"EXPORTS_SAMPLE_OUTAGE": "acme@2026-03-08,globex@2026-02-30"},
+            "EXPORTS_SAMPLE_OUTAGE: entry 2 is not a date",
+        ),
+        (
+            {"EXPORTS_SAMPLE_OUTAGE": "hooli@2026-03-08"},
+            "entry 1 names a tenant not among the tenants (acme, globex, initech)",
+        ),
+        ({"EXPORTS_SAMPLE_OUTAGE": "globex@"}, "EXPORTS_SAMPLE_OUTAGE: entry 1 is not tenant@YYYY-MM-DD"),
+        ({"EXPORTS_SAMPLE_OUTAGE": "@2026-03-08"}, "EXPORTS_SAMPLE_OUTAGE: entry 1 is not tenant@YYYY-MM-DD"),
+        ({"EXPORTS_SAMPLE_VOIDED": "yesterday"}, "EXPORTS_SAMPLE_VOIDED: entry 1 is not a date"),
+        ({"EXPORTS_SAMPLE_VOIDED": "20260308"}, "EXPORTS_SAMPLE_VOIDED: entry 1 is not a date (YYYY-MM-DD)"),
         ({"EXPORTS_SAMPLE_VOIDED": "2025-12-31"}, "2025-12-31 is before the export's first business date (2026-01-01)"),
         ({"EXPORTS_SAMPLE_OUTAGE": "acme@9999-12-31"}, "9999-12-31 is out of the calendar's range"),
         (
@@ -131,3 +137,21 @@ def test_a_bad_switch_refuses_to_load_naming_it(tmp_path, settings, expected):
         build_definitions(environ=_environ(tmp_path, **settings))
     assert expected in str(refused.value)
     assert not (tmp_path / "ledger.sqlite3").exists(), "nothing was written"
+
+
+@pytest.mark.parametrize(
+    ("setting", "text"),
+    [
+        ("EXPORTS_SAMPLE_VOIDED", "postgresql://u:hunter2-canary@db/billing"),
+        ("EXPORTS_SAMPLE_OUTAGE", "postgresql://u:hunter2-canary@db/billing"),
+        ("EXPORTS_SAMPLE_OUTAGE", "hunter2canary@2026-03-08"),
+        ("EXPORTS_SAMPLE_OUTAGE", "acme@hunter2-canary"),
+    ],
+)
+def test_a_bad_switch_is_refused_naming_the_setting_and_the_entrys_position_never_its_text(tmp_path, setting, text):
+    """A URL pasted into a switch may carry a password, and a run's failure (the switch given as run config) is read
+    by whoever sees the run: the entry is named by its position."""
+    with pytest.raises(ConfigurationError) as refused:
+        build_definitions(environ=_environ(tmp_path, **{setting: text}))
+    assert setting in str(refused.value) and "entry" in str(refused.value), str(refused.value)
+    assert "hunter2" not in str(refused.value), str(refused.value)

@@ -1,21 +1,31 @@
 """The reference code location's invoice source is chosen, never implied (issue 26): ``EXPORTS_SOURCE=sample`` chooses
 the sample, ``EXPORTS_SOURCE_URL`` with ``EXPORTS_SOURCE_TABLE`` a SQL table; anything else fails each run, naming
 the settings (the location still loads: issue 27). Before, a process whose environment lost ``EXPORTS_SOURCE_URL``
-(a run worker whose launcher config did not pass it) exported the sample invoices and recorded them ``completed``."""
+(a run worker whose launcher config did not pass it) exported the sample invoices and recorded them ``completed``.
+
+The settings are the fields of a Dagster resource (``InvoiceSourceResource``, issue 27 item 4): the URL by name
+(``EnvVar``), resolved where the source is used: a run's step, the drift sensor's tick, the CLI."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
+import json
 
 import dagster as dg
 import pytest
 from builders import open_ledger, sql_invoices
-from pipeline_helpers import PROJECT, failure_message, published_dirs, read_export, run_partition, tick
+from pipeline_helpers import JOB, PROJECT, failure_message, published_dirs, read_export, run_partition, tick
 
-from definitions import build_definitions, invoice_source_from
-from export_ledger import ConfigurationError, cli
+from assets.invoices import invoice_export
+from definitions import build_definitions, invoice_source_resource
+from export_ledger import ConfigurationError, SqlSource, cli
+from export_ledger.dagster import SourceResource, ledgered_definitions
+from export_ledger.dagster.code_location import load_code_location
+from export_ledger.dagster.resources import built_spec
 from export_ledger.ledger import ExportState
-from resources.invoices import SampleInvoiceSource
+from export_ledger.sources import UnusableSource
+from resources.invoices import InvoiceSourceResource, SampleInvoiceSource, SqlInvoiceSource
 
 DAY = dt.date(2026, 3, 8)
 PASSWORD = "hunter2-canary"
@@ -72,24 +82,146 @@ def test_a_location_given_no_source_setting_loads_and_each_run_fails_naming_the_
             "EXPORTS_SOURCE_URL is set without EXPORTS_SOURCE_TABLE",
         ),
         ({"EXPORTS_SOURCE_TABLE": "invoices"}, "EXPORTS_SOURCE_TABLE is set without EXPORTS_SOURCE_URL"),
-        (
-            {"EXPORTS_SOURCE": f"postgresql://u:{PASSWORD}@db/billing"},
-            "EXPORTS_SOURCE takes one value, 'sample'",
-        ),
     ],
-    ids=["sample-and-url", "sample-and-table", "url-without-table", "table-without-url", "unknown-choice"],
+    ids=["sample-and-url", "sample-and-table", "url-without-table", "table-without-url"],
 )
 def test_two_sources_or_half_of_one_fail_each_run_naming_the_settings_never_their_values(
-    tmp_path, instance, settings, expected
+    tmp_path, instance, monkeypatch, settings, expected
 ):
-    with pytest.raises(ConfigurationError) as refused:
-        invoice_source_from(settings)
-    assert expected in str(refused.value) and PASSWORD not in str(refused.value)
+    if "EXPORTS_SOURCE_URL" in settings:  # a URL is given by name, as the process environment's (never as a value)
+        monkeypatch.setenv("EXPORTS_SOURCE_URL", settings["EXPORTS_SOURCE_URL"])
+    assert expected in invoice_source_resource(settings).problem()
 
     words = _refused_run(tmp_path, instance, _environ(tmp_path, **settings))
 
     assert words.count(expected) >= 2, f"the asset's page and the run name it: {words[-2000:]}"
     assert PASSWORD not in words, "a source URL's password is never quoted"
+
+
+def test_a_choice_other_than_sample_is_refused_at_load_without_its_value(tmp_path):
+    """A value malformed in itself is wrong in every process: refused at load, never carried into the resource config
+    the UI shows (here a URL pasted into EXPORTS_SOURCE)."""
+    with pytest.raises(ConfigurationError) as refused:
+        build_definitions(environ=_environ(tmp_path, EXPORTS_SOURCE=f"postgresql://u:{PASSWORD}@db/billing"))
+
+    assert "EXPORTS_SOURCE takes one value, 'sample'" in str(refused.value)
+    assert PASSWORD not in str(refused.value)
+
+
+def ui_resource_config(defs: dg.Definitions, key: str) -> dict:
+    """A resource's configured values as the Dagster UI gets them (GraphQL ``configuredValues``: the default value of
+    the resource's config schema)."""
+    resource = defs.get_repository_def().get_top_level_resources()[key]
+    return json.loads(resource.config_schema.default_value_as_json_str)
+
+
+def test_the_ui_resource_config_names_exports_source_url_never_the_url(tmp_path, monkeypatch):
+    for name, value in _environ(tmp_path).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("EXPORTS_SOURCE")
+    monkeypatch.setenv("EXPORTS_SOURCE_URL", f"postgresql+psycopg2://reader:{PASSWORD}@billing-db/billing")
+    monkeypatch.setenv("EXPORTS_SOURCE_TABLE", "billing_invoices")
+
+    config = ui_resource_config(build_definitions(), "invoice_export__source")
+
+    assert config["url"] == {"env": "EXPORTS_SOURCE_URL"}, f"the URL is passed by name: {config}"
+    assert config["table"] == "billing_invoices" and config["sample"] is False
+    assert PASSWORD not in json.dumps(config) and "billing-db" not in json.dumps(config)
+
+
+def test_a_source_url_with_a_password_given_as_a_value_is_refused_at_load_without_quoting_it(tmp_path):
+    """Read from an environ mapping that the process environment does not hold, the URL could only reach Dagster as a
+    value, shown in the UI's resource config: refused, saying how to give it by name."""
+    url = f"postgresql+psycopg2://reader:{PASSWORD}@billing-db/billing"
+    with pytest.raises(ConfigurationError) as refused:
+        build_definitions(environ=_environ(tmp_path, EXPORTS_SOURCE_URL=url, EXPORTS_SOURCE_TABLE="invoices"))
+
+    assert "EXPORTS_SOURCE_URL" in str(refused.value) and "holds a password" in str(refused.value)
+    assert PASSWORD not in str(refused.value)
+
+
+class UsersSource(SourceResource):
+    """A user's own source resource (its url meant to be a dg.EnvVar)."""
+
+    url: str
+
+    def get_source(self, spec):
+        return SqlInvoiceSource(url=self.url, table="invoices")
+
+
+@pytest.mark.parametrize("how", ["reference", "users_own"])
+def test_a_source_resource_given_a_password_as_a_value_is_refused_at_load_naming_the_field(tmp_path, how):
+    """A SourceResource's field is shown in the UI's resource config as given: a URL with a password given as a
+    value (not an EnvVar) is refused at load, as the ledger URL is, naming the field and dg.EnvVar, never the value."""
+    literal = f"postgresql://reader:{PASSWORD}@billing-db/billing"
+    with pytest.raises(ConfigurationError) as refused:
+        if how == "reference":
+            build_definitions(environ=_environ(tmp_path), source=InvoiceSourceResource(url=literal, table="invoices"))
+        else:
+            spec = invoice_export(
+                source=UsersSource(url=literal), tenants=["acme"], timezone="UTC", start_date="2026-01-01"
+            )
+            ledgered_definitions([spec], environ=_environ(tmp_path))
+
+    said = str(refused.value)
+    assert "'s url holds a password" in said and "dg.EnvVar" in said, said
+    assert PASSWORD not in said and "billing-db" not in said, said
+
+
+def test_a_run_resolves_the_source_url_where_it_runs_and_the_contract_refuses_another_database(
+    tmp_path, instance, monkeypatch
+):
+    """The location's Definitions name the URL's variable; each run reads it from the environment it runs in (its run
+    worker's). A run whose environment names another database than the one the key's contract recorded is refused
+    before a row is read, naming what changed without the URL's credentials."""
+    first = f"sqlite:///{tmp_path / 'billing.sqlite3'}"
+    other = f"sqlite:///{tmp_path / 'elsewhere.sqlite3'}"
+    sql_invoices(first, DAY - dt.timedelta(days=1), ("acme",))
+    sql_invoices(other, DAY, ("acme",))
+    monkeypatch.setenv("EXPORTS_SOURCE_URL", first)
+    defs = build_definitions(environ=_environ(tmp_path, EXPORTS_SOURCE_URL=first, EXPORTS_SOURCE_TABLE="invoices"))
+    assert run_partition(defs, instance, (DAY - dt.timedelta(days=1)).isoformat()).success
+
+    monkeypatch.setenv("EXPORTS_SOURCE_URL", other)  # the same Definitions; a run worker given another database
+    result = run_partition(defs, instance, DAY.isoformat())
+
+    assert not result.success, "a run reading another database than the contract's is refused"
+    message = failure_message(result)
+    assert "source sql (" in message and "elsewhere.sqlite3" in message, message
+    ledger = open_ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    assert [r.business_date for r in ledger.queries.records()] == [DAY - dt.timedelta(days=1)], "nothing claimed"
+
+
+def test_the_cli_reads_the_source_a_run_of_the_location_reads(tmp_path, instance, monkeypatch, capsys):
+    url = f"sqlite:///{tmp_path / 'billing.sqlite3'}"
+    sql_invoices(url, DAY, ("acme",), table="billing_invoices")
+    for name, value in _environ(tmp_path).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("EXPORTS_SOURCE")
+    monkeypatch.setenv("EXPORTS_SOURCE_URL", url)
+    monkeypatch.setenv("EXPORTS_SOURCE_TABLE", "billing_invoices")
+    monkeypatch.chdir(PROJECT)
+    assert run_partition(build_definitions(), instance, DAY.isoformat()).success
+
+    (spec,) = load_code_location(python_file="definitions.py").specs
+
+    assert isinstance(spec.source, SqlInvoiceSource), "the CLI has the source resolved, as a run resolves it"
+    assert (spec.source.url, spec.source.table) == (url, "billing_invoices")
+    code = cli.main(["drift", "-f", "definitions.py", "--lookback-days", "3650"])
+    out = capsys.readouterr().out
+    assert code == 0 and "1 key(s) checked: 0 stale, 1 match their source" in out, out
+
+
+def test_the_declared_resource_is_never_read_as_its_settings(monkeypatch):
+    """The declared resource holds the variable's name where Dagster resolves a value: read as the source, the name
+    would be taken for the URL. Only the resource Dagster resolved (a run's, a tick's, build_resources') gives one."""
+    monkeypatch.setenv("EXPORTS_SOURCE_URL", "sqlite://")
+    declared = InvoiceSourceResource(url=dg.EnvVar("EXPORTS_SOURCE_URL"), table="invoices")
+    spec = invoice_export(source=SampleInvoiceSource(), tenants=["acme"], timezone="UTC", start_date="2026-01-01")
+    with pytest.raises(ConfigurationError, match="url not resolved"):
+        declared.resolve(spec)
+    with dg.build_resources({"source": declared}) as built:
+        assert built.source.resolve(spec).identity()["table"] == "invoices"
 
 
 def test_exports_source_sample_exports_the_sample_invoices(tmp_path, instance):
@@ -134,7 +266,7 @@ def test_drift_passes_over_an_export_whose_source_is_unusable_here_and_says_why(
     found = tick(defs, instance, sensor_name="drift_sensor")
 
     said = [record.getMessage() for record in found.logs]
-    assert any("invoice_export: not checked for drift: the invoice source cannot be used" in s for s in said), said
+    assert any("invoice_export: not checked for drift: the source cannot be used" in s for s in said), said
     assert found.skip_message.startswith("0 key(s) checked, 0 stale, 0 not checked"), found.skip_message
 
     for name, value in _environ(tmp_path).items():
@@ -144,8 +276,93 @@ def test_drift_passes_over_an_export_whose_source_is_unusable_here_and_says_why(
     code = cli.main(["drift", "-f", "definitions.py", "--lookback-days", "3650"])
     out = capsys.readouterr().out
     assert code == 1 and "0 key(s) checked" in out, "keys left unchecked: exit 1, as the CLI's exit codes say"
-    assert "not checked, no source to read again here: invoice_export (the invoice source cannot be used" in out
+    assert "not checked, no source to read again here: invoice_export (the source cannot be used" in out
     assert "EXPORTS_SOURCE_URL" in out
+
+
+def test_one_exports_source_setting_missing_at_a_tick_leaves_the_other_exports_checked_for_drift(
+    tmp_path, instance, monkeypatch
+):
+    """The drift sensor resolves each export's source resource itself, export by export: a variable one export's
+    resource lacks in the code server makes that export unchecked (logged, naming the variable), not the whole tick
+    refused by Dagster for every export."""
+    monkeypatch.setenv("TEST_ORDERS_URL", f"sqlite:///{tmp_path / 'shop.sqlite3'}")  # for the run (in process)
+    invoices = invoice_export(source=SampleInvoiceSource(), tenants=["acme"], timezone="UTC", start_date="2026-01-01")
+    orders = dataclasses.replace(invoices, name="orders", source=UsersSource(url=dg.EnvVar("TEST_ORDERS_URL")))
+    defs = ledgered_definitions([invoices, orders], environ=_environ(tmp_path), drift_lookback_days=3650)
+    assert run_partition(defs, instance, DAY.isoformat()).success
+    monkeypatch.delenv("TEST_ORDERS_URL")  # the code server, where ticks run, lacks it
+
+    found = tick(defs, instance, sensor_name="drift_sensor")
+
+    said = [record.getMessage() for record in found.logs]
+    assert any(s.startswith("orders: not checked for drift") and "TEST_ORDERS_URL" in s for s in said), said
+    assert found.skip_message.startswith("1 key(s) checked, 0 stale"), (found.skip_message, said)
+
+
+class BadQuerySource(SourceResource):
+    """Gives a SqlSource whose query lacks the bound parameters: SqlSource refuses it (a ValueError)."""
+
+    url: str
+
+    def get_source(self, spec):
+        return SqlSource(self.url, "SELECT * FROM invoices")
+
+
+class FailingSource(SourceResource):
+    """Its get_source fails with an error of no kind the library knows."""
+
+    def get_source(self, spec):
+        raise RuntimeError("the billing client could not start")
+
+
+def _checks_reported(instance, result) -> int:
+    """The check evaluations the run recorded (a failed step's own are in the instance's log of the run)."""
+    return sum(
+        1
+        for entry in instance.all_logs(result.run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION)
+        if entry.dagster_event is not None
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "said"),
+    [
+        (BadQuerySource(url="sqlite:///billing.sqlite3"), "bound parameters"),
+        (FailingSource(), "the billing client could not start"),
+    ],
+)
+def test_a_source_resource_that_fails_to_give_its_source_fails_the_run_with_its_checks_reported(
+    tmp_path, instance, source, said
+):
+    """Whatever resolving the source raises, the run fails before anything is claimed, and its checks are judged
+    from the ledger rather than left planned (each date shown "execution failed")."""
+    sample = invoice_export(source=SampleInvoiceSource(), tenants=["acme"], timezone="UTC", start_date="2026-01-01")
+    assert run_partition(ledgered_definitions([sample], environ=_environ(tmp_path)), instance, DAY.isoformat()).success
+    defs = ledgered_definitions([dataclasses.replace(sample, source=source)], environ=_environ(tmp_path))
+
+    result = run_partition(defs, instance, DAY.isoformat())
+
+    assert not result.success and said in failure_message(result), failure_message(result)[-2000:]
+    assert _checks_reported(instance, result) > 0, "the run's checks are judged from the ledger, not left planned"
+
+
+def test_a_source_resource_giving_a_refused_source_leaves_its_export_unchecked_for_drift_saying_why(tmp_path, instance):
+    """A source refused when it is made (a SqlSource query without its bound parameters raises ValueError) makes the
+    export's source unusable where it is resolved (the tick, the CLI: the same resolution), saying why: the drift
+    tick logs it instead of failing."""
+    spec = invoice_export(
+        source=BadQuerySource(url="sqlite:///billing.sqlite3"),
+        tenants=["acme"],
+        timezone="UTC",
+        start_date="2026-01-01",
+    )
+    defs = ledgered_definitions([spec], environ=_environ(tmp_path), drift_lookback_days=3650)
+
+    found = tick(defs, instance, sensor_name="drift_sensor")
+
+    said = [record.getMessage() for record in found.logs]
+    assert any(s.startswith("invoice_export: not checked for drift") and "bound parameters" in s for s in said), said
 
 
 def test_a_bad_sample_cadence_is_refused_at_load_without_its_value(tmp_path):
@@ -156,3 +373,139 @@ def test_a_bad_sample_cadence_is_refused_at_load_without_its_value(tmp_path):
 
     assert "EXPORTS_SAMPLE_CADENCE_MINUTES must be a positive integer" in str(refused.value)
     assert PASSWORD not in str(refused.value)
+
+
+SHOP_LOCATION = """
+import dagster as dg
+from export_ledger import ExportSpec, SqlSource
+from export_ledger.dagster import SourceResource, ledgered_definitions
+
+
+class OrdersSource(SourceResource):
+    url: str
+    def get_source(self, spec):
+        return SqlSource(self.url, "SELECT * FROM o WHERE tenant = :tenant AND t >= :start AND t < :end")
+
+
+orders = ExportSpec(
+    name="orders", source=OrdersSource(url=dg.EnvVar("SHOP_ORDERS_URL")),
+    columns={"order_id": "string", "tenant": "string", "t": "timestamp"}, id_columns=["order_id"], time_column="t",
+    tenant_column="tenant", tenants=["acme"], timezone="UTC", start_date="2026-01-01",
+)
+shop_defs = ledgered_definitions([orders], environ={"EXPORTS_LEDGER_URL": LEDGER, "EXPORTS_DESTINATION": EXPORTS})
+"""
+
+
+def test_a_source_resource_of_a_users_own_is_resolved_for_the_cli_or_names_the_variable_it_lacks(tmp_path, monkeypatch):
+    """A resource whose URL is always an EnvVar: where the CLI's environment lacks the variable, Dagster cannot
+    resolve it, and the export's source is unusable there, naming the variable (a run is refused by Dagster the same
+    way); where it has it, the CLI reads the URL the variable holds."""
+    location = tmp_path / "shop_location.py"
+    ledger, exports = f"sqlite:///{tmp_path / 'ledger.sqlite3'}", str(tmp_path / "exports")
+    location.write_text(f"LEDGER = {ledger!r}\nEXPORTS = {exports!r}\n{SHOP_LOCATION}")
+    monkeypatch.delenv("SHOP_ORDERS_URL", raising=False)
+
+    (lacking,) = load_code_location(python_file=str(location)).specs
+    monkeypatch.setenv("SHOP_ORDERS_URL", f"sqlite:///{tmp_path / 'shop.sqlite3'}")
+    (given,) = load_code_location(python_file=str(location)).specs
+
+    assert isinstance(lacking.source, UnusableSource), lacking.source
+    assert lacking.source.reason.startswith(
+        "the source cannot be used in this process: "
+        'You have attempted to fetch the environment variable "SHOP_ORDERS_URL" which is not set'
+    ), f"Dagster's words without its exception class: {lacking.source.reason}"
+    assert given.source.url == f"sqlite:///{tmp_path / 'shop.sqlite3'}", "the CLI reads what the variable holds"
+
+
+def test_drift_given_specs_whose_source_is_a_resource_says_to_name_the_code_location_and_exits_1(
+    tmp_path, monkeypatch, capsys
+):
+    """--specs names exports, not their code location: a source declared as a resource cannot be resolved there.
+    The export is named unchecked, saying to use -f/-m, and the command exits 1 (it exited 0, checking nothing)."""
+    (tmp_path / "shop_specs.py").write_text(SHOP_LOCATION.replace("shop_defs = ", "# "))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("SHOP_ORDERS_URL", f"sqlite:///{tmp_path / 'shop.sqlite3'}")
+    ledger = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+    open_ledger(ledger)
+
+    code = cli.main(["--ledger-url", ledger, "drift", "--specs", "shop_specs:orders", "--destination", str(tmp_path)])
+
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "orders (its source is OrdersSource" in out and "-f FILE or -m MODULE" in out, out
+
+
+def test_a_run_whose_config_sets_the_source_resource_is_refused_before_anything_is_claimed(tmp_path, instance):
+    """The launchpad can give resources.invoice_export__source a config of its own (the sample on a SQL location):
+    the source is the location's settings, so such a run is refused, saying so, and nothing is claimed."""
+    url = f"sqlite:///{tmp_path / 'billing.sqlite3'}"
+    sql_invoices(url, DAY, ("acme",))
+    defs = build_definitions(environ=_environ(tmp_path, EXPORTS_SOURCE_URL=url, EXPORTS_SOURCE_TABLE="invoices"))
+
+    result = defs.resolve_job_def(JOB).execute_in_process(
+        partition_key=DAY.isoformat(),
+        instance=instance,
+        raise_on_error=False,
+        run_config={"resources": {"invoice_export__source": {"config": {"sample": True, "url": "", "table": ""}}}},
+    )
+
+    assert not result.success
+    assert "sets resources.invoice_export__source" in failure_message(result), failure_message(result)[-2000:]
+    assert open_ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}").queries.records() == [], "nothing claimed"
+
+
+def test_a_source_resource_field_given_a_wrong_value_is_refused_without_quoting_it():
+    """A URL pasted into the wrong field (the cadence): pydantic's message would quote it; the resource hides it."""
+    with pytest.raises(Exception) as refused:
+        InvoiceSourceResource(sample=True, sample_cadence_minutes=f"postgresql://u:{PASSWORD}@db/billing")
+
+    assert "sample_cadence_minutes" in str(refused.value), str(refused.value)
+    assert PASSWORD not in str(refused.value), str(refused.value)
+
+
+class CadenceSource(SourceResource):
+    """A user's resource with an integer field, given as dg.EnvVar.int."""
+
+    cadence: int
+
+    def get_source(self, spec):
+        return SampleInvoiceSource(cadence_minutes=self.cadence)
+
+
+def test_a_source_resource_that_dagster_cannot_build_here_is_unusable_naming_its_key_in_one_line(monkeypatch):
+    """An EnvVar.int whose variable holds no integer (a URL pasted there): Dagster refuses the resource's config. The
+    source is unusable here, named by its resource key, in one line: neither the value nor Dagster's stack trace."""
+    monkeypatch.setenv("TEST_CADENCE", f"postgresql://u:{PASSWORD}@db/billing")
+    spec = invoice_export(
+        source=CadenceSource(cadence=dg.EnvVar.int("TEST_CADENCE")),
+        tenants=["acme"],
+        timezone="UTC",
+        start_date="2026-01-01",
+    )
+
+    reason = built_spec(spec).source.reason
+
+    assert (
+        reason
+        == "the source cannot be used in this process: its resource invoice_export__source is not valid config here"
+    )
+
+
+def test_a_code_server_loaded_without_the_source_url_leaves_drift_unchecked_even_when_a_tick_has_it(
+    tmp_path, instance, monkeypatch
+):
+    """What docs/production.md says: ticks run in the code server, and its environment at load decides whether the URL
+    field is EnvVar or empty. Loaded without EXPORTS_SOURCE_URL, the tick cannot use the source, naming the variable."""
+    url = f"sqlite:///{tmp_path / 'billing.sqlite3'}"
+    sql_invoices(url, DAY, ("acme",))
+    for name, value in _environ(tmp_path).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("EXPORTS_SOURCE", raising=False)
+    monkeypatch.delenv("EXPORTS_SOURCE_URL", raising=False)
+    monkeypatch.setenv("EXPORTS_SOURCE_TABLE", "invoices")
+    defs = build_definitions()  # the code server, without the URL
+    monkeypatch.setenv("EXPORTS_SOURCE_URL", url)  # set afterwards: too late for that code server
+
+    said = [record.getMessage() for record in tick(defs, instance, sensor_name="drift_sensor").logs]
+
+    assert any("not checked for drift" in s and "EXPORTS_SOURCE_URL" in s for s in said), said

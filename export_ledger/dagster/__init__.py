@@ -21,7 +21,15 @@ from export_ledger.dagster.definitions import declared_exports, ledgered_definit
 from export_ledger.dagster.drift_sensor import build_drift_sensor, drift_check_evaluations
 from export_ledger.dagster.io_manager import LedgeredExportIOManager, partition_metadata
 from export_ledger.dagster.partitions import calendar_of, dagster_disagreement, partitions_def
-from export_ledger.dagster.resources import LEDGER_KEY, DestinationResource, LedgerResource, resource_keys
+from export_ledger.dagster.resources import (
+    LEDGER_KEY,
+    DestinationResource,
+    LedgerResource,
+    SourceResource,
+    resolved_spec,
+    resource_keys,
+    source_key,
+)
 from export_ledger.dagster.schedules import build_nightly_schedule
 from export_ledger.dagster.sensors import (
     build_reconciliation_sensor,
@@ -41,6 +49,7 @@ __all__ = [
     "ExportRunConfig",
     "LedgerResource",
     "LedgeredExportIOManager",
+    "SourceResource",
     "build_drift_sensor",
     "build_export_asset",
     "build_nightly_schedule",
@@ -56,7 +65,9 @@ __all__ = [
     "ledgered_definitions",
     "partition_metadata",
     "partitions_def",
+    "resolved_spec",
     "resource_keys",
+    "source_key",
     "restatement_requests",
     "sensor_result",
     "stuck_check_evaluation",

@@ -12,7 +12,7 @@ from export_ledger.calendar import ExportCalendar, parse_business_date, utc_iso
 from export_ledger.dagster.checks import PARTITION_CHECKS, check_specs, partition_tenants, step_verdicts
 from export_ledger.dagster.io_manager import LISTED_KEYS, status_command
 from export_ledger.dagster.partitions import dagster_disagreement, partitions_def
-from export_ledger.dagster.resources import LEDGER_KEY, resource_keys
+from export_ledger.dagster.resources import LEDGER_KEY, SourceResource, resolved_spec, resource_keys, source_key
 from export_ledger.errors import ConfigurationError, safe_message
 from export_ledger.frames import FrameBatches
 from export_ledger.keys import LogicalKey
@@ -23,7 +23,7 @@ from export_ledger.ledger import (
 )
 from export_ledger.protocol import ExportBatch, ExportItem
 from export_ledger.restate import request_each
-from export_ledger.sources import UnusableSource
+from export_ledger.sources import ResolvableSource, UnusableSource
 from export_ledger.spec import ExportSpec
 from export_ledger.tenants import TenantGroup, run_scope, zone_slug
 
@@ -86,6 +86,8 @@ def build_export_asset(
         raise ValueError(f"export {spec.name!r} has no source: declare its asset yourself with ledgered_io_manager")
     group = group or _only_group(spec)
     destination_key, io_manager_key = resource_keys(spec)
+    # A source declared as a resource is resolved in the step, by the run worker, from the settings it has.
+    source_resource = source_key(spec) if isinstance(spec.source, SourceResource) else None
     calendar = ExportCalendar(group.timezone, spec.start_date)
     partitions = partitions_def(calendar, group.last_date)
     calendars = {tenant: spec.calendar_for(tenant) for tenant in group.tenants}
@@ -117,7 +119,7 @@ def build_export_asset(
             partitions_def=partitions,
             backfill_policy=backfill_policy,
             pool=pool,
-            required_resource_keys={LEDGER_KEY, destination_key},
+            required_resource_keys={LEDGER_KEY, destination_key, *([source_resource] if source_resource else [])},
         )
 
     @asset_decorator
@@ -136,11 +138,15 @@ def build_export_asset(
             yield from _check_outputs(context)
             return
         try:
-            batch, tenants_by_day, only = _plan(context, config, book, destination)
+            _refuse_source_config(context, spec, source_resource)
+            resource = None if source_resource is None else getattr(context.resources, source_resource)
+            run_spec = spec if resource is None else resolved_spec(spec, resource)
+            batch, tenants_by_day, only = _plan(context, run_spec, config, book, destination)
         except Exception:
-            # Refused before anything was exported (a bad launchpad config, an unreadable ledger): the run's checks
-            # are planned for its partitions, and a check left planned shows each date "execution failed" though
-            # nothing changed. The ledger holds the truth: its verdicts are reported, then the error is raised.
+            # Refused before anything was exported (a bad launchpad config, an unreadable ledger, a source that cannot
+            # be resolved): the run's checks are planned for its partitions, and a check left planned shows each date
+            # "execution failed" though nothing changed. The ledger holds the truth: its verdicts are reported, then
+            # the error is raised.
             _report_or_warn(context, lambda: verdicts(_checked_days(context, spec, group, calendar, selected)))
             raise
         if only is not None:
@@ -159,10 +165,11 @@ def build_export_asset(
         yield from _check_outputs(context)
 
     def _plan(
-        context, config: ExportRunConfig, book, destination
+        context, spec: ExportSpec, config: ExportRunConfig, book, destination
     ) -> tuple[ExportBatch, dict[dt.date, list[str]], tuple[str, ...] | None]:
         """The run's batch (which keys, which windows, which are already done), each date's tenants with a key, and
-        the tenants the run is scoped to (None: every tenant of the asset)."""
+        the tenants the run is scoped to (None: every tenant of the asset). ``spec`` is the export with its source
+        as this run resolved it."""
         # Checked at claim: what this run would export (its calendar, destination, format, schema, source) must be
         # the contract in force for each tenant, else its claims are refused and escalated.
         if isinstance(spec.source, UnusableSource):
@@ -265,6 +272,20 @@ def build_export_asset(
         return ExportBatch(spec.schema, items), tenants_by_day, only
 
     return _export
+
+
+def _refuse_source_config(context: dg.AssetExecutionContext, spec: ExportSpec, key: str | None) -> None:
+    """Refuses a run whose run config sets the source resource (the launchpad's ``resources.<export>__source``): the
+    source is the code location's settings, recorded in each key's contract, not a run's choice; a run config could
+    switch a tenant's first run to another source, and a URL typed there is stored in the run's config."""
+    if key is None:
+        return
+    given = (context.run.run_config or {}).get("resources") or {}
+    if key in given:
+        raise ConfigurationError(
+            f"{spec.name}: nothing was exported: the run's config sets resources.{key}, but the source comes from the "
+            "code location's settings (the resource's fields, resolved in the run worker): launch the run without it"
+        )
 
 
 def _report_or_warn(context: dg.AssetExecutionContext, evaluations: Callable[[], Iterable[dg.AssetCheckEvaluation]]):
@@ -409,6 +430,13 @@ def _only_group(spec: ExportSpec) -> TenantGroup:
 
 
 def _description(spec: ExportSpec, group: TenantGroup) -> str:
+    reason = spec.source.problem() if isinstance(spec.source, ResolvableSource) else None
+    if reason is not None:
+        # Known from the declared settings alone (no environment read): each run resolves them in its own worker.
+        return (
+            f"{_plain_description(spec, group)} Its source's settings, as this code location declares them, cannot "
+            f"be used: {reason}. A run fails naming this unless its run worker has the setting."
+        )
     if isinstance(spec.source, UnusableSource):
         # Shown on the asset's page before anyone launches a run that would fail for it. A run worker loads the
         # location again with its own environment: where it has the setting, its run reads the source.

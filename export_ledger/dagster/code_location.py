@@ -22,7 +22,7 @@ from types import ModuleType
 import dagster as dg
 
 from export_ledger.dagster.definitions import declared_exports
-from export_ledger.dagster.resources import resource_keys
+from export_ledger.dagster.resources import SourceResource, built_spec, resource_keys, source_key
 from export_ledger.errors import ConfigurationError
 from export_ledger.operations import CodeLocation
 
@@ -45,7 +45,7 @@ def load_code_location(
     module = _import(python_file, module_name, named)
     defs = _definitions(module, attribute, named)
     try:
-        specs = tuple(declared_exports(defs))
+        specs = _with_sources(defs, declared_exports(defs))
     except ConfigurationError as exc:
         raise ConfigurationError(f"{named}: {exc}") from None
     return CodeLocation(
@@ -105,6 +105,17 @@ def _ledger_url(defs: dg.Definitions) -> str | None:
         return None
     with dg.build_resources({"ledger": resource}) as built:
         return built.ledger.url
+
+
+def _with_sources(defs: dg.Definitions, specs) -> tuple:
+    """The exports with each source declared as a resource resolved as a run resolves it (an ``EnvVar`` read now):
+    the CLI reads what a run of this location reads, or names the setting it lacks here
+    (:class:`~export_ledger.sources.UnusableSource`)."""
+    return tuple(_with_source(defs, spec) if isinstance(spec.source, SourceResource) else spec for spec in specs)
+
+
+def _with_source(defs: dg.Definitions, spec):
+    return built_spec(spec, (defs.resources or {}).get(source_key(spec)))
 
 
 def _args(python_file: str | None, module_name: str | None, attribute: str | None) -> tuple[str, ...]:

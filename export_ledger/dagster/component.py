@@ -1,7 +1,8 @@
 """``LedgeredExports``: a Dagster Component that declares ledgered exports in a ``defs.yaml``, with no Python.
 
 The YAML attributes are :class:`~export_ledger.spec.ExportSpec`'s fields (the source a :class:`SqlSource` whose URL
-comes from a named environment variable), plus the code location's ledger and default destination. Each export is
+comes from a named environment variable, declared as a resource that each run resolves: :class:`SqlSourceResource`),
+plus the code location's ledger and default destination. Each export is
 checked by ``ExportSpec`` itself while the YAML is resolved, so a bad value fails with the file, the line and the
 export it belongs to; :meth:`LedgeredExports.build_defs` is :func:`~export_ledger.dagster.ledgered_definitions`.
 
@@ -40,11 +41,11 @@ import dagster as dg
 from dagster.components.resolved.errors import ResolutionException
 
 from export_ledger.dagster.definitions import ledgered_definitions
-from export_ledger.dagster.resources import LedgerResource
+from export_ledger.dagster.resources import LedgerResource, SourceResource
 from export_ledger.destinations.registry import holds_credential, refuse_credentials
 from export_ledger.errors import ConfigurationError, ExportLedgerError
 from export_ledger.settings import Settings
-from export_ledger.sources import SqlSource, UnusableSource, check_query
+from export_ledger.sources import SqlSource, check_query
 from export_ledger.spec import ExportSpec
 
 _SPEC_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ExportSpec) if f.default is not dataclasses.MISSING}
@@ -114,19 +115,42 @@ def _environment_value(variable: str, what: str) -> str:
     return value
 
 
-def _sql_source(model: SqlSourceModel, export: str) -> EnvSqlSource | UnusableSource:
-    """The export's SQL source, its URL read from ``url_env``. A variable unset in this process (a code server or
-    run worker started without it) is a setting the export's runs lack, not a bad YAML: the location still loads,
-    and the export's asset and each of its runs say which variable is missing (:class:`UnusableSource`)."""
+class SqlSourceResource(SourceResource):
+    """A YAML export's SQL source as a Dagster resource: each run resolves its URL, by name, in its own worker.
+
+    Attributes:
+        url_env: The environment variable holding the database's SQLAlchemy URL.
+        query: The query (:class:`SqlSource`).
+        url: ``dg.EnvVar(url_env)`` where the code location loaded with the variable set (the UI's resource config
+            shows its name, never the URL); empty where it was unset, and each run of that process fails naming it.
+    """
+
+    url_env: str
+    query: str
+    url: str = ""
+
+    def problem(self) -> str | None:
+        if not self.url:
+            return f"source.url_env: environment variable {self.url_env} is not set in this process"
+        return None
+
+    def get_source(self, spec: ExportSpec) -> EnvSqlSource:
+        if self.problem() is not None:
+            raise ConfigurationError(self.problem())
+        return EnvSqlSource(url=self.url, query=self.query, url_env=self.url_env)
+
+
+def _sql_source(model: SqlSourceModel, export: str) -> SqlSourceResource:
+    """The export's SQL source, as a resource whose URL is ``EnvVar(url_env)``. A variable unset in this process (a
+    code server or run worker started without it) is a setting the export's runs lack, not a bad YAML: the location
+    still loads, and the export's asset and each of its runs say which variable is missing
+    (:meth:`SqlSourceResource.problem`). A bad query is a bad YAML: refused at load, whether or not the URL is set."""
     try:
-        check_query(model.query)  # a bad query is a bad YAML, refused at load whether or not the URL is set here
+        check_query(model.query)
     except ValueError as exc:
         raise ConfigurationError(f"export {export!r}: source.query: {exc}") from None
-    if not os.environ.get(model.url_env):
-        return UnusableSource(
-            f"export {export!r}: source.url_env: environment variable {model.url_env} is not set in this process"
-        )
-    return EnvSqlSource(url=os.environ[model.url_env], query=model.query, url_env=model.url_env)
+    url = dg.EnvVar(model.url_env) if os.environ.get(model.url_env) else ""
+    return SqlSourceResource(url_env=model.url_env, query=model.query, url=url)
 
 
 def _export_spec(context: dg.ResolutionContext, model: ExportModel) -> ExportSpec:

@@ -20,9 +20,11 @@ from export_ledger.dagster.resources import (
     LEDGER_KEY,
     DestinationResource,
     LedgerResource,
+    SourceResource,
     is_secret,
     resource_keys,
     secret_by_name,
+    source_key,
 )
 from export_ledger.dagster.schedules import build_nightly_schedule
 from export_ledger.dagster.sensors import build_reconciliation_sensor, job_selection
@@ -118,6 +120,10 @@ def ledgered_definitions(
 
     lineage = _lineage_fields(settings)
     resources: dict = {LEDGER_KEY: ledger}
+    for spec in exports:
+        _refuse_secret_source_fields(spec)
+    # A source declared as a resource is one of the location's: each run, tick and command resolves it there.
+    resources.update({source_key(spec): spec.source for spec in exports if isinstance(spec.source, SourceResource)})
     definitions: list = list(assets)
     checks, jobs, schedules, health_jobs = [], [], [], []
     ledger_tables: dict[str, list[tuple[str, str]]] = {}  # table -> (export, its role there)
@@ -314,6 +320,22 @@ def _refuse_secret_ledger_url(url: str | dg.EnvVar) -> None:
             "LedgerResource(url=dg.EnvVar('YOUR_VARIABLE')), or leave the password out of the URL and let the "
             "driver find it (PostgreSQL: PGPASSWORD or ~/.pgpass)"
         )
+
+
+def _refuse_secret_source_fields(spec: ExportSpec) -> None:
+    """Refuses a source resource's field that holds a password given as a value (``url="postgresql://u:pw@h/db"``):
+    Dagster shows every resource's config values in its UI, so a secret must reach it by name, as an ``EnvVar``.
+    The value is never quoted."""
+    if not isinstance(spec.source, SourceResource):
+        return
+    for name, value in spec.source.__dict__.items():
+        if isinstance(value, str) and not isinstance(value, dg.EnvVar) and holds_secret(value):
+            raise ConfigurationError(
+                f"export {spec.name}: {type(spec.source).__name__}'s {name} holds a password, and given as a value it "
+                f"would be shown in the Dagster UI's resource config. Give it by name: set a variable to it in the "
+                f"code location's environment and pass {name}=dg.EnvVar('YOUR_VARIABLE'), or leave the password out "
+                "of the URL and let the driver find it (PostgreSQL: PGPASSWORD or ~/.pgpass)"
+            )
 
 
 def _destination_resource(

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import dagster as dg
 
 from export_ledger.dagster.checks import drift_evaluation
-from export_ledger.dagster.resources import LEDGER_KEY, resource_keys
+from export_ledger.dagster.resources import LEDGER_KEY, SourceResource, built_spec, resource_keys
 from export_ledger.drift import DEFAULT_DRIFT_BATCH, DEFAULT_LOOKBACK_DAYS, describe, drift_pass, stale_digest
 from export_ledger.ledger import DriftRecord, ExportLedger
 from export_ledger.sources import UnusableSource
@@ -80,11 +80,15 @@ def build_drift_sensor(
         destinations = {
             name: getattr(context.resources, key).get_destination() for name, key in destination_keys.items()
         }
-        for spec in checked:
+        # A source declared as a resource is resolved here, at each tick, from the code server's environment (ticks
+        # run there), export by export: one export's missing setting leaves it unchecked and the others checked.
+        # Requiring its key on the sensor would make Dagster refuse the whole tick instead.
+        here = [built_spec(spec) if isinstance(spec.source, SourceResource) else spec for spec in checked]
+        for spec in here:
             if isinstance(spec.source, UnusableSource):
                 context.log.warning(f"{spec.name}: not checked for drift: {spec.source.reason}")
         report = drift_pass(
-            book, checked, destinations, lookback_days=lookback_days, limit=batch_size, after=state.get("after")
+            book, here, destinations, lookback_days=lookback_days, limit=batch_size, after=state.get("after")
         )
         for key, why in report.unchecked:
             context.log.warning(f"{key}: not checked for drift: {why}")

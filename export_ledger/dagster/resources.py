@@ -7,6 +7,8 @@ UI (GraphQL ``configuredValues``). A secret that cannot be given by name is refu
 
 import datetime as dt
 import os
+import re
+from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 
 import dagster as dg
@@ -18,6 +20,7 @@ from export_ledger.errors import ConfigurationError
 from export_ledger.ledger import ExportLedger
 from export_ledger.ledger.urls import holds_secret, may_hold_secret
 from export_ledger.settings import LEDGER_URL_ENV
+from export_ledger.sources import ExportSource, ResolvableSource, UnusableSource
 from export_ledger.spec import ExportSpec
 
 #: The resource key of the ledger, shared by every export of a code location.
@@ -27,6 +30,11 @@ LEDGER_KEY = "ledger"
 def resource_keys(spec: ExportSpec) -> tuple[str, str]:
     """The resource keys of an export's destination and I/O manager."""
     return f"{spec.name}__destination", f"{spec.name}__io_manager"
+
+
+def source_key(spec: ExportSpec) -> str:
+    """The resource key of an export's source, when it is declared as a :class:`SourceResource`."""
+    return f"{spec.name}__source"
 
 
 def is_secret(setting: Setting, value: object) -> bool:
@@ -172,3 +180,85 @@ class DestinationResource(dg.ConfigurableResource):
                 ledger_url, ledger_variable, f"{what}: the {kind}'s url (the ledger_url setting) holds a password"
             )
         return cls(spec=spec, ledger_url=ledger_url, settings=settings)
+
+
+class SourceResource(dg.ConfigurableResource, ResolvableSource):
+    """An export's source as a Dagster resource: its settings are the resource's fields, a secret among them given as
+    ``dg.EnvVar`` (the UI's resource config then shows the variable's name, never its value).
+
+    Declared as an :class:`~export_ledger.spec.ExportSpec`'s ``source``, it is a resource of the code location
+    (key :func:`source_key`), and each use gets the source from it as Dagster resolved it there: the export's step in
+    its run worker, the drift sensor at each tick, the CLI through ``dg.build_resources`` (``-f``/``-m``/``-w``).
+    A setting that use lacks makes the source an :class:`~export_ledger.sources.UnusableSource` there alone: a run
+    fails naming it before anything is claimed, and the code location still loads. Subclasses implement
+    :meth:`get_source`; :meth:`problem` may say at load what is wrong with the fields as given.
+
+    An ``EnvVar`` field whose variable a process lacks is refused by Dagster itself, when it resolves the resource:
+    every run of the export's asset (its check-only runs too: they are the same step) fails on its config, naming the
+    variable. The drift sensor's tick and the CLI resolve it themselves (:func:`built_spec`): that export alone is
+    not checked there, saying which variable is missing. To fail only the runs
+    that read the source, and in their step, leave the field empty where the variable is unset when the location
+    loads and say so in :meth:`problem` (the reference location's ``InvoiceSourceResource`` and the Component's SQL
+    source do this).
+
+    Example:
+        >>> class OrdersSource(SourceResource):  # doctest: +SKIP
+        ...     url: str
+        ...     def get_source(self, spec):
+        ...         return SqlSource(url=self.url, query="SELECT ... WHERE tenant = :tenant AND ...")
+        >>> ExportSpec(name="orders", source=OrdersSource(url=dg.EnvVar("ORDERS_DB_URL")), ...)  # doctest: +SKIP
+    """
+
+    @abstractmethod
+    def get_source(self, spec: ExportSpec) -> ExportSource:
+        """The source the fields give for the export ``spec``, in this process.
+
+        Raises:
+            ConfigurationError: a field is missing or contradicts another, naming it, never its value.
+        """
+
+    def resolve(self, spec: ExportSpec) -> ExportSource:
+        # Dagster resolves an EnvVar field into a new instance; on the declared one the field is the variable's name
+        # (an EnvVar is a str), which would be read as the setting itself: a path, a table.
+        unresolved = sorted(name for name, value in self.__dict__.items() if isinstance(value, dg.EnvVar))
+        if unresolved:
+            raise ConfigurationError(
+                f"{type(self).__name__}'s {', '.join(unresolved)} not resolved: use the resource Dagster gives a run "
+                "or a sensor (context.resources), or dg.build_resources, not the declared one"
+            )
+        return self.get_source(spec)
+
+
+def resolved_spec(spec: ExportSpec, resource: ResolvableSource) -> ExportSpec:
+    """``spec`` with its source resolved from ``resource`` (the export's :class:`SourceResource` as Dagster resolved it
+    for this run, tick or command): an :class:`~export_ledger.sources.UnusableSource` naming the setting when the
+    settings are missing or contradict each other here, or the source they give is refused (a ``ValueError`` or
+    ``TypeError``, as :class:`~export_ledger.spec.ExportSpec` refuses a source given in code: a ``SqlSource`` query
+    without its bound parameters)."""
+    try:
+        return spec.with_source(resource.resolve(spec))
+    except (ConfigurationError, ValueError, TypeError) as exc:
+        return spec.with_source(UnusableSource(f"the source cannot be used in this process: {exc}"))
+
+
+_DAGSTER_PREFIX = re.compile(r"^[\w.]*Error:\s*")
+
+
+def built_spec(spec: ExportSpec, resource: SourceResource | None = None) -> ExportSpec:
+    """``spec`` with its source resolved here as a run would resolve it: ``resource`` (default the declared
+    ``spec.source``) built by ``dg.build_resources``, its ``EnvVar`` fields read from this process's environment. Used
+    where Dagster does not hand the resource over: the CLI, and the drift sensor's tick (per export, so one export's
+    missing setting leaves the others checked). A setting this process lacks makes the source an
+    :class:`~export_ledger.sources.UnusableSource` naming it (never a value)."""
+    key = source_key(spec)
+    try:
+        with dg.build_resources({key: resource if resource is not None else spec.source}) as built:
+            return resolved_spec(spec, getattr(built, key))
+    except dg.DagsterInvalidConfigError as exc:  # an EnvVar this process lacks: Dagster's message names it
+        said = next(
+            # Dagster's line reads "dagster._config.errors.PostProcessingError: You have attempted to fetch the
+            # environment variable ...": its exception class is not the operator's business.
+            (_DAGSTER_PREFIX.sub("", line.strip()) for line in str(exc).splitlines() if "environment variable" in line),
+            f"its resource {key} is not valid config here",  # other config errors may quote a value: not repeated
+        )
+        return spec.with_source(UnusableSource(f"the source cannot be used in this process: {said}"))

@@ -3,6 +3,13 @@
     python -m benchmarks.report benchmarks/RESULTS.json > /tmp/figures.md
     python -m benchmarks.report benchmarks/RESULTS.json --write benchmarks/RESULTS.md --write docs/benchmarks.md
 
+    python -m benchmarks.report benchmarks/RESULTS.json --merge /tmp/dagster_peer.json
+
+``--merge LATER.json`` puts the benchmarks of a later run (``python -m benchmarks.run --only NAME``) in place of the
+same benchmarks of the results file, and rewrites the file: each merged benchmark keeps the facts of the run that
+measured it (``rerun``: its commit, command, start and end, load), and every report names it with them, so that no
+figure is shown as measured on a commit it was not.
+
 ``--write FILE`` replaces what stands between the lines ``<!-- benchmarks.report: full -->`` (or ``: targets``, or
 ``: summary``) and ``<!-- benchmarks.report: end -->`` in FILE with the whole report (or its facts and targets only,
 or one line of facts and a row per target), so that RESULTS.md, the table of docs/benchmarks.md and the README's are
@@ -40,6 +47,50 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _rerun_lines(document: dict) -> list[str]:
+    """One sentence per benchmark measured by a later run than the file's own (``--merge``)."""
+    lines = []
+    for name, result in document.get("benchmarks", {}).items():
+        run = result.get("rerun")
+        if run:
+            lines.append(
+                f"`{name}` was measured again by `{run.get('command')}` on `{str(run.get('commit'))[:7]}`"
+                f"{' with local changes' if run.get('modified') else ''}, {str(run.get('started_utc'))[:16]} to "
+                f"{str(run.get('finished_utc'))[:16]} UTC, load average {run.get('load_average_at_start')} at start "
+                f"and {run.get('load_average_at_end')} at end: its figures are that run's."
+            )
+    return lines
+
+
+def merge(document: dict, later: dict) -> dict:
+    """``document`` with each benchmark of ``later`` in place of its own, carrying the later run's facts.
+
+    Raises:
+        SystemExit: ``later`` is not a run of the same mode (a smoke run's sizes are not a full run's), or holds no
+            benchmark.
+    """
+    if later.get("mode") != document.get("mode"):
+        raise SystemExit(f"cannot merge a {later.get('mode')} run into a {document.get('mode')} run's results")
+    if not later.get("benchmarks"):
+        raise SystemExit("the later run holds no benchmark")
+    merged = dict(document, benchmarks=dict(document.get("benchmarks", {})))
+    code = later.get("code", {})
+    for name, result in later["benchmarks"].items():
+        merged["benchmarks"][name] = dict(
+            result,
+            rerun={
+                "command": later.get("command"),
+                "commit": code.get("commit"),
+                "modified": code.get("modified"),
+                "started_utc": later.get("started_utc"),
+                "finished_utc": later.get("finished_utc"),
+                "load_average_at_start": later.get("machine", {}).get("load_average_at_start"),
+                "load_average_at_end": later.get("load_average_at_end"),
+            },
+        )
+    return merged
+
+
 MARK = "<!-- benchmarks.report: {} -->"
 #: The generated blocks: the whole report, its facts and targets, or one line of facts and the targets' rows.
 KINDS = ("full", "targets", "summary")
@@ -65,7 +116,9 @@ def render(document: dict, *, targets_only: bool = False) -> str:
         },  # fmt: skip
         {"": "Versions", " ": ", ".join(f"{k} {v}" for k, v in document.get("versions", {}).items())},
     ]
-    out += [markdown_table(facts), "## Targets\n"]
+    out.append(markdown_table(facts))
+    out += [f"{line}\n" for line in _rerun_lines(document)]
+    out.append("## Targets\n")
     targets = []
     for name, result in document.get("benchmarks", {}).items():
         for t in result.get("targets", []):
@@ -112,7 +165,8 @@ def summary(document: dict) -> str:
             )
         if "error" in result:
             rows.append({"target": f"{name}: did not run", "value": "-", "limit": "-", "met": False})
-    return facts + "\n" + markdown_table(rows)
+    reruns = "".join(f"{line}\n" for line in _rerun_lines(document))
+    return facts + (f"\n{reruns}" if reruns else "") + "\n" + markdown_table(rows)
 
 
 def write_into(path: Path, document: dict) -> None:
@@ -150,19 +204,33 @@ def write_into(path: Path, document: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    usage = "usage: python -m benchmarks.report RESULTS.json [--merge LATER.json] [--write FILE ...]"
     paths: list[Path] = []
-    while "--write" in args:
-        at = args.index("--write")
-        if at + 1 >= len(args):
-            print("usage: python -m benchmarks.report RESULTS.json [--write FILE ...]", file=sys.stderr)
-            return 2
-        paths.append(Path(args[at + 1]))
-        args = args[:at] + args[at + 2 :]
+    later: Path | None = None
+    for option in ("--write", "--merge"):
+        while option in args:
+            at = args.index(option)
+            if at + 1 >= len(args):
+                print(usage, file=sys.stderr)
+                return 2
+            if option == "--write":
+                paths.append(Path(args[at + 1]))
+            elif later is not None:
+                print(f"{usage}: one --merge at a time", file=sys.stderr)
+                return 2
+            else:
+                later = Path(args[at + 1])
+            args = args[:at] + args[at + 2 :]
     if len(args) != 1:
-        print("usage: python -m benchmarks.report RESULTS.json [--write FILE ...]", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     document = json.loads(Path(args[0]).read_text(encoding="utf-8"))
-    if not paths:
+    if later is not None:
+        run = json.loads(later.read_text(encoding="utf-8"))
+        document = merge(document, run)
+        Path(args[0]).write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+        print(f"merged {', '.join(run['benchmarks'])} of {later} into {args[0]}")
+    if not paths and later is None:
         print(render(document))
     for path in paths:
         write_into(path, document)

@@ -100,3 +100,54 @@ def test_the_published_figures_are_the_committed_runs_not_a_transcription(tmp_pa
         f"{page}'s generated block is not the report of benchmarks/RESULTS.json: run "
         f"python -m benchmarks.report benchmarks/RESULTS.json --write {page}"
     )
+
+
+def _run_of(commit: str, benchmarks: dict, mode: str = "full") -> dict:
+    return {
+        "mode": mode,
+        "command": f"python -m benchmarks.run --only {' --only '.join(benchmarks)}",
+        "started_utc": "2026-12-04T17:00:00+00:00",
+        "finished_utc": "2026-12-04T17:08:00+00:00",
+        "code": {"commit": commit, "modified": False},
+        "machine": {"cores": 2, "load_average_at_start": [0.5, 0.6, 0.7]},
+        "load_average_at_end": [1.0, 0.9, 0.8],
+        "benchmarks": benchmarks,
+    }
+
+
+def test_a_later_run_of_one_benchmark_replaces_its_figures_and_every_report_names_that_run(tmp_path, capsys):
+    peer = {"targets": [{"name": "one partition", "value": 1.25, "limit": 1.2, "unit": "x", "met": False}]}
+    tick = {"targets": [{"name": "tick", "value": 150.0, "limit": 200, "unit": " ms", "met": True}]}
+    results = tmp_path / "RESULTS.json"
+    results.write_text(json.dumps(_run_of("aaaaaaa1", {"dagster_peer": peer, "sensor_tick": tick})))
+    later = tmp_path / "later.json"
+    newer_peer = {"targets": [{"name": "one partition", "value": 1.1, "limit": 1.2, "unit": "x", "met": True}]}
+    later.write_text(json.dumps(_run_of("bbbbbbb2", {"dagster_peer": newer_peer})))
+
+    assert report.main([str(results), "--merge", str(later)]) == 0
+    merged = json.loads(results.read_text())
+    assert merged["code"]["commit"] == "aaaaaaa1", "the file's own run is still the one it names"
+    assert merged["benchmarks"]["sensor_tick"] == tick, "a benchmark the later run did not measure is kept as it was"
+    assert merged["benchmarks"]["dagster_peer"]["targets"][0]["value"] == 1.1, "the later figures replace the old"
+    assert merged["benchmarks"]["dagster_peer"]["rerun"]["commit"] == "bbbbbbb2"
+
+    text = report.summary(merged)
+    assert "`dagster_peer` was measured again by `python -m benchmarks.run --only dagster_peer` on `bbbbbbb`" in text
+    assert "sensor_tick` was measured again" not in text
+    assert "| dagster_peer: one partition | 1.1 | 1.2 | yes |" in text, "the README's row shows the later value"
+    assert "measured again" in report.render(merged), "the full report names the later run too"
+
+
+def test_merging_a_run_of_another_mode_or_of_nothing_is_refused_and_the_file_is_left_as_it_was(tmp_path):
+    results = tmp_path / "RESULTS.json"
+    original = json.dumps(_run_of("aaaaaaa1", {"dagster_peer": {"targets": []}}))
+    results.write_text(original)
+    smoke = tmp_path / "smoke.json"
+    smoke.write_text(json.dumps(_run_of("bbbbbbb2", {"dagster_peer": {"targets": []}}, mode="smoke")))
+    with pytest.raises(SystemExit, match="cannot merge a smoke run into a full run"):
+        report.main([str(results), "--merge", str(smoke)])
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps(_run_of("bbbbbbb2", {})))
+    with pytest.raises(SystemExit, match="holds no benchmark"):
+        report.main([str(results), "--merge", str(empty)])
+    assert results.read_text() == original

@@ -11,8 +11,6 @@ import hashlib
 import math
 from abc import ABC, abstractmethod
 
-import numpy as np
-import pandas as pd
 import sqlalchemy as sa
 
 from export_ledger import (
@@ -24,8 +22,12 @@ from export_ledger import (
     require_aware,
     url_identity,
 )
+from export_ledger.lazy import lazy_module
 
-_CURRENCIES = np.array(["USD", "EUR", "GBP", "CAD"], dtype=object)
+np = lazy_module("numpy", globals(), "np")
+pd = lazy_module("pandas", globals(), "pd")
+
+_CURRENCIES = ("USD", "EUR", "GBP", "CAD")
 
 
 class InvoiceSource(ExportSource, ABC):
@@ -110,7 +112,7 @@ class SampleInvoiceSource(InvoiceSource):
                 "tenant": np.full(len(k), tenant, dtype=object),
                 "occurred_at": pd.to_datetime(seconds, unit="s", utc=True).as_unit("us"),
                 "amount": np.round(5 + (mixed % 250_000) / 100.0, 2),
-                "currency": _CURRENCIES[mixed % len(_CURRENCIES)],
+                "currency": np.array(_CURRENCIES, dtype=object)[mixed % len(_CURRENCIES)],
                 "customer_email": ("customer" + pd.Series(mixed % 5000).astype(str) + "@example.com").astype(object),
             }
         )

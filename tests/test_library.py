@@ -64,6 +64,35 @@ def test_importing_the_core_modules_does_not_import_dagster() -> None:
     assert json.loads(out.stdout) == [], "the core must stay importable without Dagster"
 
 
+def test_loading_the_code_location_imports_no_frame_library(tmp_path) -> None:
+    # `dagster asset materialize` and `dagster dev` load the definitions in a process that reads no data: pandas,
+    # numpy and pyarrow (half a second of imports) are imported by the step that exports, where they are first used.
+    code = (
+        "import json, sys\n"
+        "import definitions, export_ledger, export_ledger.dagster\n"
+        "print(json.dumps(sorted(m for m in ('pandas', 'numpy', 'pyarrow') if m in sys.modules)))"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXPORTS_")}
+    env.update(
+        EXPORTS_SOURCE="sample",
+        EXPORTS_LEDGER_URL=f"sqlite:///{tmp_path / 'ledger.sqlite3'}",
+        EXPORTS_DESTINATION=str(tmp_path / "exports"),
+        PYTHONPATH=str(PROJECT),
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PROJECT, env=env)
+    assert json.loads(out.stdout) == [], "loading the definitions imported a frame library"
+
+
+def test_a_lazily_imported_library_is_the_module_itself_after_its_first_use() -> None:
+    from export_ledger.lazy import LazyModule, lazy_module
+
+    namespace: dict = {}
+    namespace["js"] = lazy_module("json", namespace, "js")
+    assert isinstance(namespace["js"], LazyModule)
+    assert namespace["js"].dumps([1]) == "[1]"
+    assert namespace["js"] is json, "after its first use the name is bound to the module"
+
+
 def _orders(tenant: str, start: dt.datetime, end: dt.datetime) -> pd.DataFrame:
     times = pd.date_range(pd.Timestamp(start).ceil("h"), pd.Timestamp(end), freq="h", inclusive="left").as_unit("us")
     return pd.DataFrame(

@@ -110,9 +110,14 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
         if lineage is not None:
             # After export_batch: every key of the event is durable and recorded before the receiver hears of it.
             lineage.finish(context.run_id, job, obj, destination, failed=False)
-        # The routine outcome is logged by nothing here: each log line is an event record the run writes (a SQLite
-        # connection and commit each, on the default instance), and each partition's materialization already carries
-        # the attempt, its keys' counts, paths and checksums (add_partition_metadata). A restatement is logged.
+        exported = [r for r in obj.results if r.status == "exported"]
+        if exported:
+            # One line for the routine outcome, not one per key: each log line is an event-log write in the run, and
+            # the materialization metadata already lists every key's path and checksum.
+            context.log.info(
+                f"{len(exported)} key(s) exported, {sum(r.row_count for r in exported)} rows (attempt {attempt}): "
+                f"{', '.join(r.logical_key for r in exported[:5])}{', ...' if len(exported) > 5 else ''}"
+            )
         restated = [
             r.logical_key for r in obj.results if r.revision > 1 and r.status not in ("already_completed", "unchanged")
         ]

@@ -13,6 +13,11 @@ import importlib
 from collections.abc import MutableMapping
 from typing import Any
 
+from export_ledger.errors import ConfigurationError
+
+#: The libraries this package imports on first use: each is a declared dependency of export-ledger.
+FRAME_LIBRARIES = ("pandas", "numpy", "pyarrow")
+
 
 class LazyModule:
     """Stands for a module (``name``) under ``alias`` in ``namespace`` (a module's globals) until its first use."""
@@ -24,17 +29,53 @@ class LazyModule:
         object.__setattr__(self, "_namespace", namespace)
         object.__setattr__(self, "_alias", alias)
 
-    def __getattr__(self, attribute: str) -> Any:
-        module = importlib.import_module(self._name)
+    def _module(self) -> Any:
+        try:
+            module = importlib.import_module(self._name)
+        except ModuleNotFoundError as exc:
+            # A ConfigurationError's text is shown where a library's is withheld: the missing module is named.
+            raise ConfigurationError(
+                f"export-ledger needs {exc.name or self._name} (a declared dependency), which this Python cannot "
+                "import: install export-ledger with its dependencies into this environment"
+            ) from None
         if self._namespace.get(self._alias) is self:
             self._namespace[self._alias] = module  # later uses of the name find the module itself
-        return getattr(module, attribute)
+        return module
+
+    def __getattr__(self, attribute: str) -> Any:
+        if attribute in LazyModule.__slots__:  # a copy or unpickle asks before the slots are set: never recurse
+            raise AttributeError(attribute)
+        return getattr(self._module(), attribute)
 
     def __setattr__(self, attribute: str, value: Any) -> None:
-        raise AttributeError(f"{self._name} is not imported yet: set {attribute} on the module itself")
+        if attribute in LazyModule.__slots__:  # a copy or unpickle restoring the placeholder's own state
+            object.__setattr__(self, attribute, value)
+            return
+        setattr(self._module(), attribute, value)  # a patch in a test sets the module's attribute, as on the module
 
     def __repr__(self) -> str:
         return f"<module {self._name!r}, imported on first use>"
+
+
+def require_frame_libraries() -> None:
+    """Refuses, naming it, a process that cannot import one of :data:`FRAME_LIBRARIES`: found, not imported (a few
+    hundred microseconds), so a code location without them fails when it loads rather than in each run's keys.
+
+    Raises:
+        ConfigurationError: one of them cannot be found.
+    """
+    import importlib.util
+
+    for name in FRAME_LIBRARIES:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a module without a spec, or one a finder refuses
+            found = False
+        if not found:
+            raise ConfigurationError(
+                f"export-ledger needs {name} (a declared dependency), which this Python cannot import: install "
+                "export-ledger with its dependencies into this environment"
+            )
 
 
 def lazy_module(name: str, namespace: MutableMapping[str, Any], alias: str) -> Any:

@@ -27,9 +27,6 @@ import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-import pandas as pd
-
 from export_ledger.calendar import load_zone
 from export_ledger.destinations.base import (
     Destination,
@@ -40,11 +37,15 @@ from export_ledger.destinations.base import (
 from export_ledger.errors import safe_message
 from export_ledger.fingerprint import Fingerprint, id_hashes, version_hashes
 from export_ledger.frames import ExportSchema, FrameBatches, _to_arrow, read_table
+from export_ledger.lazy import lazy_module
 from export_ledger.ledger import DriftChanges, DriftFinding, DriftRecord, ExportLedger, ExportRecord
 from export_ledger.placement import recorded_destinations
 from export_ledger.restate import DRIFT_REQUESTER, RequestReport, current_revisions, restate_stale
 from export_ledger.sources import readable
 from export_ledger.spec import ExportSpec
+
+np = lazy_module("numpy", globals(), "np")
+pd = lazy_module("pandas", globals(), "pd")
 
 #: Default lookback: completed keys of the last this many business dates (in each export's zone) are checked.
 DEFAULT_LOOKBACK_DAYS = 7
@@ -252,7 +253,9 @@ def drift_pass(
     newly = set(report.changes.opened)
     # Only keys this pass newly found stale (or stale differently): a request withdrawn by an operator is not asked
     # for again while the drift stays the same.
-    wanted = [r for r in ledger.drift.open_records(logical_keys=sorted(newly)) if r.export in automatic] if newly else []
+    wanted = (
+        [r for r in ledger.drift.open_records(logical_keys=sorted(newly)) if r.export in automatic] if newly else []
+    )
     report.restatements = restate_stale(ledger, wanted, requested_by=requested_by)
     return report
 

@@ -16,14 +16,16 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-import pandas as pd
+from export_ledger.lazy import lazy_module
+
+np = lazy_module("numpy", globals(), "np")
+pd = lazy_module("pandas", globals(), "pd")
 
 PREFIX = "fp1"
 _MASK = (1 << 64) - 1
 # Mixes the version's hash into the ids' so that (id a, version x) and (id b, version y) do not cancel out with
 # (id a, version y) and (id b, version x) in the sum: a multiply by an odd constant, then xor.
-_MIX = np.uint64(0x9E3779B97F4A7C15)
+_MIX = 0x9E3779B97F4A7C15  # a numpy uint64 where it is used
 _PATTERN = re.compile(r"^fp1 rows=(\d+) ids=([0-9a-f]{16}) versions=([0-9a-f]{16}|-)$")
 
 
@@ -43,7 +45,7 @@ def version_hashes(frame: pd.DataFrame, ids: np.ndarray, version_column: str) ->
     """One ``uint64`` per row for (its ids, its version), from the rows' id hashes."""
     versions = pd.util.hash_pandas_object(frame[version_column], index=False, categorize=False).to_numpy()
     with np.errstate(over="ignore"):
-        return ids ^ (versions * _MIX)
+        return ids ^ (versions * np.uint64(_MIX))
 
 
 def _sum(values: np.ndarray) -> int:

@@ -15,16 +15,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-import numpy as np
-import pandas as pd
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.csv as pa_csv
-import pyarrow.parquet as pq
-
 from export_ledger.calendar import ExportWindow, utc_iso
 from export_ledger.errors import FrameError, ManifestError
 from export_ledger.fingerprint import Fingerprint, id_hashes
+from export_ledger.lazy import lazy_module
+
+np = lazy_module("numpy", globals(), "np")
+pd = lazy_module("pandas", globals(), "pd")
+pa = lazy_module("pyarrow", globals(), "pa")
+pc = lazy_module("pyarrow.compute", globals(), "pc")
+pa_csv = lazy_module("pyarrow.csv", globals(), "pa_csv")
+pq = lazy_module("pyarrow.parquet", globals(), "pq")
 
 FILE_FORMATS = {"csv": "data.csv", "parquet": "data.parquet"}
 MANIFEST_NAME = "_manifest.json"
@@ -34,8 +35,11 @@ _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
 _DIGESTS_IN_MEMORY = 1 << 20
 #: The files spilled digests are spread over, by their top bits (a power of two).
 _DIGEST_FILES = 64
-#: Where each file's digests begin, after the first's.
-_DIGEST_FILE_BOUNDS = np.arange(1, _DIGEST_FILES, dtype=np.uint64) * np.uint64(2**64 // _DIGEST_FILES)
+
+
+def _digest_file_bounds():
+    """Where each digest file's digests begin, after the first's."""
+    return np.arange(1, _DIGEST_FILES, dtype=np.uint64) * np.uint64(2**64 // _DIGEST_FILES)
 
 
 def data_file_name(file_format: str) -> str:
@@ -718,7 +722,7 @@ class _Digests:
     def _spill(self, values: np.ndarray) -> None:
         """Appends ``values`` to their files: sorted, each file's digests are one slice."""
         ordered = np.sort(values)
-        edges = [0, *np.searchsorted(ordered, _DIGEST_FILE_BOUNDS).tolist(), len(ordered)]
+        edges = [0, *np.searchsorted(ordered, _digest_file_bounds()).tolist(), len(ordered)]
         for handle, start, end in zip(self._files, edges[:-1], edges[1:], strict=True):
             if end > start:
                 handle.write(ordered[start:end].data)

@@ -25,17 +25,18 @@ import hashlib
 import os
 from collections.abc import Sequence
 
-import pandas as pd
-import pyarrow as pa
-
 from export_ledger.calendar import load_zone, parse_business_date, window_for
 from export_ledger.destinations.base import Destination, DestinationError, ExportTarget, Verdict, place_of_location
 from export_ledger.destinations.registry import destination_from
 from export_ledger.errors import CalendarError, ConfigurationError
 from export_ledger.frames import ExportSchema, read_arrow
 from export_ledger.keys import LogicalKey, validate_slug
+from export_ledger.lazy import lazy_module
 from export_ledger.settings import DESTINATION_ENV, LEDGER_URL_ENV, ledger_url_from
 from export_ledger.spec import ExportSpec
+
+pd = lazy_module("pandas", globals(), "pd")
+pa = lazy_module("pyarrow", globals(), "pa")
 
 #: The longest range :func:`read_current` reads unless asked for more (``max_days=``): a year and a day, so that any
 #: calendar year (and a leap year) fits; longer reads are a bulk job, asked for on purpose.

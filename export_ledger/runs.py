@@ -7,18 +7,20 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-
-import pandas as pd
+from typing import TypeAlias
 
 from export_ledger.frames import ExportSchema, FrameBatches
 from export_ledger.keys import LogicalKey
+from export_ledger.lazy import lazy_module
 from export_ledger.ledger import ExportRecord
 from export_ledger.sources import DEFAULT_BATCH_ROWS, ExportSource
+
+pd = lazy_module("pandas", globals(), "pd")
 
 #: A key's rows: a DataFrame (validated whole), batches (validated, written and hashed batch by batch), a reader
 #: called after the key is claimed (the source is read only for a key that is exported), or None (found completed
 #: when the run was planned: nothing read).
-Rows = pd.DataFrame | FrameBatches | Callable[[], pd.DataFrame] | None
+Rows: TypeAlias = "pd.DataFrame | FrameBatches | Callable[[], pd.DataFrame] | None"
 
 
 @dataclass(frozen=True)

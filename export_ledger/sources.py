@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import pandas as pd
 import sqlalchemy as sa
 from sqlalchemy.engine import URL
 
@@ -26,7 +25,10 @@ from export_ledger.calendar import require_aware
 from export_ledger.contract import digest
 from export_ledger.errors import ConfigurationError, SourceError
 from export_ledger.frames import ExportSchema
+from export_ledger.lazy import lazy_module
 from export_ledger.ledger.urls import create_engine, database_url, is_plain_path, redact_url
+
+pd = lazy_module("pandas", globals(), "pd")
 
 #: Rows per batch when a source streams. Measured on a 6-column export from PostgreSQL (benchmarks/streaming.py):
 #: a batch costs about 1.3 KB a row while it is in flight (the driver's row objects, the DataFrame, the Arrow table,

@@ -21,8 +21,6 @@ import datetime as dt
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-import pandas as pd
-
 from export_ledger.calendar import ExportCalendar, check_schedule_time
 from export_ledger.contract import asset_source, export_terms, with_terms
 from export_ledger.destinations.base import Destination
@@ -30,8 +28,11 @@ from export_ledger.destinations.registry import refuse_credentials
 from export_ledger.errors import ConfigurationError, ExportLedgerError
 from export_ledger.frames import FILE_FORMATS, ExportSchema
 from export_ledger.keys import validate_slug
+from export_ledger.lazy import lazy_module
 from export_ledger.sources import ExportSource, SqlSource, as_source, readable
 from export_ledger.tenants import Tenant, TenantGroup, as_tenants, tenant_calendar, tenant_groups
+
+pd = lazy_module("pandas", globals(), "pd")
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,9 @@ class ExportSpec:
             groups = tenant_groups(self.name, self.timezone, self.schedule_time, declared)
             if self.source is None and len(groups) > 1:
                 moved = [t.id for t in declared if t.moves]
-                why = f" (tenants {', '.join(moved)} moved: their days before a move are another zone's)" if moved else ""
+                why = (
+                    f" (tenants {', '.join(moved)} moved: their days before a move are another zone's)" if moved else ""
+                )
                 raise ConfigurationError(
                     "rows from an asset of your own come in one partitions definition, so in one zone; tenants in "
                     f"{[g.timezone for g in groups]}{why} need a source (or one export per zone)"

@@ -11,9 +11,6 @@ import contextvars
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import pandas as pd
-import pyarrow as pa
-
 from export_ledger.destinations.base import DestinationError, ExportTarget, Verdict, place_of_location
 from export_ledger.destinations.pointer import Pointer, PointerDestination, StagedExport, pointer_otherwise
 from export_ledger.errors import safe_message
@@ -29,7 +26,11 @@ from export_ledger.frames import (
     validate_frame_in_two_steps,
 )
 from export_ledger.keys import LogicalKey
+from export_ledger.lazy import lazy_module
 from export_ledger.ledger import Claim, CompletionEvidence, ExportLedger, LedgerError
+
+pd = lazy_module("pandas", globals(), "pd")
+pa = lazy_module("pyarrow", globals(), "pa")
 
 #: A whole frame of at least this many rows is written while its ids are hashed and checked (on a second thread:
 #: pyarrow's writers release the GIL); a smaller one is checked first, as a thread would cost more than it saves.

@@ -12,9 +12,8 @@ import hashlib
 import math
 import re
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
-import numpy as np
-import pandas as pd
 import pydantic
 import sqlalchemy as sa
 
@@ -31,7 +30,10 @@ from export_ledger import (
 )
 from export_ledger.dagster import SourceResource
 
-_CURRENCIES = np.array(["USD", "EUR", "GBP", "CAD"], dtype=object)
+if TYPE_CHECKING:
+    import pandas as pd
+
+_CURRENCIES = ("USD", "EUR", "GBP", "CAD")
 
 
 class InvoiceSource(ExportSource, ABC):
@@ -101,6 +103,9 @@ class SampleInvoiceSource(InvoiceSource):
             raise SourceError(f"the sample source is down for tenant {tenant!r} (EXPORTS_SAMPLE_OUTAGE)")
 
     def rows(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> pd.DataFrame:
+        import numpy as np  # here, not at import: loading the code location reads no data and needs no frame library
+        import pandas as pd
+
         self._refuse_if_down(tenant, start_utc, end_utc)
         indices = self._indices(start_utc, end_utc)
         if self._voided(tenant, start_utc, end_utc) and len(indices):
@@ -116,7 +121,7 @@ class SampleInvoiceSource(InvoiceSource):
                 "tenant": np.full(len(k), tenant, dtype=object),
                 "occurred_at": pd.to_datetime(seconds, unit="s", utc=True).as_unit("us"),
                 "amount": np.round(5 + (mixed % 250_000) / 100.0, 2),
-                "currency": _CURRENCIES[mixed % len(_CURRENCIES)],
+                "currency": np.array(_CURRENCIES, dtype=object)[mixed % len(_CURRENCIES)],
                 "customer_email": ("customer" + pd.Series(mixed % 5000).astype(str) + "@example.com").astype(object),
             }
         )
@@ -165,6 +170,8 @@ class SqlInvoiceSource(InvoiceSource):
             engine.dispose()
 
     def rows(self, tenant: str, start_utc: dt.datetime, end_utc: dt.datetime) -> pd.DataFrame:
+        import pandas as pd  # here, not at import, as the sample's rows
+
         start, end = _bounds(start_utc, end_utc)
         table = invoices_table(self.table)
         query = (

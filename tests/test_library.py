@@ -64,6 +64,75 @@ def test_importing_the_core_modules_does_not_import_dagster() -> None:
     assert json.loads(out.stdout) == [], "the core must stay importable without Dagster"
 
 
+def test_loading_the_code_location_imports_no_frame_library(tmp_path) -> None:
+    # `dagster asset materialize` and `dagster dev` load the definitions in a process that reads no data: pandas,
+    # numpy and pyarrow (half a second of imports) are imported by the step that exports, where they are first used.
+    code = (
+        "import json, sys\n"
+        "import definitions, export_ledger, export_ledger.dagster\n"
+        "print(json.dumps(sorted(m for m in ('pandas', 'numpy', 'pyarrow') if m in sys.modules)))"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXPORTS_")}
+    env.update(
+        EXPORTS_SOURCE="sample",
+        EXPORTS_LEDGER_URL=f"sqlite:///{tmp_path / 'ledger.sqlite3'}",
+        EXPORTS_DESTINATION=str(tmp_path / "exports"),
+        PYTHONPATH=str(PROJECT),
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PROJECT, env=env)
+    assert json.loads(out.stdout) == [], "loading the definitions imported a frame library"
+
+
+def test_a_lazily_imported_library_is_the_module_itself_after_its_first_use() -> None:
+    from export_ledger.lazy import LazyModule, lazy_module
+
+    namespace: dict = {}
+    namespace["js"] = lazy_module("json", namespace, "js")
+    assert isinstance(namespace["js"], LazyModule)
+    assert namespace["js"].dumps([1]) == "[1]"
+    assert namespace["js"] is json, "after its first use the name is bound to the module"
+
+
+def test_a_placeholder_is_patched_copied_and_refused_like_a_module() -> None:
+    import copy
+
+    from export_ledger.lazy import lazy_module
+
+    namespace: dict = {}
+    namespace["js"] = lazy_module("json", namespace, "js")
+    namespace["js"].ledger_test_marker = 1  # what a test's patch does before the library's first use
+    try:
+        assert json.ledger_test_marker == 1, "setting an attribute sets it on the module itself"
+    finally:
+        del json.ledger_test_marker
+    copied = copy.copy(lazy_module("json", {}, "js"))  # a copy asks for slots that are not set yet: no recursion
+    assert copied is not None
+    missing: dict = {}
+    missing["gone"] = lazy_module("no_such_library_here", missing, "gone")
+    with pytest.raises(ConfigurationError, match="export-ledger needs no_such_library_here"):
+        _ = missing["gone"].anything
+
+
+def test_a_process_without_a_frame_library_is_refused_at_load_naming_it(tmp_path) -> None:
+    # The frame libraries are imported on first use; a process that lacks one (a broken install) is refused when it
+    # loads the code location, naming it, rather than failing every key of every run with the name withheld.
+    code = (
+        "import sys\n"
+        "sys.modules['pyarrow'] = None\n"  # as if it were not installed: its import fails, find_spec finds nothing
+        "import definitions\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXPORTS_")}
+    env.update(
+        EXPORTS_SOURCE="sample",
+        EXPORTS_LEDGER_URL=f"sqlite:///{tmp_path / 'ledger.sqlite3'}",
+        EXPORTS_DESTINATION=str(tmp_path / "exports"),
+        PYTHONPATH=str(PROJECT),
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PROJECT, env=env)
+    assert out.returncode != 0, "a code location without pyarrow must not load"
+    assert "export-ledger needs pyarrow (a declared dependency)" in out.stderr, out.stderr[-2000:]
+
+
 def _orders(tenant: str, start: dt.datetime, end: dt.datetime) -> pd.DataFrame:
     times = pd.date_range(pd.Timestamp(start).ceil("h"), pd.Timestamp(end), freq="h", inclusive="left").as_unit("us")
     return pd.DataFrame(

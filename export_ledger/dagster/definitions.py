@@ -33,6 +33,7 @@ from export_ledger.destinations.registry import scheme_of
 from export_ledger.destinations.table import SqlTableDestination
 from export_ledger.drift import DEFAULT_DRIFT_BATCH, DEFAULT_LOOKBACK_DAYS
 from export_ledger.errors import ConfigurationError
+from export_ledger.lazy import require_frame_libraries
 from export_ledger.ledger.urls import holds_secret, may_hold_secret, redact_url
 from export_ledger.settings import LEDGER_URL_ENV, OPENLINEAGE_API_KEY_ENV, OPENLINEAGE_URL_ENV, Settings
 from export_ledger.spec import ExportSpec
@@ -91,6 +92,7 @@ def ledgered_definitions(
     Example:
         >>> defs = ledgered_definitions([orders, payments])  # doctest: +SKIP
     """
+    require_frame_libraries()  # imported on first use (export_ledger.lazy): a missing one is refused here, by name
     if not exports:
         raise ConfigurationError("ledgered_definitions needs at least one export")
     names = [spec.name for spec in exports]

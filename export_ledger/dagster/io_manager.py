@@ -11,7 +11,6 @@ import json
 from collections.abc import Mapping
 
 import dagster as dg
-import pandas as pd
 
 from export_ledger.calendar import ExportCalendar
 from export_ledger.contract import asset_source, export_terms, with_terms
@@ -20,11 +19,14 @@ from export_ledger.destinations import DestinationError, ExportTarget, Verdict, 
 from export_ledger.errors import FrameError, safe_message
 from export_ledger.frames import ExportSchema, check_column_names, read_table
 from export_ledger.keys import LogicalKey, attempt_id
+from export_ledger.lazy import lazy_module
 from export_ledger.ledger import ExportRecord, Restatement, Revision
 from export_ledger.placement import recorded_destinations
 from export_ledger.protocol import ExportBatch, ExportItem, ExportResult, export_batch
 from export_ledger.restate import published_revisions
 from export_ledger.settings import DEFAULT_OPENLINEAGE_NAMESPACE, OPENLINEAGE_URL_ENV, http_url
+
+pd = lazy_module("pandas", globals(), "pd")
 
 
 class LedgeredExportIOManager(dg.ConfigurableIOManager):
@@ -139,7 +141,7 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
         url = http_url(OPENLINEAGE_URL_ENV, self.openlineage_url)  # as the run worker resolved it: checked again
         return LineageEmitter(url, namespace=self.openlineage_namespace, api_key=self.openlineage_api_key, log=log)
 
-    def _batch_from_frame(self, context: dg.OutputContext, frame: pd.DataFrame) -> ExportBatch:
+    def _batch_from_frame(self, context: dg.OutputContext, frame: "pd.DataFrame") -> ExportBatch:
         """Splits one frame of every tenant's rows into one item per (partition, tenant); a row that belongs to no
         configured tenant or to no partition of the run is refused, so nothing is dropped silently."""
         if not self.columns or not self.tenant_column or not self.timezone:
@@ -194,7 +196,7 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
                 found.append(tenant)
         return found
 
-    def load_input(self, context: dg.InputContext) -> pd.DataFrame:
+    def load_input(self, context: dg.InputContext) -> "pd.DataFrame":
         """Each (partition, tenant)'s current revision, and only a committed one: the newest revision the ledger
         recorded, read where that revision was published and checked against the ledger's sha256.
 
@@ -229,14 +231,12 @@ class LedgeredExportIOManager(dg.ConfigurableIOManager):
                     )
                 # Read where the key's contract says it was exported (kept there when the destination changed).
                 place = recorded_destinations(ledger, records, known=destination, fallback=lambda _: destination)
-                frames.append(
-                    self._read_revision(place[records[0].logical_key], records[0], current, context)
-                )
+                frames.append(self._read_revision(place[records[0].logical_key], records[0], current, context))
         return pd.concat(frames, ignore_index=True)
 
     def _read_revision(
         self, destination, record: ExportRecord, current: Revision, context: dg.InputContext
-    ) -> pd.DataFrame:
+    ) -> "pd.DataFrame":
         """One key's ``current`` revision (the newest the ledger recorded), read where it was recorded and checked
         against its sha256 (:meth:`~export_ledger.destinations.Destination.verify_recorded`)."""
         target = ExportTarget.of_record(record, current.revision, place_of_location(current.location))

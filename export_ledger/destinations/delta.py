@@ -49,8 +49,6 @@ import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import pyarrow as pa
-
 from export_ledger.calendar import utc_iso
 from export_ledger.destinations.base import (
     DestinationError,
@@ -71,6 +69,9 @@ from export_ledger.destinations.s3 import S3Destination, _boto
 from export_ledger.destinations.store import race_problem, racing_creates
 from export_ledger.errors import ConfigurationError, ManifestError
 from export_ledger.frames import Manifest, TableStream, write_table
+from export_ledger.lazy import lazy_module
+
+pa = lazy_module("pyarrow", globals(), "pa")
 
 KEY_COLUMN = "_export_key"
 ROW_COLUMN = "_export_row"

@@ -14,8 +14,6 @@ import json
 from abc import abstractmethod
 from dataclasses import dataclass
 
-import pyarrow as pa
-
 from export_ledger.destinations.base import (
     Destination,
     DestinationConflict,
@@ -27,6 +25,9 @@ from export_ledger.destinations.base import (
 )
 from export_ledger.errors import safe_message
 from export_ledger.frames import MANIFEST_NAME, Manifest, TableStream
+from export_ledger.lazy import lazy_module
+
+pa = lazy_module("pyarrow", globals(), "pa")
 
 #: The version of the pointer's JSON form (:meth:`Pointer.payload`), as the object-store template stores it.
 POINTER_FORMAT = 2

@@ -26,8 +26,6 @@ from __future__ import annotations
 from abc import abstractmethod
 from dataclasses import replace
 
-import pyarrow as pa
-
 from export_ledger.destinations.base import (
     DestinationError,
     ExportTarget,
@@ -47,6 +45,9 @@ from export_ledger.destinations.pointer import Pointer, PointerDestination, Stag
 from export_ledger.destinations.store import AlreadyExists, ObjectStore, PreconditionFailed
 from export_ledger.errors import ManifestError
 from export_ledger.frames import MANIFEST_NAME, Manifest, TableStream, data_file_name, write_rows
+from export_ledger.lazy import lazy_module
+
+pa = lazy_module("pyarrow", globals(), "pa")
 
 #: The key's pointer, in the key's folder.
 POINTER_NAME = "_current.json"

@@ -22,7 +22,6 @@ import json
 import re
 from dataclasses import dataclass
 
-import pyarrow as pa
 import sqlalchemy as sa
 
 from export_ledger.destinations.base import (
@@ -39,18 +38,26 @@ from export_ledger.destinations.base import (
 from export_ledger.destinations.registry import Scheme
 from export_ledger.errors import ManifestError
 from export_ledger.frames import Manifest, TableStream, write_rows, write_table
+from export_ledger.lazy import lazy_module
 from export_ledger.ledger.schema import UtcDateTime
 from export_ledger.ledger.schema import metadata as ledger_metadata
 from export_ledger.ledger.store import ledger_engine, redact_url
 
-_KINDS = {
-    pa.string(): ("string", sa.Text),
-    pa.float64(): ("float", sa.Float(precision=53)),
-    pa.int64(): ("int", sa.BigInteger),
-    pa.timestamp("us", tz="UTC"): ("timestamp", UtcDateTime),
-    pa.bool_(): ("bool", sa.Boolean),
-}
-_ARROW = {sql_kind: arrow for arrow, (sql_kind, _) in _KINDS.items()}
+pa = lazy_module("pyarrow", globals(), "pa")
+
+
+@functools.cache
+def _kinds() -> dict:
+    """Each Arrow type a rows table takes: its column kind and SQL type (pyarrow is imported on first use)."""
+    return {
+        pa.string(): ("string", sa.Text),
+        pa.float64(): ("float", sa.Float(precision=53)),
+        pa.int64(): ("int", sa.BigInteger),
+        pa.timestamp("us", tz="UTC"): ("timestamp", UtcDateTime),
+        pa.bool_(): ("bool", sa.Boolean),
+    }
+
+
 #: PostgreSQL's longest name, in bytes (NAMEDATALEN - 1); a longer one fails SQLAlchemy's DDL (``IdentifierError``).
 NAME_BYTES = 63
 #: A rows table's longest name: its ``<table>_manifests`` and ``<table>_revisions`` (10 more) must fit
@@ -130,7 +137,7 @@ def _rows_of(name: str, columns: tuple[tuple[str, str], ...]) -> sa.Table:
 def _rows_table(
     name: str, metadata: sa.MetaData, columns: dict[str, str], nullable: set[str] = frozenset()
 ) -> sa.Table:
-    kinds = {kind: sql for kind, sql in _KINDS.values()}
+    kinds = {kind: sql for kind, sql in _kinds().values()}
     return sa.Table(
         name,
         metadata,
@@ -270,10 +277,10 @@ class SqlTableDestination(TransactionalDestination):
             raise DestinationError(f"{problem}; nothing was written")
         columns = {}
         for field in rows.schema:
-            if field.type not in _KINDS:
+            if field.type not in _kinds():
                 where = self.table_for(target.export)
                 raise DestinationError(f"column {field.name!r} of type {field.type} cannot be stored in {where}")
-            columns[field.name] = _KINDS[field.type][0]
+            columns[field.name] = _kinds()[field.type][0]
         metadata = sa.MetaData()
         name = self.table_for(target.export)
         inspector = sa.inspect(connection)
@@ -522,7 +529,8 @@ class SqlTableDestination(TransactionalDestination):
         )
         with self._engine().connect().execution_options(ledger_read_only=True) as conn:
             records = [dict(r._mapping) for r in conn.execute(query)]
-        schema = pa.schema([(name, _ARROW[kind]) for name, kind in columns.items()])
+        arrow = {sql_kind: arrow for arrow, (sql_kind, _) in _kinds().items()}
+        schema = pa.schema([(name, arrow[kind]) for name, kind in columns.items()])
         return _serialize(pa.Table.from_pylist(records, schema=schema))
 
 

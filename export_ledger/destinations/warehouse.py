@@ -38,7 +38,6 @@ import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import pyarrow as pa
 import sqlalchemy as sa
 
 from export_ledger.destinations.base import (
@@ -59,7 +58,10 @@ from export_ledger.destinations.registry import Scheme, Setting
 from export_ledger.destinations.table import _Discarded, _serialize
 from export_ledger.errors import ConfigurationError, ManifestError
 from export_ledger.frames import Manifest, TableStream, write_rows
+from export_ledger.lazy import lazy_module
 from export_ledger.ledger.urls import database_url, is_plain_path, redact_url
+
+pa = lazy_module("pyarrow", globals(), "pa")
 
 KEY_COLUMN = "_export_key"
 ROW_COLUMN = "_export_row"
@@ -105,15 +107,21 @@ class _Timestamp(sa.types.TypeDecorator):
         return value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value.astimezone(dt.UTC)
 
 
-_KINDS = {
-    pa.string(): ("string", sa.Text),
-    pa.float64(): ("float", sa.Double),
-    pa.int64(): ("int", sa.BigInteger),
-    pa.timestamp("us", tz="UTC"): ("timestamp", _Timestamp),
-    pa.bool_(): ("bool", sa.Boolean),
-}
-_ARROW = {kind: arrow for arrow, (kind, _) in _KINDS.items()}
-_SQL = {kind: sql for kind, sql in _KINDS.values()}
+_SQL = {"string": sa.Text, "float": sa.Double, "int": sa.BigInteger, "timestamp": _Timestamp, "bool": sa.Boolean}
+
+
+@functools.cache
+def _kinds() -> dict:
+    """Each Arrow type a warehouse table takes: its column kind and SQL type (pyarrow is imported on first use)."""
+    arrow = {"string": pa.string(), "float": pa.float64(), "int": pa.int64(), "timestamp": pa.timestamp("us", tz="UTC"),
+             "bool": pa.bool_()}  # fmt: skip
+    return {arrow[kind]: (kind, sql) for kind, sql in _SQL.items()}
+
+
+@functools.cache
+def _arrow() -> dict:
+    """Each column kind's Arrow type."""
+    return {kind: arrow for arrow, (kind, _) in _kinds().items()}
 
 
 def _warehouse_driver_missing(exc: ImportError) -> ConfigurationError:
@@ -431,9 +439,9 @@ class WarehouseDestination(PointerDestination):
         for column in schema:
             if column.name in (KEY_COLUMN, ROW_COLUMN, PLACE_COLUMN, TOKEN_COLUMN):
                 raise DestinationError(f"column {column.name!r} is reserved by {self.describe()}; nothing was written")
-            if column.type not in _KINDS:
+            if column.type not in _kinds():
                 raise DestinationError(f"column {column.name!r} of type {column.type} cannot be stored in {where}")
-            columns.append((column.name, _KINDS[column.type][0]))
+            columns.append((column.name, _kinds()[column.type][0]))
         return tuple(columns)
 
     def _check_columns(self, conn, name: str, columns: tuple[tuple[str, str], ...]) -> None:
@@ -725,7 +733,7 @@ class WarehouseDestination(PointerDestination):
                 records = [dict(r._mapping) for r in conn.execute(query)]
         except sa.exc.DBAPIError as exc:
             raise self._unreachable(exc, f"read the rows of {logical_key}") from None
-        schema = pa.schema([(column, _ARROW[kind]) for column, kind in columns.items()])
+        schema = pa.schema([(column, _arrow()[kind]) for column, kind in columns.items()])
         return pa.Table.from_pylist(records, schema=schema)
 
     def _rows_sha256(self, target: ExportTarget, row) -> str:
@@ -738,7 +746,7 @@ class WarehouseDestination(PointerDestination):
             .where(table.c[KEY_COLUMN] == row.logical_key)
             .order_by(table.c[ROW_COLUMN])
         )
-        schema = pa.schema([(column, _ARROW[kind]) for column, kind in columns.items()])
+        schema = pa.schema([(column, _arrow()[kind]) for column, kind in columns.items()])
 
         def batches():
             with self._engine().connect() as conn:

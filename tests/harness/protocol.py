@@ -1057,14 +1057,14 @@ def _warehouse_folder(conn, name: str, target: ExportTarget, marker) -> KeyFolde
     manifest = Manifest.from_json(marker.manifest.encode("utf-8"), where)
     place = Place(f"{where}/{marker.place}", marker.place, marker.revision, marker.fencing_token, manifest)
     columns = json.loads(marker.columns)
-    from export_ledger.destinations.warehouse import _ARROW, _rows_of
+    from export_ledger.destinations.warehouse import _arrow, _rows_of
 
     table = _rows_of(name, tuple(columns.items()), False)
     query = sa.select(*(table.c[c] for c in columns)).where(table.c._export_key == key).order_by(table.c._export_row)
     records = [dict(r._mapping) for r in conn.execute(query)]
     import pyarrow as pa
 
-    rows = pa.Table.from_pylist(records, schema=pa.schema([(c, _ARROW[k]) for c, k in columns.items()]))
+    rows = pa.Table.from_pylist(records, schema=pa.schema([(c, _arrow()[k]) for c, k in columns.items()]))
     foreign = f"the marker of {key}'s revision {marker.revision} holds {manifest.logical_key}'s"
     _judge_rows(place, rows, key, marker.revision, foreign)
     folder.places[place.name] = place

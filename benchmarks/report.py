@@ -47,19 +47,23 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _rerun_lines(document: dict) -> list[str]:
-    """One sentence per benchmark measured by a later run than the file's own (``--merge``)."""
-    lines = []
+def _minute(stamp) -> str:
+    return str(stamp if stamp is not None else "?")[:16].replace("T", " ")
+
+
+def _rerun_clauses(document: dict) -> list[str]:
+    """One clause per benchmark measured by a later run than the file's own (``--merge``): which run, where, when."""
+    clauses = []
     for name, result in document.get("benchmarks", {}).items():
         run = result.get("rerun")
         if run:
-            lines.append(
-                f"`{name}` was measured again by `{run.get('command')}` on `{str(run.get('commit'))[:7]}`"
-                f"{' with local changes' if run.get('modified') else ''}, {str(run.get('started_utc'))[:16]} to "
-                f"{str(run.get('finished_utc'))[:16]} UTC, load average {run.get('load_average_at_start')} at start "
-                f"and {run.get('load_average_at_end')} at end: its figures are that run's."
+            clauses.append(
+                f"`{name}` measured again by `{run.get('command')}` on `{str(run.get('commit'))[:7]}`"
+                f"{' with local changes' if run.get('modified') else ''}, {_minute(run.get('started_utc'))} to "
+                f"{_minute(run.get('finished_utc'))} UTC, load average {run.get('load_average_at_start')} at start "
+                f"and {run.get('load_average_at_end')} at end"
             )
-    return lines
+    return clauses
 
 
 def merge(document: dict, later: dict) -> dict:
@@ -117,7 +121,7 @@ def render(document: dict, *, targets_only: bool = False) -> str:
         {"": "Versions", " ": ", ".join(f"{k} {v}" for k, v in document.get("versions", {}).items())},
     ]
     out.append(markdown_table(facts))
-    out += [f"{line}\n" for line in _rerun_lines(document)]
+    out += [f"{clause}: its figures are that run's.\n" for clause in _rerun_clauses(document)]
     out.append("## Targets\n")
     targets = []
     for name, result in document.get("benchmarks", {}).items():
@@ -144,12 +148,13 @@ def summary(document: dict) -> str:
     """One line of the run's facts and one row per target: the README's table (generated, as the pages' are)."""
     code = document.get("code", {})
     machine = document.get("machine", {})
-    started, finished = (str(document.get(k, "?"))[:16].replace("T", " ") for k in ("started_utc", "finished_utc"))
+    started, finished = (_minute(document.get(k)) for k in ("started_utc", "finished_utc"))
+    reruns = "".join(f"; {clause}" for clause in _rerun_clauses(document))  # in the sentence: the README's lines
     facts = (
         f"`{document.get('command', 'python -m benchmarks.run')}` on `{str(code.get('commit'))[:7]}`"
         f"{' with local changes' if code.get('modified') else ''}, {started} to {finished} UTC, "
         f"{machine.get('cores')} cores, load average {machine.get('load_average_at_start')} at start and "
-        f"{document.get('load_average_at_end')} at end:\n"
+        f"{document.get('load_average_at_end')} at end{reruns}:\n"
     )
     rows = []
     for name, result in document.get("benchmarks", {}).items():
@@ -165,8 +170,7 @@ def summary(document: dict) -> str:
             )
         if "error" in result:
             rows.append({"target": f"{name}: did not run", "value": "-", "limit": "-", "met": False})
-    reruns = "".join(f"{line}\n" for line in _rerun_lines(document))
-    return facts + (f"\n{reruns}" if reruns else "") + "\n" + markdown_table(rows)
+    return facts + "\n" + markdown_table(rows)
 
 
 def write_into(path: Path, document: dict) -> None:

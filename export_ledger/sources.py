@@ -87,8 +87,27 @@ def check_query(query: str) -> None:
         raise ValueError(f"SqlSource query must use the bound parameters {missing}")
 
 
+class _Unreadable(ExportSource):
+    """A source that refuses every read, saying why (:meth:`_why`): the rows, their count, the identity, the batches."""
+
+    def _why(self) -> str:
+        raise NotImplementedError
+
+    def rows(self, tenant, start_utc, end_utc):
+        raise ConfigurationError(self._why())
+
+    def count(self, tenant, start_utc, end_utc):
+        raise ConfigurationError(self._why())
+
+    def identity(self) -> dict:
+        raise ConfigurationError(self._why())
+
+    def batches(self, tenant, start_utc, end_utc, *, schema=None, batch_rows=DEFAULT_BATCH_ROWS):
+        raise ConfigurationError(self._why())
+
+
 @dataclass(frozen=True)
-class UnusableSource(ExportSource):
+class UnusableSource(_Unreadable):
     """The source of an export that this process cannot read, and why: its settings are missing or contradict each
     other here (a code server started without them, a run worker whose launcher config dropped one).
 
@@ -102,23 +121,11 @@ class UnusableSource(ExportSource):
 
     reason: str
 
-    def _refuse(self):
-        raise ConfigurationError(self.reason)
-
-    def rows(self, tenant, start_utc, end_utc):
-        self._refuse()
-
-    def count(self, tenant, start_utc, end_utc):
-        self._refuse()
-
-    def identity(self) -> dict:
-        self._refuse()
-
-    def batches(self, tenant, start_utc, end_utc, *, schema=None, batch_rows=DEFAULT_BATCH_ROWS):
-        self._refuse()
+    def _why(self) -> str:
+        return self.reason
 
 
-class ResolvableSource(ExportSource):
+class ResolvableSource(_Unreadable):
     """A source declared by its settings, resolved where it is used: a run, a sensor tick, the CLI (the Dagster
     layer's :class:`~export_ledger.dagster.SourceResource` is one, its settings Dagster resource fields).
 
@@ -140,29 +147,17 @@ class ResolvableSource(ExportSource):
         shown with the export before any run, as a run would fail for it."""
         return None
 
-    def _unresolved(self):
-        raise ConfigurationError(
+    def _why(self) -> str:
+        return (
             f"{type(self).__name__} is a source's settings, resolved where it is used (a run, a sensor tick, the CLI): "
             "read the source it resolves to, not the settings"
         )
-
-    def rows(self, tenant, start_utc, end_utc):
-        self._unresolved()
-
-    def count(self, tenant, start_utc, end_utc):
-        self._unresolved()
-
-    def identity(self) -> dict:
-        self._unresolved()
-
-    def batches(self, tenant, start_utc, end_utc, *, schema=None, batch_rows=DEFAULT_BATCH_ROWS):
-        self._unresolved()
 
 
 def readable(source: ExportSource | None) -> bool:
     """Whether a source can be read here: declared, not an :class:`UnusableSource`, and not settings still to
     resolve (:class:`ResolvableSource`)."""
-    return source is not None and not isinstance(source, (UnusableSource, ResolvableSource))
+    return source is not None and not isinstance(source, _Unreadable)
 
 
 def bounds(start_utc: dt.datetime, end_utc: dt.datetime) -> tuple[dt.datetime, dt.datetime]:

@@ -19,6 +19,13 @@ from export_ledger.errors import ConfigurationError
 FRAME_LIBRARIES = ("pandas", "numpy", "pyarrow")
 
 
+def _missing(name: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"export-ledger needs {name} (a declared dependency), which this Python cannot import: install export-ledger "
+        "with its dependencies into this environment"
+    )
+
+
 class LazyModule:
     """Stands for a module (``name``) under ``alias`` in ``namespace`` (a module's globals) until its first use."""
 
@@ -34,10 +41,7 @@ class LazyModule:
             module = importlib.import_module(self._name)
         except ModuleNotFoundError as exc:
             # A ConfigurationError's text is shown where a library's is withheld: the missing module is named.
-            raise ConfigurationError(
-                f"export-ledger needs {exc.name or self._name} (a declared dependency), which this Python cannot "
-                "import: install export-ledger with its dependencies into this environment"
-            ) from None
+            raise _missing(exc.name or self._name) from None
         if self._namespace.get(self._alias) is self:
             self._namespace[self._alias] = module  # later uses of the name find the module itself
         return module
@@ -72,10 +76,7 @@ def require_frame_libraries() -> None:
         except (ImportError, ValueError):  # a module without a spec, or one a finder refuses
             found = False
         if not found:
-            raise ConfigurationError(
-                f"export-ledger needs {name} (a declared dependency), which this Python cannot import: install "
-                "export-ledger with its dependencies into this environment"
-            )
+            raise _missing(name)
 
 
 def lazy_module(name: str, namespace: MutableMapping[str, Any], alias: str) -> Any:

@@ -64,6 +64,19 @@ def test_importing_the_core_modules_does_not_import_dagster() -> None:
     assert json.loads(out.stdout) == [], "the core must stay importable without Dagster"
 
 
+def _python_with_the_sample_location(code: str, tmp_path) -> subprocess.CompletedProcess:
+    """``python -c code`` in the project, its environment the reference location's on the sample (ledger and exports
+    in ``tmp_path``) and no other ``EXPORTS_*`` setting."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXPORTS_")}
+    env.update(
+        EXPORTS_SOURCE="sample",
+        EXPORTS_LEDGER_URL=f"sqlite:///{tmp_path / 'ledger.sqlite3'}",
+        EXPORTS_DESTINATION=str(tmp_path / "exports"),
+        PYTHONPATH=str(PROJECT),
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PROJECT, env=env)
+
+
 def test_loading_the_code_location_imports_no_frame_library(tmp_path) -> None:
     # `dagster asset materialize` and `dagster dev` load the definitions in a process that reads no data: pandas,
     # numpy and pyarrow (half a second of imports) are imported by the step that exports, where they are first used.
@@ -72,14 +85,8 @@ def test_loading_the_code_location_imports_no_frame_library(tmp_path) -> None:
         "import definitions, export_ledger, export_ledger.dagster\n"
         "print(json.dumps(sorted(m for m in ('pandas', 'numpy', 'pyarrow') if m in sys.modules)))"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EXPORTS_")}
-    env.update(
-        EXPORTS_SOURCE="sample",
-        EXPORTS_LEDGER_URL=f"sqlite:///{tmp_path / 'ledger.sqlite3'}",
-        EXPORTS_DESTINATION=str(tmp_path / "exports"),
-        PYTHONPATH=str(PROJECT),
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PROJECT, env=env)
+    out = _python_with_the_sample_location(code, tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout) == [], "loading the definitions imported a frame library"
 
 
@@ -121,14 +128,7 @@ def test_a_process_without_a_frame_library_is_refused_at_load_naming_it(tmp_path
         "sys.modules['pyarrow'] = None\n"  # as if it were not installed: its import fails, find_spec finds nothing
         "import definitions\n"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EXPORTS_")}
-    env.update(
-        EXPORTS_SOURCE="sample",
-        EXPORTS_LEDGER_URL=f"sqlite:///{tmp_path / 'ledger.sqlite3'}",
-        EXPORTS_DESTINATION=str(tmp_path / "exports"),
-        PYTHONPATH=str(PROJECT),
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PROJECT, env=env)
+    out = _python_with_the_sample_location(code, tmp_path)
     assert out.returncode != 0, "a code location without pyarrow must not load"
     assert "export-ledger needs pyarrow (a declared dependency)" in out.stderr, out.stderr[-2000:]
 

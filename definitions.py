@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import os
 from collections.abc import Mapping, Sequence
 
 import dagster as dg
 
 from assets.invoices import invoice_export
 from export_ledger import ConfigurationError, Destination, ExportSource, Settings, Tenant, validate_slug
-from export_ledger.dagster import LedgerResource, SourceResource, ledgered_definitions
-from export_ledger.dagster.resources import secret_by_name
-from export_ledger.ledger.urls import holds_secret
+from export_ledger.dagster import LedgerResource, SourceResource, ledgered_definitions, url_field
 from export_ledger.settings import positive_int
 from resources.invoices import InvoiceSourceResource, SampleInvoiceSource, sample_switches
 from sensors import RECONCILE_BATCH_SIZE, STUCK_AFTER
@@ -86,14 +83,7 @@ def invoice_source_resource(env: Mapping[str, str], *, by_name: bool = True) -> 
         fields["sample_cadence_minutes"] = _sample_cadence(env)
         fields["sample_outage"] = env.get("EXPORTS_SAMPLE_OUTAGE") or ""
         fields["sample_voided"] = env.get("EXPORTS_SAMPLE_VOIDED") or ""
-    url = env.get("EXPORTS_SOURCE_URL") or ""
-    if url and (by_name or os.environ.get("EXPORTS_SOURCE_URL") == url):
-        fields["url"] = dg.EnvVar("EXPORTS_SOURCE_URL")
-    elif url and holds_secret(url):
-        fields["url"] = secret_by_name(url, "EXPORTS_SOURCE_URL", "EXPORTS_SOURCE_URL (read from the environ mapping) "
-                                       "holds a password")  # fmt: skip
-    else:
-        fields["url"] = url
+    fields["url"] = url_field(env.get("EXPORTS_SOURCE_URL") or "", "EXPORTS_SOURCE_URL", by_name=by_name)
     return InvoiceSourceResource(**fields)
 
 

@@ -19,6 +19,12 @@ from export_ledger.frames import FILE_FORMATS
 from export_ledger.keys import parse_tenants
 from export_ledger.ledger.urls import is_plain_path
 
+__all__ = [
+    "DEFAULT_LEASE_TTL_SECONDS", "DEFAULT_MAX_PARTITIONS_PER_RUN", "DEFAULT_OPENLINEAGE_NAMESPACE", "DESTINATION_ENV",
+    "LEDGER_URL_ENV", "OPENLINEAGE_API_KEY_ENV", "OPENLINEAGE_NAMESPACE_ENV", "OPENLINEAGE_URL_ENV", "Settings",
+    "default_destination", "default_ledger_url", "http_url", "ledger_url_from", "positive_int",
+]  # fmt: skip
+
 DEFAULT_LEASE_TTL_SECONDS = 900
 DEFAULT_MAX_PARTITIONS_PER_RUN = 31
 LEDGER_URL_ENV = "EXPORTS_LEDGER_URL"

@@ -77,6 +77,23 @@ def _python_with_the_sample_location(code: str, tmp_path) -> subprocess.Complete
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PROJECT, env=env)
 
 
+def test_the_reference_code_location_uses_the_library_s_public_names_only() -> None:
+    """The reference location is written as a user of the library would write it: every name it imports from
+    export_ledger is in the ``__all__`` of the module it comes from (a private helper may change under a user)."""
+    import ast
+    import importlib
+
+    files = [PROJECT / "definitions.py"] + [p for folder in ("assets", "resources", "sensors")
+                                            for p in sorted((PROJECT / folder).glob("*.py"))]  # fmt: skip
+    private = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "export_ledger":
+                public = getattr(importlib.import_module(node.module), "__all__", ())
+                private += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name not in public]
+    assert len(files) > 3 and not private, f"names outside the library's __all__: {private}"
+
+
 def test_loading_the_code_location_imports_no_frame_library(tmp_path) -> None:
     # `dagster asset materialize` and `dagster dev` load the definitions in a process that reads no data: pandas,
     # numpy and pyarrow (half a second of imports) are imported by the step that exports, where they are first used.

@@ -20,7 +20,7 @@ from pipeline_helpers import JOB, PROJECT, failure_message, published_dirs, read
 from assets.invoices import invoice_export
 from definitions import build_definitions, invoice_source_resource
 from export_ledger import ConfigurationError, SqlSource, cli
-from export_ledger.dagster import SourceResource, ledgered_definitions
+from export_ledger.dagster import SourceResource, ledgered_definitions, url_field
 from export_ledger.dagster.code_location import load_code_location
 from export_ledger.dagster.resources import built_spec
 from export_ledger.ledger import ExportState
@@ -138,6 +138,36 @@ def test_a_source_url_with_a_password_given_as_a_value_is_refused_at_load_withou
 
     assert "EXPORTS_SOURCE_URL" in str(refused.value) and "holds a password" in str(refused.value)
     assert PASSWORD not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "url, by_name, environment, expected",
+    [
+        ("", False, None, ""),
+        ("sqlite:////srv/billing.db", False, None, "sqlite:////srv/billing.db"),
+        ("postgresql://reader@billing-db/billing", True, None, dg.EnvVar("TEST_SOURCE_URL")),
+        (f"postgresql://reader:{PASSWORD}@billing-db/billing", False, "same", dg.EnvVar("TEST_SOURCE_URL")),
+        (f"postgresql://reader:{PASSWORD}@billing-db/billing", False, "other", ConfigurationError),
+        (f"postgresql://billing-db/billing?password={PASSWORD}", False, None, ConfigurationError),
+    ],
+    ids=["empty", "no secret", "read by name", "held by the process", "a password held nowhere", "secret parameter"],
+)
+def test_url_field_passes_a_url_by_name_where_it_can_and_refuses_a_secret_it_cannot(
+    monkeypatch, url, by_name, environment, expected
+):
+    """The library's one call for a URL read from a mapping (the reference location's EXPORTS_SOURCE_URL uses it):
+    by name when it can be, the value when it holds no secret, refused without quoting it otherwise."""
+    monkeypatch.delenv("TEST_SOURCE_URL", raising=False)
+    if environment is not None:
+        monkeypatch.setenv("TEST_SOURCE_URL", url if environment == "same" else "postgresql://other-db/billing")
+    if expected is ConfigurationError:
+        with pytest.raises(ConfigurationError) as refused:
+            url_field(url, "TEST_SOURCE_URL", by_name=by_name)
+        assert "TEST_SOURCE_URL (read from the environ mapping) holds a password" in str(refused.value)
+        assert PASSWORD not in str(refused.value) and "billing-db" not in str(refused.value), str(refused.value)
+        return
+    given = url_field(url, "TEST_SOURCE_URL", by_name=by_name)
+    assert given == expected and type(given) is type(expected), given
 
 
 class UsersSource(SourceResource):

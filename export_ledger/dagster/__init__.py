@@ -29,6 +29,7 @@ from export_ledger.dagster.resources import (
     resolved_spec,
     resource_keys,
     source_key,
+    url_field,
 )
 from export_ledger.dagster.schedules import build_nightly_schedule
 from export_ledger.dagster.sensors import (
@@ -71,4 +72,5 @@ __all__ = [
     "restatement_requests",
     "sensor_result",
     "stuck_check_evaluation",
+    "url_field",
 ]

@@ -67,6 +67,27 @@ def secret_by_name(value: str, variables: str | Sequence[str], refusal: str) -> 
     )
 
 
+def url_field(url: str, variable: str, *, by_name: bool = False) -> str | dg.EnvVar:
+    """A URL setting read from ``variable``, as a resource's field takes it: ``EnvVar(variable)`` when ``by_name``
+    (it was read from the process environment) or when the process environment holds this very value there, so the
+    UI shows the name; the URL itself when it carries no secret; refused when it carries one (a password, a query
+    parameter named like a secret) that the process environment does not hold, since the UI would show it.
+
+    For a code location that reads its settings from a mapping (a test, a wrapper passing ``environ``):
+
+    >>> fields["url"] = url_field(environ.get("EXPORTS_SOURCE_URL", ""), "EXPORTS_SOURCE_URL")  # doctest: +SKIP
+
+    Raises:
+        ConfigurationError: the URL carries a secret and cannot go by name; the message names ``variable``, never the
+            value.
+    """
+    if url and (by_name or os.environ.get(variable) == url):
+        return dg.EnvVar(variable)
+    if url and holds_secret(url):
+        return secret_by_name(url, variable, f"{variable} (read from the environ mapping) holds a password")
+    return url
+
+
 class LedgerResource(dg.ConfigurableResource):
     """Where the ledger lives and how long a claim's lease lasts.
 

@@ -5,9 +5,10 @@ once as its :class:`BatchOutcome`)."""
 from __future__ import annotations
 
 import datetime as dt
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import ForwardRef, TypeAlias
 
 from export_ledger.frames import ExportSchema, FrameBatches
 from export_ledger.keys import LogicalKey
@@ -19,8 +20,12 @@ pd = lazy_module("pandas", globals(), "pd")
 
 #: A key's rows: a DataFrame (validated whole), batches (validated, written and hashed batch by batch), a reader
 #: called after the key is claimed (the source is read only for a key that is exported), or None (found completed
-#: when the run was planned: nothing read).
-Rows: TypeAlias = "pd.DataFrame | FrameBatches | Callable[[], pd.DataFrame] | None"
+#: when the run was planned: nothing read). pandas is named by a forward reference resolved in this module, so that
+#: importing this module does not import pandas, and ``typing.get_type_hints`` of a user's function annotated with
+#: ``Rows`` resolves it wherever that function is (a plain string would be evaluated in the user's module).
+_DataFrame = ForwardRef("pd.DataFrame", module=__name__)
+# typing.Callable: collections.abc.Callable's arguments are flattened when get_type_hints resolves the reference.
+Rows: TypeAlias = _DataFrame | FrameBatches | typing.Callable[[], _DataFrame] | None
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,26 @@ def test_the_reference_code_location_uses_the_library_s_public_names_only() -> N
     assert len(files) > 3 and not private, f"names outside the library's __all__: {private}"
 
 
+def test_a_user_s_function_annotated_with_rows_has_type_hints_and_importing_rows_imports_no_pandas(tmp_path) -> None:
+    """``Rows`` (a key's rows, from export_ledger.protocol) names pandas without importing it, and resolves where a
+    user's function annotated with it is inspected (Dagster and pydantic read annotations with get_type_hints), even
+    in a module that never imports pandas."""
+    (tmp_path / "users_module.py").write_text(
+        "from export_ledger.protocol import Rows\n\ndef rows_for(tenant: str) -> Rows: ...\n", encoding="utf-8"
+    )
+    code = (
+        "import sys, typing, users_module\n"
+        "print('pandas' in sys.modules)\n"
+        "print(typing.get_type_hints(users_module.rows_for)['return'])\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    imported, hint = done.stdout.splitlines()
+    assert imported == "False", "importing Rows imported pandas"
+    assert "pandas.DataFrame" in hint and "FrameBatches" in hint and "Callable[[], pandas.DataFrame]" in hint, hint
+
+
 def test_loading_the_code_location_imports_no_frame_library(tmp_path) -> None:
     # `dagster asset materialize` and `dagster dev` load the definitions in a process that reads no data: pandas,
     # numpy and pyarrow (half a second of imports) are imported by the step that exports, where they are first used.

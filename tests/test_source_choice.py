@@ -504,7 +504,8 @@ class CadenceSource(SourceResource):
 
 def test_a_source_resource_that_dagster_cannot_build_here_is_unusable_naming_its_key_in_one_line(monkeypatch):
     """An EnvVar.int whose variable holds no integer (a URL pasted there): Dagster refuses the resource's config. The
-    source is unusable here, named by its resource key, in one line: neither the value nor Dagster's stack trace."""
+    source is unusable here, named by its resource key and field, in one line: neither the value nor Dagster's stack
+    trace."""
     monkeypatch.setenv("TEST_CADENCE", f"postgresql://u:{PASSWORD}@db/billing")
     spec = invoice_export(
         source=CadenceSource(cadence=dg.EnvVar.int("TEST_CADENCE")),
@@ -517,8 +518,9 @@ def test_a_source_resource_that_dagster_cannot_build_here_is_unusable_naming_its
 
     assert (
         reason
-        == "the source cannot be used in this process: its resource invoice_export__source is not valid config here"
-    )
+        == "the source cannot be used in this process: its resource invoice_export__source is not valid config here: "
+        "cadence (failed post processing)"
+    ), "the field is named, and how Dagster refused it"
 
 
 def test_a_code_server_loaded_without_the_source_url_leaves_drift_unchecked_even_when_a_tick_has_it(

@@ -280,6 +280,23 @@ def built_spec(spec: ExportSpec, resource: SourceResource | None = None) -> Expo
             # Dagster's line reads "dagster._config.errors.PostProcessingError: You have attempted to fetch the
             # environment variable ...": its exception class is not the operator's business.
             (_DAGSTER_PREFIX.sub("", line.strip()) for line in str(exc).splitlines() if "environment variable" in line),
-            f"its resource {key} is not valid config here",  # other config errors may quote a value: not repeated
+            None,
         )
+        # Other config errors may quote a value: only where (the field's path) and Dagster's kind of error are said.
+        said = said or _config_refusal(key, exc)
         return spec.with_source(UnusableSource(f"the source cannot be used in this process: {said}"))
+
+
+def _config_refusal(key: str, exc: dg.DagsterInvalidConfigError) -> str:
+    """Which fields of resource ``key`` Dagster refused, and how (its reason's name), never a value."""
+    problems = []
+    for error in getattr(exc, "errors", None) or ():
+        entries = getattr(getattr(error, "stack", None), "entries", None) or ()
+        path = [str(e.field_name) for e in entries if getattr(e, "field_name", None) is not None]
+        if path[:2] == [key, "config"]:
+            path = path[2:]
+        reason = getattr(getattr(error, "reason", None), "name", "INVALID")
+        problems.append(f"{'.'.join(path) or 'its config'} ({reason.lower().replace('_', ' ')})")
+    if not problems:
+        return f"its resource {key} is not valid config here"
+    return f"its resource {key} is not valid config here: {', '.join(dict.fromkeys(problems))}"

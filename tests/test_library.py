@@ -79,18 +79,34 @@ def _python_with_the_sample_location(code: str, tmp_path) -> subprocess.Complete
 
 def test_the_reference_code_location_uses_the_library_s_public_names_only() -> None:
     """The reference location is written as a user of the library would write it: every name it imports from
-    export_ledger is in the ``__all__`` of the module it comes from (a private helper may change under a user)."""
+    export_ledger is in the ``__all__`` of the module it comes from, or is a public module (one with an ``__all__``);
+    a module it imports whole is a public one (a private helper may change under a user)."""
     import ast
-    import importlib
+    import importlib.util
+
+    def public(module: str, name: str | None = None) -> bool:
+        imported = importlib.import_module(module)
+        if name is None:
+            return hasattr(imported, "__all__")
+        if name in getattr(imported, "__all__", ()):
+            return True
+        return importlib.util.find_spec(f"{module}.{name}") is not None and public(f"{module}.{name}")
 
     files = [PROJECT / "definitions.py"] + [p for folder in ("assets", "resources", "sensors")
-                                            for p in sorted((PROJECT / folder).glob("*.py"))]  # fmt: skip
+                                            for p in sorted((PROJECT / folder).rglob("*.py"))]  # fmt: skip
     private = []
     for path in files:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "export_ledger":
-                public = getattr(importlib.import_module(node.module), "__all__", ())
-                private += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name not in public]
+                private += [
+                    f"{path.name}: {node.module}.{a.name}" for a in node.names if not public(node.module, a.name)
+                ]
+            elif isinstance(node, ast.Import):
+                private += [
+                    f"{path.name}: import {a.name}"
+                    for a in node.names
+                    if a.name.split(".")[0] == "export_ledger" and not public(a.name)
+                ]
     assert len(files) > 3 and not private, f"names outside the library's __all__: {private}"
 
 
@@ -106,7 +122,7 @@ def test_a_user_s_function_annotated_with_rows_has_type_hints_and_importing_rows
         "print('pandas' in sys.modules)\n"
         "print(typing.get_type_hints(users_module.rows_for)['return'])\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(PROJECT)])}  # this checkout's library
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     imported, hint = done.stdout.splitlines()

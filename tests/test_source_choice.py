@@ -136,7 +136,7 @@ def test_a_source_url_with_a_password_given_as_a_value_is_refused_at_load_withou
     with pytest.raises(ConfigurationError) as refused:
         build_definitions(environ=_environ(tmp_path, EXPORTS_SOURCE_URL=url, EXPORTS_SOURCE_TABLE="invoices"))
 
-    assert "EXPORTS_SOURCE_URL" in str(refused.value) and "holds a password" in str(refused.value)
+    assert "EXPORTS_SOURCE_URL" in str(refused.value) and "holds a secret" in str(refused.value)
     assert PASSWORD not in str(refused.value)
 
 
@@ -149,24 +149,45 @@ def test_a_source_url_with_a_password_given_as_a_value_is_refused_at_load_withou
         (f"postgresql://reader:{PASSWORD}@billing-db/billing", False, "same", dg.EnvVar("TEST_SOURCE_URL")),
         (f"postgresql://reader:{PASSWORD}@billing-db/billing", False, "other", ConfigurationError),
         (f"postgresql://billing-db/billing?password={PASSWORD}", False, None, ConfigurationError),
+        (f" postgresql://reader:{PASSWORD}@billing-db/billing", False, None, ConfigurationError),
+        (f"postgresql://billing-db/billing#password={PASSWORD}", False, None, ConfigurationError),
+        (f"https://{PASSWORD}@billing-db/api", False, None, f"https://{PASSWORD}@billing-db/api"),
+        (f"https://{PASSWORD}@billing-db/api", "endpoint", None, ConfigurationError),
+        (f"https://billing-db/api?auth={PASSWORD}", "endpoint", None, ConfigurationError),
+        ("https://billing-db/api", "endpoint", None, "https://billing-db/api"),
     ],
-    ids=["empty", "no secret", "read by name", "held by the process", "a password held nowhere", "secret parameter"],
+    ids=[
+        "empty",
+        "no secret",
+        "read by name",
+        "held by the process",
+        "a password held nowhere",
+        "secret parameter",
+        "a leading space",
+        "in the fragment",
+        "a database user name",
+        "an endpoint's token as the user",
+        "an endpoint's query",
+        "an endpoint without one",
+    ],
 )
 def test_url_field_passes_a_url_by_name_where_it_can_and_refuses_a_secret_it_cannot(
     monkeypatch, url, by_name, environment, expected
 ):
     """The library's one call for a URL read from a mapping (the reference location's EXPORTS_SOURCE_URL uses it):
-    by name when it can be, the value when it holds no secret, refused without quoting it otherwise."""
+    by name when it can be, the value when it holds no secret, refused without quoting it otherwise. A database URL's
+    user name is no secret; an endpoint's user part or query may be one (``endpoint=True``)."""
     monkeypatch.delenv("TEST_SOURCE_URL", raising=False)
     if environment is not None:
         monkeypatch.setenv("TEST_SOURCE_URL", url if environment == "same" else "postgresql://other-db/billing")
+    how = {"by_name": by_name is True, "endpoint": by_name == "endpoint"}
     if expected is ConfigurationError:
         with pytest.raises(ConfigurationError) as refused:
-            url_field(url, "TEST_SOURCE_URL", by_name=by_name)
-        assert "TEST_SOURCE_URL (read from the environ mapping) holds a password" in str(refused.value)
+            url_field(url, "TEST_SOURCE_URL", **how)
+        assert "TEST_SOURCE_URL (read from the environ mapping) holds a secret" in str(refused.value)
         assert PASSWORD not in str(refused.value) and "billing-db" not in str(refused.value), str(refused.value)
         return
-    given = url_field(url, "TEST_SOURCE_URL", by_name=by_name)
+    given = url_field(url, "TEST_SOURCE_URL", **how)
     assert given == expected and type(given) is type(expected), given
 
 
@@ -519,8 +540,34 @@ def test_a_source_resource_that_dagster_cannot_build_here_is_unusable_naming_its
     assert (
         reason
         == "the source cannot be used in this process: its resource invoice_export__source is not valid config here: "
-        "cadence (failed post processing)"
-    ), "the field is named, and how Dagster refused it"
+        "cadence, read from TEST_CADENCE (failed post processing)"
+    ), "the field is named, the variable it reads, and how Dagster refused it"
+
+
+class CadenceSetting(dg.ConfigurableResource):
+    cadence: int
+
+
+class NestedCadenceSource(SourceResource):
+    """A user's source resource whose setting is a resource of its own."""
+
+    setting: CadenceSetting
+
+    def get_source(self, spec):
+        return SampleInvoiceSource(cadence_minutes=self.setting.cadence)
+
+
+def test_a_refused_setting_of_a_resource_the_source_depends_on_is_named_as_that_resource_s(monkeypatch):
+    """Dagster's stack for a nested resource starts at that resource's config: the field is said to be a resource the
+    source depends on, not a field of the source's own."""
+    monkeypatch.setenv("TEST_CADENCE", f"postgresql://u:{PASSWORD}@db/billing")
+    source = NestedCadenceSource(setting=CadenceSetting(cadence=dg.EnvVar.int("TEST_CADENCE")))
+    spec = invoice_export(source=source, tenants=["acme"], timezone="UTC", start_date="2026-01-01")
+
+    reason = built_spec(spec).source.reason
+
+    assert reason.endswith("a resource it depends on: cadence (failed post processing)"), reason
+    assert PASSWORD not in reason, reason
 
 
 def test_a_code_server_loaded_without_the_source_url_leaves_drift_unchecked_even_when_a_tick_has_it(

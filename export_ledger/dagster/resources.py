@@ -67,11 +67,18 @@ def secret_by_name(value: str, variables: str | Sequence[str], refusal: str) -> 
     )
 
 
-def url_field(url: str, variable: str, *, by_name: bool = False) -> str | dg.EnvVar:
+_SECRET_HELD = "holds a secret (a password, or a parameter named like one)"
+
+
+def url_field(url: str, variable: str, *, by_name: bool = False, endpoint: bool = False) -> str | dg.EnvVar:
     """A URL setting read from ``variable``, as a resource's field takes it: ``EnvVar(variable)`` when ``by_name``
     (it was read from the process environment) or when the process environment holds this very value there, so the
-    UI shows the name; the URL itself when it carries no secret; refused when it carries one (a password, a query
-    parameter named like a secret) that the process environment does not hold, since the UI would show it.
+    UI shows the name; the URL itself when it carries no secret; refused when it carries one that the process
+    environment does not hold, since the UI would show it.
+
+    A database (SQLAlchemy) URL carries a secret in a password (``user:password@``) or a parameter named like one
+    (``?password=``, ``?sslkey=``); its user name is none. With ``endpoint`` (an HTTP API, an object store's
+    endpoint) a user part alone (a token written as the user: ``https://t0ken@host``) or any query counts as one too.
 
     For a code location that reads its settings from a mapping (a test, a wrapper passing ``environ``):
 
@@ -83,8 +90,8 @@ def url_field(url: str, variable: str, *, by_name: bool = False) -> str | dg.Env
     """
     if url and (by_name or os.environ.get(variable) == url):
         return dg.EnvVar(variable)
-    if url and holds_secret(url):
-        return secret_by_name(url, variable, f"{variable} (read from the environ mapping) holds a password")
+    if url and (may_hold_secret(url.strip()) if endpoint else holds_secret(url)):
+        return secret_by_name(url, variable, f"{variable} (read from the environ mapping) {_SECRET_HELD}")
     return url
 
 
@@ -283,20 +290,35 @@ def built_spec(spec: ExportSpec, resource: SourceResource | None = None) -> Expo
             None,
         )
         # Other config errors may quote a value: only where (the field's path) and Dagster's kind of error are said.
-        said = said or _config_refusal(key, exc)
+        declared = resource if resource is not None else spec.source
+        said = said or _config_refusal(key, exc, declared)
         return spec.with_source(UnusableSource(f"the source cannot be used in this process: {said}"))
 
 
-def _config_refusal(key: str, exc: dg.DagsterInvalidConfigError) -> str:
-    """Which fields of resource ``key`` Dagster refused, and how (its reason's name), never a value."""
+def _config_refusal(key: str, exc: dg.DagsterInvalidConfigError, declared: object) -> str:
+    """Which fields of resource ``key`` (``declared``) Dagster refused, and how (its reason's name), never a value: a
+    field's path (a list's positions as ``[i]``; a map's keys, which may be data, left out), the variable a field
+    declared as an ``EnvVar`` reads, or that the field is a resource the source depends on."""
     problems = []
     for error in getattr(exc, "errors", None) or ():
         entries = getattr(getattr(error, "stack", None), "entries", None) or ()
-        path = [str(e.field_name) for e in entries if getattr(e, "field_name", None) is not None]
-        if path[:2] == [key, "config"]:
-            path = path[2:]
+        path = []
+        for entry in entries:
+            if getattr(entry, "field_name", None) is not None:
+                path.append(f".{entry.field_name}")
+            elif isinstance(getattr(entry, "list_index", None), int):
+                path.append(f"[{entry.list_index}]")
+        where = "".join(path).lstrip(".")
+        if where.startswith(f"{key}.config"):
+            where = where[len(f"{key}.config") :].lstrip(".")
+            variable = getattr(getattr(declared, re.split(r"[.\[]", where)[0], None), "env_var_name", None)
+            if variable:
+                where += f", read from {variable}"
+        elif where.startswith("config"):
+            # Dagster's stack of a nested resource starts at its own config: the field is not the source's own.
+            where = f"a resource it depends on: {where[len('config') :].lstrip('.') or 'its config'}"
         reason = getattr(getattr(error, "reason", None), "name", "INVALID")
-        problems.append(f"{'.'.join(path) or 'its config'} ({reason.lower().replace('_', ' ')})")
+        problems.append(f"{where or 'its config'} ({reason.lower().replace('_', ' ')})")
     if not problems:
         return f"its resource {key} is not valid config here"
     return f"its resource {key} is not valid config here: {', '.join(dict.fromkeys(problems))}"

@@ -60,15 +60,18 @@ def redact_url(url: str) -> str:
 
 def holds_secret(url: str) -> bool:
     """Whether a database URL carries a secret: a password in its userinfo (``user:password@``), or a query
-    parameter named like one (``?password=``, ``?sslkey=``...). A plain path holds none."""
+    parameter named like one (``?password=``, ``?sslkey=``...), its fragment too. A plain path holds none. Judged on
+    the text without surrounding whitespace (a pasted URL with a leading space is no path)."""
+    url = url.strip()
     if is_plain_path(url):
         return False
     _, found, rest = url.partition("://")
     end = userinfo_end(rest) if found else -1
     if end >= 0 and ":" in rest[:end]:
         return True
-    query = rest.partition("?")[2]
-    return any(SECRET_NAME.search(part.partition("=")[0]) for part in re.split(r"[&;]", query) if part)
+    cut = [i for i in (rest.find("?"), rest.find("#")) if i >= 0]
+    tail = rest[min(cut) + 1 :] if cut else ""
+    return any(SECRET_NAME.search(part.partition("=")[0]) for part in re.split(r"[?&;#]", tail) if part)
 
 
 def may_hold_secret(url: str) -> bool:

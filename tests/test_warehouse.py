@@ -19,7 +19,7 @@ import pyarrow as pa
 import pytest
 import sqlalchemy as sa
 from builders import ORDERS_DAY, ORDERS_SCHEMA, ZONE, hourly_orders, key_for, open_ledger, orders_item
-from warehouse_fixtures import warehouse_destination
+from warehouse_fixtures import WAREHOUSE_KINDS, warehouse_destination
 
 from export_ledger.destinations import DestinationError, ExportTarget, Fenced, Verdict
 from export_ledger.destinations.registry import destination_from
@@ -36,6 +36,13 @@ TARGET = ExportTarget(KEY.export, KEY.tenant, KEY.window.business_date.isoformat
 @pytest.fixture
 def warehouse(warehouse_url) -> WarehouseDestination:
     return WarehouseDestination(table="exported_{export}", warehouse_url=warehouse_url)
+
+
+@pytest.fixture(params=[kind for kind in WAREHOUSE_KINDS if kind != "duckdb"])
+def waiting_warehouse(request, tmp_path) -> WarehouseDestination:
+    """A warehouse whose writer waits on another's row lock (not DuckDB, which refuses a conflicting writer at once,
+    retried: there is no interleaving to test there)."""
+    return warehouse_destination(request.param, request, tmp_path)
 
 
 def manifest_for(token: int, revision: int = 1) -> Manifest:
@@ -322,13 +329,12 @@ def _while_another_fences(warehouse: WarehouseDestination, step, fence: int = 6,
     return outcome
 
 
-def test_a_fence_or_commit_that_loses_to_a_higher_fence_meanwhile_is_told_fenced(warehouse) -> None:
+def test_a_fence_or_commit_that_loses_to_a_higher_fence_meanwhile_is_told_fenced(waiting_warehouse) -> None:
     """A party whose guarded UPDATE matched nothing because a higher fence committed after it first read the marker is
     refused as Fenced: the marker is read again as committed now, not from the snapshot of its first read (MariaDB's
     default REPEATABLE READ would show the old fence: the fence would be granted, the commit called a moved pointer,
     which the ledger records as a conflict)."""
-    if warehouse.warehouse_url.startswith("duckdb"):
-        pytest.skip("DuckDB refuses a conflicting writer (retried) rather than making it wait: no interleaving here")
+    warehouse = waiting_warehouse
     warehouse.fence(TARGET, 4, logical_key=str(KEY))
     fenced = _while_another_fences(warehouse, lambda: warehouse.fence(TARGET, 5, logical_key=str(KEY)))
     assert isinstance(fenced.get("raised"), Fenced), f"a fence above the party's token is not granted: {fenced}"
@@ -412,12 +418,11 @@ def test_verifying_a_large_key_holds_one_batch_not_the_key(warehouse) -> None:
     assert large_peak < 1.5 * small_peak, f"Python's peak: {large_peak} bytes for 20,000 rows, {small_peak} for 5,000"
 
 
-def test_a_first_commit_racing_a_fence_that_makes_the_marker_is_told_fenced(warehouse) -> None:
+def test_a_first_commit_racing_a_fence_that_makes_the_marker_is_told_fenced(waiting_warehouse) -> None:
     """A first export (no marker yet) commits while a newer party's fence inserts the key's marker at revision 0: the
     commit's own INSERT of the marker waits on the key, fails on it once the fence commits, and is judged again:
     Fenced, and nothing of it visible."""
-    if warehouse.warehouse_url.startswith("duckdb"):
-        pytest.skip("DuckDB refuses a conflicting writer (retried) rather than making it wait: no interleaving here")
+    warehouse = waiting_warehouse
     staged = warehouse.stage(TARGET, 1, rows(1.0), "csv", manifest_for(1))
     insert = (
         "INSERT INTO exported_orders_markers (export, tenant, business_date, fence, logical_key, revision) "

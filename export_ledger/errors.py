@@ -12,7 +12,7 @@ import re
 SECRET_NAME = re.compile(r"pass|secret|token|key|sig", re.IGNORECASE)
 #: A URL in free text: ``scheme://`` up to the next blank or quote.
 _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>]*")
-_SECRET_PARAMETER = re.compile(r"([?&;\s](?:[\w.-]*(?:pass|secret|token|key|sig)[\w.-]*)=)[^&;\s'\"]+", re.IGNORECASE)
+_SECRET_PARAMETER = re.compile(r"([?&;#\s](?:[\w.-]*(?:pass|secret|token|key|sig)[\w.-]*)=)[^&;\s'\"]+", re.IGNORECASE)
 
 
 def userinfo_end(rest: str) -> int:

@@ -63,6 +63,31 @@ def test_redact_url_keeps_paths_readable_and_never_invents_a_url():
     assert not broken.endswith(":..."), "no made-up ':...' suffix that reads like part of the address"
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        " postgresql://exporter:hunter2@db/exports",
+        "postgresql://exporter@db/exports#password=hunter2",
+        "postgresql://exporter:hun#ter2@db/exports",
+        "postgresql://db/exports?sslmode=require#sslkey=hunter2&x=1",
+    ],
+    ids=["a leading space", "a secret in the fragment", "a '#' in the password", "a query and a secret fragment"],
+)
+def test_a_url_the_library_refuses_as_secret_is_never_printed_with_its_secret(url):
+    """What holds_secret refuses, redact_url and redact_text must hide (the refusal quotes the URL redacted): a URL
+    pasted with a leading space, a fragment named like a secret, a password holding '#'."""
+    from export_ledger.dagster.definitions import ledgered_definitions
+    from export_ledger.errors import redact_text
+    from export_ledger.ledger.urls import holds_secret
+
+    assert holds_secret(url), "judged to hold a secret"
+    assert "hunter2" not in redact_url(url) and "ter2" not in redact_url(url), redact_url(url)
+    assert "hunter2" not in redact_text(f"could not open {url} here"), redact_text(f"could not open {url} here")
+    with pytest.raises(ConfigurationError) as refused:
+        ledgered_definitions([], ledger=LedgerResource(url=url))
+    assert "hunter2" not in str(refused.value) and "ter2" not in str(refused.value), str(refused.value)
+
+
 def test_an_unparsable_ledger_url_is_refused_naming_it_without_its_password(tmp_path):
     with pytest.raises(LedgerUnavailable) as refused:
         ExportLedger("postgresql://exporter:hunter2@db:notaport/exports")

@@ -419,9 +419,10 @@ def test_verifying_a_large_key_holds_one_batch_not_the_key(warehouse) -> None:
 
 
 def test_a_first_commit_racing_a_fence_that_makes_the_marker_is_told_fenced(waiting_warehouse) -> None:
-    """A first export (no marker yet) commits while a newer party's fence inserts the key's marker at revision 0: the
-    commit's own INSERT of the marker waits on the key, fails on it once the fence commits, and is judged again:
-    Fenced, and nothing of it visible."""
+    """A first export (no marker yet) commits while a newer party's fence inserts the key's marker at revision 0:
+    Fenced, and nothing of it visible. On PostgreSQL the commit's own INSERT of the marker waits on the key, fails on
+    it once the fence commits, and is judged again; on MariaDB its guarded UPDATE already waits on the fence's
+    uncommitted insert and then matches nothing, judged the same way (the INSERT's retry is then never reached)."""
     warehouse = waiting_warehouse
     staged = warehouse.stage(TARGET, 1, rows(1.0), "csv", manifest_for(1))
     insert = (

@@ -68,6 +68,7 @@ def secret_by_name(value: str, variables: str | Sequence[str], refusal: str) -> 
 
 
 _SECRET_HELD = "holds a secret (a password, or a parameter named like one)"
+_ENDPOINT_SECRET_HELD = "may hold a secret (a password, a user part, or a query)"
 
 
 def url_field(url: str, variable: str, *, by_name: bool = False, endpoint: bool = False) -> str | dg.EnvVar:
@@ -91,7 +92,8 @@ def url_field(url: str, variable: str, *, by_name: bool = False, endpoint: bool 
     if url and (by_name or os.environ.get(variable) == url):
         return dg.EnvVar(variable)
     if url and (may_hold_secret(url.strip()) if endpoint else holds_secret(url)):
-        return secret_by_name(url, variable, f"{variable} (read from the environ mapping) {_SECRET_HELD}")
+        held = _ENDPOINT_SECRET_HELD if endpoint else _SECRET_HELD
+        return secret_by_name(url, variable, f"{variable} (read from the environ mapping) {held}")
     return url
 
 

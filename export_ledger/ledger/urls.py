@@ -46,16 +46,24 @@ def redact_url(url: str) -> str:
     in it never shows its tail as the host (``postgresql://u:p@ss@db/x`` is shown ``postgresql://u:***@db/x``;
     SQLAlchemy itself would read the host ``ss@db``). A plain path holds no secret and is returned as it is. A string
     that starts like a URL but does not parse is shown by its scheme alone, with a note saying the rest is hidden:
-    where its password is cannot be known.
+    where its password is cannot be known. A fragment with a part named like a secret (``#password=...``) is shown
+    as ``#***``. Surrounding whitespace is dropped first, as :func:`holds_secret` judges the URL without it.
     """
+    url = url.strip()
     if is_plain_path(url):
         return url
+    # The password first (it may hold a "#"), then the fragment, which SQLAlchemy would read into the database name.
+    head, hashed, fragment = mask_userinfo(url).partition("#")
     try:
-        parsed = make_url(mask_userinfo(url))
+        parsed = make_url(head)
     except Exception:
         return f"{url.split(':', 1)[0]}:<rest hidden: not a valid URL>"
     query = {name: ("***" if SECRET_NAME.search(name) else value) for name, value in parsed.query.items()}
-    return parsed.set(query=query).render_as_string(hide_password=True).replace("%2A%2A%2A", "***")
+    shown = parsed.set(query=query).render_as_string(hide_password=True).replace("%2A%2A%2A", "***")
+    if hashed:
+        secret = any(SECRET_NAME.search(part.partition("=")[0]) for part in re.split(r"[?&;#]", fragment) if part)
+        shown += "#***" if secret else f"#{fragment}"
+    return shown
 
 
 def holds_secret(url: str) -> bool:
@@ -69,8 +77,9 @@ def holds_secret(url: str) -> bool:
     end = userinfo_end(rest) if found else -1
     if end >= 0 and ":" in rest[:end]:
         return True
-    cut = [i for i in (rest.find("?"), rest.find("#")) if i >= 0]
-    tail = rest[min(cut) + 1 :] if cut else ""
+    after = rest[end + 1 :] if end >= 0 else rest  # a user name may hold a "#" or "?"
+    cut = [i for i in (after.find("?"), after.find("#")) if i >= 0]
+    tail = after[min(cut) + 1 :] if cut else ""
     return any(SECRET_NAME.search(part.partition("=")[0]) for part in re.split(r"[?&;#]", tail) if part)
 
 

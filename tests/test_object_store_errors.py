@@ -138,9 +138,7 @@ def test_every_store_call_at_a_closed_port_is_unreachable_and_quotes_no_sdk_text
 
 
 @pytest.mark.parametrize("call", list(CALLS))
-def test_every_store_call_on_a_missing_bucket_or_container_names_it_and_never_reads_absent(
-    missing_destination, call
-):
+def test_every_store_call_on_a_missing_bucket_or_container_names_it_and_never_reads_absent(missing_destination, call):
     destination, name = missing_destination
     store = destination.store
     expected = DestinationUnreachable if call in READS else DestinationError
@@ -183,8 +181,11 @@ def write_key_file(path, text: str | None) -> str:
 
 @pytest.mark.parametrize(
     "key_file",
-    [pytest.param(None, id="missing"), pytest.param("{}", id="not-a-service-account"),
-     pytest.param("{", id="not-json")],
+    [
+        pytest.param(None, id="missing"),
+        pytest.param("{}", id="not-a-service-account"),
+        pytest.param("{", id="not-json"),
+    ],
 )
 @pytest.mark.parametrize("call", list(CALLS))
 def test_every_gcs_call_with_an_unusable_credentials_file_is_refused_naming_the_setting(call, key_file, tmp_path):
@@ -204,22 +205,22 @@ def test_every_gcs_call_with_an_unusable_credentials_file_is_refused_naming_the_
 def test_every_gcs_call_without_default_credentials_is_refused_naming_the_settings(tmp_path):
     """Without a key file, an endpoint or application default credentials (run in a fresh process whose environment
     has none, and that never asks a metadata server), each call says which settings give credentials."""
-    script = f"""
+    script = """
 import json
 from export_ledger.destinations import DestinationUnreachable
 from export_ledger.destinations.gcs import GCSDestination
 
 store = GCSDestination(bucket="exports-bucket", prefix="exports").store
-calls = {{
+calls = {
     "check_conditions": lambda: store.check_conditions(),
     "list": lambda: store.list("invoice_export/"),
     "get": lambda: store.get("invoice_export/_current.json"),
     "digest": lambda: store.digest("invoice_export/r1-t1/data.csv"),
-    "put_if_absent": lambda: store.put_if_absent("invoice_export/m.json", b"{{}}"),
-    "put_if_match": lambda: store.put_if_match("invoice_export/_current.json", b"{{}}", None),
+    "put_if_absent": lambda: store.put_if_absent("invoice_export/m.json", b"{}"),
+    "put_if_match": lambda: store.put_if_match("invoice_export/_current.json", b"{}", None),
     "delete": lambda: store.delete("invoice_export/r1-t1/data.csv"),
-}}
-answers = {{}}
+}
+answers = {}
 for name, call in calls.items():
     try:
         call()

@@ -25,6 +25,7 @@ from export_ledger.protocol import ExportBatch, ExportItem, export_batch, export
 from export_ledger.reconcile import reconcile_batch
 from export_ledger.resolve import resolve_key
 from export_ledger.restate import withdraw
+from export_ledger.steps import ExportConflict
 
 UTC = dt.timezone.utc
 SCHEMA = ExportSchema(
@@ -167,7 +168,7 @@ def test_a_discard_refuses_to_delete_another_recorded_keys_export(ledger, root):
     destination = LocalDestination(root)
     new_york, tokyo = key_for(), key_for(zone="Asia/Tokyo")
     export_key(ledger, destination, SCHEMA, item(new_york), "w1/export")
-    with pytest.raises(Exception):
+    with pytest.raises(ExportConflict):
         export_key(ledger, destination, SCHEMA, item(tokyo), "w2/export")  # finds New York's export: a conflict
     assert ledger.queries.get(str(tokyo)).state is ExportState.CONFLICT
     with pytest.raises(ResolutionRefused, match="a key the ledger records"):

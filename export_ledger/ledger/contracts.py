@@ -417,7 +417,7 @@ class Contracts:
                         f"the refused claims of {export} also change its terms "
                         f"({'; '.join(changes(with_terms({}, kept), with_terms({}, json.loads(other[0]))))}): a "
                         f"calendar accepted alone would close their refusals without accepting them. Accept what they "
-                        f"ask with: export-ledger accept-contract --export {export} --keep-exported --reason \"...\""
+                        f'ask with: export-ledger accept-contract --export {export} --keep-exported --reason "..."'
                     )
             return self._accept_all(conn, ledger.now(conn), export, {tenant: contract}, reason, operator, exported)
 
@@ -555,12 +555,16 @@ class Contracts:
         runs = export_runs.c
         after = ""
         while True:
-            page = conn.execute(
-                sa.select(runs.logical_key)
-                .where(runs.export == export, runs.state == ExportState.COMPLETED.value, runs.logical_key > after)
-                .order_by(runs.logical_key)
-                .limit(500)
-            ).scalars().all()
+            page = (
+                conn.execute(
+                    sa.select(runs.logical_key)
+                    .where(runs.export == export, runs.state == ExportState.COMPLETED.value, runs.logical_key > after)
+                    .order_by(runs.logical_key)
+                    .limit(500)
+                )
+                .scalars()
+                .all()
+            )
             if not page:
                 return
             for key in page:
@@ -754,7 +758,9 @@ def _tenants_with_keys(conn: Connection, export: str, tenants: list[str]) -> set
     if not tenants:
         return set()
     query = (
-        sa.select(export_runs.c.tenant).where(export_runs.c.export == export, export_runs.c.tenant.in_(tenants)).distinct()
+        sa.select(export_runs.c.tenant)
+        .where(export_runs.c.export == export, export_runs.c.tenant.in_(tenants))
+        .distinct()
     )
     return set(conn.execute(query).scalars())
 
@@ -778,8 +784,8 @@ def changed(export: str, tenant: str, recorded: str, contract: Mapping) -> Contr
     """The refusal of ``tenant``'s claims while its code names ``contract`` and the ledger holds ``recorded``."""
     held = json.loads(recorded)
     said = changes(held, contract)
-    terms_changed = terms_of(held) is not None and terms_of(contract) is not None and terms_of(held) != terms_of(
-        contract
+    terms_changed = (
+        terms_of(held) is not None and terms_of(contract) is not None and terms_of(held) != terms_of(contract)
     )
     hint = ""
     if held.get("timezone") != contract.get("timezone") and not contract.get("moves"):

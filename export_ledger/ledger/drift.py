@@ -2,8 +2,9 @@
 
 Which keys are stale is decided in :mod:`export_ledger.drift`; this class only reads fingerprints and records, and
 writes findings, each batch in one transaction. A record is opened by an INSERT that the partial unique index keeps to
-one open record per key, and closed only by the declared :data:`~export_ledger.ledger.transitions.CLEAR_DRIFT`. Everything here needs schema version 4: on an older ledger opened
-for reading, reads return nothing (no key can be stale before fingerprints existed) and writes are refused.
+one open record per key, and closed only by the declared :data:`~export_ledger.ledger.transitions.CLEAR_DRIFT`.
+Everything here needs schema version 4: on an older ledger opened for reading, reads return nothing (no key can be
+stale before fingerprints existed) and writes are refused.
 """
 
 from __future__ import annotations

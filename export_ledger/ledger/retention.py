@@ -146,7 +146,9 @@ class Retention:
             f"their records are pruned, so {what} of it is refused"
         )
 
-    def plan(self, older_than_days: int, *, export: str | None = None, close_unexported: bool = False) -> list[PrunePlan]:
+    def plan(
+        self, older_than_days: int, *, export: str | None = None, close_unexported: bool = False
+    ) -> list[PrunePlan]:
         """What :meth:`prune` would do, changing nothing."""
         with self.ledger.atomic(read_only=True) as conn:
             now = self.ledger.now(conn)
@@ -287,7 +289,15 @@ class Retention:
             )
         ).scalar()
         return PrunePlan(
-            name, horizon, mark, previous, int(pruned), blocked_by, unexported, count, close_unexported and count > 0,
+            name,
+            horizon,
+            mark,
+            previous,
+            int(pruned),
+            blocked_by,
+            unexported,
+            count,
+            close_unexported and count > 0,
             missing,
         )
 
@@ -323,8 +333,12 @@ def _keyed_per_day(conn: Connection, export: str, tenants: list[str], first: dt.
     for start in range(0, len(tenants), TENANTS_PER_READ):
         query = (
             sa.select(runs.business_date, sa.func.count(sa.distinct(runs.tenant)))
-            .where(runs.export == export, runs.business_date >= first, runs.business_date < end,
-                   runs.tenant.in_(tenants[start : start + TENANTS_PER_READ]))  # fmt: skip
+            .where(
+                runs.export == export,
+                runs.business_date >= first,
+                runs.business_date < end,
+                runs.tenant.in_(tenants[start : start + TENANTS_PER_READ]),
+            )  # fmt: skip
             .group_by(runs.business_date)
         )
         for day, keys in conn.execute(query):
@@ -339,8 +353,11 @@ def _missing_on(conn: Connection, export: str, day: dt.date, tenants: list[str])
     for start in range(0, len(tenants), TENANTS_PER_READ):
         have.update(
             conn.execute(
-                sa.select(runs.tenant).where(runs.export == export, runs.business_date == day,
-                                             runs.tenant.in_(tenants[start : start + TENANTS_PER_READ]))  # fmt: skip
+                sa.select(runs.tenant).where(
+                    runs.export == export,
+                    runs.business_date == day,
+                    runs.tenant.in_(tenants[start : start + TENANTS_PER_READ]),
+                )  # fmt: skip
             ).scalars()
         )
     return [tenant for tenant in tenants if tenant not in have][:LISTED_DATES]
@@ -351,7 +368,9 @@ def _expected_tenants(conn: Connection, export: str) -> _Expected:
     zones: set[str] = set()
     wide_start: dt.date | None = None
     for (text,) in conn.execute(
-        sa.select(export_contracts.c.contract).where(export_contracts.c.export == export).order_by(export_contracts.c.id)
+        sa.select(export_contracts.c.contract)
+        .where(export_contracts.c.export == export)
+        .order_by(export_contracts.c.id)
     ):
         contract = json.loads(text)
         start = dt.date.fromisoformat(contract["start_date"]) if contract.get("start_date") else None

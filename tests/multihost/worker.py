@@ -13,9 +13,9 @@ completed. It stops between two keys once the stop file exists (or once the test
 ``max_seconds``: a worker never outlives a test that was killed before its teardown).
 
 The ledger's clock is the library's default: the PostgreSQL server's (``now()`` in each deciding transaction), so a
-worker's faked time decides nothing: that is what the test puts under pressure. The journal (one JSON object a line) records each claim with
-its fencing token and each outcome, stamped with the **true** time (the faked clock minus the offset the worker was
-started with), so the host can judge leases by one clock afterwards.
+worker's faked time decides nothing: that is what the test puts under pressure. The journal (one JSON object a line)
+records each claim with its fencing token and each outcome, stamped with the **true** time (the faked clock minus the
+offset the worker was started with), so the host can judge leases by one clock afterwards.
 
 Host side: :func:`prepare_ledger`, :class:`Reconciler` (``reconcile_batch`` passes), :func:`holders`,
 :func:`snapshot` and :func:`dispose`.

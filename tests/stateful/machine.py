@@ -110,9 +110,10 @@ def expected_contract(before: KeyRows, contract: dict, wanted: str) -> str | Non
     model of the claim's contract checks, from the key's rows and the contracts recorded, as read just before.
 
     Refused with ``ContractChanged`` unless its contract is the tenant's contract in force (or none is recorded yet:
-    then it is recorded, unless its terms are not the export's); a key already completed is skipped first. A claim that would take a key over, restate it or
-    retry its failed restatement is refused with ``DestinationMoved`` when the key was last claimed under a contract
-    no longer in force that publishes at another destination than this claim."""
+    then it is recorded, unless its terms are not the export's); a key already completed is skipped first. A claim
+    that would take a key over, restate it or retry its failed restatement is refused with ``DestinationMoved`` when
+    the key was last claimed under a contract no longer in force that publishes at another destination than this
+    claim."""
     in_force, run = before.in_force, before.run
     if wanted == "completed":
         return None

@@ -1,10 +1,12 @@
 """The test suite's own shape (issue 29): what tests share lives in support modules (``builders.py``, ``conftest.py``
 and the like), never in a test module another one imports, so a test module can be moved or renamed alone; and the
-long searches' sizes come from one place (``depth.py``)."""
+long searches' sizes come from one place (``depth.py``); and ruff's lint holds on the whole tree."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -58,3 +60,13 @@ def test_the_long_searches_run_at_ci_depth_unless_told_full_and_a_bad_setting_na
     monkeypatch.setenv("EXPORTS_TEST_DEPTH", "deep")
     with pytest.raises(ValueError, match=r"EXPORTS_TEST_DEPTH='deep': use one of ci, full"):
         sized("EXPORTS_X_TRIALS", ci=5, full=50)
+
+
+def test_ruff_finds_nothing_anywhere_in_the_tree():
+    """pyproject's ``[tool.ruff]`` lint on every file, not only the ones a change touched: a finding fails here, where
+    it was made, instead of accumulating until a review."""
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "concise", "."],
+        cwd=TESTS.parent, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, f"ruff check found:\n{done.stdout[-4000:]}{done.stderr[-1000:]}"

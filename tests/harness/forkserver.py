@@ -251,12 +251,18 @@ def _socket_peers() -> str:
         try:
             if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
                 continue
-            with socket.socket(fileno=os.dup(int(fd))) as sock:
+            dup = os.dup(int(fd))
+            try:
+                sock = socket.socket(fileno=dup)
+            except OSError:  # the number was closed and reused meanwhile: the copy is not inherited by a child
+                os.close(dup)
+                continue
+            with sock:
                 try:
                     remote = sock.getpeername()
                 except OSError:
                     remote = "-"
-                peers.append(f"{sock.family.name} {sock.getsockname()} -> {remote}")
+                peers.append(f"{getattr(sock.family, 'name', sock.family)} {sock.getsockname()} -> {remote}")
         except OSError:
             continue
     return "; ".join(peers) or "none found"

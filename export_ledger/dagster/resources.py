@@ -91,7 +91,7 @@ def url_field(url: str, variable: str, *, by_name: bool = False, endpoint: bool 
     """
     if url and (by_name or os.environ.get(variable) == url):
         return dg.EnvVar(variable)
-    if url and (may_hold_secret(url.strip()) if endpoint else holds_secret(url)):
+    if url and (may_hold_secret(url) if endpoint else holds_secret(url)):
         held = _ENDPOINT_SECRET_HELD if endpoint else _SECRET_HELD
         return secret_by_name(url, variable, f"{variable} (read from the environ mapping) {held}")
     return url
@@ -303,24 +303,24 @@ def _config_refusal(key: str, exc: dg.DagsterInvalidConfigError, declared: objec
     declared as an ``EnvVar`` reads, or that the field is a resource the source depends on."""
     problems = []
     for error in getattr(exc, "errors", None) or ():
-        entries = getattr(getattr(error, "stack", None), "entries", None) or ()
-        path = []
-        for entry in entries:
+        path = []  # field names, and list positions as ints
+        for entry in getattr(getattr(error, "stack", None), "entries", None) or ():
             if getattr(entry, "field_name", None) is not None:
-                path.append(f".{entry.field_name}")
+                path.append(str(entry.field_name))
             elif isinstance(getattr(entry, "list_index", None), int):
-                path.append(f"[{entry.list_index}]")
-        where = "".join(path).lstrip(".")
-        if where.startswith(f"{key}.config"):
-            where = where[len(f"{key}.config") :].lstrip(".")
-            variable = getattr(getattr(declared, re.split(r"[.\[]", where)[0], None), "env_var_name", None)
-            if variable:
-                where += f", read from {variable}"
-        elif where.startswith("config"):
-            # Dagster's stack of a nested resource starts at its own config: the field is not the source's own.
-            where = f"a resource it depends on: {where[len('config') :].lstrip('.') or 'its config'}"
+                path.append(entry.list_index)
+        nested = path[:1] == ["config"]  # Dagster's stack of a nested resource starts at that resource's own config
+        own = path[:2] == [key, "config"]
+        path = path[1:] if nested else path[2:] if own else path
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".") or "its config"
+        field = path[0] if own and path and isinstance(path[0], str) else None
+        variable = getattr(getattr(declared, field, None), "env_var_name", None) if field else None
+        if variable:
+            where += f", read from {variable}"
+        if nested:
+            where = f"a resource it depends on: {where}"
         reason = getattr(getattr(error, "reason", None), "name", "INVALID")
-        problems.append(f"{where or 'its config'} ({reason.lower().replace('_', ' ')})")
+        problems.append(f"{where} ({reason.lower().replace('_', ' ')})")
     if not problems:
         return f"its resource {key} is not valid config here"
     return f"its resource {key} is not valid config here: {', '.join(dict.fromkeys(problems))}"

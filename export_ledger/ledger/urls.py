@@ -61,9 +61,13 @@ def redact_url(url: str) -> str:
     query = {name: ("***" if SECRET_NAME.search(name) else value) for name, value in parsed.query.items()}
     shown = parsed.set(query=query).render_as_string(hide_password=True).replace("%2A%2A%2A", "***")
     if hashed:
-        secret = any(SECRET_NAME.search(part.partition("=")[0]) for part in re.split(r"[?&;#]", fragment) if part)
-        shown += "#***" if secret else f"#{fragment}"
+        shown += "#***" if _names_a_secret(fragment) else f"#{fragment}"
     return shown
+
+
+def _names_a_secret(parameters: str) -> bool:
+    """Whether a URL's query or fragment (``a=1&password=...``) has a part named like a secret."""
+    return any(SECRET_NAME.search(part.partition("=")[0]) for part in re.split(r"[?&;#]", parameters) if part)
 
 
 def holds_secret(url: str) -> bool:
@@ -79,15 +83,15 @@ def holds_secret(url: str) -> bool:
         return True
     after = rest[end + 1 :] if end >= 0 else rest  # a user name may hold a "#" or "?"
     cut = [i for i in (after.find("?"), after.find("#")) if i >= 0]
-    tail = after[min(cut) + 1 :] if cut else ""
-    return any(SECRET_NAME.search(part.partition("=")[0]) for part in re.split(r"[?&;#]", tail) if part)
+    return bool(cut) and _names_a_secret(after[min(cut) + 1 :])
 
 
 def may_hold_secret(url: str) -> bool:
     """Whether a URL that names no database may carry a secret: a password or a parameter named like one
     (:func:`holds_secret`), a user part alone (a token written as the user: ``https://t0ken@minio:9000``), or any
     query (``?auth=...``). An endpoint's or a lineage server's URL is judged so; a ledger URL's user name is none.
-    Text without ``://`` (a plain path) holds none."""
+    Text without ``://`` (a plain path) holds none. Judged without surrounding whitespace, as :func:`holds_secret`."""
+    url = url.strip()
     if holds_secret(url):
         return True
     _, found, rest = url.partition("://")

@@ -226,20 +226,26 @@ def _close_cached_clients(store) -> None:
         # A container client shares its service client's transport and does not close it: the last reference
         # dropped closes the connections.
         azure._container.cache_clear()
-    # The conditions' check races creates on threads: a refused create's exception keeps its response, and with it
-    # a connection, in a cycle (exception, traceback, frame) until the collector runs. Until then the socket is open:
-    # a CI run once found the 8 racers' sockets and one more still open after the client was closed.
+    # The conditions' check races creates on threads. A refused create's exception may keep its response, and with it
+    # a connection, in a cycle (exception, traceback, frame) until the collector runs: the likely reason a CI run once
+    # found 9 sockets still open here after the client was closed (not reproduced since).
     gc.collect()
 
 
-def _open_sockets() -> int:
-    count = 0
+def _socket_fds() -> list[int]:
+    """The descriptors of this process's open sockets."""
+    fds = []
     for fd in os.listdir("/proc/self/fd"):
         try:
-            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                fds.append(int(fd))
         except OSError:
             pass
-    return count
+    return fds
+
+
+def _open_sockets() -> int:
+    return len(_socket_fds())
 
 
 def _socket_peers() -> str:
@@ -247,24 +253,26 @@ def _socket_peers() -> str:
     import socket
 
     peers = []
-    for fd in os.listdir("/proc/self/fd"):
+    for fd in _socket_fds():
         try:
-            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
-                continue
-            dup = os.dup(int(fd))
-            try:
-                sock = socket.socket(fileno=dup)
-            except OSError:  # the number was closed and reused meanwhile: the copy is not inherited by a child
-                os.close(dup)
-                continue
-            with sock:
-                try:
-                    remote = sock.getpeername()
-                except OSError:
-                    remote = "-"
-                peers.append(f"{getattr(sock.family, 'name', sock.family)} {sock.getsockname()} -> {remote}")
-        except OSError:
+            dup = os.dup(fd)
+        except OSError:  # closed meanwhile
             continue
+        try:
+            sock = socket.socket(fileno=dup)
+        except OSError:  # the number was closed and reused meanwhile: the copy is not inherited by a child
+            os.close(dup)
+            continue
+        with sock:
+            try:
+                remote = sock.getpeername()
+            except OSError:
+                remote = "-"
+            try:
+                local = sock.getsockname()
+            except OSError:
+                local = "-"
+            peers.append(f"{getattr(sock.family, 'name', sock.family)} {local} -> {remote}")
     return "; ".join(peers) or "none found"
 
 

@@ -154,6 +154,7 @@ def test_a_source_url_with_a_password_given_as_a_value_is_refused_at_load_withou
         (f"https://{PASSWORD}@billing-db/api", False, None, f"https://{PASSWORD}@billing-db/api"),
         (f"https://{PASSWORD}@billing-db/api", "endpoint", None, ConfigurationError),
         (f"https://billing-db/api?auth={PASSWORD}", "endpoint", None, ConfigurationError),
+        (f" https://{PASSWORD}@billing-db/api", "endpoint", None, ConfigurationError),
         ("https://billing-db/api", "endpoint", None, "https://billing-db/api"),
     ],
     ids=[
@@ -168,6 +169,7 @@ def test_a_source_url_with_a_password_given_as_a_value_is_refused_at_load_withou
         "a database user name",
         "an endpoint's token as the user",
         "an endpoint's query",
+        "an endpoint after a leading space",
         "an endpoint without one",
     ],
 )

@@ -90,8 +90,7 @@ def may_hold_secret(url: str) -> bool:
     """Whether a URL that names no database may carry a secret: a password or a parameter named like one
     (:func:`holds_secret`), a user part alone (a token written as the user: ``https://t0ken@minio:9000``), or any
     query (``?auth=...``). An endpoint's or a lineage server's URL is judged so; a ledger URL's user name is none.
-    Text without ``://`` (a plain path) holds none. Judged without surrounding whitespace, as :func:`holds_secret`."""
-    url = url.strip()
+    Text without ``://`` (a plain path) holds none."""
     if holds_secret(url):
         return True
     _, found, rest = url.partition("://")
